@@ -1,0 +1,28 @@
+"""Fisher blocks: one class per approximation, registered by name.
+
+See base.py for the contract every block implements. `APPROXIMATIONS` is the menu the
+front end offers per layer kind (first entry = default), after TensorFlow K-FAC.
+"""
+from __future__ import annotations
+
+from kfac_compiler.blocks.base import BLOCKS, FisherBlock, make_block, register_block
+
+APPROXIMATIONS: dict[str, tuple[str, ...]] = {
+    "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
+    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal"),
+    "conv": ("kron", "diagonal"),
+    "conv_multi": ("kron_indep", "diagonal"),
+    "depthwise_conv": ("diagonal",),
+    "embedding": ("kron",),
+    "scale_and_shift": ("full", "diagonal"),
+    "generic": ("diagonal", "full"),
+}
+
+
+def menu_key(kind: str, num_uses: int) -> str:
+    """Key into APPROXIMATIONS for a layer kind and its number of uses."""
+    multi = f"{kind}_multi"
+    return multi if num_uses > 1 and multi in APPROXIMATIONS else kind
+
+
+__all__ = ["APPROXIMATIONS", "BLOCKS", "FisherBlock", "make_block", "menu_key", "register_block"]

@@ -1,0 +1,232 @@
+"""GraphBuilder: append ONNX nodes with fresh names, opset-aware.
+
+Every pass that emits ONNX (autodiff, losses, curvature factors, inverses, optimizer update)
+goes through one builder so that names never collide and ops are emitted in the form their
+opset expects (e.g. ReduceMean takes `axes` as an input from opset 18 on, Squeeze from 13).
+Emitted graphs use the default-domain opset of the source model; supported opsets are
+MIN_OPSET..MAX_OPSET.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+MIN_OPSET = 13
+MAX_OPSET = 22
+# ONNX Runtime 1.31 accepts IR <= 13; emitted models pin this IR version.
+IR_VERSION = 8
+
+# Reductions whose `axes` moved from attribute to input in opset 18 (ReduceSum moved in 13).
+_AXES_INPUT_SINCE = {
+    "ReduceSum": 13,
+    "ReduceMean": 18,
+    "ReduceMax": 18,
+    "ReduceMin": 18,
+    "ReduceProd": 18,
+    "ReduceSumSquare": 18,
+    "ReduceL2": 18,
+    "ReduceLogSumExp": 18,
+}
+
+NP_TO_ONNX = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float64): TensorProto.DOUBLE,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.bool_): TensorProto.BOOL,
+}
+
+
+class GraphBuilder:
+    """Collects nodes and constant initializers to be appended to a graph.
+
+    `taken` is the set of names already used in the graph (tensor and node names); fresh
+    names never collide with it. `float_type` is the ONNX element type of the floating-point
+    constants emitted by default (float32 normally, float64 for precision tests).
+    """
+
+    def __init__(
+        self,
+        opset: int,
+        prefix: str = "kfac",
+        taken: Iterable[str] = (),
+        float_type: int = TensorProto.FLOAT,
+    ) -> None:
+        self.opset = opset
+        self.prefix = prefix
+        self.taken: set[str] = set(taken)
+        self.float_type = float_type
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.domains: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._const_cache: dict[tuple, str] = {}
+
+    # ----------------------------------------------------------------- names
+    def fresh(self, hint: str) -> str:
+        """A new tensor/node name `prefix/hint_k` not used anywhere in the graph."""
+        hint = hint.replace(":", "_")
+        while True:
+            name = f"{self.prefix}/{hint}_{next(self._counter)}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+
+    @property
+    def np_float(self) -> np.dtype:
+        return np.dtype(np.float64 if self.float_type == TensorProto.DOUBLE else np.float32)
+
+    # ----------------------------------------------------------------- nodes
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        n_out: int = 1,
+        domain: str = "",
+        hint: str | None = None,
+        outputs: Sequence[str] | None = None,
+        **attrs,
+    ) -> str | list[str]:
+        """Append one node; return its output name (or list of names when n_out > 1)."""
+        hint = hint or op_type
+        if outputs is None:
+            outputs = [self.fresh(hint) for _ in range(n_out)]
+        else:
+            self.taken.update(outputs)
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = helper.make_node(
+            op_type, list(inputs), list(outputs), name=self.fresh(hint + "/node"), domain=domain, **attrs
+        )
+        if domain and domain not in ("", "ai.onnx"):
+            self.domains.setdefault(domain, 1)
+        self.nodes.append(node)
+        return list(outputs) if len(outputs) != 1 or n_out != 1 else outputs[0]
+
+    def const(self, value, dtype=None, hint: str = "const") -> str:
+        """A constant initializer (deduplicated by value); floats default to `float_type`."""
+        arr = np.asarray(value)
+        if dtype is None:
+            dtype = self.np_float if arr.dtype.kind == "f" else arr.dtype
+        arr = arr.astype(dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key in self._const_cache:
+            return self._const_cache[key]
+        name = self.fresh(hint)
+        self.initializers.append(numpy_helper.from_array(arr, name))
+        self._const_cache[key] = name
+        return name
+
+    def ints(self, values: Sequence[int], hint: str = "ints") -> str:
+        return self.const(np.asarray(list(values), dtype=np.int64), hint=hint)
+
+    # -------------------------------------------------- opset-aware helpers
+    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: bool = False) -> str:
+        """Reduce over `axes` (None = all axes), in the form the opset expects."""
+        since = _AXES_INPUT_SINCE[op_type]
+        if axes is None:
+            return self.op(op_type, [x], keepdims=int(keepdims))
+        if self.opset >= since:
+            return self.op(op_type, [x, self.ints(axes)], keepdims=int(keepdims))
+        return self.op(op_type, [x], axes=list(axes), keepdims=int(keepdims))
+
+    def reduce_sum(self, x: str, axes: Sequence[int] | None, keepdims: bool = False) -> str:
+        return self.reduce("ReduceSum", x, axes, keepdims)
+
+    def reduce_mean(self, x: str, axes: Sequence[int] | None, keepdims: bool = False) -> str:
+        return self.reduce("ReduceMean", x, axes, keepdims)
+
+    def squeeze(self, x: str, axes: Sequence[int]) -> str:
+        return self.op("Squeeze", [x, self.ints(axes)])
+
+    def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
+        return self.op("Unsqueeze", [x, self.ints(axes)])
+
+    def split(self, x: str, sizes: Sequence[int], axis: int) -> list[str]:
+        outs = self.op("Split", [x, self.ints(sizes)], n_out=len(sizes), axis=axis)
+        return outs if isinstance(outs, list) else [outs]
+
+    def reshape(self, x: str, shape: Sequence[int] | str) -> str:
+        shape_name = shape if isinstance(shape, str) else self.ints(shape)
+        return self.op("Reshape", [x, shape_name])
+
+    def transpose(self, x: str, perm: Sequence[int]) -> str:
+        return self.op("Transpose", [x], perm=list(perm))
+
+    def matmul(self, a: str, b: str) -> str:
+        return self.op("MatMul", [a, b])
+
+    def add(self, a: str, b: str) -> str:
+        return self.op("Add", [a, b])
+
+    def sub(self, a: str, b: str) -> str:
+        return self.op("Sub", [a, b])
+
+    def mul(self, a: str, b: str) -> str:
+        return self.op("Mul", [a, b])
+
+    def div(self, a: str, b: str) -> str:
+        return self.op("Div", [a, b])
+
+    def neg(self, a: str) -> str:
+        return self.op("Neg", [a])
+
+    def scale(self, x: str, factor: float) -> str:
+        return x if factor == 1.0 else self.mul(x, self.const(factor))
+
+    def shape(self, x: str, start: int | None = None, end: int | None = None) -> str:
+        return self.op("Shape", [x], start=start, end=end)
+
+    def cast(self, x: str, to: int) -> str:
+        return self.op("Cast", [x], to=to)
+
+    def batch_size(self, x: str) -> str:
+        """Float scalar N = x.shape[0] (dynamic)."""
+        n = self.op("Shape", [x], start=0, end=1)
+        n = self.cast(n, self.float_type)
+        return self.op("Squeeze", [n, self.ints([0])])
+
+    def identity(self, x: str, output: str) -> str:
+        return self.op("Identity", [x], outputs=[output])
+
+    # ------------------------------------------------------------ assembly
+    def opset_imports(self) -> list[onnx.OperatorSetIdProto]:
+        ids = [helper.make_opsetid("", self.opset)]
+        ids += [helper.make_opsetid(d, v) for d, v in sorted(self.domains.items())]
+        return ids
+
+    def make_model(
+        self,
+        name: str,
+        inputs: Sequence[onnx.ValueInfoProto],
+        outputs: Sequence[onnx.ValueInfoProto],
+        base_nodes: Sequence[onnx.NodeProto] = (),
+        base_initializers: Sequence[onnx.TensorProto] = (),
+        extra_opsets: Sequence[onnx.OperatorSetIdProto] = (),
+    ) -> onnx.ModelProto:
+        """A model holding `base_nodes` followed by the emitted nodes."""
+        graph = helper.make_graph(
+            list(base_nodes) + self.nodes,
+            name,
+            list(inputs),
+            list(outputs),
+            initializer=list(base_initializers) + self.initializers,
+        )
+        opsets = {o.domain: o.version for o in extra_opsets}
+        opsets.update({o.domain: o.version for o in self.opset_imports()})
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
+            producer_name="kfac_compiler",
+        )
+        model.ir_version = IR_VERSION
+        return model
+
+
+def value_info(name: str, elem_type: int, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:
+    """A ValueInfo; None dims and a None shape mean unknown."""
+    return helper.make_tensor_value_info(name, elem_type, None if shape is None else list(shape))

@@ -1,0 +1,151 @@
+"""Read-only index over an ONNX model: producers, consumers, initializers, static shapes.
+
+Passes take a ModelProto and build a GraphView when they need to look things up; they
+never mutate the model they were given (they copy it first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+Dim = int | str | None
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    return 0
+
+
+def _shape_of(vi: onnx.ValueInfoProto) -> tuple[Dim, ...] | None:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    dims: list[Dim] = []
+    for d in t.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return tuple(dims)
+
+
+@dataclass
+class GraphView:
+    """Lookup tables over `model.graph` (built once; the model must not change afterwards)."""
+
+    model: onnx.ModelProto
+    nodes: list[onnx.NodeProto] = field(init=False)
+    producer: dict[str, onnx.NodeProto] = field(init=False)
+    consumers: dict[str, list[onnx.NodeProto]] = field(init=False)
+    initializers: dict[str, onnx.TensorProto] = field(init=False)
+    shapes: dict[str, tuple[Dim, ...] | None] = field(init=False)
+    dtypes: dict[str, int] = field(init=False)
+    opset: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        g = self.model.graph
+        self.nodes = list(g.node)
+        self.opset = default_opset(self.model)
+        self.producer = {}
+        self.consumers = {}
+        for node in self.nodes:
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+            for inp in node.input:
+                if inp:
+                    self.consumers.setdefault(inp, []).append(node)
+        self.initializers = {t.name: t for t in g.initializer}
+        self.shapes = {}
+        self.dtypes = {}
+        for vi in list(g.input) + list(g.value_info) + list(g.output):
+            self.shapes[vi.name] = _shape_of(vi)
+            self.dtypes[vi.name] = vi.type.tensor_type.elem_type
+        for t in g.initializer:
+            self.shapes[t.name] = tuple(int(d) for d in t.dims)
+            self.dtypes[t.name] = t.data_type
+
+    @cached_property
+    def node_by_name(self) -> dict[str, onnx.NodeProto]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def graph_inputs(self) -> list[str]:
+        return [i.name for i in self.model.graph.input if i.name not in self.initializers]
+
+    @cached_property
+    def graph_outputs(self) -> list[str]:
+        return [o.name for o in self.model.graph.output]
+
+    def array(self, name: str) -> np.ndarray:
+        """The value of an initializer as a numpy array."""
+        return numpy_helper.to_array(self.initializers[name])
+
+    def constant_value(self, name: str) -> np.ndarray | None:
+        """Value of an initializer or a Constant node's output, else None."""
+        if name in self.initializers:
+            return self.array(name)
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+                if attr.name in ("value_float", "value_int"):
+                    return np.asarray(onnx.helper.get_attribute_value(attr))
+                if attr.name in ("value_floats", "value_ints"):
+                    return np.asarray(onnx.helper.get_attribute_value(attr))
+        return None
+
+    def shape(self, name: str) -> tuple[Dim, ...] | None:
+        return self.shapes.get(name)
+
+    def rank(self, name: str) -> int | None:
+        s = self.shapes.get(name)
+        return None if s is None else len(s)
+
+    def is_float(self, name: str) -> bool:
+        return self.dtypes.get(name) in FLOAT_TYPES
+
+    def float_initializers(self) -> list[str]:
+        return [n for n, t in self.initializers.items() if t.data_type in FLOAT_TYPES]
+
+    def all_names(self) -> set[str]:
+        names = set(self.initializers) | set(self.producer) | {n.name for n in self.nodes}
+        names |= {i.name for i in self.model.graph.input}
+        return names
+
+    def to_networkx(self) -> nx.MultiDiGraph:
+        """Op-level graph: one vertex per node (keyed by node name), plus one per graph input
+        and initializer (op_type "Input" / "Initializer"); edges carry the consumer's input
+        index as `slot` and the tensor name as `tensor`."""
+        g = nx.MultiDiGraph()
+        for name in self.initializers:
+            g.add_node(name, op_type="Initializer", tensor=name)
+        for name in self.graph_inputs:
+            g.add_node(name, op_type="Input", tensor=name)
+        for node in self.nodes:
+            g.add_node(node.name, op_type=node.op_type, domain=node.domain, proto=node)
+        for node in self.nodes:
+            for slot, inp in enumerate(node.input):
+                if not inp:
+                    continue
+                src = self.producer[inp].name if inp in self.producer else inp
+                if src in g:
+                    g.add_edge(src, node.name, slot=slot, tensor=inp)
+        return g
+
+
+def attrs_of(node: onnx.NodeProto) -> dict:
+    """A node's attributes as a plain dict of python values."""
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
