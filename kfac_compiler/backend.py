@@ -1,0 +1,528 @@
+"""The back end: emits the plan's subgraphs (training step, statistics, inverses, ...).
+
+Each subgraph is a standalone ONNX model built from the canonical forward graph with the
+trainable initializers turned into graph inputs, plus nodes emitted by the autodiff pass,
+the loss, the estimator and the Fisher blocks. Names follow docs/runtime_contract.md, which
+is what the runtime relies on; `info` describes the inputs, outputs and state slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from kfac_compiler.blocks import FisherBlock, make_block
+from kfac_compiler.builder import GraphBuilder, value_info
+from kfac_compiler.errors import ConfigError, ModelError
+from kfac_compiler.graph import GraphView
+from kfac_compiler.ir import Layer
+from kfac_compiler.losses import Loss, make_loss
+from kfac_compiler.passes.autodiff import backward, jvp
+from kfac_compiler.passes.estimator import emit_seeds, noise_spec
+
+FLOAT = TensorProto.FLOAT
+RESERVED = ("targets", "loss")
+
+
+@dataclass
+class PlanParts:
+    """What the back end needs from a plan, independent of the plan's storage format."""
+
+    model: onnx.ModelProto
+    output: str
+    loss: Loss
+    params: list[str]
+    layers: list[Layer]
+    mode: str = "gradients"
+    num_samples: int = 1
+    inverse_method: str = "inverse_op"
+
+
+def plan_parts(plan: Any) -> PlanParts:
+    """Extract PlanParts from a kfac_compiler.plan.Plan."""
+    loss_cfg = dict(plan.loss)
+    kind = loss_cfg.pop("kind")
+    options = {k: v for k, v in loss_cfg.items() if k == "variance" and kind == "squared_error"}
+    est = dict(getattr(plan, "estimator", {}) or {})
+    inv = dict(getattr(plan, "inverse", {}) or {})
+    return PlanParts(
+        model=plan.model,
+        output=plan.output,
+        loss=make_loss(kind, **options),
+        params=list(plan.trainable),
+        layers=list(plan.layers),
+        mode=est.get("mode", "gradients"),
+        num_samples=int(est.get("num_samples", 1)),
+        inverse_method=inv.get("method", "inverse_op"),
+    )
+
+
+@dataclass
+class Emission:
+    """A subgraph under construction: the forward graph with params as inputs + new nodes."""
+
+    parts: PlanParts
+    view: GraphView
+    b: GraphBuilder
+    inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    blocks: dict[str, FisherBlock] = field(default_factory=dict)
+
+    # ------------------------------------------------------------- set-up
+    @classmethod
+    def start(cls, parts: PlanParts, float_type: int = FLOAT) -> "Emission":
+        view = GraphView(parts.model)
+        for name in RESERVED:
+            if name in view.all_names():
+                raise ModelError(f"the model already has a tensor named {name!r}; rename it before compiling")
+        b = GraphBuilder(view.opset, prefix="kfac", taken=view.all_names(), float_type=float_type)
+        em = cls(parts, view, b)
+        em.info = {
+            "data_inputs": [],
+            "hp_inputs": [],
+            "state_inputs": [],
+            "state_outputs": {},
+            "metrics": [],
+            "results": [],
+            "state_specs": {},
+            "noise": {"count": 0, "shape": [], "distribution": "uniform"},
+        }
+        for vi in parts.model.graph.input:
+            if vi.name not in view.initializers:
+                em.inputs.append(vi)
+                em.info["data_inputs"].append(vi.name)
+        for p in parts.params:
+            em.state_input(p, tuple(view.shapes[p]), "param")
+        shapes = {p: tuple(view.shapes[p]) for t in parts.layers for p in t.params}
+        em.blocks = {layer.name: make_block(layer, shapes) for layer in parts.layers}
+        return em
+
+    # --------------------------------------------------------- interfaces
+    def data_input(self, name: str, elem_type: int, shape) -> str:
+        self.inputs.append(value_info(name, elem_type, shape))
+        self.info["data_inputs"].append(name)
+        return name
+
+    def hp(self, name: str) -> str:
+        full = f"hp/{name}"
+        if full not in self.info["hp_inputs"]:
+            self.inputs.append(value_info(full, FLOAT, []))
+            self.info["hp_inputs"].append(full)
+        return full
+
+    def state_input(self, slot: str, shape: tuple, init: str) -> str:
+        if slot not in self.info["state_inputs"]:
+            self.inputs.append(value_info(slot, self.b.float_type, list(shape)))
+            self.info["state_inputs"].append(slot)
+            self.info["state_specs"][slot] = {"shape": list(shape), "dtype": "float32", "init": init}
+        return slot
+
+    def state_output(self, slot: str, tensor: str) -> None:
+        name = f"new/{slot}"
+        self.b.identity(tensor, name)
+        self.outputs.append(value_info(name, self.b.float_type, self.info["state_specs"][slot]["shape"]))
+        self.info["state_outputs"][name] = slot
+
+    def metric(self, name: str, tensor: str) -> None:
+        full = name if name == "loss" else f"metric/{name}"
+        self.b.identity(tensor, full)
+        self.outputs.append(value_info(full, self.b.float_type, []))
+        self.info["metrics"].append(full)
+
+    def result(self, name: str, tensor: str, elem_type: int | None = None) -> None:
+        self.b.identity(tensor, name)
+        self.outputs.append(value_info(name, elem_type or self.b.float_type, None))
+        self.info["results"].append(name)
+
+    def finish(self, name: str) -> tuple[onnx.ModelProto, dict]:
+        params = set(self.parts.params)
+        base_inits = [t for t in self.parts.model.graph.initializer if t.name not in params]
+        model = self.b.make_model(
+            name,
+            self.inputs,
+            self.outputs,
+            base_nodes=self.parts.model.graph.node,
+            base_initializers=base_inits,
+            extra_opsets=self.parts.model.opset_import,
+        )
+        return model, self.info
+
+    # ------------------------------------------------------------ pieces
+    @property
+    def output(self) -> str:
+        return self.parts.output
+
+    def targets(self) -> str:
+        loss = self.parts.loss
+        out_shape = self.view.shape(self.output) or ()
+        return self.data_input("targets", loss.target_type(), list(loss.target_shape(tuple(out_shape))))
+
+    def zeros_like_param(self, p: str) -> str:
+        return self.b.const(np.zeros(self.view.shapes[p]), hint="zeros")
+
+    def loss_and_grads(self, extra_wrt: list[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
+        """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`."""
+        b, z = self.b, self.output
+        y = self.targets()
+        loss = self.parts.loss.emit_loss(b, z, y)
+        n = b.batch_size(z)
+        data_grad = self.parts.loss.emit_grad(b, z, y)
+        wrt = list(self.parts.params) + [t for t in extra_wrt if t not in self.parts.params]
+        cots = backward(b, self.view, {z: b.div(data_grad, n)}, wrt)
+        grads = {p: cots.get(p) or self.zeros_like_param(p) for p in self.parts.params}
+        extra = {t: cots.get(t) for t in extra_wrt}
+        self._data_grad = data_grad
+        return loss, n, grads, extra
+
+    def layer_cotangent_targets(self) -> list[str]:
+        """Tensors whose per-example cotangents the blocks need (layer outputs; generic params)."""
+        names: list[str] = []
+        for layer in self.parts.layers:
+            if layer.kind == "generic":
+                names += [p for p in layer.params if p not in names]
+            else:
+                names += [u.output for u in layer.uses if u.output not in names]
+        return names
+
+    def batch_statistics(self, n: str, data_cots: dict[str, str] | None, mode: str, num_samples: int) -> dict[str, dict[str, str]]:
+        """One batch's factor estimates {layer: {factor: tensor}} for `mode`."""
+        b, z, loss = self.b, self.output, self.parts.loss
+        spec = noise_spec(mode, num_samples, loss)
+        z_shape = tuple(self.view.shape(z) or ())
+        noise = []
+        if spec.count:
+            noise_shape = list(loss.noise_shape(z_shape))
+            self.info["noise"] = {"count": spec.count, "shape": noise_shape, "distribution": spec.distribution}
+            noise = [self.data_input(f"noise/{s}", self.b.float_type, noise_shape) for s in range(spec.count)]
+        targets = self.layer_cotangent_targets()
+        if mode == "empirical":
+            assert data_cots is not None
+            per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]
+        else:
+            seeds = emit_seeds(b, loss, z, z_shape, mode, num_samples, self._data_grad, noise)
+            per_seed = [backward(b, self.view, {z: s}, targets) for s in seeds]
+        inv_sqrt_n = b.op("Reciprocal", [b.op("Sqrt", [n])])
+        stats: dict[str, dict[str, str]] = {}
+        for layer in self.parts.layers:
+            block = self.blocks[layer.name]
+            if layer.kind == "generic":
+                inputs = list(layer.params)
+                cots = [[self._per_example_fallback(d.get(p), p, inv_sqrt_n) for d in per_seed] for p in layer.params]
+            else:
+                inputs = [u.input for u in layer.uses]
+                cots = [[d.get(u.output) or self._zeros_like(u.output) for d in per_seed] for u in layer.uses]
+            stats[layer.name] = block.emit_statistics(b, inputs, cots)
+        return stats
+
+    def _per_example_fallback(self, cot: str | None, p: str, inv_sqrt_n: str) -> str:
+        """[1, *shape] = sum_n g_n / sqrt(N): unbiased for sampled targets (E g_n = 0)."""
+        g = cot or self.zeros_like_param(p)
+        return self.b.unsqueeze(self.b.mul(g, inv_sqrt_n), [0])
+
+    def _zeros_like(self, t: str) -> str:
+        return self.b.op("Mul", [t, self.b.const(0.0)])
+
+    def precondition(self, grads: dict[str, str], slot_prefix: str = "inverse") -> dict[str, str]:
+        out: dict[str, str] = {}
+        for layer in self.parts.layers:
+            block = self.blocks[layer.name]
+            inverses = {
+                s.name: self.state_input(f"{slot_prefix}/{layer.name}/{s.name}", s.shape, _init_of(s))
+                for s in block.inverse_specs()
+            }
+            out.update(block.emit_multiply_inverse(self.b, {p: grads[p] for p in layer.params}, inverses))
+        return out
+
+    def dot(self, xs: dict[str, str], ys: dict[str, str]) -> str:
+        terms = [self.b.reduce_sum(self.b.mul(xs[p], ys[p]), None) for p in self.parts.params]
+        return _sum(self.b, terms)
+
+    def finite(self, tensors: list[str]) -> str:
+        """Bool scalar: every tensor (scalar) is finite."""
+        total = _sum(self.b, tensors)
+        bad = self.b.op("Or", [self.b.op("IsNaN", [total]), self.b.op("IsInf", [total])])
+        return self.b.op("Not", [bad])
+
+
+def _init_of(spec) -> str:
+    """Inverse state starts as the identity (a no-op preconditioner until the first update)."""
+    return "identity"
+
+
+def _sum(b: GraphBuilder, terms: list[str]) -> str:
+    if not terms:
+        return b.const(0.0)
+    return terms[0] if len(terms) == 1 else b.op("Sum", terms)
+
+
+# ====================================================================== subgraphs
+SUBGRAPHS: dict[str, Callable[..., tuple[onnx.ModelProto, dict]]] = {}
+
+
+def subgraph(name: str):
+    def deco(fn):
+        SUBGRAPHS[name] = fn
+        return fn
+
+    return deco
+
+
+def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dict]:
+    """Emit subgraph `name` of the contract for `plan` (a Plan or PlanParts)."""
+    if name not in SUBGRAPHS:
+        raise ConfigError(f"unknown subgraph {name!r}; choose one of {', '.join(SUBGRAPHS)}")
+    parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
+    return SUBGRAPHS[name](parts, **options)
+
+
+@subgraph("loss")
+def _loss(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
+    em = Emission.start(parts)
+    y = em.targets()
+    em.metric("loss", parts.loss.emit_loss(em.b, em.output, y))
+    em.result("output", em.output)
+    return em.finish("loss")
+
+
+@subgraph("gradients")
+def _gradients(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
+    em = Emission.start(parts)
+    loss, _, grads, _ = em.loss_and_grads()
+    em.metric("loss", loss)
+    for p in parts.params:
+        em.result(f"grad/{p}", grads[p])
+    return em.finish("gradients")
+
+
+@subgraph("statistics")
+def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None):
+    em = Emission.start(parts)
+    mode = mode or parts.mode
+    num_samples = num_samples or parts.num_samples
+    targets = em.layer_cotangent_targets() if mode == "empirical" else []
+    loss, n, _, cots = em.loss_and_grads(targets)
+    em.metric("loss", loss)
+    stats = em.batch_statistics(n, cots, mode, num_samples)
+    for layer, factors in stats.items():
+        for fname, tensor in factors.items():
+            em.result(f"stat/{layer}/{fname}", tensor)
+    return em.finish("statistics")
+
+
+def _update_factors(em: Emission, n: str, cots: dict, mode: str, num_samples: int, ok: list[str]) -> list[tuple[str, str, str]]:
+    """EMA-updated factors: returns (slot, old, new) triples; appends finiteness terms to ok."""
+    coeff = em.hp("ema_coeff")
+    stats = em.batch_statistics(n, cots, mode, num_samples)
+    updates = []
+    for layer in em.parts.layers:
+        specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
+        for fname, batch in stats[layer.name].items():
+            slot = em.state_input(f"factor/{layer.name}/{fname}", specs[fname].shape, "zeros")
+            new = em.b.add(slot, em.b.mul(coeff, em.b.sub(batch, slot)))
+            ok.append(em.b.reduce_sum(batch, None))
+            updates.append((slot, slot, new))
+    return updates
+
+
+def _apply_guarded(em: Emission, finite: str, updates: list[tuple[str, str, str]]) -> None:
+    for slot, old, new in updates:
+        em.state_output(slot, em.b.op("Where", [finite, new, old]))
+
+
+def _regularized(em: Emission, grads: dict[str, str]) -> dict[str, str]:
+    l2 = em.hp("l2")
+    return {p: em.b.add(g, em.b.mul(l2, p)) for p, g in grads.items()}
+
+
+@subgraph("kfac_step")
+def _kfac_step(
+    parts: PlanParts,
+    with_stats: bool = True,
+    qmodel: bool = True,
+    mode: str | None = None,
+    num_samples: int | None = None,
+):
+    em = Emission.start(parts)
+    b = em.b
+    mode = mode or parts.mode
+    num_samples = num_samples or parts.num_samples
+    targets = em.layer_cotangent_targets() if (with_stats and mode == "empirical") else []
+    loss, n, raw_grads, cots = em.loss_and_grads(targets)
+    grads = _regularized(em, raw_grads)
+    ok_terms = [loss]
+    factor_updates = _update_factors(em, n, cots, mode, num_samples, ok_terms) if with_stats else []
+    damping, l2 = em.hp("damping"), em.hp("l2")
+    precond = em.precondition(grads)
+    direction = {p: b.neg(precond[p]) for p in parts.params}
+    velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
+    if qmodel:
+        alpha, mu, change = _qmodel(em, direction, velocity, grads, n, b.add(damping, l2))
+    else:
+        lr, mom = em.hp("learning_rate"), em.hp("momentum")
+        coeff = _norm_constraint(em, lr, em.dot(grads, precond))
+        alpha, mu = b.mul(lr, coeff), mom
+    update = {p: b.add(b.mul(alpha, direction[p]), b.mul(mu, velocity[p])) for p in parts.params}
+    if not qmodel:
+        change = em.dot(grads, update)  # first-order prediction only
+    update_sq = em.dot(update, update)
+    ok_terms += [update_sq, alpha, mu]
+    finite = em.finite(ok_terms)
+    param_updates = [(p, p, b.add(p, update[p])) for p in parts.params]
+    vel_updates = [(f"velocity/{p}", velocity[p], update[p]) for p in parts.params]
+    _apply_guarded(em, finite, param_updates + vel_updates + factor_updates)
+    em.metric("loss", loss)
+    em.metric("update_norm", b.op("Sqrt", [update_sq]))
+    em.metric("grad_norm", b.op("Sqrt", [em.dot(raw_grads, raw_grads)]))
+    em.metric("alpha", alpha)
+    em.metric("mu", mu)
+    em.metric("qmodel_change", change)
+    em.metric("finite", b.cast(finite, FLOAT))
+    return em.finish("kfac_step")
+
+
+def _norm_constraint(em: Emission, lr: str, g_dot_precond: str) -> str:
+    """KL clipping (TF K-FAC): scale so lr^2 g.F^-1 g <= c; c <= 0 disables."""
+    b = em.b
+    c = em.hp("norm_constraint")
+    sq = b.mul(b.mul(lr, lr), b.op("Abs", [g_dot_precond]))
+    ratio = b.op("Sqrt", [b.div(c, b.op("Max", [sq, b.const(1e-30)]))])
+    clipped = b.op("Min", [ratio, b.const(1.0)])
+    return b.op("Where", [b.op("Greater", [c, b.const(0.0)]), clipped, b.const(1.0)])
+
+
+def _qmodel(em: Emission, delta: dict, velocity: dict, grads: dict, n: str, damping: str):
+    """alpha, mu minimizing the damped quadratic model with exact GGN products (kfac-jax)."""
+    b, z, loss = em.b, em.output, em.parts.loss
+    j_delta = jvp(b, em.view, dict(delta), [z])[z]
+    j_vel = jvp(b, em.view, dict(velocity), [z])[z]
+
+    def curv(u: str, v: str) -> str:
+        return b.div(b.reduce_sum(b.mul(u, loss.emit_fisher_times(b, z, v)), None), n)
+
+    c11 = b.add(curv(j_delta, j_delta), b.mul(damping, em.dot(delta, delta)))
+    c12 = b.add(curv(j_delta, j_vel), b.mul(damping, em.dot(delta, velocity)))
+    c22 = b.add(curv(j_vel, j_vel), b.mul(damping, em.dot(velocity, velocity)))
+    b1, b2 = em.dot(grads, delta), em.dot(grads, velocity)
+    det = b.sub(b.mul(c11, c22), b.mul(c12, c12))
+    two_d = b.op("And", [
+        b.op("Greater", [c22, b.const(0.0)]),
+        b.op("Greater", [det, b.mul(b.const(1e-10), b.mul(c11, c22))]),
+    ])
+    safe_det = b.op("Where", [two_d, det, b.const(1.0)])
+    alpha2 = b.neg(b.div(b.sub(b.mul(c22, b1), b.mul(c12, b2)), safe_det))
+    mu2 = b.neg(b.div(b.sub(b.mul(c11, b2), b.mul(c12, b1)), safe_det))
+    alpha1 = b.neg(b.div(b1, b.op("Max", [c11, b.const(1e-30)])))
+    alpha = b.op("Where", [two_d, alpha2, alpha1])
+    mu = b.op("Where", [two_d, mu2, b.const(0.0)])
+    change = b.mul(b.const(0.5), b.add(b.mul(alpha, b1), b.mul(mu, b2)))
+    return alpha, mu, change
+
+
+@subgraph("update_statistics")
+def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None):
+    """Moving-average factor update only (first step, burn-in, before an inverse refresh)."""
+    em = Emission.start(parts)
+    mode = mode or parts.mode
+    num_samples = num_samples or parts.num_samples
+    targets = em.layer_cotangent_targets() if mode == "empirical" else []
+    loss, n, _, cots = em.loss_and_grads(targets)
+    ok_terms = [loss]
+    updates = _update_factors(em, n, cots, mode, num_samples, ok_terms)
+    finite = em.finite(ok_terms)
+    _apply_guarded(em, finite, updates)
+    em.metric("loss", loss)
+    em.metric("finite", em.b.cast(finite, FLOAT))
+    return em.finish("update_statistics")
+
+
+@subgraph("sgd_step")
+def _sgd_step(parts: PlanParts):
+    em = Emission.start(parts)
+    b = em.b
+    loss, _, raw, _ = em.loss_and_grads()
+    grads = _regularized(em, raw)
+    lr, mom = em.hp("learning_rate"), em.hp("momentum")
+    vel = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
+    new_vel = {p: b.sub(b.mul(mom, vel[p]), b.mul(lr, grads[p])) for p in parts.params}
+    sq = em.dot(new_vel, new_vel)
+    finite = em.finite([loss, sq])
+    _apply_guarded(
+        em, finite, [(p, p, b.add(p, new_vel[p])) for p in parts.params] + [(f"velocity/{p}", vel[p], new_vel[p]) for p in parts.params]
+    )
+    _baseline_metrics(em, loss, sq, raw, finite)
+    return em.finish("sgd_step")
+
+
+@subgraph("adam_step")
+def _adam_step(parts: PlanParts):
+    em = Emission.start(parts)
+    b = em.b
+    loss, _, raw, _ = em.loss_and_grads()
+    grads = _regularized(em, raw)
+    lr, b1, b2, eps = em.hp("learning_rate"), em.hp("beta1"), em.hp("beta2"), em.hp("epsilon")
+    one = b.const(1.0)
+    updates, steps = [], {}
+    for p in parts.params:
+        shape = tuple(em.view.shapes[p])
+        m = em.state_input(f"adam_m/{p}", shape, "zeros")
+        v = em.state_input(f"adam_v/{p}", shape, "zeros")
+        g = grads[p]
+        m_new = b.add(b.mul(b1, m), b.mul(b.sub(one, b1), g))
+        v_new = b.add(b.mul(b2, v), b.mul(b.sub(one, b2), b.mul(g, g)))
+        steps[p] = b.neg(b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps))))
+        updates += [(f"adam_m/{p}", m, m_new), (f"adam_v/{p}", v, v_new)]
+    sq = em.dot(steps, steps)
+    finite = em.finite([loss, sq])
+    _apply_guarded(em, finite, [(p, p, b.add(p, steps[p])) for p in parts.params] + updates)
+    _baseline_metrics(em, loss, sq, raw, finite)
+    return em.finish("adam_step")
+
+
+def _baseline_metrics(em: Emission, loss: str, update_sq: str, raw: dict, finite: str) -> None:
+    em.metric("loss", loss)
+    em.metric("update_norm", em.b.op("Sqrt", [update_sq]))
+    em.metric("grad_norm", em.b.op("Sqrt", [em.dot(raw, raw)]))
+    em.metric("finite", em.b.cast(finite, FLOAT))
+
+
+HOST_METHODS = ("eigh",)
+
+
+@subgraph("inverse_update")
+def _inverse_update(parts: PlanParts, method: str | None = None):
+    em = Emission.start(parts)
+    b = em.b
+    method = method or parts.inverse_method
+    damping = em.hp("damping")
+    oks = []
+    for layer in parts.layers:
+        block = em.blocks[layer.name]
+        if method in HOST_METHODS or getattr(block, "host_inverse_only", False):
+            continue
+        factors = {
+            s.name: em.state_input(f"factor/{layer.name}/{s.name}", s.shape, "zeros") for s in block.factor_specs()
+        }
+        new = block.emit_inverse(b, factors, damping, method)
+        terms = [b.reduce_sum(t, None) for t in new.values()]
+        ok = em.finite(terms)
+        oks.append(b.cast(ok, FLOAT))
+        for s in block.inverse_specs():
+            slot = em.state_input(f"inverse/{layer.name}/{s.name}", s.shape, _init_of(s))
+            em.state_output(slot, b.op("Where", [ok, new[s.name], slot]))
+    all_ok = b.op("Min", oks) if len(oks) > 1 else (oks[0] if oks else b.const(1.0))
+    em.metric("inverse_ok", all_ok)
+    return em.finish("inverse_update")
+
+
+@subgraph("precondition")
+def _precondition(parts: PlanParts):
+    em = Emission.start(parts)
+    vecs = {p: em.data_input(f"vec/{p}", FLOAT, list(em.view.shapes[p])) for p in parts.params}
+    out = em.precondition(vecs)
+    for p in parts.params:
+        em.result(f"precond/{p}", out[p])
+    return em.finish("precondition")

@@ -1,0 +1,90 @@
+"""Curvature estimators: which cotangent seeds of the model output feed the factors.
+
+Mirrors TensorFlow K-FAC's FisherEstimator modes. Every mode yields a list of per-example
+cotangents of the model output z (shape of z), pre-scaled so that the factor estimate is the
+SUM over seeds (the 1/num_samples weight is folded in as a sqrt on each seed):
+- empirical: the gradient of the loss at the data targets (one seed);
+- gradients (default, true Fisher): targets sampled from the model's predictive distribution;
+- curvature_prop / curvature_prop_GGN: B v with random +-1 vectors v, F_z = B B^T;
+- exact / exact_GGN: B e_k for every output coordinate k (exact Fisher/GGN factor; only for
+  small outputs).
+For the three supported losses the loss Hessian w.r.t. z equals the Fisher F_z (canonical
+links), so each *_GGN mode computes the same seeds as its Fisher twin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kfac_compiler.builder import GraphBuilder
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.losses import Loss
+
+MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
+MAX_EXACT_COORDINATES = 512
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    """Host noise a mode needs: `count` tensors of the output's shape."""
+
+    count: int
+    distribution: str  # "uniform" | "normal"
+
+
+def check_mode(mode: str, num_samples: int) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"unknown estimation mode {mode!r}; choose one of {', '.join(MODES)}")
+    if int(num_samples) < 1:
+        raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
+
+
+def noise_spec(mode: str, num_samples: int, loss: Loss) -> NoiseSpec:
+    check_mode(mode, num_samples)
+    if mode == "gradients":
+        return NoiseSpec(num_samples, loss.noise)
+    if mode.startswith("curvature_prop"):
+        return NoiseSpec(num_samples, "uniform")
+    return NoiseSpec(0, "uniform")
+
+
+def emit_seeds(
+    b: GraphBuilder,
+    loss: Loss,
+    z: str,
+    z_shape: tuple,
+    mode: str,
+    num_samples: int,
+    data_grad: str,
+    noise: list[str],
+) -> list[str]:
+    """Per-example cotangent seeds of z for `mode` (see module docstring)."""
+    check_mode(mode, num_samples)
+    if mode == "empirical":
+        return [data_grad]
+    weight = 1.0 / np.sqrt(num_samples)
+    if mode == "gradients":
+        return [b.scale(loss.emit_sampled_grad(b, z, u), weight) for u in noise]
+    if mode.startswith("curvature_prop"):
+        seeds = []
+        for u in noise:
+            rademacher = b.op("Sign", [b.sub(u, b.const(0.5))])
+            seeds.append(b.scale(loss.emit_fisher_sqrt_times(b, z, rademacher), weight))
+        return seeds
+    # exact / exact_GGN: one seed per output coordinate of an example
+    dims = tuple(z_shape[1:])
+    if any(not isinstance(d, int) for d in dims):
+        raise ConfigError(f"exact estimation needs a static output shape, got {list(z_shape)} for {z!r}")
+    count = int(np.prod(dims)) if dims else 1
+    if count > MAX_EXACT_COORDINATES:
+        raise ConfigError(
+            f"exact estimation needs one backward pass per output coordinate ({count} > "
+            f"{MAX_EXACT_COORDINATES}); use mode 'gradients' or 'curvature_prop'"
+        )
+    seeds = []
+    for k in range(count):
+        e_k = np.zeros((1,) + dims)
+        e_k.reshape(-1)[k] = 1.0
+        seeds.append(loss.emit_fisher_sqrt_times(b, z, b.const(e_k, hint="unit")))
+    return seeds

@@ -1,0 +1,113 @@
+"""Losses: ONNX emitters against numpy truth, finite differences and the Fisher definition."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+from kfac_compiler.builder import GraphBuilder, value_info
+from kfac_compiler.losses import LOSSES, make_loss
+from kfac_compiler.errors import ConfigError
+
+SHAPES = {"softmax_cross_entropy": (4, 3, 5), "sigmoid_cross_entropy": (4, 6), "squared_error": (4, 6)}
+
+
+def _targets(kind, shape, rng):
+    if kind == "softmax_cross_entropy":
+        return rng.integers(0, shape[-1], size=shape[:-1]).astype(np.int64)
+    if kind == "sigmoid_cross_entropy":
+        return rng.uniform(size=shape).astype(np.float32)
+    return rng.normal(size=shape).astype(np.float32)
+
+
+def _run(kind, emit, feeds, extra_inputs=(), **opts):
+    """Build z, y(, v) -> emit(...) as a one-output graph and run it in ORT."""
+    loss = make_loss(kind, **opts)
+    b = GraphBuilder(17)
+    z_shape = feeds["z"].shape
+    inputs = [value_info("z", TensorProto.FLOAT, z_shape)]
+    if "y" in feeds:
+        inputs.append(value_info("y", loss.target_type(), feeds["y"].shape))
+    for name in extra_inputs:
+        inputs.append(value_info(name, TensorProto.FLOAT, feeds[name].shape))
+    out = emit(loss, b)
+    b.identity(out, "out")
+    model = b.make_model("t", inputs, [value_info("out", TensorProto.FLOAT, None)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0], loss
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_loss_value_and_gradient_match_numpy_and_finite_differences(kind):
+    rng = np.random.default_rng(0)
+    shape = SHAPES[kind]
+    z = rng.normal(size=shape).astype(np.float32)
+    y = _targets(kind, shape, rng)
+    value, loss = _run(kind, lambda l, b: l.emit_loss(b, "z", "y"), {"z": z, "y": y})
+    z64 = z.astype(np.float64)
+    truth = loss.np_per_example(z64, y).mean()
+    assert value == pytest.approx(truth, rel=1e-5)
+    grad, _ = _run(kind, lambda l, b: l.emit_grad(b, "z", "y"), {"z": z, "y": y})
+    # central differences of sum_n l_n
+    eps = 1e-6
+    fd = np.zeros_like(z64)
+    for idx in np.ndindex(*shape):
+        zp, zm = z64.copy(), z64.copy()
+        zp[idx] += eps
+        zm[idx] -= eps
+        fd[idx] = (loss.np_per_example(zp, y).sum() - loss.np_per_example(zm, y).sum()) / (2 * eps)
+    np.testing.assert_allclose(grad, fd, atol=1e-5)
+    np.testing.assert_allclose(loss.np_grad(z64, y), fd, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_fisher_sqrt_squares_to_fisher_and_fisher_times(kind):
+    rng = np.random.default_rng(1)
+    shape = (1,) + SHAPES[kind][1:]
+    z = rng.normal(size=shape).astype(np.float32)
+    k = int(np.prod(shape))
+    cols, fcols = [], []
+    for j in range(k):
+        e = np.zeros(shape, np.float32)
+        e.reshape(-1)[j] = 1
+        bv, loss = _run(kind, lambda l, b: l.emit_fisher_sqrt_times(b, "z", "v"), {"z": z, "v": e}, ["v"])
+        fv, _ = _run(kind, lambda l, b: l.emit_fisher_times(b, "z", "v"), {"z": z, "v": e}, ["v"])
+        cols.append(bv.reshape(-1))
+        fcols.append(fv.reshape(-1))
+    B = np.stack(cols, axis=1)
+    F = loss.np_fisher(z[0].astype(np.float64))
+    np.testing.assert_allclose(B @ B.T, F, atol=1e-5)
+    np.testing.assert_allclose(np.stack(fcols, axis=1), F, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
+    """E[g g^T] over targets drawn from the model equals F_z (Monte Carlo, 20000 draws)."""
+    rng = np.random.default_rng(2)
+    shape = (1,) + SHAPES[kind][1:]
+    draws = 20000
+    z = np.repeat(rng.normal(size=shape).astype(np.float32), draws, axis=0)
+    loss = make_loss(kind)
+    noise = rng.uniform(1e-7, 1 - 1e-7, size=z.shape) if loss.noise == "uniform" else rng.normal(size=z.shape)
+    g, _ = _run(kind, lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": noise.astype(np.float32)}, ["u"])
+    g = g.reshape(draws, -1).astype(np.float64)
+    F = loss.np_fisher(z[0].astype(np.float64))
+    np.testing.assert_allclose(g.mean(axis=0), 0, atol=0.03)
+    np.testing.assert_allclose(g.T @ g / draws, F, atol=0.03)
+
+
+def test_unknown_loss_and_bad_variance_are_one_line_errors():
+    with pytest.raises(ConfigError, match="unknown loss 'hinge'"):
+        make_loss("hinge")
+    with pytest.raises(ConfigError, match="variance must be > 0"):
+        make_loss("squared_error", variance=0.0)
+
+
+def test_squared_error_variance_scales_loss_and_fisher():
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(3, 2)).astype(np.float32)
+    y = rng.normal(size=(3, 2)).astype(np.float32)
+    value, loss = _run("squared_error", lambda l, b: l.emit_loss(b, "z", "y"), {"z": z, "y": y}, variance=4.0)
+    assert value == pytest.approx(((z - y) ** 2).sum() / 8.0 / 3.0, rel=1e-5)
+    np.testing.assert_allclose(loss.np_fisher(z[0]), np.eye(2) / 4.0)
