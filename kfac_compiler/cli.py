@@ -1,0 +1,143 @@
+"""Command line: `kfac-compiler compile|inspect|train`.
+
+    kfac-compiler compile MODEL --loss KIND [--output NAME] [--config FILE]
+                  [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--frontend-only] -o PLAN_DIR
+    kfac-compiler inspect PLAN_DIR [--format table|json|dot]
+
+Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
+command lines); warnings are printed as `warning: <message>`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Sequence
+
+from kfac_compiler.errors import ConfigError, KfacError
+
+
+class _UsageError(KfacError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and sys.exit(2)
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kfac-compiler", description="Compile ONNX models into K-FAC curvature plans.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{compile,inspect,train}")
+    sub.required = True
+
+    c = sub.add_parser("compile", help="compile an ONNX model into a plan directory")
+    c.add_argument("model", metavar="MODEL", help="the .onnx file")
+    c.add_argument("--loss", help="softmax_cross_entropy | sigmoid_cross_entropy | squared_error "
+                   "(optional when the graph ends in a loss op)")
+    c.add_argument("--output", help="the tensor the loss applies to (default: the only graph output)")
+    c.add_argument("--config", help="a TOML or JSON config file")
+    c.add_argument("--approx", action="append", default=[], metavar="KEY=APPROX",
+                   help="approximation for a layer kind (e.g. conv=diagonal) or a layer name/regex; repeatable")
+    c.add_argument("--include", action="append", default=None, metavar="PARAM",
+                   help="train only these parameters (name or regex; repeatable)")
+    c.add_argument("--exclude", action="append", default=None, metavar="PARAM",
+                   help="freeze these parameters (name or regex; repeatable)")
+    c.add_argument("-o", "--out", required=True, metavar="PLAN_DIR", help="the plan directory to write")
+    c.add_argument("--frontend-only", action="store_true",
+                   help="stop after the front end: layers, blocks and factor sizes, no training subgraphs")
+    c.add_argument("-q", "--quiet", action="store_true", help="do not print the layer table")
+
+    i = sub.add_parser("inspect", help="show a plan's layers, blocks and factor sizes")
+    i.add_argument("plan", metavar="PLAN_DIR")
+    i.add_argument("--format", default="table", choices=("table", "json", "dot"))
+
+    _add_train_parser(sub)
+    return p
+
+
+# ----------------------------------------------------------------- train (lead)
+# >>> HOOK for the lead: the `train` sub-command. Fill in both functions. <<<
+def _add_train_parser(subparsers) -> None:
+    t = subparsers.add_parser("train", help="train a compiled plan (not implemented yet)")
+    t.add_argument("plan", metavar="PLAN_DIR", nargs="?")
+
+
+def _run_train(args) -> int:
+    print("kfac-compiler train: not implemented", file=sys.stderr)
+    return 2
+# >>> end of HOOK <<<
+
+
+# ------------------------------------------------------------------- commands
+def _run_compile(args) -> int:
+    from kfac_compiler.config import load_config
+    from kfac_compiler.frontend import compile_frontend
+    from kfac_compiler.inspect import render_table
+
+    cfg = load_config(args.config)
+    from kfac_compiler.blocks import APPROXIMATIONS
+
+    for item in args.approx:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"--approx {item!r}: expected KEY=APPROX (e.g. conv=diagonal or fc1=kron)")
+        if key in APPROXIMATIONS:
+            cfg.approximations[key] = value
+        else:
+            cfg.layers[key] = value
+    if args.include is not None:
+        cfg.include = list(cfg.include or []) + args.include
+    if args.exclude is not None:
+        cfg.exclude = list(cfg.exclude) + args.exclude
+    cfg.validate("command line")
+    if args.frontend_only:
+        plan = compile_frontend(args.model, loss=args.loss, output=args.output, config=cfg)
+    else:
+        import kfac_compiler
+
+        plan = kfac_compiler.compile(args.model, loss=args.loss, output=args.output, config=cfg)
+    path = plan.save(args.out)
+    if not args.quiet:
+        sys.stdout.write(render_table(plan))
+    subgraphs = f" with subgraphs {', '.join(plan.subgraphs)}" if plan.subgraphs else ""
+    print(f"plan written to {path}{subgraphs}")
+    return 0
+
+
+def _run_inspect(args) -> int:
+    from kfac_compiler.inspect import render
+    from kfac_compiler.plan import load_plan
+
+    plan = load_plan(args.plan)
+    sys.stdout.write(render(plan, args.format))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                args = build_parser().parse_args(argv)
+                if args.command == "compile":
+                    code = _run_compile(args)
+                elif args.command == "inspect":
+                    code = _run_inspect(args)
+                else:
+                    code = _run_train(args)
+            finally:
+                seen = set()
+                for w in caught:
+                    msg = " ".join(str(w.message).split())
+                    if msg not in seen:
+                        seen.add(msg)
+                        print(f"warning: {msg}", file=sys.stderr)
+        return code
+    except KfacError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Compile options: `CompileConfig`, loaded from TOML, JSON or a dict.
+
+Every key is checked: an unknown key, a value of the wrong type or range, or a bad regular
+expression raises a one-line ConfigError naming the key. Example (TOML):
+
+    exclude = ["pos_emb"]
+    damping = 1e-3
+    ema_decay = 0.95
+
+    [approximations]          # per layer kind (or menu key such as "fully_connected_multi")
+    conv = "diagonal"
+
+    [layers]                  # per layer: exact layer name or regex (full match)
+    "fc3" = "kron_in_diag"
+
+    [[links]]                 # parameters linked by hand into one generic block
+    params = ["head.weight", "head.bias"]
+    approximation = "full"
+
+    [estimator]
+    mode = "gradients"        # gradients|empirical|curvature_prop|curvature_prop_GGN|exact|exact_GGN
+    num_samples = 1
+
+    [inverse]
+    method = "inverse_op"     # inverse_op|newton_schulz|eigh
+    update_period = 20
+    damping_split = "pi"      # pi|exact
+
+    [stats]
+    update_period = 1
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kfac_compiler.errors import ConfigError
+
+LOSS_KINDS = ("softmax_cross_entropy", "sigmoid_cross_entropy", "squared_error")
+ESTIMATOR_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
+INVERSE_METHODS = ("inverse_op", "newton_schulz", "eigh")
+DAMPING_SPLITS = ("pi", "exact")
+DTYPES = ("float32", "float64")
+
+
+@dataclass
+class EstimatorConfig:
+    mode: str = "gradients"
+    num_samples: int = 1
+
+
+@dataclass
+class InverseConfig:
+    method: str = "inverse_op"
+    update_period: int = 20
+    damping_split: str = "pi"
+
+
+@dataclass
+class StatsConfig:
+    update_period: int = 1
+
+
+@dataclass
+class CompileConfig:
+    """All front-end and schedule options (defaults in parentheses in docs/frontend.md).
+
+    include / exclude: parameter names or regexes (full match) selecting the trainable
+    parameters among the float initializers that reach the output.
+    approximations: {layer kind or menu key: approximation}; layers: {layer name or regex:
+    approximation}; links: [{"params": [...], "approximation": "diagonal"|"full", "name": ...}].
+    """
+
+    loss: str | None = None
+    output: str | None = None
+    include: list[str] | None = None
+    exclude: list[str] = field(default_factory=list)
+    approximations: dict[str, str] = field(default_factory=dict)
+    layers: dict[str, str] = field(default_factory=dict)
+    links: list[dict[str, Any]] = field(default_factory=list)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    ema_decay: float = 0.95
+    damping: float = 1e-3
+    inverse: InverseConfig = field(default_factory=InverseConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    loss_variance: float = 1.0
+    dtype: str = "float32"
+
+    # ------------------------------------------------------------------ io
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "CompileConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a table/object at top level, got {type(data).__name__}")
+        kwargs: dict[str, Any] = {}
+        nested = {"estimator": EstimatorConfig, "inverse": InverseConfig, "stats": StatsConfig}
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            if key not in known:
+                raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+            if key in nested:
+                kwargs[key] = _nested(nested[key], value, key, source)
+            else:
+                kwargs[key] = value
+        cfg = cls(**kwargs)
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "CompileConfig":
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        ext = os.path.splitext(path)[1].lower()
+        try:
+            if ext == ".json":
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            else:
+                import tomllib
+
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, TOMLDecodeError
+            kind = "JSON" if ext == ".json" else "TOML"
+            raise ConfigError(f"config file {path!r} is not valid {kind}: {_one_line(e)}") from None
+        return cls.from_dict(data, source=path)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------ checking
+    def validate(self, source: str = "config") -> None:
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(f"{source}: {key}: {msg}")
+
+        if self.loss is not None and self.loss not in LOSS_KINDS:
+            raise bad("loss", f"unknown loss {self.loss!r}; choose one of {', '.join(LOSS_KINDS)}")
+        if self.output is not None and not isinstance(self.output, str):
+            raise bad("output", "expected a tensor name")
+        if self.include is not None:
+            self.include = _str_list(self.include, "include", source)
+            compile_patterns(self.include, "include")
+        self.exclude = _str_list(self.exclude, "exclude", source)
+        compile_patterns(self.exclude, "exclude")
+        from kfac_compiler.blocks import APPROXIMATIONS
+
+        if not isinstance(self.approximations, dict):
+            raise bad("approximations", "expected a table {kind = approximation}")
+        for key, value in self.approximations.items():
+            if key not in APPROXIMATIONS:
+                raise bad(
+                    f"approximations.{key}",
+                    f"unknown layer kind {key!r}; known: {', '.join(APPROXIMATIONS)}",
+                )
+            allowed = allowed_for_key(key)
+            if value not in allowed:
+                raise bad(f"approximations.{key}", f"{value!r} is not allowed; choose one of {', '.join(allowed)}")
+        if not isinstance(self.layers, dict):
+            raise bad("layers", "expected a table {layer name or regex = approximation}")
+        for key, value in self.layers.items():
+            if not isinstance(value, str):
+                raise bad(f"layers.{key}", "expected an approximation name")
+            compile_patterns([key], "layers")
+        self.links = _check_links(self.links, source)
+        est = self.estimator
+        if est.mode not in ESTIMATOR_MODES:
+            raise bad("estimator.mode", f"unknown mode {est.mode!r}; choose one of {', '.join(ESTIMATOR_MODES)}")
+        _check_int(est.num_samples, "estimator.num_samples", source)
+        inv = self.inverse
+        if inv.method not in INVERSE_METHODS:
+            raise bad("inverse.method", f"unknown method {inv.method!r}; choose one of {', '.join(INVERSE_METHODS)}")
+        if inv.damping_split not in DAMPING_SPLITS:
+            raise bad("inverse.damping_split", f"{inv.damping_split!r}; choose one of {', '.join(DAMPING_SPLITS)}")
+        _check_int(inv.update_period, "inverse.update_period", source)
+        _check_int(self.stats.update_period, "stats.update_period", source)
+        _check_float(self.ema_decay, "ema_decay", source, 0.0, 1.0, hi_open=True)
+        _check_float(self.damping, "damping", source, 0.0, None)
+        _check_float(self.loss_variance, "loss_variance", source, 0.0, None, lo_open=True)
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"{self.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
+def load_config(config: "CompileConfig | dict | str | os.PathLike | None") -> CompileConfig:
+    """A validated CompileConfig from a config object, a dict, a file path or None (defaults)."""
+    if config is None:
+        return CompileConfig()
+    if isinstance(config, CompileConfig):
+        config.validate()
+        return config
+    if isinstance(config, dict):
+        return CompileConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return CompileConfig.from_file(config)
+    raise ConfigError(f"config must be a CompileConfig, a dict or a file path, not {type(config).__name__}")
+
+
+def allowed_for_key(key: str) -> tuple[str, ...]:
+    """Approximations a per-kind key may name: its menu, plus the multi-use menu for a kind."""
+    from kfac_compiler.blocks import APPROXIMATIONS
+
+    allowed = list(APPROXIMATIONS[key])
+    for a in APPROXIMATIONS.get(f"{key}_multi", ()):
+        if a not in allowed:
+            allowed.append(a)
+    return tuple(allowed)
+
+
+def compile_patterns(patterns: list[str], what: str) -> list[re.Pattern]:
+    """Compile name-or-regex patterns; a bad regex is a ConfigError naming it."""
+    out = []
+    for p in patterns:
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ConfigError(f"{what}: bad regular expression {p!r}: {e}") from None
+    return out
+
+
+def name_matches(name: str, pattern: str, compiled: re.Pattern | None = None) -> bool:
+    """Exact name, or a full regex match."""
+    if name == pattern:
+        return True
+    rx = compiled if compiled is not None else re.compile(pattern)
+    return rx.fullmatch(name) is not None
+
+
+# ---------------------------------------------------------------- helpers
+def _nested(cls, value, key: str, source: str):
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key}: expected a table/object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for k in value:
+        if k not in known:
+            raise ConfigError(f"{source}: unknown key '{key}.{k}' (known: {', '.join(sorted(known))})")
+    return cls(**value)
+
+
+def _str_list(value, key: str, source: str) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{source}: {key}: expected a list of names or regexes")
+    return list(value)
+
+
+def _check_int(value, key: str, source: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: {key}: expected an integer >= 1, got {value!r}")
+
+
+def _check_float(value, key, source, lo, hi, lo_open=False, hi_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+    ok = (value > lo if lo_open else value >= lo) if lo is not None else True
+    if hi is not None:
+        ok = ok and (value < hi if hi_open else value <= hi)
+    if not ok:
+        lo_s = "(" if lo_open else "["
+        hi_s = ")" if hi_open else "]"
+        rng = f"{lo_s}{lo}, {hi if hi is not None else 'inf'}{hi_s}"
+        raise ConfigError(f"{source}: {key}: {value!r} is outside {rng}")
+
+
+def _check_links(links, source: str) -> list[dict[str, Any]]:
+    if not isinstance(links, (list, tuple)):
+        raise ConfigError(f"{source}: links: expected a list of {{params = [...], approximation = ...}}")
+    out = []
+    seen: dict[str, int] = {}
+    for i, link in enumerate(links):
+        where = f"links[{i}]"
+        if not isinstance(link, dict):
+            raise ConfigError(f"{source}: {where}: expected a table with 'params'")
+        for k in link:
+            if k not in ("params", "approximation", "name"):
+                raise ConfigError(f"{source}: unknown key '{where}.{k}' (known: approximation, name, params)")
+        params = link.get("params")
+        if not params or not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
+            raise ConfigError(f"{source}: {where}.params: expected a non-empty list of parameter names")
+        for p in params:
+            if p in seen:
+                raise ConfigError(f"{source}: {where}: parameter {p!r} is already linked in links[{seen[p]}]")
+            seen[p] = i
+        approx = link.get("approximation", "diagonal")
+        from kfac_compiler.blocks import APPROXIMATIONS
+
+        if approx not in APPROXIMATIONS["generic"]:
+            raise ConfigError(
+                f"{source}: {where}.approximation: {approx!r} is not allowed for linked parameters; "
+                f"choose one of {', '.join(APPROXIMATIONS['generic'])}"
+            )
+        name = link.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ConfigError(f"{source}: {where}.name: expected a string")
+        out.append({"params": list(params), "approximation": approx, "name": name})
+    return out
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

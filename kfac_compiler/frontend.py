@@ -1,0 +1,219 @@
+"""The compiler front end: ONNX file -> inspectable Plan (layers, blocks, factor shapes).
+
+    load/validate -> recognise loss -> canonicalize -> trainable params -> match layers
+    -> link params -> choose blocks -> factor specs -> Plan
+
+`compile_frontend` composes the passes of kfac_compiler.passes; each can be run alone.
+Warnings raised by the passes are re-emitted and recorded in `plan.notes`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import warnings
+from typing import Any
+
+import onnx
+
+from kfac_compiler.blocks import BLOCKS, make_block
+from kfac_compiler.config import LOSS_KINDS, CompileConfig, load_config
+from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
+from kfac_compiler.graph import GraphView
+from kfac_compiler.ir import FactorSpec, Layer
+from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss, trainable_params
+from kfac_compiler.passes.choose_blocks import choose_blocks
+from kfac_compiler.passes.link_params import link_params
+from kfac_compiler.passes.load import check_output, load_model, validate_model
+from kfac_compiler.passes.match_layers import match_layers
+from kfac_compiler.plan import Plan, file_sha256, value_spec
+
+
+def compile_frontend(
+    model_path_or_proto: str | os.PathLike | onnx.ModelProto,
+    loss: str | None = None,
+    output: str | None = None,
+    config: CompileConfig | dict | str | os.PathLike | None = None,
+    **overrides: Any,
+) -> Plan:
+    """Compile a model (file path or ModelProto) into a Plan without subgraphs.
+
+    `loss`: softmax_cross_entropy | sigmoid_cross_entropy | squared_error; may be None when
+    the graph ends in a recognised loss op (or config.loss is set). `output`: the tensor the
+    loss applies to (default: config.output, else the only graph output). `overrides` set
+    config keys (e.g. damping=1e-2, estimator={"mode": "empirical"}) on top of `config`.
+    """
+    cfg = apply_overrides(load_config(config), overrides)
+    loss = loss if loss is not None else cfg.loss
+    output = output if output is not None else cfg.output
+    if loss is not None and loss not in LOSS_KINDS:
+        raise ConfigError(f"unknown loss {loss!r}; choose one of {', '.join(LOSS_KINDS)}")
+
+    if isinstance(model_path_or_proto, onnx.ModelProto):
+        model = model_path_or_proto
+        source = "<model>"
+        validate_model(model, output, source=source)
+        source_path = None
+        source_hash = hashlib.sha256(model.SerializeToString()).hexdigest()
+    elif isinstance(model_path_or_proto, (str, os.PathLike)):
+        source = os.fspath(model_path_or_proto)
+        model = load_model(source, output)
+        source_path = os.path.abspath(source)
+        source_hash = file_sha256(source_path)
+    else:
+        raise ModelError(f"expected a model file path or an onnx.ModelProto, got {type(model_path_or_proto).__name__}")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = _compile(model, source, source_path, source_hash, loss, output, cfg)
+    for w in caught:
+        msg = str(w.message)
+        if msg not in plan.notes:
+            plan.notes.append(msg)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return plan
+
+
+def apply_overrides(cfg: CompileConfig, overrides: dict[str, Any]) -> CompileConfig:
+    """A copy of `cfg` with top-level keys replaced (nested tables merged), validated."""
+    if not overrides:
+        return cfg
+    data = cfg.to_dict()
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict) and key in ("estimator", "inverse", "stats"):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return CompileConfig.from_dict(data, source="compile options")
+
+
+def _compile(model, source, source_path, source_hash, loss, output, cfg: CompileConfig) -> Plan:
+    output = check_output(model, output, source)
+    rec = recognise_loss(model, output)
+    loss_info: dict[str, Any] = {"kind": loss, "variance": None, "recognised_from": None}
+    target_input = None
+    if rec is not None:
+        if loss is not None and loss != rec.kind:
+            raise ConfigError(
+                f"{source!r} ends in a {rec.op} loss ({rec.kind}) at {output!r}, but loss {loss!r} was given; "
+                f"drop the loss option or pass --output {rec.scores}"
+            )
+        loss = rec.kind
+        output = rec.scores
+        target_input = rec.target_input
+        loss_info.update(kind=loss, recognised_from=rec.op, recognised_node=rec.node, notes=list(rec.notes))
+    elif loss is None:
+        raise ConfigError(
+            f"no loss given for {source!r} and the graph does not end in a recognised loss op; "
+            f"pass a loss kind ({', '.join(LOSS_KINDS)})"
+        )
+    if loss == "squared_error":
+        loss_info["variance"] = float(cfg.loss_variance)
+
+    canon = canonicalize(model, output)
+    view = GraphView(canon)
+    out_shape = view.shape(output)
+    out_vi = canon.graph.output[0]
+    if out_shape is not None and len(out_shape) == 0:
+        raise ModelError(
+            f"{source!r}: output {output!r} is a scalar; name the model's prediction (the scores the loss is "
+            "applied to) with --output"
+        )
+    if out_shape is not None and len(out_shape) < 2 and loss == "softmax_cross_entropy":
+        raise ModelError(f"{source!r}: output {output!r} has shape {list(out_shape)}; softmax_cross_entropy needs [N, ..., classes]")
+    if rec is not None and rec.op == "SoftmaxCrossEntropyLoss" and out_shape is not None and len(out_shape) > 2:
+        raise UnsupportedOpError(
+            f"{source!r}: SoftmaxCrossEntropyLoss {rec.node!r} takes classes on axis 1 of a rank-{len(out_shape)} "
+            "score tensor; kfac_compiler expects the class axis last: export the scores with classes last"
+        )
+    if not view.is_float(output) and output in view.dtypes and view.dtypes[output]:
+        raise ModelError(f"{source!r}: output {output!r} is not a float tensor")
+
+    trainable, frozen = trainable_params(canon, output, cfg.include, cfg.exclude)
+    matches = match_layers(canon, trainable, view=view)
+    layers = link_params(matches, trainable, cfg.links, view=view)
+    layers = choose_blocks(layers, cfg)
+
+    layers = [_with_input_shape(layer, view) for layer in layers]
+    shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}
+    factors: dict[str, list[FactorSpec] | None] = {}
+    plan_notes: list[str] = []
+    for layer in layers:
+        factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
+
+    spec = value_spec(out_vi)
+    o_shape, o_dtype = spec["shape"], spec["dtype"] or "float32"
+    if loss == "softmax_cross_entropy":
+        t_shape, t_dtype = (None if o_shape is None else o_shape[:-1]), "int64"
+    else:
+        t_shape, t_dtype = o_shape, o_dtype
+    targets = {"name": "targets", "shape": t_shape, "dtype": t_dtype, "from_input": target_input}
+
+    return Plan(
+        model=canon,
+        output=output,
+        loss=loss_info,
+        inputs=[value_spec(vi) for vi in canon.graph.input],
+        targets=targets,
+        trainable=trainable,
+        frozen=frozen,
+        layers=layers,
+        factors=factors,
+        estimator={"mode": cfg.estimator.mode, "num_samples": cfg.estimator.num_samples},
+        schedule={
+            "ema_decay": cfg.ema_decay,
+            "damping": cfg.damping,
+            "inverse": {
+                "method": cfg.inverse.method,
+                "update_period": cfg.inverse.update_period,
+                "damping_split": cfg.inverse.damping_split,
+            },
+            "stats": {"update_period": cfg.stats.update_period},
+        },
+        dtype=cfg.dtype,
+        source_path=source_path,
+        source_sha256=source_hash,
+        config=cfg.to_dict(),
+        notes=plan_notes,
+    )
+
+
+def input_shapes(layer: Layer, view: GraphView) -> list[tuple | None]:
+    """Static shape of each use's input tensor (dims: int, symbolic name or None)."""
+    return [view.shape(u.input) for u in layer.uses]
+
+
+def _with_input_shape(layer: Layer, view: GraphView) -> Layer:
+    """Record attrs["input_shape"] (the blocks' fallback) when every use has the same input shape."""
+    shapes = {view.shape(u.input) for u in layer.uses}
+    if len(shapes) != 1 or None in shapes:
+        return layer
+    return dataclasses.replace(layer, attrs={**layer.attrs, "input_shape": next(iter(shapes))})
+
+
+def _block_available(name: str | None, kind: str) -> bool:
+    try:
+        from kfac_compiler.blocks.base import block_class
+    except ImportError:  # older registry: one class per name
+        cls = BLOCKS.get(name or "")
+        return cls is not None and kind in cls.layer_kinds
+    return block_class(name or "", kind) is not None
+
+
+def _factor_specs(layer: Layer, shapes: dict, in_shapes: list, cfg: CompileConfig, notes: list[str]) -> list[FactorSpec] | None:
+    """The block's factor specs, or None when its class is not available (recorded in notes)."""
+    if not _block_available(layer.approximation, layer.kind):
+        notes.append(f"layer {layer.name!r}: Fisher block {layer.approximation!r} for {layer.kind} is not available; factors unknown")
+        return None
+    block = make_block(layer, {p: shapes[p] for p in layer.params}, in_shapes)
+    try:
+        specs = list(block.factor_specs())
+    except NotImplementedError:
+        notes.append(f"layer {layer.name!r}: block {layer.approximation!r} does not list its factors")
+        return None
+    if cfg.dtype == "float64":
+        specs = [FactorSpec(s.name, s.shape, "float64", s.role) if s.dtype == "float32" else s for s in specs]
+    return specs
+
+
+__all__ = ["compile_frontend", "KfacError"]

@@ -1,0 +1,214 @@
+"""Render a Plan for people: a table, JSON (docs/frontend.md) or a graphviz dot graph.
+
+    render(plan, "table" | "json" | "dot") -> str
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.plan import Plan, factor_json
+
+FORMATS = ("table", "json", "dot")
+
+KIND_COLORS = {
+    "fully_connected": "#9ecae1",
+    "conv": "#a1d99b",
+    "depthwise_conv": "#c7e9c0",
+    "embedding": "#fdd0a2",
+    "scale_and_shift": "#dadaeb",
+    "generic": "#d9d9d9",
+}
+
+
+def render(plan: Plan, fmt: str = "table") -> str:
+    if fmt == "table":
+        return render_table(plan)
+    if fmt == "json":
+        return render_json(plan)
+    if fmt == "dot":
+        return render_dot(plan)
+    raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+# --------------------------------------------------------------------------- json
+def summary(plan: Plan) -> dict[str, Any]:
+    """{"layers": [{name, kind, params, uses, approximation, factors}], "totals", ...}."""
+    layers = []
+    for layer in plan.layers:
+        specs = plan.factors.get(layer.name)
+        layers.append(
+            {
+                "name": layer.name,
+                "kind": layer.kind,
+                "params": list(layer.params),
+                "uses": [{"nodes": list(u.nodes), "input": u.input, "output": u.output} for u in layer.uses],
+                "approximation": layer.approximation,
+                "factors": None if specs is None else [
+                    {k: v for k, v in factor_json(s).items() if k in ("name", "shape", "dtype", "bytes")} for s in specs
+                ],
+            }
+        )
+    return {
+        "layers": layers,
+        "totals": plan.totals(),
+        "output": plan.output,
+        "loss": plan.loss,
+        "estimator": plan.estimator,
+        "schedule": plan.schedule,
+    }
+
+
+def render_json(plan: Plan) -> str:
+    return json.dumps(summary(plan), indent=1)
+
+
+# -------------------------------------------------------------------------- table
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024.0
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n}"
+
+
+def _factor_text(specs) -> str:
+    if specs is None:
+        return "?"
+    if not specs:
+        return "-"
+    return ", ".join(f"{s.name} {'x'.join(str(d) for d in s.shape) or 'scalar'}" for s in specs)
+
+
+def render_table(plan: Plan) -> str:
+    shapes = plan.param_shapes
+    header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes")
+    rows = []
+    tot_params = tot_uses = 0
+    tot_bytes: int | None = 0
+    for layer in plan.layers:
+        n = int(sum(math.prod(shapes[p]) for p in layer.params))
+        specs = plan.factors.get(layer.name)
+        nbytes = None if specs is None else sum(s.nbytes for s in specs)
+        tot_params += n
+        tot_uses += layer.num_uses
+        tot_bytes = None if tot_bytes is None or nbytes is None else tot_bytes + nbytes
+        rows.append(
+            (layer.name, layer.kind, f"{n:,}", str(layer.num_uses), layer.approximation or "?", _factor_text(specs), human_bytes(nbytes))
+        )
+    totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes))
+    widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
+    right = {2, 3, 6}
+
+    def line(r):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    src = plan.source_path or "<in-memory model>"
+    loss = plan.loss.get("kind")
+    if plan.loss.get("recognised_from"):
+        loss = f"{loss} (recognised from {plan.loss['recognised_from']})"
+    inv = plan.schedule.get("inverse", {})
+    head = [
+        f"model:     {src}",
+        f"output:    {plan.output}   loss: {loss}",
+        f"estimator: {plan.estimator.get('mode')} x{plan.estimator.get('num_samples')}   "
+        f"ema_decay {plan.schedule.get('ema_decay')}   damping {plan.schedule.get('damping')}   "
+        f"inverse {inv.get('method')} every {inv.get('update_period')} steps",
+        "",
+    ]
+    body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]
+    if plan.frozen:
+        body.append(f"frozen: {', '.join(plan.frozen)}")
+    return "\n".join(head + body) + "\n"
+
+
+# ---------------------------------------------------------------------------- dot
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def layer_edges(plan: Plan) -> list[tuple[str, str]]:
+    """Data-flow edges between layers (and graph inputs / the output), as (src, dst) names."""
+    view = plan.view()
+    tensor_layers: dict[str, list[str]] = {}
+    for layer in plan.layers:
+        for u in layer.uses:
+            for n in u.nodes:
+                node = view.node_by_name.get(n)
+                if node is None:
+                    continue
+                for o in node.output:
+                    if o:
+                        tensor_layers.setdefault(o, []).append(layer.name)
+    inputs = set(view.graph_inputs)
+
+    def sources(starts: list[str], own: str | None) -> list[str]:
+        found: list[str] = []
+        seen: set[str] = set()
+        stack = list(starts)
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            owners = [l for l in tensor_layers.get(t, []) if l != own]
+            if owners:
+                found.extend(owners)
+                continue
+            if t in inputs:
+                found.append(f"input:{t}")
+                continue
+            node = view.producer.get(t)
+            if node is not None:
+                stack.extend(i for i in node.input if i)
+        return list(dict.fromkeys(found))
+
+    edges: list[tuple[str, str]] = []
+    for layer in plan.layers:
+        inner = set()
+        starts = []
+        for u in layer.uses:
+            for n in u.nodes:
+                node = view.node_by_name.get(n)
+                if node is not None:
+                    inner.update(node.output)
+        for u in layer.uses:
+            for n in u.nodes:
+                node = view.node_by_name.get(n)
+                if node is None:
+                    continue
+                starts.extend(i for i in node.input if i and i not in inner and i not in layer.params)
+        for src in sources(starts, layer.name):
+            edges.append((src, layer.name))
+    for src in sources([plan.output], None):
+        edges.append((src, f"output:{plan.output}"))
+    return list(dict.fromkeys(edges))
+
+
+def render_dot(plan: Plan) -> str:
+    shapes = plan.param_shapes
+    lines = [
+        "digraph plan {",
+        "  rankdir=TB;",
+        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
+    ]
+    for t in plan.view().graph_inputs:
+        lines.append(f"  {_q('input:' + t)} [label={_q(t)}, shape=ellipse, fillcolor=white];")
+    lines.append(f"  {_q('output:' + plan.output)} [label={_q(plan.output + ' (' + str(plan.loss.get('kind')) + ')')}, shape=ellipse, fillcolor=white];")
+    for layer in plan.layers:
+        n = int(sum(math.prod(shapes[p]) for p in layer.params))
+        uses = f", {layer.num_uses} uses" if layer.num_uses > 1 else ""
+        label = f"{layer.name}\\n{layer.kind}: {layer.approximation}\\n{n:,} params{uses}\\n{_factor_text(plan.factors.get(layer.name))}"
+        color = KIND_COLORS.get(layer.kind, "#ffffff")
+        lines.append(f"  {_q(layer.name)} [label=\"{label.replace(chr(34), '')}\", fillcolor={_q(color)}];")
+    for src, dst in layer_edges(plan):
+        lines.append(f"  {_q(src)} -> {_q(dst)};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,616 @@
+"""The declarative pattern library: which ONNX subgraphs are which layer kinds.
+
+A `Pattern` is a small graph of `PNode`s (an ONNX op with an optional attribute predicate,
+or PARAM: a trainable parameter initializer) and `PEdge`s (producer -> consumer input slot;
+several slots for commutative ops such as Add and Mul). It names which PARAM node is the
+weight and which the bias, where the layer input is read (a node's input slot, or None: "the
+one input of that node that the pattern does not cover") and which node's first output is
+the layer output (after the bias). `where(binding)` checks shapes; `attrs(binding)` fills
+LayerMatch.attrs (see kfac_compiler.ir) and may raise NoMatch(reason) to reject a match.
+
+Patterns are matched with networkx.algorithms.isomorphism.MultiDiGraphMatcher
+(subgraph monomorphisms) on GraphView.to_networkx() by kfac_compiler.passes.match_layers.
+Variants are enumerated (one Pattern each): Gemm transB 0/1 with or without bias C,
+MatMul / MatMul+Add / Transpose(W)+MatMul (tied heads) / with Add, Conv 1-d/2-d/3-d with or
+without bias (plain, grouped, depthwise), Gather embedding, LayerNormalization,
+BatchNormalization (inference form) and Mul+Add scale-and-shift.
+
+Register your own with `register_pattern(Pattern(...))`; see docs/frontend.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import onnx
+
+from kfac_compiler.graph import GraphView, attrs_of
+from kfac_compiler.ir import LAYER_KINDS
+
+PARAM = "Param"  # op_type of a pattern node standing for a trainable parameter initializer
+
+
+class NoMatch(Exception):
+    """Raised by a pattern's `attrs`/`where` to reject a match (the reason becomes a warning)."""
+
+
+@dataclass(frozen=True)
+class PNode:
+    """A pattern vertex: an ONNX op (op_type, domain) or PARAM (a trainable initializer).
+
+    `where(node, view)` is an extra predicate: for an op, `node` is the onnx.NodeProto; for a
+    PARAM, the initializer name.
+    """
+
+    key: str
+    op_type: str
+    domain: str = ""
+    where: Callable[[Any, GraphView], bool] | None = None
+
+
+@dataclass(frozen=True)
+class PEdge:
+    """The (first) output of `src` (or the PARAM tensor) feeds input slot `slots` of `dst`."""
+
+    src: str
+    dst: str
+    slots: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A candidate match: pattern keys bound to graph vertices (node names / tensor names)."""
+
+    pattern: "Pattern"
+    view: GraphView
+    mapping: dict[str, str]
+
+    def node(self, key: str) -> onnx.NodeProto:
+        return self.view.node_by_name[self.mapping[key]]
+
+    def tensor(self, key: str) -> str:
+        """The tensor a pattern vertex stands for (PARAM: its name; op: its first output)."""
+        pn = self.pattern.node_by_key[key]
+        return self.mapping[key] if pn.op_type == PARAM else self.node(key).output[0]
+
+    def attr(self, key: str, name: str, default: Any = None) -> Any:
+        return attrs_of(self.node(key)).get(name, default)
+
+    def shape(self, tensor: str):
+        return self.view.shape(tensor)
+
+    @property
+    def weight(self) -> str:
+        return self.mapping[self.pattern.weight]
+
+    @property
+    def bias(self) -> str | None:
+        return self.mapping[self.pattern.bias] if self.pattern.bias else None
+
+    def input(self) -> str:
+        key, slot = self.pattern.input
+        node = self.node(key)
+        if slot is not None:
+            return node.input[slot] if slot < len(node.input) else ""
+        covered = {self.tensor(k) for k in self.mapping}
+        rest = [i for i in node.input if i and i not in covered]
+        if len(rest) != 1:
+            raise NoMatch(f"node {node.name!r}: cannot tell the layer input among {list(node.input)}")
+        return rest[0]
+
+    def output(self) -> str:
+        return self.node(self.pattern.output).output[0]
+
+    def op_nodes(self) -> tuple[str, ...]:
+        return tuple(self.mapping[p.key] for p in self.pattern.nodes if p.op_type != PARAM)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    kind: str
+    nodes: tuple[PNode, ...]
+    edges: tuple[PEdge, ...]
+    weight: str
+    output: str
+    input: tuple[str, int | None]
+    bias: str | None = None
+    where: Callable[[Binding], bool] | None = None
+    attrs: Callable[[Binding], dict] | None = None
+    priority: int = 0
+    node_by_key: dict[str, PNode] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "node_by_key", {n.key: n for n in self.nodes})
+
+    @property
+    def size(self) -> int:
+        """Vertices (ops and parameters): the larger pattern wins an overlap."""
+        return len(self.nodes)
+
+    def op_types(self) -> set[str]:
+        return {n.op_type for n in self.nodes}
+
+    def validate(self) -> None:
+        keys = self.node_by_key
+        if len(keys) != len(self.nodes):
+            raise ValueError(f"pattern {self.name!r}: duplicate node keys")
+        if self.kind not in LAYER_KINDS or self.kind == "generic":
+            raise ValueError(f"pattern {self.name!r}: kind must be one of {LAYER_KINDS[:-1]}, not {self.kind!r}")
+        for role, key in (("weight", self.weight), ("bias", self.bias)):
+            if key is not None and (key not in keys or keys[key].op_type != PARAM):
+                raise ValueError(f"pattern {self.name!r}: {role} {key!r} must be a PARAM node")
+        for role, key in (("output", self.output), ("input", self.input[0])):
+            if key not in keys or keys[key].op_type == PARAM:
+                raise ValueError(f"pattern {self.name!r}: {role} {key!r} must be an op node")
+        for e in self.edges:
+            if e.src not in keys or e.dst not in keys or keys[e.dst].op_type == PARAM:
+                raise ValueError(f"pattern {self.name!r}: bad edge {e}")
+            if not e.slots:
+                raise ValueError(f"pattern {self.name!r}: edge {e} has no slots")
+
+
+# ---------------------------------------------------------------------- registry
+_BUILTIN: list[Pattern] = []
+_USER: list[Pattern] = []
+
+
+def register_pattern(p: Pattern, replace: bool = False) -> Pattern:
+    """Add a user pattern (checked). A name already registered needs replace=True."""
+    p.validate()
+    existing = [q for q in _BUILTIN + _USER if q.name == p.name]
+    if existing and not replace:
+        raise ValueError(f"a pattern named {p.name!r} is already registered (pass replace=True)")
+    unregister_pattern(p.name)
+    _USER.append(p)
+    return p
+
+
+def unregister_pattern(name: str) -> None:
+    """Remove a pattern (user or built-in) by name."""
+    for reg in (_USER, _BUILTIN):
+        reg[:] = [q for q in reg if q.name != name]
+
+
+def patterns() -> list[Pattern]:
+    """All active patterns: built-ins first, then user patterns (registration order)."""
+    return list(_BUILTIN) + list(_USER)
+
+
+def _builtin(p: Pattern) -> Pattern:
+    p.validate()
+    _BUILTIN.append(p)
+    return p
+
+
+# ------------------------------------------------------------------ predicates
+def attr_eq(name: str, value: Any, default: Any = None) -> Callable[[onnx.NodeProto, GraphView], bool]:
+    """Node predicate: attribute `name` (or `default` when absent) equals `value`."""
+
+    def pred(node: onnx.NodeProto, view: GraphView) -> bool:
+        v = attrs_of(node).get(name, default)
+        if isinstance(v, bytes):
+            v = v.decode()
+        return v == value
+
+    return pred
+
+
+def all_of(*preds: Callable) -> Callable:
+    def pred(x, view):
+        return all(p(x, view) for p in preds)
+
+    return pred
+
+
+def param_rank(*ranks: int) -> Callable[[str, GraphView], bool]:
+    """PARAM predicate: the initializer has one of `ranks`."""
+
+    def pred(name: str, view: GraphView) -> bool:
+        return view.rank(name) in ranks
+
+    return pred
+
+
+def num_inputs(n: int) -> Callable[[onnx.NodeProto, GraphView], bool]:
+    """Node predicate: exactly n non-empty inputs."""
+
+    def pred(node, view):
+        return sum(1 for i in node.input if i) == n
+
+    return pred
+
+
+def nice_float(x) -> float:
+    """A float attribute (stored as float32) as the shortest float that round-trips (1e-5, not 9.99e-6)."""
+    return float(f"{float(x):.7g}")
+
+
+def _size(shape) -> int | None:
+    if shape is None or any(not isinstance(d, int) for d in shape):
+        return None
+    return math.prod(shape)
+
+
+# ------------------------------------------------------------- fully connected
+def _fc_out_features(b: Binding, layout: str) -> int:
+    w = b.view.shape(b.weight)
+    return w[1] if layout == "in_out" else w[0]
+
+
+def _check_fc_input(b: Binding, min_rank: int = 2) -> bool:
+    r = b.view.rank(b.input())
+    return r is None or r >= min_rank
+
+
+def _bias_ok(b: Binding, out: int, allow_row: bool = False) -> bool:
+    shape = b.view.shape(b.bias)
+    return tuple(shape) == (out,) or (allow_row and tuple(shape) == (1, out))
+
+
+def _gemm_pattern(trans_b: int, with_bias: bool) -> Pattern:
+    layout = "out_in" if trans_b else "in_out"
+    nodes = [
+        PNode("gemm", "Gemm", where=all_of(attr_eq("transA", 0, 0), attr_eq("transB", trans_b, 0))),
+        PNode("W", PARAM, where=param_rank(2)),
+    ]
+    edges = [PEdge("W", "gemm", (1,))]
+    if with_bias:
+        nodes.append(PNode("C", PARAM, where=param_rank(1, 2)))
+        edges.append(PEdge("C", "gemm", (2,)))
+
+    def where(b: Binding) -> bool:
+        if not _check_fc_input(b):
+            return False
+        if with_bias:
+            return b.attr("gemm", "beta", 1.0) != 0.0 and _bias_ok(b, _fc_out_features(b, layout), allow_row=True)
+        return True
+
+    def attrs(b: Binding) -> dict:
+        return {
+            "weight_layout": layout,
+            "alpha": nice_float(b.attr("gemm", "alpha", 1.0)),
+            "beta": nice_float(b.attr("gemm", "beta", 1.0)) if with_bias else 1.0,
+        }
+
+    return Pattern(
+        name=f"gemm_{layout}" + ("_bias" if with_bias else ""),
+        kind="fully_connected",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="W",
+        bias="C" if with_bias else None,
+        input=("gemm", 0),
+        output="gemm",
+        where=where,
+        attrs=attrs,
+    )
+
+
+def _matmul_pattern(transposed: bool, with_bias: bool) -> Pattern:
+    layout = "out_in" if transposed else "in_out"
+    nodes = [PNode("matmul", "MatMul"), PNode("W", PARAM, where=param_rank(2))]
+    if transposed:
+        nodes.append(PNode("transpose", "Transpose", where=_perm_10))
+        edges = [PEdge("W", "transpose", (0,)), PEdge("transpose", "matmul", (1,))]
+    else:
+        edges = [PEdge("W", "matmul", (1,))]
+    if with_bias:
+        nodes += [PNode("add", "Add"), PNode("b", PARAM, where=param_rank(1))]
+        edges += [PEdge("matmul", "add", (0, 1)), PEdge("b", "add", (0, 1))]
+
+    def where(b: Binding) -> bool:
+        if not _check_fc_input(b):
+            return False
+        if with_bias:
+            if not _bias_ok(b, _fc_out_features(b, layout)):
+                return False
+            # the Add must not broadcast the MatMul output up
+            out_shape, s_shape = b.view.shape(b.output()), b.view.shape(b.tensor("matmul"))
+            if out_shape is not None and s_shape is not None and len(out_shape) != len(s_shape):
+                return False
+        return True
+
+    def attrs(b: Binding) -> dict:
+        return {"weight_layout": layout, "alpha": 1.0, "beta": 1.0}
+
+    name = "matmul" + ("_transposed" if transposed else "") + ("_add" if with_bias else "")
+    return Pattern(
+        name=name,
+        kind="fully_connected",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="W",
+        bias="b" if with_bias else None,
+        input=("matmul", 0),
+        output="add" if with_bias else "matmul",
+        where=where,
+        attrs=attrs,
+    )
+
+
+def _perm_10(node: onnx.NodeProto, view: GraphView) -> bool:
+    perm = attrs_of(node).get("perm")
+    return perm is None or list(perm) == [1, 0]
+
+
+# ------------------------------------------------------------------------ conv
+def _conv_geometry(b: Binding) -> dict:
+    w_shape = b.view.shape(b.weight)
+    nd = len(w_shape) - 2
+    a = attrs_of(b.node("conv"))
+    kernel = tuple(int(k) for k in a.get("kernel_shape", w_shape[2:]))
+    strides = tuple(int(s) for s in a.get("strides", [1] * nd))
+    dilations = tuple(int(d) for d in a.get("dilations", [1] * nd))
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("NOTSET", ""):
+        pads = tuple(int(p) for p in a.get("pads", [0] * (2 * nd)))
+    elif auto_pad == "VALID":
+        pads = (0,) * (2 * nd)
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        x_shape = b.view.shape(b.node("conv").input[0])
+        begin, end = [], []
+        for i in range(nd):
+            k_eff = (kernel[i] - 1) * dilations[i] + 1
+            if strides[i] == 1:
+                total = k_eff - 1
+            else:
+                size = x_shape[2 + i] if x_shape is not None and len(x_shape) == nd + 2 else None
+                if not isinstance(size, int):
+                    raise NoMatch(
+                        f"Conv node {b.node('conv').name!r} has auto_pad={auto_pad} with stride "
+                        f"{strides[i]} but the input's spatial size is unknown; export with explicit pads "
+                        "or static spatial dimensions"
+                    )
+                out = -(-size // strides[i])
+                total = max(0, (out - 1) * strides[i] + k_eff - size)
+            small, large = total // 2, total - total // 2
+            if auto_pad == "SAME_UPPER":
+                begin.append(small)
+                end.append(large)
+            else:
+                begin.append(large)
+                end.append(small)
+        pads = tuple(begin + end)
+    else:
+        raise NoMatch(f"Conv node {b.node('conv').name!r}: unknown auto_pad {auto_pad!r}")
+    return {
+        "kernel_shape": kernel,
+        "strides": strides,
+        "pads": pads,
+        "dilations": dilations,
+        "group": int(a.get("group", 1)),
+    }
+
+
+def _is_depthwise(node: onnx.NodeProto, view: GraphView) -> bool:
+    group = int(attrs_of(node).get("group", 1))
+    w = view.shape(node.input[1]) if len(node.input) > 1 else None
+    if w is None or group <= 1:
+        return False
+    # C_in = group * w[1]; depthwise: each group sees one input channel, C_out = multiplier * C_in
+    return w[1] == 1 and w[0] % group == 0
+
+
+def _not_depthwise(node: onnx.NodeProto, view: GraphView) -> bool:
+    return not _is_depthwise(node, view)
+
+
+def _conv_pattern(nd: int, with_bias: bool, depthwise: bool) -> Pattern:
+    nodes = [
+        PNode("conv", "Conv", where=_is_depthwise if depthwise else _not_depthwise),
+        PNode("W", PARAM, where=param_rank(nd + 2)),
+    ]
+    edges = [PEdge("W", "conv", (1,))]
+    if with_bias:
+        nodes.append(PNode("B", PARAM, where=param_rank(1)))
+        edges.append(PEdge("B", "conv", (2,)))
+
+    def where(b: Binding) -> bool:
+        if with_bias and tuple(b.view.shape(b.bias)) != (b.view.shape(b.weight)[0],):
+            return False
+        r = b.view.rank(b.input())
+        return r is None or r == nd + 2
+
+    kind = "depthwise_conv" if depthwise else "conv"
+    return Pattern(
+        name=f"{kind}{nd}d" + ("_bias" if with_bias else ""),
+        kind=kind,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="W",
+        bias="B" if with_bias else None,
+        input=("conv", 0),
+        output="conv",
+        where=where,
+        attrs=_conv_geometry,
+    )
+
+
+# ------------------------------------------------------------------- embedding
+def _embedding_pattern() -> Pattern:
+    def where(b: Binding) -> bool:
+        return not b.view.is_float(b.input()) if b.input() in b.view.dtypes else True
+
+    def attrs(b: Binding) -> dict:
+        vocab, dim = b.view.shape(b.weight)
+        return {"vocab": int(vocab), "dim": int(dim)}
+
+    return Pattern(
+        name="embedding",
+        kind="embedding",
+        nodes=(PNode("gather", "Gather", where=attr_eq("axis", 0, 0)), PNode("W", PARAM, where=param_rank(2))),
+        edges=(PEdge("W", "gather", (0,)),),
+        weight="W",
+        input=("gather", 1),
+        output="gather",
+        where=where,
+        attrs=attrs,
+    )
+
+
+# ------------------------------------------------------------- scale and shift
+def _ln_pattern(with_bias: bool) -> Pattern:
+    nodes = [PNode("ln", "LayerNormalization"), PNode("scale", PARAM)]
+    edges = [PEdge("scale", "ln", (1,))]
+    if with_bias:
+        nodes.append(PNode("B", PARAM))
+        edges.append(PEdge("B", "ln", (2,)))
+
+    def where(b: Binding) -> bool:
+        return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
+
+    def attrs(b: Binding) -> dict:
+        axis = int(b.attr("ln", "axis", -1))
+        rank = b.view.rank(b.input())
+        if rank is not None:
+            axis = axis % rank
+            scale_axes = tuple(range(axis, rank))
+        elif axis < 0:
+            scale_axes = tuple(range(axis, 0))
+        else:
+            raise NoMatch(f"LayerNormalization {b.node('ln').name!r}: input rank unknown")
+        return {
+            "normalization": {"op": "LayerNormalization", "axis": axis, "epsilon": nice_float(b.attr("ln", "epsilon", 1e-5))},
+            "scale_axes": scale_axes,
+            "scale_input": b.input(),
+        }
+
+    return Pattern(
+        name="layer_norm" + ("" if with_bias else "_scale"),
+        kind="scale_and_shift",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="scale",
+        bias="B" if with_bias else None,
+        input=("ln", 0),
+        output="ln",
+        where=where,
+        attrs=attrs,
+    )
+
+
+def _bn_inference(node: onnx.NodeProto, view: GraphView) -> bool:
+    if int(attrs_of(node).get("training_mode", 0)) != 0:
+        return False
+    extra = [o for o in list(node.output)[1:] if o]
+    return not any(o in view.consumers or o in view.graph_outputs for o in extra)
+
+
+def _bn_pattern(with_bias: bool) -> Pattern:
+    nodes = [PNode("bn", "BatchNormalization", where=_bn_inference), PNode("scale", PARAM, where=param_rank(1))]
+    edges = [PEdge("scale", "bn", (1,))]
+    if with_bias:
+        nodes.append(PNode("B", PARAM, where=param_rank(1)))
+        edges.append(PEdge("B", "bn", (2,)))
+
+    def where(b: Binding) -> bool:
+        node = b.node("bn")
+        if len(node.input) < 5 or any(node.input[i] not in b.view.initializers for i in (3, 4)):
+            return False
+        return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
+
+    def attrs(b: Binding) -> dict:
+        node = b.node("bn")
+        return {
+            "normalization": {
+                "op": "BatchNormalization",
+                "mean": node.input[3],
+                "var": node.input[4],
+                "epsilon": nice_float(b.attr("bn", "epsilon", 1e-5)),
+            },
+            "scale_axes": (1,),
+            "scale_input": b.input(),
+        }
+
+    return Pattern(
+        name="batch_norm" + ("" if with_bias else "_scale"),
+        kind="scale_and_shift",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="scale",
+        bias="B" if with_bias else None,
+        input=("bn", 0),
+        output="bn",
+        where=where,
+        attrs=attrs,
+    )
+
+
+def broadcast_axes(param_shape, data_rank: int | None) -> tuple[int, ...]:
+    """Axes of the data along which a broadcast parameter varies (size != 1)."""
+    ps = tuple(param_shape)
+    if data_rank is None:
+        return tuple(i - len(ps) for i, d in enumerate(ps) if d != 1)
+    off = data_rank - len(ps)
+    return tuple(off + i for i, d in enumerate(ps) if d != 1)
+
+
+def _mul_add_pattern() -> Pattern:
+    nodes = (PNode("mul", "Mul"), PNode("scale", PARAM), PNode("add", "Add"), PNode("B", PARAM))
+    edges = (PEdge("scale", "mul", (0, 1)), PEdge("mul", "add", (0, 1)), PEdge("B", "add", (0, 1)))
+
+    def where(b: Binding) -> bool:
+        s, bias = b.view.shape(b.weight), b.view.shape(b.bias)
+        if _size(s) != _size(bias) or broadcast_axes(s, 8) != broadcast_axes(bias, 8):
+            return False
+        x_shape, y_shape = b.view.shape(b.input()), b.view.shape(b.output())
+        if x_shape is not None and y_shape is not None:
+            if len(x_shape) != len(y_shape):
+                return False  # the parameters would broadcast the data up: not a scale-and-shift
+            if any(isinstance(a, int) and isinstance(c, int) and a != c for a, c in zip(x_shape, y_shape)):
+                return False
+        if x_shape is not None:
+            if len(s) > len(x_shape):
+                return False
+            aligned = x_shape[len(x_shape) - len(s):]
+            if any(isinstance(xd, int) and sd not in (1, xd) for sd, xd in zip(s, aligned)):
+                return False
+        return True
+
+    def attrs(b: Binding) -> dict:
+        return {
+            "normalization": None,
+            "scale_axes": broadcast_axes(b.view.shape(b.weight), b.view.rank(b.input())),
+            "scale_input": b.input(),
+        }
+
+    return Pattern(
+        name="mul_add",
+        kind="scale_and_shift",
+        nodes=nodes,
+        edges=edges,
+        weight="scale",
+        bias="B",
+        input=("mul", None),
+        output="add",
+        where=where,
+        attrs=attrs,
+    )
+
+
+# ------------------------------------------------------------ built-in library
+for _tb in (0, 1):
+    for _bias in (False, True):
+        _builtin(_gemm_pattern(_tb, _bias))
+for _tr in (False, True):
+    for _bias in (False, True):
+        _builtin(_matmul_pattern(_tr, _bias))
+for _nd in (1, 2, 3):
+    for _dw in (False, True):
+        for _bias in (False, True):
+            _builtin(_conv_pattern(_nd, _bias, _dw))
+_builtin(_embedding_pattern())
+for _bias in (False, True):
+    _builtin(_ln_pattern(_bias))
+    _builtin(_bn_pattern(_bias))
+_builtin(_mul_add_pattern())
+
+BUILTIN_PATTERN_NAMES = tuple(p.name for p in _BUILTIN)
+
+__all__ = [
+    "PARAM", "Binding", "NoMatch", "PEdge", "PNode", "Pattern", "all_of", "attr_eq", "broadcast_axes",
+    "num_inputs", "param_rank", "patterns", "register_pattern", "unregister_pattern", "BUILTIN_PATTERN_NAMES",
+]

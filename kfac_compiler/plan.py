@@ -1,0 +1,370 @@
+"""The plan: the contract between the compiler and the runtime.
+
+A plan directory holds plan.json (schema below, docs/frontend.md), model.onnx (the canonical
+model) and one <name>.onnx per emitted subgraph. `Plan.save(dir)` is atomic: it writes a
+temporary directory next to the target and renames it into place; it refuses to replace a
+directory that is not a plan (no plan.json and not empty). `load_plan(dir)` refuses another
+schema version and a plan whose source model file changed since compiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+from onnx import helper
+
+from kfac_compiler.errors import PlanError
+from kfac_compiler.graph import GraphView
+from kfac_compiler.ir import FactorSpec, Layer, LayerUse
+
+SCHEMA_VERSION = 1
+PLAN_FILE = "plan.json"
+MODEL_FILE = "model.onnx"
+_SUBGRAPH_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+@dataclass
+class Plan:
+    """Everything the back end and the runtime need, in memory.
+
+    `factors[layer name]` lists the block's FactorSpecs (None when the block class was not
+    available at compile time). `subgraphs` / `subgraph_info` are filled by the back end:
+    info is free-form JSON (e.g. the runtime contract's data/state inputs and outputs);
+    save() adds each subgraph's file, inputs and outputs to plan.json.
+    """
+
+    model: onnx.ModelProto
+    output: str
+    loss: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    targets: dict[str, Any]
+    trainable: list[str]
+    frozen: list[str]
+    layers: list[Layer]
+    factors: dict[str, list[FactorSpec] | None] = field(default_factory=dict)
+    estimator: dict[str, Any] = field(default_factory=dict)
+    schedule: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    source_path: str | None = None
+    source_sha256: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    subgraphs: dict[str, onnx.ModelProto] = field(default_factory=dict)
+    subgraph_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    # ------------------------------------------------------------ lookups
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every initializer of the canonical model."""
+        return {t.name: tuple(int(d) for d in t.dims) for t in self.model.graph.initializer}
+
+    @property
+    def inverse(self) -> dict[str, Any]:
+        """schedule["inverse"]: {method, update_period, damping_split}."""
+        return dict(self.schedule.get("inverse", {}))
+
+    @property
+    def source_hash(self) -> str:
+        """Alias of source_sha256."""
+        return self.source_sha256
+
+    @property
+    def loss_recognised_from(self) -> str | None:
+        """The loss op found at the end of the source graph (None: the loss kind was given)."""
+        return self.loss.get("recognised_from")
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer named {name!r}; layers: {', '.join(l.name for l in self.layers)}")
+
+    @property
+    def blocks(self) -> dict[str, Any]:
+        """{layer name: FisherBlock} (built on each access; blocks are cheap)."""
+        from kfac_compiler.blocks import make_block
+
+        shapes = self.param_shapes
+        view = self.view()
+        return {
+            l.name: make_block(l, {p: shapes[p] for p in l.params}, [view.shape(u.input) for u in l.uses])
+            for l in self.layers
+        }
+
+    def view(self) -> GraphView:
+        return GraphView(self.model)
+
+    def totals(self) -> dict[str, Any]:
+        shapes = self.param_shapes
+        factor_bytes = 0
+        n_factors = 0
+        unknown = []
+        for layer in self.layers:
+            specs = self.factors.get(layer.name)
+            if specs is None:
+                unknown.append(layer.name)
+                continue
+            factor_bytes += sum(s.nbytes for s in specs)
+            n_factors += len(specs)
+        by_kind: dict[str, int] = {}
+        for layer in self.layers:
+            by_kind[layer.kind] = by_kind.get(layer.kind, 0) + 1
+        return {
+            "layers": len(self.layers),
+            "layers_by_kind": by_kind,
+            "trainable_params": len(self.trainable),
+            "frozen_params": len(self.frozen),
+            "param_elements": int(sum(math.prod(shapes[p]) for p in self.trainable)),
+            "factors": n_factors,
+            "factor_bytes": int(factor_bytes),
+            "layers_without_factors": unknown,
+        }
+
+    # -------------------------------------------------------------- json
+    def layer_json(self, layer: Layer) -> dict[str, Any]:
+        specs = self.factors.get(layer.name)
+        return {
+            "name": layer.name,
+            "kind": layer.kind,
+            "pattern": layer.pattern,
+            "params": list(layer.params),
+            "uses": [{"nodes": list(u.nodes), "input": u.input, "output": u.output} for u in layer.uses],
+            "attrs": _jsonable(layer.attrs),
+            "approximation": layer.approximation,
+            "factors": None if specs is None else [factor_json(s) for s in specs],
+            "notes": list(layer.notes),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan.json document (without the subgraph file entries save() adds)."""
+        return {
+            "schema_version": self.schema_version,
+            "source": {"path": self.source_path, "sha256": self.source_sha256},
+            "model": MODEL_FILE,
+            "output": self.output,
+            "loss": _jsonable(self.loss),
+            "inputs": _jsonable(self.inputs),
+            "targets": _jsonable(self.targets),
+            "trainable": list(self.trainable),
+            "frozen": list(self.frozen),
+            "layers": [self.layer_json(l) for l in self.layers],
+            "estimator": _jsonable(self.estimator),
+            "schedule": _jsonable(self.schedule),
+            "dtype": self.dtype,
+            "totals": self.totals(),
+            "config": _jsonable(self.config),
+            "notes": list(self.notes),
+            "subgraphs": {name: self._subgraph_json(name) for name in self.subgraphs},
+        }
+
+    def _subgraph_json(self, name: str) -> dict[str, Any]:
+        """{file, inputs, outputs, reads, writes (state slots), info (subgraph_info verbatim)}."""
+        info = _jsonable(self.subgraph_info.get(name, {}))
+        reads = info.get("state_inputs", info.get("reads", []))
+        outs = info.get("state_outputs", info.get("writes", []))
+        writes = list(dict.fromkeys(outs.values())) if isinstance(outs, dict) else list(outs)
+        return {"file": f"{name}.onnx", **_io_json(self.subgraphs[name]), "reads": list(reads), "writes": writes, "info": info}
+
+    # -------------------------------------------------------------- save
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the plan directory atomically; returns its absolute path."""
+        path = os.path.abspath(os.fspath(path))
+        for name in self.subgraphs:
+            if not _SUBGRAPH_NAME.match(name) or name in ("model", "plan"):
+                raise PlanError(f"subgraph name {name!r} cannot be a file name in a plan directory")
+        if os.path.exists(path):
+            if not os.path.isdir(path):
+                raise PlanError(f"cannot save the plan to {path!r}: it is a file")
+            if not os.path.isfile(os.path.join(path, PLAN_FILE)) and os.listdir(path):
+                raise PlanError(
+                    f"refusing to overwrite {path!r}: it is a non-empty directory that is not a plan (no {PLAN_FILE})"
+                )
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+        try:
+            onnx.save(self.model, os.path.join(tmp, MODEL_FILE))
+            for name, sub in self.subgraphs.items():
+                onnx.save(sub, os.path.join(tmp, f"{name}.onnx"))
+            doc = self.to_json()
+            with open(os.path.join(tmp, PLAN_FILE), "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+            old = None
+            if os.path.exists(path):
+                old = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(path, old)
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if old is not None:
+                    os.rename(old, path)
+                raise
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            raise PlanError(f"cannot save the plan to {path!r}: {e.strerror or e}") from None
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+
+def factor_json(s: FactorSpec) -> dict[str, Any]:
+    return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "role": s.role, "bytes": s.nbytes}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
+    """Read a plan directory; PlanError if missing, of another schema version or stale."""
+    path = os.fspath(path)
+    pj = os.path.join(path, PLAN_FILE)
+    if not os.path.isdir(path):
+        raise PlanError(f"plan directory {path!r} does not exist")
+    if not os.path.isfile(pj):
+        raise PlanError(f"{path!r} is not a plan directory (no {PLAN_FILE})")
+    try:
+        with open(pj, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise PlanError(f"{pj!r} is not valid JSON ({' '.join(str(e).split())})") from None
+    version = doc.get("schema_version") if isinstance(doc, dict) else None
+    if version != SCHEMA_VERSION:
+        raise PlanError(
+            f"plan {path!r} has schema version {version!r}; this kfac_compiler reads version {SCHEMA_VERSION}: "
+            "recompile the model"
+        )
+    try:
+        source = doc["source"]
+        src_path, src_hash = source.get("path"), source.get("sha256", "")
+        if check_source and src_path and os.path.isfile(src_path):
+            now = file_sha256(src_path)
+            if now != src_hash:
+                raise PlanError(
+                    f"plan {path!r} is stale: its source model {src_path!r} changed since it was compiled "
+                    f"(sha256 {src_hash[:12]} then, {now[:12]} now); recompile"
+                )
+        model_file = os.path.join(path, doc.get("model", MODEL_FILE))
+        if not os.path.isfile(model_file):
+            raise PlanError(f"plan {path!r} is incomplete: {os.path.basename(model_file)!r} is missing")
+        model = _load_onnx(model_file, path)
+        layers, factors = [], {}
+        for ld in doc["layers"]:
+            layer = Layer(
+                name=ld["name"],
+                kind=ld["kind"],
+                params=tuple(ld["params"]),
+                uses=tuple(LayerUse(tuple(u["nodes"]), u["input"], u["output"]) for u in ld["uses"]),
+                attrs=_tuples(ld.get("attrs", {})),
+                approximation=ld.get("approximation"),
+                pattern=ld.get("pattern", ""),
+                notes=tuple(ld.get("notes", ())),
+            )
+            layers.append(layer)
+            fs = ld.get("factors")
+            factors[layer.name] = (
+                None
+                if fs is None
+                else [FactorSpec(f["name"], tuple(f["shape"]), f.get("dtype", "float32"), f.get("role", "")) for f in fs]
+            )
+        subgraphs, info = {}, {}
+        for name, entry in doc.get("subgraphs", {}).items():
+            file = os.path.join(path, entry.get("file", f"{name}.onnx"))
+            if not os.path.isfile(file):
+                raise PlanError(f"plan {path!r} is incomplete: subgraph file {os.path.basename(file)!r} is missing")
+            subgraphs[name] = _load_onnx(file, path)
+            info[name] = entry.get("info", {})
+        return Plan(
+            model=model,
+            output=doc["output"],
+            loss=doc["loss"],
+            inputs=doc["inputs"],
+            targets=doc["targets"],
+            trainable=list(doc["trainable"]),
+            frozen=list(doc["frozen"]),
+            layers=layers,
+            factors=factors,
+            estimator=doc.get("estimator", {}),
+            schedule=doc.get("schedule", {}),
+            dtype=doc.get("dtype", "float32"),
+            source_path=src_path,
+            source_sha256=src_hash,
+            config=doc.get("config", {}),
+            notes=list(doc.get("notes", [])),
+            subgraphs=subgraphs,
+            subgraph_info=info,
+            schema_version=version,
+        )
+    except (KeyError, TypeError, AttributeError) as e:
+        raise PlanError(f"{pj!r} is malformed (missing or bad entry {e}); recompile") from None
+
+
+def _load_onnx(file: str, plan_dir: str) -> onnx.ModelProto:
+    try:
+        return onnx.load(file)
+    except Exception as e:  # DecodeError and friends
+        raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} is unreadable ({type(e).__name__})") from None
+
+
+def value_spec(vi: onnx.ValueInfoProto) -> dict[str, Any]:
+    """{name, shape, dtype} of a ValueInfo (dims: int, symbolic name or None)."""
+    t = vi.type.tensor_type
+    shape = None
+    if t.HasField("shape"):
+        shape = []
+        for d in t.shape.dim:
+            shape.append(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None))
+    try:
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type).name if t.elem_type else None
+    except (KeyError, ValueError, TypeError):
+        dtype = onnx.TensorProto.DataType.Name(t.elem_type).lower()
+    return {"name": vi.name, "shape": shape, "dtype": dtype}
+
+
+def _io_json(model: onnx.ModelProto) -> dict[str, Any]:
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    return {
+        "inputs": [value_spec(v) for v in g.input if v.name not in inits],
+        "outputs": [value_spec(v) for v in g.output],
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):  # numpy scalars
+        return x.item()
+    if isinstance(x, bytes):
+        return x.decode()
+    return x
+
+
+def _tuples(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    return x

@@ -1,0 +1,494 @@
+"""Pass 1: canonicalize a model so that the pattern library sees one form of each layer.
+
+`canonicalize(model, output)` returns a NEW model (the input is never mutated) where
+  1. every node has a unique name (no clash with other nodes, initializers or inputs);
+  2. the graph is restricted to what feeds `output` (the only graph output), dead nodes,
+     unused inputs and initializers are dropped;
+  3. Identity, no-op Cast (to the type it already has) and inference-form Dropout are
+     collapsed (the output name is kept: the producer is renamed instead);
+  4. Gemm with transA=1 is rewritten as Transpose + Gemm(transA=0), so that every
+     fully connected layer has its input activations as a tensor of shape [batch, in];
+  5. constant subgraphs (nodes whose inputs are all Constant-node outputs or NON-float
+     initializers, e.g. shape arithmetic) are evaluated with onnx.reference and replaced
+     by Constant nodes; float initializers are never folded (they may be parameters);
+  6. shape inference (strict off, data_prop on) fills value_info; ir_version is pinned to
+     kfac_compiler.builder.IR_VERSION.
+
+`trainable_params(model, output, include, exclude)` splits the float initializers that reach
+`output` into (trainable, frozen). `recognise_loss(model, output)` detects a loss op at the
+end of the graph (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss(LogSoftmax), a mean
+squared difference) and returns the scores tensor, loss kind and labels input.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, helper, numpy_helper
+
+from kfac_compiler.builder import IR_VERSION
+from kfac_compiler.config import compile_patterns
+from kfac_compiler.errors import ConfigError, ModelError
+from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
+
+# Ops never folded: random, or with side effects / sequences.
+_NO_FOLD = {
+    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+    "Bernoulli", "If", "Loop", "Scan", "SequenceConstruct", "SequenceEmpty", "Dropout",
+}
+
+
+# ---------------------------------------------------------------------------- canonicalize
+def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
+    """The canonical copy of `model` restricted to `output` (see the module docstring)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    _name_nodes(m)
+    _restrict(m, output)
+    _rewrite_gemm_trans_a(m)
+    m = _infer(m, keep_going=True)
+    _collapse_noops(m, output)
+    _fold_constants(m, output)
+    _restrict(m, output)
+    m.ir_version = IR_VERSION
+    return _infer(m, keep_going=True)
+
+
+def _name_nodes(m: onnx.ModelProto) -> None:
+    g = m.graph
+    reserved = {t.name for t in g.initializer} | {i.name for i in g.input}
+    used: set[str] = set()
+    counters: dict[str, int] = {}
+    for node in g.node:
+        name = node.name
+        if not name or name in used or name in reserved:
+            base = name or node.op_type
+            k = counters.get(base, 0)
+            while True:
+                cand = f"{base}_{k}"
+                k += 1
+                if cand not in used and cand not in reserved:
+                    break
+            counters[base] = k
+            name = cand
+            node.name = name
+        used.add(name)
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Tensor names that nodes of `node`'s subgraphs (If/Loop/Scan bodies) read."""
+    names: set[str] = set()
+    for a in node.attribute:
+        graphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []
+        for sg in graphs:
+            for n in sg.node:
+                names.update(i for i in n.input if i)
+                names |= _subgraph_inputs(n)
+    return names
+
+
+def _restrict(m: onnx.ModelProto, output: str) -> None:
+    """Keep only what feeds `output`; make it the single graph output."""
+    g = m.graph
+    producer = {o: n for n in g.node for o in n.output if o}
+    needed_nodes: set[int] = set()
+    needed: set[str] = set()
+    index = {id(n): i for i, n in enumerate(g.node)}
+    stack = [output]
+    while stack:
+        t = stack.pop()
+        if t in needed:
+            continue
+        needed.add(t)
+        node = producer.get(t)
+        if node is None or index[id(node)] in needed_nodes:
+            continue
+        needed_nodes.add(index[id(node)])
+        stack.extend(i for i in node.input if i)
+        stack.extend(_subgraph_inputs(node))
+    out_vi = None
+    for vi in list(g.output) + list(g.value_info):
+        if vi.name == output:
+            out_vi = onnx.ValueInfoProto()
+            out_vi.CopyFrom(vi)
+            break
+    if out_vi is None:
+        out_vi = helper.make_empty_tensor_value_info(output)
+    nodes = [n for i, n in enumerate(g.node) if i in needed_nodes]
+    inits = [t for t in g.initializer if t.name in needed]
+    init_names = {t.name for t in inits}
+    inputs = [i for i in g.input if i.name in needed and i.name not in init_names]
+    vis = [v for v in g.value_info if v.name in needed and v.name != output]
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    del g.input[:]
+    g.input.extend(inputs)
+    del g.value_info[:]
+    g.value_info.extend(vis)
+    del g.output[:]
+    g.output.append(out_vi)
+    # sparse initializers are not parameters we support; keep those still used
+    sparse = [s for s in g.sparse_initializer if s.values.name in needed]
+    del g.sparse_initializer[:]
+    g.sparse_initializer.extend(sparse)
+
+
+def _rewrite_gemm_trans_a(m: onnx.ModelProto) -> None:
+    g = m.graph
+    taken = {n.name for n in g.node} | {o for n in g.node for o in n.output} | {t.name for t in g.initializer}
+    taken |= {i.name for i in g.input}
+    new_nodes = []
+    for node in g.node:
+        if node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and attrs_of(node).get("transA", 0):
+            t_out = _fresh(f"{node.name}/transA:0", taken)
+            t_name = _fresh(f"{node.name}/transA", taken)
+            new_nodes.append(helper.make_node("Transpose", [node.input[0]], [t_out], name=t_name, perm=[1, 0]))
+            node.input[0] = t_out
+            for a in node.attribute:
+                if a.name == "transA":
+                    a.i = 0
+        new_nodes.append(node)
+    del g.node[:]
+    g.node.extend(new_nodes)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    cand, k = name, 0
+    while cand in taken:
+        k += 1
+        cand = f"{name}_{k}"
+    taken.add(cand)
+    return cand
+
+
+def _elem_types(m: onnx.ModelProto) -> dict[str, int]:
+    g = m.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    for n in g.node:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    types[n.output[0]] = a.t.data_type
+    return types
+
+
+def _is_const_false(name: str, m: onnx.ModelProto) -> bool:
+    view = GraphView(m)
+    v = view.constant_value(name)
+    return v is not None and v.size == 1 and not bool(v.reshape(-1)[0])
+
+
+def _collapse_noops(m: onnx.ModelProto, output: str) -> None:
+    g = m.graph
+    types = _elem_types(m)
+    graph_sources = {i.name for i in g.input} | {t.name for t in g.initializer}
+    consumed = {i for n in g.node for i in n.input if i}
+    remove: set[int] = set()
+    rename: dict[str, str] = {}
+
+    def resolve(t: str) -> str:
+        while t in rename:
+            t = rename[t]
+        return t
+
+    for idx, node in enumerate(g.node):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        op = node.op_type
+        noop = False
+        if op == "Identity" and len(node.input) == 1:
+            noop = True
+        elif op == "Cast" and len(node.input) == 1:
+            src_type = types.get(node.input[0])
+            noop = src_type is not None and src_type != 0 and src_type == attrs_of(node).get("to")
+        elif op == "Dropout":
+            mask_used = len(node.output) > 1 and node.output[1] and (node.output[1] in consumed or node.output[1] == output)
+            training = node.input[2] if len(node.input) > 2 else ""
+            noop = not mask_used and (not training or _is_const_false(training, m))
+        if not noop:
+            continue
+        src, dst = resolve(node.input[0]), node.output[0]
+        if dst == output:
+            # keep the output name: rename src's producer output to dst instead
+            if src in graph_sources or src == output:
+                continue
+            prod = next((n for n in g.node if src in n.output), None)
+            if prod is None:
+                continue
+            for n in g.node:
+                for i, name in enumerate(n.input):
+                    if name == src:
+                        n.input[i] = dst
+                for i, name in enumerate(n.output):
+                    if name == src:
+                        n.output[i] = dst
+            for vi in g.value_info:
+                if vi.name == src:
+                    vi.name = dst
+            rename[src] = dst
+            remove.add(idx)
+            continue
+        rename[dst] = src
+        remove.add(idx)
+    if not remove:
+        return
+    nodes = []
+    for idx, node in enumerate(g.node):
+        if idx in remove:
+            continue
+        for i, name in enumerate(node.input):
+            if name:
+                node.input[i] = resolve(name)
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+    vis = [v for v in g.value_info if v.name not in rename]
+    del g.value_info[:]
+    g.value_info.extend(vis)
+
+
+def _fold_constants(m: onnx.ModelProto, output: str) -> None:
+    g = m.graph
+    const: set[str] = set()
+    const_nodes: dict[str, onnx.NodeProto] = {}
+    for t in g.initializer:
+        if t.data_type not in FLOAT_TYPES:
+            const.add(t.name)
+    fold: list[onnx.NodeProto] = []
+    for node in g.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            const.add(node.output[0])
+            const_nodes[node.output[0]] = node
+            continue
+        ins = [i for i in node.input if i]
+        if (
+            ins
+            and node.domain in ("", "ai.onnx")
+            and node.op_type not in _NO_FOLD
+            and not any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute)
+            and all(i in const for i in ins)
+            and output not in node.output
+        ):
+            fold.append(node)
+            const.update(o for o in node.output if o)
+    if not fold:
+        return
+    folded_ids = {id(n) for n in fold}
+    folded_outputs = {o for n in fold for o in n.output if o}
+    frontier = []
+    for node in g.node:
+        if id(node) in folded_ids:
+            continue
+        for i in node.input:
+            if i in folded_outputs and i not in frontier:
+                frontier.append(i)
+    if not frontier:
+        return
+    needed_inputs = {i for n in fold for i in n.input if i}
+    sub_nodes = [const_nodes[t] for t in const_nodes if t in needed_inputs] + fold
+    sub_inits = [t for t in g.initializer if t.name in needed_inputs]
+    sub = helper.make_graph(
+        sub_nodes, "fold", [], [helper.make_empty_tensor_value_info(t) for t in frontier], initializer=sub_inits
+    )
+    sub_model = helper.make_model(sub, opset_imports=list(m.opset_import))
+    sub_model.ir_version = m.ir_version or IR_VERSION
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        values = ReferenceEvaluator(sub_model).run(None, {})
+    except Exception as e:  # the reference evaluator may lack an op: keep the nodes
+        warnings.warn(f"constant folding skipped ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        return
+    taken = {n.name for n in g.node}
+    new_consts = []
+    for name, value in zip(frontier, values):
+        arr = np.asarray(value)
+        node_name = _fresh(f"{name}/folded", taken)
+        new_consts.append(
+            helper.make_node("Constant", [], [name], name=node_name, value=numpy_helper.from_array(arr, name))
+        )
+    nodes = new_consts + [n for n in g.node if id(n) not in folded_ids]
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def _infer(m: onnx.ModelProto, keep_going: bool) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as e:  # shape inference errors are not fatal: patterns check shapes they need
+        if not keep_going:
+            raise ModelError(f"shape inference failed: {' '.join(str(e).split())[:300]}") from None
+        warnings.warn(f"shape inference failed ({' '.join(str(e).split())[:200]}); continuing without shapes")
+        return m
+
+
+# ---------------------------------------------------------------------- trainable params
+def trainable_params(
+    model: onnx.ModelProto,
+    output: str,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """(trainable, frozen) float initializers that reach `output`, in initializer order.
+
+    include / exclude are parameter names or regexes (full match). BatchNormalization running
+    mean/var inputs are always frozen. A bad regex, a pattern matching no parameter, or an
+    empty trainable set is a ConfigError.
+    """
+    view = GraphView(model)
+    reach = _reaching(view, output)
+    candidates = [t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES and t.name in reach]
+    running = set()
+    for node in view.nodes:
+        if node.op_type == "BatchNormalization":
+            running.update(i for i in list(node.input)[3:5] if i)
+    inc = compile_patterns(include, "include") if include is not None else None
+    exc = compile_patterns(exclude or [], "exclude")
+
+    def hit(name: str, pats: list[str], rxs: list[re.Pattern]) -> list[bool]:
+        return [name == p or rx.fullmatch(name) is not None for p, rx in zip(pats, rxs)]
+
+    used_inc = [False] * len(include or [])
+    used_exc = [False] * len(exclude or [])
+    trainable, frozen = [], []
+    for name in candidates:
+        ok = name not in running
+        if inc is not None:
+            h = hit(name, include, inc)
+            used_inc = [a or b for a, b in zip(used_inc, h)]
+            ok = ok and any(h)
+        h = hit(name, exclude or [], exc)
+        used_exc = [a or b for a, b in zip(used_exc, h)]
+        ok = ok and not any(h)
+        (trainable if ok else frozen).append(name)
+    for what, pats, used in (("include", include or [], used_inc), ("exclude", exclude or [], used_exc)):
+        for p, u in zip(pats, used):
+            if not u:
+                raise ConfigError(
+                    f"{what}: {p!r} matches no parameter reaching {output!r} "
+                    f"(parameters: {', '.join(candidates[:12])}{', ...' if len(candidates) > 12 else ''})"
+                )
+    if not trainable:
+        raise ConfigError(f"no trainable parameters reach {output!r} after include/exclude")
+    return trainable, frozen
+
+
+def _reaching(view: GraphView, output: str) -> set[str]:
+    seen: set[str] = set()
+    done: set[str] = set()
+    stack = [output]
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        node = view.producer.get(t)
+        if node is not None and node.name not in done:
+            done.add(node.name)
+            stack.extend(i for i in node.input if i)
+            stack.extend(_subgraph_inputs(node))
+    return seen
+
+
+# ------------------------------------------------------------------------- loss ops
+@dataclass(frozen=True)
+class RecognisedLoss:
+    """A loss op found at the end of the graph."""
+
+    kind: str
+    scores: str  # the model output the compiler trains (the loss op's scores/prediction input)
+    target_input: str | None  # the graph input holding the labels/targets
+    op: str  # op type(s) recognised, e.g. "SoftmaxCrossEntropyLoss"
+    node: str  # node name of the loss op
+    notes: tuple[str, ...] = ()
+
+
+def recognise_loss(model: onnx.ModelProto, output: str) -> RecognisedLoss | None:
+    """Detect a loss op producing `output`; None if `output` is not a recognised loss."""
+    view = GraphView(model)
+    node = view.producer.get(output)
+    while node is not None and node.op_type in ("Identity",) and node.input:
+        node = view.producer.get(node.input[0])
+    if node is None:
+        return None
+    attrs = attrs_of(node)
+
+    def label_input(name: str) -> str:
+        return _trace_to_input(view, name)
+
+    notes: list[str] = []
+    if node.op_type == "SoftmaxCrossEntropyLoss":
+        notes.extend(_loss_notes(node, attrs))
+        return RecognisedLoss(
+            "softmax_cross_entropy", node.input[0], label_input(node.input[1]), node.op_type, node.name, tuple(notes)
+        )
+    if node.op_type == "NegativeLogLikelihoodLoss":
+        prev = view.producer.get(node.input[0])
+        if prev is not None and prev.op_type == "LogSoftmax":
+            notes.extend(_loss_notes(node, attrs))
+            return RecognisedLoss(
+                "softmax_cross_entropy", prev.input[0], label_input(node.input[1]),
+                "NegativeLogLikelihoodLoss(LogSoftmax)", node.name, tuple(notes),
+            )
+        return None
+    if node.op_type in ("ReduceMean", "ReduceSum"):
+        sq = view.producer.get(node.input[0])
+        diff = None
+        if sq is not None and sq.op_type == "Mul" and len(sq.input) == 2 and sq.input[0] == sq.input[1]:
+            diff = sq.input[0]
+        elif sq is not None and sq.op_type == "Pow":
+            e = view.constant_value(sq.input[1])
+            if e is not None and e.size == 1 and float(e.reshape(-1)[0]) == 2.0:
+                diff = sq.input[0]
+        sub = view.producer.get(diff) if diff else None
+        if sub is None or sub.op_type != "Sub":
+            return None
+        a, b = sub.input[0], sub.input[1]
+        inputs = set(view.graph_inputs)
+        ta, tb = label_input(a), label_input(b)
+        if tb in inputs and ta not in inputs:
+            pred, target = a, tb
+        elif ta in inputs and tb not in inputs:
+            pred, target = b, ta
+        else:
+            return None
+        if node.op_type == "ReduceSum":
+            notes.append("the graph sums the squared error; kfac_compiler uses the mean over examples")
+        else:
+            notes.append("the graph averages over every element; kfac_compiler averages over examples only")
+        return RecognisedLoss("squared_error", pred, target, f"{node.op_type}(({sq.op_type}) of Sub)", node.name, tuple(notes))
+    return None
+
+
+def _loss_notes(node: onnx.NodeProto, attrs: dict) -> list[str]:
+    notes = []
+    red = attrs.get("reduction", b"mean")
+    red = red.decode() if isinstance(red, bytes) else red
+    if red != "mean":
+        notes.append(f"loss op {node.name!r} uses reduction={red!r}; kfac_compiler uses the mean over examples")
+    if len(node.input) > 2 and node.input[2]:
+        notes.append(f"loss op {node.name!r} has class weights {node.input[2]!r}; they are ignored")
+    if "ignore_index" in attrs:
+        notes.append(f"loss op {node.name!r} has ignore_index={attrs['ignore_index']}; it is ignored")
+    return notes
+
+
+def _trace_to_input(view: GraphView, name: str) -> str:
+    """Follow single-data-input reshaping ops back to a graph input (else return `name`)."""
+    seen = 0
+    t = name
+    while seen < 16:
+        if t in view.graph_inputs:
+            return t
+        node = view.producer.get(t)
+        if node is None or node.op_type not in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape", "Flatten"):
+            return name
+        t = node.input[0]
+        seen += 1
+    return name

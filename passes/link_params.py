@@ -1,0 +1,260 @@
+"""Pass 3: link parameters into layers (one Fisher block each).
+
+Policies (docs/frontend.md, "Linking"):
+  * weight + bias of a match are linked into one layer;
+  * the matches of ONE weight with ONE kind (and the same attributes) become one layer with
+    several uses (an unrolled RNN's W_x: 8 uses); its bias is linked only if every use adds
+    the same bias, otherwise the bias is released (it gets its own generic layer);
+  * a bias linked to several different weights is released from all of them;
+  * a weight matched by several kinds (a tied embedding + output head) or with different
+    attributes gets ONE generic layer holding it with all its uses (approximation "diagonal"
+    by default) and a warning naming the parameter and the kinds;
+  * user links (config `links`, like TF K-FAC define_linked_parameters) take their parameters
+    out of every match and form one generic layer with the chosen approximation;
+  * every trainable parameter left over gets a generic layer of its own.
+Layer names: the weight's name with one trailing ".weight", ".kernel", ".scale", ".gamma",
+"/weight", "/kernel", "/scale", "/gamma" or "_weight" removed ("fc1.weight" -> "fc1",
+"enc1.kernel" -> "enc1", "ln1.scale" -> "ln1"); when that is empty or collides with another
+layer or parameter name, the full weight name. A user link is named by its `name` or by its
+parameters joined with "+". Layers are ordered by their first node in the graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Iterable
+
+import onnx
+
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.graph import GraphView
+from kfac_compiler.ir import Layer, LayerMatch, LayerUse
+
+WEIGHT_SUFFIXES = (".weight", ".kernel", ".scale", ".gamma", "/weight", "/kernel", "/scale", "/gamma", "_weight")
+# attrs that describe one use, not the layer (ignored when checking the uses agree)
+_PER_USE_ATTRS = ("scale_input",)
+
+
+def layer_base_name(weight: str) -> str:
+    """The readable layer name derived from a weight name (before collision checks)."""
+    for suffix in WEIGHT_SUFFIXES:
+        if weight.endswith(suffix) and len(weight) > len(suffix):
+            return weight[: -len(suffix)]
+    return weight
+
+
+def link_params(
+    matches: Iterable[LayerMatch],
+    trainable: Iterable[str],
+    user_links: Iterable[dict] = (),
+    model: onnx.ModelProto | None = None,
+    view: GraphView | None = None,
+) -> list[Layer]:
+    """Layers covering every trainable parameter exactly once (see the module docstring).
+
+    `model` (or `view`) gives the graph order and the consumer nodes that make the uses of
+    generic layers; without it generic layers have no uses and layers keep match order.
+    """
+    if view is None and model is not None:
+        view = GraphView(model)
+    trainable = list(trainable)
+    trainable_set = set(trainable)
+    matches = list(matches)
+    user_links = list(user_links)
+    order = {n.name: i for i, n in enumerate(view.nodes)} if view is not None else {}
+
+    # -- user links take their parameters out of the matches
+    linked: dict[str, int] = {}
+    for i, link in enumerate(user_links):
+        for p in link["params"]:
+            if p not in trainable_set:
+                raise ConfigError(
+                    f"links[{i}]: {p!r} is not a trainable parameter "
+                    f"(trainable: {', '.join(trainable[:12])}{', ...' if len(trainable) > 12 else ''})"
+                )
+            if p in linked:
+                raise ConfigError(f"links[{i}]: parameter {p!r} is already linked in links[{linked[p]}]")
+            linked[p] = i
+    kept: list[LayerMatch] = []
+    for m in matches:
+        if m.weight in linked:
+            continue
+        if m.bias is not None and m.bias in linked:
+            m = _drop_bias(m, view)
+        kept.append(m)
+
+    # -- group by weight
+    groups: dict[str, list[LayerMatch]] = {}
+    for m in kept:
+        groups.setdefault(m.weight, []).append(m)
+
+    layers: list[Layer] = []
+    generic_params: dict[str, tuple[str, ...]] = {}  # param -> notes
+    generic_attrs: dict[str, dict] = {}
+    weight_groups: dict[str, list[LayerMatch]] = {}
+    for w, ms in groups.items():
+        kinds = list(dict.fromkeys(m.kind for m in ms))
+        if len(kinds) > 1:
+            msg = (
+                f"parameter {w!r} is used as {' and '.join(kinds)} ({len(ms)} uses): it gets one generic "
+                "layer holding all its uses (approximation 'diagonal' unless configured; "
+                "link it yourself with config `links` to choose)"
+            )
+            warnings.warn(msg)
+            generic_params[w] = (msg,)
+            generic_attrs[w] = {"shared_kinds": tuple(kinds)}
+            continue
+        ref = _layer_attrs(ms[0])
+        odd = [m for m in ms if _layer_attrs(m) != ref]
+        if odd:
+            msg = (
+                f"parameter {w!r} is used by {kinds[0]} layers with different attributes "
+                f"({ref} vs {_layer_attrs(odd[0])}): it gets one generic layer"
+            )
+            warnings.warn(msg)
+            generic_params[w] = (msg,)
+            generic_attrs[w] = {"shared_kinds": tuple(kinds)}
+            continue
+        weight_groups[w] = ms
+
+    # -- biases: one consistent bias per weight, never shared between weights
+    bias_of: dict[str, str | None] = {}
+    notes: dict[str, list[str]] = {}
+    released: dict[str, str] = {}
+    for w, ms in weight_groups.items():
+        biases = [m.bias for m in ms]
+        if biases and all(b == biases[0] for b in biases) and biases[0] is not None:
+            bias_of[w] = biases[0]
+        else:
+            bias_of[w] = None
+            for b in dict.fromkeys(x for x in biases if x is not None):
+                why = f"bias {b!r} is not linked to {w!r}: not every use of {w!r} adds it"
+                released[b] = why
+                notes.setdefault(w, []).append(why)
+    owners: dict[str, list[str]] = {}
+    for w, b in bias_of.items():
+        if b is not None:
+            owners.setdefault(b, []).append(w)
+    for b, ws in owners.items():
+        if len(ws) > 1 or b in weight_groups or b in generic_params:
+            for w in ws:
+                bias_of[w] = None
+                why = f"bias {b!r} is not linked to {w!r}: it is also used with {', '.join(x for x in ws if x != w) or 'another layer'}"
+                released[b] = why
+                notes.setdefault(w, []).append(why)
+
+    for w, ms in weight_groups.items():
+        b = bias_of[w]
+        uses = []
+        for m in ms:
+            if b is None and m.bias is not None:
+                m = _drop_bias(m, view)
+            uses.append(m.use)
+        attrs = dict(ms[0].attrs)
+        layers.append(
+            Layer(
+                name="",
+                kind=ms[0].kind,
+                params=(w,) if b is None else (w, b),
+                uses=tuple(uses),
+                attrs=attrs,
+                pattern=",".join(dict.fromkeys(m.pattern for m in ms)),
+                notes=tuple(notes.get(w, ())),
+            )
+        )
+
+    # -- generic layers: shared/odd weights, released biases, unclaimed parameters
+    claimed = {p for layer in layers for p in layer.params} | set(linked)
+    for p in trainable:
+        if p in claimed:
+            continue
+        note = generic_params.get(p) or ((released[p],) if p in released else ())
+        layers.append(
+            Layer(
+                name="",
+                kind="generic",
+                params=(p,),
+                uses=_consumer_uses(p, view),
+                attrs=dict(generic_attrs.get(p, {})),
+                pattern="generic",
+                notes=tuple(note),
+            )
+        )
+    named_links: list[Layer] = []
+    for i, link in enumerate(user_links):
+        uses = tuple(u for p in link["params"] for u in _consumer_uses(p, view))
+        named_links.append(
+            Layer(
+                name=link.get("name") or "+".join(link["params"]),
+                kind="generic",
+                params=tuple(link["params"]),
+                uses=uses,
+                attrs={"linked_by_user": True},
+                approximation=link.get("approximation") or None,
+                pattern="user_link",
+            )
+        )
+
+    layers = _assign_names(layers, named_links, trainable)
+    if order:
+        layers.sort(key=lambda l: min((order.get(n, len(order)) for u in l.uses for n in u.nodes), default=len(order)))
+    return layers
+
+
+def _layer_attrs(m: LayerMatch) -> dict:
+    return {k: v for k, v in m.attrs.items() if k not in _PER_USE_ATTRS}
+
+
+def _drop_bias(m: LayerMatch, view: GraphView | None) -> LayerMatch:
+    """The match without its bias; a separate bias Add node is trimmed from the use."""
+    use = m.use
+    if view is not None and m.bias is not None:
+        for name in use.nodes:
+            node = view.node_by_name[name]
+            if node.op_type == "Add" and m.bias in node.input and name != use.nodes[0]:
+                other = [i for i in node.input if i != m.bias]
+                inner = {o for n in use.nodes if n != name for o in view.node_by_name[n].output}
+                if len(other) == 1 and other[0] in inner:
+                    use = LayerUse(
+                        nodes=tuple(n for n in use.nodes if n != name),
+                        input=use.input,
+                        output=use.output if use.output != node.output[0] else other[0],
+                    )
+                break
+    attrs = dict(m.attrs)
+    if "beta" in attrs:
+        attrs["beta"] = 1.0
+    return dataclasses.replace(m, bias=None, use=use, attrs=attrs)
+
+
+def _consumer_uses(param: str, view: GraphView | None) -> tuple[LayerUse, ...]:
+    if view is None:
+        return ()
+    uses = []
+    for node in view.consumers.get(param, []):
+        if any(u.nodes == (node.name,) for u in uses):
+            continue
+        uses.append(LayerUse(nodes=(node.name,), input=param, output=node.output[0]))
+    return tuple(uses)
+
+
+def _assign_names(layers: list[Layer], user_layers: list[Layer], trainable: list[str]) -> list[Layer]:
+    params = set(trainable)
+    fixed = [l.name for l in user_layers]
+    for name in fixed:
+        if fixed.count(name) > 1:
+            raise ConfigError(f"links: two links are named {name!r}")
+    base = [layer_base_name(l.weight) for l in layers]
+    counts: dict[str, int] = {}
+    for n in base + fixed:
+        counts[n] = counts.get(n, 0) + 1
+    out = []
+    for layer, name in zip(layers, base):
+        if counts[name] > 1 or (name in params and name != layer.weight):
+            name = layer.weight
+        out.append(dataclasses.replace(layer, name=name))
+    taken = {l.name for l in out}
+    for l in user_layers:
+        if l.name in taken:
+            raise ConfigError(f"links: the name {l.name!r} is already a layer name; choose another")
+    return out + list(user_layers)

@@ -1,0 +1,144 @@
+"""Pass 0: load and validate an ONNX model file.
+
+`load_model(path, output)` returns the ModelProto (external data loaded) or raises a
+one-line ModelError naming the file and the problem: missing file, not ONNX / truncated,
+unsupported opset, missing external-data file, no float initializers, unknown output.
+`validate_model(model, output, source)` runs the same checks on an in-memory model.
+"""
+from __future__ import annotations
+
+import os
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import TensorProto
+
+from kfac_compiler.builder import MAX_OPSET, MIN_OPSET
+from kfac_compiler.errors import ModelError
+from kfac_compiler.graph import FLOAT_TYPES, default_opset
+
+_MAX_LISTED = 12
+
+
+def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.ModelProto:
+    """Load `path` with its external data and validate it (see validate_model)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelError(f"model file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ModelError(f"model file {path!r} is a directory, not an ONNX file")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path!r} is not an ONNX model or is truncated ({_one_line(e)})") from None
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path!r}: {e.strerror or e}") from None
+    _check_looks_like_onnx(model, path)
+    base = os.path.dirname(os.path.abspath(path))
+    missing = sorted(
+        {loc for loc in _external_locations(model) if not os.path.isfile(os.path.join(base, loc))}
+    )
+    if missing:
+        raise ModelError(
+            f"{path!r}: external data file {missing[0]!r} is missing (expected next to the model in {base!r})"
+        )
+    if any(True for _ in _external_locations(model)):
+        try:
+            onnx.external_data_helper.load_external_data_for_model(model, base)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelError(f"{path!r}: cannot load external data ({_one_line(e)})") from None
+    validate_model(model, output, source=path)
+    return model
+
+
+def validate_model(model: onnx.ModelProto, output: str | None = None, source: str = "<model>") -> None:
+    """Check opset, parameters and the output name of an in-memory model."""
+    if not isinstance(model, onnx.ModelProto):
+        raise ModelError(f"{source}: expected an onnx.ModelProto, got {type(model).__name__}")
+    _check_looks_like_onnx(model, source)
+    opset = default_opset(model)
+    if opset == 0:
+        raise ModelError(f"{source!r} imports no default-domain (ai.onnx) opset")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ModelError(
+            f"{source!r} uses opset {opset}; supported opsets are {MIN_OPSET}..{MAX_OPSET} "
+            f"(convert with onnx.version_converter.convert_version(model, {max(min(opset, MAX_OPSET), MIN_OPSET)}))"
+        )
+    _check_structure(model, source)
+    g = model.graph
+    if not any(t.data_type in FLOAT_TYPES for t in g.initializer):
+        raise ModelError(
+            f"{source!r} has no float initializers, so there are no parameters to train "
+            "(weights stored as Constant nodes? re-export with parameters as initializers)"
+        )
+    check_output(model, output, source)
+
+
+def check_output(model: onnx.ModelProto, output: str | None, source: str = "<model>") -> str:
+    """The output to compile for: `output` if it names a tensor, the only graph output if None."""
+    g = model.graph
+    outputs = [o.name for o in g.output]
+    if output is None:
+        if len(outputs) == 1:
+            return outputs[0]
+        if not outputs:
+            raise ModelError(f"{source!r} has no graph outputs; name a tensor with --output")
+        raise ModelError(
+            f"{source!r} has {len(outputs)} outputs ({_listing(outputs)}); choose one with --output"
+        )
+    tensors = {o for n in g.node for o in n.output if o}
+    if output in outputs or output in tensors:
+        return output
+    others = [t for n in g.node for t in n.output if t and t not in outputs]
+    raise ModelError(
+        f"{source!r} has no tensor named {output!r}; graph outputs: {_listing(outputs)}"
+        + (f"; other tensors: {_listing(others)}" if others else "")
+    )
+
+
+def _check_structure(model: onnx.ModelProto, source: str) -> None:
+    """Every node input is defined before use (graph input, initializer or earlier output).
+
+    (onnx.checker is stricter than ONNX Runtime about e.g. missing output shapes, so the
+    front end checks only what it relies on.)
+    """
+    g = model.graph
+    defined = {i.name for i in g.input} | {t.name for t in g.initializer}
+    defined |= {s.values.name for s in g.sparse_initializer}
+    produced_later = {o for n in g.node for o in n.output if o}
+    for node in g.node:
+        for name in node.input:
+            if name and name not in defined:
+                where = "is produced only after it" if name in produced_later else "is not defined anywhere"
+                raise ModelError(
+                    f"{source!r} is not a valid ONNX model: input {name!r} of node "
+                    f"{node.name or node.op_type!r} {where}"
+                )
+        defined.update(o for o in node.output if o)
+
+
+def _check_looks_like_onnx(model: onnx.ModelProto, source: str) -> None:
+    if model.ir_version == 0 and not model.opset_import and len(model.graph.node) == 0:
+        raise ModelError(f"{source!r} is not an ONNX model (empty or not a ModelProto)")
+    if len(model.graph.node) == 0:
+        raise ModelError(f"{source!r} has an empty graph (no nodes)")
+
+
+def _external_locations(model: onnx.ModelProto):
+    for t in onnx.external_data_helper._get_all_tensors(model):
+        if t.HasField("data_location") and t.data_location == TensorProto.EXTERNAL:
+            for entry in t.external_data:
+                if entry.key == "location":
+                    yield entry.value
+
+
+def _listing(names: list[str]) -> str:
+    if not names:
+        return "(none)"
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] + ("..." if len(text) > 300 else "")

@@ -1,0 +1,324 @@
+"""canonicalize / trainable_params / recognise_loss."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from kfac_compiler.builder import IR_VERSION
+from kfac_compiler.errors import ConfigError, ModelError, UnsupportedOpError
+from kfac_compiler.frontend import compile_frontend
+from kfac_compiler.graph import GraphView
+from kfac_compiler.models import ZOO, get_model
+from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss, trainable_params
+
+F = TensorProto.FLOAT
+
+
+def mk(nodes, inputs, inits, outputs=("y",), opset=17):
+    ins = [v if isinstance(v, onnx.ValueInfoProto) else helper.make_tensor_value_info(k, F, v) for k, v in inputs.items()]
+    outs = [o if isinstance(o, onnx.ValueInfoProto) else helper.make_tensor_value_info(o, F, None) for o in outputs]
+    g = helper.make_graph(nodes, "t", ins, outs,
+                          initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def const(name, value):
+    return helper.make_node("Constant", [], [name], name=f"{name}/const", value=numpy_helper.from_array(np.asarray(value), name))
+
+
+def run(model, feeds, output=None):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run([output] if output else None, feeds)[0]
+
+
+def ops(model):
+    return [n.op_type for n in model.graph.node]
+
+
+W = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+
+
+def test_input_is_not_mutated_and_ir_version_is_pinned():
+    m = get_model("transformer_block")
+    m.ir_version = 9
+    before = m.SerializeToString()
+    c = canonicalize(m, "logits")
+    assert m.SerializeToString() == before
+    assert c.ir_version == IR_VERSION
+    assert [o.name for o in c.graph.output] == ["logits"]
+
+
+def test_nodes_get_unique_names():
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("Relu", ["r"], ["r2"], name="dup"),
+        helper.make_node("Relu", ["r2"], ["r3"], name="dup"),
+        helper.make_node("Relu", ["r3"], ["y"], name="W"),  # clashes with the initializer
+    ]
+    c = canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y")
+    names = [n.name for n in c.graph.node]
+    assert all(names) and len(set(names)) == len(names)
+    assert "W" not in names and names.count("dup") == 1
+    GraphView(c).to_networkx()  # one vertex per node and per initializer
+
+
+def test_identity_cast_dropout_collapse():
+    nodes = [
+        helper.make_node("Identity", ["x"], ["x1"], name="id0"),
+        helper.make_node("Cast", ["x1"], ["x2"], name="cast_noop", to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["x2", "W"], ["h"], name="mm"),
+        helper.make_node("Dropout", ["h"], ["d"], name="drop"),
+        helper.make_node("Cast", ["d"], ["dd"], name="cast_real", to=TensorProto.DOUBLE),
+        helper.make_node("Cast", ["dd"], ["d2"], name="cast_back", to=TensorProto.FLOAT),
+        helper.make_node("Identity", ["d2"], ["y"], name="id_out"),
+    ]
+    m = mk(nodes, {"x": ["N", 4]}, {"W": W})
+    c = canonicalize(m, "y")
+    assert ops(c) == ["MatMul", "Cast", "Cast"]
+    assert c.graph.node[0].input[0] == "x"
+    assert c.graph.node[-1].output[0] == "y"  # output name kept: the producer was renamed
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(run(c, {"x": x}), run(m, {"x": x}), rtol=1e-6)
+
+
+def test_identity_from_input_to_output_is_kept():
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Identity", ["x"], ["y"], name="id")]
+    m = mk(nodes, {"x": ["N", 4]}, {"W": W}, outputs=("y", "h"))
+    c = canonicalize(m, "y")
+    assert ops(c) == ["Identity"]
+
+
+def test_dropout_kept_when_training_or_mask_used():
+    train = const("t", np.array(True))
+    nodes = [train, helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Dropout", ["h", "", "t"], ["y"], name="drop")]
+    assert "Dropout" in ops(canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y"))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Dropout", ["h"], ["d", "mask"], name="drop"),
+             helper.make_node("Cast", ["mask"], ["mf"], name="c", to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["d", "mf"], ["y"], name="mul")]
+    assert "Dropout" in ops(canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y"))
+    false = const("f", np.array(False))
+    nodes = [false, helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Dropout", ["h", "", "f"], ["y"], name="drop")]
+    assert ops(canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y")) == ["MatMul"]
+
+
+def test_constant_subgraphs_are_folded_but_float_initializers_never():
+    nodes = [
+        const("c_a", np.array([2], np.int64)),
+        helper.make_node("Mul", ["c_a", "three"], ["prod"], name="shape_mul"),  # int initializer
+        helper.make_node("Concat", ["minus1", "prod"], ["shape"], name="shape_cat", axis=0),
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+        helper.make_node("Reshape", ["h", "shape"], ["r"], name="reshape"),
+        const("two", np.array(2.0, np.float32)),
+        helper.make_node("Mul", ["scale", "two"], ["scale2"], name="scale_mul"),  # float init: kept
+        helper.make_node("Mul", ["r", "scale2"], ["y"], name="out"),
+    ]
+    inits = {"W": np.ones((4, 6), np.float32), "three": np.array([3], np.int64),
+             "minus1": np.array([-1], np.int64), "scale": np.float32(0.5)}
+    m = mk(nodes, {"x": ["N", 4]}, inits)
+    c = canonicalize(m, "y")
+    assert "Concat" not in ops(c) and "shape_mul" not in [n.name for n in c.graph.node]
+    view = GraphView(c)
+    assert view.producer["shape"].op_type == "Constant"
+    np.testing.assert_array_equal(view.constant_value("shape"), [-1, 6])
+    assert "scale_mul" in [n.name for n in c.graph.node]
+    assert {t.name for t in c.graph.initializer} == {"W", "scale"}  # int initializers folded away
+    assert view.shape("r") == (None, 6) or view.shape("r")[-1] == 6  # data_prop / folding gives the shape
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(run(c, {"x": x}), run(m, {"x": x}), rtol=1e-6)
+
+
+def test_restrict_to_output_drops_dead_code_and_unused_inputs():
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+        helper.make_node("Sigmoid", ["h"], ["z"], name="sig"),
+        helper.make_node("Add", ["z", "other"], ["w"], name="add"),
+        helper.make_node("Tanh", ["x"], ["dead"], name="dead"),
+    ]
+    m = mk(nodes, {"x": ["N", 4], "other": ["N", 3]}, {"W": W, "V": np.ones(3, np.float32)}, outputs=("y", "w"))
+    c = canonicalize(m, "h")
+    assert ops(c) == ["MatMul"]
+    assert [o.name for o in c.graph.output] == ["h"]
+    assert [i.name for i in c.graph.input] == ["x"]
+    assert [t.name for t in c.graph.initializer] == ["W"]
+    assert GraphView(c).shape("h") == ("N", 3)
+
+
+def test_value_info_has_shapes_and_canonicalize_is_idempotent():
+    c = canonicalize(get_model("small_cnn"), "logits")
+    view = GraphView(c)
+    assert view.shape("pool1/MaxPool:0") == ("N", 8, 4, 4)
+    again = canonicalize(c, "logits")
+    assert [(n.name, n.op_type, list(n.input), list(n.output)) for n in again.graph.node] == [
+        (n.name, n.op_type, list(n.input), list(n.output)) for n in c.graph.node]
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_canonical_zoo_models_compute_the_same(name):
+    entry = ZOO[name]
+    m = entry.build()
+    c = canonicalize(m, "logits")
+    inputs, _ = entry.make_data(n=5)
+    np.testing.assert_allclose(run(c, inputs), run(m, inputs), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depth=st.integers(1, 4), width=st.integers(1, 6), noise=st.lists(st.sampled_from(["Identity", "Cast", "Dropout", "none"]), min_size=4, max_size=4))
+def test_canonicalize_preserves_random_mlps(depth, width, noise):
+    rng = np.random.default_rng(depth * 10 + width)
+    nodes, inits, x = [], {}, "x"
+    d_in = 3
+    for i in range(depth):
+        inits[f"l{i}.weight"] = rng.standard_normal((d_in, width)).astype(np.float32)
+        nodes.append(helper.make_node("MatMul", [x, f"l{i}.weight"], [f"m{i}"], name=f"l{i}/mm"))
+        x = f"m{i}"
+        kind = noise[i % len(noise)]
+        if kind != "none":
+            attrs = {"to": TensorProto.FLOAT} if kind == "Cast" else {}
+            nodes.append(helper.make_node(kind, [x], [f"n{i}"], **attrs))
+            x = f"n{i}"
+        nodes.append(helper.make_node("Tanh", [x], [f"t{i}"], name=f"l{i}/tanh"))
+        x, d_in = f"t{i}", width
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    m = mk(nodes, {"x": ["N", 3]}, inits)
+    c = canonicalize(m, "y")
+    assert "Identity" not in ops(c) and "Dropout" not in ops(c)
+    assert trainable_params(c, "y")[0] == [f"l{i}.weight" for i in range(depth)]
+    xv = rng.standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_allclose(run(c, {"x": xv}), run(m, {"x": xv}), rtol=1e-6)
+
+
+# ----------------------------------------------------------------- trainable params
+def test_trainable_params_include_exclude():
+    c = canonicalize(get_model("mlp_classifier"), "logits")
+    all_p = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
+    assert trainable_params(c, "logits") == (all_p, [])
+    tr, fr = trainable_params(c, "logits", exclude=[r".*\.bias"])
+    assert tr == ["fc1.weight", "fc2.weight", "fc3.weight"] and fr == ["fc1.bias", "fc2.bias", "fc3.bias"]
+    tr, fr = trainable_params(c, "logits", include=["fc3.weight", r"fc2\..*"], exclude=["fc2.bias"])
+    assert tr == ["fc2.weight", "fc3.weight"]
+    assert fr == ["fc1.weight", "fc1.bias", "fc2.bias", "fc3.bias"]
+    # parameters that do not reach the output are neither
+    tr, fr = trainable_params(c, "fc1/Gemm:0")
+    assert (tr, fr) == (["fc1.weight", "fc1.bias"], [])
+
+
+def test_trainable_params_errors():
+    c = canonicalize(get_model("mlp_classifier"), "logits")
+    with pytest.raises(ConfigError, match=r"bad regular expression '\(fc'"):
+        trainable_params(c, "logits", exclude=["(fc"])
+    with pytest.raises(ConfigError, match="include: 'fc9.*' matches no parameter"):
+        trainable_params(c, "logits", include=["fc9.*"])
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        trainable_params(c, "logits", exclude=[".*"])
+
+
+def test_batch_norm_running_stats_never_trainable():
+    c = canonicalize(get_model("depthwise_cnn"), "logits")
+    tr, fr = trainable_params(c, "logits", include=[r"bn1\..*"])
+    assert tr == ["bn1.scale", "bn1.bias"]
+    assert "bn1.running_mean" in fr and "bn1.running_var" in fr
+
+
+# ------------------------------------------------------------------------ losses
+def _with_sce(model):
+    g = model.graph
+    g.input.append(helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"]))
+    g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"], name="loss/sce",
+                                   reduction="mean"))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("loss", F, []))
+    return model
+
+
+def test_recognise_softmax_cross_entropy_loss():
+    m = _with_sce(get_model("mlp_classifier"))
+    rec = recognise_loss(m, "loss")
+    assert (rec.kind, rec.scores, rec.target_input, rec.op) == ("softmax_cross_entropy", "logits", "labels", "SoftmaxCrossEntropyLoss")
+    plan = compile_frontend(m, None)
+    assert plan.output == "logits" and plan.loss["kind"] == "softmax_cross_entropy"
+    assert plan.loss["recognised_from"] == "SoftmaxCrossEntropyLoss"
+    assert plan.targets["from_input"] == "labels" and plan.targets["dtype"] == "int64"
+    assert [i["name"] for i in plan.inputs] == ["input"]
+    assert [l.name for l in plan.layers] == ["fc1", "fc2", "fc3"]
+    # the same loss kind may be given; another one is an error
+    assert compile_frontend(m, "softmax_cross_entropy").output == "logits"
+    with pytest.raises(ConfigError, match="ends in a SoftmaxCrossEntropyLoss loss .* but loss 'squared_error'"):
+        compile_frontend(m, "squared_error")
+
+
+def test_recognise_nll_of_log_softmax():
+    m = get_model("mlp_classifier")
+    g = m.graph
+    g.input.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["N"]))
+    g.node.extend([helper.make_node("LogSoftmax", ["logits"], ["lp"], name="lsm", axis=1),
+                   helper.make_node("NegativeLogLikelihoodLoss", ["lp", "y"], ["loss"], name="nll")])
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("loss", F, []))
+    rec = recognise_loss(m, "loss")
+    assert (rec.kind, rec.scores, rec.target_input) == ("softmax_cross_entropy", "logits", "y")
+
+
+@pytest.mark.parametrize("square", ["Mul", "Pow"])
+@pytest.mark.parametrize("pred_first", [True, False])
+def test_recognise_mean_squared_error(square, pred_first):
+    m = get_model("digits_autoencoder")
+    g = m.graph
+    g.input.append(helper.make_tensor_value_info("target", F, ["N", 64]))
+    sub = ["logits", "target"] if pred_first else ["target", "logits"]
+    nodes = [helper.make_node("Sub", sub, ["d"], name="sub")]
+    if square == "Mul":
+        nodes.append(helper.make_node("Mul", ["d", "d"], ["d2"], name="sq"))
+    else:
+        nodes += [const("p2", np.array(2.0, np.float32)), helper.make_node("Pow", ["d", "p2"], ["d2"], name="sq")]
+    nodes.append(helper.make_node("ReduceMean", ["d2"], ["mse"], name="mse", keepdims=0))
+    g.node.extend(nodes)
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("mse", F, []))
+    rec = recognise_loss(m, "mse")
+    assert (rec.kind, rec.scores, rec.target_input) == ("squared_error", "logits", "target")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile_frontend(m, None, config={"loss_variance": 0.5})
+    assert plan.loss["kind"] == "squared_error" and plan.loss["variance"] == 0.5
+    assert plan.targets == {"name": "targets", "shape": ["N", 64], "dtype": "float32", "from_input": "target"}
+
+
+def test_scalar_output_without_recognised_loss_is_an_error():
+    m = get_model("mlp_classifier")
+    g = m.graph
+    g.node.append(helper.make_node("ReduceSum", ["logits"], ["s"], name="rs", keepdims=0))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("s", F, []))
+    with pytest.raises(ModelError, match="output 's' is a scalar"):
+        compile_frontend(m, "squared_error")
+    with pytest.raises(ConfigError, match="no loss given"):
+        compile_frontend(m, None)
+
+
+def test_sce_with_classes_not_last_is_rejected():
+    m = get_model("transformer_block")
+    g = m.graph
+    g.node.append(helper.make_node("Transpose", ["logits"], ["scores"], name="tr", perm=[0, 2, 1]))
+    g.input.append(helper.make_tensor_value_info("labels", TensorProto.INT64, ["N", 8]))
+    g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], name="sce"))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("loss", F, []))
+    with pytest.raises(UnsupportedOpError, match="class axis last"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile_frontend(m, None)

@@ -1,0 +1,200 @@
+"""The command line (main(argv) + capsys) and config files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kfac_compiler.cli import main
+from kfac_compiler.config import CompileConfig, load_config
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.models import save_model
+
+
+@pytest.fixture()
+def models(tmp_path):
+    return {name: save_model(name, tmp_path / f"{name}.onnx") for name in ("mlp_classifier", "transformer_block", "depthwise_cnn")}
+
+
+def err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [l for l in err if l.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def test_compile_and_inspect(tmp_path, models, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", models["mlp_classifier"], "--loss", "softmax_cross_entropy", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fc1" in text and "A 65x65, G 128x128" in text and "plan written to" in text
+    files = sorted(p.name for p in out.iterdir())
+    assert "plan.json" in files and "model.onnx" in files
+    assert len(files) > 2, "the default compile also emits the training subgraphs"
+    assert main(["inspect", str(out)]) == 0
+    table = capsys.readouterr().out
+    lines = table.splitlines()
+    assert any(l.startswith("fc1 ") and "fully_connected" in l and "kron" in l for l in lines)
+    assert any(l.startswith("total (3 layers)") for l in lines)
+
+    assert main(["inspect", str(out), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [l["name"] for l in doc["layers"]] == ["fc1", "fc2", "fc3"]
+    fc1 = doc["layers"][0]
+    assert set(fc1) == {"name", "kind", "params", "uses", "approximation", "factors"}
+    assert fc1["params"] == ["fc1.weight", "fc1.bias"] and fc1["approximation"] == "kron"
+    assert fc1["uses"] == [{"nodes": ["fc1/Gemm"], "input": "input", "output": "fc1/Gemm:0"}]
+    assert fc1["factors"] == [
+        {"name": "A", "shape": [65, 65], "dtype": "float32", "bytes": 65 * 65 * 4},
+        {"name": "G", "shape": [128, 128], "dtype": "float32", "bytes": 128 * 128 * 4},
+    ]
+    assert doc["totals"]["layers"] == 3
+    assert doc["estimator"]["mode"] == "gradients" and doc["schedule"]["inverse"]["update_period"] == 20
+
+    assert main(["inspect", str(out), "--format", "dot"]) == 0
+    dot = capsys.readouterr().out
+    assert dot.startswith("digraph plan {") and '"fc1" -> "fc2";' in dot and '"input:input" -> "fc1";' in dot
+    assert '"fc3" -> "output:logits";' in dot and "#9ecae1" in dot
+
+
+def test_compile_options(tmp_path, models, capsys):
+    out = tmp_path / "plan"
+    cfg = tmp_path / "kfac.toml"
+    cfg.write_text(
+        'exclude = ["pos_emb"]\n'
+        "damping = 0.01\n"
+        "[approximations]\nscale_and_shift = \"diagonal\"\n"
+        "[layers]\n\"attn\\\\..*\" = \"kron_in_diag\"\n"
+        "[[links]]\nparams = [\"tok_emb\"]\napproximation = \"full\"\n"
+        "[inverse]\nmethod = \"eigh\"\nupdate_period = 5\n"
+    )
+    code = main(["compile", models["transformer_block"], "--loss", "softmax_cross_entropy", "--config", str(cfg),
+                 "--approx", "mlp.fc1=diagonal", "--approx", "fully_connected=kron_out_diag", "-o", str(out), "-q", "--frontend-only"])
+    assert code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    main(["inspect", str(out), "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    approx = {l["name"]: l["approximation"] for l in doc["layers"]}
+    assert approx == {
+        "tok_emb": "full", "ln1": "diagonal", "attn.q": "kron_in_diag", "attn.k": "kron_in_diag",
+        "attn.v": "kron_in_diag", "attn.proj": "kron_in_diag", "ln2": "diagonal", "mlp.fc1": "diagonal",
+        "mlp.fc2": "kron_out_diag", "lnf": "diagonal",
+    }
+    assert doc["schedule"]["damping"] == 0.01 and doc["schedule"]["inverse"] == {
+        "method": "eigh", "update_period": 5, "damping_split": "pi"}
+    code = main(["compile", models["mlp_classifier"], "--loss", "softmax_cross_entropy", "--exclude", r".*\.bias",
+                 "--include", "fc.*", "-o", str(tmp_path / "p2"), "-q", "--frontend-only"])
+    assert code == 0
+    capsys.readouterr()
+    main(["inspect", str(tmp_path / "p2"), "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert [l["params"] for l in doc["layers"]] == [["fc1.weight"], ["fc2.weight"], ["fc3.weight"]]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["compile", "{tmp}/missing.onnx", "--loss", "squared_error", "-o", "{tmp}/p"], "missing.onnx' does not exist"),
+        (["compile", "{mlp}", "--loss", "hinge", "-o", "{tmp}/p"], "unknown loss 'hinge'"),
+        (["compile", "{mlp}", "-o", "{tmp}/p"], "no loss given"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "--output", "nope", "-o", "{tmp}/p"], "no tensor named 'nope'"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "--approx", "conv", "-o", "{tmp}/p"], "expected KEY=APPROX"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "--approx", "fully_connected=full", "-o", "{tmp}/p"],
+         "approximations.fully_connected: 'full' is not allowed"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "--approx", "fc1=full", "-o", "{tmp}/p"],
+         "layer 'fc1' (fully_connected): approximation 'full'"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "--exclude", "(bad", "-o", "{tmp}/p"], "bad regular expression"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "--config", "{tmp}/nope.toml", "-o", "{tmp}/p"],
+         "config file"),
+        (["compile", "{mlp}", "--loss", "softmax_cross_entropy", "-o", "{tmp}/data"], "refusing to overwrite"),
+        (["inspect", "{tmp}/data"], "not a plan directory"),
+        (["inspect", "{tmp}/nowhere"], "does not exist"),
+        (["compile", "{mlp}"], "required: -o/--out"),
+        (["frobnicate"], "invalid choice"),
+        (["inspect", "{tmp}/data", "--format", "yaml"], "invalid choice"),
+    ],
+)
+def test_errors_exit_2_with_one_line(tmp_path, models, capsys, argv, expected):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.txt").write_text("x")
+    argv = [a.format(tmp=tmp_path, mlp=models["mlp_classifier"]) for a in argv]
+    if argv[0] == "compile":
+        argv.append("--frontend-only")
+    assert main(argv) == 2
+    line = err_line(capsys)
+    assert expected in line
+
+
+def test_warnings_are_printed(tmp_path, models, capsys):
+    assert main(["compile", models["transformer_block"], "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "p"), "-q",
+                 "--frontend-only"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: parameter 'tok_emb' is used as embedding and fully_connected" in err
+
+
+def test_stale_plan_is_an_error(tmp_path, models, capsys):
+    out = str(tmp_path / "plan")
+    assert main(["compile", models["mlp_classifier"], "--loss", "softmax_cross_entropy", "-o", out, "-q", "--frontend-only"]) == 0
+    save_model("mlp_classifier", models["mlp_classifier"], seed=3)
+    assert main(["inspect", out]) == 2
+    assert "stale" in err_line(capsys)
+
+
+def test_train_hook_is_not_implemented(capsys):
+    code = main(["train"])
+    assert isinstance(code, int)
+
+
+# ------------------------------------------------------------------------- config
+def test_config_toml_and_json(tmp_path):
+    t = tmp_path / "c.toml"
+    t.write_text('ema_decay = 0.9\n[estimator]\nmode = "empirical"\nnum_samples = 2\n[stats]\nupdate_period = 3\n')
+    cfg = load_config(t)
+    assert (cfg.ema_decay, cfg.estimator.mode, cfg.estimator.num_samples, cfg.stats.update_period) == (0.9, "empirical", 2, 3)
+    assert cfg.inverse.update_period == 20 and cfg.damping == 1e-3 and cfg.loss_variance == 1.0
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"dtype": "float64", "inverse": {"damping_split": "exact"}}))
+    cfg = load_config(j)
+    assert cfg.dtype == "float64" and cfg.inverse.damping_split == "exact"
+    assert load_config(None) == CompileConfig()
+    assert load_config({"damping": 0.1}).damping == 0.1
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"dampnig": 1}, "unknown key 'dampnig'"),
+        ({"inverse": {"methd": "eigh"}}, "unknown key 'inverse.methd'"),
+        ({"estimator": {"mode": "fisher"}}, "estimator.mode: unknown mode 'fisher'"),
+        ({"estimator": {"num_samples": 0}}, "estimator.num_samples: expected an integer >= 1"),
+        ({"inverse": {"method": "cholesky"}}, "inverse.method: unknown method 'cholesky'"),
+        ({"inverse": {"damping_split": "half"}}, "inverse.damping_split"),
+        ({"ema_decay": 1.0}, "ema_decay: 1.0 is outside [0.0, 1.0)"),
+        ({"damping": -1}, "damping: -1 is outside"),
+        ({"loss_variance": 0}, "loss_variance: 0 is outside"),
+        ({"dtype": "float16"}, "dtype: 'float16'"),
+        ({"exclude": "(x"}, "bad regular expression '(x'"),
+        ({"layers": {"[a": "kron"}}, "bad regular expression '[a'"),
+        ({"loss": "hinge"}, "unknown loss 'hinge'"),
+        ({"links": {"params": ["a"]}}, "links: expected a list"),
+    ],
+)
+def test_config_errors(data, expected):
+    with pytest.raises(ConfigError) as e:
+        CompileConfig.from_dict(data)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("damping = = 1\n")
+    with pytest.raises(ConfigError, match="bad.toml' is not valid TOML"):
+        load_config(bad)
+    badj = tmp_path / "bad.json"
+    badj.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(badj)
+    unknown = tmp_path / "u.toml"
+    unknown.write_text("[estimator]\nmodes = 'x'\n")
+    with pytest.raises(ConfigError, match="u.toml: unknown key 'estimator.modes'"):
+        load_config(unknown)

@@ -1,0 +1,285 @@
+"""link_params (weight sharing, biases, tied parameters, user links, names) and choose_blocks."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kfac_compiler.blocks import APPROXIMATIONS
+from kfac_compiler.config import CompileConfig
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.frontend import compile_frontend
+from kfac_compiler.graph import GraphView
+from kfac_compiler.ir import Layer, LayerUse
+from kfac_compiler.models import get_model
+from kfac_compiler.passes.canonicalize import canonicalize, trainable_params
+from kfac_compiler.passes.choose_blocks import allowed_approximations, choose_blocks
+from kfac_compiler.passes.link_params import layer_base_name, link_params
+from kfac_compiler.passes.match_layers import match_layers
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(1)
+
+
+def w(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def mk(nodes, inputs, inits, output="y"):
+    ins = [v if isinstance(v, onnx.ValueInfoProto) else helper.make_tensor_value_info(k, F, v) for k, v in inputs.items()]
+    g = helper.make_graph(nodes, "t", ins, [helper.make_tensor_value_info(output, F, None)],
+                          initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def link(model, output="y", links=(), config=None):
+    canon = canonicalize(model, output)
+    tr, _ = trainable_params(canon, output)
+    view = GraphView(canon)
+    layers = link_params(match_layers(canon, tr, view=view), tr, links, view=view)
+    return choose_blocks(layers, config)
+
+
+def table(layers):
+    return [(l.name, l.kind, l.params, l.num_uses, l.approximation) for l in layers]
+
+
+def shared_weight_model(bias2="b"):
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h1"], name="mm1"),
+        helper.make_node("Add", ["h1", "b"], ["a1"], name="add1"),
+        helper.make_node("Tanh", ["a1"], ["t1"], name="t1"),
+        helper.make_node("MatMul", ["t1", "W"], ["h2"], name="mm2"),
+        helper.make_node("Add", ["h2", bias2], ["y"], name="add2"),
+    ]
+    inits = {"W": w(4, 4), "b": w(4)}
+    if bias2 != "b":
+        inits[bias2] = w(4)
+    return mk(nodes, {"x": ["N", 4]}, inits)
+
+
+def test_same_weight_same_bias_is_one_multi_use_layer():
+    layers = link(shared_weight_model())
+    assert table(layers) == [("W", "fully_connected", ("W", "b"), 2, "kron_indep")]
+    assert [u.nodes for u in layers[0].uses] == [("mm1", "add1"), ("mm2", "add2")]
+
+
+def test_same_weight_different_biases_releases_the_biases():
+    layers = link(shared_weight_model("b2"))
+    assert table(layers) == [
+        ("W", "fully_connected", ("W",), 2, "kron_indep"),
+        ("b", "generic", ("b",), 1, "diagonal"),
+        ("b2", "generic", ("b2",), 1, "diagonal"),
+    ]
+    # the bias Adds are trimmed from the weight's uses
+    assert [u.nodes for u in layers[0].uses] == [("mm1",), ("mm2",)]
+    assert [u.output for u in layers[0].uses] == ["h1", "h2"]
+    assert any("'b'" in n for n in layers[0].notes)
+
+
+def test_bias_shared_by_two_weights_is_released():
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h1"], name="mm1"),
+        helper.make_node("Add", ["h1", "b"], ["a1"], name="add1"),
+        helper.make_node("MatMul", ["a1", "W2"], ["h2"], name="mm2"),
+        helper.make_node("Add", ["h2", "b"], ["y"], name="add2"),
+    ]
+    layers = link(mk(nodes, {"x": ["N", 4]}, {"W1": w(4, 4), "W2": w(4, 4), "b": w(4)}))
+    assert table(layers) == [
+        ("W1", "fully_connected", ("W1",), 1, "kron"),
+        ("b", "generic", ("b",), 2, "diagonal"),
+        ("W2", "fully_connected", ("W2",), 1, "kron"),
+    ]
+
+
+def test_parameter_shared_across_kinds_becomes_one_generic_layer_with_a_warning():
+    with pytest.warns(UserWarning, match=r"parameter 'tok_emb' is used as embedding and fully_connected"):
+        layers = link(canonicalize(get_model("transformer_block"), "logits"), "logits")
+    tok = layers[0]
+    assert (tok.name, tok.kind, tok.params, tok.num_uses, tok.approximation) == ("tok_emb", "generic", ("tok_emb",), 2, "diagonal")
+    assert tok.attrs["shared_kinds"] == ("embedding", "fully_connected")
+
+
+def test_same_kind_with_different_attributes_is_generic():
+    nodes = [
+        helper.make_node("Gemm", ["x", "W"], ["h"], name="g1", transB=1),
+        helper.make_node("MatMul", ["h", "W"], ["y"], name="mm"),
+    ]
+    with pytest.warns(UserWarning, match="different attributes"):
+        layers = link(mk(nodes, {"x": ["N", 4]}, {"W": w(4, 4)}))
+    assert table(layers) == [("W", "generic", ("W",), 2, "diagonal")]
+
+
+def test_user_links():
+    links = [{"params": ["W", "b"], "approximation": "full", "name": "both"}]
+    layers = link(shared_weight_model(), links=links)
+    assert table(layers) == [("both", "generic", ("W", "b"), 4, "full")]
+    assert layers[0].attrs["linked_by_user"] is True
+    # default name: the parameters joined with "+"; the remaining bias gets its own layer
+    layers = link(shared_weight_model("b2"), links=[{"params": ["W"], "approximation": "diagonal"}])
+    assert table(layers) == [
+        ("W", "generic", ("W",), 2, "diagonal"),
+        ("b", "generic", ("b",), 1, "diagonal"),
+        ("b2", "generic", ("b2",), 1, "diagonal"),
+    ]
+    assert layers[0].pattern == "user_link"
+    # linking only a bias leaves the weight layer without it
+    layers = link(shared_weight_model(), links=[{"params": ["b"], "approximation": "full"}])
+    assert table(layers) == [("W", "fully_connected", ("W",), 2, "kron_indep"), ("b", "generic", ("b",), 2, "full")]
+
+
+def test_user_link_errors():
+    with pytest.raises(ConfigError, match=r"links\[0\]: 'nope' is not a trainable parameter"):
+        link(shared_weight_model(), links=[{"params": ["nope"], "approximation": "full"}])
+    with pytest.raises(ConfigError, match=r"already linked in links\[0\]"):
+        link(shared_weight_model(), links=[{"params": ["W"], "approximation": "full"}, {"params": ["W"]}])
+    with pytest.raises(ConfigError, match="unknown key 'links\\[0\\].parms'"):
+        CompileConfig.from_dict({"links": [{"parms": ["W"]}]})
+    with pytest.raises(ConfigError, match="not allowed for linked parameters"):
+        CompileConfig.from_dict({"links": [{"params": ["W"], "approximation": "kron"}]})
+
+
+def test_tied_embedding_linked_by_user_through_config():
+    cfg = {"links": [{"params": ["tok_emb"], "approximation": "full"}]}
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        plan = compile_frontend(get_model("transformer_block"), "softmax_cross_entropy", config=cfg)
+    assert not [r for r in rec if "tok_emb" in str(r.message)]
+    tok = plan.layer("tok_emb")
+    assert (tok.kind, tok.approximation, tok.num_uses) == ("generic", "full", 2)
+
+
+def test_layer_names():
+    assert layer_base_name("fc1.weight") == "fc1"
+    assert layer_base_name("enc1.kernel") == "enc1"
+    assert layer_base_name("ln.scale") == "ln"
+    assert layer_base_name("dense/kernel") == "dense"
+    assert layer_base_name("conv_weight") == "conv"
+    assert layer_base_name(".weight") == ".weight"
+    assert layer_base_name("rnn.W_x") == "rnn.W_x"
+    # collisions fall back to the full weight name
+    nodes = [
+        helper.make_node("MatMul", ["x", "a.weight"], ["h"], name="mm1"),
+        helper.make_node("MatMul", ["h", "a.kernel"], ["h2"], name="mm2"),
+        helper.make_node("Mul", ["h2", "a"], ["y"], name="mul"),
+    ]
+    layers = link(mk(nodes, {"x": ["N", 4]}, {"a.weight": w(4, 4), "a.kernel": w(4, 4), "a": w(4)}))
+    assert [l.name for l in layers] == ["a.weight", "a.kernel", "a"]
+
+
+# --------------------------------------------------------------------- choose blocks
+def _layer(name, kind, uses=1):
+    return Layer(name=name, kind=kind, params=(name + ".w",), uses=tuple(LayerUse((f"n{i}",), "x", "y") for i in range(uses)))
+
+
+def test_default_approximations_are_the_first_menu_entry():
+    layers = [_layer("a", "fully_connected"), _layer("b", "fully_connected", 3), _layer("c", "conv"),
+              _layer("d", "conv", 2), _layer("e", "depthwise_conv"), _layer("f", "embedding"),
+              _layer("g", "scale_and_shift"), _layer("h", "generic")]
+    assert [l.approximation for l in choose_blocks(layers)] == [
+        "kron", "kron_indep", "kron", "kron_indep", "diagonal", "kron", "full", "diagonal"]
+    assert allowed_approximations(layers[1]) == APPROXIMATIONS["fully_connected_multi"]
+
+
+def test_overrides_per_kind_menu_key_and_layer():
+    layers = [_layer("fc1", "fully_connected"), _layer("fc2", "fully_connected"), _layer("rnn", "fully_connected", 4),
+              _layer("conv1", "conv")]
+    cfg = CompileConfig(approximations={"fully_connected": "diagonal", "fully_connected_multi": "kron_series_1"},
+                        layers={"fc2": "kron_in_diag", "conv.*": "diagonal"})
+    got = {l.name: l.approximation for l in choose_blocks(layers, cfg)}
+    assert got == {"fc1": "diagonal", "fc2": "kron_in_diag", "rnn": "kron_series_1", "conv1": "diagonal"}
+    # a per-kind choice applies to multi-use layers too when it is on their menu
+    cfg = CompileConfig(approximations={"fully_connected": "diagonal"})
+    assert choose_blocks([layers[2]], cfg)[0].approximation == "diagonal"
+
+
+def test_impossible_choices_name_the_layer_and_the_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        choose_blocks([_layer("rnn", "fully_connected", 3)], CompileConfig(approximations={"fully_connected": "kron"}))
+    msg = str(e.value)
+    assert "'rnn'" in msg and "kron_indep, kron_series_1, kron_series_2, diagonal" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="layer 'dw'.*choose one of diagonal"):
+        choose_blocks([_layer("dw", "depthwise_conv")], CompileConfig(layers={"dw": "kron"}))
+    with pytest.raises(ConfigError, match=r"layers\['nothing.\*'\] matches no layer"):
+        choose_blocks([_layer("a", "conv")], CompileConfig(layers={"nothing.*": "kron"}))
+    with pytest.raises(ConfigError, match="approximations.conv: 'full' is not allowed"):
+        CompileConfig.from_dict({"approximations": {"conv": "full"}})
+    with pytest.raises(ConfigError, match="unknown layer kind 'dense'"):
+        CompileConfig.from_dict({"approximations": {"dense": "kron"}})
+
+
+def test_frontend_applies_config_overrides():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile_frontend(get_model("unrolled_rnn"), "softmax_cross_entropy",
+                                config={"approximations": {"fully_connected_multi": "kron_series_2"},
+                                        "layers": {"out": "diagonal"}})
+    assert {l.name: l.approximation for l in plan.layers} == {
+        "rnn.W_x": "kron_series_2", "rnn.b": "diagonal", "rnn.W_h": "kron_series_2", "out": "diagonal"}
+
+
+# -------------------------------------------------------------------- factor specs
+def _block_or_skip(plan, layer):
+    from kfac_compiler.blocks.base import BLOCK_CLASSES
+
+    if (layer.approximation, layer.kind) not in BLOCK_CLASSES or plan.factors.get(layer.name) is None:
+        pytest.skip(f"Fisher block {layer.approximation!r} for {layer.kind} is not registered yet")
+    return {s.name: tuple(s.shape) for s in plan.factors[layer.name]}
+
+
+@pytest.fixture(scope="module")
+def zoo_plans():
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("mlp_classifier", "small_cnn", "depthwise_cnn", "transformer_block", "unrolled_rnn"):
+            out[name] = compile_frontend(get_model(name), "softmax_cross_entropy")
+    return out
+
+
+def test_factor_shapes_fully_connected(zoo_plans):
+    plan = zoo_plans["mlp_classifier"]
+    for name, (i, o) in {"fc1": (64, 128), "fc2": (128, 128), "fc3": (128, 10)}.items():
+        assert _block_or_skip(plan, plan.layer(name)) == {"A": (i + 1, i + 1), "G": (o, o)}
+    rnn = zoo_plans["unrolled_rnn"]
+    assert _block_or_skip(rnn, rnn.layer("rnn.W_x")) == {"A": (8, 8), "G": (32, 32)}  # no bias
+    assert _block_or_skip(rnn, rnn.layer("rnn.W_h")) == {"A": (32, 32), "G": (32, 32)}
+
+
+def test_factor_shapes_conv(zoo_plans):
+    plan = zoo_plans["small_cnn"]
+    assert _block_or_skip(plan, plan.layer("conv1")) == {"A": (1 * 9 + 1,) * 2, "G": (8, 8)}
+    assert _block_or_skip(plan, plan.layer("conv2")) == {"A": (8 * 9 + 1,) * 2, "G": (16, 16)}
+    dw = zoo_plans["depthwise_cnn"]
+    assert _block_or_skip(dw, dw.layer("conv1")) == {"A": (9, 9), "G": (8, 8)}  # no bias
+    assert _block_or_skip(dw, dw.layer("pwconv")) == {"A": (9, 9), "G": (16, 16)}
+
+
+def test_factor_shapes_diagonal_and_scale_and_shift(zoo_plans):
+    dw = zoo_plans["depthwise_cnn"]
+    layer = dw.layer("dwconv")
+    specs = _block_or_skip(dw, layer)
+    assert sum(math.prod(s) for s in specs.values()) == 8 * 9 + 8  # one entry per parameter
+    bn = dw.layer("bn1")
+    assert _block_or_skip(dw, bn) == {"full": (16, 16)}  # (2 * size)^2
+    tr = zoo_plans["transformer_block"]
+    assert _block_or_skip(tr, tr.layer("ln1")) == {"full": (32, 32)}
+    tok = tr.layer("tok_emb")
+    assert sum(math.prod(s) for s in _block_or_skip(tr, tok).values()) == 17 * 16
+
+
+def test_factor_shapes_embedding():
+    # an untied embedding: Gather on a 2-D initializer
+    node = helper.make_node("Gather", ["E", "ids"], ["y"], name="g", axis=0)
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 3])
+    plan = compile_frontend(mk([node], {"ids": ids}, {"E": w(11, 4)}), "squared_error")
+    layer = plan.layer("E")
+    assert layer.kind == "embedding"
+    assert _block_or_skip(plan, layer) == {"A": (11,), "G": (4, 4)}
+    assert plan.totals()["factor_bytes"] == (11 + 16) * 4

@@ -1,0 +1,172 @@
+"""Plan: save/load round trip, atomic save, schema-version and stale-model refusals."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from kfac_compiler.errors import PlanError
+from kfac_compiler.frontend import compile_frontend
+from kfac_compiler.models import save_model
+from kfac_compiler.plan import SCHEMA_VERSION, Plan, load_plan
+
+
+@pytest.fixture()
+def compiled(tmp_path):
+    model = save_model("depthwise_cnn", tmp_path / "model_src.onnx")
+    return compile_frontend(model, "softmax_cross_entropy", config={"damping": 1e-2}), model
+
+
+def _subgraph():
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")], "sub",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_round_trip(tmp_path, compiled):
+    plan, src = compiled
+    plan.subgraphs["train_step"] = _subgraph()
+    plan.subgraph_info["train_step"] = {"state_inputs": ["fc.weight"], "state_outputs": {"new/fc.weight": "fc.weight"}}
+    out = plan.save(tmp_path / "plan")
+    assert sorted(os.listdir(out)) == ["model.onnx", "plan.json", "train_step.onnx"]
+    doc = json.load(open(os.path.join(out, "plan.json")))
+    assert doc["schema_version"] == SCHEMA_VERSION
+    assert doc["source"]["path"] == os.path.abspath(src) and len(doc["source"]["sha256"]) == 64
+    assert doc["subgraphs"]["train_step"]["file"] == "train_step.onnx"
+    assert doc["subgraphs"]["train_step"]["inputs"] == [{"name": "x", "shape": ["N", 3], "dtype": "float32"}]
+    assert doc["subgraphs"]["train_step"]["reads"] == ["fc.weight"]
+    assert doc["subgraphs"]["train_step"]["writes"] == ["fc.weight"]
+    assert doc["subgraphs"]["train_step"]["info"]["state_outputs"] == {"new/fc.weight": "fc.weight"}
+    assert doc["schedule"]["damping"] == 0.01 and doc["estimator"] == {"mode": "gradients", "num_samples": 1}
+    layer0 = doc["layers"][0]
+    assert set(layer0) >= {"name", "kind", "pattern", "params", "uses", "approximation", "factors", "notes"}
+    assert layer0["uses"] == [{"nodes": ["conv1/Conv"], "input": "input", "output": "conv1/Conv:0"}]
+
+    back = load_plan(out)
+    assert back.layers == plan.layers
+    assert [l.attrs for l in back.layers] == [l.attrs for l in plan.layers]  # tuples restored
+    assert back.factors == plan.factors
+    assert back.model.SerializeToString() == plan.model.SerializeToString()
+    assert (back.output, back.loss, back.inputs, back.targets) == (plan.output, plan.loss, plan.inputs, plan.targets)
+    assert (back.trainable, back.frozen, back.estimator, back.schedule) == (plan.trainable, plan.frozen, plan.estimator, plan.schedule)
+    assert back.subgraph_info == plan.subgraph_info
+    assert back.subgraphs["train_step"].SerializeToString() == plan.subgraphs["train_step"].SerializeToString()
+    assert back.totals() == plan.totals()
+    assert set(back.blocks) == {l.name for l in back.layers}
+
+
+def test_save_replaces_an_existing_plan_and_refuses_other_directories(tmp_path, compiled):
+    plan, _ = compiled
+    target = tmp_path / "plan"
+    plan.save(target)
+    plan.subgraphs["extra"] = _subgraph()
+    plan.save(target)  # a plan directory is replaced as a whole
+    assert "extra.onnx" in os.listdir(target)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".plan")]  # no temp leftovers
+
+    other = tmp_path / "mydata"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(PlanError, match="refusing to overwrite .*mydata.* not a plan"):
+        plan.save(other)
+    assert (other / "precious.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    plan.save(empty)  # an empty directory holds nothing to clobber
+    assert (empty / "plan.json").exists()
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(PlanError, match="it is a file"):
+        plan.save(f)
+
+
+def test_bad_subgraph_name(tmp_path, compiled):
+    plan, _ = compiled
+    plan.subgraphs["../evil"] = _subgraph()
+    with pytest.raises(PlanError, match="cannot be a file name"):
+        plan.save(tmp_path / "plan")
+    assert not (tmp_path / "plan").exists()
+
+
+def test_schema_version_refused(tmp_path, compiled):
+    plan, _ = compiled
+    out = plan.save(tmp_path / "plan")
+    pj = os.path.join(out, "plan.json")
+    doc = json.load(open(pj))
+    doc["schema_version"] = SCHEMA_VERSION + 1
+    json.dump(doc, open(pj, "w"))
+    with pytest.raises(PlanError) as e:
+        load_plan(out)
+    msg = str(e.value)
+    assert f"schema version {SCHEMA_VERSION + 1}" in msg and "recompile" in msg and "\n" not in msg
+
+
+def test_changed_source_model_refused(tmp_path, compiled):
+    plan, src = compiled
+    out = plan.save(tmp_path / "plan")
+    load_plan(out)
+    save_model("depthwise_cnn", src, seed=1)  # other weights, same path
+    with pytest.raises(PlanError) as e:
+        load_plan(out)
+    assert "stale" in str(e.value) and "model_src.onnx" in str(e.value) and "\n" not in str(e.value)
+    assert load_plan(out, check_source=False).layers == plan.layers
+    os.remove(src)  # the source is gone: nothing to compare with, the plan loads
+    assert load_plan(out).layers == plan.layers
+
+
+def test_in_memory_model_plan(tmp_path):
+    from kfac_compiler.models import get_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile_frontend(get_model("transformer_block"), "softmax_cross_entropy")
+    assert plan.source_path is None and len(plan.source_sha256) == 64
+    back = load_plan(plan.save(tmp_path / "p"))
+    assert back.layers == plan.layers and back.notes == plan.notes
+
+
+def test_load_errors(tmp_path, compiled):
+    with pytest.raises(PlanError, match="does not exist"):
+        load_plan(tmp_path / "nowhere")
+    (tmp_path / "notplan").mkdir()
+    with pytest.raises(PlanError, match="not a plan directory"):
+        load_plan(tmp_path / "notplan")
+    plan, _ = compiled
+    out = plan.save(tmp_path / "plan")
+    with open(os.path.join(out, "plan.json"), "w") as f:
+        f.write("{ not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        load_plan(out)
+    out = plan.save(tmp_path / "plan2")
+    os.remove(os.path.join(out, "model.onnx"))
+    with pytest.raises(PlanError, match="'model.onnx' is missing"):
+        load_plan(out)
+    out = plan.save(tmp_path / "plan3")
+    doc = json.load(open(os.path.join(out, "plan.json")))
+    del doc["layers"]
+    json.dump(doc, open(os.path.join(out, "plan.json"), "w"))
+    with pytest.raises(PlanError, match="malformed"):
+        load_plan(out)
+
+
+def test_totals_and_param_shapes(compiled):
+    plan, _ = compiled
+    t = plan.totals()
+    assert t["layers"] == 5 and t["trainable_params"] == 9 and t["frozen_params"] == 2
+    assert t["param_elements"] == 72 + 16 + 80 + 144 + 2570
+    assert t["layers_by_kind"] == {"conv": 2, "scale_and_shift": 1, "depthwise_conv": 1, "fully_connected": 1}
+    if not t["layers_without_factors"]:
+        assert t["factor_bytes"] == sum(s.nbytes for specs in plan.factors.values() for s in specs)
+    assert plan.param_shapes["fc.weight"] == (10, 256)
+    assert isinstance(plan, Plan)
+    np.testing.assert_equal(len(plan.model.graph.node), len(onnx.load_from_string(plan.model.SerializeToString()).graph.node))
