@@ -39,6 +39,7 @@ class PlanParts:
     mode: str = "gradients"
     num_samples: int = 1
     inverse_method: str = "inverse_op"
+    blocks: dict[str, FisherBlock] | None = None
 
 
 def plan_parts(plan: Any) -> PlanParts:
@@ -57,6 +58,7 @@ def plan_parts(plan: Any) -> PlanParts:
         mode=est.get("mode", "gradients"),
         num_samples=int(est.get("num_samples", 1)),
         inverse_method=inv.get("method", "inverse_op"),
+        blocks=plan.blocks,
     )
 
 
@@ -97,8 +99,14 @@ class Emission:
                 em.info["data_inputs"].append(vi.name)
         for p in parts.params:
             em.state_input(p, tuple(view.shapes[p]), "param")
-        shapes = {p: tuple(view.shapes[p]) for t in parts.layers for p in t.params}
-        em.blocks = {layer.name: make_block(layer, shapes) for layer in parts.layers}
+        if parts.blocks is not None:
+            em.blocks = dict(parts.blocks)
+        else:
+            shapes = {p: tuple(view.shapes[p]) for t in parts.layers for p in t.params}
+            em.blocks = {
+                layer.name: make_block(layer, shapes, [view.shape(u.input) for u in layer.uses])
+                for layer in parts.layers
+            }
         return em
 
     # --------------------------------------------------------- interfaces
@@ -249,8 +257,9 @@ class Emission:
 
 
 def _init_of(spec) -> str:
-    """Inverse state starts as the identity (a no-op preconditioner until the first update)."""
-    return "identity"
+    """Inverse state starts as the identity (a no-op preconditioner until the first update)
+    unless the block's spec says otherwise."""
+    return spec.init or "identity"
 
 
 def _sum(b: GraphBuilder, terms: list[str]) -> str:
@@ -489,9 +498,6 @@ def _baseline_metrics(em: Emission, loss: str, update_sq: str, raw: dict, finite
     em.metric("finite", em.b.cast(finite, FLOAT))
 
 
-HOST_METHODS = ("eigh",)
-
-
 @subgraph("inverse_update")
 def _inverse_update(parts: PlanParts, method: str | None = None):
     em = Emission.start(parts)
@@ -501,18 +507,19 @@ def _inverse_update(parts: PlanParts, method: str | None = None):
     oks = []
     for layer in parts.layers:
         block = em.blocks[layer.name]
-        if method in HOST_METHODS or getattr(block, "host_inverse_only", False):
+        if block.inverse_is_host(method):
             continue
         factors = {
             s.name: em.state_input(f"factor/{layer.name}/{s.name}", s.shape, "zeros") for s in block.factor_specs()
         }
-        new = block.emit_inverse(b, factors, damping, method)
-        terms = [b.reduce_sum(t, None) for t in new.values()]
-        ok = em.finite(terms)
-        oks.append(b.cast(ok, FLOAT))
+        previous = {
+            s.name: em.state_input(f"inverse/{layer.name}/{s.name}", s.shape, _init_of(s)) for s in block.inverse_specs()
+        }
+        # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
+        new = block.emit_inverse(b, factors, damping, method, previous=previous)
+        oks.append(b.cast(new.ok, FLOAT))
         for s in block.inverse_specs():
-            slot = em.state_input(f"inverse/{layer.name}/{s.name}", s.shape, _init_of(s))
-            em.state_output(slot, b.op("Where", [ok, new[s.name], slot]))
+            em.state_output(previous[s.name], new[s.name])
     all_ok = b.op("Min", oks) if len(oks) > 1 else (oks[0] if oks else b.const(1.0))
     em.metric("inverse_ok", all_ok)
     return em.finish("inverse_update")

@@ -42,7 +42,7 @@ from kfac_compiler.errors import ConfigError
 
 LOSS_KINDS = ("softmax_cross_entropy", "sigmoid_cross_entropy", "squared_error")
 ESTIMATOR_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
-INVERSE_METHODS = ("inverse_op", "newton_schulz", "eigh")
+INVERSE_METHODS = ("inverse_op", "newton_schulz", "cholesky", "eigh")
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
 

@@ -100,6 +100,7 @@ class FactorSpec:
     shape: tuple[int, ...]
     dtype: str = "float32"
     role: str = ""  # "A", "G", "diag", "full", ...
+    init: str = ""  # initial value of an inverse-state slot: "" / "identity" or "zeros"
 
     @property
     def nbytes(self) -> int:

@@ -98,7 +98,12 @@ class Plan:
         shapes = self.param_shapes
         view = self.view()
         return {
-            l.name: make_block(l, {p: shapes[p] for p in l.params}, [view.shape(u.input) for u in l.uses])
+            l.name: make_block(
+                l,
+                {p: shapes[p] for p in l.params},
+                [view.shape(u.input) for u in l.uses],
+                damping_mode=self.inverse.get("damping_split", "pi"),
+            )
             for l in self.layers
         }
 

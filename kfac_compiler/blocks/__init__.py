@@ -5,7 +5,15 @@ front end offers per layer kind (first entry = default), after TensorFlow K-FAC.
 """
 from __future__ import annotations
 
-from kfac_compiler.blocks.base import BLOCKS, FisherBlock, make_block, register_block
+from kfac_compiler.blocks.base import (
+    BLOCK_CLASSES,
+    BLOCKS,
+    FisherBlock,
+    InverseState,
+    block_class,
+    make_block,
+    register_block,
+)
 
 APPROXIMATIONS: dict[str, tuple[str, ...]] = {
     "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
@@ -25,4 +33,20 @@ def menu_key(kind: str, num_uses: int) -> str:
     return multi if num_uses > 1 and multi in APPROXIMATIONS else kind
 
 
-__all__ = ["APPROXIMATIONS", "BLOCKS", "FisherBlock", "make_block", "menu_key", "register_block"]
+# Importing the block modules registers their classes (BLOCK_CLASSES[(name, kind)]).
+from kfac_compiler.blocks import conv, embedding, flat, fully_connected, series  # noqa: E402,F401
+from kfac_compiler.blocks._parts import emit_inverses, numpy_inverses  # noqa: E402
+
+__all__ = [
+    "APPROXIMATIONS",
+    "BLOCK_CLASSES",
+    "BLOCKS",
+    "FisherBlock",
+    "InverseState",
+    "block_class",
+    "emit_inverses",
+    "make_block",
+    "menu_key",
+    "numpy_inverses",
+    "register_block",
+]

@@ -20,18 +20,44 @@ from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.ir import FactorSpec, Layer
 
 BLOCKS: dict[str, type["FisherBlock"]] = {}
+# Several classes share an approximation name (e.g. "kron" for fully connected, conv and
+# embedding layers): the registry proper is keyed by (name, layer kind). BLOCKS keeps, per
+# name, the first class registered under it (so `name in BLOCKS` still tests a known name).
+BLOCK_CLASSES: dict[tuple[str, str], type["FisherBlock"]] = {}
 
 
 def register_block(cls: type["FisherBlock"]) -> type["FisherBlock"]:
     """Class decorator: make `cls` available under `cls.name` for its layer kinds."""
-    BLOCKS[cls.name] = cls
+    BLOCKS.setdefault(cls.name, cls)
+    for kind in cls.layer_kinds:
+        BLOCK_CLASSES[(cls.name, kind)] = cls
     return cls
+
+
+def block_class(name: str, kind: str) -> type["FisherBlock"] | None:
+    """The block class for approximation `name` on a layer of `kind` (None if there is none)."""
+    import kfac_compiler.blocks  # noqa: F401  (registers every block module)
+
+    return BLOCK_CLASSES.get((name, kind))
+
+
+class InverseState(dict):
+    """What emit_inverse returns: {inverse_specs() name: tensor name} (a plain dict for
+    callers that iterate it) plus the attribute `ok`: the name of a boolean scalar tensor,
+    False when a factor or its inverse was NaN/Inf/singular (the state is then `previous`,
+    or the identity without one)."""
+
+    ok: str | None = None
 
 
 class FisherBlock:
     """Base class. Subclasses set `name` and `layer_kinds` and implement the emit_* methods.
 
     `param_shapes` maps each of the layer's parameter names to its initializer shape.
+    `input_shapes` (optional) gives the static shape of each use's input tensor
+    (layer.uses[u].input), dynamic dims as None/str; blocks that need it (FLOP estimates,
+    the rank of a scale_and_shift input) otherwise read layer.attrs["input_shape"].
+    `options` are block options (documented per block: damping_mode, inverse_options, ...).
     Tensor names passed to and returned by the emit_* methods live in the graph that the
     GraphBuilder `b` appends to.
     """
@@ -39,9 +65,17 @@ class FisherBlock:
     name: ClassVar[str] = ""
     layer_kinds: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, layer: Layer, param_shapes: dict[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        layer: Layer,
+        param_shapes: dict[str, tuple[int, ...]],
+        input_shapes: list[tuple] | None = None,
+        **options,
+    ) -> None:
         self.layer = layer
         self.param_shapes = param_shapes
+        self.input_shapes = input_shapes
+        self.options = options
 
     # What the plan records -------------------------------------------------
     def factor_specs(self) -> list[FactorSpec]:
@@ -73,8 +107,26 @@ class FisherBlock:
         """
         raise NotImplementedError
 
-    def emit_inverse(self, b: GraphBuilder, factors: dict[str, str], damping: str, method: str) -> dict[str, str]:
-        """Damped inverse state from the (moving-average) factors; damping is a scalar tensor."""
+    def emit_inverse(
+        self,
+        b: GraphBuilder,
+        factors: dict[str, str],
+        damping: str,
+        method: str,
+        previous: dict[str, str] | None = None,
+    ) -> dict[str, str]:
+        """Damped inverse state from the (moving-average) factors; damping is a scalar tensor.
+
+        `previous` (optional) maps inverse_specs() names to the current state: a warm start
+        (Newton-Schulz) and the value kept when the new inverse is not usable. The result
+        is an InverseState: every inverse_specs() name, and `.ok`, a boolean scalar tensor
+        (False: the state returned is `previous`, or the identity without one, because a
+        factor or its inverse was NaN/Inf/singular). Pass `previous` (the state slots):
+        without it a failed block falls back to the identity. Host-side inverses
+        (inverse_is_host(method): linalg.HOST_METHODS, exact damping, the RNN series
+        blocks) are not emitted: the runtime calls numpy_inverse(factors, damping, method,
+        previous) -> (state, ok) instead and uploads the state.
+        """
         raise NotImplementedError
 
     def emit_multiply_inverse(
@@ -89,12 +141,59 @@ class FisherBlock:
         """(F + damping) v for the block's parameters."""
         raise NotImplementedError
 
+    # Extensions (every block in kfac_compiler.blocks implements them) -------------
+    @property
+    def host_inverse_only(self) -> bool:
+        """True when the inverse is host-side whatever the method (see inverse_is_host)."""
+        return False
 
-def make_block(layer: Layer, param_shapes: dict[str, tuple[int, ...]]) -> FisherBlock:
+    def inverse_is_host(self, method: str) -> bool:
+        """True when this block's inverse for `method` is computed on the host
+        (numpy_inverse) rather than emitted (emit_inverse): host methods (linalg.HOST_METHODS),
+        exact damping, the RNN series blocks."""
+        from kfac_compiler import linalg
+
+        return linalg.is_host_method(method)
+
+    def emit_multiply_matpower(
+        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str, exp: float
+    ) -> dict[str, str]:
+        """(F + damping)^exp v for an integer exp, in ONNX (fractional exps: host-side
+        numpy_matpower, then emit_multiply_state with that state)."""
+        raise NotImplementedError
+
+    # numpy twins (host-side inverse methods, tests); arrays keyed like the emit_* methods
+    def numpy_statistics(self, inputs: list, cotangents: list[list]) -> dict:
+        raise NotImplementedError
+
+    def numpy_inverse(self, factors: dict, damping: float, method: str = "eigh", previous: dict | None = None):
+        """-> (state keyed like inverse_specs(), ok: bool); not ok => state = previous (or identity)."""
+        raise NotImplementedError
+
+    def numpy_multiply_inverse(self, grads: dict, state: dict) -> dict:
+        raise NotImplementedError
+
+    def numpy_multiply(self, vectors: dict, factors: dict, damping: float) -> dict:
+        raise NotImplementedError
+
+    def numpy_matpower(self, factors: dict, damping: float, exp: float):
+        """-> (state for emit_multiply_state / numpy_multiply_state, ok)."""
+        raise NotImplementedError
+
+    def numpy_multiply_matpower(self, vectors: dict, factors: dict, damping: float, exp: float) -> dict:
+        raise NotImplementedError
+
+
+def make_block(
+    layer: Layer,
+    param_shapes: dict[str, tuple[int, ...]],
+    input_shapes: list[tuple] | None = None,
+    **options,
+) -> FisherBlock:
     """The block object for a layer whose `approximation` is set."""
     from kfac_compiler.errors import ConfigError
 
-    cls = BLOCKS.get(layer.approximation or "")
-    if cls is None or layer.kind not in cls.layer_kinds:
+    cls = block_class(layer.approximation or "", layer.kind)
+    if cls is None:
         raise ConfigError(f"layer {layer.name!r}: no Fisher block {layer.approximation!r} for kind {layer.kind!r}")
-    return cls(layer, param_shapes)
+    return cls(layer, param_shapes, input_shapes, **options)

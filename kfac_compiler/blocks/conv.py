@@ -1,0 +1,290 @@
+"""Convolutions (Conv 1-d/2-d/3-d; weight [C_out, C_in/group, *kernel]).
+
+Patches: a Conv with a constant identity kernel E [group*K, C_in/group, *kernel] (E[j K +
+c k + m, c, m] = 1, K = C_in/group * prod(kernel)) and the layer's own strides, pads,
+dilations and group turns the input [N, C_in, *spatial] into the patch tensor
+[N, group*K, *out] whose channel j*K + (c, m) is input channel j*C_in/group + c at kernel
+offset m: the receptive field ordered like the flattened weight (C_in/group, *kernel).
+Zero padding shows up as zeros in the patches; the bias coordinate (1) is appended last.
+Float64 graphs (ORT's CPU Conv has no double kernel) or option patches="slices" use Pad +
+one strided Slice per kernel offset instead (same tensor, exact in any dtype).
+
+  kron / kron_indep (KFC, Grosse & Martens 2016), per group j (block diagonal over groups):
+      A_j = 1/(N T) sum_{n,t} a~ a~^T   [K+1, K+1],  T = output locations (summed over uses)
+      G_j = 1/N sum_{n,t} delta delta^T  [C_out/group, C_out/group]
+      stored [K+1, K+1] / [C_out, C_out] when group == 1, else [group, ...]
+  diagonal (conv and depthwise_conv): per-example gradients g_n = delta_n patches_n^T
+      ([N, C_out, T] x [N, T, K+1]), diag = 1/N sum_n g_n^2, stored [C_out, K+1].
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from onnx import TensorProto
+
+from kfac_compiler.blocks._parts import (
+    MatrixView,
+    Part,
+    PartsBlock,
+    emit_append_const,
+    emit_concat,
+    emit_dim,
+    emit_gram,
+    prod,
+)
+from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks.kron import KronBlock
+from kfac_compiler.errors import ConfigError
+
+
+class ConvMixin:
+    """Conv attributes, identity-kernel patch extraction (ONNX) and a numpy im2col."""
+
+    def _conv_setup(self) -> None:
+        layer, shapes = self.layer, self.param_shapes
+        w = layer.weight
+        wshape = tuple(int(d) for d in shapes[w])
+        if len(wshape) < 3:
+            raise ConfigError(f"layer {layer.name!r}: conv weight {w!r} has shape {wshape}")
+        a = layer.attrs
+        self.kernel = tuple(int(k) for k in (a.get("kernel_shape") or wshape[2:]))
+        nd = len(self.kernel)
+        self.nd = nd
+        self.strides = tuple(int(s) for s in (a.get("strides") or [1] * nd))
+        self.pads = tuple(int(p) for p in (a.get("pads") or [0] * (2 * nd)))
+        self.dilations = tuple(int(d) for d in (a.get("dilations") or [1] * nd))
+        self.group = int(a.get("group") or 1)
+        self.auto_pad = a.get("auto_pad") or "NOTSET"
+        if isinstance(self.auto_pad, bytes):
+            self.auto_pad = self.auto_pad.decode()
+        self.C_out, self.Cg = wshape[0], wshape[1]
+        if self.C_out % self.group:
+            raise ConfigError(f"layer {layer.name!r}: C_out={self.C_out} not divisible by group={self.group}")
+        self.C_in = self.Cg * self.group
+        self.Co_g = self.C_out // self.group
+        self.K = self.Cg * prod(self.kernel)
+        self.wshape = wshape
+        self.bias_name = layer.bias
+        self.has_bias = self.bias_name is not None
+        self.nK = self.K + int(self.has_bias)
+
+    def _bias_shape(self):
+        return tuple(self.param_shapes[self.bias_name]) if self.has_bias else None
+
+    def _out_positions(self) -> int:
+        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
+        total = 0
+        for shp in shapes:
+            if shp is None or any(not isinstance(d, int) for d in list(shp)[2:]):
+                total += 1
+                continue
+            total += prod(self._out_sizes(list(shp)[2:]))
+        return max(total, 1)
+
+    def _out_sizes(self, spatial):
+        pads = self._np_pads(spatial)
+        return [
+            (s + pads[i] + pads[i + self.nd] - self.dilations[i] * (self.kernel[i] - 1) - 1) // self.strides[i] + 1
+            for i, s in enumerate(spatial)
+        ]
+
+    def _np_pads(self, spatial):
+        if self.auto_pad in ("NOTSET", ""):
+            return list(self.pads)
+        if self.auto_pad == "VALID":
+            return [0] * (2 * self.nd)
+        begins, ends = [], []
+        for i, s in enumerate(spatial):
+            out = -(-s // self.strides[i])
+            total = max((out - 1) * self.strides[i] + self.dilations[i] * (self.kernel[i] - 1) + 1 - s, 0)
+            small, big = total // 2, total - total // 2
+            begins.append(small if self.auto_pad == "SAME_UPPER" else big)
+            ends.append(big if self.auto_pad == "SAME_UPPER" else small)
+        return begins + ends
+
+    def identity_kernel(self) -> np.ndarray:
+        """E [group*K, C_in/group, *kernel] with E[j K + c k + m, c, m] = 1."""
+        kk = prod(self.kernel)
+        E = np.zeros((self.group, self.Cg, kk, self.Cg, kk))
+        for c in range(self.Cg):
+            for m in range(kk):
+                E[:, c, m, c, m] = 1.0
+        return E.reshape(self.group * self.K, self.Cg, *self.kernel)
+
+    # ---- ONNX
+    def _emit_patches(self, b, x):
+        """[N, C_in, *spatial] -> a~ [N, group, K(+1), T]."""
+        if b.float_type == TensorProto.DOUBLE or self.options.get("patches") == "slices":
+            p = self._emit_patches_slices(b, x)  # ORT's CPU Conv has no float64 kernel
+        else:
+            p = self._emit_patches_conv(b, x)
+        p = b.reshape(p, [0, self.group, self.K, -1])
+        return emit_append_const(b, p, 4, 2, 1.0) if self.has_bias else p
+
+    def _emit_patches_slices(self, b, x):
+        """Pad + one strided Slice per kernel offset: [N, C_in, prod(kernel), *out]."""
+        if self.auto_pad in ("NOTSET", ""):
+            pads = list(self.pads)
+        else:
+            shapes = self.input_shapes or [self.layer.attrs.get("input_shape")]
+            spatial = list(shapes[0] or [])[2:]
+            if len(spatial) != self.nd or not all(isinstance(d, int) for d in spatial):
+                raise ConfigError(f"layer {self.layer.name!r}: auto_pad needs static spatial input dims here")
+            pads = self._np_pads(spatial)
+        if any(pads):
+            full = [0, 0] + pads[: self.nd] + [0, 0] + pads[self.nd :]
+            x = b.op("Pad", [x, b.ints(full)], mode="constant")
+        axes = list(range(2, 2 + self.nd))
+        cols = []
+        for off in itertools.product(*[range(k) for k in self.kernel]):
+            starts = [off[i] * self.dilations[i] for i in range(self.nd)]
+            ends = [
+                -self.dilations[i] * (self.kernel[i] - 1 - off[i]) if self.kernel[i] - 1 - off[i] else np.iinfo(np.int64).max
+                for i in range(self.nd)
+            ]
+            sl = b.op("Slice", [x, b.ints(starts), b.ints(ends), b.ints(axes), b.ints(list(self.strides))])
+            cols.append(b.unsqueeze(sl, [2]))
+        return cols[0] if len(cols) == 1 else b.op("Concat", cols, axis=2)
+
+    def _emit_patches_conv(self, b, x):
+        """Conv with the identity kernel: [N, group*K, *out]."""
+        E = b.const(self.identity_kernel(), hint="identity_kernel")
+        kw = dict(kernel_shape=list(self.kernel), strides=list(self.strides), dilations=list(self.dilations), group=self.group)
+        if self.auto_pad in ("NOTSET", ""):
+            kw["pads"] = list(self.pads)
+        else:
+            kw["auto_pad"] = self.auto_pad
+        return b.op("Conv", [x, E], hint="patches", **kw)
+
+    def _emit_delta(self, b, d):
+        """[N, C_out, *out] -> [N, group, C_out/group, T]."""
+        return b.reshape(d, [0, self.group, self.Co_g, -1])
+
+    # ---- numpy
+    def np_patches(self, x) -> np.ndarray:
+        """numpy im2col: [N, C_in, *spatial] -> [N, group, K(+1), T]."""
+        x = np.asarray(x, np.float64)
+        N, spatial = x.shape[0], list(x.shape[2:])
+        pads = self._np_pads(spatial)
+        xp = np.pad(x, [(0, 0), (0, 0)] + [(pads[i], pads[i + self.nd]) for i in range(self.nd)])
+        outs = self._out_sizes(spatial)
+        cols = []
+        for off in itertools.product(*[range(k) for k in self.kernel]):
+            sl = tuple(
+                slice(off[i] * self.dilations[i], off[i] * self.dilations[i] + self.strides[i] * (outs[i] - 1) + 1, self.strides[i])
+                for i in range(self.nd)
+            )
+            cols.append(xp[(slice(None), slice(None)) + sl])
+        P = np.stack(cols, axis=2).reshape(N, self.group, self.K, -1)
+        if self.has_bias:
+            P = np.concatenate([P, np.ones((N, self.group, 1, P.shape[-1]))], axis=2)
+        return P
+
+    def _np_delta(self, d):
+        d = np.asarray(d, np.float64)
+        return d.reshape(d.shape[0], self.group, self.Co_g, -1)
+
+
+class ConvKronBase(ConvMixin, KronBlock):
+    layer_kinds = ("conv",)
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        self._conv_setup()
+        self.batch = (self.group,) if self.group > 1 else ()
+        self.nA, self.nG = self.nK, self.Co_g
+        w_mat = (self.group, self.Co_g, self.K) if self.group > 1 else (self.C_out, self.K)
+        self.view = MatrixView(self.layer.weight, self.wshape, w_mat, False, self.bias_name, self._bias_shape())
+        self._setup_exact_check()
+
+    def stats_flops(self, batch: int) -> int:
+        cols = batch * self._out_positions()
+        return 2 * cols * self.group * (self.nA**2 + self.nG**2) + 2 * cols * self.group * self.K * self.K
+
+    def emit_statistics(self, b, inputs, cotangents):
+        P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
+        P = b.reshape(b.transpose(P, [1, 2, 0, 3]), [0, 0, -1])  # [g, nA, N sum T]
+        A = b.div(emit_gram(b, P, 3), emit_dim(b, P, 2))
+        D = emit_concat(
+            b,
+            [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [0, 0, -1]) for ds in cotangents for d in ds],
+            axis=2,
+        )
+        G = b.div(emit_gram(b, D, 3), emit_dim(b, cotangents[0][0], 0))
+        if self.group == 1:
+            A, G = b.reshape(A, [self.nA, self.nA]), b.reshape(G, [self.nG, self.nG])
+        return {"A": A, "G": G}
+
+    def numpy_statistics(self, inputs, cotangents):
+        P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)
+        P = P.transpose(1, 2, 0, 3).reshape(self.group, self.nA, -1)
+        A = P @ P.transpose(0, 2, 1) / P.shape[2]
+        D = np.concatenate(
+            [self._np_delta(d).transpose(1, 2, 0, 3).reshape(self.group, self.nG, -1) for ds in cotangents for d in ds],
+            axis=2,
+        )
+        G = D @ D.transpose(0, 2, 1) / np.shape(cotangents[0][0])[0]
+        if self.group == 1:
+            A, G = A[0], G[0]
+        return {"A": A, "G": G}
+
+
+@register_block
+class ConvKron(ConvKronBase):
+    """KFC (Grosse & Martens 2016); per-group factors when group > 1; uses pooled."""
+
+    name = "kron"
+
+
+@register_block
+class ConvKronIndep(ConvKronBase):
+    """Multi-use conv: uses pooled as independent (same factors as "kron")."""
+
+    name = "kron_indep"
+
+
+@register_block
+class ConvDiagonal(ConvMixin, PartsBlock):
+    """Diagonal Fisher of a conv (also depthwise) from per-example gradients, [C_out, K+1]."""
+
+    name = "diagonal"
+    layer_kinds = ("conv", "depthwise_conv")
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        self._conv_setup()
+        self.view = MatrixView(self.layer.weight, self.wshape, (self.C_out, self.K), False, self.bias_name, self._bias_shape())
+
+    def parts(self):
+        return [Part("diag", (self.C_out, self.nK), "diag")]
+
+    def stats_flops(self, batch: int) -> int:
+        return 2 * batch * self._out_positions() * self.C_out * self.nK + 2 * batch * self.C_out * self.nK
+
+    def emit_statistics(self, b, inputs, cotangents):
+        P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nK, T]
+        Pt = b.transpose(P, [0, 1, 3, 2])
+        total = None
+        for s in range(len(cotangents[0])):
+            D = emit_concat(b, [self._emit_delta(b, cotangents[u][s]) for u in range(len(inputs))], axis=3)
+            g = b.matmul(D, Pt)  # [N, g, Co_g, nK] per-example gradients
+            sq = b.reduce_sum(b.mul(g, g), [0])
+            total = sq if total is None else b.add(total, sq)
+        diag = b.div(b.reshape(total, [self.C_out, self.nK]), emit_dim(b, P, 0))
+        return {"diag": diag}
+
+    def numpy_statistics(self, inputs, cotangents):
+        P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)
+        total = 0.0
+        for s in range(len(cotangents[0])):
+            D = np.concatenate([self._np_delta(cotangents[u][s]) for u in range(len(inputs))], axis=3)
+            g = np.einsum("ngot,ngkt->ngok", D, P)
+            total = total + (g * g).sum(0)
+        return {"diag": total.reshape(self.C_out, self.nK) / P.shape[0]}
+
+    def _emit_apply(self, b, vectors, mats):
+        return self.view.emit_from(b, b.mul(self.view.emit_to(b, vectors), mats["diag"]))
+
+    def _np_apply(self, vectors, mats):
+        return self.view.np_from(self.view.np_to(vectors) * mats["diag"])

@@ -1,0 +1,78 @@
+"""Embedding lookups (Gather of a [vocab, dim] table by int64 indices of any shape [N, ...]).
+
+The lookup is a fully connected layer with one-hot inputs and weight layout "in_out", so
+the matrix [W] is W^T [dim, vocab] and A = E[onehot onehot^T] is diagonal:
+
+  kron   A_diag[v] = 1/(N T) * #{(n, t): index[n, t] == v}     [vocab]  (no bias coordinate)
+         G = 1/N sum_{n,t} delta delta^T                       [dim, dim]
+         T = number of indices per example (product of the index tensor's non-batch axes);
+         several uses are pooled (normalized by N * sum of their T).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kfac_compiler.blocks._parts import MatrixView, emit_concat, emit_dim, emit_gram
+from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks.kron import KronBlock
+from kfac_compiler.errors import ConfigError
+
+
+@register_block
+class EmbeddingKron(KronBlock):
+    """K-FAC for an embedding table with a diagonal input factor (index frequencies)."""
+
+    name = "kron"
+    layer_kinds = ("embedding",)
+    a_diag = True
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        w = layer.weight
+        wshape = tuple(int(d) for d in param_shapes[w])
+        vocab = int(layer.attrs.get("vocab") or wshape[0])
+        dim = int(layer.attrs.get("dim") or wshape[1])
+        if wshape != (vocab, dim):
+            raise ConfigError(f"layer {layer.name!r}: embedding {w!r} has shape {wshape}, attrs say {(vocab, dim)}")
+        self.vocab, self.dim = vocab, dim
+        self.nA, self.nG = vocab, dim
+        self.view = MatrixView(w, wshape, (dim, vocab), transpose=True)
+        self._setup_exact_check()
+
+    def _positions(self) -> int:
+        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
+        total = 0
+        for shp in shapes:
+            t = 1
+            for d in list(shp or [])[1:]:
+                t *= d if isinstance(d, int) and d > 0 else 1
+            total += t
+        return max(total, 1)
+
+    def stats_flops(self, batch: int) -> int:
+        rows = batch * self._positions()
+        return 2 * rows * self.dim * self.dim + 2 * rows
+
+    def emit_statistics(self, b, inputs, cotangents):
+        idx = emit_concat(b, [b.reshape(x, [-1]) for x in inputs], axis=0)
+        rows = emit_dim(b, idx, 0)
+        if b.opset >= 16:
+            ones = b.op("Expand", [b.const(np.ones(1)), b.op("Shape", [idx])])
+            counts = b.op(
+                "ScatterElements", [b.const(np.zeros(self.vocab)), idx, ones], axis=0, reduction="add", hint="counts"
+            )
+        else:
+            onehot = b.op(
+                "OneHot", [idx, b.const(np.asarray([self.vocab], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1
+            )
+            counts = b.reduce_sum(onehot, [0])
+        A = b.div(counts, rows)
+        D = emit_concat(b, [b.reshape(d, [-1, self.dim]) for ds in cotangents for d in ds], axis=0)
+        G = b.div(emit_gram(b, D), emit_dim(b, cotangents[0][0], 0))
+        return {"A": A, "G": G}
+
+    def numpy_statistics(self, inputs, cotangents):
+        idx = np.concatenate([np.asarray(x).reshape(-1) for x in inputs]) % self.vocab
+        A = np.bincount(idx, minlength=self.vocab).astype(np.float64) / len(idx)
+        D = np.concatenate([np.asarray(d, np.float64).reshape(-1, self.dim) for ds in cotangents for d in ds])
+        return {"A": A, "G": D.T @ D / np.shape(cotangents[0][0])[0]}

@@ -1,0 +1,199 @@
+"""Kronecker-factored blocks: F ~ A (x) G for the matrix [W | b] (rows outputs, columns
+inputs then bias); subclasses supply the statistics and the parameter <-> matrix view.
+
+Factors: "A" [*batch, nA, nA] (or its diagonal [*batch, nA]), "G" [*batch, nG, nG] (or
+[*batch, nG]); the batch axis holds conv groups (block diagonal over groups).
+
+Damping (option damping_mode):
+  "pi" (default): (A + pi sqrt(lam) I) (x) (G + sqrt(lam)/pi I), pi = sqrt((tr A/dim A) /
+      (tr G/dim G)) per group; inverse state A_inv, G_inv; F^-1 vec(X) = vec(G_inv X A_inv).
+  "exact": (A (x) G + lam I)^-1 via host eigh A = Ua Sa Ua^T, G = Ug Sg Ug^T; state
+      A_Q, G_Q, D_inv = 1 / (sg sa^T + lam); F^-1 vec(X) = vec(Ug [(Ug^T X Ua) * D_inv] Ua^T).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kfac_compiler import linalg
+from kfac_compiler.blocks._parts import MatrixView, Part, PartsBlock, prod
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.ir import FactorSpec
+
+
+class KronBlock(PartsBlock):
+    """Base for the Kronecker-factored blocks (set self.view, self.a_diag, self.g_diag,
+    self.batch, self.nA, self.nG in __init__)."""
+
+    a_diag: bool = False
+    g_diag: bool = False
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        self.damping_mode = options.get("damping_mode", "pi")
+        if self.damping_mode not in ("pi", "exact"):
+            raise ConfigError(f"layer {layer.name!r}: damping_mode {self.damping_mode!r} is not 'pi' or 'exact'")
+        self.batch: tuple[int, ...] = ()
+        self.view: MatrixView | None = None
+
+    def _setup_exact_check(self):
+        if self.damping_mode == "exact" and (self.a_diag or self.g_diag):
+            raise ConfigError(f"layer {self.layer.name!r}: exact damping needs full factors (block {self.name!r})")
+
+    # ---- parts
+    def parts(self) -> list[Part]:
+        A = Part("A", (*self.batch, self.nA) if self.a_diag else (*self.batch, self.nA, self.nA), "diag" if self.a_diag else "full")
+        G = Part("G", (*self.batch, self.nG) if self.g_diag else (*self.batch, self.nG, self.nG), "diag" if self.g_diag else "full")
+        return [A, G]
+
+    @property
+    def mat_shape(self) -> tuple[int, ...]:
+        return (*self.batch, self.nG, self.nA)
+
+    def inverse_specs(self) -> list[FactorSpec]:
+        if self.damping_mode == "exact":
+            return [
+                FactorSpec("A_Q", (*self.batch, self.nA, self.nA), role="A_Q"),
+                FactorSpec("G_Q", (*self.batch, self.nG, self.nG), role="G_Q"),
+                FactorSpec("D_inv", self.mat_shape, role="D_inv"),
+            ]
+        return super().inverse_specs()
+
+    def inverse_flops(self) -> int:
+        if self.damping_mode == "exact":
+            return prod(self.batch or (1,)) * 10 * (self.nA**3 + self.nG**3)
+        return super().inverse_flops()
+
+    # ---- damping: the pi split
+    def _emit_damped(self, b, factors, damping):
+        A, G = factors["A"], factors["G"]
+        dA, dG = linalg.emit_damping_split(b, A, self.nA, G, self.nG, damping, self.a_diag, self.g_diag)
+        batched = bool(self.batch)
+        return {
+            "A": linalg.emit_add_diagonal(b, A, self.nA, dA, diag=self.a_diag, batched=batched),
+            "G": linalg.emit_add_diagonal(b, G, self.nG, dG, diag=self.g_diag, batched=batched),
+        }
+
+    def _np_damped(self, factors, damping):
+        A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
+        dA, dG = linalg.np_damping_split(A, G, damping, self.a_diag, self.g_diag)
+        return {
+            "A": linalg.np_add_diagonal(A, dA, diag=self.a_diag),
+            "G": linalg.np_add_diagonal(G, dG, diag=self.g_diag),
+        }
+
+    # ---- apply: vec(X) -> vec(G X A)
+    def _emit_apply(self, b, vectors, mats):
+        X = self.view.emit_to(b, vectors)
+        if self.g_diag:
+            X = b.mul(b.unsqueeze(mats["G"], [-1]), X)
+        else:
+            X = b.matmul(mats["G"], X)
+        if self.a_diag:
+            X = b.mul(X, b.unsqueeze(mats["A"], [-2]))
+        else:
+            X = b.matmul(X, mats["A"])
+        return self.view.emit_from(b, X)
+
+    def _np_apply(self, vectors, mats):
+        X = self.view.np_to(vectors).astype(np.float64)
+        X = mats["G"][..., :, None] * X if self.g_diag else mats["G"] @ X
+        X = X * mats["A"][..., None, :] if self.a_diag else X @ mats["A"]
+        return self.view.np_from(X)
+
+    # ---- exact damping (host eigh)
+    @property
+    def host_inverse_only(self) -> bool:
+        return self.damping_mode == "exact"
+
+    def inverse_is_host(self, method: str) -> bool:
+        return self.damping_mode == "exact" or super().inverse_is_host(method)
+
+    def _np_batchable(self) -> bool:
+        return self.damping_mode == "pi"
+
+    def emit_inverse(self, b, factors, damping, method=linalg.DEFAULT_METHOD, previous=None):
+        if self.damping_mode == "exact":
+            raise ConfigError(
+                f"layer {self.layer.name!r}: exact damping is computed on the host (numpy_inverse, method 'eigh')"
+            )
+        return super().emit_inverse(b, factors, damping, method, previous)
+
+    def numpy_inverse(self, factors, damping, method="eigh", previous=None):
+        if self.damping_mode != "exact":
+            return super().numpy_inverse(factors, damping, method, previous)
+        A, G = np.asarray(factors["A"]), np.asarray(factors["G"])
+        dtype = np.result_type(A.dtype, G.dtype)
+        ok = bool(np.isfinite(A).all() and np.isfinite(G).all())
+        state = None
+        if ok:
+            try:
+                A64, G64 = A.astype(np.float64), G.astype(np.float64)
+                sa, Ua = np.linalg.eigh(0.5 * (A64 + np.swapaxes(A64, -1, -2)))
+                sg, Ug = np.linalg.eigh(0.5 * (G64 + np.swapaxes(G64, -1, -2)))
+                denom = np.maximum(sg, 0)[..., :, None] * np.maximum(sa, 0)[..., None, :] + float(damping)
+                with np.errstate(all="ignore"):
+                    D = 1.0 / denom
+                ok = bool(np.all(denom > 0) and np.isfinite(D).all())
+                state = {"A_Q": Ua, "G_Q": Ug, "D_inv": D}
+            except np.linalg.LinAlgError:
+                ok = False
+        if not ok:
+            if previous is not None:
+                state = dict(previous)
+            else:
+                state = {
+                    "A_Q": np.broadcast_to(np.eye(self.nA), (*self.batch, self.nA, self.nA)),
+                    "G_Q": np.broadcast_to(np.eye(self.nG), (*self.batch, self.nG, self.nG)),
+                    "D_inv": np.ones(self.mat_shape),
+                }
+        return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, ok
+
+    def emit_multiply_state(self, b, vectors, state):
+        if "D_inv" not in state:
+            return super().emit_multiply_state(b, vectors, state)
+        X = self.view.emit_to(b, vectors)
+        perm = list(range(len(self.batch))) + [len(self.batch) + 1, len(self.batch)]
+        Y = b.matmul(b.matmul(b.transpose(state["G_Q"], perm), X), state["A_Q"])
+        Y = b.mul(Y, state["D_inv"])
+        Y = b.matmul(b.matmul(state["G_Q"], Y), b.transpose(state["A_Q"], perm))
+        return self.view.emit_from(b, Y)
+
+    def numpy_multiply_state(self, vectors, state):
+        if "D_inv" not in state:
+            return super().numpy_multiply_state(vectors, state)
+        X = self.view.np_to(vectors).astype(np.float64)
+        Ua, Ug = np.asarray(state["A_Q"], np.float64), np.asarray(state["G_Q"], np.float64)
+        Y = (np.swapaxes(Ug, -1, -2) @ X @ Ua) * state["D_inv"]
+        return self.view.np_from(Ug @ Y @ np.swapaxes(Ua, -1, -2))
+
+    def emit_multiply(self, b, vectors, factors, damping):
+        if self.damping_mode != "exact":
+            return super().emit_multiply(b, vectors, factors, damping)
+        X = self.view.emit_to(b, vectors)
+        Y = b.add(b.matmul(b.matmul(factors["G"], X), factors["A"]), b.mul(X, damping))
+        return self.view.emit_from(b, Y)
+
+    def numpy_multiply(self, vectors, factors, damping):
+        if self.damping_mode != "exact":
+            return super().numpy_multiply(vectors, factors, damping)
+        X = self.view.np_to(vectors).astype(np.float64)
+        A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
+        return self.view.np_from(G @ X @ A + float(damping) * X)
+
+    def numpy_matpower(self, factors, damping, exp):
+        if self.damping_mode == "exact":
+            if exp == -1:
+                return self.numpy_inverse(factors, damping, "eigh")
+            A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
+            sa, Ua = np.linalg.eigh(A)
+            sg, Ug = np.linalg.eigh(G)
+            D = (np.maximum(sg, 0)[..., :, None] * np.maximum(sa, 0)[..., None, :] + float(damping)) ** exp
+            return {"A_Q": Ua, "G_Q": Ug, "D_inv": D}, bool(np.isfinite(D).all())
+        return super().numpy_matpower(factors, damping, exp)
+
+    def emit_multiply_matpower(self, b, vectors, factors, damping, exp):
+        if self.damping_mode == "exact" and exp not in (1,):
+            raise ConfigError(f"layer {self.layer.name!r}: exact damping powers are host-side (numpy_matpower)")
+        if self.damping_mode == "exact":
+            return self.emit_multiply(b, vectors, factors, damping)
+        return super().emit_multiply_matpower(b, vectors, factors, damping, exp)

@@ -1,0 +1,313 @@
+"""Multi-use fully connected layers with temporal structure: Martens, Ba & Johnson (2018),
+"Kronecker-factored curvature approximations for recurrent neural networks", Options 1/2.
+
+Uses r = 0..R-1 (layer.uses order = time order, R >= 2) apply one weight; w_r = a~_r (x) delta_r
+is use r's gradient contribution and the block models F = E[(sum_r w_r)(sum_r w_r)^T] with
+a stationary linear-Gaussian (AR(1)) process for w_r: V_d = cov(w_{r+d}, w_r) = Psi^d V_0,
+Psi = Psi_A (x) Psi_G.
+
+Factors (emitted in ONNX; every use must have the same number T of rows, aligned by position):
+  A   = 1/(N T R) sum_{n,t,r} a~_r a~_r^T                       (as kron_indep)
+  G   = 1/N sum_{n,t,r} delta_r delta_r^T                       (as kron_indep: R * G_0)
+  A_1 = 1/(N T (R-1)) sum_{n,t, r<R-1} a~_{r+1} a~_r^T          (lag-one cross moment)
+  G_1 = R/(R-1) * 1/N sum_{n,t, r<R-1} delta_{r+1} delta_r^T    (scaled like G: R * G_1^paper)
+so that V_0 = A (x) G / R, Psi_A = A_1 A^-1 and Psi_G = G_1 G^-1 are the paper's.
+Damping: A and G get the pi split (pi from tr A, tr G) before anything else; A_1, G_1 don't.
+
+Option 1 ("kron_series_1", V_1 assumed symmetric, finite R): with A_1, G_1 symmetrized,
+  the generalized eigenproblems A_1 k = psi A k (K_A^T A K_A = I) and the same for G give
+  F = K^-T diag(zeta_R(psi) / R) K^-1, K = K_A (x) K_G, psi = psi_A (x) psi_G,
+  zeta_R(x) = R + 2 sum_{d=1}^{R-1} (R - d) x^d  (= sum_{r,s} x^|r-s|);
+  F^-1 vec(X) = vec(K_G [(K_G^T X K_A) * D_inv] K_A^T), D_inv = R / zeta_R(psi).
+  psi_A, psi_G are clipped to [-1, 1] and their products psi to [-psi_max, psi_max]
+  (option psi_max, default 0.99; the homogeneous coordinate alone has psi_A ~ 1).
+Option 2 ("kron_series_2", R -> infinity, no symmetry needed):
+  F = R sum_{d=-inf}^{inf} V_d = (I - Psi)^-1 S (I - Psi^T)^-1, S = A(x)G - Psi (A(x)G) Psi^T,
+  F^-1 = (I - Psi^T) S^-1 (I - Psi); S^-1 from the generalized eigenproblems
+  (A_1 A^-1 A_1^T) k = mu A k (likewise G): S = K^-T diag(1 - mu_A (x) mu_G) K^-1 with
+  mu_A, mu_G clipped to [0, 1] and their products to at most psi_max^2; state K_A, K_G, D_inv = 1/(1 - mu), A_psi = Psi_A, G_psi = Psi_G.
+The eigendecompositions run on the host (numpy/scipy eigh): inverse_is_host() is True.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.linalg
+
+from kfac_compiler import linalg
+from kfac_compiler.blocks._parts import emit_add_all, emit_concat, emit_dim
+from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.ir import FactorSpec
+
+PSI_MAX = 0.99
+NEUMANN_DOUBLINGS = 10  # emitted (I - Psi)^-1 ~ prod_{k<m} (I + Psi^(2^k)): 2^m terms
+
+
+def zeta(x: np.ndarray, R: int) -> np.ndarray:
+    """zeta_R(x) = sum_{r,s<R} x^|r-s| = R + 2 sum_{d=1}^{R-1} (R-d) x^d."""
+    x = np.asarray(x, np.float64)
+    out = np.full_like(x, float(R))
+    p = np.ones_like(x)
+    for d in range(1, R):
+        p = p * x
+        out = out + 2.0 * (R - d) * p
+    return out
+
+
+def _solve_stein(X: np.ndarray, PA: np.ndarray, PG: np.ndarray) -> np.ndarray:
+    """Y with Y - PG Y PA^T = X, i.e. (I - PA (x) PG)^-1 vec(X), via eigendecompositions."""
+    la, Qa = np.linalg.eig(PA)
+    lg, Qg = np.linalg.eig(PG)
+    Xt = np.linalg.solve(Qg, X) @ np.linalg.inv(Qa).T
+    Yt = Xt / (1.0 - lg[:, None] * la[None, :])
+    return np.real(Qg @ Yt @ Qa.T)
+
+
+class FullyConnectedKronSeries(FullyConnectedKronBase):
+    """Shared code of Options 1 and 2 (see module docstring)."""
+
+    option: int = 1
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        self.R = len(layer.uses)
+        if self.R < 2:
+            raise ConfigError(f"layer {layer.name!r}: {self.name} needs a weight used at least twice")
+        if self.damping_mode != "pi":
+            raise ConfigError(f"layer {layer.name!r}: {self.name} supports damping_mode 'pi' only")
+        self.psi_max = float(options.get("psi_max", PSI_MAX))
+        self.doublings = int(options.get("neumann_doublings", NEUMANN_DOUBLINGS))
+
+    @property
+    def host_inverse_only(self) -> bool:
+        return True
+
+    def inverse_is_host(self, method: str) -> bool:
+        return True
+
+    def _np_batchable(self) -> bool:
+        return False
+
+    # ---- plan records
+    def factor_specs(self):
+        return [
+            FactorSpec("A", (self.nA, self.nA), role="A"),
+            FactorSpec("G", (self.nG, self.nG), role="G"),
+            FactorSpec("A_1", (self.nA, self.nA), role="A_1"),
+            FactorSpec("G_1", (self.nG, self.nG), role="G_1"),
+        ]
+
+    def inverse_specs(self):
+        specs = [
+            FactorSpec("A_K", (self.nA, self.nA), role="A_K"),
+            FactorSpec("G_K", (self.nG, self.nG), role="G_K"),
+            FactorSpec("D_inv", (self.nG, self.nA), role="D_inv"),
+        ]
+        if self.option == 2:
+            specs += [
+                FactorSpec("A_psi", (self.nA, self.nA), role="A_psi", init="zeros"),
+                FactorSpec("G_psi", (self.nG, self.nG), role="G_psi", init="zeros"),
+            ]
+        return specs
+
+    def stats_flops(self, batch):
+        return 2 * super().stats_flops(batch)
+
+    def inverse_flops(self):
+        return 30 * (self.nA**3 + self.nG**3)
+
+    # ---- statistics
+    def emit_statistics(self, b, inputs, cotangents):
+        out = super().emit_statistics(b, inputs, cotangents)
+        rows = [self._emit_rows(b, x) for x in inputs]
+        X1 = emit_concat(b, rows[1:], axis=0)
+        X0 = emit_concat(b, rows[:-1], axis=0)
+        out["A_1"] = b.div(b.matmul(b.transpose(X1, [1, 0]), X0), emit_dim(b, X1, 0))
+        S = len(cotangents[0])
+        drows = [[b.reshape(cotangents[u][s], [-1, self.n_out]) for s in range(S)] for u in range(self.R)]
+        D1 = emit_concat(b, [drows[u + 1][s] for u in range(self.R - 1) for s in range(S)], axis=0)
+        D0 = emit_concat(b, [drows[u][s] for u in range(self.R - 1) for s in range(S)], axis=0)
+        n = emit_dim(b, cotangents[0][0], 0)
+        G1 = b.div(b.matmul(b.transpose(D1, [1, 0]), D0), n)
+        out["G_1"] = b.scale(G1, self.R / (self.R - 1))
+        return out
+
+    def numpy_statistics(self, inputs, cotangents):
+        out = super().numpy_statistics(inputs, cotangents)
+        rows = [self._np_rows(x) for x in inputs]
+        X1, X0 = np.concatenate(rows[1:]), np.concatenate(rows[:-1])
+        out["A_1"] = X1.T @ X0 / len(X1)
+        S = len(cotangents[0])
+        d = [[np.asarray(cotangents[u][s], np.float64).reshape(-1, self.n_out) for s in range(S)] for u in range(self.R)]
+        D1 = np.concatenate([d[u + 1][s] for u in range(self.R - 1) for s in range(S)])
+        D0 = np.concatenate([d[u][s] for u in range(self.R - 1) for s in range(S)])
+        out["G_1"] = self.R / (self.R - 1) * D1.T @ D0 / np.shape(cotangents[0][0])[0]
+        return out
+
+    # ---- inverse (host)
+    def emit_inverse(self, b, factors, damping, method=linalg.DEFAULT_METHOD, previous=None):
+        raise ConfigError(
+            f"layer {self.layer.name!r}: {self.name} needs eigendecompositions; its inverse is host-side "
+            "(numpy_inverse, method 'eigh')"
+        )
+
+    def _fallback_state(self):
+        st = {
+            "A_K": np.eye(self.nA),
+            "G_K": np.eye(self.nG),
+            "D_inv": np.ones((self.nG, self.nA)),
+        }
+        if self.option == 2:
+            st["A_psi"] = np.zeros((self.nA, self.nA))
+            st["G_psi"] = np.zeros((self.nG, self.nG))
+        return st
+
+    def _np_damped_all(self, factors, damping):
+        f = {k: np.asarray(v, np.float64) for k, v in factors.items()}
+        d = self._np_damped(f, damping)
+        return d["A"], d["G"], f["A_1"], f["G_1"]
+
+    def _state(self, factors, damping) -> dict:
+        Ad, Gd, A1, G1 = self._np_damped_all(factors, damping)
+        if self.option == 1:
+            pa, Ka = scipy.linalg.eigh(0.5 * (A1 + A1.T), Ad)
+            pg, Kg = scipy.linalg.eigh(0.5 * (G1 + G1.T), Gd)
+            pa, pg = np.clip(pa, -1.0, 1.0), np.clip(pg, -1.0, 1.0)
+            psi = np.clip(pg[:, None] * pa[None, :], -self.psi_max, self.psi_max)
+            return {"A_K": Ka, "G_K": Kg, "D_inv": self.R / zeta(psi, self.R)}
+        Pa = np.linalg.solve(Ad, A1.T).T  # A_1 A^-1 (A symmetric)
+        Pg = np.linalg.solve(Gd, G1.T).T
+        Ma, Mg = Pa @ A1.T, Pg @ G1.T
+        ma, Ka = scipy.linalg.eigh(0.5 * (Ma + Ma.T), Ad)
+        mg, Kg = scipy.linalg.eigh(0.5 * (Mg + Mg.T), Gd)
+        ma, mg = np.clip(ma, 0.0, 1.0), np.clip(mg, 0.0, 1.0)
+        mu = np.minimum(mg[:, None] * ma[None, :], self.psi_max**2)
+        return {"A_K": Ka, "G_K": Kg, "D_inv": 1.0 / (1.0 - mu), "A_psi": Pa, "G_psi": Pg}
+
+    def numpy_inverse(self, factors, damping, method="eigh", previous=None):
+        dtype = np.result_type(*[np.asarray(v).dtype for v in factors.values()])
+        ok = all(np.isfinite(np.asarray(v)).all() for v in factors.values())
+        state = None
+        if ok:
+            try:
+                with np.errstate(all="ignore"):
+                    state = self._state(factors, damping)
+                ok = all(np.isfinite(v).all() for v in state.values())
+            except (np.linalg.LinAlgError, ValueError):
+                ok = False
+        if not ok:
+            state = dict(previous) if previous is not None else self._fallback_state()
+        return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, bool(ok)
+
+    # ---- multiply by the inverse (state from numpy_inverse)
+    def emit_multiply_inverse(self, b, grads, inverses):
+        return self.emit_multiply_state(b, grads, inverses)
+
+    def emit_multiply_state(self, b, vectors, st):
+        X = self.view.emit_to(b, vectors)
+        if self.option == 2:
+            X = b.sub(X, b.matmul(b.matmul(st["G_psi"], X), b.transpose(st["A_psi"], [1, 0])))
+        Y = b.matmul(b.matmul(b.transpose(st["G_K"], [1, 0]), X), st["A_K"])
+        Y = b.mul(Y, st["D_inv"])
+        Y = b.matmul(b.matmul(st["G_K"], Y), b.transpose(st["A_K"], [1, 0]))
+        if self.option == 2:
+            Y = b.sub(Y, b.matmul(b.matmul(b.transpose(st["G_psi"], [1, 0]), Y), st["A_psi"]))
+        return self.view.emit_from(b, Y)
+
+    def numpy_multiply_inverse(self, grads, state):
+        return self.numpy_multiply_state(grads, state)
+
+    def numpy_multiply_state(self, vectors, st):
+        st = {k: np.asarray(v, np.float64) for k, v in st.items()}
+        X = self.view.np_to(vectors).astype(np.float64)
+        if self.option == 2:
+            X = X - st["G_psi"] @ X @ st["A_psi"].T
+        Y = (st["G_K"].T @ X @ st["A_K"]) * st["D_inv"]
+        Y = st["G_K"] @ Y @ st["A_K"].T
+        if self.option == 2:
+            Y = Y - st["G_psi"].T @ Y @ st["A_psi"]
+        return self.view.np_from(Y)
+
+    # ---- multiply by F (numpy: exact, same clipping as the inverse)
+    def numpy_multiply(self, vectors, factors, damping):
+        st = self._state(factors, damping)
+        X = self.view.np_to(vectors).astype(np.float64)
+        Ka_inv, Kg_inv = np.linalg.inv(st["A_K"]), np.linalg.inv(st["G_K"])
+        if self.option == 2:
+            X = _solve_stein(X, st["A_psi"].T, st["G_psi"].T)  # (I - Psi^T)^-1
+        Z = (Kg_inv @ X @ Ka_inv.T) / st["D_inv"]
+        Y = Kg_inv.T @ Z @ Ka_inv
+        if self.option == 2:
+            Y = _solve_stein(Y, st["A_psi"], st["G_psi"])  # (I - Psi)^-1
+        return self.view.np_from(Y)
+
+    # ---- multiply by F in ONNX (no eigenvalue clipping; option 2 truncated at 2^m terms)
+    def emit_multiply(self, b, vectors, factors, damping):
+        d = self._emit_damped(b, factors, damping)
+        Ad, Gd = d["A"], d["G"]
+        A1, G1 = factors["A_1"], factors["G_1"]
+        if self.option == 1:
+            A1 = b.scale(b.add(A1, b.transpose(A1, [1, 0])), 0.5)
+            G1 = b.scale(b.add(G1, b.transpose(G1, [1, 0])), 0.5)
+        Pa = b.matmul(A1, b.op("Inverse", [Ad], domain="com.microsoft"))
+        Pg = b.matmul(G1, b.op("Inverse", [Gd], domain="com.microsoft"))
+        X = self.view.emit_to(b, vectors)
+        if self.option == 1:
+            Y = b.matmul(b.matmul(Gd, X), Ad)
+            terms = [b.scale(Y, 1.0)]
+            for dd in range(1, self.R):
+                Y = b.matmul(b.matmul(Pg, Y), b.transpose(Pa, [1, 0]))
+                terms.append(b.scale(Y, 2.0 * (self.R - dd) / self.R))
+            return self.view.emit_from(b, emit_add_all(b, terms))
+        # option 2: (I - Psi)^-1 S (I - Psi^T)^-1 v
+        X = self._emit_neumann(b, X, b.transpose(Pa, [1, 0]), b.transpose(Pg, [1, 0]))
+        Y = b.matmul(b.matmul(Gd, X), Ad)
+        Sg = b.matmul(b.matmul(Pg, Gd), b.transpose(Pg, [1, 0]))
+        Sa = b.matmul(b.matmul(Pa, Ad), b.transpose(Pa, [1, 0]))
+        Y = b.sub(Y, b.matmul(b.matmul(Sg, X), Sa))
+        Y = self._emit_neumann(b, Y, Pa, Pg)
+        return self.view.emit_from(b, Y)
+
+    def _emit_neumann(self, b, X, PA, PG):
+        """(I - PA (x) PG)^-1 vec(X) ~ prod_{k<m} (I + PA^(2^k) (x) PG^(2^k)) vec(X)."""
+        for k in range(self.doublings):
+            X = b.add(X, b.matmul(b.matmul(PG, X), b.transpose(PA, [1, 0])))
+            if k < self.doublings - 1:
+                PA, PG = b.matmul(PA, PA), b.matmul(PG, PG)
+        return X
+
+    # ---- powers: only 1 and -1
+    def numpy_matpower(self, factors, damping, exp):
+        if exp == -1:
+            return self.numpy_inverse(factors, damping)
+        raise ConfigError(f"layer {self.layer.name!r}: {self.name} supports matrix powers 1 and -1 only")
+
+    def numpy_multiply_matpower(self, vectors, factors, damping, exp):
+        if exp == 1:
+            return self.numpy_multiply(vectors, factors, damping)
+        state, _ = self.numpy_matpower(factors, damping, exp)
+        return self.numpy_multiply_state(vectors, state)
+
+    def emit_multiply_matpower(self, b, vectors, factors, damping, exp):
+        if exp == 1:
+            return self.emit_multiply(b, vectors, factors, damping)
+        raise ConfigError(
+            f"layer {self.layer.name!r}: {self.name} power {exp}: use numpy_inverse + emit_multiply_inverse"
+        )
+
+
+@register_block
+class FullyConnectedKronSeries1(FullyConnectedKronSeries):
+    """Martens, Ba & Johnson 2018, Option 1 (finite R, symmetric V_1)."""
+
+    name = "kron_series_1"
+    option = 1
+
+
+@register_block
+class FullyConnectedKronSeries2(FullyConnectedKronSeries):
+    """Martens, Ba & Johnson 2018, Option 2 (R -> infinity)."""
+
+    name = "kron_series_2"
+    option = 2

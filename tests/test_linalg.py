@@ -1,0 +1,193 @@
+"""Inverse methods (kfac_compiler.linalg): emitted ones in ONNX Runtime and the numpy twins,
+against float64 numpy/scipy references; NaN/singular guards; batching."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import scipy.linalg
+from onnx import TensorProto, helper
+
+from kfac_compiler import linalg
+from kfac_compiler.builder import NP_TO_ONNX, GraphBuilder, value_info
+from kfac_compiler.errors import ConfigError
+
+RNG = np.random.default_rng(7)
+
+
+def run_graph(build, feeds, opset=17, float_type=TensorProto.FLOAT):
+    b = GraphBuilder(opset, taken=feeds.keys(), float_type=float_type)
+    outs = build(b)
+    keys = list(outs)
+    inputs = [value_info(k, NP_TO_ONNX[np.asarray(v).dtype], list(np.shape(v))) for k, v in feeds.items()]
+    model = b.make_model("t", inputs, [helper.make_empty_tensor_value_info(outs[k]) for k in keys])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip(keys, sess.run(None, feeds)))
+
+
+def spd(n, cond=100.0, batch=()):
+    """Random SPD matrices with eigenvalues log-spaced in [1/cond, 1]."""
+    out = np.empty((*batch, n, n))
+    for idx in np.ndindex(*batch):
+        Q, _ = np.linalg.qr(RNG.standard_normal((n, n)))
+        s = np.logspace(-np.log10(cond), 0, n)
+        out[idx] = (Q * s) @ Q.T
+    return out
+
+
+def rel_err(X, ref):
+    return float(np.abs(np.asarray(X, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("method", linalg.EMITTED_METHODS)
+@pytest.mark.parametrize("n,batch", [(5, ()), (17, (3,)), (33, (2, 2))])
+def test_emitted_inverse_vs_float64(method, n, batch):
+    M = spd(n, 100.0, batch)
+    ref = np.linalg.inv(M)
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", n, method))), {"M": M.astype(np.float32)})
+    assert out["ok"].shape == batch and out["ok"].all()
+    assert rel_err(out["X"], ref) < 1e-4
+    # float64 graph: near machine precision
+    out64 = run_graph(
+        lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", n, method, iterations=30))),
+        {"M": M},
+        float_type=TensorProto.DOUBLE,
+    )
+    assert rel_err(out64["X"], ref) < 1e-10
+
+
+@pytest.mark.parametrize("method", linalg.METHODS)
+def test_numpy_inverse_methods(method):
+    M = spd(9, 1e3, (4,))
+    X, ok = linalg.np_inverse(M, method, iterations=40)
+    assert ok.all()
+    assert rel_err(X, np.linalg.inv(M)) < 1e-9
+
+
+def test_cholesky_and_cholesky_inverse():
+    M = spd(8, 50.0)
+    L = linalg.np_cholesky(M)
+    np.testing.assert_allclose(L, scipy.linalg.cholesky(M, lower=True), rtol=1e-10, atol=1e-12)
+    Linv = linalg.np_cholesky_inverse(M)
+    np.testing.assert_allclose(Linv @ L, np.eye(8), atol=1e-10)
+    np.testing.assert_allclose(Linv.T @ Linv, np.linalg.inv(M), rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("exp", [-1, -0.5, 0.5, 1, 2, 3])
+def test_matpower_vs_scipy(exp):
+    M = spd(7, 20.0)
+    P, ok = linalg.np_matpower(M, exp)
+    assert ok
+    np.testing.assert_allclose(P, np.real(scipy.linalg.fractional_matrix_power(M, exp)), rtol=1e-8, atol=1e-10)
+    if exp == int(exp):
+        out = run_graph(
+            lambda b: dict(zip(("P", "ok"), linalg.emit_matpower_int(b, "M", 7, int(exp)))),
+            {"M": M},
+            float_type=TensorProto.DOUBLE,
+        )
+        assert out["ok"] and rel_err(out["P"], P) < 1e-10
+
+
+def test_matpower_rejects_nonpositive_for_negative_powers():
+    M = np.diag([1.0, 0.0, 2.0])
+    _, ok = linalg.np_matpower(M, -1)
+    assert not ok
+    P, ok = linalg.np_matpower(M, 0.5)
+    assert ok and np.allclose(P, np.diag(np.sqrt([1.0, 0.0, 2.0])))
+
+
+def test_newton_schulz_warm_start():
+    n = 40
+    M = spd(n, 1e3)
+    M2 = M + 1e-3 * spd(n, 10.0)  # the factor moved a little
+    X_prev = np.linalg.inv(M)
+    cold, _ = linalg.np_newton_schulz(M2, iterations=6)
+    warm, ok = linalg.np_newton_schulz(M2, iterations=6, X0=X_prev)
+    ref = np.linalg.inv(M2)
+    assert ok and rel_err(warm, ref) < 1e-8
+    assert rel_err(cold, ref) > 1e-2  # 6 iterations are far too few from a cold start
+    out = run_graph(
+        lambda b: dict(zip(("X", "ok"), linalg.emit_newton_schulz(b, "M", n, "P", iterations=6))),
+        {"M": M2, "P": X_prev},
+        float_type=TensorProto.DOUBLE,
+    )
+    assert out["ok"] and rel_err(out["X"], ref) < 1e-8
+    # a previous inverse that does not contract is ignored (cold start)
+    bad_prev = -X_prev
+    X, _ = linalg.np_newton_schulz(M2, iterations=40, X0=bad_prev)
+    assert rel_err(X, ref) < 1e-8
+
+
+def test_newton_schulz_twin_matches_emitted():
+    M = spd(12, 1e3, (2,))
+    ref, _ = linalg.np_newton_schulz(M, iterations=12)
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_newton_schulz(b, "M", 12, iterations=12))), {"M": M}, float_type=TensorProto.DOUBLE)
+    np.testing.assert_allclose(out["X"], ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", linalg.EMITTED_METHODS)
+def test_emitted_guard_nan_inf_singular(method):
+    M = spd(6, 10.0, (4,)).astype(np.float32)
+    M[1, 2, 3] = np.nan
+    M[2, 0, 0] = np.inf
+    M[3] = 0.0  # singular
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", 6, method))), {"M": M})
+    assert out["ok"].tolist() == [True, False, False, False]
+    assert rel_err(out["X"][0], np.linalg.inv(M[0].astype(np.float64))) < 1e-4
+
+
+@pytest.mark.parametrize("method", linalg.METHODS)
+def test_numpy_guard_keeps_previous(method):
+    M = spd(5, 10.0, (3,))
+    M[1, 0, 0] = np.nan
+    M[2] = np.diag([1.0, 1.0, 0.0, 1.0, 1.0])
+    prev = np.stack([np.full((5, 5), float(i)) for i in range(3)])
+    X, ok = linalg.np_inverse(M, method, previous=prev)
+    assert ok.tolist() == [True, False, False]
+    np.testing.assert_array_equal(X[1:], prev[1:])
+    assert np.isfinite(X).all()
+
+
+def test_emit_inverse_batch_groups_by_size():
+    mats = {"a": spd(4, 10.0), "b": spd(6, 10.0), "c": spd(4, 10.0, (3,)), "d": spd(6, 10.0)}
+    feeds = {k: v.astype(np.float32) for k, v in mats.items()}
+
+    def build(b):
+        reqs = [linalg.InverseRequest(k, v.shape[-1], v.shape[:-2]) for k, v in mats.items()]
+        res = linalg.emit_inverse_batch(b, reqs, "inverse_op")
+        out = {}
+        for k, (X, ok) in zip(mats, res):
+            out[k], out[k + "_ok"] = X, ok
+        return out
+
+    b = GraphBuilder(17)
+    build(b)
+    assert sum(n.op_type == "Inverse" for n in b.nodes) == 2
+    out = run_graph(build, feeds)
+    for k, v in mats.items():
+        assert out[k].shape == v.shape and out[k + "_ok"].shape == v.shape[:-2]
+        assert rel_err(out[k], np.linalg.inv(v)) < 1e-4
+    res = linalg.np_inverse_batch(list(mats.values()), "eigh")
+    for (X, ok), v in zip(res, mats.values()):
+        assert ok.all() and rel_err(X, np.linalg.inv(v)) < 1e-10
+
+
+def test_host_methods_are_not_emitted():
+    assert linalg.is_host_method("eigh") and linalg.is_host_method("cholesky")
+    assert not linalg.is_host_method("inverse_op")
+    with pytest.raises(ConfigError):
+        linalg.emit_inverse(GraphBuilder(17), "M", 3, "eigh")
+    with pytest.raises(ConfigError):
+        linalg.check_method("qr")
+
+
+def test_trace_mean_and_pi_batched():
+    A, G = spd(5, 10.0, (3,)), 3.0 * spd(4, 10.0, (3,))
+    pi = linalg.np_pi(A, G)
+    want = np.sqrt((np.trace(A, axis1=1, axis2=2) / 5) / (np.trace(G, axis1=1, axis2=2) / 4))
+    np.testing.assert_allclose(pi, want)
+    out = run_graph(lambda b: {"pi": linalg.emit_pi(b, "A", 5, "G", 4)}, {"A": A, "G": G}, float_type=TensorProto.DOUBLE)
+    np.testing.assert_allclose(out["pi"], want, rtol=1e-12)
+    bad = G.copy()
+    bad[1, 0, 0] = np.nan
+    np.testing.assert_allclose(linalg.np_pi(A, bad)[1], 1.0)
