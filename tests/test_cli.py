@@ -167,7 +167,7 @@ def test_config_toml_and_json(tmp_path):
         ({"inverse": {"methd": "eigh"}}, "unknown key 'inverse.methd'"),
         ({"estimator": {"mode": "fisher"}}, "estimator.mode: unknown mode 'fisher'"),
         ({"estimator": {"num_samples": 0}}, "estimator.num_samples: expected an integer >= 1"),
-        ({"inverse": {"method": "cholesky"}}, "inverse.method: unknown method 'cholesky'"),
+        ({"inverse": {"method": "lu"}}, "inverse.method: unknown method 'lu'"),
         ({"inverse": {"damping_split": "half"}}, "inverse.damping_split"),
         ({"ema_decay": 1.0}, "ema_decay: 1.0 is outside [0.0, 1.0)"),
         ({"damping": -1}, "damping: -1 is outside"),

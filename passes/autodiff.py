@@ -1,0 +1,235 @@
+"""Autodiff pass: reverse-mode (vjp) and forward-mode (jvp) graphs in standard ONNX ops.
+
+    backward(b, view, seeds, wrt) -> {wrt tensor: cotangent name or None}
+    jvp(b, view, tangents, outputs) -> {output: tangent name or None}
+    gradient_model(model, output, params, extra_wrt=()) -> ModelProto   (tests, benchmarks)
+    jvp_model(model, output, params) -> ModelProto
+
+The forward graph indexed by `view` is assumed present in the graph being built (its tensors
+are referenced by name); only nodes on a path from a `wrt`/tangent tensor to a seed/output
+are differentiated, and every such node is checked for a rule before anything is emitted.
+The per-op rules live in kfac_compiler.oprules. See docs/autodiff.md.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import onnx
+from onnx import TensorProto, helper
+
+from kfac_compiler.builder import IR_VERSION, GraphBuilder, value_info
+from kfac_compiler.errors import ModelError, UnsupportedOpError
+from kfac_compiler.graph import FLOAT_TYPES, GraphView
+from kfac_compiler.oprules import find, lookup, supported_ops
+from kfac_compiler.oprules._util import zeros_like
+
+__all__ = ["backward", "jvp", "gradient_model", "jvp_model", "path_nodes"]
+
+
+def _is_float(view: GraphView, name: str) -> bool:
+    t = view.dtypes.get(name)
+    return t is None or t == 0 or t in FLOAT_TYPES
+
+
+def _varied(view: GraphView, sources) -> tuple[set[str], list[onnx.NodeProto]]:
+    """Tensors depending differentiably on `sources`, and the nodes producing them."""
+    varied = set(sources)
+    nodes = []
+    for node in view.nodes:
+        rule = find(node, view.opset)
+        if rule is not None and rule.nondiff:
+            continue
+        if not any(x and x in varied and (rule is None or rule.diff_slot(i)) for i, x in enumerate(node.input)):
+            continue
+        nodes.append(node)
+        for o in node.output:
+            if o and _is_float(view, o):
+                varied.add(o)
+    return varied, nodes
+
+
+def path_nodes(view: GraphView, sources: Sequence[str], sinks: Sequence[str]):
+    """(nodes on a differentiable path from `sources` to `sinks` in topological order,
+    tensors on those paths)."""
+    varied, vnodes = _varied(view, sources)
+    useful = {s for s in sinks if s in varied}
+    path = []
+    for node in reversed(vnodes):
+        if not any(o in useful for o in node.output if o):
+            continue
+        path.append(node)
+        rule = find(node, view.opset)
+        for i, x in enumerate(node.input):
+            if x and x in varied and (rule is None or rule.diff_slot(i)):
+                useful.add(x)
+    path.reverse()
+    return path, useful
+
+
+def _total(b: GraphBuilder, acc: dict[str, list[str]], name: str) -> str | None:
+    parts = acc.get(name)
+    if not parts:
+        return None
+    if len(parts) > 1:
+        s = b.add(parts[0], parts[1]) if len(parts) == 2 else b.op("Sum", list(parts), hint="grad_sum")
+        acc[name] = [s]
+    return acc[name][0]
+
+
+def backward(
+    b: GraphBuilder,
+    view: GraphView,
+    seeds: Mapping[str, str],
+    wrt: Sequence[str],
+) -> dict[str, str | None]:
+    """Reverse mode: emit the cotangents of `wrt` given cotangent `seeds` (forward tensor ->
+    cotangent tensor of the same shape). Returns {wrt tensor: cotangent name, or None when no
+    differentiable path reaches a seed}. Raises UnsupportedOpError (before emitting
+    anything) when a node on a path has no rule."""
+    wrt = list(wrt)
+    path, useful = path_nodes(view, wrt, list(seeds))
+    rules = {}
+    for node in path:
+        rule = lookup(node, view.opset)
+        rule.check(view, node)
+        rules[id(node)] = rule
+    acc: dict[str, list[str]] = {}
+    for s, ct in seeds.items():
+        if s in useful:
+            acc.setdefault(s, []).append(ct)
+    for node in reversed(path):
+        rule = rules[id(node)]
+        gys = [_total(b, acc, o) if o else None for o in node.output]
+        if all(g is None for g in gys):
+            continue
+        needs = [bool(x) and x in useful and rule.diff_slot(i) for i, x in enumerate(node.input)]
+        res = rule.vjp(b, view, node, gys, needs)
+        for i, (x, ct) in enumerate(zip(node.input, res)):
+            if ct is not None and needs[i]:
+                acc.setdefault(x, []).append(ct)
+    return {w: _total(b, acc, w) for w in wrt}
+
+
+def jvp(
+    b: GraphBuilder,
+    view: GraphView,
+    tangents: Mapping[str, str],
+    outputs: Sequence[str],
+) -> dict[str, str | None]:
+    """Forward mode: emit the tangents of `outputs` given `tangents` of some forward tensors
+    (e.g. parameters). Returns {output: tangent name, or None when it does not depend on
+    the tangents}. Raises UnsupportedOpError (before emitting) when a node on a path has
+    no forward-mode rule."""
+    path, _ = path_nodes(view, list(tangents), list(outputs))
+    rules = {}
+    for node in path:
+        rule = lookup(node, view.opset)
+        if not rule.has_jvp:
+            raise UnsupportedOpError(
+                f"node {node.name!r}: op {node.op_type} (opset {view.opset}) has no forward-mode "
+                f"(jvp) rule; ops with one: {', '.join(supported_ops(jvp=True))}"
+            )
+        rules[id(node)] = rule
+    tan = dict(tangents)
+    for node in path:
+        rule = rules[id(node)]
+        ts = [tan.get(x) if x and rule.diff_slot(i) else None for i, x in enumerate(node.input)]
+        if all(t is None for t in ts):
+            continue
+        res = rule.jvp(b, view, node, ts)
+        for o, t in zip(node.output, res):
+            if o and t is not None and _is_float(view, o):
+                tan[o] = t
+    return {o: tan.get(o) for o in outputs}
+
+
+# ------------------------------------------------------------------ model helpers
+def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    try:
+        m = onnx.shape_inference.infer_shapes(m, data_prop=True)
+    except Exception:  # noqa: BLE001 - shapes are an optimization; rules fall back to dynamic
+        pass
+    return m
+
+
+def _ir_version(model: onnx.ModelProto, opset: int) -> int:
+    """The IR version to stamp: at least the builder's and what `opset` needs."""
+    need = IR_VERSION
+    for _, ir, op, *_ in helper.VERSION_TABLE:
+        if op >= opset:
+            need = ir
+            break
+    return max(IR_VERSION, need, model.ir_version)
+
+
+def _vi_like(view: GraphView, name: str, new_name: str) -> onnx.ValueInfoProto:
+    return value_info(new_name, view.dtypes.get(name, TensorProto.FLOAT) or TensorProto.FLOAT, view.shape(name))
+
+
+def _setup(model: onnx.ModelProto, output: str, names: Sequence[str], extra_taken: Sequence[str]):
+    model = _prepare(model)
+    view = GraphView(model)
+    if output not in view.producer and output not in view.graph_inputs:
+        raise ModelError(f"output {output!r} is not a tensor of model graph {model.graph.name!r}")
+    for n in names:
+        if n not in view.initializers and n not in view.producer and n not in view.graph_inputs:
+            raise ModelError(f"{n!r} is not a tensor of model graph {model.graph.name!r}")
+    ftype = view.dtypes.get(output) or TensorProto.FLOAT
+    taken = view.all_names() | {vi.name for vi in model.graph.value_info} | set(extra_taken)
+    b = GraphBuilder(view.opset, prefix="autodiff", taken=taken, float_type=ftype)
+    return model, view, b
+
+
+def _finish(model, view, b, name, inputs, outputs) -> onnx.ModelProto:
+    g = model.graph
+    m = b.make_model(
+        name,
+        inputs=[i for i in g.input if i.name not in view.initializers] + list(inputs),
+        outputs=outputs,
+        base_nodes=g.node,
+        base_initializers=g.initializer,
+        extra_opsets=model.opset_import,
+    )
+    m.graph.value_info.extend(g.value_info)
+    m.functions.extend(model.functions)
+    m.ir_version = _ir_version(model, view.opset)
+    return m
+
+
+def gradient_model(
+    model: onnx.ModelProto,
+    output: str,
+    params: Sequence[str],
+    extra_wrt: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """The forward model plus a graph input "<output>_grad" (cotangent seed, shaped like
+    `output`) and graph outputs "<output>" and "grad/<t>" for each t in params + extra_wrt
+    (zeros when `output` does not depend on t). Params stay initializers."""
+    wrt = list(params) + [t for t in extra_wrt if t not in params]
+    seed = f"{output}_grad"
+    out_names = [f"grad/{t}" for t in wrt]
+    model, view, b = _setup(model, output, wrt, [seed] + out_names)
+    res = backward(b, view, {output: seed}, wrt)
+    outs = [_vi_like(view, output, output)]
+    for t, name in zip(wrt, out_names):
+        ct = res[t] if res[t] is not None else zeros_like(b, view, t)
+        b.identity(ct, name)
+        outs.append(_vi_like(view, t, name))
+    return _finish(model, view, b, f"{model.graph.name}_grad", [_vi_like(view, output, seed)], outs)
+
+
+def jvp_model(model: onnx.ModelProto, output: str, params: Sequence[str]) -> onnx.ModelProto:
+    """The forward model plus graph inputs "tangent/<p>" (shaped like each param) and graph
+    outputs "<output>" and "jvp/<output>" (the directional derivative J v)."""
+    params = list(params)
+    tnames = [f"tangent/{p}" for p in params]
+    oname = f"jvp/{output}"
+    model, view, b = _setup(model, output, params, tnames + [oname])
+    res = jvp(b, view, dict(zip(params, tnames)), [output])
+    t = res[output] if res[output] is not None else zeros_like(b, view, output)
+    b.identity(t, oname)
+    ins = [_vi_like(view, p, tn) for p, tn in zip(params, tnames)]
+    outs = [_vi_like(view, output, output), _vi_like(view, output, oname)]
+    return _finish(model, view, b, f"{model.graph.name}_jvp", ins, outs)

@@ -1,0 +1,401 @@
+"""Every differentiation rule against central finite differences (float64, onnx.reference),
+in static-shape and symbolic-shape form, plus an ONNX Runtime (CPU, float32) run of each
+emitted derivative graph compared loosely with the float64 result."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from kfac_compiler.errors import UnsupportedOpError
+from kfac_compiler.oprules import Rule, find, lookup, register, supported_ops, RULES
+from kfac_compiler.oprules.check import (
+    convert_float_type,
+    derivative_model,
+    fd_check,
+    one_node_model,
+    run_ort,
+    run_reference,
+)
+
+RNG = np.random.default_rng(1234)
+
+
+def r(*shape, lo=None):
+    """Random normal array; with `lo`, magnitudes pushed to >= lo (away from kinks/zero)."""
+    a = RNG.standard_normal(shape)
+    if lo is not None:
+        a = np.sign(a) * (np.abs(a) + lo)
+        a[a == 0] = lo
+    return a
+
+
+def pos(*shape):
+    return RNG.uniform(0.5, 2.0, shape)
+
+
+def i64(*v):
+    return np.asarray(v, dtype=np.int64)
+
+
+@dataclass
+class Case:
+    id: str
+    op: str
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+    opset: int = 17
+    n_out: int = 1
+    runtime: tuple = ()
+    symbolic: bool = True  # also run with symbolic input dims
+    ort: bool = True
+    jvp: bool = True
+    rtol: float = 1e-5
+    outputs: tuple | None = None  # outputs to seed (default: all float outputs)
+    consts: tuple = ()  # float inputs made initializers (constants)
+    runner: str = "reference"  # "ort": float32 FD on ORT (op wrong in onnx.reference)
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+def C(id, op, inputs, **kw):
+    return Case(id, op, inputs, **kw)
+
+
+UNARY = [
+    ("Identity", r(3, 4), {}), ("Neg", r(3, 4), {}), ("Sqrt", pos(3, 4), {}),
+    ("Reciprocal", r(3, 4, lo=0.5), {}), ("Abs", r(3, 4, lo=0.1), {}), ("Exp", r(3, 4), {}),
+    ("Log", pos(3, 4), {}), ("Relu", r(3, 4, lo=0.05), {}), ("LeakyRelu", r(3, 4, lo=0.05), {"alpha": 0.1}),
+    ("Elu", r(3, 4, lo=0.05), {"alpha": 0.5}), ("Selu", r(3, 4, lo=0.05), {}),
+    ("Celu", r(3, 4, lo=0.05), {"alpha": 0.7}), ("ThresholdedRelu", r(3, 4, lo=0.05) + 0.3, {"alpha": 0.3}),
+    ("Tanh", r(3, 4), {}), ("Sigmoid", r(3, 4), {}), ("HardSigmoid", 3 * r(3, 4, lo=0.05), {"alpha": 0.3, "beta": 0.4}),
+    ("Softplus", r(3, 4), {}), ("Softsign", r(3, 4, lo=0.05), {}), ("Erf", r(3, 4), {}),
+    ("Sin", r(3, 4), {}), ("Cos", r(3, 4), {}), ("Tan", 0.5 * r(3, 4), {}), ("Atan", r(3, 4), {}),
+    ("Sinh", r(3, 4), {}), ("Cosh", r(3, 4), {}),
+]
+
+CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
+    C("HardSwish", "HardSwish", [("x", 2.5 * r(3, 4, lo=0.05))], opset=14),
+    C("Gelu-none", "Gelu", [("x", r(3, 4))], opset=20),
+    C("Gelu-tanh", "Gelu", [("x", r(3, 4))], attrs={"approximate": "tanh"}, opset=20),
+    # ---------------------------------------------------------------- broadcasting binary
+    C("Add-bcast", "Add", [("a", r(3, 4)), ("b", r(4))]),
+    C("Add-both", "Add", [("a", r(1, 4)), ("b", r(3, 1))]),
+    C("Sub-bcast", "Sub", [("a", r(2, 3, 4)), ("b", r(3, 1))]),
+    C("Sub-scalar", "Sub", [("a", r()), ("b", r(2, 3))]),
+    C("Mul-bcast", "Mul", [("a", r(2, 3, 4)), ("b", r(3, 1))]),
+    C("Mul-same", "Mul", [("a", r(2, 3)), ("b", r(2, 3))]),
+    C("Div-bcast", "Div", [("a", r(2, 3, 4)), ("b", r(4, lo=0.5))]),
+    C("Pow-const3", "Pow", [("x", r(3, 4)), ("e", np.asarray(3.0))], consts=("e",)),
+    C("Pow-const2", "Pow", [("x", r(3, 4)), ("e", np.asarray(2.0))], consts=("e",)),
+    C("Pow-consthalf", "Pow", [("x", pos(3, 4)), ("e", np.asarray(0.5))], consts=("e",)),
+    C("Pow-const-neg", "Pow", [("x", pos(3, 4)), ("e", np.asarray(-1.5))], consts=("e",)),
+    C("Pow-tensor", "Pow", [("x", pos(3, 4)), ("e", r(4))]),
+    C("Pow-int", "Pow", [("x", r(3, 4)), ("e", i64(2))]),
+    C("PRelu", "PRelu", [("x", r(2, 3, 4, 4, lo=0.05)), ("s", r(3, 1, 1))]),
+    C("Sum3", "Sum", [("a", r(2, 3)), ("b", r(3)), ("c", r(2, 1))]),
+    C("Mean2", "Mean", [("a", r(2, 3)), ("b", r(3))]),
+    C("Max3", "Max", [("a", r(2, 3)), ("b", r(3)), ("c", r(2, 1))]),
+    C("Min2", "Min", [("a", r(2, 3)), ("b", r(2, 3))]),
+    C("Where", "Where", [("c", RNG.random((2, 3)) > 0.5), ("a", r(2, 3)), ("b", r(3))]),
+    C("Clip-const", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(-0.5)), ("hi", np.asarray(0.7))],
+      consts=("lo", "hi")),
+    C("Clip-diff-bounds", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(-0.5)), ("hi", np.asarray(0.7))]),
+    C("Clip-minonly", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(-0.5))]),
+    C("Clip-none", "Clip", [("x", r(3, 4))]),
+    C("Cast", "Cast", [("x", r(3, 4))], attrs={"to": TensorProto.DOUBLE}),
+    C("Dropout-inference", "Dropout", [("x", r(3, 4)), ("ratio", np.asarray(0.3))], consts=("ratio",)),
+    C("Dropout-mask-off", "Dropout", [("x", r(3, 4)), ("ratio", np.asarray(0.3)), ("t", np.asarray(False))],
+      n_out=2, consts=("ratio",)),
+    C("Dropout-training", "Dropout", [("x", r(3, 4)), ("ratio", np.asarray(0.3)), ("t", np.asarray(True))],
+      attrs={"seed": 3}, n_out=2, consts=("ratio",), ort=False),
+    # ------------------------------------------------------------------------- linalg
+    *[
+        C(f"Gemm-tA{ta}-tB{tb}-C{cs}", "Gemm",
+          [("a", r(4, 3) if ta else r(3, 4)), ("b", r(5, 4) if tb else r(4, 5)), ("c", r(*cs) if cs != "none" else None)],
+          attrs={"transA": ta, "transB": tb, "alpha": 0.7, "beta": 1.3})
+        for ta in (0, 1) for tb in (0, 1) for cs in ([5], [3, 1]) 
+    ],
+    C("Gemm-C-full", "Gemm", [("a", r(3, 4)), ("b", r(4, 5)), ("c", r(3, 5))]),
+    C("Gemm-C-scalar", "Gemm", [("a", r(3, 4)), ("b", r(4, 5)), ("c", r(1))], attrs={"beta": 0.5}),
+    C("Gemm-noC", "Gemm", [("a", r(3, 4)), ("b", r(5, 4))], attrs={"transB": 1}),
+    C("MatMul-1x1", "MatMul", [("a", r(4)), ("b", r(4))]),
+    C("MatMul-1x2", "MatMul", [("a", r(4)), ("b", r(4, 5))]),
+    C("MatMul-2x1", "MatMul", [("a", r(3, 4)), ("b", r(4))]),
+    C("MatMul-2x2", "MatMul", [("a", r(3, 4)), ("b", r(4, 5))]),
+    C("MatMul-3x2", "MatMul", [("a", r(2, 3, 4)), ("b", r(4, 5))]),
+    C("MatMul-3x1", "MatMul", [("a", r(2, 3, 4)), ("b", r(4))]),
+    C("MatMul-1x3", "MatMul", [("a", r(4)), ("b", r(2, 4, 5))]),
+    C("MatMul-2x3", "MatMul", [("a", r(3, 4)), ("b", r(2, 4, 5))]),
+    C("MatMul-4x3-bcast", "MatMul", [("a", r(2, 1, 3, 4)), ("b", r(3, 4, 5))]),
+    C("MatMul-3x3", "MatMul", [("a", r(2, 3, 4)), ("b", r(2, 4, 5))]),
+    # ----------------------------------------------------------------- softmax family
+    C("Softmax-ax1", "Softmax", [("x", r(2, 3, 4))], attrs={"axis": 1}),
+    C("Softmax-last", "Softmax", [("x", r(2, 3, 4))]),
+    C("LogSoftmax-ax0", "LogSoftmax", [("x", r(2, 3, 4))], attrs={"axis": 0}),
+    C("Softmax-opset12-flatten", "Softmax", [("x", r(2, 3, 4))], attrs={"axis": 1}, opset=12),
+    C("LogSoftmax-opset11-flatten", "LogSoftmax", [("x", r(2, 3, 4))], attrs={"axis": 1}, opset=11),
+    *[
+        C(f"SCE-{red}{'-w' if w else ''}{'-ii' if ii else ''}{'-lp' if lp else ''}", "SoftmaxCrossEntropyLoss",
+          [("s", r(5, 4)), ("y", i64(0, 3, 1, 3, 2)), ("w", pos(4) if w else None)],
+          attrs={"reduction": red, **({"ignore_index": 3} if ii else {})}, n_out=2 if lp else 1)
+        for red, w, ii, lp in [("mean", 0, 0, 0), ("sum", 0, 0, 0), ("none", 0, 0, 0), ("mean", 1, 0, 0),
+                               ("mean", 0, 1, 0), ("mean", 1, 1, 1), ("none", 1, 1, 1), ("sum", 0, 0, 1)]
+    ],
+    C("SCE-3d", "SoftmaxCrossEntropyLoss", [("s", r(2, 4, 3)), ("y", i64([0, 3, 1], [2, 2, 0]))]),
+    C("SCE-ii-neg", "SoftmaxCrossEntropyLoss", [("s", r(3, 4)), ("y", i64(0, -100, 2))],
+      attrs={"ignore_index": -100}),
+    C("NLL-mean-w", "NegativeLogLikelihoodLoss", [("x", r(5, 4)), ("y", i64(0, 3, 1, 3, 2)), ("w", pos(4))]),
+    C("NLL-none-ii", "NegativeLogLikelihoodLoss", [("x", r(2, 4, 3)), ("y", i64([0, 3, 1], [2, 2, 0]))],
+      attrs={"reduction": "none", "ignore_index": 2}),
+    # --------------------------------------------------------------------------- conv
+    C("Conv1d", "Conv", [("x", r(2, 3, 9)), ("w", r(4, 3, 3)), ("b", r(4))], attrs={"strides": [2], "pads": [1, 2]}),
+    C("Conv2d-basic", "Conv", [("x", r(2, 3, 6, 6)), ("w", r(4, 3, 3, 3)), ("b", r(4))], attrs={"pads": [1, 1, 1, 1]}),
+    C("Conv2d-stride-dil", "Conv", [("x", r(2, 3, 9, 8)), ("w", r(4, 3, 3, 2))],
+      attrs={"strides": [2, 3], "pads": [1, 0, 2, 1], "dilations": [2, 1]}),
+    C("Conv2d-group2", "Conv", [("x", r(2, 4, 7, 6)), ("w", r(6, 2, 3, 3)), ("b", r(6))],
+      attrs={"group": 2, "pads": [1, 1, 1, 1], "strides": [2, 1]}),
+    C("Conv2d-depthwise", "Conv", [("x", r(2, 3, 5, 5)), ("w", r(3, 1, 3, 3)), ("b", r(3))],
+      attrs={"group": 3, "pads": [1, 1, 1, 1]}),
+    C("Conv2d-same-upper", "Conv", [("x", r(1, 2, 7, 6)), ("w", r(3, 2, 3, 2))],
+      attrs={"auto_pad": "SAME_UPPER", "strides": [2, 2]}, symbolic=False),
+    C("Conv2d-same-lower", "Conv", [("x", r(1, 2, 6, 6)), ("w", r(3, 2, 4, 4))],
+      attrs={"auto_pad": "SAME_LOWER"}, symbolic=False),
+    C("Conv2d-valid", "Conv", [("x", r(1, 2, 6, 6)), ("w", r(3, 2, 3, 3))], attrs={"auto_pad": "VALID", "strides": [2, 2]}),
+    C("Conv3d", "Conv", [("x", r(1, 2, 4, 5, 4)), ("w", r(2, 2, 2, 3, 2)), ("b", r(2))],
+      attrs={"strides": [1, 2, 1], "pads": [1, 1, 0, 0, 1, 1]}),
+    C("ConvT2d", "ConvTranspose", [("x", r(2, 3, 4, 4)), ("w", r(3, 2, 3, 3)), ("b", r(2))],
+      attrs={"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 0]}),
+    C("ConvT2d-group", "ConvTranspose", [("x", r(1, 4, 3, 4)), ("w", r(4, 3, 2, 3))],
+      attrs={"group": 2, "strides": [2, 1], "dilations": [1, 2]}),
+    C("ConvT1d", "ConvTranspose", [("x", r(2, 2, 5)), ("w", r(2, 3, 4)), ("b", r(3))], attrs={"strides": [3], "pads": [2, 1]}),
+    C("ConvT2d-output-shape", "ConvTranspose", [("x", r(1, 2, 3, 3)), ("w", r(2, 2, 3, 3))],
+      attrs={"strides": [2, 2], "output_shape": [6, 7]}, symbolic=False, runner="ort"),
+    # -------------------------------------------------------------------------- pools
+    C("MaxPool-2x2", "MaxPool", [("x", r(2, 3, 6, 6))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("MaxPool-overlap-pads", "MaxPool", [("x", r(2, 2, 6, 5))], attrs={"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
+    C("MaxPool-dil-ceil", "MaxPool", [("x", r(1, 2, 7, 7))],
+      attrs={"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 1], "ceil_mode": 1}),
+    C("MaxPool-indices-out", "MaxPool", [("x", r(1, 2, 5, 5))], attrs={"kernel_shape": [2, 2]}, n_out=2),
+    C("MaxPool-storage1", "MaxPool", [("x", r(1, 2, 5, 4))], attrs={"kernel_shape": [2, 2], "storage_order": 1}, n_out=2),
+    C("MaxPool-1d", "MaxPool", [("x", r(2, 3, 9))], attrs={"kernel_shape": [3], "strides": [2], "pads": [1, 1]}),
+    C("MaxPool-3d", "MaxPool", [("x", r(1, 2, 4, 4, 4))], attrs={"kernel_shape": [2, 2, 2], "strides": [2, 2, 2]}),
+    C("MaxPool-opset13-overlap", "MaxPool", [("x", r(1, 2, 6, 6))], attrs={"kernel_shape": [3, 3], "strides": [1, 2]},
+      opset=13),
+    C("MaxPool-opset13-disjoint", "MaxPool", [("x", r(1, 2, 6, 6))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]},
+      opset=13),
+    C("AvgPool-basic", "AveragePool", [("x", r(2, 3, 6, 6))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("AvgPool-pads-excl", "AveragePool", [("x", r(2, 2, 6, 5))],
+      attrs={"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1]}, symbolic=False),
+    C("AvgPool-pads-incl", "AveragePool", [("x", r(2, 2, 6, 5))],
+      attrs={"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 0, 1, 2], "count_include_pad": 1}),
+    C("AvgPool-ceil", "AveragePool", [("x", r(1, 2, 7, 7))],
+      attrs={"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}, symbolic=False),
+    C("AvgPool-1d", "AveragePool", [("x", r(2, 3, 9))], attrs={"kernel_shape": [3], "strides": [3]}),
+    C("AvgPool-3d", "AveragePool", [("x", r(1, 2, 4, 4, 4))], attrs={"kernel_shape": [2, 2, 2], "strides": [2, 2, 2]}),
+    C("AvgPool-dilations-19", "AveragePool", [("x", r(1, 2, 7, 7))],
+      attrs={"kernel_shape": [2, 2], "dilations": [2, 2], "strides": [1, 2]}, opset=19),
+    C("GlobalAveragePool", "GlobalAveragePool", [("x", r(2, 3, 4, 5))]),
+    C("GlobalMaxPool", "GlobalMaxPool", [("x", r(2, 3, 4, 5))]),
+    # ------------------------------------------------------------------ normalization
+    C("BN-inference", "BatchNormalization", [("x", r(2, 3, 4, 4)), ("s", r(3)), ("b", r(3)), ("m", r(3)), ("v", pos(3))],
+      attrs={"epsilon": 1e-3}),
+    C("BN-inference-2d", "BatchNormalization", [("x", r(4, 3)), ("s", r(3)), ("b", r(3)), ("m", r(3)), ("v", pos(3))]),
+    C("BN-training", "BatchNormalization", [("x", r(4, 3, 2, 2)), ("s", r(3)), ("b", r(3)), ("m", r(3)), ("v", pos(3))],
+      attrs={"training_mode": 1}, opset=15, n_out=3, outputs=("y0",)),
+    C("LN-last", "LayerNormalization", [("x", r(2, 3, 5)), ("s", r(5)), ("b", r(5))]),
+    C("LN-axis1", "LayerNormalization", [("x", r(2, 3, 4)), ("s", r(3, 4)), ("b", r(4))], attrs={"axis": 1, "epsilon": 1e-3}),
+    C("LN-nobias-stats", "LayerNormalization", [("x", r(3, 6)), ("s", r(6))], n_out=3),
+    C("InstanceNorm", "InstanceNormalization", [("x", r(2, 3, 4, 3)), ("s", r(3)), ("b", r(3))]),
+    # ----------------------------------------------------------------- data movement
+    C("Reshape-0-neg1", "Reshape", [("x", r(2, 3, 4)), ("sh", i64(0, -1, 2))]),
+    C("Flatten-ax2", "Flatten", [("x", r(2, 3, 4, 2))], attrs={"axis": 2}),
+    C("Flatten-ax0", "Flatten", [("x", r(2, 3))], attrs={"axis": 0}),
+    C("Squeeze", "Squeeze", [("x", r(2, 1, 3, 1)), ("ax", i64(1, -1))]),
+    C("Squeeze-all", "Squeeze", [("x", r(2, 1, 3, 1))], symbolic=False),
+    C("Unsqueeze", "Unsqueeze", [("x", r(2, 3)), ("ax", i64(0, -1))]),
+    C("Transpose-perm", "Transpose", [("x", r(2, 3, 4))], attrs={"perm": [1, 2, 0]}),
+    C("Transpose-default", "Transpose", [("x", r(2, 3, 4))]),
+    C("Concat-ax1", "Concat", [("a", r(2, 3)), ("b", r(2, 1)), ("c", r(2, 4))], attrs={"axis": 1}),
+    C("Concat-neg", "Concat", [("a", r(2, 3, 2)), ("b", r(2, 3, 1))], attrs={"axis": -1}),
+    C("Split-13-input", "Split", [("x", r(2, 7)), ("sp", i64(2, 5))], attrs={"axis": 1}, n_out=2),
+    C("Split-13-equal", "Split", [("x", r(6, 2))], n_out=3),
+    C("Split-18-num", "Split", [("x", r(2, 7))], attrs={"axis": 1, "num_outputs": 3}, n_out=3, opset=18),
+    C("Slice-basic", "Slice", [("x", r(5, 6)), ("s", i64(1, 2)), ("e", i64(4, 100)), ("a", i64(0, 1))]),
+    C("Slice-neg-steps", "Slice", [("x", r(5, 6, 3)), ("s", i64(-1, 0)), ("e", i64(-100, 6)), ("a", i64(0, 1)),
+                                    ("st", i64(-2, 3))]),
+    C("Slice-noaxes", "Slice", [("x", r(5, 6)), ("s", i64(-3,)), ("e", i64(-1,))]),
+    C("Slice-runtime", "Slice", [("x", r(5, 6)), ("s", i64(1, -5)), ("e", i64(4, 6)), ("a", i64(0, 1)), ("st", i64(2, 1))],
+      runtime=("s", "e")),
+    C("Expand", "Expand", [("x", r(3, 1)), ("sh", i64(2, 3, 4))]),
+    C("Gather-ax0", "Gather", [("x", r(5, 4)), ("i", i64([0, 3], [3, -1]))]),
+    C("Gather-ax1", "Gather", [("x", r(3, 5, 4)), ("i", i64([0, 3], [3, 4]))], attrs={"axis": 1}),
+    C("Gather-neg-axis-scalar", "Gather", [("x", r(3, 5, 4)), ("i", np.asarray(2, np.int64))], attrs={"axis": -1}),
+    C("Gather-runtime-idx", "Gather", [("x", r(5, 4)), ("i", i64(1, -2, 1))], runtime=("i",)),
+    C("Gather-opset13", "Gather", [("x", r(3, 5, 2)), ("i", i64([0, 3, 3], [-1, 4, 0]))], attrs={"axis": 1}, opset=13),
+    C("GatherElements", "GatherElements", [("x", r(3, 4)), ("i", i64([0, 3, 3, 1], [2, 2, 0, -1], [1, 1, 1, 1]))],
+      attrs={"axis": 1}),
+    C("GatherND", "GatherND", [("x", r(3, 4, 2)), ("i", i64([0, 1], [2, 3], [0, 1]))]),
+    C("Pad-const", "Pad", [("x", r(2, 3)), ("p", i64(1, 0, 2, 3))]),
+    C("Pad-negative", "Pad", [("x", r(4, 5)), ("p", i64(-1, 2, 1, -2)), ("v", np.asarray(0.5))], runner="ort"),
+    C("Pad-const-value", "Pad", [("x", r(2, 3)), ("p", i64(1, 0, 2, 3)), ("v", np.asarray(0.5))]),
+    C("Pad-axes-18", "Pad", [("x", r(2, 3, 4)), ("p", i64(1, 2)), ("v", None), ("ax", i64(-1))], opset=18),
+    C("Tile", "Tile", [("x", r(2, 3)), ("rep", i64(2, 3))]),
+    C("TopK", "TopK", [("x", r(3, 6)), ("k", i64(3))], attrs={"axis": 1}, n_out=2),
+    C("CumSum", "CumSum", [("x", r(3, 4)), ("ax", np.asarray(1, np.int64))]),
+    C("CumSum-excl-rev", "CumSum", [("x", r(3, 4)), ("ax", np.asarray(0, np.int64))], attrs={"exclusive": 1, "reverse": 1}),
+    C("Trilu", "Trilu", [("x", r(2, 4, 4)), ("k", np.asarray(1, np.int64))], attrs={"upper": 0}),
+    C("DepthToSpace", "DepthToSpace", [("x", r(1, 8, 2, 3))], attrs={"blocksize": 2}),
+    C("SpaceToDepth", "SpaceToDepth", [("x", r(1, 2, 4, 6))], attrs={"blocksize": 2}),
+    # ---------------------------------------------------------------------- reductions
+    C("ReduceSum-axes-keep", "ReduceSum", [("x", r(2, 3, 4)), ("ax", i64(1))]),
+    C("ReduceSum-axes-nokeep", "ReduceSum", [("x", r(2, 3, 4)), ("ax", i64(0, -1))], attrs={"keepdims": 0}),
+    C("ReduceSum-all", "ReduceSum", [("x", r(2, 3))], attrs={"keepdims": 0}),
+    C("ReduceSum-noop", "ReduceSum", [("x", r(2, 3))], attrs={"noop_with_empty_axes": 1}),
+    C("ReduceSum-runtime-axes", "ReduceSum", [("x", r(2, 3, 4)), ("ax", i64(1))], attrs={"keepdims": 0},
+      runtime=("ax",)),
+    C("ReduceMean-attr", "ReduceMean", [("x", r(2, 3, 4))], attrs={"axes": [1], "keepdims": 0}),
+    C("ReduceMean-18-input", "ReduceMean", [("x", r(2, 3, 4)), ("ax", i64(-1, 0))], opset=18),
+    C("ReduceMean-all", "ReduceMean", [("x", r(2, 3, 4))]),
+    C("ReduceSumSquare", "ReduceSumSquare", [("x", r(2, 3, 4))], attrs={"axes": [2], "keepdims": 0}),
+    C("ReduceL1", "ReduceL1", [("x", r(2, 3, 4, lo=0.05))], attrs={"axes": [1]}),
+    C("ReduceL2", "ReduceL2", [("x", r(2, 3, 4))], attrs={"axes": [0, 2], "keepdims": 0}),
+    C("ReduceLogSumExp", "ReduceLogSumExp", [("x", r(2, 3, 4))], attrs={"axes": [1]}),
+    C("ReduceMax", "ReduceMax", [("x", r(2, 3, 4))], attrs={"axes": [1], "keepdims": 0}),
+    C("ReduceMin-18", "ReduceMin", [("x", r(2, 3, 4)), ("ax", i64(2))], opset=18),
+]
+
+
+# ops whose rules mix static parameter shapes with dynamic data shapes
+_DATA_SYMBOLIC = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
+                  "LayerNormalization", "BatchNormalization", "InstanceNormalization", "Add", "Mul",
+                  "PRelu", "GlobalAveragePool", "Slice", "Pad", "Concat"}
+
+
+def _params():
+    out = []
+    for c in CASES:
+        out.append(pytest.param(c, False, id=f"{c.id}-static"))
+        if c.symbolic:
+            out.append(pytest.param(c, True, id=f"{c.id}-symbolic"))
+            if c.op in _DATA_SYMBOLIC and len([i for i in c.inputs if i[1] is not None]) > 1:
+                # only the data input symbolic (static weights), as in real models
+                out.append(pytest.param(c, (c.inputs[0][0],), id=f"{c.id}-symbolic-data"))
+    return out
+
+
+def _ort_agrees(model64, feeds, wrt, outs, jvp: bool) -> None:
+    """The derivative graphs, converted to float32, run on ORT CPU and match the float64
+    results loosely."""
+    f32 = {k: (v.astype(np.float32) if np.asarray(v).dtype.kind == "f" else v) for k, v in feeds.items()}
+    rng = np.random.default_rng(7)
+    vm = convert_float_type(derivative_model(model64, wrt, outs, "vjp"), TensorProto.FLOAT)
+    ref_vm = derivative_model(model64, wrt, outs, "vjp")
+    y = run_reference(model64, feeds, outs)
+    seeds = {f"seed/{o}": rng.standard_normal(np.shape(y[o])) for o in outs}
+    want = run_reference(ref_vm, {**feeds, **seeds}, [f"grad/{w}" for w in wrt])
+    got = run_ort(vm, {**f32, **{k: v.astype(np.float32) for k, v in seeds.items()}}, [f"grad/{w}" for w in wrt])
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-3, atol=2e-3 * (1 + np.max(np.abs(want[k]), initial=0)),
+                                   err_msg=f"ORT float32 vs float64 for {k}")
+    if jvp:
+        jm = derivative_model(model64, wrt, outs, "jvp")
+        tans = {f"tan/{w}": rng.standard_normal(np.shape(feeds[w])) for w in wrt}
+        want = run_reference(jm, {**feeds, **tans}, [f"jvp/{o}" for o in outs])
+        got = run_ort(convert_float_type(jm, TensorProto.FLOAT),
+                      {**f32, **{k: v.astype(np.float32) for k, v in tans.items()}}, [f"jvp/{o}" for o in outs])
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-3,
+                                       atol=2e-3 * (1 + np.max(np.abs(want[k]), initial=0)),
+                                       err_msg=f"ORT float32 vs float64 for {k}")
+
+
+@pytest.mark.parametrize("case,symbolic", _params())
+def test_rule_fd(case: Case, symbolic):
+    model, feeds = one_node_model(case.op, case.inputs, case.attrs, n_out=case.n_out, opset=case.opset,
+                                  runtime_inputs=case.runtime, symbolic=symbolic, constants=case.consts)
+    outs = list(case.outputs) if case.outputs else [
+        o.name for o in model.graph.output if o.type.tensor_type.elem_type == TensorProto.DOUBLE]
+    if case.runner == "ort":  # float32 differences of a (bi)linear op: exact up to rounding
+        m32 = convert_float_type(model, TensorProto.FLOAT)
+        f32 = {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
+        rep = fd_check(m32, f32, outputs=outs, eps=0.5, rtol=2e-3, atol=1e-4, run=run_ort, check_jvp=case.jvp)
+    else:
+        rep = fd_check(model, feeds, outputs=outs, check_jvp=case.jvp, rtol=case.rtol)
+    assert rep.ok, str(rep)
+    assert rep.vjp, "nothing was differentiated"
+    if case.ort and case.runner != "ort":
+        wrt = [w for w in feeds if np.asarray(feeds[w]).dtype.kind == "f"]
+        _ort_agrees(model, feeds, wrt, outs, case.jvp)
+
+
+# ----------------------------------------------------------------- hypothesis: broadcasting
+@st.composite
+def _bcast_pair(draw):
+    out = draw(st.lists(st.integers(2, 3), min_size=1, max_size=3))
+    def operand():
+        k = draw(st.integers(0, len(out)))
+        tail = out[len(out) - k:]
+        return [d if draw(st.booleans()) else 1 for d in tail]
+    return operand(), operand()
+
+
+@settings(max_examples=12, deadline=None)
+@given(pair=_bcast_pair(), op=st.sampled_from(["Add", "Sub", "Mul", "Div", "Max"]), symbolic=st.booleans())
+def test_broadcasting_property(pair, op, symbolic):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(pair[0])
+    b = rng.uniform(0.5, 2.0, pair[1]) * np.sign(rng.standard_normal(pair[1]) + 0.1)
+    if np.ndim(b) == 0:
+        b = np.asarray(1.3)
+    model, feeds = one_node_model(op, [("a", a), ("b", b)], symbolic=symbolic)
+    rep = fd_check(model, feeds)
+    assert rep.ok, str(rep)
+
+
+# ---------------------------------------------------------------------- registry
+def test_lookup_unknown_op_one_line():
+    node = helper.make_node("Einsum", ["a", "b"], ["c"], name="my/einsum", equation="ij,jk->ik")
+    with pytest.raises(UnsupportedOpError) as ei:
+        lookup(node, 17)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert "'my/einsum'" in msg and "Einsum" in msg and "17" in msg and "Gemm" in msg
+
+
+def test_lookup_opset_ranges():
+    node = helper.make_node("Gelu", ["x"], ["y"], name="g")
+    with pytest.raises(UnsupportedOpError, match="opset 17"):
+        lookup(node, 17)
+    assert lookup(node, 20).op_type == "Gelu"
+    sm = helper.make_node("Softmax", ["x"], ["y"], name="s")
+    assert lookup(sm, 12) is lookup(sm, 13)  # one rule serves both semantics (flatten < 13)
+    assert find(helper.make_node("Shape", ["x"], ["y"]), 17).nondiff
+
+
+def test_register_custom_rule_and_override():
+    @register("MyScale", domain="com.example", since=1)
+    def _vjp(b, view, node, gys):
+        return [b.mul(gys[0], b.const(np.asarray(3.0, np.float32)))]
+
+    try:
+        node = helper.make_node("MyScale", ["x"], ["y"], domain="com.example", name="n")
+        rule = lookup(node, 17)
+        assert isinstance(rule, Rule) and rule.domain == "com.example" and not rule.has_jvp
+        assert "com.example::MyScale" in supported_ops()
+    finally:
+        RULES.pop(("com.example", "MyScale"), None)
+
+
+def test_every_zoo_op_has_jvp():
+    zoo_ops = ["Gemm", "MatMul", "Add", "Sub", "Mul", "Div", "Relu", "Tanh", "Sigmoid", "Erf", "Softmax",
+               "LayerNormalization", "BatchNormalization", "Conv", "MaxPool", "AveragePool", "GlobalAveragePool",
+               "Flatten", "Reshape", "Transpose", "Gather", "Slice", "Squeeze", "Unsqueeze", "Concat", "Sqrt",
+               "Pow", "Exp", "Log", "ReduceMean", "ReduceSum", "Cast", "Identity"]
+    have = set(supported_ops(jvp=True))
+    assert not [o for o in zoo_ops if o not in have]

@@ -1,0 +1,127 @@
+"""Our gradients of torch-exported ONNX models against torch autograd (skipped without torch).
+
+Each model is exported with torch.onnx.export (TorchScript exporter at opset 17 and, when
+onnxscript is installed, the torch.export-based exporter at opset 18; dynamic batch); for a random
+cotangent u of the output, gradient_model's "grad/<param>" (ORT CPU, float32) must match
+the .grad of torch's parameters after (model(x) * u).sum().backward(), and jvp_model's
+output must match torch.func.jvp."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from kfac_compiler.oprules.check import run_ort  # noqa: E402
+from kfac_compiler.passes.autodiff import gradient_model, jvp_model  # noqa: E402
+
+
+class _Attn(nn.Module):
+    def __init__(self, vocab=11, d=8, t=5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln = nn.LayerNorm(d)
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, vocab)
+        self.register_buffer("mask", torch.triu(torch.full((t, t), -1e4), diagonal=1))
+
+    def forward(self, tok):
+        x = self.emb(tok)
+        h = self.ln(x)
+        s = self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5 + self.mask
+        x = x + torch.softmax(s, dim=-1) @ self.v(h)
+        return self.out(torch.nn.functional.gelu(self.fc(x)))
+
+
+def _models():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 3))
+    cnn = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), nn.ELU(), nn.AvgPool2d(2),
+        nn.Flatten(), nn.Linear(6, 5),
+    )
+    return [
+        ("mlp", mlp, torch.randn(4, 6)),
+        ("cnn", cnn, torch.randn(3, 2, 8, 8)),
+        ("attn", _Attn(), torch.randint(0, 11, (3, 5))),
+    ]
+
+
+def _export(module, example, dynamo: bool) -> onnx.ModelProto:
+    buf = io.BytesIO()
+    module.eval()
+    if dynamo:
+        pytest.importorskip("onnxscript")
+        torch.onnx.export(module, (example,), buf, dynamo=True, input_names=["input"], output_names=["logits"],
+                          dynamic_shapes=({0: torch.export.Dim("N")},), opset_version=18, verbose=False)
+    else:
+        kwargs = dict(input_names=["input"], output_names=["logits"], opset_version=17,
+                      dynamic_axes={"input": {0: "N"}, "logits": {0: "N"}})
+        try:
+            torch.onnx.export(module, (example,), buf, dynamo=False, **kwargs)
+        except TypeError:  # older torch without the dynamo switch
+            torch.onnx.export(module, (example,), buf, **kwargs)
+    return onnx.load_from_string(buf.getvalue())
+
+
+def _param_map(model, module):
+    """torch parameter -> (initializer name, transposed?): by name, else by value (Linear
+    weights on 3-D inputs are exported as a transposed MatMul constant)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    out = {}
+    for name, p in module.named_parameters():
+        v = p.detach().numpy()
+        if name in inits:
+            out[name] = (name, False)
+            continue
+        for iname, arr in inits.items():
+            if v.ndim == 2 and arr.shape == v.T.shape and np.array_equal(arr, v.T):
+                out[name] = (iname, True)
+                break
+    return out
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("name,module,example", _models(), ids=lambda v: v if isinstance(v, str) else "")
+def test_against_torch_autograd(name, module, example, dynamo):
+    model = _export(module, example, dynamo)
+    tparams = dict(module.named_parameters())
+    pmap = _param_map(model, module)
+    assert len(pmap) == len(tparams), f"{name}: unmatched {sorted(set(tparams) - set(pmap))}"
+    params = [pmap[p][0] for p in tparams]
+    out = module(example)
+    u = torch.randn_like(out)
+    module.zero_grad()
+    (out * u).sum().backward()
+    gm = gradient_model(model, "logits", params)
+    res = run_ort(gm, {"input": example.numpy(), "logits_grad": u.detach().numpy()})
+    np.testing.assert_allclose(res["logits"], out.detach().numpy(), rtol=1e-4, atol=1e-5)
+    for p, (iname, tr) in pmap.items():
+        want = tparams[p].grad.numpy()
+        got = res[f"grad/{iname}"]
+        np.testing.assert_allclose(got.T if tr else got, want, rtol=1e-3, atol=1e-4 * (1 + np.abs(want).max()),
+                                   err_msg=f"{name} {p}")
+    # forward mode against torch.func.jvp
+    tangents = {p: torch.randn_like(tparams[p]) for p in tparams}
+    base = {k: v.detach() for k, v in tparams.items()}
+    names = list(tparams)
+
+    def f(*vals):
+        return torch.func.functional_call(module, dict(zip(names, vals)), (example,))
+
+    _, jv = torch.func.jvp(f, tuple(base[p] for p in names), tuple(tangents[p] for p in names))
+    jm = jvp_model(model, "logits", params)
+    feeds = {f"tangent/{pmap[p][0]}": (tangents[p].numpy().T if pmap[p][1] else tangents[p].numpy())
+             for p in names}
+    got = run_ort(jm, {"input": example.numpy(), **feeds})
+    np.testing.assert_allclose(got["jvp/logits"], jv.detach().numpy(), rtol=1e-3,
+                               atol=1e-4 * (1 + float(jv.abs().max())), err_msg=name)
