@@ -34,9 +34,42 @@ def render(plan: Plan, fmt: str = "table") -> str:
 
 
 # --------------------------------------------------------------------------- json
+def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Per layer: inverse method (emitted or host), FLOPs of one statistics update per
+    example and of one inverse update."""
+    method = plan.inverse.get("method", "inverse_op")
+    costs: dict[str, dict[str, Any]] = {}
+    for name, block in plan.blocks.items():
+        where = "host" if block.inverse_is_host(method) else "graph"
+        costs[name] = {
+            "inverse_method": f"{'eigh' if where == 'host' and method not in ('eigh', 'cholesky') else method} ({where})",
+            "stats_flops_per_example": int(block.stats_flops(1)),
+            "inverse_flops": int(block.inverse_flops()),
+        }
+    return costs
+
+
+def subgraph_summary(plan: Plan) -> list[dict[str, Any]]:
+    """The emitted subgraphs: file, node count, state slots read and written."""
+    out = []
+    for name, model in plan.subgraphs.items():
+        info = plan.subgraph_info.get(name, {})
+        out.append({
+            "name": name,
+            "file": f"{name}.onnx",
+            "nodes": len(model.graph.node),
+            "options": info.get("options", {}),
+            "reads": len(info.get("state_inputs", [])),
+            "writes": len(info.get("state_outputs", {})),
+            "metrics": list(info.get("metrics", [])),
+        })
+    return out
+
+
 def summary(plan: Plan) -> dict[str, Any]:
-    """{"layers": [{name, kind, params, uses, approximation, factors}], "totals", ...}."""
+    """{"layers": [{name, kind, params, uses, approximation, factors, ...}], "totals", ...}."""
     layers = []
+    costs = block_costs(plan)
     for layer in plan.layers:
         specs = plan.factors.get(layer.name)
         layers.append(
@@ -49,6 +82,8 @@ def summary(plan: Plan) -> dict[str, Any]:
                 "factors": None if specs is None else [
                     {k: v for k, v in factor_json(s).items() if k in ("name", "shape", "dtype", "bytes")} for s in specs
                 ],
+                "estimator": plan.estimator.get("mode"),
+                **costs[layer.name],
             }
         )
     return {
@@ -58,6 +93,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "loss": plan.loss,
         "estimator": plan.estimator,
         "schedule": plan.schedule,
+        "subgraphs": subgraph_summary(plan),
     }
 
 
@@ -88,10 +124,12 @@ def _factor_text(specs) -> str:
 
 def render_table(plan: Plan) -> str:
     shapes = plan.param_shapes
-    header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes")
+    header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP")
+    costs = block_costs(plan)
     rows = []
     tot_params = tot_uses = 0
     tot_bytes: int | None = 0
+    tot_flops = [0, 0]
     for layer in plan.layers:
         n = int(sum(math.prod(shapes[p]) for p in layer.params))
         specs = plan.factors.get(layer.name)
@@ -99,12 +137,17 @@ def render_table(plan: Plan) -> str:
         tot_params += n
         tot_uses += layer.num_uses
         tot_bytes = None if tot_bytes is None or nbytes is None else tot_bytes + nbytes
+        c = costs[layer.name]
+        tot_flops[0] += c["stats_flops_per_example"]
+        tot_flops[1] += c["inverse_flops"]
         rows.append(
-            (layer.name, layer.kind, f"{n:,}", str(layer.num_uses), layer.approximation or "?", _factor_text(specs), human_bytes(nbytes))
+            (layer.name, layer.kind, f"{n:,}", str(layer.num_uses), layer.approximation or "?", _factor_text(specs),
+             human_bytes(nbytes), c["inverse_method"], f"{c['stats_flops_per_example']:,}", f"{c['inverse_flops']:,}")
         )
-    totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes))
+    totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes),
+              "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}")
     widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
-    right = {2, 3, 6}
+    right = {2, 3, 6, 8, 9}
 
     def line(r):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -126,6 +169,13 @@ def render_table(plan: Plan) -> str:
     body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]
     if plan.frozen:
         body.append(f"frozen: {', '.join(plan.frozen)}")
+    subs = subgraph_summary(plan)
+    if subs:
+        body += ["", "subgraphs (open in Netron):"]
+        body += [
+            f"  {s['file']:<24} {s['nodes']:>5} nodes   reads {s['reads']:>3} state slots, writes {s['writes']:>3}"
+            for s in subs
+        ]
     return "\n".join(head + body) + "\n"
 
 

@@ -41,7 +41,12 @@ def test_compile_and_inspect(tmp_path, models, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [l["name"] for l in doc["layers"]] == ["fc1", "fc2", "fc3"]
     fc1 = doc["layers"][0]
-    assert set(fc1) == {"name", "kind", "params", "uses", "approximation", "factors"}
+    assert {"name", "kind", "params", "uses", "approximation", "factors"} <= set(fc1)
+    # one example's statistics: a~ a~^T (65x65) and delta delta^T (128x128), 2 FLOPs per MAC
+    assert fc1["stats_flops_per_example"] == 2 * (65 * 65 + 128 * 128)
+    assert fc1["inverse_method"] == "inverse_op (graph)" and fc1["estimator"] == "gradients"
+    assert fc1["inverse_flops"] > 65 ** 3
+    assert {s["name"] for s in doc["subgraphs"]} == {"kfac_step", "update_statistics", "inverse_update"}
     assert fc1["params"] == ["fc1.weight", "fc1.bias"] and fc1["approximation"] == "kron"
     assert fc1["uses"] == [{"nodes": ["fc1/Gemm"], "input": "input", "output": "fc1/Gemm:0"}]
     assert fc1["factors"] == [
