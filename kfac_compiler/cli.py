@@ -56,17 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ----------------------------------------------------------------- train (lead)
-# >>> HOOK for the lead: the `train` sub-command. Fill in both functions. <<<
+# ---------------------------------------------------------------------- train
 def _add_train_parser(subparsers) -> None:
-    t = subparsers.add_parser("train", help="train a compiled plan (not implemented yet)")
-    t.add_argument("plan", metavar="PLAN_DIR", nargs="?")
+    from kfac_compiler.runtime.train_cli import add_train_parser
+
+    add_train_parser(subparsers)
 
 
 def _run_train(args) -> int:
-    print("kfac-compiler train: not implemented", file=sys.stderr)
-    return 2
-# >>> end of HOOK <<<
+    from kfac_compiler.runtime.train_cli import run_train
+
+    return run_train(args)
 
 
 # ------------------------------------------------------------------- commands

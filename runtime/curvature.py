@@ -1,0 +1,221 @@
+"""A lower-level API for users who own their training loop.
+
+    from kfac_compiler.runtime import Curvature, gradients
+    loss, grads = gradients(plan, {"input": x}, y)            # {param: dL/dparam}
+    curv = Curvature(plan, device="cpu")
+    curv.estimate({"input": x}, y, mode="empirical")          # one batch's factors
+    # -> {"fc1": {"A": [65, 65], "G": [128, 128]}, ...}  ({"diag": ...} for diagonal blocks)
+    curv.update({"input": x}, y)                              # moving averages (zero-debiased)
+    curv.update_inverses(damping=1e-3)
+    step = curv.precondition(grads)                           # (F + damping)^-1 g, per param
+    curv.multiply("fc1", {"fc1.weight": v, "fc1.bias": u}, damping=1e-3)   # (F + damping) v
+    curv.multiply_inverse("fc1", {...})
+
+The parameters default to the plan's model initializers; `set_parameters` changes them (e.g.
+to your own training loop's current weights).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping
+
+import numpy as np
+
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.runtime.data import draw_noise, input_spec, prepare_batch
+from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
+from kfac_compiler.runtime.program import (
+    Program,
+    initial_parameters,
+    plan_blocks,
+    plan_data_inputs,
+    plan_subgraph,
+    plan_trainable,
+)
+from kfac_compiler.runtime.state import StateStore, init_value
+
+
+def _group(results: Mapping[str, np.ndarray], prefix: str) -> dict[str, dict[str, np.ndarray]]:
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in results.items():
+        if name.startswith(prefix):
+            layer, _, f = name[len(prefix):].rpartition("/")
+            out.setdefault(layer, {})[f] = value
+    return out
+
+
+class Curvature:
+    """Curvature estimates of `plan` (factors, moving averages, damped inverses) on `device`."""
+
+    def __init__(self, plan: Any, device: str = "cpu", mode: str | None = None, num_samples: int | None = None,
+                 ema_decay: float | None = None, inverse_method: str | None = None, seed: int = 0,
+                 threads: int | None = None) -> None:
+        sched = _plan_schedule(plan)
+        self.plan = plan
+        self.device = get_device(device)
+        self.threads = threads
+        self.mode = mode or sched.get("mode", "gradients")
+        self.num_samples = int(num_samples or sched.get("num_samples", 1))
+        self.ema_decay = float(ema_decay if ema_decay is not None else sched.get("ema_decay", 0.95))
+        self.inverse_method = inverse_method or sched.get("inverse_method", "inverse_op")
+        self._check_mode(self.mode)
+        self.rng = np.random.default_rng(seed)
+        self.store = StateStore(self.device)
+        self.params = plan_trainable(plan)
+        for p, v in initial_parameters(plan).items():
+            self.store.add(p, v)
+        self.ema_weight = 0.0
+        self.damping: float | None = None
+        self._programs: dict[tuple, Program] = {}
+        self._blocks: dict[str, Any] | None = None
+        self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
+
+    @staticmethod
+    def _check_mode(mode: str) -> None:
+        if mode not in ESTIMATION_MODES:
+            raise ConfigError(f"unknown estimation mode {mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
+
+    def program(self, name: str, **options: Any) -> Program:
+        key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
+        prog = self._programs.get(key)
+        if prog is None:
+            model, info = plan_subgraph(self.plan, name, **options)
+            prog = Program(model, info, self.device, name=name, threads=self.threads)
+            for slot, spec in (info.get("state_specs") or {}).items():
+                if slot not in self.store:
+                    self.store.add(slot, init_value(spec))
+            self._programs[key] = prog
+        return prog
+
+    # ---------------------------------------------------------------- parameters
+    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        for p, v in values.items():
+            if p not in self.params:
+                raise ConfigError(f"{p!r} is not a trainable parameter of the plan")
+            self.store.set(p, v)
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {p: self.store.to_numpy(p) for p in self.params}
+
+    # ---------------------------------------------------------------- estimates
+    def gradients(self, inputs: Mapping[str, Any], targets: Any) -> tuple[float, dict[str, np.ndarray]]:
+        data = prepare_batch(self.input_specs, inputs, targets)
+        out = self.program("gradients").run(self.store, data, results=True)
+        return out["loss"], {p: out[f"grad/{p}"] for p in self.params}
+
+    def estimate(self, inputs: Mapping[str, Any], targets: Any, mode: str | None = None,
+                 num_samples: int | None = None) -> dict[str, dict[str, np.ndarray]]:
+        """One batch's curvature factors per layer (no moving average)."""
+        mode = mode or self.mode
+        self._check_mode(mode)
+        prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples)
+        data = prepare_batch(self.input_specs, inputs, targets)
+        data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
+        out = prog.run(self.store, data, results=True)
+        self.last_loss = out["loss"]
+        return _group(out, "stat/")
+
+    def update(self, inputs: Mapping[str, Any], targets: Any) -> float:
+        """Fold one batch into the zero-debiased moving averages; returns the batch loss."""
+        prog = self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
+        data = prepare_batch(self.input_specs, inputs, targets)
+        data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
+        coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
+        out = prog.run(self.store, data, hp={"hp/ema_coeff": coeff})
+        if out.get("metric/finite", 1.0) > 0.5:
+            self.ema_weight = w
+        return out["loss"]
+
+    def factors(self) -> dict[str, dict[str, np.ndarray]]:
+        """The current moving averages per layer."""
+        self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
+        return _group({s: self.store.to_numpy(s) for s in self.store.slots() if s.startswith("factor/")}, "factor/")
+
+    def inverses(self) -> dict[str, dict[str, np.ndarray]]:
+        return _group({s: self.store.to_numpy(s) for s in self.store.slots() if s.startswith("inverse/")}, "inverse/")
+
+    def update_inverses(self, damping: float) -> bool:
+        """Recompute the damped inverses of the moving averages; False if a block failed (it
+        keeps its previous inverse)."""
+        if not (isinstance(damping, (int, float)) and damping > 0):
+            raise ConfigError(f"damping must be a positive number, got {damping!r}")
+        prog = self.program("inverse_update", method=self.inverse_method)
+        # slots of blocks inverted on the host
+        pre = self.program("precondition")
+        written = set(prog.written_slots)
+        host = {}
+        for slot in pre.state_inputs:
+            if slot.startswith("inverse/") and slot not in written:
+                host.setdefault(slot[len("inverse/"):].rpartition("/")[0], []).append(slot)
+        out = prog.run(self.store, hp={"hp/damping": float(damping)})
+        ok = out.get("metric/inverse_ok", 1.0) > 0.5
+        for layer, slots in host.items():
+            block = self.blocks()[layer]
+            f = self.factors().get(layer, {})
+            prev = {s.rpartition("/")[2]: self.store.to_numpy(s) for s in slots}
+            state, bok = block.numpy_inverse(f, float(damping), method=self.inverse_method, previous=prev)
+            if bok:
+                for s in slots:
+                    self.store.set(s, np.asarray(state[s.rpartition("/")[2]]))
+            ok = ok and bool(bok)
+        self.damping = float(damping)
+        return ok
+
+    def precondition(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """(F + damping)^-1 g with the inverses of the last update_inverses()."""
+        if self.damping is None:
+            raise ConfigError("call update_inverses(damping) before precondition()")
+        prog = self.program("precondition")
+        missing = [p for p in self.params if p not in grads]
+        if missing:
+            raise ConfigError(f"precondition: no vector for parameter {missing[0]!r}")
+        data = {f"vec/{p}": np.asarray(grads[p], np.float32) for p in self.params}
+        out = prog.run(self.store, data, results=True)
+        return {p: out[f"precond/{p}"] for p in self.params}
+
+    # ---------------------------------------------------------------- per block (host)
+    def blocks(self) -> dict[str, Any]:
+        if self._blocks is None:
+            self._blocks = plan_blocks(self.plan)
+        return self._blocks
+
+    def _block(self, layer: str):
+        blocks = self.blocks()
+        if layer not in blocks:
+            raise ConfigError(f"unknown layer {layer!r}; the plan's layers are {list(blocks)}")
+        return blocks[layer]
+
+    def multiply(self, layer: str, vectors: Mapping[str, np.ndarray], damping: float | None = None) -> dict[str, np.ndarray]:
+        """(F_layer + damping) v with the layer's moving-average factors (numpy twin)."""
+        d = self.damping if damping is None else damping
+        return self._block(layer).numpy_multiply(dict(vectors), self.factors().get(layer, {}), float(d or 0.0))
+
+    def multiply_inverse(self, layer: str, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """(F_layer + damping)^-1 v with the layer's current inverse state (numpy twin)."""
+        if self.damping is None:
+            raise ConfigError("call update_inverses(damping) before multiply_inverse()")
+        return self._block(layer).numpy_multiply_inverse(dict(vectors), self.inverses().get(layer, {}))
+
+
+# --------------------------------------------------------------------------- gradients()
+_GRAD_CACHE: dict[int, tuple[Any, Curvature]] = {}
+
+
+def gradients(plan: Any, inputs: Mapping[str, Any], targets: Any, params: Mapping[str, np.ndarray] | None = None,
+              device: str = "cpu") -> tuple[float, dict[str, np.ndarray]]:
+    """(mean loss, {initializer name: gradient}) at the plan's weights (or `params`)."""
+    entry = _GRAD_CACHE.get(id(plan))
+    curv = None
+    if entry is not None and entry[0]() is plan and entry[1].device.name == get_device(device).name:
+        curv = entry[1]
+    if curv is None:
+        curv = Curvature(plan, device=device)
+        try:
+            ref = weakref.ref(plan)
+            weakref.finalize(plan, _GRAD_CACHE.pop, id(plan), None)
+            _GRAD_CACHE[id(plan)] = (ref, curv)
+        except TypeError:
+            pass
+    curv.set_parameters(params if params is not None else initial_parameters(plan))
+    return curv.gradients(inputs, targets)

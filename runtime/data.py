@@ -1,0 +1,222 @@
+"""Data handling for the runtime: batch checks, host noise, datasets and batching for `train`.
+
+* `prepare_batch` is the cheap structural check every `Trainer.step` does (input names,
+  ranks, static dims, batch sizes); it does not scan values (a NaN batch is the graph's job:
+  the step is rejected).
+* `validate_dataset` is the thorough check the CLI runs once before training: missing
+  arrays, shapes, dtypes, label ranges, NaN/Inf -> one-line DataError.
+* `draw_noise` draws the `noise/<s>` inputs of the sampled estimators from the caller's
+  numpy Generator, so that runs are reproducible and the generator state is checkpointable.
+* `load_dataset` / `batch_indices` serve the `kfac-compiler train` command.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from kfac_compiler.errors import DataError
+
+NOISE_EPS = np.float32(1e-7)
+
+_FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+_INT_TYPES = {TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
+              TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}
+
+
+def input_spec(vi: onnx.ValueInfoProto) -> tuple[list[Any], int]:
+    """(dims, elem_type) of a graph input/output: dims are ints, dim_param strings or None."""
+    t = vi.type.tensor_type
+    dims: list[Any] = []
+    for d in t.shape.dim:
+        dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
+    return dims, t.elem_type
+
+
+def _static(d: Any) -> bool:
+    return isinstance(d, int) and d > 0
+
+
+def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any, targets: Any) -> dict[str, np.ndarray]:
+    """{input name: array, ..., "targets": array} after structural checks (DataError)."""
+    if not isinstance(inputs, Mapping):
+        if len(input_specs) == 1:
+            inputs = {next(iter(input_specs)): inputs}
+        else:
+            raise DataError(f"inputs must be a dict keyed by the model inputs {list(input_specs)}")
+    data: dict[str, np.ndarray] = {}
+    batch = None
+    for name, (dims, _) in input_specs.items():
+        if name not in inputs:
+            raise DataError(f"input {name!r} is missing (the model's inputs: {list(input_specs)})")
+        a = np.asarray(inputs[name])
+        if a.ndim != len(dims):
+            raise DataError(f"input {name!r} has shape {list(a.shape)}; the model expects rank {len(dims)} ({dims})")
+        for i, d in enumerate(dims):
+            if _static(d) and a.shape[i] != d:
+                raise DataError(f"input {name!r} has shape {list(a.shape)}; the model expects {dims}")
+        if a.ndim:
+            if batch is None:
+                batch = a.shape[0]
+            elif a.shape[0] != batch:
+                raise DataError(f"input {name!r} has batch size {a.shape[0]}, the other inputs {batch}")
+        data[name] = a
+    extra = [k for k in inputs if k not in input_specs]
+    if extra:
+        raise DataError(f"unknown input {extra[0]!r}; the model's inputs are {list(input_specs)}")
+    y = np.asarray(targets)
+    if y.ndim == 0 or (batch is not None and y.shape[0] != batch):
+        raise DataError(f"targets have shape {list(y.shape)}; expected a batch of {batch} rows")
+    if y.shape[0] == 0:
+        raise DataError("empty batch")
+    data["targets"] = y
+    return data
+
+
+def draw_noise(rng: np.random.Generator, info: Mapping[str, Any], data_inputs: list[str],
+               targets: np.ndarray, name: str = "subgraph") -> dict[str, np.ndarray]:
+    """The noise/<s> inputs of a subgraph (per info["noise"]), drawn from `rng`.
+
+    Uniform noise is clipped into [1e-7, 1 - 1e-7] (inverse-CDF sampling never sees 0 or 1);
+    "N" (or the first dim) is the batch size; other symbolic dims are read off the targets.
+    """
+    spec = info.get("noise") or {}
+    count = int(spec.get("count", 0) or 0)
+    names = sorted((n for n in data_inputs if n.startswith("noise/")), key=lambda s: int(s.split("/")[1]))
+    if not count or not names:
+        return {}
+    batch = targets.shape[0]
+    shape = []
+    for i, d in enumerate(spec.get("shape") or []):
+        if _static(d):
+            shape.append(int(d))
+        elif i == 0 or d == "N":
+            shape.append(batch)
+        elif i < targets.ndim:
+            shape.append(int(targets.shape[i]))
+        else:
+            raise DataError(f"subgraph {name!r}: cannot resolve noise dim {d!r} of {spec.get('shape')}")
+    out = {}
+    for n in names:
+        if spec.get("distribution", "uniform") == "normal":
+            out[n] = rng.standard_normal(shape, dtype=np.float32)
+        else:
+            out[n] = np.clip(rng.random(shape, dtype=np.float32), NOISE_EPS, np.float32(1) - NOISE_EPS)
+    return out
+
+
+# --------------------------------------------------------------------------- datasets
+def output_spec(model: onnx.ModelProto, output: str) -> tuple[list[Any], int] | None:
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        if vi.name == output:
+            return input_spec(vi)
+    return None
+
+
+def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss_kind: str,
+                     inputs: Mapping[str, np.ndarray], targets: np.ndarray,
+                     out_spec: tuple[list[Any], int] | None = None, source: str = "data") -> tuple[dict, np.ndarray]:
+    """Thorough checks before training; returns the arrays converted to the model's dtypes."""
+    missing = [n for n in input_specs if n not in inputs]
+    if missing:
+        raise DataError(f"{source}: no array named {missing[0]!r} (the model's inputs: {list(input_specs)}, plus 'targets')")
+    conv: dict[str, np.ndarray] = {}
+    n = None
+    for name, (dims, et) in input_specs.items():
+        a = np.asarray(inputs[name])
+        if a.dtype == object or a.dtype.kind not in "biuf":
+            raise DataError(f"{source}: array {name!r} has dtype {a.dtype}; expected numbers")
+        if et in _INT_TYPES and a.dtype.kind == "f":
+            if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
+                raise DataError(f"{source}: array {name!r} must hold integers (the model input is integer-typed)")
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            bad = int(np.sum(~np.isfinite(a)))
+            raise DataError(f"{source}: array {name!r} contains {bad} NaN/Inf value(s)")
+        if a.ndim != len(dims) or any(_static(d) and a.shape[i] != d for i, d in enumerate(dims)):
+            raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}")
+        if n is None:
+            n = a.shape[0]
+        elif a.shape[0] != n:
+            raise DataError(f"{source}: array {name!r} has {a.shape[0]} rows, other inputs {n}")
+        dtype = np.float32 if et in _FLOAT_TYPES else (np.int64 if et == TensorProto.INT64 else
+                                                        onnx.helper.tensor_dtype_to_np_dtype(et))
+        conv[name] = a.astype(dtype, copy=False)
+    if not n:
+        raise DataError(f"{source}: the dataset is empty")
+    y = np.asarray(targets)
+    if y.dtype == object or y.dtype.kind not in "biuf":
+        raise DataError(f"{source}: 'targets' has dtype {y.dtype}; expected numbers")
+    if y.ndim == 0 or y.shape[0] != n:
+        raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; expected {n} rows like the inputs")
+    if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
+        raise DataError(f"{source}: 'targets' contains {int(np.sum(~np.isfinite(y)))} NaN/Inf value(s)")
+    out_dims = out_spec[0] if out_spec else None
+    if loss_kind == "softmax_cross_entropy":
+        if y.dtype.kind == "f" and not np.all(y == np.round(y)):
+            raise DataError(f"{source}: 'targets' must be integer class indices for softmax_cross_entropy")
+        classes = out_dims[-1] if out_dims and _static(out_dims[-1]) else None
+        if out_dims is not None and y.ndim != len(out_dims) - 1:
+            raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; softmax_cross_entropy expects class "
+                            f"indices shaped like the output {out_dims} without its last axis")
+        lo, hi = int(np.min(y)), int(np.max(y))
+        if lo < 0 or (classes is not None and hi >= classes):
+            raise DataError(f"{source}: 'targets' has labels in [{lo}, {hi}]; the model has {classes} classes (0..{(classes or 1) - 1})")
+        y = y.astype(np.int64)
+    else:
+        if out_dims is not None and (y.ndim != len(out_dims) or any(_static(d) and y.shape[i] != d for i, d in enumerate(out_dims) if i)):
+            raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; {loss_kind} expects the output's shape {out_dims}")
+        if loss_kind == "sigmoid_cross_entropy" and (np.min(y) < 0 or np.max(y) > 1):
+            raise DataError(f"{source}: 'targets' must lie in [0, 1] for sigmoid_cross_entropy, got [{np.min(y)}, {np.max(y)}]")
+        y = y.astype(np.float32)
+    return conv, y
+
+
+def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path!r} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"data file {path!r} is not a readable .npz ({type(e).__name__}: {e})") from None
+    if "targets" not in arrays:
+        raise DataError(f"data file {path!r} has no array named 'targets' (it has {sorted(arrays)})")
+    y = arrays.pop("targets")
+    return arrays, y
+
+
+def digits_for(input_specs: Mapping[str, tuple[list[Any], int]], loss_kind: str,
+               out_spec: tuple[list[Any], int] | None, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """scikit-learn's digits shaped for a user model with one float input of 64 values per
+    example: labels for softmax CE, the pixels themselves (reconstruction) otherwise."""
+    from kfac_compiler.models.data import digits
+
+    if len(input_specs) != 1:
+        raise DataError("--data digits needs a model with exactly one input; pass --data FILE.npz")
+    name, (dims, et) = next(iter(input_specs.items()))
+    rest = dims[1:]
+    if et not in _FLOAT_TYPES or not all(_static(d) for d in rest) or int(np.prod(rest or [1])) != 64:
+        raise DataError(f"--data digits gives 64 pixels per example; input {name!r} is {dims}; pass --data FILE.npz")
+    x, labels = digits(None, seed)
+    inputs = {name: x.reshape([-1, *rest])}
+    if loss_kind == "softmax_cross_entropy":
+        return inputs, labels
+    odims = out_spec[0] if out_spec else None
+    if odims is None or not all(_static(d) for d in odims[1:]) or int(np.prod(odims[1:] or [1])) != 64:
+        raise DataError(f"--data digits: a {loss_kind} model must output 64 values per example to reconstruct "
+                        f"the pixels (output {odims}); pass --data FILE.npz")
+    return inputs, x.reshape([-1, *odims[1:]]).copy()
+
+
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Example indices of batch `step`: epochs of a seeded permutation, last partial batch
+    dropped (fixed shapes). A pure function of (n, batch_size, step, seed), so a resumed
+    run sees exactly the batches an uninterrupted one would."""
+    bs = min(int(batch_size), n)
+    per_epoch = n // bs
+    epoch, j = divmod(int(step), per_epoch)
+    perm = np.random.default_rng([int(seed), epoch]).permutation(n)
+    return perm[j * bs:(j + 1) * bs]

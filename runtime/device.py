@@ -1,0 +1,184 @@
+"""Execution device selection for ONNX Runtime sessions.
+
+onnxruntime-gpu falls back to the CPU *silently* when the CUDA execution provider cannot be
+loaded (missing CUDA/cuDNN libraries, no GPU, driver mismatch). `resolve_device` therefore
+probes CUDA once per process with a tiny real session and checks that
+`session.get_providers()` really lists CUDAExecutionProvider and that a run succeeds.
+
+    providers = resolve_device("auto")        # CUDA when it really works, else CPU
+    sess = make_session(model, providers)     # raises DeviceError if CUDA was asked and lost
+
+CUDA sessions run with `use_tf32=0`: the curvature factors, their inverses and the quadratic
+model are sensitive to the 10-bit mantissa of TF32 matmuls.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from kfac_compiler.errors import DeviceError
+
+DEVICES = ("cpu", "cuda", "auto")
+CUDA_EP = "CUDAExecutionProvider"
+CPU_EP = "CPUExecutionProvider"
+
+# Provider options used for every CUDA session.
+CUDA_OPTIONS: dict[str, Any] = {"device_id": 0, "use_tf32": 0}
+
+
+def _probe_model() -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "x"], ["y"])], "cuda_probe", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_status() -> tuple[bool, str]:
+    """(works, reason). Cached: the probe creates one real CUDA session per process."""
+    if os.environ.get("KFAC_DISABLE_CUDA"):
+        return False, "KFAC_DISABLE_CUDA is set"
+    if CUDA_EP not in ort.get_available_providers():
+        return False, f"this onnxruntime build has no {CUDA_EP} (install onnxruntime-gpu)"
+    try:
+        import numpy as np
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        # ONNX Runtime logs the failed provider load on the process's stderr (C++ side): capture
+        # it so that the reason ends up in our one-line message instead of a wall of log.
+        with _captured_stderr() as captured:
+            sess = ort.InferenceSession(
+                _probe_model().SerializeToString(), so, providers=[(CUDA_EP, dict(CUDA_OPTIONS)), CPU_EP]
+            )
+        if CUDA_EP not in sess.get_providers():
+            reason = _load_failure(captured.text())
+            return False, ("onnxruntime fell back to CPU" + (f" ({reason})" if reason else
+                           " (CUDA/cuDNN libraries or GPU missing)"))
+        x = np.eye(2, dtype=np.float32) * 2
+        (y,) = sess.run(None, {"x": x})
+        if not np.allclose(y, x @ x):
+            return False, "the CUDA execution provider returned wrong results on a 2x2 probe"
+    except Exception as e:  # noqa: BLE001 - any failure means "no CUDA"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return False, f"creating a CUDA session failed: {first}"
+    return True, "ok"
+
+
+class _captured_stderr:
+    """Redirect file descriptor 2 to a temporary file (best effort)."""
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        self._tmp = tempfile.TemporaryFile(mode="w+b")
+        try:
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            os.dup2(self._tmp.fileno(), 2)
+        except OSError:
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+        return False
+
+    def text(self) -> str:
+        self._tmp.seek(0)
+        data = self._tmp.read().decode("utf-8", "replace")
+        self._tmp.close()
+        return data
+
+
+def _load_failure(log: str) -> str:
+    import re
+
+    m = re.search(r"with error: ([^\n\x1b]+)", log)
+    if m:
+        return m.group(1).strip()
+    m = re.search(r"(Failed to create CUDAExecutionProvider[^\n\x1b]*?)(?:\. Please|$)", log)
+    return m.group(1).strip() if m else ""
+
+
+def cuda_available() -> bool:
+    return cuda_status()[0]
+
+
+@dataclass(frozen=True)
+class Device:
+    """A resolved device: the providers for sessions and the OrtValue device type."""
+
+    name: str  # "cpu" or "cuda"
+    providers: tuple
+
+    @property
+    def ort_device(self) -> str:
+        return self.name
+
+    @property
+    def device_id(self) -> int:
+        return int(CUDA_OPTIONS["device_id"]) if self.name == "cuda" else 0
+
+
+def resolve_device(device: str = "auto") -> list:
+    """The ONNX Runtime providers list for "cpu", "cuda" or "auto".
+
+    "cuda" without a working CUDA execution provider raises DeviceError; "auto" picks CUDA
+    only when the probe session really runs on it.
+    """
+    return list(get_device(device).providers)
+
+
+def get_device(device: "str | Device" = "auto") -> Device:
+    if isinstance(device, Device):
+        return device
+    if device not in DEVICES:
+        raise DeviceError(f"unknown device {device!r}; choose one of cpu, cuda, auto")
+    if device == "cpu":
+        return Device("cpu", (CPU_EP,))
+    ok, why = cuda_status()
+    if ok:
+        return Device("cuda", ((CUDA_EP, dict(CUDA_OPTIONS)), CPU_EP))
+    if device == "cuda":
+        raise DeviceError(f"device 'cuda' is not available: {why}; use --device cpu or auto")
+    return Device("cpu", (CPU_EP,))
+
+
+def device_from_providers(providers: Sequence) -> Device:
+    names = [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
+    if names and names[0] == CUDA_EP:
+        return Device("cuda", tuple(providers))
+    return Device("cpu", tuple(providers))
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = int(threads)
+    so.log_severity_level = 3
+    return so
+
+
+def make_session(model: "onnx.ModelProto | bytes", device: "str | Device", name: str = "subgraph",
+                 threads: int | None = None) -> ort.InferenceSession:
+    """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError."""
+    dev = get_device(device)
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
+    sess = ort.InferenceSession(data, session_options(threads), providers=list(dev.providers))
+    if dev.name == "cuda" and CUDA_EP not in sess.get_providers():
+        raise DeviceError(f"subgraph {name!r}: ONNX Runtime fell back to CPU although CUDA was requested")
+    return sess

@@ -1,0 +1,282 @@
+"""Program: one ONNX Runtime session for one emitted subgraph, driven by the contract's `info`.
+
+    prog = Program(model, info, device)          # info as in docs/runtime_contract.md
+    out = prog.run(store, {"input": x, "targets": y})
+    out["loss"], out["metric/update_norm"]      # metrics: host floats
+    prog.run(store, data, results=True)["grad/fc1.weight"]   # results: numpy, only when asked
+
+Every run binds (IOBinding): state inputs -> the slots' current buffers; data inputs -> the
+store's pre-allocated device buffers (written here when `data` has them); `hp/<name>` -> the
+store's device scalars; `new/<slot>` outputs -> the slots' spare buffers. After the run the
+written slots are flipped. Metrics are bound to pre-allocated host scalars, so the only
+device->host traffic of a steady-state step is a handful of 4-byte copies.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
+from kfac_compiler.runtime.state import StateStore
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+    "tensor(uint8)": np.uint8,
+    "tensor(int8)": np.int8,
+}
+
+
+class ContractError(RuntimeError):
+    """An emitted subgraph and its info disagree with docs/runtime_contract.md (a compiler bug)."""
+
+
+def _as_device(device) -> Device:
+    if isinstance(device, (list, tuple)):
+        return device_from_providers(device)
+    return get_device(device)
+
+
+class Program:
+    """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
+
+    def __init__(self, model: "onnx.ModelProto | bytes", info: Mapping[str, Any], device="cpu",
+                 name: str | None = None, threads: int | None = None) -> None:
+        self.device = _as_device(device)
+        self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
+        self.info = dict(info)
+        self.session = make_session(model, self.device, self.name, threads=threads)
+        self.data_inputs = list(info.get("data_inputs", []))
+        self.hp_inputs = list(info.get("hp_inputs", []))
+        self.state_inputs = list(info.get("state_inputs", []))
+        self.state_outputs = dict(info.get("state_outputs", {}))
+        self.metrics = list(info.get("metrics", []))
+        self.results = list(info.get("results", []))
+        self._check_contract()
+        self.input_dtypes = {i.name: _ORT_TYPES.get(i.type) for i in self.session.get_inputs()}
+        self._metric_bufs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
+        for o in self.session.get_outputs():
+            if o.name in self.metrics and isinstance(o.shape, list) and all(isinstance(d, int) for d in o.shape):
+                buf = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
+                self._metric_bufs[o.name] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
+        self._bindings: dict[tuple[str, ...], ort.IOBinding] = {}
+        self.runs = 0
+        self.session_seconds = 0.0
+        self.last_seconds = 0.0
+
+    # ------------------------------------------------------------------ checks
+    def _check_contract(self) -> None:
+        ins = [i.name for i in self.session.get_inputs()]
+        outs = [o.name for o in self.session.get_outputs()]
+        known_in = set(self.data_inputs) | set(self.hp_inputs) | set(self.state_inputs)
+        known_out = set(self.state_outputs) | set(self.metrics) | set(self.results)
+        missing = [n for n in ins if n not in known_in]
+        extra = [n for n in known_in if n not in ins]
+        if missing or extra:
+            raise ContractError(f"subgraph {self.name!r}: graph inputs {ins} disagree with info "
+                                f"(unclassified {missing}, absent {extra})")
+        missing = [n for n in outs if n not in known_out]
+        extra = [n for n in known_out if n not in outs]
+        if missing or extra:
+            raise ContractError(f"subgraph {self.name!r}: graph outputs {outs} disagree with info "
+                                f"(unclassified {missing}, absent {extra})")
+        for out, slot in self.state_outputs.items():
+            if out != f"new/{slot}":
+                raise ContractError(f"subgraph {self.name!r}: state output {out!r} must be named 'new/{slot}'")
+
+    @property
+    def written_slots(self) -> list[str]:
+        return list(self.state_outputs.values())
+
+    # ------------------------------------------------------------------ run
+    def _binding(self, want: tuple[str, ...]) -> ort.IOBinding:
+        # One binding per set of requested results: IOBinding keeps outputs in first-bound
+        # order, and rebinding a name replaces it in place, so get_outputs() order is stable.
+        b = self._bindings.get(want)
+        if b is None:
+            b = self.session.io_binding()
+            self._bindings[want] = b
+        return b
+
+    def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
+            hp: Mapping[str, float] | None = None, results: bool | list[str] = False,
+            channel: str = "train") -> dict[str, Any]:
+        """Run once. `data`: arrays to write into the data inputs first (others must already be
+        in the store's `channel`); `hp`: scalars to set first; `results`: True for every
+        result, or a list of names."""
+        if data:
+            for name, arr in data.items():
+                if name in self.input_dtypes:
+                    store.write_data(name, arr, self.input_dtypes[name], channel)
+        if hp:
+            for name, v in hp.items():
+                store.set_hp(name, v)
+        if results is True:
+            want = tuple(self.results)
+        else:
+            unknown = [r for r in (results or []) if r not in self.results]
+            if unknown:
+                raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
+            want = tuple(results or ())
+        b = self._binding(want)
+        for n in self.state_inputs:
+            if n not in store:
+                raise ContractError(f"subgraph {self.name!r} reads state slot {n!r} that the store lacks")
+            b.bind_ortvalue_input(n, store.current(n))
+        for n in self.data_inputs:
+            b.bind_ortvalue_input(n, store.data(n, channel))
+        for n in self.hp_inputs:
+            b.bind_ortvalue_input(n, store.hp(n))
+        for out, slot in self.state_outputs.items():
+            if slot not in store:
+                raise ContractError(f"subgraph {self.name!r} writes state slot {slot!r} that the store lacks")
+            b.bind_ortvalue_output(out, store.spare(slot))
+        for m in self.metrics:
+            pre = self._metric_bufs.get(m)
+            if pre is not None:
+                b.bind_ortvalue_output(m, pre[1])
+            else:
+                b.bind_output(m, "cpu")
+        for r in want:
+            b.bind_output(r, "cpu")
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(b)
+        dt = time.perf_counter() - t0
+        self.last_seconds = dt
+        self.session_seconds += dt
+        self.runs += 1
+        for slot in self.state_outputs.values():
+            store.flip(slot)
+        out: dict[str, Any] = {}
+        dynamic = [m for m in self.metrics if m not in self._metric_bufs] + list(want)
+        fetched = {}
+        if dynamic:
+            names = list(self.state_outputs) + self.metrics + list(want)
+            vals = b.get_outputs()
+            for name, v in zip(names, vals):
+                if name in dynamic:
+                    fetched[name] = np.array(v.numpy(), copy=True)
+        for m in self.metrics:
+            pre = self._metric_bufs.get(m)
+            arr = pre[0] if pre is not None else fetched[m]
+            out[m] = float(arr.reshape(-1)[0]) if arr.size == 1 else np.array(arr, copy=True)
+        for r in want:
+            out[r] = fetched[r]
+        return out
+
+
+# =========================================================================== plan access
+# The runtime needs only a few things from a plan: its model (initial parameter values, data
+# inputs), the trainable parameter names, the loss kind, and the subgraphs (stored in the plan
+# when compiled with the same options, emitted on demand by kfac_compiler.backend otherwise).
+
+_EMIT_CACHE: dict[int, tuple[Any, dict]] = {}
+
+
+def _normalize_options(plan: Any, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    from kfac_compiler.runtime.optimizers import _plan_schedule
+
+    sched = _plan_schedule(plan)
+    defaults = {
+        "with_stats": True,
+        "qmodel": True,
+        "mode": sched.get("mode", "gradients"),
+        "num_samples": int(sched.get("num_samples", 1)),
+        "method": sched.get("inverse_method", "inverse_op"),
+    }
+    return {k: v for k, v in options.items() if v is not None and defaults.get(k, object()) != v}
+
+
+def plan_subgraph(plan: Any, name: str, **options: Any) -> tuple[Any, dict]:
+    """(model, info) of subgraph `name` with `options`: the plan's stored copy when it was
+    emitted with the same options, else kfac_compiler.backend.emit_subgraph (cached)."""
+    want = _normalize_options(plan, name, options)
+    stored = getattr(plan, "subgraphs", None) or {}
+    stored_info = getattr(plan, "subgraph_info", None) or {}
+    if name in stored and name in stored_info:
+        have = _normalize_options(plan, name, stored_info[name].get("options", {}) or {})
+        if have == want:
+            info = {k: v for k, v in stored_info[name].items() if k != "options"}
+            return stored[name], info
+    key = (name, tuple(sorted(want.items())))
+    entry = _EMIT_CACHE.get(id(plan))
+    if entry is None or entry[0]() is not plan:
+        import weakref
+
+        try:
+            ref = weakref.ref(plan)
+        except TypeError:
+            ref = (lambda p=plan: p)
+        entry = (ref, {})
+        _EMIT_CACHE[id(plan)] = entry
+        try:
+            weakref.finalize(plan, _EMIT_CACHE.pop, id(plan), None)
+        except TypeError:
+            pass
+    cache = entry[1]
+    if key not in cache:
+        from kfac_compiler.backend import emit_subgraph
+
+        cache[key] = emit_subgraph(plan, name, **options)
+    return cache[key]
+
+
+def plan_model(plan: Any) -> onnx.ModelProto:
+    return plan.model
+
+
+def plan_trainable(plan: Any) -> list[str]:
+    return list(plan.trainable)
+
+
+def plan_loss_kind(plan: Any) -> str:
+    loss = plan.loss
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, Mapping):
+        return str(loss.get("kind"))
+    return str(getattr(loss, "kind", loss))
+
+
+def plan_data_inputs(plan: Any) -> list[onnx.ValueInfoProto]:
+    """The model's graph inputs that are not initializers (the user's data)."""
+    model = plan_model(plan)
+    inits = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in inits]
+
+
+def initial_parameters(plan: Any) -> dict[str, np.ndarray]:
+    """Trainable parameter values from the plan's model initializers."""
+    from onnx import numpy_helper
+
+    model = plan_model(plan)
+    inits = {t.name: t for t in model.graph.initializer}
+    out = {}
+    for p in plan_trainable(plan):
+        if p not in inits:
+            raise ContractError(f"trainable parameter {p!r} is not an initializer of the plan's model")
+        out[p] = np.array(numpy_helper.to_array(inits[p]), copy=True)
+    return out
+
+
+def plan_blocks(plan: Any, layers: list[str] | None = None) -> dict[str, Any]:
+    """Fisher block objects (with their numpy twins) for the plan's layers."""
+    blocks = getattr(plan, "blocks", None)
+    if isinstance(blocks, Mapping) and all(l in blocks for l in (layers or blocks)):
+        return {l: blocks[l] for l in (layers or blocks)}
+    from kfac_compiler.backend import Emission, plan_parts
+
+    em = Emission.start(plan_parts(plan))
+    out = dict(em.blocks)
+    missing = [l for l in (layers or []) if l not in out]
+    if missing:
+        raise ContractError(f"the plan has no layer {missing[0]!r}")
+    return {l: out[l] for l in (layers or out)}

@@ -1,0 +1,180 @@
+"""Device-resident training state: double-buffered slots, pre-allocated data, hp scalars.
+
+ONNX Runtime cannot bind one buffer as both the input and the output of a run, so every
+state slot (a parameter, a velocity, a factor, an inverse, ...) owns TWO OrtValues on the
+device: `current(slot)` is what the next run reads, `spare(slot)` is where a run that writes
+`new/<slot>` puts the result; `flip(slot)` then swaps the roles. Nothing is copied.
+
+Data inputs (the batch, targets, noise, `vec/<p>`) live in pre-allocated device buffers that
+are overwritten in place each step (`OrtValue.update_inplace`: a memcpy on CPU, a host->device
+copy on CUDA) and reallocated only when the shape or dtype changes (e.g. a last, smaller
+batch). Hyper-parameters `hp/<name>` are float32 device scalars rewritten only when the host
+value changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+from kfac_compiler.runtime.device import Device, get_device
+
+
+def _alloc(shape, dtype, dev: Device) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type, dev.ort_device, dev.device_id)
+
+
+def _contig(array, dtype=None) -> np.ndarray:
+    a = np.asarray(array, dtype=dtype)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def init_value(spec: Mapping[str, Any]) -> np.ndarray:
+    """The initial value of a state slot from info["state_specs"][slot]."""
+    shape = tuple(int(d) for d in spec["shape"])
+    dtype = np.dtype(spec.get("dtype", "float32"))
+    init = spec.get("init", "zeros")
+    if init == "identity":
+        if len(shape) == 2 and shape[0] == shape[1]:
+            return np.eye(shape[0], dtype=dtype)
+        if len(shape) >= 2 and shape[-1] == shape[-2]:  # a stack of square matrices
+            return np.broadcast_to(np.eye(shape[-1], dtype=dtype), shape).copy()
+        return np.ones(shape, dtype)  # a diagonal (vector) inverse
+    if init in ("zeros", "param"):
+        return np.zeros(shape, dtype)
+    if init == "ones":
+        return np.ones(shape, dtype)
+    raise ValueError(f"unknown state init {init!r} (expected zeros, identity, ones or param)")
+
+
+class StateStore:
+    """Named device buffers for one training run (shared by all its subgraph programs)."""
+
+    def __init__(self, device: "str | Device" = "cpu") -> None:
+        self.device = get_device(device)
+        self._buf: dict[str, list[ort.OrtValue]] = {}
+        self._cur: dict[str, int] = {}
+        self._spec: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        # data buffers per channel ("train", "eval", ...): evaluating on a big batch between
+        # training steps must not reallocate the training batch's buffers.
+        self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
+        self._hp: dict[str, tuple[np.float32, ort.OrtValue]] = {}
+        self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
+
+    # ------------------------------------------------------------ state slots
+    def add(self, slot: str, array) -> None:
+        """Create (or replace) slot `slot` holding `array`; both buffers get the value."""
+        a = _contig(array)
+        shape, dtype = tuple(a.shape), a.dtype
+        bufs = [_alloc(shape, dtype, self.device), _alloc(shape, dtype, self.device)]
+        bufs[0].update_inplace(a)
+        bufs[1].update_inplace(a)
+        self._buf[slot] = bufs
+        self._cur[slot] = 0
+        self._spec[slot] = (shape, dtype)
+
+    def __contains__(self, slot: str) -> bool:
+        return slot in self._buf
+
+    def slots(self) -> list[str]:
+        return list(self._buf)
+
+    def spec(self, slot: str) -> tuple[tuple[int, ...], np.dtype]:
+        return self._spec[slot]
+
+    def current(self, slot: str) -> ort.OrtValue:
+        return self._buf[slot][self._cur[slot]]
+
+    def spare(self, slot: str) -> ort.OrtValue:
+        return self._buf[slot][1 - self._cur[slot]]
+
+    def flip(self, slot: str) -> None:
+        self._cur[slot] = 1 - self._cur[slot]
+
+    def to_numpy(self, slot: str) -> np.ndarray:
+        """A host copy of the slot's current value (never aliases device memory)."""
+        return np.array(self.current(slot).numpy(), copy=True)
+
+    def set(self, slot: str, array) -> None:
+        """Overwrite the slot's current value in place (same shape); adds the slot if new."""
+        if slot not in self._buf:
+            self.add(slot, array)
+            return
+        shape, dtype = self._spec[slot]
+        a = _contig(array, dtype)
+        if tuple(a.shape) != shape:
+            raise ValueError(f"state slot {slot!r} has shape {list(shape)}, got {list(a.shape)}")
+        self.current(slot).update_inplace(a)
+
+    def copy_slot(self, dst: str, src: str) -> None:
+        """dst.current <- src.current on the device (same shape and dtype)."""
+        self.current(dst).update_inplace(self.current(src))
+
+    def state_dict(self, slots: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        return {s: self.to_numpy(s) for s in (self.slots() if slots is None else slots)}
+
+    def nbytes(self) -> int:
+        return sum(2 * int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in self._spec.values())
+
+    # ------------------------------------------------------------ data inputs
+    def write_data(self, name: str, array, dtype=None, channel: str = "train") -> ort.OrtValue:
+        """Write a batch array into the pre-allocated device input `name` (of `channel`)."""
+        a = _contig(array, dtype)
+        key = (channel, name)
+        entry = self._data.get(key)
+        if entry is None or entry[1] != a.shape or entry[2] != a.dtype:
+            ov = _alloc(a.shape, a.dtype, self.device)
+            self._data[key] = (ov, tuple(a.shape), a.dtype)
+        else:
+            ov = entry[0]
+        ov.update_inplace(a)
+        self.uploads += 1
+        return ov
+
+    def data(self, name: str, channel: str = "train") -> ort.OrtValue:
+        try:
+            return self._data[(channel, name)][0]
+        except KeyError:
+            raise KeyError(f"data input {name!r} was never written (channel {channel!r})") from None
+
+    def has_data(self, name: str, channel: str = "train") -> bool:
+        return (channel, name) in self._data
+
+    def data_shape(self, name: str, channel: str = "train") -> tuple[int, ...] | None:
+        e = self._data.get((channel, name))
+        return None if e is None else e[1]
+
+    def drop_data(self, channel: str) -> None:
+        for key in [k for k in self._data if k[0] == channel]:
+            del self._data[key]
+
+    # ------------------------------------------------------------ hyper-parameters
+    def set_hp(self, name: str, value: float) -> ort.OrtValue:
+        """Set float32 scalar `name` (e.g. "hp/damping"); the device copy is rewritten only on change."""
+        v = np.float32(value)
+        entry = self._hp.get(name)
+        if entry is None:
+            ov = _alloc((), np.float32, self.device)
+            ov.update_inplace(np.asarray(v))
+            self._hp[name] = (v, ov)
+            self.uploads += 1
+            return ov
+        old, ov = entry
+        if old != v or (np.isnan(old) != np.isnan(v)):
+            ov.update_inplace(np.asarray(v))
+            self._hp[name] = (v, ov)
+            self.uploads += 1
+        return ov
+
+    def hp(self, name: str) -> ort.OrtValue:
+        try:
+            return self._hp[name][1]
+        except KeyError:
+            raise KeyError(f"hyper-parameter {name!r} was never set") from None
+
+    def hp_value(self, name: str) -> float:
+        return float(self._hp[name][0])
+
+    def has_hp(self, name: str) -> bool:
+        return name in self._hp

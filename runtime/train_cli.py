@@ -1,0 +1,339 @@
+"""`kfac-compiler train`: train a model (zoo name, .onnx file or plan directory) on a dataset.
+
+    kfac-compiler train                                   # the zoo's mlp_classifier on digits
+    kfac-compiler train digits_autoencoder --steps 500 --metrics run.csv --plot loss.png
+    kfac-compiler train model.onnx --loss softmax_cross_entropy --data train.npz --save out.onnx
+    kfac-compiler train --checkpoint run.ckpt ...; kfac-compiler train --resume run.ckpt ...
+
+The lead wires this module into kfac_compiler/cli.py with `add_train_parser(subparsers)` and
+`run_train(args) -> int`; KfacErrors propagate (the CLI prints `error: ...`, exit code 2).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import numpy as np
+
+from kfac_compiler.errors import ConfigError, DataError, ModelError
+
+DEFAULT_MODEL = "mlp_classifier"
+LOSS_KINDS = ("softmax_cross_entropy", "sigmoid_cross_entropy", "squared_error")
+CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
+               "qmodel_change", "rho", "rejected", "burn_in", "step_time")
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    t = subparsers.add_parser(
+        "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime",
+        description="Train a zoo model, an .onnx file (compiled on the fly) or a plan directory.",
+    )
+    t.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help=f"zoo model name, .onnx file or plan directory (default: {DEFAULT_MODEL})")
+    t.add_argument("--data", default="digits", metavar="digits|FILE.npz",
+                   help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets'")
+    t.add_argument("--loss", choices=LOSS_KINDS, help="loss kind (for an .onnx model; zoo models know theirs)")
+    t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
+    t.add_argument("--optimizer", default=None, choices=("kfac", "adam", "sgd"), help="default kfac")
+    t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
+    t.add_argument("--batch-size", type=int, default=128, help="examples per step (default 128)")
+    t.add_argument("--seed", type=int, default=0, help="batch order, estimator noise and zoo init (default 0)")
+    t.add_argument("--learning-rate", type=float, default=None,
+                   help="fixed learning rate (K-FAC default: adaptive via the quadratic model)")
+    t.add_argument("--momentum", type=float, default=None)
+    t.add_argument("--damping", type=float, default=None, help="K-FAC initial damping")
+    t.add_argument("--l2", type=float, default=None, help="weight decay coefficient")
+    t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="any optimizer option, e.g. inv_update_period=10 (repeatable)")
+    t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
+    t.add_argument("--plot", metavar="FILE.png", help="plot the training loss (needs matplotlib)")
+    t.add_argument("--save", metavar="FILE.onnx", help="write the model with the trained weights")
+    t.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint at the end (and every --checkpoint-every steps)")
+    t.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
+    t.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (same model, data and seed)")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return t
+
+
+# --------------------------------------------------------------------------- helpers
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _knobs(args) -> dict[str, Any]:
+    knobs: dict[str, Any] = {}
+    for item in args.knob:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--knob {item!r}: expected KEY=VALUE (e.g. inv_update_period=10)")
+        knobs[key.strip().replace("-", "_")] = _parse_value(value.strip())
+    if args.damping is not None:
+        knobs["damping"] = args.damping
+    if args.l2 is not None:
+        knobs["l2_reg"] = args.l2
+    return knobs
+
+
+def load_model_and_plan(model: str | None, loss: str | None, output: str | None, seed: int):
+    """(plan, zoo entry or None)."""
+    import kfac_compiler as kc
+    from kfac_compiler.models import ZOO
+
+    name = model or DEFAULT_MODEL
+    if name in ZOO and not os.path.exists(name):
+        entry = ZOO[name]
+        plan = kc.compile(entry.build(seed=seed), loss=loss or entry.loss, output=output or entry.output_name, emit=False)
+        return plan, entry
+    if os.path.isdir(name):
+        from kfac_compiler.plan import load_plan
+
+        return load_plan(name), None
+    if os.path.isfile(name):
+        return kc.compile(name, loss=loss, output=output, emit=False), None
+    if name.lower().endswith(".onnx") or os.sep in name:
+        raise ModelError(f"model file {name!r} does not exist")
+    raise ModelError(
+        f"{name!r} is neither a zoo model ({', '.join(ZOO)}), an .onnx file nor a plan directory"
+    )
+
+
+def load_data(plan, entry, data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    from kfac_compiler.runtime.data import digits_for, load_npz, output_spec, validate_dataset
+    from kfac_compiler.runtime.program import plan_data_inputs, plan_loss_kind
+    from kfac_compiler.runtime.data import input_spec
+
+    specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
+    kind = plan_loss_kind(plan)
+    out = output_spec(plan.model, plan.output)
+    if data == "digits":
+        if entry is not None:
+            inputs, targets = entry.make_data(None, seed=0)
+        else:
+            inputs, targets = digits_for(specs, kind, out)
+        source = "digits"
+    elif data.endswith(".npz") or os.path.isfile(data):
+        inputs, targets = load_npz(data)
+        source = data
+        checked = validate_dataset(specs, kind, inputs, targets, out, source=source)
+        extra = [k for k in inputs if k not in specs]
+        if extra:
+            raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, plus 'targets')")
+        return checked
+    else:
+        raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")
+    return validate_dataset(specs, kind, inputs, targets, out, source=source)
+
+
+class MetricsWriter:
+    def __init__(self, path: str | None, append: bool) -> None:
+        self.path = path
+        self.f: TextIO | None = None
+        self.csv = None
+        if not path:
+            return
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".csv", ".jsonl", ".json", ".ndjson"):
+            raise ConfigError(f"--metrics {path!r}: use a .csv or .jsonl file")
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        mode = "a" if append and os.path.isfile(path) and os.path.getsize(path) > 0 else "w"
+        self.f = open(path, mode, newline="", encoding="utf-8")
+        if ext == ".csv":
+            self.csv = csv.DictWriter(self.f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
+            if mode == "w":
+                self.csv.writeheader()
+
+    def write(self, m: dict[str, Any]) -> None:
+        if self.f is None:
+            return
+        if self.csv is not None:
+            row = {k: _fmt(m.get(k)) for k in CSV_COLUMNS}
+            self.csv.writerow(row)
+        else:
+            self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                     for k, v in m.items()}) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "" if math.isnan(v) else str(v)
+        if v == int(v) and abs(v) < 1e15:
+            return str(int(v))
+        return repr(v)
+    return str(v)
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
+        self.total = max(total, 1)
+        self.enabled = enabled
+        self.stream = stream
+        self.last = 0.0
+        self.t0 = time.perf_counter()
+
+    def update(self, done: int, loss: float, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self.last < 0.1:
+            return
+        self.last = now
+        width = 30
+        fill = int(width * done / self.total)
+        rate = done / max(now - self.t0, 1e-9)
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} loss {loss:.4f} {rate:.0f} it/s ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _check_plot(path: str | None) -> None:
+    if not path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--plot {path!r} needs matplotlib (pip install matplotlib, or kfac_compiler[plot])") from None
+
+
+def _plot(path: str, steps: list[float], losses: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, losses, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (batch)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command
+def run_train(args) -> int:
+    from kfac_compiler.runtime.data import batch_indices
+    from kfac_compiler.runtime.trainer import Trainer
+
+    if args.steps < 0:
+        raise ConfigError(f"--steps must be >= 0, got {args.steps}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.checkpoint_every < 0:
+        raise ConfigError("--checkpoint-every must be >= 0")
+    _check_plot(args.plot)
+    plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed)
+    inputs, targets = load_data(plan, entry, args.data, args.seed)
+    n = targets.shape[0]
+    knobs = _knobs(args)
+    if args.resume:
+        trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device)
+        if args.optimizer and trainer.optimizer != args.optimizer:
+            raise ConfigError(f"--resume {args.resume!r} was written by optimizer {trainer.optimizer!r}, not {args.optimizer!r}")
+    else:
+        trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device, learning_rate=args.learning_rate,
+                          momentum=args.momentum, seed=args.seed, threads=args.threads, **knobs)
+    done = trainer.step_count + trainer.burn_in_count
+    name = args.model or DEFAULT_MODEL
+    quiet = args.quiet or not sys.stderr.isatty()
+    if not args.quiet:
+        print(f"training {os.path.basename(str(name))} with {trainer.optimizer} on {trainer.device.name}: "
+              f"{n} examples, batch {min(args.batch_size, n)}, steps {done}..{args.steps}", file=sys.stderr)
+    writer = MetricsWriter(args.metrics, append=bool(args.resume))
+    progress = Progress(args.steps, enabled=not quiet)
+    steps_seen, losses = [], []
+    t0 = time.perf_counter()
+    rejected = 0
+    try:
+        for s in range(done, args.steps):
+            idx = batch_indices(n, args.batch_size, s, args.seed)
+            batch = {k: v[idx] for k, v in inputs.items()}
+            m = trainer.step(batch, targets[idx])
+            m["step"] = float(s)
+            rejected += int(m.get("rejected", 0.0))
+            writer.write(m)
+            steps_seen.append(s)
+            losses.append(m["loss"])
+            progress.update(s + 1, m["loss"], force=(s + 1 == args.steps))
+            if args.checkpoint and args.checkpoint_every and (s + 1) % args.checkpoint_every == 0:
+                trainer.save_checkpoint(args.checkpoint)
+    finally:
+        progress.close()
+        writer.close()
+    elapsed = time.perf_counter() - t0
+    if args.checkpoint:
+        trainer.save_checkpoint(args.checkpoint)
+    final = trainer.evaluate(inputs, targets, batch_size=1024)
+    if args.save:
+        trainer.export(args.save)
+    if args.plot and losses:
+        _plot(args.plot, steps_seen, losses, f"{os.path.basename(str(name))} ({trainer.optimizer})")
+    parts = [f"final train loss {final['loss']:.6f}"]
+    if "accuracy" in final:
+        parts.append(f"accuracy {final['accuracy']:.4f}")
+    parts.append(f"({args.steps} steps, {elapsed:.1f} s")
+    if rejected:
+        parts[-1] += f", {rejected} rejected"
+    parts[-1] += ")"
+    print(" ".join(parts))
+    for label, path in (("metrics", args.metrics), ("plot", args.plot), ("model", args.save), ("checkpoint", args.checkpoint)):
+        if path:
+            print(f"{label} written to {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Standalone entry point (python -m kfac_compiler.runtime.train_cli ...)."""
+    from kfac_compiler.errors import KfacError
+
+    p = argparse.ArgumentParser(prog="kfac-compiler")
+    sub = p.add_subparsers(dest="command")
+    add_train_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "train":
+        argv = ["train", *argv]
+    args = p.parse_args(argv)
+    try:
+        return run_train(args)
+    except KfacError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

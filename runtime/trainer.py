@@ -1,0 +1,465 @@
+"""Trainer: K-FAC (and SGD / Adam baselines) on a compiled plan, with ONNX Runtime.
+
+    from kfac_compiler.runtime import Trainer
+    trainer = Trainer(plan, optimizer="kfac", device="cpu", seed=0)
+    for inputs, targets in batches:
+        metrics = trainer.step(inputs, targets)       # {"loss": ..., "damping": ..., ...}
+    trainer.evaluate(inputs, targets)                 # {"loss": ..., "accuracy": ...}
+    trainer.export("trained.onnx")                    # the model with the trained weights
+
+All state (parameters, velocities, Kronecker factors, inverses, Adam moments) stays on the
+device as double-buffered OrtValues (runtime/state.py); a step writes the batch into
+pre-allocated inputs, runs one or a few subgraphs and reads back a handful of scalars.
+
+One K-FAC step k (see docs/runtime.md):
+  * stats step (k % cov_update_period == 0): the factors' moving averages absorb the batch;
+  * inverse step (k % inv_update_period == 0, and always at the first step): like kfac-jax,
+    the statistics are updated FIRST (`update_statistics`), then the damped inverses are
+    recomputed (`inverse_update` + host-side blocks), then `kfac_step(with_stats=False)`
+    updates the parameters -- so the first step is preconditioned by its own batch;
+  * other steps run ONE fused graph `kfac_step(with_stats=stats)`;
+  * every damping_adaptation_interval steps the `loss` graph re-evaluates the SAME batch at
+    the new parameters and Levenberg-Marquardt adapts the damping;
+  * a step whose loss/update is not finite is rejected by the graph (old state kept); the
+    host multiplies the damping by damping_rejection_factor (10) and reports `rejected: 1`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+
+from kfac_compiler.errors import CheckpointError, ConfigError
+from kfac_compiler.runtime.data import draw_noise, input_spec, prepare_batch
+from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.optimizers import (
+    AdamConfig,
+    KfacConfig,
+    SgdConfig,
+    ema_coefficient,
+    lm_adapt,
+    make_config,
+    reduction_ratio,
+)
+from kfac_compiler.runtime.program import (
+    ContractError,
+    Program,
+    initial_parameters,
+    plan_data_inputs,
+    plan_loss_kind,
+    plan_blocks,
+    plan_model,
+    plan_subgraph,
+    plan_trainable,
+)
+from kfac_compiler.runtime.state import StateStore, init_value
+
+class Trainer:
+    """Train `plan` with `optimizer` ("kfac", "adam", "sgd") on `device` ("cpu", "cuda", "auto").
+
+    Knobs (keyword arguments) per optimizer: see kfac_compiler.runtime.optimizers and
+    docs/runtime.md. `threads` sets ONNX Runtime's intra-op thread count (default: all cores).
+    """
+
+    def __init__(self, plan: Any, optimizer: str = "kfac", device: str = "cpu",
+                 learning_rate: float | None = None, momentum: float | None = None, seed: int = 0,
+                 threads: int | None = None, **knobs: Any) -> None:
+        if isinstance(plan, (str, os.PathLike)):
+            from kfac_compiler.plan import load_plan
+
+            plan = load_plan(plan)
+        if learning_rate is not None:
+            knobs["learning_rate"] = learning_rate
+        if momentum is not None:
+            knobs["momentum"] = momentum
+        self.plan = plan
+        self.optimizer = optimizer
+        self.config = make_config(optimizer, plan, **knobs)
+        self.device = get_device(device)
+        self.threads = threads
+        self.seed = int(seed)
+        self.rng = np.random.default_rng(self.seed)
+        self.store = StateStore(self.device)
+        self.params = plan_trainable(plan)
+        self.loss_kind = plan_loss_kind(plan)
+        self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
+        # host-side state (all of it goes into checkpoints)
+        self.step_count = 0        # optimizer steps taken (rejected ones included)
+        self.applied_steps = 0     # steps whose update was applied (Adam's t)
+        self.burn_in_count = 0
+        self.ema_weight = 0.0
+        self.inverses_ready = False
+        self.damping = float(self.config.damping) if isinstance(self.config, KfacConfig) else 0.0
+        self._programs: dict[tuple, Program] = {}
+        for p, value in initial_parameters(plan).items():
+            self.store.add(p, value)
+        self._build_programs()
+
+    # ------------------------------------------------------------------ programs
+    def program(self, name: str, **options: Any) -> Program:
+        """The Program for subgraph `name` (created on first use; its state slots initialized)."""
+        key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
+        prog = self._programs.get(key)
+        if prog is None:
+            model, info = plan_subgraph(self.plan, name, **options)
+            prog = Program(model, info, self.device, name=name, threads=self.threads)
+            for slot, spec in (info.get("state_specs") or {}).items():
+                if slot not in self.store:
+                    self.store.add(slot, init_value(spec))
+            for slot in prog.state_inputs + prog.written_slots:
+                if slot not in self.store:
+                    raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
+            self._programs[key] = prog
+        return prog
+
+    def _kfac_options(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples}
+
+    def _build_programs(self) -> None:
+        """Create every session this optimizer's steps use, so that all state exists up front
+        (checkpoints, parameters()) and the first step is not slowed by session creation."""
+        cfg = self.config
+        if isinstance(cfg, KfacConfig):
+            opts = self._kfac_options()
+            self.program("kfac_step", with_stats=False, **opts)
+            if cfg.cov_update_period > 1 or cfg.inv_update_period > 1:
+                self.program("kfac_step", with_stats=True, **opts)
+            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples)
+            self.program("inverse_update", method=cfg.inverse_method)
+            if cfg.adapt_damping:
+                self.program("loss")
+            self._check_host_inverses()
+        elif isinstance(cfg, SgdConfig):
+            self.program("sgd_step")
+        else:
+            self.program("adam_step")
+
+    def programs(self) -> dict[str, Program]:
+        out = {}
+        for (name, opts), prog in self._programs.items():
+            label = name + "".join(f"[{k}={v}]" for k, v in opts if k in ("with_stats",))
+            out[label] = prog
+        return out
+
+    def session_seconds(self) -> float:
+        return sum(p.session_seconds for p in self._programs.values())
+
+    # ------------------------------------------------------------------ host inverses
+    def _host_inverse_layers(self) -> dict[str, list[str]]:
+        """Layers whose inverse slots the kfac step reads but `inverse_update` does not write
+        (blocks inverted on the host, e.g. method "eigh")."""
+        inv = self.program("inverse_update", method=self.config.inverse_method)
+        written = set(inv.written_slots)
+        step = self.program("kfac_step", with_stats=False, **self._kfac_options())
+        layers: dict[str, list[str]] = {}
+        for slot in step.state_inputs:
+            if slot.startswith("inverse/") and slot not in written:
+                layer, _, _ = slot[len("inverse/"):].rpartition("/")
+                layers.setdefault(layer, []).append(slot)
+        return layers
+
+    def _check_host_inverses(self) -> None:
+        self._host_layers = self._host_inverse_layers()
+        self._host_blocks = plan_blocks(self.plan, list(self._host_layers)) if self._host_layers else {}
+
+    def _host_inverses(self, damping: float) -> bool:
+        """Blocks inverted on the host with their numpy twin (e.g. method "eigh"); uploads the
+        new state, or keeps the previous one when the block reports a failure."""
+        ok = True
+        for layer, slots in self._host_layers.items():
+            block = self._host_blocks[layer]
+            fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
+            factors = {s[len(fprefix):]: self.store.to_numpy(s) for s in self.store.slots() if s.startswith(fprefix)}
+            previous = {s[len(iprefix):]: self.store.to_numpy(s) for s in slots}
+            state, block_ok = block.numpy_inverse(factors, damping, method=self.config.inverse_method, previous=previous)
+            if block_ok:
+                for slot in slots:
+                    self.store.set(slot, np.asarray(state[slot[len(iprefix):]]))
+            ok = ok and bool(block_ok)
+        return ok
+
+    # ------------------------------------------------------------------ data
+    def _prepare(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, np.ndarray]:
+        return prepare_batch(self.input_specs, inputs, targets)
+
+    def _noise(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name)
+
+    # ------------------------------------------------------------------ steps
+    def step(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
+        """One optimizer step on a batch; returns host-float metrics."""
+        data = self._prepare(inputs, targets)
+        t0 = time.perf_counter()
+        s0 = self.session_seconds()
+        if isinstance(self.config, KfacConfig):
+            metrics = self._kfac_step(data)
+        elif isinstance(self.config, SgdConfig):
+            metrics = self._sgd_step(data)
+        else:
+            metrics = self._adam_step(data)
+        wall = time.perf_counter() - t0
+        metrics["step_time"] = wall
+        metrics["host_time"] = max(wall - (self.session_seconds() - s0), 0.0)
+        return metrics
+
+    def _set_common_hp(self) -> None:
+        self.store.set_hp("hp/l2", self.config.l2_reg)
+
+    def _sgd_step(self, data):
+        cfg = self.config
+        self._set_common_hp()
+        hp = {"hp/learning_rate": cfg.learning_rate, "hp/momentum": cfg.momentum}
+        out = self.program("sgd_step").run(self.store, data, hp=hp)
+        return self._baseline_metrics(out, cfg.learning_rate, cfg.momentum)
+
+    def _adam_step(self, data):
+        cfg: AdamConfig = self.config
+        self._set_common_hp()
+        lr_t = cfg.lr_at(self.applied_steps + 1)
+        hp = {"hp/learning_rate": lr_t, "hp/beta1": cfg.beta1, "hp/beta2": cfg.beta2, "hp/epsilon": cfg.epsilon}
+        out = self.program("adam_step").run(self.store, data, hp=hp)
+        return self._baseline_metrics(out, cfg.learning_rate, cfg.beta1)
+
+    def _baseline_metrics(self, out, lr, mom):
+        ok = out.get("metric/finite", 1.0) > 0.5
+        m = {
+            "step": float(self.step_count),
+            "loss": out["loss"],
+            "learning_rate": float(lr),
+            "momentum": float(mom),
+            "update_norm": out.get("metric/update_norm", float("nan")) if ok else 0.0,
+            "grad_norm": out.get("metric/grad_norm", float("nan")),
+            "rejected": 0.0 if ok else 1.0,
+        }
+        self.step_count += 1
+        if ok:
+            self.applied_steps += 1
+        return m
+
+    def _run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
+        """update_statistics on the batch (already in the store when data is None)."""
+        cfg: KfacConfig = self.config
+        prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples)
+        coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
+        feed = dict(data or {})
+        feed.update(self._noise(prog, batch_data))
+        out = prog.run(self.store, feed, hp={"hp/ema_coeff": coeff})
+        ok = out.get("metric/finite", 1.0) > 0.5
+        if ok:
+            self.ema_weight = w_new
+        return out, ok
+
+    def _refresh_inverses(self) -> float:
+        """Recompute every damped inverse from the current factors; returns inverse_ok."""
+        cfg: KfacConfig = self.config
+        damping = self.damping + cfg.l2_reg
+        prog = self.program("inverse_update", method=cfg.inverse_method)
+        out = prog.run(self.store, hp={"hp/damping": damping})
+        ok = out.get("metric/inverse_ok", 1.0) > 0.5
+        if self._host_layers:
+            ok = self._host_inverses(damping) and ok
+        self.inverses_ready = True
+        return 1.0 if ok else 0.0
+
+    def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
+        """A statistics-only step (no parameter update): the factors absorb the batch."""
+        if not isinstance(self.config, KfacConfig):
+            raise ConfigError(f"burn-in only applies to K-FAC, not {self.optimizer!r}")
+        data = self._prepare(inputs, targets)
+        out, ok = self._run_statistics(data, data)
+        self.burn_in_count += 1
+        return {"step": float(self.step_count), "loss": out["loss"], "burn_in": 1.0, "rejected": 0.0 if ok else 1.0}
+
+    def _kfac_step(self, data: dict[str, np.ndarray]) -> dict[str, float]:
+        cfg: KfacConfig = self.config
+        if self.burn_in_count < cfg.burn_in_steps:
+            out, ok = self._run_statistics(data, data)
+            self.burn_in_count += 1
+            return {"step": float(self.step_count), "loss": out["loss"], "burn_in": 1.0,
+                    "rejected": 0.0 if ok else 1.0, "damping": self.damping}
+        k = self.step_count
+        stats = (k % cfg.cov_update_period == 0) or self.ema_weight == 0.0
+        inv = (k % cfg.inv_update_period == 0) or not self.inverses_ready
+        self._set_common_hp()
+        damping = self.damping
+        hp = {"hp/damping": damping}
+        if not cfg.use_qmodel:
+            hp["hp/learning_rate"] = cfg.learning_rate
+            hp["hp/momentum"] = cfg.momentum
+            hp["hp/norm_constraint"] = cfg.norm_constraint or 0.0
+        feed: dict[str, np.ndarray] | None = data
+        inverse_ok = float("nan")
+        if inv:
+            if stats:
+                self._run_statistics(data, data)
+                feed = None  # the batch is already in the store
+            inverse_ok = self._refresh_inverses()
+            prog = self.program("kfac_step", with_stats=False, **self._kfac_options())
+            w_new = None
+        else:
+            prog = self.program("kfac_step", with_stats=stats, **self._kfac_options())
+            w_new = None
+            if stats:
+                coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
+                hp["hp/ema_coeff"] = coeff
+                feed = dict(feed)
+                feed.update(self._noise(prog, data))
+        out = prog.run(self.store, feed, hp=hp)
+        ok = out.get("metric/finite", 1.0) > 0.5
+        metrics = {
+            "step": float(k),
+            "loss": out["loss"],
+            "damping": damping,
+            "learning_rate": out.get("metric/alpha", float("nan")),
+            "momentum": out.get("metric/mu", float("nan")),
+            "update_norm": out.get("metric/update_norm", float("nan")),
+            "grad_norm": out.get("metric/grad_norm", float("nan")),
+            "qmodel_change": out.get("metric/qmodel_change", float("nan")),
+            "rho": float("nan"),
+            "rejected": 0.0,
+            "stats": 1.0 if stats else 0.0,
+            "inverse": 1.0 if inv else 0.0,
+            "inverse_ok": inverse_ok,
+        }
+        self.step_count += 1
+        if not ok:
+            metrics["rejected"] = 1.0
+            metrics["update_norm"] = 0.0
+            self.damping = min(max(damping * cfg.damping_rejection_factor, cfg.min_damping), cfg.max_damping)
+            return metrics
+        self.applied_steps += 1
+        if w_new is not None:
+            self.ema_weight = w_new
+        if cfg.adapt_damping and k % cfg.damping_adaptation_interval == 0:
+            new_loss = self.program("loss").run(self.store)["loss"]
+            rho = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
+                                  damping, cfg.include_damping_in_quad_change)
+            metrics["rho"] = rho
+            metrics["new_loss"] = new_loss
+            self.damping = lm_adapt(damping, rho, cfg)
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
+        """Mean loss (and accuracy for softmax cross-entropy) at the current parameters."""
+        data = self._prepare(inputs, targets)
+        prog = self.program("loss")
+        n = data["targets"].shape[0]
+        bs = n if not batch_size else int(batch_size)
+        want_acc = self.loss_kind == "softmax_cross_entropy"
+        result = prog.results[0] if prog.results else None
+        total, correct = 0.0, 0
+        for s in range(0, n, bs):
+            chunk = {k: v[s:s + bs] for k, v in data.items()}
+            out = prog.run(self.store, chunk, results=[result] if (want_acc and result) else False, channel="eval")
+            m = chunk["targets"].shape[0]
+            total += out["loss"] * m
+            if want_acc and result:
+                logits = out[result]
+                correct += int(np.sum(np.argmax(logits, axis=-1) == chunk["targets"]))
+        metrics = {"loss": total / n}
+        if want_acc and result:
+            metrics["accuracy"] = correct / (n * int(np.prod(data["targets"].shape[1:], dtype=np.int64)))
+        return metrics
+
+    def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:
+        """The model output at the current parameters (runs the plan's model with them)."""
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
+        out_name = getattr(self.plan, "output", None) or sess.get_outputs()[0].name
+        return sess.run([out_name], {k: np.asarray(v) for k, v in inputs.items()})[0]
+
+    # ------------------------------------------------------------------ parameters
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {p: self.store.to_numpy(p) for p in self.params}
+
+    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        for p, v in values.items():
+            if p not in self.params:
+                raise ConfigError(f"{p!r} is not a trainable parameter of the plan")
+            self.store.set(p, v)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Every device state slot, copied to the host."""
+        return self.store.state_dict()
+
+    @property
+    def learning_rate(self) -> float | None:
+        return self.config.learning_rate
+
+    def exported_model(self) -> onnx.ModelProto:
+        from onnx import numpy_helper
+
+        model = onnx.ModelProto()
+        model.CopyFrom(plan_model(self.plan))
+        values = self.parameters()
+        for i, t in enumerate(model.graph.initializer):
+            if t.name in values:
+                new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
+                model.graph.initializer[i].CopyFrom(new)
+        return model
+
+    def export(self, path: str | os.PathLike) -> str:
+        """Write the plan's model with the trained weights as initializers (atomic)."""
+        from kfac_compiler.runtime.checkpoint import atomic_write_bytes
+
+        path = os.fspath(path)
+        atomic_write_bytes(path, self.exported_model().SerializeToString())
+        return path
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
+        from kfac_compiler.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path)
+
+    def restore(self, path: str | os.PathLike) -> "Trainer":
+        from kfac_compiler.runtime.checkpoint import restore_checkpoint
+
+        restore_checkpoint(self, path)
+        return self
+
+    @classmethod
+    def load_checkpoint(cls, path: str | os.PathLike, plan: Any, device: str = "cpu", **overrides: Any) -> "Trainer":
+        """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`."""
+        from kfac_compiler.runtime.checkpoint import read_meta
+
+        meta = read_meta(path)
+        knobs = dict(meta.get("knobs", {}))
+        knobs.update(overrides)
+        threads = knobs.pop("threads", None)
+        seed = knobs.pop("seed", meta.get("seed", 0))
+        try:
+            trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads, **knobs)
+        except KeyError as e:
+            raise CheckpointError(f"checkpoint {os.fspath(path)!r} lacks {e}") from None
+        trainer.restore(path)
+        return trainer
+
+    def host_state(self) -> dict[str, Any]:
+        return {
+            "step_count": self.step_count,
+            "applied_steps": self.applied_steps,
+            "burn_in_count": self.burn_in_count,
+            "ema_weight": self.ema_weight,
+            "inverses_ready": self.inverses_ready,
+            "damping": self.damping,
+        }
+
+    def set_host_state(self, st: Mapping[str, Any]) -> None:
+        self.step_count = int(st["step_count"])
+        self.applied_steps = int(st["applied_steps"])
+        self.burn_in_count = int(st["burn_in_count"])
+        self.ema_weight = float(st["ema_weight"])
+        self.inverses_ready = bool(st["inverses_ready"])
+        self.damping = float(st["damping"])
+
+    def __repr__(self) -> str:
+        return (f"Trainer(optimizer={self.optimizer!r}, device={self.device.name!r}, "
+                f"params={len(self.params)}, step={self.step_count}, damping={self.damping:.3g})")
+

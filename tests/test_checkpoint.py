@@ -1,0 +1,139 @@
+"""Checkpoints: atomic .npz files; resuming continues the SAME trajectory bit-for-bit on CPU."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler.errors import CheckpointError
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Trainer
+from kfac_compiler.runtime.checkpoint import plan_fingerprint, read_meta
+
+pytest.importorskip("kfac_compiler.backend")
+
+
+def _plan(name, **build):
+    e = ZOO[name]
+    return kc.compile(e.build(seed=0, **build), loss=e.loss, output="logits", emit=False)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    plan = _plan("mlp_classifier")
+    inputs, y = ZOO["mlp_classifier"].make_data(256, seed=0)
+    return plan, inputs["input"], y
+
+
+def batch(x, y, s, bs=64):
+    idx = np.random.default_rng(s).choice(len(y), bs, replace=False)
+    return {"input": x[idx]}, y[idx]
+
+
+# Small periods so that inverse refreshes, damping adaptation and fused steps all happen on
+# both sides of the checkpoint.
+KNOBS = {
+    "kfac": dict(inv_update_period=2, damping_adaptation_interval=2, cov_update_period=1),
+    "adam": dict(learning_rate=3e-3),
+    "sgd": dict(learning_rate=0.05),
+}
+
+
+@pytest.mark.parametrize("opt", ["kfac", "adam", "sgd"])
+def test_resume_is_bit_for_bit(mlp, tmp_path, opt):
+    plan, x, y = mlp
+    straight = Trainer(plan, optimizer=opt, seed=7, **KNOBS[opt])
+    m_straight = [straight.step(*batch(x, y, s)) for s in range(6)]
+
+    first = Trainer(plan, optimizer=opt, seed=7, **KNOBS[opt])
+    for s in range(3):
+        first.step(*batch(x, y, s))
+    path = tmp_path / "run.ckpt.npz"
+    first.save_checkpoint(path)
+    del first
+    resumed = Trainer.load_checkpoint(path, plan)  # a new Trainer: optimizer and knobs from the file
+    assert resumed.optimizer == opt and resumed.step_count == 3
+    m_resumed = [resumed.step(*batch(x, y, s)) for s in range(3, 6)]
+
+    a, b = straight.parameters(), resumed.parameters()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    sa, sb = straight.state(), resumed.state()
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    assert [m["loss"] for m in m_straight[3:]] == [m["loss"] for m in m_resumed]
+    assert straight.damping == resumed.damping
+    assert straight.rng.bit_generator.state == resumed.rng.bit_generator.state
+
+
+def test_restore_into_existing_trainer_and_contents(mlp, tmp_path):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", seed=1, damping=0.01)
+    for s in range(4):
+        tr.step(*batch(x, y, s))
+    path = tr.save_checkpoint(tmp_path / "a.npz")
+    meta = read_meta(path)
+    assert meta["optimizer"] == "kfac" and meta["knobs"]["damping"] == 0.01
+    assert meta["host"]["step_count"] == 4 and meta["plan"]["fingerprint"] == plan_fingerprint(plan)["fingerprint"]
+    assert set(meta["slots"]) == set(tr.store.slots())
+    assert "velocity/fc1.weight" in meta["slots"] and "factor/fc2/A" in meta["slots"]
+    json.dumps(meta["rng"])  # the generator state is plain JSON
+    other = Trainer(plan, optimizer="kfac", seed=99, damping=0.01)
+    other.restore(path)
+    assert other.step_count == 4 and other.damping == tr.damping
+    nxt = batch(x, y, 10)
+    assert tr.step(*nxt)["loss"] == other.step(*nxt)["loss"]
+    assert all(np.array_equal(v, other.parameters()[k]) for k, v in tr.parameters().items())
+
+
+def test_checkpoint_of_another_plan_is_refused(mlp, tmp_path):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="sgd")
+    tr.step(*batch(x, y, 0))
+    path = tr.save_checkpoint(tmp_path / "mlp.npz")
+    smaller = _plan("mlp_classifier", hidden=(32, 32))
+    with pytest.raises(CheckpointError, match="another plan") as e:
+        Trainer.load_checkpoint(path, smaller)
+    assert "\n" not in str(e.value)
+    reseeded = _plan("mlp_classifier")  # same architecture ...
+    assert plan_fingerprint(reseeded) == plan_fingerprint(plan)
+    other_init = kc.compile(ZOO["mlp_classifier"].build(seed=1), loss="softmax_cross_entropy", output="logits", emit=False)
+    with pytest.raises(CheckpointError, match="different source model"):  # ... other source weights
+        Trainer.load_checkpoint(path, other_init)
+    with pytest.raises(CheckpointError, match="optimizer"):
+        Trainer(plan, optimizer="adam").restore(path)
+
+
+def test_unreadable_checkpoints(tmp_path, mlp):
+    plan, _, _ = mlp
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Trainer.load_checkpoint(tmp_path / "nope.npz", plan)
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip file")
+    with pytest.raises(CheckpointError):
+        Trainer.load_checkpoint(junk, plan)
+    np.savez(tmp_path / "plain.npz", a=np.zeros(3))
+    with pytest.raises(CheckpointError, match="not a kfac_compiler checkpoint"):
+        Trainer.load_checkpoint(tmp_path / "plain.npz", plan)
+
+
+def test_checkpoint_writes_are_atomic(mlp, tmp_path, monkeypatch):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="sgd")
+    tr.step(*batch(x, y, 0))
+    path = tmp_path / "c.npz"
+    tr.save_checkpoint(path)
+    good = path.read_bytes()
+    tr.step(*batch(x, y, 1))
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(OSError):
+        tr.save_checkpoint(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == good  # the previous checkpoint is intact
+    assert os.listdir(tmp_path) == ["c.npz"]  # and no temporary file is left behind
+    assert read_meta(path)["host"]["step_count"] == 1

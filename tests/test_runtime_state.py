@@ -1,0 +1,180 @@
+"""The runtime executor (device, StateStore, Program) on hand-built graphs that follow
+docs/runtime_contract.md, with real ONNX Runtime sessions."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kfac_compiler.errors import DeviceError
+from kfac_compiler.runtime.device import cuda_available, get_device, make_session, resolve_device
+from kfac_compiler.runtime.program import ContractError, Program
+from kfac_compiler.runtime.state import StateStore
+
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    g = helper.make_graph(nodes, "t", inputs, outputs, initializer=list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def vi(name, shape, t=F):
+    return helper.make_tensor_value_info(name, t, shape)
+
+
+def counter_graph():
+    """new/counter = counter + hp/step; new/acc = acc + sum(x) ; metrics loss, metric/count;
+    result `double` = 2x."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes = [
+        helper.make_node("Add", ["counter", "hp/step"], ["new/counter"]),
+        helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0),
+        helper.make_node("Add", ["acc", "sx"], ["new/acc"]),
+        helper.make_node("Identity", ["sx"], ["loss"]),
+        helper.make_node("ReduceSum", ["counter"], ["metric/count"], keepdims=0),
+        helper.make_node("Mul", ["x", "two"], ["double"]),
+    ]
+    m = _model(
+        nodes,
+        [vi("counter", [3]), vi("acc", []), vi("x", ["N", 2]), vi("hp/step", [])],
+        [vi("new/counter", [3]), vi("new/acc", []), vi("loss", []), vi("metric/count", []), vi("double", ["N", 2])],
+        [two],
+    )
+    info = {
+        "data_inputs": ["x"],
+        "hp_inputs": ["hp/step"],
+        "state_inputs": ["counter", "acc"],
+        "state_outputs": {"new/counter": "counter", "new/acc": "acc"},
+        "metrics": ["loss", "metric/count"],
+        "results": ["double"],
+        "state_specs": {"counter": {"shape": [3], "dtype": "float32", "init": "zeros"},
+                        "acc": {"shape": [], "dtype": "float32", "init": "zeros"}},
+        "noise": {"count": 0},
+    }
+    return m, info
+
+
+def test_resolve_device_cpu_and_auto():
+    assert resolve_device("cpu") == ["CPUExecutionProvider"]
+    providers = resolve_device("auto")
+    first = providers[0][0] if isinstance(providers[0], tuple) else providers[0]
+    assert first == ("CUDAExecutionProvider" if cuda_available() else "CPUExecutionProvider")
+    with pytest.raises(DeviceError):
+        resolve_device("tpu")
+
+
+def test_cuda_request_is_checked():
+    if cuda_available():
+        dev = get_device("cuda")
+        assert dev.providers[0][1]["use_tf32"] == 0
+        m, _ = counter_graph()
+        assert make_session(m, dev).get_providers()[0] == "CUDAExecutionProvider"
+    else:
+        with pytest.raises(DeviceError) as e:
+            resolve_device("cuda")
+        assert "\n" not in str(e.value) and "cuda" in str(e.value)
+
+
+def test_state_store_double_buffering():
+    st = StateStore("cpu")
+    st.add("w", np.arange(4, dtype=np.float32))
+    a, b = st.current("w"), st.spare("w")
+    assert a is not b and a.data_ptr() != b.data_ptr()
+    st.flip("w")
+    assert st.current("w") is b and st.spare("w") is a
+    st.set("w", np.ones(4, np.float32))
+    np.testing.assert_array_equal(st.to_numpy("w"), np.ones(4))
+    out = st.to_numpy("w")
+    out[:] = 7  # a host copy never aliases the device buffer
+    np.testing.assert_array_equal(st.to_numpy("w"), np.ones(4))
+    with pytest.raises(ValueError):
+        st.set("w", np.ones(5, np.float32))
+    assert st.slots() == ["w"]
+
+
+def test_data_buffers_reused_and_hp_written_on_change():
+    st = StateStore("cpu")
+    ov1 = st.write_data("x", np.zeros((4, 2), np.float32))
+    ptr = ov1.data_ptr()
+    ov2 = st.write_data("x", np.ones((4, 2), np.float32))
+    assert ov2 is ov1 and ov2.data_ptr() == ptr  # written in place
+    np.testing.assert_array_equal(ov2.numpy(), np.ones((4, 2)))
+    ov3 = st.write_data("x", np.ones((3, 2), np.float32))  # new batch shape -> reallocated
+    assert ov3 is not ov1 and ov3.shape() == [3, 2]
+    n = st.uploads
+    st.set_hp("hp/a", 0.5)
+    st.set_hp("hp/a", 0.5)
+    assert st.uploads == n + 1
+    st.set_hp("hp/a", 0.25)
+    assert st.uploads == n + 2 and st.hp_value("hp/a") == 0.25
+
+
+def test_program_runs_binds_and_flips():
+    m, info = counter_graph()
+    st = StateStore("cpu")
+    st.add("counter", np.zeros(3, np.float32))
+    st.add("acc", np.float32(0))
+    st.set_hp("hp/step", 1.5)
+    prog = Program(m, info, "cpu")
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for k in range(5):
+        out = prog.run(st, {"x": x})
+        assert out["metric/count"] == pytest.approx(3 * 1.5 * k)  # read before the write
+        assert out["loss"] == 15.0
+        assert set(out) == {"loss", "metric/count"}  # results only when asked
+    np.testing.assert_array_equal(st.to_numpy("counter"), np.full(3, 7.5, np.float32))
+    assert st.to_numpy("acc") == 75.0
+    # data stays in the store: run again without passing it, asking for results
+    st.set_hp("hp/step", -7.5)
+    out = prog.run(st, results=True)
+    np.testing.assert_array_equal(out["double"], 2 * x)
+    np.testing.assert_array_equal(st.to_numpy("counter"), np.zeros(3, np.float32))
+    # a new batch size reallocates the input and still works
+    out = prog.run(st, {"x": np.ones((5, 2), np.float64)}, results=["double"])  # dtype coerced
+    assert out["double"].shape == (5, 2) and out["loss"] == 10.0
+    assert prog.runs == 7 and prog.session_seconds > 0
+
+
+def test_program_rejects_info_that_breaks_the_contract():
+    m, info = counter_graph()
+    bad = dict(info, metrics=["loss"])  # metric/count unclassified
+    with pytest.raises(ContractError):
+        Program(m, bad, "cpu")
+    bad = dict(info, state_outputs={"new/counter": "acc", "new/acc": "counter"})
+    with pytest.raises(ContractError):
+        Program(m, bad, "cpu")
+
+
+def test_missing_state_is_reported():
+    m, info = counter_graph()
+    st = StateStore("cpu")
+    st.add("counter", np.zeros(3, np.float32))
+    st.set_hp("hp/step", 1.0)
+    with pytest.raises(ContractError, match="acc"):
+        Program(m, info, "cpu").run(st, {"x": np.ones((2, 2), np.float32)})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="CUDA execution provider does not work here")
+def test_program_on_cuda_matches_cpu():
+    m, info = counter_graph()
+    outs = []
+    for dev in ("cpu", "cuda"):
+        st = StateStore(dev)
+        st.add("counter", np.zeros(3, np.float32))
+        st.add("acc", np.float32(0))
+        st.set_hp("hp/step", 0.25)
+        prog = Program(m, info, dev)
+        if dev == "cuda":
+            assert prog.session.get_providers()[0] == "CUDAExecutionProvider"
+            assert st.current("counter").device_name().lower() == "cuda"
+        for _ in range(3):
+            prog.run(st, {"x": np.ones((4, 2), np.float32)})
+        outs.append((st.to_numpy("counter"), st.to_numpy("acc")))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])

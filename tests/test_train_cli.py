@@ -1,0 +1,131 @@
+"""`kfac-compiler train` end to end (few steps): metrics files, --save, checkpoints, bad data."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from kfac_compiler.models import ZOO, save_model
+
+pytest.importorskip("kfac_compiler.backend")
+
+
+def _wired() -> bool:
+    """True once kfac_compiler/cli.py delegates `train` to kfac_compiler.runtime.train_cli."""
+    try:
+        from kfac_compiler.cli import build_parser
+
+        build_parser().parse_args(["train", "--optimizer", "sgd"])
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def run(argv, capsys):
+    if _wired():
+        from kfac_compiler.cli import main
+    else:
+        from kfac_compiler.runtime.train_cli import main
+    code = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_with_no_arguments(capsys):
+    code, out, err = run([], capsys)
+    assert code == 0, err
+    line = [l for l in out.splitlines() if l.startswith("final train loss")]
+    assert line and "accuracy" in line[0]
+    loss = float(line[0].split()[3])
+    acc = float(line[0].split()[5])
+    assert loss < 0.05 and acc > 0.98  # 200 K-FAC steps on the digits classifier
+
+
+def test_metrics_csv_save_and_checkpoint_resume(tmp_path, capsys):
+    m1, model, ck = tmp_path / "m.csv", tmp_path / "trained.onnx", tmp_path / "run.ckpt"
+    code, out, err = run(["mlp_classifier", "--steps", "4", "--batch-size", "64", "--metrics", str(m1),
+                          "--save", str(model), "--checkpoint", str(ck), "-q"], capsys)
+    assert code == 0, err
+    rows = list(csv.DictReader(open(m1)))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert all(float(r["loss"]) > 0 for r in rows) and rows[0]["damping"] and rows[0]["rejected"] == "0"
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    x, y = ZOO["mlp_classifier"].make_data(16)
+    (logits,) = sess.run(None, {"input": x["input"]})
+    assert logits.shape == (16, 10) and np.all(np.isfinite(logits))
+    onnx.checker.check_model(onnx.load(str(model)))
+    # resume to 7 steps: appends steps 4..6 to the metrics file
+    code, out, err = run(["mlp_classifier", "--steps", "7", "--batch-size", "64", "--metrics", str(m1),
+                          "--resume", str(ck), "-q"], capsys)
+    assert code == 0, err
+    assert [int(r["step"]) for r in csv.DictReader(open(m1))] == list(range(7))
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, capsys):
+    common = ["digits_autoencoder", "--batch-size", "128", "-q", "--knob", "inv_update_period=3"]
+    a, b, ck = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "c.npz"
+    assert run([*common, "--steps", "6", "--save", str(a)], capsys)[0] == 0
+    assert run([*common, "--steps", "3", "--checkpoint", str(ck)], capsys)[0] == 0
+    assert run([*common, "--steps", "6", "--resume", str(ck), "--save", str(b)], capsys)[0] == 0
+    wa = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(a)).graph.initializer}
+    wb = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(b)).graph.initializer}
+    assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_user_onnx_with_npz_data_and_jsonl(tmp_path, capsys, opt):
+    path = save_model("mlp_classifier", tmp_path / "model.onnx")
+    x, y = ZOO["mlp_classifier"].make_data(300, seed=1)
+    np.savez(tmp_path / "d.npz", input=x["input"], targets=y)
+    mj = tmp_path / "m.jsonl"
+    code, out, err = run([path, "--loss", "softmax_cross_entropy", "--data", str(tmp_path / "d.npz"),
+                          "--optimizer", opt, "--steps", "5", "--learning-rate", "0.01", "--metrics", str(mj), "-q"], capsys)
+    assert code == 0, err
+    rows = [json.loads(l) for l in open(mj)]
+    assert len(rows) == 5 and all(r["learning_rate"] == 0.01 for r in rows)
+    assert "final train loss" in out
+
+
+def _bad(tmp_path, **arrays):
+    p = tmp_path / "bad.npz"
+    np.savez(p, **arrays)
+    return str(p)
+
+
+@pytest.mark.parametrize("case", ["missing", "shape", "labels", "nan", "dtype", "no_targets", "rows"])
+def test_bad_data_is_one_line_error_before_training(tmp_path, capsys, case):
+    x, y = ZOO["mlp_classifier"].make_data(50)
+    x = x["input"]
+    arrays = {
+        "missing": dict(pixels=x, targets=y),
+        "shape": dict(input=x[:, :32], targets=y),
+        "labels": dict(input=x, targets=y + 5),
+        "nan": dict(input=np.where(x > 0.5, np.nan, x), targets=y),
+        "dtype": dict(input=np.array(["a"] * 50), targets=y),
+        "no_targets": dict(input=x),
+        "rows": dict(input=x, targets=y[:40]),
+    }[case]
+    m = tmp_path / "m.csv"
+    code, out, err = run(["mlp_classifier", "--data", _bad(tmp_path, **arrays), "--steps", "3", "--metrics", str(m)], capsys)
+    assert code == 2
+    lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "bad.npz" in lines[0], err
+    assert not m.exists()  # nothing trained
+
+
+def test_unknown_model_and_missing_matplotlib_message(tmp_path, capsys):
+    code, out, err = run(["no_such_model", "--steps", "1"], capsys)
+    assert code == 2 and "error:" in err and "zoo" in err
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        code, out, err = run(["--steps", "1", "--plot", str(tmp_path / "p.png")], capsys)
+        assert code == 2 and "matplotlib" in err
+    else:
+        code, out, err = run(["--steps", "3", "--plot", str(tmp_path / "p.png"), "-q"], capsys)
+        assert code == 0 and os.path.getsize(tmp_path / "p.png") > 0

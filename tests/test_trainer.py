@@ -1,0 +1,389 @@
+"""Trainer, optimizers and the Curvature API on real plans of the model zoo, with real ONNX
+Runtime sessions (CPU; the CUDA comparison runs only where CUDA really works)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler.errors import ConfigError, DataError
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Curvature, Trainer, cuda_available, gradients
+from kfac_compiler.runtime.optimizers import (
+    AdamConfig,
+    KfacConfig,
+    SgdConfig,
+    ema_coefficient,
+    lm_adapt,
+    make_config,
+    reduction_ratio,
+)
+
+pytest.importorskip("kfac_compiler.backend")
+
+
+def _plan(name):
+    e = ZOO[name]
+    return kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    plan = _plan("mlp_classifier")
+    inputs, y = ZOO["mlp_classifier"].make_data(None, seed=0)
+    return plan, inputs["input"], y
+
+
+@pytest.fixture(scope="module")
+def ae():
+    plan = _plan("digits_autoencoder")
+    inputs, y = ZOO["digits_autoencoder"].make_data(None, seed=0)
+    return plan, inputs["input"], y
+
+
+def batches(x, y, bs, steps, seed=0):
+    n = len(y)
+    for s in range(steps):
+        idx = np.random.default_rng([seed, s]).choice(n, bs, replace=False)
+        yield {"input": x[idx]}, y[idx]
+
+
+def train(plan, x, y, optimizer, steps, bs, seed=0, **kw):
+    tr = Trainer(plan, optimizer=optimizer, seed=seed, **kw)
+    for inputs, t in batches(x, y, bs, steps, seed):
+        tr.step(inputs, t)
+    return tr
+
+
+# ----------------------------------------------------------------------------- host logic
+def test_ema_coefficient_is_zero_debiased():
+    c, w = ema_coefficient(0.0, 0.95)
+    assert c == pytest.approx(1.0) and w == pytest.approx(0.05)
+    # the moving average of a constant is that constant from the first step on
+    f, w = 0.0, 0.0
+    for _ in range(5):
+        c, w = ema_coefficient(w, 0.95)
+        f = f + c * (3.0 - f)
+        assert f == pytest.approx(3.0)
+    c2, _ = ema_coefficient(w, 0.95)
+    assert c2 < c
+
+
+def test_levenberg_marquardt_rule():
+    cfg = make_config("kfac", None, damping=1e-2, min_damping=1e-4)
+    omega = 0.95**5
+    assert cfg.omega == pytest.approx(omega)
+    assert lm_adapt(1e-2, 0.9, cfg) == pytest.approx(1e-2 * omega)
+    assert lm_adapt(1e-2, 0.1, cfg) == pytest.approx(1e-2 / omega)
+    assert lm_adapt(1e-2, 0.5, cfg) == 1e-2
+    assert lm_adapt(1e-2, float("nan"), cfg) == pytest.approx(1e-2 / omega)
+    assert lm_adapt(1e-4, 0.9, cfg) == 1e-4  # clamped at min_damping
+    # rho: actual over predicted change, the damping term taken out by default
+    assert reduction_ratio(1.0, 0.9, -0.2, 0.0, 1.0, False) == pytest.approx(0.5)
+    assert reduction_ratio(1.0, 0.9, -0.1, 1.0, 0.2, False) == pytest.approx(0.5)
+    assert reduction_ratio(1.0, 0.9, -0.1, 1.0, 0.2, True) == pytest.approx(1.0)
+
+
+def test_optimizer_defaults_and_validation():
+    sgd = make_config("sgd")
+    assert (sgd.learning_rate, sgd.momentum) == (0.1, 0.9)
+    adam = make_config("adam", learning_rate=3e-3)
+    assert (adam.beta1, adam.beta2, adam.epsilon) == (0.9, 0.999, 1e-8)
+    assert adam.lr_at(1) == pytest.approx(3e-3 * math.sqrt(1 - 0.999) / (1 - 0.9))
+    k = make_config("kfac")
+    assert isinstance(k, KfacConfig) and k.use_qmodel and k.adapt_damping and k.learning_rate is None
+    k = make_config("kfac", learning_rate=0.01)
+    assert not k.use_qmodel and k.momentum == 0.9 and not k.adapt_damping
+    assert make_config("kfac", initial_damping=0.5).damping == 0.5  # kfac-jax spelling
+    with pytest.raises(ConfigError):
+        make_config("kfac", learning_rate=0.1, use_qmodel=True)
+    with pytest.raises(ConfigError):
+        make_config("kfac", use_qmodel=False)
+    with pytest.raises(ConfigError):
+        make_config("kfac", norm_constraint=1e-3)  # KL clipping needs a fixed learning rate
+    with pytest.raises(ConfigError):
+        make_config("kfac", bogus=1)
+    with pytest.raises(ConfigError):
+        make_config("kfac", cov_ema_decay=1.5)
+    with pytest.raises(ConfigError):
+        make_config("lbfgs")
+    assert isinstance(make_config("sgd"), SgdConfig) and isinstance(make_config("adam"), AdamConfig)
+
+
+def test_plan_defaults_are_used(mlp):
+    plan, _, _ = mlp
+    cfg = make_config("kfac", plan)
+    assert cfg.damping == plan.schedule["damping"]
+    assert cfg.inv_update_period == plan.schedule["inverse"]["update_period"]
+    assert cfg.cov_ema_decay == plan.schedule["ema_decay"]
+    assert cfg.mode == plan.estimator["mode"]
+
+
+# ----------------------------------------------------------------------------- steps
+def test_kfac_step_keeps_state_on_device_and_reports_metrics(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", device="cpu", inv_update_period=3)
+    assert all(s in tr.store for s in ("velocity/fc1.weight", "factor/fc1/A", "factor/fc1/G"))
+    assert any(s.startswith("inverse/fc1/") for s in tr.store.slots())
+    p0 = tr.parameters()
+    it = batches(x, y, 64, 6)
+    m = tr.step(*next(it))
+    for k in ("loss", "damping", "learning_rate", "momentum", "update_norm", "grad_norm", "rejected"):
+        assert k in m and isinstance(m[k], float)
+    assert m["rejected"] == 0 and m["inverse"] == 1 and m["stats"] == 1 and math.isfinite(m["rho"])
+    assert m["loss"] == pytest.approx(2.3, abs=0.3)  # ~log(10) at init
+    p1 = tr.parameters()
+    assert any(not np.array_equal(p0[k], p1[k]) for k in p0)
+    # factor A of fc1 = E[a~ a~^T] of the first batch (zero-debiased EMA: c_1 = 1)
+    A = tr.store.to_numpy("factor/fc1/A")
+    assert A.shape == (65, 65) and A[-1, -1] == pytest.approx(1.0)
+    # steady state: only data (input, targets, noise) and changed hp scalars are uploaded
+    tr.step(*next(it))
+    before = tr.store.uploads
+    tr.step(*next(it))  # step 2: fused kfac_step, no inverse
+    assert tr.store.uploads - before <= 4
+    assert tr.step_count == 3
+
+
+def test_nan_input_rejects_step_keeps_params_and_raises_damping(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac")
+    it = batches(x, y, 64, 3)
+    tr.step(*next(it))
+    tr.step(*next(it))
+    params, state, damping = tr.parameters(), tr.state(), tr.damping
+    inputs, t = next(it)
+    bad = inputs["input"].copy()
+    bad[3, 7] = np.nan
+    m = tr.step({"input": bad}, t)
+    assert m["rejected"] == 1.0
+    after = tr.parameters()
+    assert all(np.array_equal(params[k], after[k]) for k in params)
+    # velocity and factors are kept too
+    now = tr.state()
+    assert all(np.array_equal(state[k], now[k]) for k in state)
+    assert tr.damping == pytest.approx(damping * 10)
+    m = tr.step(inputs, t)  # a clean batch trains again
+    assert m["rejected"] == 0.0
+
+
+def test_nan_parameter_rejects_step(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac")
+    it = batches(x, y, 64, 3)
+    tr.step(*next(it))
+    w = tr.parameters()["fc2.weight"]
+    w[0, 0] = np.nan
+    tr.set_parameters({"fc2.weight": w})
+    before, damping = tr.state(), tr.damping
+    m = tr.step(*next(it))
+    assert m["rejected"] == 1.0 and tr.damping == pytest.approx(10 * damping)
+    after = tr.state()
+    assert all(np.array_equal(before[k], after[k], equal_nan=True) for k in before)
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "depthwise_cnn", "unrolled_rnn", "transformer_block"])
+def test_kfac_runs_every_zoo_model(name):
+    e = ZOO[name]
+    plan = _plan(name)
+    inputs, y = e.make_data(256, seed=0)
+    tr = Trainer(plan, optimizer="kfac", inv_update_period=4)
+    ms = [tr.step({k: v[i:i + 64] for k, v in inputs.items()}, y[i:i + 64]) for i in range(0, 256, 64)]
+    assert all(m["rejected"] == 0 and math.isfinite(m["loss"]) for m in ms)
+    ev = tr.evaluate(inputs, y)
+    assert ev["loss"] < ms[0]["loss"] and 0 <= ev["accuracy"] <= 1
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_baselines_reject_nan_and_train(mlp, opt):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer=opt, learning_rate=0.05 if opt == "sgd" else 3e-3)
+    it = list(batches(x, y, 64, 30))
+    losses = [tr.step(*b)["loss"] for b in it]
+    assert losses[-1] < 0.5 * losses[0]
+    p = tr.parameters()
+    bad = {"input": np.full_like(it[0][0]["input"], np.inf)}
+    m = tr.step(bad, it[0][1])
+    assert m["rejected"] == 1.0
+    assert all(np.array_equal(p[k], v) for k, v in tr.parameters().items())
+
+
+def test_kfac_fixed_learning_rate_with_norm_constraint(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", learning_rate=0.1, momentum=0.5, norm_constraint=1e-2, damping=0.1)
+    ms = [tr.step(*b) for b in batches(x, y, 128, 40)]
+    assert all(m["rejected"] == 0 for m in ms)
+    assert ms[-1]["loss"] < 0.5 * ms[0]["loss"]
+    assert ms[-1]["momentum"] == pytest.approx(0.5)
+
+
+def test_burn_in_and_stats_period(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", burn_in_steps=2, cov_update_period=2, inv_update_period=4)
+    p0 = tr.parameters()
+    it = batches(x, y, 64, 8)
+    for _ in range(2):
+        m = tr.step(*next(it))
+        assert m["burn_in"] == 1.0
+    assert all(np.array_equal(p0[k], v) for k, v in tr.parameters().items())
+    assert np.abs(tr.store.to_numpy("factor/fc2/G")).sum() > 0
+    stats = [tr.step(*b)["stats"] for b in it]
+    assert stats == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert tr.step_count == 6 and tr.burn_in_count == 2
+
+
+def test_evaluate_export_and_predict(mlp, tmp_path):
+    plan, x, y = mlp
+    tr = train(plan, x, y, "kfac", 20, 128)
+    ev = tr.evaluate({"input": x}, y, batch_size=500)
+    ev_all = tr.evaluate({"input": x}, y)
+    assert ev["loss"] == pytest.approx(ev_all["loss"], rel=1e-5)
+    assert 0.8 < ev["accuracy"] <= 1.0
+    path = tr.export(tmp_path / "trained.onnx")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (logits,) = sess.run(["logits"], {"input": x})
+    acc = float(np.mean(np.argmax(logits, -1) == y))
+    assert acc == pytest.approx(ev["accuracy"])
+    z = logits - logits.max(-1, keepdims=True)
+    ce = -np.mean(z[np.arange(len(y)), y] - np.log(np.exp(z).sum(-1)))
+    assert ce == pytest.approx(ev["loss"], rel=1e-4)
+    assert [p.name for p in tmp_path.iterdir()] == ["trained.onnx"]  # atomic: no temp file left
+    np.testing.assert_allclose(tr.predict({"input": x[:5]}), logits[:5], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_batches_raise_data_error(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="sgd")
+    with pytest.raises(DataError, match="input"):
+        tr.step({"pixels": x[:4]}, y[:4])
+    with pytest.raises(DataError):
+        tr.step({"input": x[:4, :10]}, y[:4])
+    with pytest.raises(DataError):
+        tr.step({"input": x[:4]}, y[:5])
+
+
+def _adam_best(plan, x, y, steps, bs):
+    best = math.inf
+    for lr in (1e-3, 3e-3, 1e-2):
+        tr = train(plan, x, y, "adam", steps, bs, learning_rate=lr)
+        best = min(best, tr.evaluate({"input": x}, y)["loss"])
+    return best
+
+
+def test_kfac_beats_tuned_adam_on_digits_classifier(mlp):
+    plan, x, y = mlp
+    steps, bs = 60, 128
+    kfac_loss = train(plan, x, y, "kfac", steps, bs).evaluate({"input": x}, y)["loss"]
+    adam_loss = _adam_best(plan, x, y, steps, bs)
+    assert kfac_loss < 0.5 * adam_loss, (kfac_loss, adam_loss)
+
+
+def test_kfac_beats_tuned_adam_on_digits_autoencoder(ae):
+    plan, x, y = ae
+    steps, bs = 80, 256
+    kfac_loss = train(plan, x, y, "kfac", steps, bs).evaluate({"input": x}, y)["loss"]
+    adam_loss = _adam_best(plan, x, y, steps, bs)
+    assert kfac_loss < adam_loss - 1.0, (kfac_loss, adam_loss)
+
+
+def test_kfac_stays_stable_for_long_runs(mlp):
+    plan, x, y = mlp
+    for seed in (0, 1):
+        tr = train(plan, x, y, "kfac", 600, 128, seed=seed)
+        assert tr.evaluate({"input": x}, y)["loss"] < 1e-3
+
+
+# ----------------------------------------------------------------------------- curvature API
+def test_gradients_match_numpy_for_last_layer(mlp):
+    plan, x, y = mlp
+    xb, yb = x[:32], y[:32]
+    loss, grads = gradients(plan, {"input": xb}, yb)
+    assert set(grads) == set(plan.trainable)
+    tr = Trainer(plan, optimizer="sgd")
+    h = tr.predict({"input": xb})
+    z = h - h.max(-1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    assert loss == pytest.approx(float(-np.mean(np.log(p[np.arange(32), yb]))), rel=1e-5)
+    onehot = np.eye(10, dtype=np.float32)[yb]
+    np.testing.assert_allclose(grads["fc3.bias"], (p - onehot).mean(0), atol=1e-6)
+
+
+def test_curvature_estimate_update_and_precondition(mlp):
+    plan, x, y = mlp
+    xb, yb = x[:40], y[:40]
+    curv = Curvature(plan, device="cpu")
+    stats = curv.estimate({"input": xb}, yb, mode="empirical")
+    assert set(stats) == {"fc1", "fc2", "fc3"}
+    a = np.concatenate([xb, np.ones((40, 1), np.float32)], 1)
+    np.testing.assert_allclose(stats["fc1"]["A"], a.T @ a / 40, rtol=1e-5, atol=1e-6)
+    # empirical G of the last layer: 1/N sum delta delta^T, delta = softmax - onehot
+    h = Trainer(plan, optimizer="sgd").predict({"input": xb})
+    p = np.exp(h - h.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    d = p - np.eye(10, dtype=np.float32)[yb]
+    np.testing.assert_allclose(stats["fc3"]["G"], d.T @ d / 40, rtol=1e-4, atol=1e-6)
+    # sampled estimator: reproducible with the same seed
+    s1 = Curvature(plan, seed=5).estimate({"input": xb}, yb)
+    s2 = Curvature(plan, seed=5).estimate({"input": xb}, yb)
+    np.testing.assert_array_equal(s1["fc2"]["G"], s2["fc2"]["G"])
+    # moving averages + inverses + preconditioning; multiply undoes multiply_inverse
+    curv.update({"input": xb}, yb)
+    f = curv.factors()
+    assert set(f["fc1"]) >= {"A", "G"}
+    assert curv.update_inverses(damping=1e-2)
+    _, grads = curv.gradients({"input": xb}, yb)
+    pre = curv.precondition(grads)
+    layer_grads = {k: grads[k] for k in ("fc2.weight", "fc2.bias")}
+    host = curv.multiply_inverse("fc2", layer_grads)
+    for k in layer_grads:
+        np.testing.assert_allclose(pre[k], host[k], rtol=2e-3, atol=1e-5)
+    back = curv.multiply("fc2", host, damping=1e-2)
+    for k in layer_grads:
+        np.testing.assert_allclose(back[k], layer_grads[k], rtol=2e-2, atol=2e-5)
+    with pytest.raises(ConfigError):
+        curv.estimate({"input": xb}, yb, mode="bogus")
+
+
+# ----------------------------------------------------------------------------- devices
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="CUDA execution provider does not work here")
+def test_cpu_and_cuda_trajectories_agree(mlp):
+    plan, x, y = mlp
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        tr = Trainer(plan, optimizer="kfac", device=dev, seed=0)
+        if dev == "cuda":
+            assert all(p.session.get_providers()[0] == "CUDAExecutionProvider" for p in tr.programs().values())
+        runs[dev] = ([tr.step(*b)["loss"] for b in batches(x, y, 128, 10)], tr.parameters())
+    np.testing.assert_allclose(runs["cpu"][0], runs["cuda"][0], rtol=2e-3, atol=1e-4)
+    for k, v in runs["cpu"][1].items():
+        np.testing.assert_allclose(runs["cuda"][1][k], v, rtol=1e-2, atol=1e-3)
+
+
+def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
+    plan, x, y = mlp
+    losses = {}
+    for method in ("eigh", "inverse_op"):
+        tr = Trainer(plan, optimizer="kfac", inverse_method=method, inv_update_period=5)
+        if method == "eigh":  # every block is inverted on the host with its numpy twin
+            assert set(tr._host_layers) == {"fc1", "fc2", "fc3"}
+        ms = [tr.step(*b) for b in batches(x, y, 128, 12)]
+        assert all(m["rejected"] == 0 for m in ms)
+        assert [m["inverse_ok"] for m in ms if m["inverse"]] == [1.0, 1.0, 1.0]  # steps 0, 5, 10
+        losses[method] = [m["loss"] for m in ms]
+    np.testing.assert_allclose(losses["eigh"], losses["inverse_op"], rtol=2e-3)
+
+
+def test_saved_plan_directory_trains_like_the_in_memory_plan(tmp_path):
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits")  # with the default subgraphs
+    plan.save(tmp_path / "plan")
+    inputs, y = e.make_data(256, seed=0)
+    x = inputs["input"]
+    a = Trainer(plan, seed=4)
+    b = Trainer(str(tmp_path / "plan"), seed=4)  # a path is loaded with load_plan
+    for batch in batches(x, y, 64, 5):
+        assert a.step(*batch)["loss"] == b.step(*batch)["loss"]
