@@ -245,10 +245,6 @@ class Emission:
             out.update(block.emit_multiply_inverse(self.b, {p: grads[p] for p in layer.params}, inverses))
         return out
 
-    def dot(self, xs: dict[str, str], ys: dict[str, str]) -> str:
-        terms = [self.b.reduce_sum(self.b.mul(xs[p], ys[p]), None) for p in self.parts.params]
-        return _sum(self.b, terms)
-
     def finite(self, tensors: list[str]) -> str:
         """Bool scalar: every tensor (scalar) is finite."""
         total = _sum(self.b, tensors)
@@ -322,29 +318,43 @@ def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | No
     return em.finish("statistics")
 
 
-def _update_factors(em: Emission, n: str, cots: dict, mode: str, num_samples: int, ok: list[str]) -> list[tuple[str, str, str]]:
-    """EMA-updated factors: returns (slot, old, new) triples; appends finiteness terms to ok."""
+def _update_factors(em: Emission, n: str, cots: dict, mode: str, num_samples: int, ok: list[str]) -> None:
+    """Write the moving-average update of every factor; append finiteness terms to `ok`."""
     coeff = em.hp("ema_coeff")
     stats = em.batch_statistics(n, cots, mode, num_samples)
-    updates = []
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
         for fname, batch in stats[layer.name].items():
             slot = em.state_input(f"factor/{layer.name}/{fname}", specs[fname].shape, "zeros")
-            new = em.b.add(slot, em.b.mul(coeff, em.b.sub(batch, slot)))
+            em.state_output(slot, em.b.add(slot, em.b.mul(coeff, em.b.sub(batch, slot))))
             ok.append(em.b.reduce_sum(batch, None))
-            updates.append((slot, slot, new))
-    return updates
 
 
-def _apply_guarded(em: Emission, finite: str, updates: list[tuple[str, str, str]]) -> None:
-    for slot, old, new in updates:
-        em.state_output(slot, em.b.op("Where", [finite, new, old]))
+def _regularized(em: Emission, grads: dict[str, str], l2: bool) -> dict[str, str]:
+    """g + l2 * theta (only emitted when the optimizer uses weight decay)."""
+    if not l2:
+        return grads
+    coeff = em.hp("l2")
+    return {p: em.b.add(g, em.b.mul(coeff, p)) for p, g in grads.items()}
 
 
-def _regularized(em: Emission, grads: dict[str, str]) -> dict[str, str]:
-    l2 = em.hp("l2")
-    return {p: em.b.add(g, em.b.mul(l2, p)) for p, g in grads.items()}
+class Gram:
+    """All pairwise dot products of a few parameter-shaped vectors, from ONE MatMul of their
+    flattened concatenation ([k, P] @ [P, k]) instead of a Mul + ReduceSum per parameter."""
+
+    def __init__(self, em: Emission, vectors: dict[str, dict[str, str]]) -> None:
+        b = em.b
+        self.b, self.index, self.k = b, {name: i for i, name in enumerate(vectors)}, len(vectors)
+        rows = []
+        for vec in vectors.values():
+            flat = [b.reshape(vec[p], [1, -1]) for p in em.parts.params]
+            rows.append(flat[0] if len(flat) == 1 else b.op("Concat", flat, axis=1))
+        m = rows[0] if len(rows) == 1 else b.op("Concat", rows, axis=0)
+        self.flat = b.reshape(b.matmul(m, b.transpose(m, [1, 0])), [-1])
+
+    def __call__(self, x: str, y: str) -> str:
+        i, j = self.index[x], self.index[y]
+        return self.b.op("Gather", [self.flat, self.b.const(np.array(i * self.k + j, np.int64))], axis=0)
 
 
 @subgraph("kfac_step")
@@ -354,42 +364,54 @@ def _kfac_step(
     qmodel: bool = True,
     mode: str | None = None,
     num_samples: int | None = None,
+    l2: bool = False,
 ):
+    """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
+    preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
+    quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr)."""
     em = Emission.start(parts)
     b = em.b
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
     targets = em.layer_cotangent_targets() if (with_stats and mode == "empirical") else []
     loss, n, raw_grads, cots = em.loss_and_grads(targets)
-    grads = _regularized(em, raw_grads)
+    grads = _regularized(em, raw_grads, l2)
     ok_terms = [loss]
-    factor_updates = _update_factors(em, n, cots, mode, num_samples, ok_terms) if with_stats else []
-    damping, l2 = em.hp("damping"), em.hp("l2")
+    if with_stats:
+        _update_factors(em, n, cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
-    direction = {p: b.neg(precond[p]) for p in parts.params}
     velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
+    vectors = {"g": grads, "P": precond, "v": velocity}
+    if l2:
+        vectors["raw"] = raw_grads
+    dots = Gram(em, vectors)
     if qmodel:
-        alpha, mu, change = _qmodel(em, direction, velocity, grads, n, b.add(damping, l2))
+        damping = em.hp("damping")
+        if l2:
+            damping = b.add(damping, em.hp("l2"))
+        a, mu, change = _qmodel(em, precond, velocity, dots, n, damping)
     else:
-        lr, mom = em.hp("learning_rate"), em.hp("momentum")
-        coeff = _norm_constraint(em, lr, em.dot(grads, precond))
-        alpha, mu = b.mul(lr, coeff), mom
-    update = {p: b.add(b.mul(alpha, direction[p]), b.mul(mu, velocity[p])) for p in parts.params}
+        lr, mu = em.hp("learning_rate"), em.hp("momentum")
+        a = b.neg(b.mul(lr, _norm_constraint(em, lr, dots("g", "P"))))
+    update = {p: b.add(b.mul(a, precond[p]), b.mul(mu, velocity[p])) for p in parts.params}
+    # |a P + mu v|^2 and g . update from the Gram entries
+    update_sq = b.add(
+        b.add(b.mul(b.mul(a, a), dots("P", "P")), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), dots("P", "v"))),
+        b.mul(b.mul(mu, mu), dots("v", "v")),
+    )
     if not qmodel:
-        change = em.dot(grads, update)  # first-order prediction only
-    update_sq = em.dot(update, update)
-    ok_terms += [update_sq, alpha, mu]
-    finite = em.finite(ok_terms)
-    param_updates = [(p, p, b.add(p, update[p])) for p in parts.params]
-    vel_updates = [(f"velocity/{p}", velocity[p], update[p]) for p in parts.params]
-    _apply_guarded(em, finite, param_updates + vel_updates + factor_updates)
+        change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # first-order only
+    ok_terms += [update_sq, a, mu]
+    for p in parts.params:
+        em.state_output(p, b.add(p, update[p]))
+        em.state_output(f"velocity/{p}", update[p])
     em.metric("loss", loss)
     em.metric("update_norm", b.op("Sqrt", [update_sq]))
-    em.metric("grad_norm", b.op("Sqrt", [em.dot(raw_grads, raw_grads)]))
-    em.metric("alpha", alpha)
+    em.metric("grad_norm", b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
+    em.metric("alpha", b.neg(a))
     em.metric("mu", mu)
     em.metric("qmodel_change", change)
-    em.metric("finite", b.cast(finite, FLOAT))
+    em.metric("finite", b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("kfac_step")
 
 
@@ -403,32 +425,35 @@ def _norm_constraint(em: Emission, lr: str, g_dot_precond: str) -> str:
     return b.op("Where", [b.op("Greater", [c, b.const(0.0)]), clipped, b.const(1.0)])
 
 
-def _qmodel(em: Emission, delta: dict, velocity: dict, grads: dict, n: str, damping: str):
-    """alpha, mu minimizing the damped quadratic model with exact GGN products (kfac-jax)."""
+def _qmodel(em: Emission, precond: dict, velocity: dict, dots: Gram, n: str, damping: str):
+    """a, mu minimizing m(a, mu) = g.u + 1/2 u.(C + damping)u for u = a P + mu v, with C the
+    exact GGN of the batch (curvature products from forward-mode JVPs), as in kfac-jax."""
     b, z, loss = em.b, em.output, em.parts.loss
-    j_delta = jvp(b, em.view, dict(delta), [z])[z]
-    j_vel = jvp(b, em.view, dict(velocity), [z])[z]
+    j_p = jvp(b, em.view, dict(precond), [z])[z]
+    j_v = jvp(b, em.view, dict(velocity), [z])[z]
+    f_p, f_v = loss.emit_fisher_times(b, z, j_p), loss.emit_fisher_times(b, z, j_v)
 
-    def curv(u: str, v: str) -> str:
-        return b.div(b.reduce_sum(b.mul(u, loss.emit_fisher_times(b, z, v)), None), n)
+    def curv(u: str, fv: str) -> str:
+        return b.div(b.reduce_sum(b.mul(u, fv), None), n)
 
-    c11 = b.add(curv(j_delta, j_delta), b.mul(damping, em.dot(delta, delta)))
-    c12 = b.add(curv(j_delta, j_vel), b.mul(damping, em.dot(delta, velocity)))
-    c22 = b.add(curv(j_vel, j_vel), b.mul(damping, em.dot(velocity, velocity)))
-    b1, b2 = em.dot(grads, delta), em.dot(grads, velocity)
+    c11 = b.add(curv(j_p, f_p), b.mul(damping, dots("P", "P")))
+    c12 = b.add(curv(j_p, f_v), b.mul(damping, dots("P", "v")))
+    c22 = b.add(curv(j_v, f_v), b.mul(damping, dots("v", "v")))
+    b1, b2 = dots("g", "P"), dots("g", "v")
     det = b.sub(b.mul(c11, c22), b.mul(c12, c12))
+    # 2-D solve unless v = 0 (first step) or the system is numerically rank one in float32
     two_d = b.op("And", [
         b.op("Greater", [c22, b.const(0.0)]),
-        b.op("Greater", [det, b.mul(b.const(1e-10), b.mul(c11, c22))]),
+        b.op("Greater", [det, b.mul(b.const(1e-6), b.mul(c11, c22))]),
     ])
     safe_det = b.op("Where", [two_d, det, b.const(1.0)])
-    alpha2 = b.neg(b.div(b.sub(b.mul(c22, b1), b.mul(c12, b2)), safe_det))
+    a2 = b.neg(b.div(b.sub(b.mul(c22, b1), b.mul(c12, b2)), safe_det))
     mu2 = b.neg(b.div(b.sub(b.mul(c11, b2), b.mul(c12, b1)), safe_det))
-    alpha1 = b.neg(b.div(b1, b.op("Max", [c11, b.const(1e-30)])))
-    alpha = b.op("Where", [two_d, alpha2, alpha1])
+    a1 = b.neg(b.div(b1, b.op("Max", [c11, b.const(1e-30)])))
+    a = b.op("Where", [two_d, a2, a1])
     mu = b.op("Where", [two_d, mu2, b.const(0.0)])
-    change = b.mul(b.const(0.5), b.add(b.mul(alpha, b1), b.mul(mu, b2)))
-    return alpha, mu, change
+    change = b.mul(b.const(0.5), b.add(b.mul(a, b1), b.mul(mu, b2)))
+    return a, mu, change
 
 
 @subgraph("update_statistics")
@@ -440,41 +465,40 @@ def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: i
     targets = em.layer_cotangent_targets() if mode == "empirical" else []
     loss, n, _, cots = em.loss_and_grads(targets)
     ok_terms = [loss]
-    updates = _update_factors(em, n, cots, mode, num_samples, ok_terms)
-    finite = em.finite(ok_terms)
-    _apply_guarded(em, finite, updates)
+    _update_factors(em, n, cots, mode, num_samples, ok_terms)
     em.metric("loss", loss)
-    em.metric("finite", em.b.cast(finite, FLOAT))
+    em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("update_statistics")
 
 
 @subgraph("sgd_step")
-def _sgd_step(parts: PlanParts):
+def _sgd_step(parts: PlanParts, l2: bool = False):
+    """Heavy-ball SGD: v = momentum v - lr g; theta += v."""
     em = Emission.start(parts)
     b = em.b
     loss, _, raw, _ = em.loss_and_grads()
-    grads = _regularized(em, raw)
+    grads = _regularized(em, raw, l2)
     lr, mom = em.hp("learning_rate"), em.hp("momentum")
-    vel = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
-    new_vel = {p: b.sub(b.mul(mom, vel[p]), b.mul(lr, grads[p])) for p in parts.params}
-    sq = em.dot(new_vel, new_vel)
-    finite = em.finite([loss, sq])
-    _apply_guarded(
-        em, finite, [(p, p, b.add(p, new_vel[p])) for p in parts.params] + [(f"velocity/{p}", vel[p], new_vel[p]) for p in parts.params]
-    )
-    _baseline_metrics(em, loss, sq, raw, finite)
+    steps = {}
+    for p in parts.params:
+        vel = em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros")
+        steps[p] = b.sub(b.mul(mom, vel), b.mul(lr, grads[p]))
+        em.state_output(p, b.add(p, steps[p]))
+        em.state_output(f"velocity/{p}", steps[p])
+    _baseline_metrics(em, loss, steps, raw)
     return em.finish("sgd_step")
 
 
 @subgraph("adam_step")
-def _adam_step(parts: PlanParts):
+def _adam_step(parts: PlanParts, l2: bool = False):
+    """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t)."""
     em = Emission.start(parts)
     b = em.b
     loss, _, raw, _ = em.loss_and_grads()
-    grads = _regularized(em, raw)
+    grads = _regularized(em, raw, l2)
     lr, b1, b2, eps = em.hp("learning_rate"), em.hp("beta1"), em.hp("beta2"), em.hp("epsilon")
     one = b.const(1.0)
-    updates, steps = [], {}
+    steps = {}
     for p in parts.params:
         shape = tuple(em.view.shapes[p])
         m = em.state_input(f"adam_m/{p}", shape, "zeros")
@@ -483,19 +507,20 @@ def _adam_step(parts: PlanParts):
         m_new = b.add(b.mul(b1, m), b.mul(b.sub(one, b1), g))
         v_new = b.add(b.mul(b2, v), b.mul(b.sub(one, b2), b.mul(g, g)))
         steps[p] = b.neg(b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps))))
-        updates += [(f"adam_m/{p}", m, m_new), (f"adam_v/{p}", v, v_new)]
-    sq = em.dot(steps, steps)
-    finite = em.finite([loss, sq])
-    _apply_guarded(em, finite, [(p, p, b.add(p, steps[p])) for p in parts.params] + updates)
-    _baseline_metrics(em, loss, sq, raw, finite)
+        em.state_output(p, b.add(p, steps[p]))
+        em.state_output(f"adam_m/{p}", m_new)
+        em.state_output(f"adam_v/{p}", v_new)
+    _baseline_metrics(em, loss, steps, raw)
     return em.finish("adam_step")
 
 
-def _baseline_metrics(em: Emission, loss: str, update_sq: str, raw: dict, finite: str) -> None:
+def _baseline_metrics(em: Emission, loss: str, steps: dict, raw: dict) -> None:
+    dots = Gram(em, {"u": steps, "g": raw})
+    update_sq = dots("u", "u")
     em.metric("loss", loss)
     em.metric("update_norm", em.b.op("Sqrt", [update_sq]))
-    em.metric("grad_norm", em.b.op("Sqrt", [em.dot(raw, raw)]))
-    em.metric("finite", em.b.cast(finite, FLOAT))
+    em.metric("grad_norm", em.b.op("Sqrt", [dots("g", "g")]))
+    em.metric("finite", em.b.cast(em.finite([loss, update_sq]), FLOAT))
 
 
 @subgraph("inverse_update")

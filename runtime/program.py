@@ -45,6 +45,9 @@ def _as_device(device) -> Device:
     return get_device(device)
 
 
+FINITE_METRIC = "metric/finite"
+
+
 class Program:
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
@@ -153,8 +156,6 @@ class Program:
         self.last_seconds = dt
         self.session_seconds += dt
         self.runs += 1
-        for slot in self.state_outputs.values():
-            store.flip(slot)
         out: dict[str, Any] = {}
         dynamic = [m for m in self.metrics if m not in self._metric_bufs] + list(want)
         fetched = {}
@@ -170,6 +171,11 @@ class Program:
             out[m] = float(arr.reshape(-1)[0]) if arr.size == 1 else np.array(arr, copy=True)
         for r in want:
             out[r] = fetched[r]
+        # A rejected step (metric/finite == 0: NaN/Inf loss or update) wrote its outputs into
+        # the spare buffers only; not flipping them keeps every state slot as it was.
+        if out.get(FINITE_METRIC, 1.0) != 0.0:
+            for slot in self.state_outputs.values():
+                store.flip(slot)
         return out
 
 
@@ -191,6 +197,7 @@ def _normalize_options(plan: Any, name: str, options: Mapping[str, Any]) -> dict
         "mode": sched.get("mode", "gradients"),
         "num_samples": int(sched.get("num_samples", 1)),
         "method": sched.get("inverse_method", "inverse_op"),
+        "l2": False,
     }
     return {k: v for k, v in options.items() if v is not None and defaults.get(k, object()) != v}
 

@@ -117,7 +117,8 @@ class Trainer:
 
     def _kfac_options(self) -> dict[str, Any]:
         cfg = self.config
-        return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples}
+        return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
+                "l2": cfg.l2_reg > 0}
 
     def _build_programs(self) -> None:
         """Create every session this optimizer's steps use, so that all state exists up front
@@ -134,9 +135,9 @@ class Trainer:
                 self.program("loss")
             self._check_host_inverses()
         elif isinstance(cfg, SgdConfig):
-            self.program("sgd_step")
+            self.program("sgd_step", l2=self.config.l2_reg > 0)
         else:
-            self.program("adam_step")
+            self.program("adam_step", l2=self.config.l2_reg > 0)
 
     def programs(self) -> dict[str, Program]:
         out = {}
@@ -213,7 +214,7 @@ class Trainer:
         cfg = self.config
         self._set_common_hp()
         hp = {"hp/learning_rate": cfg.learning_rate, "hp/momentum": cfg.momentum}
-        out = self.program("sgd_step").run(self.store, data, hp=hp)
+        out = self.program("sgd_step", l2=self.config.l2_reg > 0).run(self.store, data, hp=hp)
         return self._baseline_metrics(out, cfg.learning_rate, cfg.momentum)
 
     def _adam_step(self, data):
@@ -221,7 +222,7 @@ class Trainer:
         self._set_common_hp()
         lr_t = cfg.lr_at(self.applied_steps + 1)
         hp = {"hp/learning_rate": lr_t, "hp/beta1": cfg.beta1, "hp/beta2": cfg.beta2, "hp/epsilon": cfg.epsilon}
-        out = self.program("adam_step").run(self.store, data, hp=hp)
+        out = self.program("adam_step", l2=self.config.l2_reg > 0).run(self.store, data, hp=hp)
         return self._baseline_metrics(out, cfg.learning_rate, cfg.beta1)
 
     def _baseline_metrics(self, out, lr, mom):
