@@ -146,7 +146,31 @@ class Emission:
         self.outputs.append(value_info(name, elem_type or self.b.float_type, None))
         self.info["results"].append(name)
 
+    def _fold_output_identities(self) -> None:
+        """Name emitted tensors after the graph outputs they feed instead of copying them
+        through Identity nodes (each Identity to an output is a copy in ONNX Runtime)."""
+        producer = {o: n for n in self.b.nodes for o in n.output}
+        outputs = {vi.name for vi in self.outputs}
+        rename: dict[str, str] = {}
+        keep = []
+        for node in self.b.nodes:
+            src = node.input[0] if node.op_type == "Identity" else None
+            if (src is not None and node.output[0] in outputs and src in producer
+                    and src not in outputs and src not in rename):
+                rename[src] = node.output[0]
+                continue
+            keep.append(node)
+        for node in keep:
+            for i, t in enumerate(node.input):
+                if t in rename:
+                    node.input[i] = rename[t]
+            for i, t in enumerate(node.output):
+                if t in rename:
+                    node.output[i] = rename[t]
+        self.b.nodes = keep
+
     def finish(self, name: str) -> tuple[onnx.ModelProto, dict]:
+        self._fold_output_identities()
         params = set(self.parts.params)
         base_inits = [t for t in self.parts.model.graph.initializer if t.name not in params]
         model = self.b.make_model(
