@@ -207,8 +207,70 @@ class Emission:
         cots = backward(b, self.view, {z: b.div(data_grad, n)}, wrt)
         grads = {p: cots.get(p) or self.zeros_like_param(p) for p in self.parts.params}
         extra = {t: cots.get(t) for t in extra_wrt}
-        self._data_grad = data_grad
+        self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad)
         return loss, n, grads, extra
+
+    def curvature_pass(self, curvature_batch: int | None) -> "ForwardPass":
+        """The forward pass curvature is estimated on: the whole batch, or (curvature_batch =
+        m) a clone of the forward graph on the batch's first m examples, so that statistics
+        and curvature products cost m/N of their full-batch price (as in Hessian-free's
+        curvature mini-batch). Call after loss_and_grads."""
+        if curvature_batch is None:
+            return self.full
+        if int(curvature_batch) < 1:
+            raise ConfigError(f"curvature_batch must be >= 1, got {curvature_batch}")
+        b = self.b
+        start, end, axes = b.ints([0]), b.ints([int(curvature_batch)]), b.ints([0])
+        sliced = {x: b.op("Slice", [x, start, end, axes]) for x in self.view.graph_inputs}
+        view, rename = self.clone_forward("kfac/sub/", sliced)
+        z = rename(self.output)
+        y = b.op("Slice", [self.full.y, start, end, axes])
+        n = b.batch_size(z)
+        return ForwardPass(view, rename, z, y, n, self.parts.loss.emit_grad(b, z, y))
+
+    def clone_forward(self, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
+        """Append a copy of the forward graph whose inputs/parameters listed in
+        `substitutions` read other tensors; every tensor the copy computes is renamed with
+        `prefix`. Returns the copy's index (for autodiff) and the renaming function."""
+        b = self.b
+        graph = self.parts.model.graph
+        produced = {o for node in graph.node for o in node.output if o}
+
+        def rename(t: str) -> str:
+            if t in substitutions:
+                return substitutions[t]
+            return prefix + t if t in produced else t
+
+        clones = []
+        for node in graph.node:
+            c = onnx.NodeProto()
+            c.CopyFrom(node)
+            c.name = prefix + node.name
+            c.input[:] = [rename(t) if t else t for t in node.input]
+            c.output[:] = [rename(t) if t else t for t in node.output]
+            b.taken.update(c.output)
+            clones.append(c)
+        b.nodes.extend(clones)
+
+        def renamed_infos(infos):
+            out = []
+            for vi in infos:
+                r = onnx.ValueInfoProto()
+                r.CopyFrom(vi)
+                r.name = rename(vi.name)
+                out.append(r)
+            return out
+
+        data = set(self.view.graph_inputs)
+        inputs = renamed_infos([vi for vi in graph.input if vi.name in data])
+        inits = [t for t in graph.initializer if t.name not in substitutions]
+        inputs += [value_info(substitutions[t.name], t.data_type, list(t.dims))
+                   for t in graph.initializer if t.name in substitutions]
+        sub = onnx.helper.make_graph(
+            clones, prefix.strip("/"), inputs, renamed_infos(graph.output),
+            initializer=inits, value_info=renamed_infos(graph.value_info),
+        )
+        return GraphView(onnx.helper.make_model(sub, opset_imports=self.parts.model.opset_import)), rename
 
     def layer_cotangent_targets(self) -> list[str]:
         """Tensors whose per-example cotangents the blocks need (layer outputs; generic params)."""
@@ -220,23 +282,28 @@ class Emission:
                 names += [u.output for u in layer.uses if u.output not in names]
         return names
 
-    def batch_statistics(self, n: str, data_cots: dict[str, str] | None, mode: str, num_samples: int) -> dict[str, dict[str, str]]:
-        """One batch's factor estimates {layer: {factor: tensor}} for `mode`."""
-        b, z, loss = self.b, self.output, self.parts.loss
+    def batch_statistics(
+        self, fwd: "ForwardPass", mode: str, num_samples: int, data_cots: dict[str, str] | None = None
+    ) -> dict[str, dict[str, str]]:
+        """One batch's factor estimates {layer: {factor: tensor}} for `mode` on pass `fwd`.
+        `data_cots`: cotangents of the mean loss at the layer outputs from the full-batch
+        backward, reused by the empirical mode when fwd is the full batch."""
+        b, loss, z, n = self.b, self.parts.loss, fwd.z, fwd.n
         spec = noise_spec(mode, num_samples, loss)
-        z_shape = tuple(self.view.shape(z) or ())
+        z_shape = tuple(self.view.shape(self.output) or ())
         noise = []
         if spec.count:
             noise_shape = list(loss.noise_shape(z_shape))
             self.info["noise"] = {"count": spec.count, "shape": noise_shape, "distribution": spec.distribution}
             noise = [self.data_input(f"noise/{s}", self.b.float_type, noise_shape) for s in range(spec.count)]
-        targets = self.layer_cotangent_targets()
-        if mode == "empirical":
-            assert data_cots is not None
+            if fwd is not self.full:
+                noise = [b.op("Slice", [u, b.ints([0]), b.shape(z, 0, 1), b.ints([0])]) for u in noise]
+        targets = [fwd.name(t) for t in self.layer_cotangent_targets()]
+        if mode == "empirical" and fwd is self.full and data_cots is not None:
             per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]
         else:
-            seeds = emit_seeds(b, loss, z, z_shape, mode, num_samples, self._data_grad, noise)
-            per_seed = [backward(b, self.view, {z: s}, targets) for s in seeds]
+            seeds = emit_seeds(b, loss, z, z_shape, mode, num_samples, fwd.data_grad, noise)
+            per_seed = [backward(b, fwd.view, {z: s}, targets) for s in seeds]
         inv_sqrt_n = b.op("Reciprocal", [b.op("Sqrt", [n])])
         stats: dict[str, dict[str, str]] = {}
         for layer in self.parts.layers:
@@ -245,8 +312,9 @@ class Emission:
                 inputs = list(layer.params)
                 cots = [[self._per_example_fallback(d.get(p), p, inv_sqrt_n) for d in per_seed] for p in layer.params]
             else:
-                inputs = [u.input for u in layer.uses]
-                cots = [[d.get(u.output) or self._zeros_like(u.output) for d in per_seed] for u in layer.uses]
+                inputs = [fwd.name(u.input) for u in layer.uses]
+                outs = [fwd.name(u.output) for u in layer.uses]
+                cots = [[d.get(o) or self._zeros_like(o) for d in per_seed] for o in outs]
             stats[layer.name] = block.emit_statistics(b, inputs, cots)
         return stats
 
@@ -274,6 +342,20 @@ class Emission:
         total = _sum(self.b, tensors)
         bad = self.b.op("Or", [self.b.op("IsNaN", [total]), self.b.op("IsInf", [total])])
         return self.b.op("Not", [bad])
+
+
+@dataclass
+class ForwardPass:
+    """A forward pass in the emitted graph: its index (for autodiff), a map from the source
+    model's tensor names to this pass's, the model output z, targets y, batch size n and the
+    per-example data gradient dl_n/dz."""
+
+    view: GraphView
+    name: Callable[[str], str]
+    z: str
+    y: str
+    n: str
+    data_grad: str
 
 
 def _init_of(spec) -> str:
@@ -328,24 +410,25 @@ def _gradients(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
 
 
 @subgraph("statistics")
-def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None):
+def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None,
+                curvature_batch: int | None = None):
     em = Emission.start(parts)
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
-    targets = em.layer_cotangent_targets() if mode == "empirical" else []
+    targets = em.layer_cotangent_targets() if mode == "empirical" and curvature_batch is None else []
     loss, n, _, cots = em.loss_and_grads(targets)
     em.metric("loss", loss)
-    stats = em.batch_statistics(n, cots, mode, num_samples)
+    stats = em.batch_statistics(em.curvature_pass(curvature_batch), mode, num_samples, cots)
     for layer, factors in stats.items():
         for fname, tensor in factors.items():
             em.result(f"stat/{layer}/{fname}", tensor)
     return em.finish("statistics")
 
 
-def _update_factors(em: Emission, n: str, cots: dict, mode: str, num_samples: int, ok: list[str]) -> None:
+def _update_factors(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int, ok: list[str]) -> None:
     """Write the moving-average update of every factor; append finiteness terms to `ok`."""
     coeff = em.hp("ema_coeff")
-    stats = em.batch_statistics(n, cots, mode, num_samples)
+    stats = em.batch_statistics(fwd, mode, num_samples, cots)
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
         for fname, batch in stats[layer.name].items():
@@ -389,20 +472,24 @@ def _kfac_step(
     mode: str | None = None,
     num_samples: int | None = None,
     l2: bool = False,
+    curvature_batch: int | None = None,
+    loss_after: bool = False,
 ):
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
     preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
-    quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr)."""
+    quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr). loss_after adds
+    metric/loss_after, the loss of the same batch at the updated parameters."""
     em = Emission.start(parts)
     b = em.b
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
-    targets = em.layer_cotangent_targets() if (with_stats and mode == "empirical") else []
-    loss, n, raw_grads, cots = em.loss_and_grads(targets)
+    reuse = with_stats and mode == "empirical" and curvature_batch is None
+    loss, n, raw_grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     grads = _regularized(em, raw_grads, l2)
     ok_terms = [loss]
+    fwd = em.curvature_pass(curvature_batch) if (with_stats or qmodel) else em.full
     if with_stats:
-        _update_factors(em, n, cots, mode, num_samples, ok_terms)
+        _update_factors(em, fwd, cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
     velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
     vectors = {"g": grads, "P": precond, "v": velocity}
@@ -413,7 +500,7 @@ def _kfac_step(
         damping = em.hp("damping")
         if l2:
             damping = b.add(damping, em.hp("l2"))
-        a, mu, change = _qmodel(em, precond, velocity, dots, n, damping)
+        a, mu, change = _qmodel(em, fwd, precond, velocity, dots, damping)
     else:
         lr, mu = em.hp("learning_rate"), em.hp("momentum")
         a = b.neg(b.mul(lr, _norm_constraint(em, lr, dots("g", "P"))))
@@ -426,9 +513,15 @@ def _kfac_step(
     if not qmodel:
         change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # first-order only
     ok_terms += [update_sq, a, mu]
+    new_params = {p: b.add(p, update[p]) for p in parts.params}
     for p in parts.params:
-        em.state_output(p, b.add(p, update[p]))
+        em.state_output(p, new_params[p])
         em.state_output(f"velocity/{p}", update[p])
+    if loss_after:
+        # the loss at the new parameters on the same batch, for Levenberg-Marquardt damping:
+        # one more forward pass in this graph costs less than running another session
+        _, rename = em.clone_forward("kfac/after/", new_params)
+        em.metric("loss_after", parts.loss.emit_loss(b, rename(em.output), em.full.y))
     em.metric("loss", loss)
     em.metric("update_norm", b.op("Sqrt", [update_sq]))
     em.metric("grad_norm", b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
@@ -449,12 +542,12 @@ def _norm_constraint(em: Emission, lr: str, g_dot_precond: str) -> str:
     return b.op("Where", [b.op("Greater", [c, b.const(0.0)]), clipped, b.const(1.0)])
 
 
-def _qmodel(em: Emission, precond: dict, velocity: dict, dots: Gram, n: str, damping: str):
+def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str):
     """a, mu minimizing m(a, mu) = g.u + 1/2 u.(C + damping)u for u = a P + mu v, with C the
-    exact GGN of the batch (curvature products from forward-mode JVPs), as in kfac-jax."""
-    b, z, loss = em.b, em.output, em.parts.loss
-    j_p = jvp(b, em.view, dict(precond), [z])[z]
-    j_v = jvp(b, em.view, dict(velocity), [z])[z]
+    exact GGN of the curvature batch (products from forward-mode JVPs), as in kfac-jax."""
+    b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
+    j_p = jvp(b, fwd.view, dict(precond), [z])[z]
+    j_v = jvp(b, fwd.view, dict(velocity), [z])[z]
     f_p, f_v = loss.emit_fisher_times(b, z, j_p), loss.emit_fisher_times(b, z, j_v)
 
     def curv(u: str, fv: str) -> str:
@@ -481,15 +574,16 @@ def _qmodel(em: Emission, precond: dict, velocity: dict, dots: Gram, n: str, dam
 
 
 @subgraph("update_statistics")
-def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None):
+def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None,
+                       curvature_batch: int | None = None):
     """Moving-average factor update only (first step, burn-in, before an inverse refresh)."""
     em = Emission.start(parts)
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
-    targets = em.layer_cotangent_targets() if mode == "empirical" else []
-    loss, n, _, cots = em.loss_and_grads(targets)
+    reuse = mode == "empirical" and curvature_batch is None
+    loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
-    _update_factors(em, n, cots, mode, num_samples, ok_terms)
+    _update_factors(em, em.curvature_pass(curvature_batch), cots, mode, num_samples, ok_terms)
     em.metric("loss", loss)
     em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("update_statistics")

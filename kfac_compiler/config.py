@@ -22,8 +22,8 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
     num_samples = 1
 
     [inverse]
-    method = "inverse_op"     # inverse_op|newton_schulz|eigh
-    update_period = 20
+    method = "inverse_op"     # inverse_op|newton_schulz|cholesky|eigh
+    update_period = 10
     damping_split = "pi"      # pi|exact
 
     [stats]
@@ -56,7 +56,7 @@ class EstimatorConfig:
 @dataclass
 class InverseConfig:
     method: str = "inverse_op"
-    update_period: int = 20
+    update_period: int = 10
     damping_split: str = "pi"
 
 

@@ -198,6 +198,8 @@ def _normalize_options(plan: Any, name: str, options: Mapping[str, Any]) -> dict
         "num_samples": int(sched.get("num_samples", 1)),
         "method": sched.get("inverse_method", "inverse_op"),
         "l2": False,
+        "curvature_batch": None,
+        "loss_after": False,
     }
     return {k: v for k, v in options.items() if v is not None and defaults.get(k, object()) != v}
 

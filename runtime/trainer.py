@@ -118,7 +118,8 @@ class Trainer:
     def _kfac_options(self) -> dict[str, Any]:
         cfg = self.config
         return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
-                "l2": cfg.l2_reg > 0}
+                "l2": cfg.l2_reg > 0, "curvature_batch": cfg.curvature_batch_size,
+                "loss_after": bool(cfg.adapt_damping)}
 
     def _build_programs(self) -> None:
         """Create every session this optimizer's steps use, so that all state exists up front
@@ -129,10 +130,8 @@ class Trainer:
             self.program("kfac_step", with_stats=False, **opts)
             if cfg.cov_update_period > 1 or cfg.inv_update_period > 1:
                 self.program("kfac_step", with_stats=True, **opts)
-            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples)
+            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, curvature_batch=cfg.curvature_batch_size)
             self.program("inverse_update", method=cfg.inverse_method)
-            if cfg.adapt_damping:
-                self.program("loss")
             self._check_host_inverses()
         elif isinstance(cfg, SgdConfig):
             self.program("sgd_step", l2=self.config.l2_reg > 0)
@@ -244,7 +243,7 @@ class Trainer:
     def _run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
         """update_statistics on the batch (already in the store when data is None)."""
         cfg: KfacConfig = self.config
-        prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples)
+        prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, curvature_batch=cfg.curvature_batch_size)
         coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
         feed = dict(data or {})
         feed.update(self._noise(prog, batch_data))
@@ -284,7 +283,7 @@ class Trainer:
                     "rejected": 0.0 if ok else 1.0, "damping": self.damping}
         k = self.step_count
         stats = (k % cfg.cov_update_period == 0) or self.ema_weight == 0.0
-        inv = (k % cfg.inv_update_period == 0) or not self.inverses_ready
+        first = not self.inverses_ready
         self._set_common_hp()
         damping = self.damping
         hp = {"hp/damping": damping}
@@ -294,16 +293,15 @@ class Trainer:
             hp["hp/norm_constraint"] = cfg.norm_constraint or 0.0
         feed: dict[str, np.ndarray] | None = data
         inverse_ok = float("nan")
-        if inv:
-            if stats:
-                self._run_statistics(data, data)
-                feed = None  # the batch is already in the store
+        w_new = None
+        if first:
+            # the very first step is preconditioned by its own batch: statistics, inverses, step
+            self._run_statistics(data, data)
+            feed = None  # the batch is already in the store
             inverse_ok = self._refresh_inverses()
             prog = self.program("kfac_step", with_stats=False, **self._kfac_options())
-            w_new = None
         else:
             prog = self.program("kfac_step", with_stats=stats, **self._kfac_options())
-            w_new = None
             if stats:
                 coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
                 hp["hp/ema_coeff"] = coeff
@@ -322,8 +320,8 @@ class Trainer:
             "qmodel_change": out.get("metric/qmodel_change", float("nan")),
             "rho": float("nan"),
             "rejected": 0.0,
-            "stats": 1.0 if stats else 0.0,
-            "inverse": 1.0 if inv else 0.0,
+            "stats": 1.0 if (stats or first) else 0.0,
+            "inverse": 1.0 if first else 0.0,
             "inverse_ok": inverse_ok,
         }
         self.step_count += 1
@@ -331,17 +329,22 @@ class Trainer:
             metrics["rejected"] = 1.0
             metrics["update_norm"] = 0.0
             self.damping = min(max(damping * cfg.damping_rejection_factor, cfg.min_damping), cfg.max_damping)
-            return metrics
-        self.applied_steps += 1
-        if w_new is not None:
-            self.ema_weight = w_new
-        if cfg.adapt_damping and k % cfg.damping_adaptation_interval == 0:
-            new_loss = self.program("loss").run(self.store)["loss"]
-            rho = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
-                                  damping, cfg.include_damping_in_quad_change)
-            metrics["rho"] = rho
-            metrics["new_loss"] = new_loss
-            self.damping = lm_adapt(damping, rho, cfg)
+        else:
+            self.applied_steps += 1
+            if w_new is not None:
+                self.ema_weight = w_new
+            if cfg.adapt_damping and k % cfg.damping_adaptation_interval == 0:
+                new_loss = out["metric/loss_after"]
+                rho = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
+                                      damping, cfg.include_damping_in_quad_change)
+                metrics["rho"] = rho
+                metrics["new_loss"] = new_loss
+                self.damping = lm_adapt(damping, rho, cfg)
+        if not first and k % cfg.inv_update_period == 0:
+            # refreshed right after the step, from factors that include this batch, with the
+            # damping just adapted; used from the next step on (one session switch per period)
+            metrics["inverse"] = 1.0
+            metrics["inverse_ok"] = self._refresh_inverses()
         return metrics
 
     # ------------------------------------------------------------------ evaluation

@@ -54,7 +54,7 @@ def test_compile_and_inspect(tmp_path, models, capsys):
         {"name": "G", "shape": [128, 128], "dtype": "float32", "bytes": 128 * 128 * 4},
     ]
     assert doc["totals"]["layers"] == 3
-    assert doc["estimator"]["mode"] == "gradients" and doc["schedule"]["inverse"]["update_period"] == 20
+    assert doc["estimator"]["mode"] == "gradients" and doc["schedule"]["inverse"]["update_period"] == 10
 
     assert main(["inspect", str(out), "--format", "dot"]) == 0
     dot = capsys.readouterr().out
@@ -156,7 +156,7 @@ def test_config_toml_and_json(tmp_path):
     t.write_text('ema_decay = 0.9\n[estimator]\nmode = "empirical"\nnum_samples = 2\n[stats]\nupdate_period = 3\n')
     cfg = load_config(t)
     assert (cfg.ema_decay, cfg.estimator.mode, cfg.estimator.num_samples, cfg.stats.update_period) == (0.9, "empirical", 2, 3)
-    assert cfg.inverse.update_period == 20 and cfg.damping == 1e-3 and cfg.loss_variance == 1.0
+    assert cfg.inverse.update_period == 10 and cfg.damping == 1e-3 and cfg.loss_variance == 1.0
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"dtype": "float64", "inverse": {"damping_split": "exact"}}))
     cfg = load_config(j)
