@@ -12,16 +12,15 @@ device as double-buffered OrtValues (runtime/state.py); a step writes the batch 
 pre-allocated inputs, runs one or a few subgraphs and reads back a handful of scalars.
 
 One K-FAC step k (see docs/runtime.md):
-  * stats step (k % cov_update_period == 0): the factors' moving averages absorb the batch;
-  * inverse step (k % inv_update_period == 0, and always at the first step): like kfac-jax,
-    the statistics are updated FIRST (`update_statistics`), then the damped inverses are
-    recomputed (`inverse_update` + host-side blocks), then `kfac_step(with_stats=False)`
-    updates the parameters -- so the first step is preconditioned by its own batch;
-  * other steps run ONE fused graph `kfac_step(with_stats=stats)`;
-  * every damping_adaptation_interval steps the `loss` graph re-evaluates the SAME batch at
-    the new parameters and Levenberg-Marquardt adapts the damping;
-  * a step whose loss/update is not finite is rejected by the graph (old state kept); the
-    host multiplies the damping by damping_rejection_factor (10) and reports `rejected: 1`.
+  * the first step runs `update_statistics`, `inverse_update` (+ host-side blocks), then
+    `kfac_step(with_stats=False)`, so it is preconditioned by its own batch;
+  * every later step runs ONE fused graph `kfac_step(with_stats = k % cov_update_period == 0)`
+    which also reports the same batch's loss at the new parameters (metric/loss_after) for
+    Levenberg-Marquardt damping every damping_adaptation_interval steps;
+  * after step k with k % inv_update_period == 0 the damped inverses are refreshed;
+  * a step whose loss/update is not finite is discarded (the runtime does not flip the state
+    buffers); the host multiplies the damping by damping_rejection_factor (10) and reports
+    `rejected: 1`.
 """
 from __future__ import annotations
 
