@@ -43,11 +43,12 @@ def load_plan(path: str):
     return _load(path)
 
 
-def gradients(plan: Any, inputs: dict, targets: Any):
-    """Loss and gradients of the mean loss, keyed by initializer name (no framework needed)."""
+def gradients(plan: Any, inputs: dict, targets: Any, weights: Any = None, **options: Any):
+    """Loss and gradients of the mean loss, keyed by initializer name (no framework needed).
+    `weights`: optional per-example loss weights or a 0/1 mask; options: params=, device=."""
     from kfac_compiler.runtime import gradients as _gradients
 
-    return _gradients(plan, inputs, targets)
+    return _gradients(plan, inputs, targets, weights=weights, **options)
 
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ is what the runtime relies on; `info` describes the inputs, outputs and state sl
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ class PlanParts:
     num_samples: int = 1
     inverse_method: str = "inverse_op"
     blocks: dict[str, FisherBlock] | None = None
+    weighted: bool = False  # a "weights" [N] data input scales each example's loss
 
 
 def plan_parts(plan: Any) -> PlanParts:
@@ -193,6 +195,19 @@ class Emission:
         out_shape = self.view.shape(self.output) or ()
         return self.data_input("targets", loss.target_type(), list(loss.target_shape(tuple(out_shape))))
 
+    def example_weights(self) -> tuple[str, str] | tuple[None, None]:
+        """With parts.weighted: the "weights" [N] input (loss L = 1/N sum_n w_n l_n) as
+        (w, sqrt(w)), each shaped to broadcast against the model output."""
+        if not self.parts.weighted:
+            return None, None
+        if "weights" not in self.info["data_inputs"]:
+            out_shape = self.view.shape(self.output) or ("N",)
+            self.data_input("weights", self.b.float_type, [out_shape[0]])
+            rank = len(out_shape)
+            w = self.b.unsqueeze("weights", list(range(1, rank))) if rank > 1 else "weights"
+            self._weights = (w, self.b.op("Sqrt", [w]))
+        return self._weights
+
     def zeros_like_param(self, p: str) -> str:
         return self.b.const(np.zeros(self.view.shapes[p]), hint="zeros")
 
@@ -200,14 +215,18 @@ class Emission:
         """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`."""
         b, z = self.b, self.output
         y = self.targets()
-        loss = self.parts.loss.emit_loss(b, z, y)
+        weights = "weights" if self.parts.weighted else None
+        w, sqrt_w = self.example_weights()
+        loss = self.parts.loss.emit_loss(b, z, y, weights)
         n = b.batch_size(z)
         data_grad = self.parts.loss.emit_grad(b, z, y)
+        if w is not None:
+            data_grad = b.mul(data_grad, w)
         wrt = list(self.parts.params) + [t for t in extra_wrt if t not in self.parts.params]
         cots = backward(b, self.view, {z: b.div(data_grad, n)}, wrt)
         grads = {p: cots.get(p) or self.zeros_like_param(p) for p in self.parts.params}
         extra = {t: cots.get(t) for t in extra_wrt}
-        self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad)
+        self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad, sqrt_w)
         return loss, n, grads, extra
 
     def curvature_pass(self, curvature_batch: int | None) -> "ForwardPass":
@@ -226,7 +245,12 @@ class Emission:
         z = rename(self.output)
         y = b.op("Slice", [self.full.y, start, end, axes])
         n = b.batch_size(z)
-        return ForwardPass(view, rename, z, y, n, self.parts.loss.emit_grad(b, z, y))
+        data_grad = self.parts.loss.emit_grad(b, z, y)
+        seed_scale = None
+        if self.full.seed_scale is not None:
+            w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in self.example_weights())
+            data_grad, seed_scale = b.mul(data_grad, w), sqrt_w
+        return ForwardPass(view, rename, z, y, n, data_grad, seed_scale)
 
     def clone_forward(self, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
         """Append a copy of the forward graph whose inputs/parameters listed in
@@ -303,6 +327,9 @@ class Emission:
             per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]
         else:
             seeds = emit_seeds(b, loss, z, z_shape, mode, num_samples, fwd.data_grad, noise)
+            if fwd.seed_scale is not None and mode != "empirical":
+                # Fisher of the weighted loss: sum_n w_n F_n, i.e. seeds scaled by sqrt(w_n)
+                seeds = [b.mul(sd, fwd.seed_scale) for sd in seeds]
             per_seed = [backward(b, fwd.view, {z: s}, targets) for s in seeds]
         inv_sqrt_n = b.op("Reciprocal", [b.op("Sqrt", [n])])
         stats: dict[str, dict[str, str]] = {}
@@ -348,7 +375,7 @@ class Emission:
 class ForwardPass:
     """A forward pass in the emitted graph: its index (for autodiff), a map from the source
     model's tensor names to this pass's, the model output z, targets y, batch size n and the
-    per-example data gradient dl_n/dz."""
+    per-example data gradient dl_n/dz (times w_n for a weighted loss)."""
 
     view: GraphView
     name: Callable[[str], str]
@@ -356,6 +383,7 @@ class ForwardPass:
     y: str
     n: str
     data_grad: str
+    seed_scale: str | None = None  # sqrt of the example weights, when the loss is weighted
 
 
 def _init_of(spec) -> str:
@@ -387,6 +415,9 @@ def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dic
     if name not in SUBGRAPHS:
         raise ConfigError(f"unknown subgraph {name!r}; choose one of {', '.join(SUBGRAPHS)}")
     parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
+    weighted = bool(options.pop("weighted", False))
+    if weighted != parts.weighted:
+        parts = dataclasses.replace(parts, weighted=weighted)
     return SUBGRAPHS[name](parts, **options)
 
 
@@ -394,7 +425,8 @@ def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dic
 def _loss(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
     em = Emission.start(parts)
     y = em.targets()
-    em.metric("loss", parts.loss.emit_loss(em.b, em.output, y))
+    em.example_weights()
+    em.metric("loss", parts.loss.emit_loss(em.b, em.output, y, "weights" if parts.weighted else None))
     em.result("output", em.output)
     return em.finish("loss")
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.runtime.data import draw_noise, input_spec, prepare_batch
+from kfac_compiler.runtime.data import add_weights, draw_noise, input_spec, prepare_batch
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
 from kfac_compiler.runtime.program import (
@@ -99,18 +99,20 @@ class Curvature:
         return {p: self.store.to_numpy(p) for p in self.params}
 
     # ---------------------------------------------------------------- estimates
-    def gradients(self, inputs: Mapping[str, Any], targets: Any) -> tuple[float, dict[str, np.ndarray]]:
-        data = prepare_batch(self.input_specs, inputs, targets)
-        out = self.program("gradients").run(self.store, data, results=True)
+    def gradients(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
+        data = add_weights(prepare_batch(self.input_specs, inputs, targets), weights)
+        out = self.program("gradients", weighted=weights is not None).run(self.store, data, results=True)
         return out["loss"], {p: out[f"grad/{p}"] for p in self.params}
 
     def estimate(self, inputs: Mapping[str, Any], targets: Any, mode: str | None = None,
-                 num_samples: int | None = None) -> dict[str, dict[str, np.ndarray]]:
-        """One batch's curvature factors per layer (no moving average)."""
+                 num_samples: int | None = None, weights: Any = None) -> dict[str, dict[str, np.ndarray]]:
+        """One batch's curvature factors per layer (no moving average); `weights`: optional
+        per-example loss weights or mask (the output factors G become sum_n w_n ...)."""
         mode = mode or self.mode
         self._check_mode(mode)
-        prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples)
-        data = prepare_batch(self.input_specs, inputs, targets)
+        prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples,
+                            weighted=weights is not None)
+        data = add_weights(prepare_batch(self.input_specs, inputs, targets), weights)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
         out = prog.run(self.store, data, results=True)
         self.last_loss = out["loss"]
@@ -203,8 +205,9 @@ _GRAD_CACHE: dict[int, tuple[Any, Curvature]] = {}
 
 
 def gradients(plan: Any, inputs: Mapping[str, Any], targets: Any, params: Mapping[str, np.ndarray] | None = None,
-              device: str = "cpu") -> tuple[float, dict[str, np.ndarray]]:
-    """(mean loss, {initializer name: gradient}) at the plan's weights (or `params`)."""
+              device: str = "cpu", weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
+    """(mean loss, {initializer name: gradient}) at the plan's weights (or `params`);
+    `weights`: optional per-example loss weights or mask."""
     entry = _GRAD_CACHE.get(id(plan))
     curv = None
     if entry is not None and entry[0]() is plan and entry[1].device.name == get_device(device).name:
@@ -218,4 +221,4 @@ def gradients(plan: Any, inputs: Mapping[str, Any], targets: Any, params: Mappin
         except TypeError:
             pass
     curv.set_parameters(params if params is not None else initial_parameters(plan))
-    return curv.gradients(inputs, targets)
+    return curv.gradients(inputs, targets, weights)

@@ -76,6 +76,20 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
     return data
 
 
+def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarray]:
+    """data plus "weights": per-example loss weights or a 0/1 mask, one per row (DataError)."""
+    if weights is None:
+        return data
+    w = np.asarray(weights, dtype=np.float32)
+    n = data["targets"].shape[0]
+    if w.shape != (n,):
+        raise DataError(f"weights have shape {list(w.shape)}; expected one weight per example ({n})")
+    if not np.all(np.isfinite(w)) or (w < 0).any():
+        raise DataError("weights must be finite and >= 0")
+    data["weights"] = w
+    return data
+
+
 def draw_noise(rng: np.random.Generator, info: Mapping[str, Any], data_inputs: list[str],
                targets: np.ndarray, name: str = "subgraph") -> dict[str, np.ndarray]:
     """The noise/<s> inputs of a subgraph (per info["noise"]), drawn from `rng`.

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from kfac_compiler.errors import CheckpointError, ConfigError
-from kfac_compiler.runtime.data import draw_noise, input_spec, prepare_batch
+from kfac_compiler.runtime.data import add_weights, draw_noise, input_spec, prepare_batch
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import (
     AdamConfig,
@@ -93,6 +93,7 @@ class Trainer:
         self.inverses_ready = False
         self.damping = float(self.config.damping) if isinstance(self.config, KfacConfig) else 0.0
         self._programs: dict[tuple, Program] = {}
+        self._weighted = False  # whether the current step's loss has per-example weights
         for p, value in initial_parameters(plan).items():
             self.store.add(p, value)
         self._build_programs()
@@ -118,7 +119,7 @@ class Trainer:
         cfg = self.config
         return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
                 "l2": cfg.l2_reg > 0, "curvature_batch": cfg.curvature_batch_size,
-                "loss_after": bool(cfg.adapt_damping)}
+                "loss_after": bool(cfg.adapt_damping), "weighted": self._weighted}
 
     def _build_programs(self) -> None:
         """Create every session this optimizer's steps use, so that all state exists up front
@@ -133,9 +134,9 @@ class Trainer:
             self.program("inverse_update", method=cfg.inverse_method)
             self._check_host_inverses()
         elif isinstance(cfg, SgdConfig):
-            self.program("sgd_step", l2=self.config.l2_reg > 0)
+            self.program("sgd_step", l2=self.config.l2_reg > 0, weighted=self._weighted)
         else:
-            self.program("adam_step", l2=self.config.l2_reg > 0)
+            self.program("adam_step", l2=self.config.l2_reg > 0, weighted=self._weighted)
 
     def programs(self) -> dict[str, Program]:
         out = {}
@@ -189,9 +190,11 @@ class Trainer:
         return draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name)
 
     # ------------------------------------------------------------------ steps
-    def step(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
-        """One optimizer step on a batch; returns host-float metrics."""
-        data = self._prepare(inputs, targets)
+    def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
+        """One optimizer step on a batch; returns host-float metrics. `weights`: optional
+        per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
+        data = add_weights(self._prepare(inputs, targets), weights)
+        self._weighted = weights is not None
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         if isinstance(self.config, KfacConfig):
@@ -212,7 +215,7 @@ class Trainer:
         cfg = self.config
         self._set_common_hp()
         hp = {"hp/learning_rate": cfg.learning_rate, "hp/momentum": cfg.momentum}
-        out = self.program("sgd_step", l2=self.config.l2_reg > 0).run(self.store, data, hp=hp)
+        out = self.program("sgd_step", l2=self.config.l2_reg > 0, weighted=self._weighted).run(self.store, data, hp=hp)
         return self._baseline_metrics(out, cfg.learning_rate, cfg.momentum)
 
     def _adam_step(self, data):
@@ -220,7 +223,7 @@ class Trainer:
         self._set_common_hp()
         lr_t = cfg.lr_at(self.applied_steps + 1)
         hp = {"hp/learning_rate": lr_t, "hp/beta1": cfg.beta1, "hp/beta2": cfg.beta2, "hp/epsilon": cfg.epsilon}
-        out = self.program("adam_step", l2=self.config.l2_reg > 0).run(self.store, data, hp=hp)
+        out = self.program("adam_step", l2=self.config.l2_reg > 0, weighted=self._weighted).run(self.store, data, hp=hp)
         return self._baseline_metrics(out, cfg.learning_rate, cfg.beta1)
 
     def _baseline_metrics(self, out, lr, mom):
@@ -242,7 +245,8 @@ class Trainer:
     def _run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
         """update_statistics on the batch (already in the store when data is None)."""
         cfg: KfacConfig = self.config
-        prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, curvature_batch=cfg.curvature_batch_size)
+        prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
+                            curvature_batch=cfg.curvature_batch_size, weighted=self._weighted)
         coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
         feed = dict(data or {})
         feed.update(self._noise(prog, batch_data))
