@@ -27,13 +27,13 @@ from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
 from kfac_compiler.runtime.program import (
     Program,
+    cached_program,
     initial_parameters,
     plan_blocks,
     plan_data_inputs,
-    plan_subgraph,
     plan_trainable,
 )
-from kfac_compiler.runtime.state import StateStore, init_value
+from kfac_compiler.runtime.state import StateStore
 
 
 def _group(results: Mapping[str, np.ndarray], prefix: str) -> dict[str, dict[str, np.ndarray]]:
@@ -77,16 +77,7 @@ class Curvature:
             raise ConfigError(f"unknown estimation mode {mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
 
     def program(self, name: str, **options: Any) -> Program:
-        key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
-        prog = self._programs.get(key)
-        if prog is None:
-            model, info = plan_subgraph(self.plan, name, **options)
-            prog = Program(model, info, self.device, name=name, threads=self.threads)
-            for slot, spec in (info.get("state_specs") or {}).items():
-                if slot not in self.store:
-                    self.store.add(slot, init_value(spec))
-            self._programs[key] = prog
-        return prog
+        return cached_program(self._programs, self.store, self.plan, self.device, self.threads, name, **options)
 
     # ---------------------------------------------------------------- parameters
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:

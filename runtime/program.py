@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
-from kfac_compiler.runtime.state import StateStore
+from kfac_compiler.runtime.state import StateStore, init_value
 
 _ORT_TYPES = {
     "tensor(float)": np.float32,
@@ -177,6 +177,25 @@ class Program:
             for slot in self.state_outputs.values():
                 store.flip(slot)
         return out
+
+
+def cached_program(programs: dict, store: StateStore, plan: Any, device: Any, threads: int | None,
+                   name: str, **options: Any) -> "Program":
+    """The Program for subgraph `name` with `options`, created on first use (cached in
+    `programs`), with every state slot it declares initialized in `store`."""
+    key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
+    prog = programs.get(key)
+    if prog is None:
+        model, info = plan_subgraph(plan, name, **options)
+        prog = Program(model, info, device, name=name, threads=threads)
+        for slot, spec in (info.get("state_specs") or {}).items():
+            if slot not in store:
+                store.add(slot, init_value(spec))
+        for slot in prog.state_inputs + prog.written_slots:
+            if slot not in store:
+                raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
+        programs[key] = prog
+    return prog
 
 
 # =========================================================================== plan access

@@ -44,17 +44,16 @@ from kfac_compiler.runtime.optimizers import (
     reduction_ratio,
 )
 from kfac_compiler.runtime.program import (
-    ContractError,
     Program,
+    cached_program,
     initial_parameters,
     plan_data_inputs,
     plan_loss_kind,
     plan_blocks,
     plan_model,
-    plan_subgraph,
     plan_trainable,
 )
-from kfac_compiler.runtime.state import StateStore, init_value
+from kfac_compiler.runtime.state import StateStore
 
 class Trainer:
     """Train `plan` with `optimizer` ("kfac", "adam", "sgd") on `device` ("cpu", "cuda", "auto").
@@ -101,19 +100,7 @@ class Trainer:
     # ------------------------------------------------------------------ programs
     def program(self, name: str, **options: Any) -> Program:
         """The Program for subgraph `name` (created on first use; its state slots initialized)."""
-        key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
-        prog = self._programs.get(key)
-        if prog is None:
-            model, info = plan_subgraph(self.plan, name, **options)
-            prog = Program(model, info, self.device, name=name, threads=self.threads)
-            for slot, spec in (info.get("state_specs") or {}).items():
-                if slot not in self.store:
-                    self.store.add(slot, init_value(spec))
-            for slot in prog.state_inputs + prog.written_slots:
-                if slot not in self.store:
-                    raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
-            self._programs[key] = prog
-        return prog
+        return cached_program(self._programs, self.store, self.plan, self.device, self.threads, name, **options)
 
     def _kfac_options(self) -> dict[str, Any]:
         cfg = self.config
