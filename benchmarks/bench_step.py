@@ -13,7 +13,8 @@ all 1797 digits. For each:
       inverse/step   `inverse_update` / inv_update_period (amortized)
       precondition   the `precondition` subgraph
       qmodel+update  fused `kfac_step(with_stats)` minus update_statistics minus precondition
-                     (the two Jacobian-vector products of the quadratic model, the update)
+                     (the quadratic model's two JVPs, the update and the forward pass at the
+                     new parameters for damping adaptation)
   * time-to-target: Adam with lr in {1e-3, 3e-3, 1e-2} for N steps (1000; --quick 200); the
     best full-data loss is the target; K-FAC runs until its full-data loss (checked every 5
     steps, evaluation time excluded) reaches it: steps and seconds.

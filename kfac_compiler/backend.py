@@ -708,3 +708,25 @@ def _precondition(parts: PlanParts):
     for p in parts.params:
         em.result(f"precond/{p}", out[p])
     return em.finish("precondition")
+
+
+@subgraph("multiply")
+def _multiply(parts: PlanParts, exp: int = 1):
+    """(F + damping)^exp v for every block, from the moving-average factors: the block
+    multiply for exp = 1, an integer matrix power otherwise (fractional powers need
+    eigendecompositions: Curvature.multiply_matpower does them on the host)."""
+    em = Emission.start(parts)
+    damping = em.hp("damping")
+    vecs = {p: em.data_input(f"vec/{p}", FLOAT, list(em.view.shapes[p])) for p in parts.params}
+    for layer in parts.layers:
+        block = em.blocks[layer.name]
+        factors = {s.name: em.state_input(f"factor/{layer.name}/{s.name}", s.shape, "zeros") for s in block.factor_specs()}
+        mine = {p: vecs[p] for p in layer.params}
+        if exp == 1:
+            out = block.emit_multiply(em.b, mine, factors, damping)
+        else:
+            out = block.emit_multiply_matpower(em.b, mine, factors, damping, int(exp))
+        for p in layer.params:
+            em.result(f"product/{p}", out[p])
+    return em.finish("multiply")
+

@@ -184,6 +184,24 @@ class Curvature:
         d = self.damping if damping is None else damping
         return self._block(layer).numpy_multiply(dict(vectors), self.factors().get(layer, {}), float(d or 0.0))
 
+    def multiply_all(self, vectors: Mapping[str, np.ndarray], damping: float | None = None,
+                     exp: int = 1) -> dict[str, np.ndarray]:
+        """(F + damping)^exp v for every parameter (integer exp), in the `multiply` subgraph
+        on the device, from the moving-average factors."""
+        d = self.damping if damping is None else damping
+        prog = self.program("multiply", exp=int(exp))
+        out = prog.run(self.store, {f"vec/{p}": np.asarray(v, np.float32) for p, v in vectors.items()},
+                       hp={"hp/damping": float(d or 0.0)}, results=True)
+        return {p: out[f"product/{p}"] for p in self.params}
+
+    def multiply_matpower(self, layer: str, vectors: Mapping[str, np.ndarray], exp: float,
+                          damping: float | None = None) -> dict[str, np.ndarray]:
+        """(F_layer + damping)^exp v for any real exp (TF K-FAC's exps), via the block's
+        host-side eigendecomposition (numpy twin)."""
+        d = self.damping if damping is None else damping
+        return self._block(layer).numpy_multiply_matpower(dict(vectors), self.factors().get(layer, {}),
+                                                          float(d or 0.0), float(exp))
+
     def multiply_inverse(self, layer: str, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """(F_layer + damping)^-1 v with the layer's current inverse state (numpy twin)."""
         if self.damping is None:

@@ -220,6 +220,7 @@ def _normalize_options(plan: Any, name: str, options: Mapping[str, Any]) -> dict
         "curvature_batch": None,
         "loss_after": False,
         "weighted": False,
+        "exp": 1,
     }
     return {k: v for k, v in options.items() if v is not None and defaults.get(k, object()) != v}
 

@@ -54,3 +54,31 @@ def test_trainer_steps_with_weights_and_rejects_bad_ones(mlp):
         tr.step(x, y, weights=w[:3])
     with pytest.raises(DataError, match="finite and >= 0"):
         tr.step(x, y, weights=-w)
+
+
+def test_block_products_on_the_device_and_host_agree_and_invert(mlp):
+    """multiply (graph) == numpy twin; matpower(2) == multiply twice; matpower(-1) inverts
+    multiply; matpower(-0.5) twice == matpower(-1) (all from the same moving-average factors)."""
+    plan, x, y = mlp
+    curv = Curvature(plan)
+    curv.update(x, y)
+    rng = np.random.default_rng(0)
+    v = {p: rng.normal(size=s).astype(np.float32) for p, s in plan.param_shapes.items() if p in plan.trainable}
+    damping = 0.1
+    dev = curv.multiply_all(v, damping=damping)
+    dev2 = curv.multiply_all(v, damping=damping, exp=2)
+    for layer in ("fc1", "fc2", "fc3"):
+        mine = {p: v[p] for p in plan.layer(layer).params}
+        host = curv.multiply(layer, mine, damping=damping)
+        for p in mine:
+            np.testing.assert_allclose(dev[p], host[p], rtol=1e-4, atol=1e-5)
+        twice = curv.multiply(layer, host, damping=damping)
+        sq = curv.multiply_matpower(layer, mine, 2, damping=damping)
+        back = curv.multiply_matpower(layer, host, -1, damping=damping)
+        half = curv.multiply_matpower(layer, curv.multiply_matpower(layer, mine, -0.5, damping=damping), -0.5, damping=damping)
+        inv = curv.multiply_matpower(layer, mine, -1, damping=damping)
+        for p in mine:
+            np.testing.assert_allclose(sq[p], twice[p], rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(dev2[p], twice[p], rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(back[p], mine[p], rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(half[p], inv[p], rtol=1e-3, atol=1e-4)
