@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 # Subgraphs emitted at compile time (the rest are emitted on demand by the runtime).
 DEFAULT_SUBGRAPHS = (
-    ("kfac_step", {"with_stats": True}),
+    ("kfac_step", {"with_stats": True, "loss_after": True}),  # the Trainer's default step
     ("update_statistics", {}),
     ("inverse_update", {}),
 )
@@ -33,7 +33,7 @@ def compile(model: Any, loss: str | None = None, output: str | None = None, conf
         for name, options in DEFAULT_SUBGRAPHS:
             graph, info = emit_subgraph(plan, name, **options)
             plan.subgraphs[name] = graph
-            plan.subgraph_info[name] = {"options": options, **info}
+            plan.subgraph_info[name] = info  # info["options"]: the resolved options
     return plan
 
 

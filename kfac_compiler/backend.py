@@ -8,6 +8,7 @@ is what the runtime relies on; `info` describes the inputs, outputs and state sl
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,7 +26,8 @@ from kfac_compiler.passes.autodiff import backward, jvp
 from kfac_compiler.passes.estimator import emit_seeds, noise_spec
 
 FLOAT = TensorProto.FLOAT
-RESERVED = ("targets", "loss")
+RESERVED = ("targets", "loss", "example_weights", "kfac/output")
+WEIGHTS = "example_weights"  # the optional per-example loss weights input
 
 
 @dataclass
@@ -41,7 +43,7 @@ class PlanParts:
     num_samples: int = 1
     inverse_method: str = "inverse_op"
     blocks: dict[str, FisherBlock] | None = None
-    weighted: bool = False  # a "weights" [N] data input scales each example's loss
+    weighted: bool = False  # an "example_weights" [N] data input scales each example's loss
 
 
 def plan_parts(plan: Any) -> PlanParts:
@@ -196,15 +198,15 @@ class Emission:
         return self.data_input("targets", loss.target_type(), list(loss.target_shape(tuple(out_shape))))
 
     def example_weights(self) -> tuple[str, str] | tuple[None, None]:
-        """With parts.weighted: the "weights" [N] input (loss L = 1/N sum_n w_n l_n) as
+        """With parts.weighted: the "example_weights" [N] input (loss L = 1/N sum_n w_n l_n) as
         (w, sqrt(w)), each shaped to broadcast against the model output."""
         if not self.parts.weighted:
             return None, None
-        if "weights" not in self.info["data_inputs"]:
+        if WEIGHTS not in self.info["data_inputs"]:
             out_shape = self.view.shape(self.output) or ("N",)
-            self.data_input("weights", self.b.float_type, [out_shape[0]])
+            self.data_input(WEIGHTS, self.b.float_type, [out_shape[0]])
             rank = len(out_shape)
-            w = self.b.unsqueeze("weights", list(range(1, rank))) if rank > 1 else "weights"
+            w = self.b.unsqueeze(WEIGHTS, list(range(1, rank))) if rank > 1 else WEIGHTS
             self._weights = (w, self.b.op("Sqrt", [w]))
         return self._weights
 
@@ -215,7 +217,7 @@ class Emission:
         """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`."""
         b, z = self.b, self.output
         y = self.targets()
-        weights = "weights" if self.parts.weighted else None
+        weights = WEIGHTS if self.parts.weighted else None
         w, sqrt_w = self.example_weights()
         loss = self.parts.loss.emit_loss(b, z, y, weights)
         n = b.batch_size(z)
@@ -226,7 +228,7 @@ class Emission:
         cots = backward(b, self.view, {z: b.div(data_grad, n)}, wrt)
         grads = {p: cots.get(p) or self.zeros_like_param(p) for p in self.parts.params}
         extra = {t: cots.get(t) for t in extra_wrt}
-        self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad, sqrt_w)
+        self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad, sqrt_w, w)
         return loss, n, grads, extra
 
     def curvature_pass(self, curvature_batch: int | None) -> "ForwardPass":
@@ -246,11 +248,11 @@ class Emission:
         y = b.op("Slice", [self.full.y, start, end, axes])
         n = b.batch_size(z)
         data_grad = self.parts.loss.emit_grad(b, z, y)
-        seed_scale = None
-        if self.full.seed_scale is not None:
+        w = sqrt_w = None
+        if self.full.weight is not None:
             w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in self.example_weights())
-            data_grad, seed_scale = b.mul(data_grad, w), sqrt_w
-        return ForwardPass(view, rename, z, y, n, data_grad, seed_scale)
+            data_grad = b.mul(data_grad, w)
+        return ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w)
 
     def clone_forward(self, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
         """Append a copy of the forward graph whose inputs/parameters listed in
@@ -384,6 +386,7 @@ class ForwardPass:
     n: str
     data_grad: str
     seed_scale: str | None = None  # sqrt of the example weights, when the loss is weighted
+    weight: str | None = None  # the example weights, shaped to broadcast against z
 
 
 def _init_of(spec) -> str:
@@ -410,15 +413,40 @@ def subgraph(name: str):
     return deco
 
 
-def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dict]:
-    """Emit subgraph `name` of the contract for `plan` (a Plan or PlanParts)."""
+def resolved_options(plan: Any, name: str, **options) -> dict[str, Any]:
+    """Every option subgraph `name` is emitted with, defaults and plan settings filled in
+    (mode, num_samples, inverse method, damping split, weighted): equal resolved options mean
+    an identical subgraph, so the runtime can key its caches on them."""
     if name not in SUBGRAPHS:
         raise ConfigError(f"unknown subgraph {name!r}; choose one of {', '.join(SUBGRAPHS)}")
+    params = list(inspect.signature(SUBGRAPHS[name]).parameters.values())[1:]
+    out: dict[str, Any] = {p.name: p.default for p in params}
+    unknown = [k for k in options if k not in out and k != "weighted"]
+    if unknown:
+        raise ConfigError(f"subgraph {name!r} has no option {unknown[0]!r}; its options are {sorted(out)}")
+    out.update({k: v for k, v in options.items() if v is not None})
+    parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
+    plan_defaults = {"mode": parts.mode, "num_samples": parts.num_samples, "method": parts.inverse_method}
+    for key, value in plan_defaults.items():
+        if key in out and out[key] is None:
+            out[key] = value
+    out["weighted"] = bool(options.get("weighted", False))
+    inverse = getattr(plan, "inverse", None) or {}
+    out["damping_split"] = inverse.get("damping_split", "pi")
+    return out
+
+
+def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dict]:
+    """Emit subgraph `name` of the contract for `plan` (a Plan or PlanParts); info["options"]
+    records the resolved options (see resolved_options)."""
+    resolved = resolved_options(plan, name, **options)
     parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
     weighted = bool(options.pop("weighted", False))
     if weighted != parts.weighted:
         parts = dataclasses.replace(parts, weighted=weighted)
-    return SUBGRAPHS[name](parts, **options)
+    model, info = SUBGRAPHS[name](parts, **options)
+    info["options"] = resolved
+    return model, info
 
 
 @subgraph("loss")
@@ -426,8 +454,8 @@ def _loss(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
     em = Emission.start(parts)
     y = em.targets()
     em.example_weights()
-    em.metric("loss", parts.loss.emit_loss(em.b, em.output, y, "weights" if parts.weighted else None))
-    em.result("output", em.output)
+    em.metric("loss", parts.loss.emit_loss(em.b, em.output, y, WEIGHTS if parts.weighted else None))
+    em.result("kfac/output", em.output)
     return em.finish("loss")
 
 
@@ -527,6 +555,7 @@ def _kfac_step(
     vectors = {"g": grads, "P": precond, "v": velocity}
     if l2:
         vectors["raw"] = raw_grads
+        vectors["t"] = {p: p for p in parts.params}  # theta, for the regularizer's change
     dots = Gram(em, vectors)
     if qmodel:
         damping = em.hp("damping")
@@ -550,10 +579,19 @@ def _kfac_step(
         em.state_output(p, new_params[p])
         em.state_output(f"velocity/{p}", update[p])
     if loss_after:
-        # the loss at the new parameters on the same batch, for Levenberg-Marquardt damping:
-        # one more forward pass in this graph costs less than running another session
+        # The objective at the new parameters on the same batch, for Levenberg-Marquardt
+        # damping (one more forward pass in this graph costs less than another session). With
+        # l2 it includes the regularizer's change l2 (theta.u + |u|^2 / 2), so that
+        # loss_after - loss is the change of the objective the quadratic model describes.
         _, rename = em.clone_forward("kfac/after/", new_params)
-        em.metric("loss_after", parts.loss.emit_loss(b, rename(em.output), em.full.y))
+        after = parts.loss.emit_loss(b, rename(em.output), em.full.y, WEIGHTS if parts.weighted else None)
+        if l2:
+            reg = b.add(
+                b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v"))),
+                b.mul(b.const(0.5), update_sq),
+            )
+            after = b.add(after, b.mul(em.hp("l2"), reg))
+        em.metric("loss_after", after)
     em.metric("loss", loss)
     em.metric("update_norm", b.op("Sqrt", [update_sq]))
     em.metric("grad_norm", b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
@@ -581,6 +619,8 @@ def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots:
     j_p = jvp(b, fwd.view, dict(precond), [z])[z]
     j_v = jvp(b, fwd.view, dict(velocity), [z])[z]
     f_p, f_v = loss.emit_fisher_times(b, z, j_p), loss.emit_fisher_times(b, z, j_v)
+    if fwd.weight is not None:  # C = 1/N sum_n w_n J_n^T F_n J_n for a weighted loss
+        f_p, f_v = b.mul(f_p, fwd.weight), b.mul(f_v, fwd.weight)
 
     def curv(u: str, fv: str) -> str:
         return b.div(b.reduce_sum(b.mul(u, fv), None), n)

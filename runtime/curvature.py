@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.runtime.data import add_weights, draw_noise, input_spec, prepare_batch
+from kfac_compiler.runtime.data import BatchChecker, draw_noise, input_spec
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
 from kfac_compiler.runtime.program import (
@@ -70,6 +70,7 @@ class Curvature:
         self._programs: dict[tuple, Program] = {}
         self._blocks: dict[str, Any] | None = None
         self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
+        self._check_batch = BatchChecker(plan)
 
     @staticmethod
     def _check_mode(mode: str) -> None:
@@ -91,7 +92,7 @@ class Curvature:
 
     # ---------------------------------------------------------------- estimates
     def gradients(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
-        data = add_weights(prepare_batch(self.input_specs, inputs, targets), weights)
+        data = self._check_batch(inputs, targets, weights)
         out = self.program("gradients", weighted=weights is not None).run(self.store, data, results=True)
         return out["loss"], {p: out[f"grad/{p}"] for p in self.params}
 
@@ -103,7 +104,7 @@ class Curvature:
         self._check_mode(mode)
         prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples,
                             weighted=weights is not None)
-        data = add_weights(prepare_batch(self.input_specs, inputs, targets), weights)
+        data = self._check_batch(inputs, targets, weights)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
         out = prog.run(self.store, data, results=True)
         self.last_loss = out["loss"]
@@ -112,7 +113,7 @@ class Curvature:
     def update(self, inputs: Mapping[str, Any], targets: Any) -> float:
         """Fold one batch into the zero-debiased moving averages; returns the batch loss."""
         prog = self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
-        data = prepare_batch(self.input_specs, inputs, targets)
+        data = self._check_batch(inputs, targets)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
         coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
         out = prog.run(self.store, data, hp={"hp/ema_coeff": coeff})
@@ -229,5 +230,7 @@ def gradients(plan: Any, inputs: Mapping[str, Any], targets: Any, params: Mappin
             _GRAD_CACHE[id(plan)] = (ref, curv)
         except TypeError:
             pass
-    curv.set_parameters(params if params is not None else initial_parameters(plan))
+    values = initial_parameters(plan)
+    values.update(params or {})  # parameters not given keep the plan's values
+    curv.set_parameters(values)
     return curv.gradients(inputs, targets, weights)

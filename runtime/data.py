@@ -76,8 +76,26 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
     return data
 
 
+class BatchChecker:
+    """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN):
+    a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
+
+    def __init__(self, plan: Any) -> None:
+        from kfac_compiler.runtime.program import plan_data_inputs, plan_loss_kind
+
+        self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
+        self.loss_kind = plan_loss_kind(plan)
+        self.out_spec = output_spec(plan.model, plan.output)
+
+    def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
+        data = prepare_batch(self.input_specs, inputs, targets)
+        y = data.pop("targets")
+        conv, y = validate_dataset(self.input_specs, self.loss_kind, data, y, self.out_spec, source="batch")
+        return add_weights({**conv, "targets": y}, weights)
+
+
 def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarray]:
-    """data plus "weights": per-example loss weights or a 0/1 mask, one per row (DataError)."""
+    """data plus "example_weights": per-example loss weights or a 0/1 mask, one per row (DataError)."""
     if weights is None:
         return data
     w = np.asarray(weights, dtype=np.float32)
@@ -86,7 +104,7 @@ def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarr
         raise DataError(f"weights have shape {list(w.shape)}; expected one weight per example ({n})")
     if not np.all(np.isfinite(w)) or (w < 0).any():
         raise DataError("weights must be finite and >= 0")
-    data["weights"] = w
+    data["example_weights"] = w
     return data
 
 

@@ -206,36 +206,17 @@ def cached_program(programs: dict, store: StateStore, plan: Any, device: Any, th
 _EMIT_CACHE: dict[int, tuple[Any, dict]] = {}
 
 
-def _normalize_options(plan: Any, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    from kfac_compiler.runtime.optimizers import _plan_schedule
-
-    sched = _plan_schedule(plan)
-    defaults = {
-        "with_stats": True,
-        "qmodel": True,
-        "mode": sched.get("mode", "gradients"),
-        "num_samples": int(sched.get("num_samples", 1)),
-        "method": sched.get("inverse_method", "inverse_op"),
-        "l2": False,
-        "curvature_batch": None,
-        "loss_after": False,
-        "weighted": False,
-        "exp": 1,
-    }
-    return {k: v for k, v in options.items() if v is not None and defaults.get(k, object()) != v}
-
-
 def plan_subgraph(plan: Any, name: str, **options: Any) -> tuple[Any, dict]:
     """(model, info) of subgraph `name` with `options`: the plan's stored copy when it was
-    emitted with the same options, else kfac_compiler.backend.emit_subgraph (cached)."""
-    want = _normalize_options(plan, name, options)
+    emitted with the same resolved options (plan settings included, so editing the plan's
+    estimator or schedule re-emits), else kfac_compiler.backend.emit_subgraph (cached)."""
+    from kfac_compiler.backend import emit_subgraph, resolved_options
+
+    want = resolved_options(plan, name, **options)
     stored = getattr(plan, "subgraphs", None) or {}
     stored_info = getattr(plan, "subgraph_info", None) or {}
-    if name in stored and name in stored_info:
-        have = _normalize_options(plan, name, stored_info[name].get("options", {}) or {})
-        if have == want:
-            info = {k: v for k, v in stored_info[name].items() if k != "options"}
-            return stored[name], info
+    if name in stored and name in stored_info and stored_info[name].get("options") == want:
+        return stored[name], dict(stored_info[name])
     key = (name, tuple(sorted(want.items())))
     entry = _EMIT_CACHE.get(id(plan))
     if entry is None or entry[0]() is not plan:
@@ -253,8 +234,6 @@ def plan_subgraph(plan: Any, name: str, **options: Any) -> tuple[Any, dict]:
             pass
     cache = entry[1]
     if key not in cache:
-        from kfac_compiler.backend import emit_subgraph
-
         cache[key] = emit_subgraph(plan, name, **options)
     return cache[key]
 

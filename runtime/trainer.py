@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from kfac_compiler.errors import CheckpointError, ConfigError
-from kfac_compiler.runtime.data import add_weights, draw_noise, input_spec, prepare_batch
+from kfac_compiler.runtime.data import BatchChecker, draw_noise, input_spec
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import (
     AdamConfig,
@@ -84,6 +84,7 @@ class Trainer:
         self.params = plan_trainable(plan)
         self.loss_kind = plan_loss_kind(plan)
         self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
+        self._check_batch = BatchChecker(plan)
         # host-side state (all of it goes into checkpoints)
         self.step_count = 0        # optimizer steps taken (rejected ones included)
         self.applied_steps = 0     # steps whose update was applied (Adam's t)
@@ -114,9 +115,8 @@ class Trainer:
         cfg = self.config
         if isinstance(cfg, KfacConfig):
             opts = self._kfac_options()
-            self.program("kfac_step", with_stats=False, **opts)
-            if cfg.cov_update_period > 1 or cfg.inv_update_period > 1:
-                self.program("kfac_step", with_stats=True, **opts)
+            self.program("kfac_step", with_stats=False, **opts)  # the first step
+            self.program("kfac_step", with_stats=True, **opts)
             self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, curvature_batch=cfg.curvature_batch_size)
             self.program("inverse_update", method=cfg.inverse_method)
             self._check_host_inverses()
@@ -171,7 +171,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _prepare(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, np.ndarray]:
-        return prepare_batch(self.input_specs, inputs, targets)
+        return self._check_batch(inputs, targets)
 
     def _noise(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name)
@@ -180,7 +180,7 @@ class Trainer:
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
         """One optimizer step on a batch; returns host-float metrics. `weights`: optional
         per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
-        data = add_weights(self._prepare(inputs, targets), weights)
+        data = self._check_batch(inputs, targets, weights)
         self._weighted = weights is not None
         t0 = time.perf_counter()
         s0 = self.session_seconds()
@@ -260,6 +260,7 @@ class Trainer:
         if not isinstance(self.config, KfacConfig):
             raise ConfigError(f"burn-in only applies to K-FAC, not {self.optimizer!r}")
         data = self._prepare(inputs, targets)
+        self._weighted = False
         out, ok = self._run_statistics(data, data)
         self.burn_in_count += 1
         return {"step": float(self.step_count), "loss": out["loss"], "burn_in": 1.0, "rejected": 0.0 if ok else 1.0}
@@ -325,8 +326,9 @@ class Trainer:
                 self.ema_weight = w_new
             if cfg.adapt_damping and k % cfg.damping_adaptation_interval == 0:
                 new_loss = out["metric/loss_after"]
+                # without the qmodel the graph's change is first order: no damping term to remove
                 rho = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
-                                      damping, cfg.include_damping_in_quad_change)
+                                      damping, cfg.include_damping_in_quad_change or not cfg.use_qmodel)
                 metrics["rho"] = rho
                 metrics["new_loss"] = new_loss
                 self.damping = lm_adapt(damping, rho, cfg)

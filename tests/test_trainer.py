@@ -148,7 +148,9 @@ def test_kfac_step_keeps_state_on_device_and_reports_metrics(mlp):
     assert tr.step_count == 3
 
 
-def test_nan_input_rejects_step_keeps_params_and_raises_damping(mlp):
+def test_overflowing_step_is_rejected_keeps_state_and_raises_damping(mlp):
+    """A finite input so large that the forward pass overflows to Inf/NaN inside the graph:
+    the step is rejected, every state slot is kept and the damping goes up x10."""
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac")
     it = batches(x, y, 64, 3)
@@ -157,7 +159,7 @@ def test_nan_input_rejects_step_keeps_params_and_raises_damping(mlp):
     params, state, damping = tr.parameters(), tr.state(), tr.damping
     inputs, t = next(it)
     bad = inputs["input"].copy()
-    bad[3, 7] = np.nan
+    bad[3, :] = 3e38
     m = tr.step({"input": bad}, t)
     assert m["rejected"] == 1.0
     after = tr.parameters()
@@ -168,6 +170,20 @@ def test_nan_input_rejects_step_keeps_params_and_raises_damping(mlp):
     assert tr.damping == pytest.approx(damping * 10)
     m = tr.step(inputs, t)  # a clean batch trains again
     assert m["rejected"] == 0.0
+
+
+def test_nan_input_is_a_one_line_data_error(mlp):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac")
+    inputs, t = next(batches(x, y, 64, 1))
+    bad = inputs["input"].copy()
+    bad[3, 7] = np.nan
+    with pytest.raises(DataError, match="NaN/Inf"):
+        tr.step({"input": bad}, t)
+    with pytest.raises(DataError, match="labels in"):
+        tr.step(inputs, t + 100)
+    with pytest.raises(DataError, match="without its last axis"):
+        tr.step(inputs, t[:, None])
 
 
 def test_nan_parameter_rejects_step(mlp):
@@ -205,7 +221,7 @@ def test_baselines_reject_nan_and_train(mlp, opt):
     losses = [tr.step(*b)["loss"] for b in it]
     assert losses[-1] < 0.5 * losses[0]
     p = tr.parameters()
-    bad = {"input": np.full_like(it[0][0]["input"], np.inf)}
+    bad = {"input": np.full_like(it[0][0]["input"], 3e38)}  # finite, overflows inside the graph
     m = tr.step(bad, it[0][1])
     assert m["rejected"] == 1.0
     assert all(np.array_equal(p[k], v) for k, v in tr.parameters().items())
