@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.linalg import METHODS as INVERSE_METHODS
+from kfac_compiler.losses import LOSSES
+from kfac_compiler.passes.estimator import MODES as ESTIMATOR_MODES
 
-LOSS_KINDS = ("softmax_cross_entropy", "sigmoid_cross_entropy", "squared_error")
-ESTIMATOR_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
-INVERSE_METHODS = ("inverse_op", "newton_schulz", "cholesky", "eigh")
+LOSS_KINDS = tuple(LOSSES)  # the loss registry is the one list of loss kinds
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
 

@@ -39,10 +39,17 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 def _atomic(path: str, write) -> None:
+    """Write via a temp file in the target's folder + os.replace: the old file survives any
+    failure. An unwritable path is a one-line CheckpointError."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot write {path!r}: it is a directory; give a file path")
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path!r}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from kfac_compiler.errors import ConfigError
 
 OPTIMIZERS = ("kfac", "sgd", "adam")
-ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
+from kfac_compiler.passes.estimator import MODES as ESTIMATION_MODES
 
 # Knob aliases accepted for convenience (kfac-jax / TF K-FAC spellings).
 ALIASES = {

@@ -24,7 +24,7 @@ import numpy as np
 from kfac_compiler.errors import ConfigError, DataError, ModelError
 
 DEFAULT_MODEL = "mlp_classifier"
-LOSS_KINDS = ("softmax_cross_entropy", "sigmoid_cross_entropy", "squared_error")
+from kfac_compiler.config import LOSS_KINDS
 CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
                "qmodel_change", "rho", "rejected", "burn_in", "step_time")
 
@@ -152,10 +152,12 @@ class MetricsWriter:
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".csv", ".jsonl", ".json", ".ndjson"):
             raise ConfigError(f"--metrics {path!r}: use a .csv or .jsonl file")
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
         mode = "a" if append and os.path.isfile(path) and os.path.getsize(path) > 0 else "w"
-        self.f = open(path, mode, newline="", encoding="utf-8")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.f = open(path, mode, newline="", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"--metrics {path!r}: cannot write it ({e.strerror})") from None
         if ext == ".csv":
             self.csv = csv.DictWriter(self.f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
             if mode == "w":
@@ -257,12 +259,18 @@ def run_train(args) -> int:
     if args.checkpoint_every < 0:
         raise ConfigError("--checkpoint-every must be >= 0")
     _check_plot(args.plot)
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a directory; give a file path")
     plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed)
     inputs, targets = load_data(plan, entry, args.data, args.seed)
     n = targets.shape[0]
     knobs = _knobs(args)
     if args.resume:
-        trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device)
+        overrides = dict(knobs)
+        overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
+                                            ("threads", args.threads)) if v is not None})
+        trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device, **overrides)
         if args.optimizer and trainer.optimizer != args.optimizer:
             raise ConfigError(f"--resume {args.resume!r} was written by optimizer {trainer.optimizer!r}, not {args.optimizer!r}")
     else:
