@@ -82,3 +82,22 @@ def test_block_products_on_the_device_and_host_agree_and_invert(mlp):
             np.testing.assert_allclose(dev2[p], twice[p], rtol=1e-3, atol=1e-4)
             np.testing.assert_allclose(back[p], mine[p], rtol=1e-3, atol=1e-4)
             np.testing.assert_allclose(half[p], inv[p], rtol=1e-3, atol=1e-4)
+
+
+def test_models_may_name_their_tensors_output_and_weights():
+    """The runtime's own names (kfac/output, example_weights) never collide with a model's
+    `output` output or `weights` input."""
+    import onnx
+    model = get_model("mlp_classifier", hidden=(8,))
+    for node in model.graph.node:
+        node.input[:] = ["weights" if t == "input" else t for t in node.input]
+        node.output[:] = ["output" if t == "logits" else t for t in node.output]
+    model.graph.input[0].name = "weights"
+    model.graph.output[0].name = "output"
+    onnx.checker.check_model(model)
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="output")
+    x, y = ZOO["mlp_classifier"].make_data(16)
+    tr = Trainer(plan)
+    m = tr.step({"weights": x["input"]}, y, weights=np.ones(16, np.float32))
+    ev = tr.evaluate({"weights": x["input"]}, y)
+    assert np.isfinite(m["loss"]) and 0.0 <= ev["accuracy"] <= 1.0
