@@ -355,12 +355,13 @@ class Emission:
     def _zeros_like(self, t: str) -> str:
         return self.b.op("Mul", [t, self.b.const(0.0)])
 
-    def precondition(self, grads: dict[str, str], slot_prefix: str = "inverse") -> dict[str, str]:
+    def precondition(self, grads: dict[str, str]) -> dict[str, str]:
+        """(F + damping)^-1 g for every block, from the `inverse/<layer>/<name>` state slots."""
         out: dict[str, str] = {}
         for layer in self.parts.layers:
             block = self.blocks[layer.name]
             inverses = {
-                s.name: self.state_input(f"{slot_prefix}/{layer.name}/{s.name}", s.shape, _init_of(s))
+                s.name: self.state_input(f"inverse/{layer.name}/{s.name}", s.shape, _init_of(s))
                 for s in block.inverse_specs()
             }
             out.update(block.emit_multiply_inverse(self.b, {p: grads[p] for p in layer.params}, inverses))

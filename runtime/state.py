@@ -107,10 +107,6 @@ class StateStore:
             raise ValueError(f"state slot {slot!r} has shape {list(shape)}, got {list(a.shape)}")
         self.current(slot).update_inplace(a)
 
-    def copy_slot(self, dst: str, src: str) -> None:
-        """dst.current <- src.current on the device (same shape and dtype)."""
-        self.current(dst).update_inplace(self.current(src))
-
     def state_dict(self, slots: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         return {s: self.to_numpy(s) for s in (self.slots() if slots is None else slots)}
 
@@ -138,17 +134,6 @@ class StateStore:
         except KeyError:
             raise KeyError(f"data input {name!r} was never written (channel {channel!r})") from None
 
-    def has_data(self, name: str, channel: str = "train") -> bool:
-        return (channel, name) in self._data
-
-    def data_shape(self, name: str, channel: str = "train") -> tuple[int, ...] | None:
-        e = self._data.get((channel, name))
-        return None if e is None else e[1]
-
-    def drop_data(self, channel: str) -> None:
-        for key in [k for k in self._data if k[0] == channel]:
-            del self._data[key]
-
     # ------------------------------------------------------------ hyper-parameters
     def set_hp(self, name: str, value: float) -> ort.OrtValue:
         """Set float32 scalar `name` (e.g. "hp/damping"); the device copy is rewritten only on change."""
@@ -175,6 +160,3 @@ class StateStore:
 
     def hp_value(self, name: str) -> float:
         return float(self._hp[name][0])
-
-    def has_hp(self, name: str) -> bool:
-        return name in self._hp
