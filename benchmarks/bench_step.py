@@ -87,7 +87,8 @@ def breakdown(tr: Trainer, x, y, bs, reps):
     data = {"input": x[idx], "targets": y[idx]}
     store = tr.store
     grads_p = tr.program("gradients")
-    stats_p = tr.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples)
+    stats_p = tr.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
+                         stats_batch=cfg.stats_batch_size)
     inv_p = tr.program("inverse_update", method=cfg.inverse_method)
     pre_p = tr.program("precondition")
     step_p = tr.program("kfac_step", with_stats=True, **tr._kfac_options())

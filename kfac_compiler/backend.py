@@ -231,17 +231,17 @@ class Emission:
         self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad, sqrt_w, w)
         return loss, n, grads, extra
 
-    def curvature_pass(self, curvature_batch: int | None) -> "ForwardPass":
-        """The forward pass curvature is estimated on: the whole batch, or (curvature_batch =
-        m) a clone of the forward graph on the batch's first m examples, so that statistics
-        and curvature products cost m/N of their full-batch price (as in Hessian-free's
-        curvature mini-batch). Call after loss_and_grads."""
-        if curvature_batch is None:
+    def stats_pass(self, stats_batch: int | None) -> "ForwardPass":
+        """The forward pass the factor statistics are estimated on: the whole batch, or
+        (stats_batch = m) a clone of the forward graph on the batch's first m examples, so
+        that the sampled backward pass and the factor products cost m/N of their full-batch
+        price (the moving average pools many batches anyway). Call after loss_and_grads."""
+        if stats_batch is None:
             return self.full
-        if int(curvature_batch) < 1:
-            raise ConfigError(f"curvature_batch must be >= 1, got {curvature_batch}")
+        if int(stats_batch) < 1:
+            raise ConfigError(f"stats_batch must be >= 1, got {stats_batch}")
         b = self.b
-        start, end, axes = b.ints([0]), b.ints([int(curvature_batch)]), b.ints([0])
+        start, end, axes = b.ints([0]), b.ints([int(stats_batch)]), b.ints([0])
         sliced = {x: b.op("Slice", [x, start, end, axes]) for x in self.view.graph_inputs}
         view, rename = self.clone_forward("kfac/sub/", sliced)
         z = rename(self.output)
@@ -472,14 +472,14 @@ def _gradients(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
 
 @subgraph("statistics")
 def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None,
-                curvature_batch: int | None = None):
+                stats_batch: int | None = None):
     em = Emission.start(parts)
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
-    targets = em.layer_cotangent_targets() if mode == "empirical" and curvature_batch is None else []
+    targets = em.layer_cotangent_targets() if mode == "empirical" and stats_batch is None else []
     loss, n, _, cots = em.loss_and_grads(targets)
     em.metric("loss", loss)
-    stats = em.batch_statistics(em.curvature_pass(curvature_batch), mode, num_samples, cots)
+    stats = em.batch_statistics(em.stats_pass(stats_batch), mode, num_samples, cots)
     for layer, factors in stats.items():
         for fname, tensor in factors.items():
             em.result(f"stat/{layer}/{fname}", tensor)
@@ -533,7 +533,7 @@ def _kfac_step(
     mode: str | None = None,
     num_samples: int | None = None,
     l2: bool = False,
-    curvature_batch: int | None = None,
+    stats_batch: int | None = None,
     loss_after: bool = False,
 ):
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
@@ -544,13 +544,12 @@ def _kfac_step(
     b = em.b
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
-    reuse = with_stats and mode == "empirical" and curvature_batch is None
+    reuse = with_stats and mode == "empirical" and stats_batch is None
     loss, n, raw_grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     grads = _regularized(em, raw_grads, l2)
     ok_terms = [loss]
-    fwd = em.curvature_pass(curvature_batch) if (with_stats or qmodel) else em.full
     if with_stats:
-        _update_factors(em, fwd, cots, mode, num_samples, ok_terms)
+        _update_factors(em, em.stats_pass(stats_batch), cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
     velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
     vectors = {"g": grads, "P": precond, "v": velocity}
@@ -562,7 +561,9 @@ def _kfac_step(
         damping = em.hp("damping")
         if l2:
             damping = b.add(damping, em.hp("l2"))
-        a, mu, change = _qmodel(em, fwd, precond, velocity, dots, damping)
+        # the quadratic model always uses the whole batch: on a sub-batch its curvature was
+        # too noisy for the momentum (digits classifier: |mu| up to 5, 36/200 steps rejected)
+        a, mu, change = _qmodel(em, em.full, precond, velocity, dots, damping)
     else:
         lr, mu = em.hp("learning_rate"), em.hp("momentum")
         a = b.neg(b.mul(lr, _norm_constraint(em, lr, dots("g", "P"))))
@@ -615,7 +616,7 @@ def _norm_constraint(em: Emission, lr: str, g_dot_precond: str) -> str:
 
 def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str):
     """a, mu minimizing m(a, mu) = g.u + 1/2 u.(C + damping)u for u = a P + mu v, with C the
-    exact GGN of the curvature batch (products from forward-mode JVPs), as in kfac-jax."""
+    exact GGN of the batch (products from forward-mode JVPs), as in kfac-jax."""
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = jvp(b, fwd.view, dict(precond), [z])[z]
     j_v = jvp(b, fwd.view, dict(velocity), [z])[z]
@@ -648,15 +649,15 @@ def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots:
 
 @subgraph("update_statistics")
 def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: int | None = None,
-                       curvature_batch: int | None = None):
+                       stats_batch: int | None = None):
     """Moving-average factor update only (first step, burn-in, before an inverse refresh)."""
     em = Emission.start(parts)
     mode = mode or parts.mode
     num_samples = num_samples or parts.num_samples
-    reuse = mode == "empirical" and curvature_batch is None
+    reuse = mode == "empirical" and stats_batch is None
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
-    _update_factors(em, em.curvature_pass(curvature_batch), cots, mode, num_samples, ok_terms)
+    _update_factors(em, em.stats_pass(stats_batch), cots, mode, num_samples, ok_terms)
     em.metric("loss", loss)
     em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("update_statistics")

@@ -173,7 +173,7 @@ class KfacConfig(OptimizerConfig):
     mode: str | None = None
     num_samples: int | None = None
     inverse_method: str | None = None
-    curvature_batch_size: int | None = None
+    stats_batch_size: int | None = 128
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
@@ -235,8 +235,8 @@ class KfacConfig(OptimizerConfig):
         _int("inv_update_period", self.inv_update_period, 1)
         _int("burn_in_steps", self.burn_in_steps, 0)
         _int("num_samples", self.num_samples, 1)
-        if self.curvature_batch_size is not None:
-            _int("curvature_batch_size", self.curvature_batch_size, 1)
+        if self.stats_batch_size is not None:
+            _int("stats_batch_size", self.stats_batch_size, 1)
         if self.mode not in ESTIMATION_MODES:
             raise ConfigError(f"unknown estimation mode {self.mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
 

@@ -106,7 +106,7 @@ class Trainer:
     def _kfac_options(self) -> dict[str, Any]:
         cfg = self.config
         return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
-                "l2": cfg.l2_reg > 0, "curvature_batch": cfg.curvature_batch_size,
+                "l2": cfg.l2_reg > 0, "stats_batch": cfg.stats_batch_size,
                 "loss_after": bool(cfg.adapt_damping), "weighted": self._weighted}
 
     def _build_programs(self) -> None:
@@ -117,7 +117,7 @@ class Trainer:
             opts = self._kfac_options()
             self.program("kfac_step", with_stats=False, **opts)  # the first step
             self.program("kfac_step", with_stats=True, **opts)
-            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, curvature_batch=cfg.curvature_batch_size)
+            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=cfg.stats_batch_size)
             self.program("inverse_update", method=cfg.inverse_method)
             self._check_host_inverses()
         elif isinstance(cfg, SgdConfig):
@@ -233,7 +233,7 @@ class Trainer:
         """update_statistics on the batch (already in the store when data is None)."""
         cfg: KfacConfig = self.config
         prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
-                            curvature_batch=cfg.curvature_batch_size, weighted=self._weighted)
+                            stats_batch=cfg.stats_batch_size, weighted=self._weighted)
         coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
         feed = dict(data or {})
         feed.update(self._noise(prog, batch_data))
