@@ -101,3 +101,18 @@ def test_models_may_name_their_tensors_output_and_weights():
     m = tr.step({"weights": x["input"]}, y, weights=np.ones(16, np.float32))
     ev = tr.evaluate({"weights": x["input"]}, y)
     assert np.isfinite(m["loss"]) and 0.0 <= ev["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("l2", [0.0, 1e-2])
+def test_loss_after_is_the_objective_at_the_new_parameters(mlp, l2):
+    """Levenberg-Marquardt's actual change: metric loss_after (reported as new_loss at k=0)
+    equals the same batch's loss at the updated parameters, plus the l2 regularizer's change
+    l2 (theta.u + |u|^2/2), recomputed here from the parameters before and after the step."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", l2_reg=l2)
+    before = tr.parameters()
+    m = tr.step(x, y)
+    after = tr.parameters()
+    u = {p: after[p].astype(np.float64) - before[p] for p in before}
+    reg = l2 * sum(float((before[p] * u[p]).sum() + 0.5 * (u[p] ** 2).sum()) for p in u)
+    assert m["new_loss"] == pytest.approx(tr.evaluate(x, y)["loss"] + reg, rel=1e-4, abs=1e-6)

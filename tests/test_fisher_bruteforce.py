@@ -69,8 +69,8 @@ def _exact_fisher(params, x, layer, kind="softmax_cross_entropy"):
     return sum(j.T @ f @ j for j, f in blocks) / len(x)
 
 
-def _statistics(plan, x, y, mode, num_samples=1, seed=0):
-    model, info = emit_subgraph(plan, "statistics", mode=mode, num_samples=num_samples)
+def _statistics(plan, x, y, mode, num_samples=1, seed=0, stats_batch=None):
+    model, info = emit_subgraph(plan, "statistics", mode=mode, num_samples=num_samples, stats_batch=stats_batch)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {"input": x.astype(np.float32), "targets": y}
     feeds.update({p: numpy_helper.to_array(t) for p, t in
@@ -159,3 +159,19 @@ def test_sampled_estimates_converge_to_the_exact_factor(tiny, mode):
         errors.append(np.abs(g - exact_g).max() / np.abs(exact_g).max())
     assert errors[1] < 0.05
     assert errors[1] < errors[0] / 3
+
+
+@pytest.mark.parametrize("mode", ["exact", "empirical"])
+def test_stats_batch_equals_the_statistics_of_the_first_examples(tiny, mode):
+    """stats_batch=m estimates the factors on a clone of the forward graph fed the batch's
+    first m examples: the same numbers as running the statistics on those examples alone."""
+    plan, _ = tiny
+    x = np.random.default_rng(7).normal(size=(6, IN))
+    y = np.array([0, 2, 1, 1, 0, 2])
+    sliced = _statistics(plan, x, y, mode, stats_batch=3)
+    alone = _statistics(plan, x[:3], y[:3], mode)
+    for layer in ("fc1", "fc2"):
+        for f in ("A", "G"):
+            np.testing.assert_allclose(sliced[f"stat/{layer}/{f}"], alone[f"stat/{layer}/{f}"], rtol=1e-5, atol=1e-7)
+    full = _statistics(plan, x, y, mode)
+    assert not np.allclose(full["stat/fc2/A"], alone["stat/fc2/A"])
