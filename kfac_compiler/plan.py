@@ -240,6 +240,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
     """Read a plan directory; PlanError if missing, of another schema version or stale."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise PlanError(f"load_plan expects a plan directory path, got {type(path).__name__}")
     path = os.fspath(path)
     pj = os.path.join(path, PLAN_FILE)
     if not os.path.isdir(path):

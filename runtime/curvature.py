@@ -82,10 +82,7 @@ class Curvature:
 
     # ---------------------------------------------------------------- parameters
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
-        for p, v in values.items():
-            if p not in self.params:
-                raise ConfigError(f"{p!r} is not a trainable parameter of the plan")
-            self.store.set(p, v)
+        self.store.set_parameters(self.params, values)
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {p: self.store.to_numpy(p) for p in self.params}

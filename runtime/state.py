@@ -107,6 +107,23 @@ class StateStore:
             raise ValueError(f"state slot {slot!r} has shape {list(shape)}, got {list(a.shape)}")
         self.current(slot).update_inplace(a)
 
+    def set_parameters(self, params: Iterable[str], values: Mapping[str, Any]) -> None:
+        """Overwrite trainable parameters from host arrays, checked (one-line ConfigError)."""
+        from kfac_compiler.errors import ConfigError
+
+        known = set(params)
+        for p, v in values.items():
+            if p not in known:
+                raise ConfigError(f"{p!r} is not a trainable parameter of the plan")
+            shape = self._spec[p][0]
+            try:
+                a = np.asarray(v, dtype=np.float32)
+            except (TypeError, ValueError):
+                raise ConfigError(f"parameter {p!r}: expected numbers, got {type(v).__name__}") from None
+            if tuple(a.shape) != tuple(shape):
+                raise ConfigError(f"parameter {p!r} has shape {list(shape)}; got {list(a.shape)}")
+            self.set(p, a)
+
     def state_dict(self, slots: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         return {s: self.to_numpy(s) for s in (self.slots() if slots is None else slots)}
 

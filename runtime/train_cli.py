@@ -258,6 +258,8 @@ def run_train(args) -> int:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.checkpoint_every < 0:
         raise ConfigError("--checkpoint-every must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     _check_plot(args.plot)
     for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
         if path and os.path.isdir(path):

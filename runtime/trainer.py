@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 
-from kfac_compiler.errors import CheckpointError, ConfigError
+from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
 from kfac_compiler.runtime.data import BatchChecker, draw_noise, input_spec
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import (
@@ -68,6 +68,9 @@ class Trainer:
         if isinstance(plan, (str, os.PathLike)):
             from kfac_compiler.plan import load_plan
 
+            if os.path.isfile(plan) and os.fspath(plan).endswith(".onnx"):
+                raise PlanError(f"{os.fspath(plan)!r} is an ONNX model, not a plan: compile it first "
+                                "(kfac_compiler.compile or `kfac-compiler compile`)")
             plan = load_plan(plan)
         if learning_rate is not None:
             knobs["learning_rate"] = learning_rate
@@ -342,6 +345,8 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss (and accuracy for softmax cross-entropy) at the current parameters."""
+        if batch_size is not None and int(batch_size) < 1:
+            raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._prepare(inputs, targets)
         prog = self.program("loss")
         n = data["targets"].shape[0]
@@ -366,6 +371,12 @@ class Trainer:
         """The model output at the current parameters (runs the plan's model with them)."""
         import onnxruntime as ort
 
+        specs = self._check_batch.input_specs
+        missing = [n for n in specs if n not in inputs]
+        unknown = [n for n in inputs if n not in specs]
+        if missing or unknown:
+            raise DataError(f"predict: inputs must be exactly the model's {list(specs)} "
+                            f"(missing {missing}, unknown {unknown})")
         sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
         out_name = getattr(self.plan, "output", None) or sess.get_outputs()[0].name
         return sess.run([out_name], {k: np.asarray(v) for k, v in inputs.items()})[0]
@@ -375,10 +386,7 @@ class Trainer:
         return {p: self.store.to_numpy(p) for p in self.params}
 
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
-        for p, v in values.items():
-            if p not in self.params:
-                raise ConfigError(f"{p!r} is not a trainable parameter of the plan")
-            self.store.set(p, v)
+        self.store.set_parameters(self.params, values)
 
     def state(self) -> dict[str, np.ndarray]:
         """Every device state slot, copied to the host."""

@@ -116,3 +116,24 @@ def test_loss_after_is_the_objective_at_the_new_parameters(mlp, l2):
     u = {p: after[p].astype(np.float64) - before[p] for p in before}
     reg = l2 * sum(float((before[p] * u[p]).sum() + 0.5 * (u[p] ** 2).sum()) for p in u)
     assert m["new_loss"] == pytest.approx(tr.evaluate(x, y)["loss"] + reg, rel=1e-4, abs=1e-6)
+
+
+def test_bad_api_input_is_a_one_line_error(mlp, tmp_path):
+    from kfac_compiler.errors import ConfigError, PlanError
+
+    plan, x, y = mlp
+    tr = Trainer(plan)
+    with pytest.raises(ConfigError, match=r"parameter 'fc1.weight' has shape \[16, 64\]; got \[3\]"):
+        tr.set_parameters({"fc1.weight": np.zeros(3)})
+    with pytest.raises(ConfigError, match="not a trainable parameter"):
+        tr.set_parameters({"nope": np.zeros(3)})
+    with pytest.raises(DataError, match="missing"):
+        tr.predict({"x": x["input"]})
+    with pytest.raises(ConfigError, match="batch_size must be >= 1"):
+        tr.evaluate(x, y, batch_size=0)
+    with pytest.raises(PlanError, match="expects a plan directory path"):
+        kc.load_plan(None)
+    onnx_file = tmp_path / "m.onnx"
+    onnx_file.write_bytes(plan.model.SerializeToString())
+    with pytest.raises(PlanError, match="compile it first"):
+        Trainer(str(onnx_file))
