@@ -97,6 +97,7 @@ class Trainer:
         self.damping = float(self.config.damping) if isinstance(self.config, KfacConfig) else 0.0
         self._programs: dict[tuple, Program] = {}
         self._weighted = False  # whether the current step's loss has per-example weights
+        self._batch_size = 0  # rows of the current batch (chooses the statistics slice)
         for p, value in initial_parameters(plan).items():
             self.store.add(p, value)
         self._build_programs()
@@ -106,10 +107,16 @@ class Trainer:
         """The Program for subgraph `name` (created on first use; its state slots initialized)."""
         return cached_program(self._programs, self.store, self.plan, self.device, self.threads, name, **options)
 
+    def _stats_batch(self) -> int | None:
+        """stats_batch_size when the current batch is larger, else None: slicing a batch that
+        is not larger would only add a second forward pass."""
+        m = self.config.stats_batch_size
+        return m if m is not None and self._batch_size > m else None
+
     def _kfac_options(self) -> dict[str, Any]:
         cfg = self.config
         return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
-                "l2": cfg.l2_reg > 0, "stats_batch": cfg.stats_batch_size,
+                "l2": cfg.l2_reg > 0, "stats_batch": self._stats_batch(),
                 "loss_after": bool(cfg.adapt_damping), "weighted": self._weighted}
 
     def _build_programs(self) -> None:
@@ -120,7 +127,7 @@ class Trainer:
             opts = self._kfac_options()
             self.program("kfac_step", with_stats=False, **opts)  # the first step
             self.program("kfac_step", with_stats=True, **opts)
-            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=cfg.stats_batch_size)
+            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self._stats_batch())
             self.program("inverse_update", method=cfg.inverse_method)
             self._check_host_inverses()
         elif isinstance(cfg, SgdConfig):
@@ -185,6 +192,7 @@ class Trainer:
         per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
         data = self._check_batch(inputs, targets, weights)
         self._weighted = weights is not None
+        self._batch_size = int(data["targets"].shape[0])
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         if isinstance(self.config, KfacConfig):
@@ -236,7 +244,7 @@ class Trainer:
         """update_statistics on the batch (already in the store when data is None)."""
         cfg: KfacConfig = self.config
         prog = self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
-                            stats_batch=cfg.stats_batch_size, weighted=self._weighted)
+                            stats_batch=self._stats_batch(), weighted=self._weighted)
         coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
         feed = dict(data or {})
         feed.update(self._noise(prog, batch_data))
@@ -264,6 +272,7 @@ class Trainer:
             raise ConfigError(f"burn-in only applies to K-FAC, not {self.optimizer!r}")
         data = self._prepare(inputs, targets)
         self._weighted = False
+        self._batch_size = int(data["targets"].shape[0])
         out, ok = self._run_statistics(data, data)
         self.burn_in_count += 1
         return {"step": float(self.step_count), "loss": out["loss"], "burn_in": 1.0, "rejected": 0.0 if ok else 1.0}
