@@ -44,6 +44,7 @@ class PlanParts:
     inverse_method: str = "inverse_op"
     blocks: dict[str, FisherBlock] | None = None
     weighted: bool = False  # an "example_weights" [N] data input scales each example's loss
+    damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
 
 
 def plan_parts(plan: Any) -> PlanParts:
@@ -63,6 +64,7 @@ def plan_parts(plan: Any) -> PlanParts:
         num_samples=int(est.get("num_samples", 1)),
         inverse_method=inv.get("method", "inverse_op"),
         blocks=plan.blocks,
+        damping_split=inv.get("damping_split", "pi"),
     )
 
 
@@ -432,16 +434,15 @@ def resolved_options(plan: Any, name: str, **options) -> dict[str, Any]:
         if key in out and out[key] is None:
             out[key] = value
     out["weighted"] = bool(options.get("weighted", False))
-    inverse = getattr(plan, "inverse", None) or {}
-    out["damping_split"] = inverse.get("damping_split", "pi")
+    out["damping_split"] = parts.damping_split
     return out
 
 
 def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dict]:
     """Emit subgraph `name` of the contract for `plan` (a Plan or PlanParts); info["options"]
     records the resolved options (see resolved_options)."""
-    resolved = resolved_options(plan, name, **options)
     parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
+    resolved = resolved_options(parts, name, **options)
     weighted = bool(options.pop("weighted", False))
     if weighted != parts.weighted:
         parts = dataclasses.replace(parts, weighted=weighted)
