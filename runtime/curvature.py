@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.runtime.data import BatchChecker, draw_noise, input_spec
+from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
 from kfac_compiler.runtime.program import (
@@ -30,7 +30,6 @@ from kfac_compiler.runtime.program import (
     cached_program,
     initial_parameters,
     plan_blocks,
-    plan_data_inputs,
     plan_trainable,
 )
 from kfac_compiler.runtime.state import StateStore
@@ -69,8 +68,8 @@ class Curvature:
         self.damping: float | None = None
         self._programs: dict[tuple, Program] = {}
         self._blocks: dict[str, Any] | None = None
-        self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
         self._check_batch = BatchChecker(plan)
+        self.input_specs = self._check_batch.input_specs
 
     @staticmethod
     def _check_mode(mode: str) -> None:

@@ -210,9 +210,11 @@ def plan_subgraph(plan: Any, name: str, **options: Any) -> tuple[Any, dict]:
     """(model, info) of subgraph `name` with `options`: the plan's stored copy when it was
     emitted with the same resolved options (plan settings included, so editing the plan's
     estimator or schedule re-emits), else kfac_compiler.backend.emit_subgraph (cached)."""
-    from kfac_compiler.backend import emit_subgraph, resolved_options
+    from kfac_compiler.backend import PlanParts, emit_subgraph, plan_parts, resolved_options
 
-    want = resolved_options(plan, name, **options)
+    # built once (it builds the plan's blocks) for both the comparison and the emission
+    parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
+    want = resolved_options(parts, name, **options)
     stored = getattr(plan, "subgraphs", None) or {}
     stored_info = getattr(plan, "subgraph_info", None) or {}
     if name in stored and name in stored_info and stored_info[name].get("options") == want:
@@ -234,7 +236,7 @@ def plan_subgraph(plan: Any, name: str, **options: Any) -> tuple[Any, dict]:
             pass
     cache = entry[1]
     if key not in cache:
-        cache[key] = emit_subgraph(plan, name, **options)
+        cache[key] = emit_subgraph(parts, name, **options)
     return cache[key]
 
 

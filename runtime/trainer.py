@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
-from kfac_compiler.runtime.data import BatchChecker, draw_noise, input_spec
+from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import (
     AdamConfig,
@@ -47,7 +47,6 @@ from kfac_compiler.runtime.program import (
     Program,
     cached_program,
     initial_parameters,
-    plan_data_inputs,
     plan_loss_kind,
     plan_blocks,
     plan_model,
@@ -86,8 +85,8 @@ class Trainer:
         self.store = StateStore(self.device)
         self.params = plan_trainable(plan)
         self.loss_kind = plan_loss_kind(plan)
-        self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
         self._check_batch = BatchChecker(plan)
+        self.input_specs = self._check_batch.input_specs
         # host-side state (all of it goes into checkpoints)
         self.step_count = 0        # optimizer steps taken (rejected ones included)
         self.applied_steps = 0     # steps whose update was applied (Adam's t)
