@@ -71,6 +71,9 @@ class Program:
                 buf = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
                 self._metric_bufs[o.name] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
         self._bindings: dict[tuple[str, ...], ort.IOBinding] = {}
+        # per binding: name -> the OrtValue bound last (ORT keeps a binding across runs, so
+        # only the buffers that changed since, e.g. flipped state slots, are bound again)
+        self._bound: dict[tuple[str, ...], dict[str, ort.OrtValue]] = {}
         self.runs = 0
         self.session_seconds = 0.0
         self.last_seconds = 0.0
@@ -107,6 +110,7 @@ class Program:
         if b is None:
             b = self.session.io_binding()
             self._bindings[want] = b
+            self._bound[want] = {}
         return b
 
     def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
@@ -130,22 +134,23 @@ class Program:
                 raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
             want = tuple(results or ())
         b = self._binding(want)
+        bound = self._bound[want]
         for n in self.state_inputs:
             if n not in store:
                 raise ContractError(f"subgraph {self.name!r} reads state slot {n!r} that the store lacks")
-            b.bind_ortvalue_input(n, store.current(n))
+            _bind(b, bound, n, store.current(n), b.bind_ortvalue_input)
         for n in self.data_inputs:
-            b.bind_ortvalue_input(n, store.data(n, channel))
+            _bind(b, bound, n, store.data(n, channel), b.bind_ortvalue_input)
         for n in self.hp_inputs:
-            b.bind_ortvalue_input(n, store.hp(n))
+            _bind(b, bound, n, store.hp(n), b.bind_ortvalue_input)
         for out, slot in self.state_outputs.items():
             if slot not in store:
                 raise ContractError(f"subgraph {self.name!r} writes state slot {slot!r} that the store lacks")
-            b.bind_ortvalue_output(out, store.spare(slot))
+            _bind(b, bound, out, store.spare(slot), b.bind_ortvalue_output)
         for m in self.metrics:
             pre = self._metric_bufs.get(m)
             if pre is not None:
-                b.bind_ortvalue_output(m, pre[1])
+                _bind(b, bound, m, pre[1], b.bind_ortvalue_output)
             else:
                 b.bind_output(m, "cpu")
         for r in want:
@@ -177,6 +182,13 @@ class Program:
             for slot in self.state_outputs.values():
                 store.flip(slot)
         return out
+
+
+def _bind(binding: ort.IOBinding, bound: dict, name: str, value: ort.OrtValue, how) -> None:
+    """Bind `value` to `name` unless this binding already holds exactly that OrtValue."""
+    if bound.get(name) is not value:
+        how(name, value)
+        bound[name] = value
 
 
 def cached_program(programs: dict, store: StateStore, plan: Any, device: Any, threads: int | None,
