@@ -55,7 +55,7 @@ THREADS = None
 
 
 def step_times(plan, x, y, bs, optimizer, steps, warmup, device, **kw):
-    tr = Trainer(plan, optimizer=optimizer, device=device, threads=THREADS, **kw)
+    tr = Trainer(plan, optimizer=optimizer, device=device, threads=THREADS, batch_size=bs, **kw)
     n = len(y)
     walls, hosts, sess = [], [], []
     for s in range(warmup + steps):
@@ -89,7 +89,7 @@ def breakdown(tr: Trainer, x, y, bs, reps):
     grads_p = tr.program("gradients")
     stats_p = tr.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
                          stats_batch=cfg.stats_batch_size)
-    inv_p = tr.program("inverse_update", method=cfg.inverse_method)
+    inv_p = tr.program("inverse_update", method=tr.inverse_method)
     pre_p = tr.program("precondition")
     step_p = tr.program("kfac_step", with_stats=True, **tr._kfac_options())
     noise = draw_noise(np.random.default_rng(0), stats_p.info, stats_p.data_inputs, data["targets"])
@@ -128,7 +128,7 @@ def full_loss(tr, x, y):
 def run_to_target(plan, x, y, bs, optimizer, steps, device, target=None, every=5, **kw):
     """Train; returns (final full-data loss, train seconds, steps to reach target, seconds to
     target). Seconds = the sum of step wall times (evaluation excluded)."""
-    tr = Trainer(plan, optimizer=optimizer, device=device, threads=THREADS, **kw)
+    tr = Trainer(plan, optimizer=optimizer, device=device, threads=THREADS, batch_size=bs, **kw)
     n = len(y)
     secs, hit_steps, hit_secs = 0.0, None, None
     times = []

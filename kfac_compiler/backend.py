@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
 from onnx import TensorProto
 
 from kfac_compiler.blocks import FisherBlock, make_block
+from kfac_compiler import linalg
 from kfac_compiler.builder import GraphBuilder, value_info
 from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import GraphView
@@ -41,7 +42,7 @@ class PlanParts:
     layers: list[Layer]
     mode: str = "gradients"
     num_samples: int = 1
-    inverse_method: str = "inverse_op"
+    inverse_method: str = "auto"
     blocks: dict[str, FisherBlock] | None = None
     weighted: bool = False  # an "example_weights" [N] data input scales each example's loss
     damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
@@ -62,7 +63,7 @@ def plan_parts(plan: Any) -> PlanParts:
         layers=list(plan.layers),
         mode=est.get("mode", "gradients"),
         num_samples=int(est.get("num_samples", 1)),
-        inverse_method=inv.get("method", "inverse_op"),
+        inverse_method=inv.get("method", "auto"),
         blocks=plan.blocks,
         damping_split=inv.get("damping_split", "pi"),
     )
@@ -79,6 +80,7 @@ class Emission:
     outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     info: dict = field(default_factory=dict)
     blocks: dict[str, FisherBlock] = field(default_factory=dict)
+    _sub_passes: dict[int, "ForwardPass"] = field(default_factory=dict)  # sub_batch_pass clones
 
     # ------------------------------------------------------------- set-up
     @classmethod
@@ -167,9 +169,7 @@ class Emission:
                 continue
             keep.append(node)
         for node in keep:
-            for i, t in enumerate(node.input):
-                if t in rename:
-                    node.input[i] = rename[t]
+            _rename_uses(node, rename)
             for i, t in enumerate(node.output):
                 if t in rename:
                     node.output[i] = rename[t]
@@ -233,15 +233,19 @@ class Emission:
         self.full = ForwardPass(self.view, lambda t: t, z, y, n, data_grad, sqrt_w, w)
         return loss, n, grads, extra
 
-    def stats_pass(self, stats_batch: int | None) -> "ForwardPass":
-        """The forward pass the factor statistics are estimated on: the whole batch, or
-        (stats_batch = m) a clone of the forward graph on the batch's first m examples, so
-        that the sampled backward pass and the factor products cost m/N of their full-batch
-        price (the moving average pools many batches anyway). Call after loss_and_grads."""
-        if stats_batch is None:
+    def sub_batch_pass(self, m: int | None) -> "ForwardPass":
+        """The forward pass on the whole batch (m = None) or on its first m examples: a clone
+        of the forward graph (built once per m and shared), on which the factor statistics
+        and the quadratic model's curvature products cost m/N of their full-batch price (the
+        moving average pools many batches anyway). Call after loss_and_grads."""
+        if m is None:
             return self.full
-        if int(stats_batch) < 1:
-            raise ConfigError(f"stats_batch must be >= 1, got {stats_batch}")
+        cached = self._sub_passes.get(int(m))
+        if cached is not None:
+            return cached
+        if int(m) < 1:
+            raise ConfigError(f"a sub-batch size must be >= 1, got {m}")
+        stats_batch = int(m)
         b = self.b
         start, end, axes = b.ints([0]), b.ints([int(stats_batch)]), b.ints([0])
         sliced = {x: b.op("Slice", [x, start, end, axes]) for x in self.view.graph_inputs}
@@ -254,7 +258,8 @@ class Emission:
         if self.full.weight is not None:
             w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in self.example_weights())
             data_grad = b.mul(data_grad, w)
-        return ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w)
+        self._sub_passes[int(stats_batch)] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w)
+        return self._sub_passes[int(stats_batch)]
 
     def clone_forward(self, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
         """Append a copy of the forward graph whose inputs/parameters listed in
@@ -392,6 +397,21 @@ class ForwardPass:
     weight: str | None = None  # the example weights, shaped to broadcast against z
 
 
+def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
+    """Rename the tensors `node` reads, including outer-scope reads inside its subgraphs
+    (If branches)."""
+    for i, t in enumerate(node.input):
+        if t in rename:
+            node.input[i] = rename[t]
+    for attr in node.attribute:
+        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in g.node:
+                _rename_uses(inner, rename)
+            for out in g.output:  # a branch may pass an outer tensor through
+                if out.name in rename:
+                    out.name = rename[out.name]
+
+
 def _init_of(spec) -> str:
     """Inverse state starts as the identity (a no-op preconditioner until the first update)
     unless the block's spec says otherwise."""
@@ -480,7 +500,7 @@ def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | No
     targets = em.layer_cotangent_targets() if mode == "empirical" and stats_batch is None else []
     loss, n, _, cots = em.loss_and_grads(targets)
     em.metric("loss", loss)
-    stats = em.batch_statistics(em.stats_pass(stats_batch), mode, num_samples, cots)
+    stats = em.batch_statistics(em.sub_batch_pass(stats_batch), mode, num_samples, cots)
     for layer, factors in stats.items():
         for fname, tensor in factors.items():
             em.result(f"stat/{layer}/{fname}", tensor)
@@ -536,11 +556,14 @@ def _kfac_step(
     l2: bool = False,
     stats_batch: int | None = None,
     loss_after: bool = False,
+    qmodel_batch: int | None = None,
 ):
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
     preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
-    quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr). loss_after adds
-    metric/loss_after, the loss of the same batch at the updated parameters."""
+    quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr), whose curvature
+    products run on the first qmodel_batch examples (None: all). loss_after adds
+    metric/loss_after, the loss of the same batch at the updated parameters, computed only
+    when hp/loss_after > 0 (NaN otherwise)."""
     em = Emission.start(parts)
     b = em.b
     mode = mode or parts.mode
@@ -550,7 +573,7 @@ def _kfac_step(
     grads = _regularized(em, raw_grads, l2)
     ok_terms = [loss]
     if with_stats:
-        _update_factors(em, em.stats_pass(stats_batch), cots, mode, num_samples, ok_terms)
+        _update_factors(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
     velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
     vectors = {"g": grads, "P": precond, "v": velocity}
@@ -562,9 +585,9 @@ def _kfac_step(
         damping = em.hp("damping")
         if l2:
             damping = b.add(damping, em.hp("l2"))
-        # the quadratic model always uses the whole batch: on a sub-batch its curvature was
-        # too noisy for the momentum (digits classifier: |mu| up to 5, 36/200 steps rejected)
-        a, mu, change = _qmodel(em, em.full, precond, velocity, dots, damping)
+        # the curvature products on the first qmodel_batch examples (the gradient terms use
+        # the whole batch); equal to stats_batch, the forward clone is shared
+        a, mu, change = _qmodel(em, em.sub_batch_pass(qmodel_batch), precond, velocity, dots, damping)
     else:
         lr, mu = em.hp("learning_rate"), em.hp("momentum")
         a = b.neg(b.mul(lr, _norm_constraint(em, lr, dots("g", "P"))))
@@ -583,17 +606,23 @@ def _kfac_step(
         em.state_output(f"velocity/{p}", update[p])
     if loss_after:
         # The objective at the new parameters on the same batch, for Levenberg-Marquardt
-        # damping (one more forward pass in this graph costs less than another session). With
-        # l2 it includes the regularizer's change l2 (theta.u + |u|^2 / 2), so that
+        # damping. The forward pass runs inside an If on hp/loss_after > 0, so only the
+        # damping-adaptation steps pay for it, in this session (a second session would cost
+        # more). With l2 it includes the regularizer's change l2 (theta.u + |u|^2 / 2), so that
         # loss_after - loss is the change of the objective the quadratic model describes.
-        _, rename = em.clone_forward("kfac/after/", new_params)
-        after = parts.loss.emit_loss(b, rename(em.output), em.full.y, WEIGHTS if parts.weighted else None)
-        if l2:
-            reg = b.add(
-                b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v"))),
-                b.mul(b.const(0.5), update_sq),
-            )
-            after = b.add(after, b.mul(em.hp("l2"), reg))
+        def objective_after() -> list[str]:
+            _, rename = em.clone_forward("kfac/after/", new_params)
+            after = parts.loss.emit_loss(b, rename(em.output), em.full.y, WEIGHTS if parts.weighted else None)
+            if l2:
+                reg = b.add(
+                    b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v"))),
+                    b.mul(b.const(0.5), update_sq),
+                )
+                after = b.add(after, b.mul(em.hp("l2"), reg))
+            return [after]
+
+        wanted = b.op("Greater", [em.hp("loss_after"), b.const(0.0)])
+        (after,) = b.conditional(wanted, objective_after, [b.const(float("nan"))], [[]], hint="loss_after")
         em.metric("loss_after", after)
     em.metric("loss", loss)
     em.metric("update_norm", b.op("Sqrt", [update_sq]))
@@ -658,7 +687,7 @@ def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: i
     reuse = mode == "empirical" and stats_batch is None
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
-    _update_factors(em, em.stats_pass(stats_batch), cots, mode, num_samples, ok_terms)
+    _update_factors(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
     em.metric("loss", loss)
     em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("update_statistics")
@@ -720,7 +749,7 @@ def _baseline_metrics(em: Emission, loss: str, steps: dict, raw: dict) -> None:
 def _inverse_update(parts: PlanParts, method: str | None = None):
     em = Emission.start(parts)
     b = em.b
-    method = method or parts.inverse_method
+    method = linalg.concrete_method(method or parts.inverse_method)  # "auto" emits inverse_op
     damping = em.hp("damping")
     oks = []
     for layer in parts.layers:

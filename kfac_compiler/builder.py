@@ -9,7 +9,7 @@ MIN_OPSET..MAX_OPSET.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -192,6 +192,32 @@ class GraphBuilder:
 
     def identity(self, x: str, output: str) -> str:
         return self.op("Identity", [x], outputs=[output])
+
+    def conditional(self, cond: str, then: Callable[[], Sequence[str]], otherwise: Sequence[str],
+                    shapes: Sequence[Sequence[int | str | None]], hint: str = "branch") -> list[str]:
+        """If(cond): the nodes `then()` appends run only when the bool scalar `cond` is true
+        (its results are returned); otherwise the `otherwise` tensors pass through. Lets one
+        session skip work on most steps (e.g. a forward pass needed every k-th step) without
+        a second session. Results are float tensors of `float_type` with `shapes` (a branch
+        output must declare one; None or a name for an unknown dimension)."""
+        start = len(self.nodes)
+        results = list(then())
+        body, self.nodes[start:] = self.nodes[start:], []
+        if not len(results) == len(otherwise) == len(shapes):
+            raise ValueError(f"conditional {hint!r}: {len(results)} results, {len(otherwise)} alternatives, "
+                             f"{len(shapes)} shapes")
+
+        def branch(name: str, nodes: list, outs: Sequence[str]) -> onnx.GraphProto:
+            infos = [value_info(t, self.float_type, list(shape)) for t, shape in zip(outs, shapes)]
+            return helper.make_graph(nodes, name, [], infos)
+
+        passed = [self.fresh(hint + "/else") for _ in otherwise]
+        passthrough = [helper.make_node("Identity", [src], [dst], name=self.fresh(hint + "/else/node"))
+                       for src, dst in zip(otherwise, passed)]
+        outs = self.op("If", [cond], n_out=len(results), hint=hint,
+                       then_branch=branch(self.fresh(hint + "/then"), body, results),
+                       else_branch=branch(self.fresh(hint + "/else"), passthrough, passed))
+        return outs if isinstance(outs, list) else [outs]
 
     # ------------------------------------------------------------ assembly
     def opset_imports(self) -> list[onnx.OperatorSetIdProto]:

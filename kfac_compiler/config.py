@@ -5,7 +5,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
 
     exclude = ["pos_emb"]
     damping = 1e-3
-    ema_decay = 0.95
+    ema_decay = 0.9
 
     [approximations]          # per layer kind (or menu key such as "fully_connected_multi")
     conv = "diagonal"
@@ -22,7 +22,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
     num_samples = 1
 
     [inverse]
-    method = "inverse_op"     # inverse_op|newton_schulz|cholesky|eigh
+    method = "auto"           # auto|inverse_op|newton_schulz|cholesky|eigh
     update_period = 10
     damping_split = "pi"      # pi|exact
 
@@ -56,7 +56,7 @@ class EstimatorConfig:
 
 @dataclass
 class InverseConfig:
-    method: str = "inverse_op"
+    method: str = "auto"  # CPU: host Cholesky (LAPACK), CUDA: inverse_op (linalg.concrete_method)
     update_period: int = 10
     damping_split: str = "pi"
 
@@ -84,7 +84,7 @@ class CompileConfig:
     layers: dict[str, str] = field(default_factory=dict)
     links: list[dict[str, Any]] = field(default_factory=list)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    ema_decay: float = 0.95
+    ema_decay: float = 0.9
     damping: float = 1e-3
     inverse: InverseConfig = field(default_factory=InverseConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)

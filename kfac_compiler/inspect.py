@@ -37,12 +37,23 @@ def render(plan: Plan, fmt: str = "table") -> str:
 def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
     """Per layer: inverse method (emitted or host), FLOPs of one statistics update per
     example and of one inverse update."""
-    method = plan.inverse.get("method", "inverse_op")
+    from kfac_compiler.linalg import AUTO_METHOD, concrete_method
+
+    method = plan.inverse.get("method", AUTO_METHOD)
     costs: dict[str, dict[str, Any]] = {}
+
+    def label(block, m: str) -> str:
+        where = "host" if block.inverse_is_host(m) else "graph"
+        return f"{'eigh' if where == 'host' and m not in ('eigh', 'cholesky') else m} ({where})"
+
     for name, block in plan.blocks.items():
-        where = "host" if block.inverse_is_host(method) else "graph"
+        if method == AUTO_METHOD:  # the runtime picks per device
+            shown = (f"auto: {label(block, concrete_method(method, 'cpu'))} on CPU, "
+                     f"{label(block, concrete_method(method, 'cuda'))} on CUDA")
+        else:
+            shown = label(block, method)
         costs[name] = {
-            "inverse_method": f"{'eigh' if where == 'host' and method not in ('eigh', 'cholesky') else method} ({where})",
+            "inverse_method": shown,
             "stats_flops_per_example": int(block.stats_flops(1)),
             "inverse_flops": int(block.inverse_flops()),
         }

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.linalg import concrete_method
 from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
@@ -56,8 +57,8 @@ class Curvature:
         self.threads = threads
         self.mode = mode or sched.get("mode", "gradients")
         self.num_samples = int(num_samples or sched.get("num_samples", 1))
-        self.ema_decay = float(ema_decay if ema_decay is not None else sched.get("ema_decay", 0.95))
-        self.inverse_method = inverse_method or sched.get("inverse_method", "inverse_op")
+        self.ema_decay = float(ema_decay if ema_decay is not None else sched.get("ema_decay", 0.9))
+        self.inverse_method = concrete_method(inverse_method or sched.get("inverse_method", "auto"), self.device.name)
         self._check_mode(self.mode)
         self.rng = np.random.default_rng(seed)
         self.store = StateStore(self.device)

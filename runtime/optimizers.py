@@ -161,7 +161,7 @@ class KfacConfig(OptimizerConfig):
     adapt_damping: bool | None = None
     damping_adaptation_interval: int = 5
     damping_adaptation_decay: float = 0.95
-    min_damping: float = 1e-3
+    min_damping: float = 1e-4
     max_damping: float = 1e8
     damping_rejection_factor: float = 10.0
     include_damping_in_quad_change: bool = False
@@ -174,6 +174,7 @@ class KfacConfig(OptimizerConfig):
     num_samples: int | None = None
     inverse_method: str | None = None
     stats_batch_size: int | None = 128
+    qmodel_batch_size: int | None = 128
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
@@ -199,7 +200,7 @@ class KfacConfig(OptimizerConfig):
         if self.damping is None:
             self.damping = plan_cfg.get("damping", self.DEFAULT_DAMPING)
         if self.cov_ema_decay is None:
-            self.cov_ema_decay = plan_cfg.get("ema_decay", 0.95)
+            self.cov_ema_decay = plan_cfg.get("ema_decay", 0.9)
         if self.cov_update_period is None:
             self.cov_update_period = int(plan_cfg.get("cov_update_period", 1))
         if self.inv_update_period is None:
@@ -209,7 +210,7 @@ class KfacConfig(OptimizerConfig):
         if self.num_samples is None:
             self.num_samples = int(plan_cfg.get("num_samples", 1))
         if self.inverse_method is None:
-            self.inverse_method = plan_cfg.get("inverse_method", "inverse_op")
+            self.inverse_method = plan_cfg.get("inverse_method", "auto")
 
     def validate(self) -> None:
         super().validate()
@@ -235,8 +236,9 @@ class KfacConfig(OptimizerConfig):
         _int("inv_update_period", self.inv_update_period, 1)
         _int("burn_in_steps", self.burn_in_steps, 0)
         _int("num_samples", self.num_samples, 1)
-        if self.stats_batch_size is not None:
-            _int("stats_batch_size", self.stats_batch_size, 1)
+        for name in ("stats_batch_size", "qmodel_batch_size"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 1)
         if self.mode not in ESTIMATION_MODES:
             raise ConfigError(f"unknown estimation mode {self.mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
 

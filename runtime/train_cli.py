@@ -272,12 +272,14 @@ def run_train(args) -> int:
         overrides = dict(knobs)
         overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
                                             ("threads", args.threads)) if v is not None})
-        trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device, **overrides)
+        trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device, batch_size=min(args.batch_size, n),
+                                          **overrides)
         if args.optimizer and trainer.optimizer != args.optimizer:
             raise ConfigError(f"--resume {args.resume!r} was written by optimizer {trainer.optimizer!r}, not {args.optimizer!r}")
     else:
         trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device, learning_rate=args.learning_rate,
-                          momentum=args.momentum, seed=args.seed, threads=args.threads, **knobs)
+                          momentum=args.momentum, seed=args.seed, threads=args.threads,
+                          batch_size=min(args.batch_size, n), **knobs)
     done = trainer.step_count + trainer.burn_in_count
     name = args.model or DEFAULT_MODEL
     quiet = args.quiet or not sys.stderr.isatty()

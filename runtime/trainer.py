@@ -15,8 +15,9 @@ One K-FAC step k (see docs/runtime.md):
   * the first step runs `update_statistics`, `inverse_update` (+ host-side blocks), then
     `kfac_step(with_stats=False)`, so it is preconditioned by its own batch;
   * every later step runs ONE fused graph `kfac_step(with_stats = k % cov_update_period == 0)`
-    which also reports the same batch's loss at the new parameters (metric/loss_after) for
-    Levenberg-Marquardt damping every damping_adaptation_interval steps;
+    which, on every damping_adaptation_interval-th step only (an If node on hp/loss_after),
+    also reports the same batch's loss at the new parameters (metric/loss_after) for
+    Levenberg-Marquardt damping;
   * after step k with k % inv_update_period == 0 the damped inverses are refreshed;
   * a step whose loss/update is not finite is discarded (the runtime does not flip the state
     buffers); the host multiplies the damping by damping_rejection_factor (10) and reports
@@ -32,6 +33,7 @@ import numpy as np
 import onnx
 
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
+from kfac_compiler.linalg import concrete_method
 from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.optimizers import (
@@ -59,11 +61,13 @@ class Trainer:
 
     Knobs (keyword arguments) per optimizer: see kfac_compiler.runtime.optimizers and
     docs/runtime.md. `threads` sets ONNX Runtime's intra-op thread count (default: all cores).
+    `batch_size` (optional): the training batch size, so that every session the steps use is
+    built here and not during the first step (any batch size still works).
     """
 
     def __init__(self, plan: Any, optimizer: str = "kfac", device: str = "cpu",
                  learning_rate: float | None = None, momentum: float | None = None, seed: int = 0,
-                 threads: int | None = None, **knobs: Any) -> None:
+                 threads: int | None = None, batch_size: int | None = None, **knobs: Any) -> None:
         if isinstance(plan, (str, os.PathLike)):
             from kfac_compiler.plan import load_plan
 
@@ -94,9 +98,14 @@ class Trainer:
         self.ema_weight = 0.0
         self.inverses_ready = False
         self.damping = float(self.config.damping) if isinstance(self.config, KfacConfig) else 0.0
+        # "auto" -> host Cholesky on CPU, inverse_op on CUDA (kfac_compiler.linalg.concrete_method)
+        self.inverse_method = (concrete_method(self.config.inverse_method, self.device.name)
+                               if isinstance(self.config, KfacConfig) else None)
         self._programs: dict[tuple, Program] = {}
         self._weighted = False  # whether the current step's loss has per-example weights
-        self._batch_size = 0  # rows of the current batch (chooses the statistics slice)
+        # rows of the current batch (chooses the sub-batch slices); the batch_size hint lets
+        # the sessions for it be built here rather than in the first step
+        self._batch_size = int(batch_size or 0)
         for p, value in initial_parameters(plan).items():
             self.store.add(p, value)
         self._build_programs()
@@ -106,16 +115,19 @@ class Trainer:
         """The Program for subgraph `name` (created on first use; its state slots initialized)."""
         return cached_program(self._programs, self.store, self.plan, self.device, self.threads, name, **options)
 
-    def _stats_batch(self) -> int | None:
-        """stats_batch_size when the current batch is larger, else None: slicing a batch that
-        is not larger would only add a second forward pass."""
-        m = self.config.stats_batch_size
+    def _sub_batch(self, m: int | None) -> int | None:
+        """m when the current batch is larger, else None: slicing a batch that is not larger
+        would only add a second forward pass."""
         return m if m is not None and self._batch_size > m else None
+
+    def _stats_batch(self) -> int | None:
+        return self._sub_batch(self.config.stats_batch_size)
 
     def _kfac_options(self) -> dict[str, Any]:
         cfg = self.config
         return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
                 "l2": cfg.l2_reg > 0, "stats_batch": self._stats_batch(),
+                "qmodel_batch": self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
                 "loss_after": bool(cfg.adapt_damping), "weighted": self._weighted}
 
     def _build_programs(self) -> None:
@@ -126,9 +138,12 @@ class Trainer:
             opts = self._kfac_options()
             self.program("kfac_step", with_stats=False, **opts)  # the first step
             self.program("kfac_step", with_stats=True, **opts)
-            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self._stats_batch())
-            self.program("inverse_update", method=cfg.inverse_method)
+            self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self._stats_batch(),
+                         weighted=self._weighted)
+            self.program("inverse_update", method=self.inverse_method)
             self._check_host_inverses()
+            if self._host_layers and self.inverse_method == "cholesky":
+                import scipy.linalg.lapack  # noqa: F401  (~0.2 s on first import: not in a step)
         elif isinstance(cfg, SgdConfig):
             self.program("sgd_step", l2=self.config.l2_reg > 0, weighted=self._weighted)
         else:
@@ -148,7 +163,7 @@ class Trainer:
     def _host_inverse_layers(self) -> dict[str, list[str]]:
         """Layers whose inverse slots the kfac step reads but `inverse_update` does not write
         (blocks inverted on the host, e.g. method "eigh")."""
-        inv = self.program("inverse_update", method=self.config.inverse_method)
+        inv = self.program("inverse_update", method=self.inverse_method)
         written = set(inv.written_slots)
         step = self.program("kfac_step", with_stats=False, **self._kfac_options())
         layers: dict[str, list[str]] = {}
@@ -171,7 +186,7 @@ class Trainer:
             fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
             factors = {s[len(fprefix):]: self.store.to_numpy(s) for s in self.store.slots() if s.startswith(fprefix)}
             previous = {s[len(iprefix):]: self.store.to_numpy(s) for s in slots}
-            state, block_ok = block.numpy_inverse(factors, damping, method=self.config.inverse_method, previous=previous)
+            state, block_ok = block.numpy_inverse(factors, damping, method=self.inverse_method, previous=previous)
             if block_ok:
                 for slot in slots:
                     self.store.set(slot, np.asarray(state[slot[len(iprefix):]]))
@@ -257,7 +272,7 @@ class Trainer:
         """Recompute every damped inverse from the current factors; returns inverse_ok."""
         cfg: KfacConfig = self.config
         damping = self.damping + cfg.l2_reg
-        prog = self.program("inverse_update", method=cfg.inverse_method)
+        prog = self.program("inverse_update", method=self.inverse_method)
         out = prog.run(self.store, hp={"hp/damping": damping})
         ok = out.get("metric/inverse_ok", 1.0) > 0.5
         if self._host_layers:
@@ -288,7 +303,10 @@ class Trainer:
         first = not self.inverses_ready
         self._set_common_hp()
         damping = self.damping
+        adapt = bool(cfg.adapt_damping) and k % cfg.damping_adaptation_interval == 0
         hp = {"hp/damping": damping}
+        if cfg.adapt_damping:
+            hp["hp/loss_after"] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
         if not cfg.use_qmodel:
             hp["hp/learning_rate"] = cfg.learning_rate
             hp["hp/momentum"] = cfg.momentum
@@ -335,7 +353,7 @@ class Trainer:
             self.applied_steps += 1
             if w_new is not None:
                 self.ema_weight = w_new
-            if cfg.adapt_damping and k % cfg.damping_adaptation_interval == 0:
+            if adapt:
                 new_loss = out["metric/loss_after"]
                 # without the qmodel the graph's change is first order: no damping term to remove
                 rho = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
@@ -437,7 +455,8 @@ class Trainer:
         return self
 
     @classmethod
-    def load_checkpoint(cls, path: str | os.PathLike, plan: Any, device: str = "cpu", **overrides: Any) -> "Trainer":
+    def load_checkpoint(cls, path: str | os.PathLike, plan: Any, device: str = "cpu", batch_size: int | None = None,
+                        **overrides: Any) -> "Trainer":
         """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`."""
         from kfac_compiler.runtime.checkpoint import read_meta
 
@@ -447,7 +466,8 @@ class Trainer:
         threads = knobs.pop("threads", None)
         seed = knobs.pop("seed", meta.get("seed", 0))
         try:
-            trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads, **knobs)
+            trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
+                          batch_size=batch_size, **knobs)
         except KeyError as e:
             raise CheckpointError(f"checkpoint {os.fspath(path)!r} lacks {e}") from None
         trainer.restore(path)

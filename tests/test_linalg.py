@@ -172,6 +172,32 @@ def test_emit_inverse_batch_groups_by_size():
         assert ok.all() and rel_err(X, np.linalg.inv(v)) < 1e-10
 
 
+def test_cholesky_keeps_float32_and_guards():
+    """LAPACK potrf/potri in the input's precision: float32 in, float32 out, accurate to
+    float32 at cond 1e3; a non-positive-definite or NaN matrix is not ok and keeps previous."""
+    M = spd(40, 1e3, (3,))
+    X, ok = linalg.np_inverse(M.astype(np.float32), "cholesky")
+    assert X.dtype == np.float32 and ok.all()
+    assert rel_err(X, np.linalg.inv(M)) < 1e-4  # cond * eps32 ~ 1e-4
+    np.testing.assert_array_equal(X, np.swapaxes(X, -1, -2))  # both triangles filled
+    bad = M.astype(np.float32)
+    bad[1] = -bad[1]  # negative definite: potrf fails
+    bad[2, 4, 4] = np.nan
+    prev = np.full_like(bad, 7.0)
+    X, ok = linalg.np_inverse(bad, "cholesky", previous=prev)
+    assert ok.tolist() == [True, False, False] and (X[1:] == 7.0).all()
+
+
+def test_auto_method_is_host_cholesky_on_cpu_and_inverse_op_elsewhere():
+    assert linalg.concrete_method("auto", "cpu") == "cholesky"
+    assert linalg.concrete_method("auto", "cuda") == "inverse_op"
+    assert linalg.concrete_method("auto") == "inverse_op"  # emitting a plan: the device op
+    assert linalg.concrete_method("eigh", "cuda") == "eigh"
+    b = GraphBuilder(17)
+    linalg.emit_inverse(b, "M", 3, "auto")
+    assert [n.op_type for n in b.nodes][0] == "Inverse"
+
+
 def test_host_methods_are_not_emitted():
     assert linalg.is_host_method("eigh") and linalg.is_host_method("cholesky")
     assert not linalg.is_host_method("inverse_op")

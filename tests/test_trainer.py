@@ -380,17 +380,40 @@ def test_cpu_and_cuda_trajectories_agree(mlp):
 
 
 def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
+    """eigh and the CPU default ("auto" = LAPACK Cholesky on the host, in float32) follow the
+    emitted inverse_op's trajectory."""
     plan, x, y = mlp
     losses = {}
-    for method in ("eigh", "inverse_op"):
+    for method in ("eigh", "auto", "inverse_op"):
         tr = Trainer(plan, optimizer="kfac", inverse_method=method, inv_update_period=5)
-        if method == "eigh":  # every block is inverted on the host with its numpy twin
+        assert tr.inverse_method == ("cholesky" if method == "auto" else method)
+        if method != "inverse_op":  # every block is inverted on the host with its numpy twin
             assert set(tr._host_layers) == {"fc1", "fc2", "fc3"}
         ms = [tr.step(*b) for b in batches(x, y, 128, 12)]
         assert all(m["rejected"] == 0 for m in ms)
         assert [m["inverse_ok"] for m in ms if m["inverse"]] == [1.0, 1.0, 1.0]  # steps 0, 5, 10
         losses[method] = [m["loss"] for m in ms]
     np.testing.assert_allclose(losses["eigh"], losses["inverse_op"], rtol=2e-3)
+    np.testing.assert_allclose(losses["auto"], losses["inverse_op"], rtol=2e-3)
+
+
+def test_cpu_default_inverse_is_the_damped_factors_inverse(mlp):
+    """After a refresh the inverse slots hold (A + pi sqrt(lambda) I)^-1 and
+    (G + sqrt(lambda)/pi I)^-1 of the current factors (float32, from LAPACK on the host)."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", inv_update_period=4)
+    ms = [tr.step(*b) for b in batches(x, y, 128, 5)]
+    assert ms[4]["inverse"] == 1 and ms[4]["inverse_ok"] == 1.0  # refreshed after step 4
+    for layer in ("fc1", "fc3"):
+        A = tr.store.to_numpy(f"factor/{layer}/A").astype(np.float64)
+        G = tr.store.to_numpy(f"factor/{layer}/G").astype(np.float64)
+        pi = math.sqrt((np.trace(A) / len(A)) / (np.trace(G) / len(G)))
+        s = math.sqrt(tr.damping)  # the damping adapted at step 4, which the refresh used
+        for name, M, d in (("A", A, pi * s), ("G", G, s / pi)):
+            inv = tr.store.to_numpy(f"inverse/{layer}/{name}_inv")
+            assert inv.dtype == np.float32
+            ref = np.linalg.inv(M + d * np.eye(len(M)))
+            assert np.abs(inv - ref).max() <= 1e-5 * np.abs(ref).max()  # a 10% damping error: 5e-2
 
 
 def test_saved_plan_directory_trains_like_the_in_memory_plan(tmp_path):

@@ -74,7 +74,8 @@ class KronBlock(PartsBlock):
         }
 
     def _np_damped(self, factors, damping):
-        A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
+        # in the factors' precision: the host inverse (LAPACK potri) then runs in float32
+        A, G = np.asarray(factors["A"]), np.asarray(factors["G"])
         dA, dG = linalg.np_damping_split(A, G, damping, self.a_diag, self.g_diag)
         return {
             "A": linalg.np_add_diagonal(A, dA, diag=self.a_diag),

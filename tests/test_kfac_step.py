@@ -1,0 +1,111 @@
+"""The fused K-FAC step's quadratic model and its Levenberg-Marquardt forward pass, against
+independent numpy computations (finite-difference Jacobian-vector products in float64)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler.models import ZOO, get_model
+from kfac_compiler.runtime import Trainer, gradients
+
+LAYERS = ("fc1", "fc2", "fc3")
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    entry = ZOO["mlp_classifier"]
+    plan = kc.compile(get_model("mlp_classifier", hidden=(16, 16)), loss=entry.loss, output="logits", emit=False)
+    x, y = entry.make_data(64)
+    return plan, x["input"], y
+
+
+def logits(params: dict, x: np.ndarray) -> np.ndarray:
+    """The zoo MLP (Gemm transB=1, ReLU) in float64 numpy."""
+    h = np.asarray(x, np.float64)
+    for i, layer in enumerate(LAYERS):
+        h = h @ params[f"{layer}.weight"].T + params[f"{layer}.bias"]
+        if i < len(LAYERS) - 1:
+            h = np.maximum(h, 0.0)
+    return h
+
+
+def ggn_products(params: dict, x: np.ndarray, vectors: list[dict], eps: float = 1e-5) -> np.ndarray:
+    """C_ij = 1/m sum_n (J_n u_i)^T F_n (J_n u_j) for softmax cross-entropy, F_n = diag(p) - p p^T,
+    with J u from central differences of the float64 forward pass."""
+    ju = []
+    for u in vectors:
+        plus = {k: v + eps * u[k] for k, v in params.items()}
+        minus = {k: v - eps * u[k] for k, v in params.items()}
+        ju.append((logits(plus, x) - logits(minus, x)) / (2 * eps))
+    z = logits(params, x)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    C = np.empty((len(vectors), len(vectors)))
+    for i, a in enumerate(ju):
+        for j, b in enumerate(ju):
+            fb = p * b - p * (p * b).sum(axis=1, keepdims=True)
+            C[i, j] = (a * fb).sum() / len(x)
+    return C
+
+
+def dot(a: dict, b: dict) -> float:
+    return float(sum((np.asarray(a[k], np.float64) * b[k]).sum() for k in a))
+
+
+@pytest.mark.parametrize("qmodel_batch", [None, 24])
+def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch):
+    """alpha, mu of step 3 minimize g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v, with
+    C the exact GGN on the batch's first qmodel_batch examples (all when None), g the whole
+    batch's gradient, P = preconditioned g, v = the previous update."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", qmodel_batch_size=qmodel_batch, stats_batch_size=None, batch_size=48)
+    batches = [np.arange(48) + 8 * s for s in range(3)]
+    for idx in batches[:2]:
+        tr.step({"input": x[idx]}, y[idx])
+    xb, yb = x[batches[2]], y[batches[2]]
+    theta = {k: v.astype(np.float64) for k, v in tr.parameters().items()}
+    v = {p: tr.store.to_numpy(f"velocity/{p}").astype(np.float64) for p in tr.params}
+    lam = tr.damping
+    _, g = gradients(plan, {"input": xb}, yb, params=tr.parameters())
+    pre = tr.program("precondition").run(tr.store, {f"vec/{p}": g[p] for p in tr.params}, results=True)
+    P = {p: pre[f"precond/{p}"].astype(np.float64) for p in tr.params}
+    m = tr.step({"input": xb}, yb)
+    assert m["rejected"] == 0 and dot(v, v) > 0
+
+    sub = xb[: qmodel_batch or len(xb)]
+    C = ggn_products(theta, sub, [P, v]) + lam * np.array([[dot(P, P), dot(P, v)], [dot(v, P), dot(v, v)]])
+    a, mu = np.linalg.solve(C, -np.array([dot(g, P), dot(g, v)]))
+    assert m["learning_rate"] == pytest.approx(-a, rel=2e-4)
+    assert m["momentum"] == pytest.approx(mu, rel=2e-4, abs=1e-5)
+    if qmodel_batch:  # the sub-batch matters: the whole batch's model gives other values
+        C_all = ggn_products(theta, xb, [P, v]) + (C - ggn_products(theta, sub, [P, v]))
+        a_all, _ = np.linalg.solve(C_all, -np.array([dot(g, P), dot(g, v)]))
+        assert abs(a_all - a) > 10 * 2e-4 * abs(a)
+
+
+def test_loss_after_runs_only_on_damping_adaptation_steps(mlp):
+    """The forward pass at the new parameters sits in an If: metric/loss_after is the
+    objective on adaptation steps (every damping_adaptation_interval-th) and NaN otherwise."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", damping_adaptation_interval=3)
+    seen = []
+    for name, prog in tr.programs().items():
+        if name.startswith("kfac_step"):
+            run = prog.run
+
+            def recording(*args, _run=run, **kw):
+                out = _run(*args, **kw)
+                seen.append(out["metric/loss_after"])
+                return out
+
+            prog.run = recording
+    ms = [tr.step({"input": x[:32]}, y[:32]) for _ in range(7)]
+    adapt = [k % 3 == 0 for k in range(7)]
+    assert ["new_loss" in m for m in ms] == adapt
+    assert [not math.isnan(v) for v in seen] == adapt
+    for m, v in zip(ms, seen):
+        if "new_loss" in m:
+            assert m["new_loss"] == v and math.isfinite(m["rho"])
