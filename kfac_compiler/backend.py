@@ -249,7 +249,7 @@ class Emission:
         b = self.b
         start, end, axes = b.ints([0]), b.ints([int(stats_batch)]), b.ints([0])
         sliced = {x: b.op("Slice", [x, start, end, axes]) for x in self.view.graph_inputs}
-        view, rename = self.clone_forward("kfac/sub/", sliced)
+        view, rename = self.clone_forward(f"kfac/sub{stats_batch}/", sliced)
         z = rename(self.output)
         y = b.op("Slice", [self.full.y, start, end, axes])
         n = b.batch_size(z)
@@ -673,7 +673,17 @@ def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots:
     a1 = b.neg(b.div(b1, b.op("Max", [c11, b.const(1e-30)])))
     a = b.op("Where", [two_d, a2, a1])
     mu = b.op("Where", [two_d, mu2, b.const(0.0)])
-    change = b.mul(b.const(0.5), b.add(b.mul(a, b1), b.mul(mu, b2)))
+    # |mu| <= hp/max_momentum, with a re-solved for the clipped mu: where the batch's
+    # curvature along v is tiny the model's optimum has |mu| >> 1 and training diverges
+    # (digits classifier and autoencoder, docs/runtime.md)
+    limit = em.hp("max_momentum")
+    mu_c = b.op("Min", [b.op("Max", [mu, b.neg(limit)]), limit])
+    a_c = b.neg(b.div(b.add(b1, b.mul(mu_c, c12)), b.op("Max", [c11, b.const(1e-30)])))
+    a = b.op("Where", [b.op("Equal", [mu, mu_c]), a, a_c])
+    mu = mu_c
+    # m(a, mu), the model's predicted change (equal to (a b1 + mu b2) / 2 at the unclipped optimum)
+    quad = b.add(b.add(b.mul(b.mul(a, a), c11), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), c12)), b.mul(b.mul(mu, mu), c22))
+    change = b.add(b.add(b.mul(a, b1), b.mul(mu, b2)), b.mul(b.const(0.5), quad))
     return a, mu, change
 
 

@@ -25,6 +25,7 @@ from kfac_compiler.errors import ConfigError
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
 from kfac_compiler.runtime.program import (
     Program,
@@ -69,6 +70,7 @@ class Curvature:
         self.damping: float | None = None
         self._programs: dict[tuple, Program] = {}
         self._blocks: dict[str, Any] | None = None
+        self._inverses: InverseRefresher | None = None
         self._check_batch = BatchChecker(plan)
         self.input_specs = self._check_batch.input_specs
 
@@ -131,25 +133,10 @@ class Curvature:
         keeps its previous inverse)."""
         if not (isinstance(damping, (int, float)) and damping > 0):
             raise ConfigError(f"damping must be a positive number, got {damping!r}")
-        prog = self.program("inverse_update", method=self.inverse_method)
-        # slots of blocks inverted on the host
-        pre = self.program("precondition")
-        written = set(prog.written_slots)
-        host = {}
-        for slot in pre.state_inputs:
-            if slot.startswith("inverse/") and slot not in written:
-                host.setdefault(slot[len("inverse/"):].rpartition("/")[0], []).append(slot)
-        out = prog.run(self.store, hp={"hp/damping": float(damping)})
-        ok = out.get("metric/inverse_ok", 1.0) > 0.5
-        for layer, slots in host.items():
-            block = self.blocks()[layer]
-            f = self.factors().get(layer, {})
-            prev = {s.rpartition("/")[2]: self.store.to_numpy(s) for s in slots}
-            state, bok = block.numpy_inverse(f, float(damping), method=self.inverse_method, previous=prev)
-            if bok:
-                for s in slots:
-                    self.store.set(s, np.asarray(state[s.rpartition("/")[2]]))
-            ok = ok and bool(bok)
+        if self._inverses is None:
+            self._inverses = InverseRefresher(self.plan, self.program("inverse_update", method=self.inverse_method),
+                                              self.program("precondition"), self.inverse_method)
+        ok = self._inverses(self.store, float(damping))
         self.damping = float(damping)
         return ok
 

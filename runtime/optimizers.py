@@ -161,7 +161,7 @@ class KfacConfig(OptimizerConfig):
     adapt_damping: bool | None = None
     damping_adaptation_interval: int = 5
     damping_adaptation_decay: float = 0.95
-    min_damping: float = 1e-4
+    min_damping: float = 1e-3
     max_damping: float = 1e8
     damping_rejection_factor: float = 10.0
     include_damping_in_quad_change: bool = False
@@ -173,8 +173,9 @@ class KfacConfig(OptimizerConfig):
     mode: str | None = None
     num_samples: int | None = None
     inverse_method: str | None = None
-    stats_batch_size: int | None = 128
-    qmodel_batch_size: int | None = 128
+    stats_batch_size: int | None = 64
+    qmodel_batch_size: int | None = None
+    max_momentum: float = 1.0
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
@@ -236,6 +237,7 @@ class KfacConfig(OptimizerConfig):
         _int("inv_update_period", self.inv_update_period, 1)
         _int("burn_in_steps", self.burn_in_steps, 0)
         _int("num_samples", self.num_samples, 1)
+        _positive("max_momentum", self.max_momentum)
         for name in ("stats_batch_size", "qmodel_batch_size"):
             if getattr(self, name) is not None:
                 _int(name, getattr(self, name), 1)

@@ -36,6 +36,7 @@ from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanEr
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.optimizers import (
     AdamConfig,
     KfacConfig,
@@ -50,7 +51,6 @@ from kfac_compiler.runtime.program import (
     cached_program,
     initial_parameters,
     plan_loss_kind,
-    plan_blocks,
     plan_model,
     plan_trainable,
 )
@@ -140,10 +140,9 @@ class Trainer:
             self.program("kfac_step", with_stats=True, **opts)
             self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self._stats_batch(),
                          weighted=self._weighted)
-            self.program("inverse_update", method=self.inverse_method)
-            self._check_host_inverses()
-            if self._host_layers and self.inverse_method == "cholesky":
-                import scipy.linalg.lapack  # noqa: F401  (~0.2 s on first import: not in a step)
+            self._inverses = InverseRefresher(
+                self.plan, self.program("inverse_update", method=self.inverse_method),
+                self.program("kfac_step", with_stats=False, **opts), self.inverse_method)
         elif isinstance(cfg, SgdConfig):
             self.program("sgd_step", l2=self.config.l2_reg > 0, weighted=self._weighted)
         else:
@@ -158,40 +157,6 @@ class Trainer:
 
     def session_seconds(self) -> float:
         return sum(p.session_seconds for p in self._programs.values())
-
-    # ------------------------------------------------------------------ host inverses
-    def _host_inverse_layers(self) -> dict[str, list[str]]:
-        """Layers whose inverse slots the kfac step reads but `inverse_update` does not write
-        (blocks inverted on the host, e.g. method "eigh")."""
-        inv = self.program("inverse_update", method=self.inverse_method)
-        written = set(inv.written_slots)
-        step = self.program("kfac_step", with_stats=False, **self._kfac_options())
-        layers: dict[str, list[str]] = {}
-        for slot in step.state_inputs:
-            if slot.startswith("inverse/") and slot not in written:
-                layer, _, _ = slot[len("inverse/"):].rpartition("/")
-                layers.setdefault(layer, []).append(slot)
-        return layers
-
-    def _check_host_inverses(self) -> None:
-        self._host_layers = self._host_inverse_layers()
-        self._host_blocks = plan_blocks(self.plan, list(self._host_layers)) if self._host_layers else {}
-
-    def _host_inverses(self, damping: float) -> bool:
-        """Blocks inverted on the host with their numpy twin (e.g. method "eigh"); uploads the
-        new state, or keeps the previous one when the block reports a failure."""
-        ok = True
-        for layer, slots in self._host_layers.items():
-            block = self._host_blocks[layer]
-            fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
-            factors = {s[len(fprefix):]: self.store.to_numpy(s) for s in self.store.slots() if s.startswith(fprefix)}
-            previous = {s[len(iprefix):]: self.store.to_numpy(s) for s in slots}
-            state, block_ok = block.numpy_inverse(factors, damping, method=self.inverse_method, previous=previous)
-            if block_ok:
-                for slot in slots:
-                    self.store.set(slot, np.asarray(state[slot[len(iprefix):]]))
-            ok = ok and bool(block_ok)
-        return ok
 
     # ------------------------------------------------------------------ data
     def _prepare(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, np.ndarray]:
@@ -272,11 +237,7 @@ class Trainer:
         """Recompute every damped inverse from the current factors; returns inverse_ok."""
         cfg: KfacConfig = self.config
         damping = self.damping + cfg.l2_reg
-        prog = self.program("inverse_update", method=self.inverse_method)
-        out = prog.run(self.store, hp={"hp/damping": damping})
-        ok = out.get("metric/inverse_ok", 1.0) > 0.5
-        if self._host_layers:
-            ok = self._host_inverses(damping) and ok
+        ok = self._inverses(self.store, damping)
         self.inverses_ready = True
         return 1.0 if ok else 0.0
 
@@ -307,7 +268,9 @@ class Trainer:
         hp = {"hp/damping": damping}
         if cfg.adapt_damping:
             hp["hp/loss_after"] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
-        if not cfg.use_qmodel:
+        if cfg.use_qmodel:
+            hp["hp/max_momentum"] = cfg.max_momentum
+        else:
             hp["hp/learning_rate"] = cfg.learning_rate
             hp["hp/momentum"] = cfg.momentum
             hp["hp/norm_constraint"] = cfg.norm_constraint or 0.0

@@ -32,11 +32,13 @@ def logits(params: dict, x: np.ndarray) -> np.ndarray:
     return h
 
 
-def ggn_products(params: dict, x: np.ndarray, vectors: list[dict], eps: float = 1e-5) -> np.ndarray:
+def ggn_products(params: dict, x: np.ndarray, vectors: list[dict], step: float = 1e-6) -> np.ndarray:
     """C_ij = 1/m sum_n (J_n u_i)^T F_n (J_n u_j) for softmax cross-entropy, F_n = diag(p) - p p^T,
-    with J u from central differences of the float64 forward pass."""
+    with J u from central differences of the float64 forward pass (a step of length `step`
+    along u, so that few ReLU kinks are crossed)."""
     ju = []
     for u in vectors:
+        eps = step / max(1.0, math.sqrt(dot(u, u)))
         plus = {k: v + eps * u[k] for k, v in params.items()}
         minus = {k: v - eps * u[k] for k, v in params.items()}
         ju.append((logits(plus, x) - logits(minus, x)) / (2 * eps))
@@ -55,13 +57,15 @@ def dot(a: dict, b: dict) -> float:
     return float(sum((np.asarray(a[k], np.float64) * b[k]).sum() for k in a))
 
 
-@pytest.mark.parametrize("qmodel_batch", [None, 24])
-def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch):
-    """alpha, mu of step 3 minimize g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v, with
-    C the exact GGN on the batch's first qmodel_batch examples (all when None), g the whole
-    batch's gradient, P = preconditioned g, v = the previous update."""
+@pytest.mark.parametrize("qmodel_batch,max_momentum", [(None, 1.0), (24, 1.0), (None, 0.05)])
+def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum):
+    """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
+    with C the exact GGN on the batch's first qmodel_batch examples (all when None), g the
+    whole batch's gradient, P = preconditioned g, v = the previous update; with |mu| capped
+    at max_momentum, alpha is the best one for the capped mu. qmodel_change = m(u)."""
     plan, x, y = mlp
-    tr = Trainer(plan, optimizer="kfac", qmodel_batch_size=qmodel_batch, stats_batch_size=None, batch_size=48)
+    tr = Trainer(plan, optimizer="kfac", qmodel_batch_size=qmodel_batch, stats_batch_size=None, batch_size=48,
+                 max_momentum=max_momentum)
     batches = [np.arange(48) + 8 * s for s in range(3)]
     for idx in batches[:2]:
         tr.step({"input": x[idx]}, y[idx])
@@ -77,9 +81,17 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
 
     sub = xb[: qmodel_batch or len(xb)]
     C = ggn_products(theta, sub, [P, v]) + lam * np.array([[dot(P, P), dot(P, v)], [dot(v, P), dot(v, v)]])
-    a, mu = np.linalg.solve(C, -np.array([dot(g, P), dot(g, v)]))
+    bvec = np.array([dot(g, P), dot(g, v)])
+    a, mu = np.linalg.solve(C, -bvec)
+    if abs(mu) > max_momentum:
+        mu = math.copysign(max_momentum, mu)
+        a = -(bvec[0] + mu * C[0, 1]) / C[0, 0]
     assert m["learning_rate"] == pytest.approx(-a, rel=2e-4)
     assert m["momentum"] == pytest.approx(mu, rel=2e-4, abs=1e-5)
+    w = np.array([a, mu])
+    assert m["qmodel_change"] == pytest.approx(w @ bvec + 0.5 * w @ C @ w, rel=1e-3)
+    if max_momentum < 1:
+        assert abs(m["momentum"]) == pytest.approx(max_momentum)  # the cap was active
     if qmodel_batch:  # the sub-batch matters: the whole batch's model gives other values
         C_all = ggn_products(theta, xb, [P, v]) + (C - ggn_products(theta, sub, [P, v]))
         a_all, _ = np.linalg.solve(C_all, -np.array([dot(g, P), dot(g, v)]))
@@ -109,3 +121,16 @@ def test_loss_after_runs_only_on_damping_adaptation_steps(mlp):
     for m, v in zip(ms, seen):
         if "new_loss" in m:
             assert m["new_loss"] == v and math.isfinite(m["rho"])
+
+
+def test_statistics_and_qmodel_sub_batches_of_different_sizes(mlp):
+    """Two sub-batch forward clones (statistics on 16, quadratic model on 24 examples) live
+    side by side in one step graph (distinct node names) and train; the statistics sub-batch
+    is really used: other factors give another preconditioned step."""
+    plan, x, y = mlp
+    runs = []
+    for stats in (16, 24):
+        tr = Trainer(plan, optimizer="kfac", stats_batch_size=stats, qmodel_batch_size=24, batch_size=48)
+        runs.append([tr.step({"input": x[:48]}, y[:48]) for _ in range(2)])
+    assert all(m["rejected"] == 0 for ms in runs for m in ms)
+    assert runs[0][0]["learning_rate"] != runs[1][0]["learning_rate"]  # other factors, other P

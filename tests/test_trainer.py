@@ -388,7 +388,7 @@ def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
         tr = Trainer(plan, optimizer="kfac", inverse_method=method, inv_update_period=5)
         assert tr.inverse_method == ("cholesky" if method == "auto" else method)
         if method != "inverse_op":  # every block is inverted on the host with its numpy twin
-            assert set(tr._host_layers) == {"fc1", "fc2", "fc3"}
+            assert set(tr._inverses.host_layers) == {"fc1", "fc2", "fc3"}
         ms = [tr.step(*b) for b in batches(x, y, 128, 12)]
         assert all(m["rejected"] == 0 for m in ms)
         assert [m["inverse_ok"] for m in ms if m["inverse"]] == [1.0, 1.0, 1.0]  # steps 0, 5, 10
