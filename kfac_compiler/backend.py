@@ -600,6 +600,7 @@ def _kfac_step(
     if not qmodel:
         change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # first-order only
     ok_terms += [update_sq, a, mu]
+    ok_flags: list[str] = []
     new_params = {p: b.add(p, update[p]) for p in parts.params}
     for p in parts.params:
         em.state_output(p, new_params[p])
@@ -624,13 +625,23 @@ def _kfac_step(
         wanted = b.op("Greater", [em.hp("loss_after"), b.const(0.0)])
         (after,) = b.conditional(wanted, objective_after, [b.const(float("nan"))], [[]], hint="loss_after")
         em.metric("loss_after", after)
+        # A failed step: with hp/reject_increase > 0, a step that raises the batch objective
+        # by more than the model promised to lower it (rho < -1) is not applied
+        # (metric/finite = 0: the runtime keeps the state and raises the damping); NaN (no
+        # forward pass this step) compares false
+        increase = b.op("And", [b.op("Greater", [em.hp("reject_increase"), b.const(0.0)]),
+                                b.op("Greater", [b.sub(after, loss), b.neg(change)])])
+        ok_flags.append(b.op("Not", [increase]))
     em.metric("loss", loss)
     em.metric("update_norm", b.op("Sqrt", [update_sq]))
     em.metric("grad_norm", b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
     em.metric("alpha", b.neg(a))
     em.metric("mu", mu)
     em.metric("qmodel_change", change)
-    em.metric("finite", b.cast(em.finite(ok_terms), FLOAT))
+    ok = em.finite(ok_terms)
+    for flag in ok_flags:
+        ok = b.op("And", [ok, flag])
+    em.metric("finite", b.cast(ok, FLOAT))
     return em.finish("kfac_step")
 
 

@@ -176,6 +176,7 @@ class KfacConfig(OptimizerConfig):
     stats_batch_size: int | None = 64
     qmodel_batch_size: int | None = None
     max_momentum: float = 1.0
+    reject_increase: bool = True
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 

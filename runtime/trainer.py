@@ -268,6 +268,7 @@ class Trainer:
         hp = {"hp/damping": damping}
         if cfg.adapt_damping:
             hp["hp/loss_after"] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
+            hp["hp/reject_increase"] = 1.0 if cfg.reject_increase else 0.0
         if cfg.use_qmodel:
             hp["hp/max_momentum"] = cfg.max_momentum
         else:
@@ -308,6 +309,12 @@ class Trainer:
             "inverse_ok": inverse_ok,
         }
         self.step_count += 1
+        if adapt:  # reported for rejected steps too (a step raising the objective is rejected)
+            new_loss = out["metric/loss_after"]
+            # without the qmodel the graph's change is first order: no damping term to remove
+            metrics["rho"] = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
+                                             damping, cfg.include_damping_in_quad_change or not cfg.use_qmodel)
+            metrics["new_loss"] = new_loss
         if not ok:
             metrics["rejected"] = 1.0
             metrics["update_norm"] = 0.0
@@ -317,13 +324,7 @@ class Trainer:
             if w_new is not None:
                 self.ema_weight = w_new
             if adapt:
-                new_loss = out["metric/loss_after"]
-                # without the qmodel the graph's change is first order: no damping term to remove
-                rho = reduction_ratio(out["loss"], new_loss, metrics["qmodel_change"], metrics["update_norm"],
-                                      damping, cfg.include_damping_in_quad_change or not cfg.use_qmodel)
-                metrics["rho"] = rho
-                metrics["new_loss"] = new_loss
-                self.damping = lm_adapt(damping, rho, cfg)
+                self.damping = lm_adapt(damping, metrics["rho"], cfg)
         if not first and k % cfg.inv_update_period == 0:
             # refreshed right after the step, from factors that include this batch, with the
             # damping just adapted; used from the next step on (one session switch per period)

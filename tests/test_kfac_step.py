@@ -132,5 +132,22 @@ def test_statistics_and_qmodel_sub_batches_of_different_sizes(mlp):
     for stats in (16, 24):
         tr = Trainer(plan, optimizer="kfac", stats_batch_size=stats, qmodel_batch_size=24, batch_size=48)
         runs.append([tr.step({"input": x[:48]}, y[:48]) for _ in range(2)])
-    assert all(m["rejected"] == 0 for ms in runs for m in ms)
+    assert all(math.isfinite(m["loss"]) for ms in runs for m in ms)
     assert runs[0][0]["learning_rate"] != runs[1][0]["learning_rate"]  # other factors, other P
+
+
+@pytest.mark.parametrize("reject", [True, False])
+def test_a_step_that_raises_the_objective_is_rejected_on_adaptation_steps(mlp, reject):
+    """With a far too large fixed learning rate, step 0 (a damping-adaptation step) raises
+    the batch loss by far more than its model promised to lower it (rho < -1): the state is
+    kept and the damping multiplied by damping_rejection_factor, unless reject_increase=False."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", learning_rate=50.0, adapt_damping=True, reject_increase=reject)
+    before = tr.parameters()
+    m = tr.step({"input": x[:32]}, y[:32])
+    assert m["new_loss"] > m["loss"] and m["rho"] < -1
+    after = tr.parameters()
+    unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+    assert m["rejected"] == (1.0 if reject else 0.0) and unchanged == reject
+    if reject:
+        assert tr.damping == pytest.approx(10 * m["damping"])

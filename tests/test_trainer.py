@@ -312,6 +312,20 @@ def test_kfac_stays_stable_for_long_runs(mlp):
         assert tr.evaluate({"input": x}, y)["loss"] < 1e-3
 
 
+@pytest.mark.parametrize("bs", [64, 256])
+def test_kfac_defaults_do_not_diverge_at_small_or_large_batches(mlp, bs):
+    """Regression: small batches ran away (|mu| up to 1e5, loss 1e28, then every step
+    rejected) before the momentum cap; batch 256 diverged with the quadratic model on a
+    sub-batch. (Batch 32 can still run away with the default damping: docs/runtime.md.)"""
+    plan, x, y = mlp
+    for seed in (0, 1):
+        tr = Trainer(plan, optimizer="kfac", seed=seed, batch_size=bs)
+        ms = [tr.step(inputs, t) for inputs, t in batches(x, y, bs, 200, seed)]
+        assert sum(m["rejected"] for m in ms) <= 5
+        assert max(abs(m["momentum"]) for m in ms if not m["rejected"]) <= 1.0 + 1e-6
+        assert tr.evaluate({"input": x}, y)["loss"] < 1e-2
+
+
 # ----------------------------------------------------------------------------- curvature API
 def test_gradients_match_numpy_for_last_layer(mlp):
     plan, x, y = mlp
