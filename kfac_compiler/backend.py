@@ -243,13 +243,13 @@ class Emission:
         cached = self._sub_passes.get(int(m))
         if cached is not None:
             return cached
-        if int(m) < 1:
+        m = int(m)
+        if m < 1:
             raise ConfigError(f"a sub-batch size must be >= 1, got {m}")
-        stats_batch = int(m)
         b = self.b
-        start, end, axes = b.ints([0]), b.ints([int(stats_batch)]), b.ints([0])
+        start, end, axes = b.ints([0]), b.ints([m]), b.ints([0])
         sliced = {x: b.op("Slice", [x, start, end, axes]) for x in self.view.graph_inputs}
-        view, rename = self.clone_forward(f"kfac/sub{stats_batch}/", sliced)
+        view, rename = self.clone_forward(f"kfac/sub{m}/", sliced)  # one prefix per size
         z = rename(self.output)
         y = b.op("Slice", [self.full.y, start, end, axes])
         n = b.batch_size(z)
@@ -258,8 +258,8 @@ class Emission:
         if self.full.weight is not None:
             w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in self.example_weights())
             data_grad = b.mul(data_grad, w)
-        self._sub_passes[int(stats_batch)] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w)
-        return self._sub_passes[int(stats_batch)]
+        self._sub_passes[m] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w)
+        return self._sub_passes[m]
 
     def clone_forward(self, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
         """Append a copy of the forward graph whose inputs/parameters listed in

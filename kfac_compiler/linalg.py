@@ -2,16 +2,20 @@
 
 Inverse methods (docs/conventions.md, "Inverse methods"):
 
+  "auto" (the default) resolves per device (concrete_method): "cholesky" on CPU,
+  "inverse_op" on CUDA and when emitting a plan.
+
   emitted (run inside ONNX Runtime, on the GPU when the session does):
     "inverse_op"     com.microsoft Inverse (LU), batched over a leading axis.
     "newton_schulz"  X_{k+1} = X_k (2I - M X_k), a fixed number of MatMul iterations;
                      warm-started from the previous inverse when it is passed in and still
                      contracts (spectral radius of I - M X_prev estimated below 0.7), else
                      from X_0 = I / ||M||_F.
-  host (numpy/scipy in float64, results cast back; the runtime uploads them):
-    "cholesky"       M = L L^T, M^-1 = L^-T L^-1 (TF K-FAC register_cholesky /
+  host (numpy/scipy; the runtime uploads the results):
+    "cholesky"       LAPACK potrf + potri in the factor's precision (float32 in the
+                     runtime), M^-1 = L^-T L^-1 (TF K-FAC register_cholesky /
                      register_cholesky_inverse).
-    "eigh"           M = U diag(s) U^T; any matrix power U diag(s^p) U^T (register_matpower),
+    "eigh"           float64 M = U diag(s) U^T; any matrix power U diag(s^p) U^T (register_matpower),
                      exact (non-factored) damping, the RNN series blocks.
 
 Every method returns, with the result, a boolean "ok" per matrix: False when the input or
