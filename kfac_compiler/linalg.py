@@ -30,6 +30,8 @@ numpy eigh) call serves all of them: `emit_inverse_batch`, `np_inverse_batch`.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -265,24 +267,21 @@ def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None)
     return np.where(ok[..., None, None], X, fallback), ok
 
 
-_BLAS_CONTROLLER: list = []
+@functools.cache
+def _blas_controller():
+    """threadpoolctl's controller (built once: it scans the loaded libraries), or None."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
+        return None
+    return ThreadpoolController()
 
 
 def _one_blas_thread():
     """A context running BLAS/LAPACK (OpenBLAS, MKL) on the calling thread only. Worker
     threads would busy-wait for ~0.1 s after each call and steal the cores ONNX Runtime's
-    pool is spinning on (on 2 cores the K-FAC step took 2x longer); threadpoolctl ships
-    with scikit-learn."""
-    import contextlib
-
-    if not _BLAS_CONTROLLER:
-        try:
-            from threadpoolctl import ThreadpoolController
-
-            _BLAS_CONTROLLER.append(ThreadpoolController())
-        except ImportError:  # pragma: no cover
-            _BLAS_CONTROLLER.append(None)
-    ctl = _BLAS_CONTROLLER[0]
+    pool is spinning on (on 2 cores the K-FAC step took 2x longer)."""
+    ctl = _blas_controller()
     return ctl.limit(limits=1, user_api="blas") if ctl is not None else contextlib.nullcontext()
 
 

@@ -14,7 +14,7 @@ device->host traffic of a steady-state step is a handful of 4-byte copies.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
@@ -138,19 +138,19 @@ class Program:
         for n in self.state_inputs:
             if n not in store:
                 raise ContractError(f"subgraph {self.name!r} reads state slot {n!r} that the store lacks")
-            _bind(b, bound, n, store.current(n), b.bind_ortvalue_input)
+            _bind(bound, b.bind_ortvalue_input, n, store.current(n))
         for n in self.data_inputs:
-            _bind(b, bound, n, store.data(n, channel), b.bind_ortvalue_input)
+            _bind(bound, b.bind_ortvalue_input, n, store.data(n, channel))
         for n in self.hp_inputs:
-            _bind(b, bound, n, store.hp(n), b.bind_ortvalue_input)
+            _bind(bound, b.bind_ortvalue_input, n, store.hp(n))
         for out, slot in self.state_outputs.items():
             if slot not in store:
                 raise ContractError(f"subgraph {self.name!r} writes state slot {slot!r} that the store lacks")
-            _bind(b, bound, out, store.spare(slot), b.bind_ortvalue_output)
+            _bind(bound, b.bind_ortvalue_output, out, store.spare(slot))
         for m in self.metrics:
             pre = self._metric_bufs.get(m)
             if pre is not None:
-                _bind(b, bound, m, pre[1], b.bind_ortvalue_output)
+                _bind(bound, b.bind_ortvalue_output, m, pre[1])
             else:
                 b.bind_output(m, "cpu")
         for r in want:
@@ -184,8 +184,9 @@ class Program:
         return out
 
 
-def _bind(binding: ort.IOBinding, bound: dict, name: str, value: ort.OrtValue, how) -> None:
-    """Bind `value` to `name` unless this binding already holds exactly that OrtValue."""
+def _bind(bound: dict, how: Callable[[str, ort.OrtValue], None], name: str, value: ort.OrtValue) -> None:
+    """Bind `value` to `name` with `how` (the binding's bind method) unless that binding
+    already holds exactly that OrtValue (`bound`: what it was given last)."""
     if bound.get(name) is not value:
         how(name, value)
         bound[name] = value
