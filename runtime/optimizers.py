@@ -174,7 +174,7 @@ class KfacConfig(OptimizerConfig):
     num_samples: int | None = None
     inverse_method: str | None = None
     stats_batch_size: int | None = 64
-    qmodel_batch_size: int | None = None
+    qmodel_batch_size: int | None = 64
     max_momentum: float = 1.0
     reject_increase: bool = True
 

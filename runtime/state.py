@@ -89,6 +89,11 @@ class StateStore:
     def spare(self, slot: str) -> ort.OrtValue:
         return self._buf[slot][1 - self._cur[slot]]
 
+    def parity(self, slots: Iterable[str]) -> tuple[int, ...]:
+        """Which buffer of each slot is current (0 or 1)."""
+        cur = self._cur
+        return tuple(cur[s] for s in slots)
+
     def flip(self, slot: str) -> None:
         self._cur[slot] = 1 - self._cur[slot]
 
