@@ -43,6 +43,7 @@ from kfac_compiler.errors import ConfigError
 
 EMITTED_METHODS = ("inverse_op", "newton_schulz")
 HOST_METHODS = ("cholesky", "eigh")
+WARM_STARTED_METHODS = ("newton_schulz",)  # use the previous inverse when it is given
 AUTO_METHOD = "auto"
 METHODS = (AUTO_METHOD,) + EMITTED_METHODS + HOST_METHODS
 # The emitted default; the plan default is "auto" (concrete_method). See docs/conventions.md
