@@ -5,20 +5,21 @@ the steps/seconds K-FAC needs to reach tuned Adam's loss.
 
 Models: the zoo's digits_autoencoder (batch 256) and mlp_classifier (batch 128), trained on
 all 1797 digits. For each:
-  * median wall time per optimizer step (K-FAC with its default schedule, SGD, Adam), and
-    the host overhead = step wall time - time inside ONNX Runtime sessions;
-  * a K-FAC breakdown from isolated runs of its subgraphs on one batch (medians):
-      fwd+bwd        the `gradients` subgraph (forward + backward)
-      statistics     `update_statistics` minus fwd+bwd (factor estimation with sampled targets)
-      inverse/step   `inverse_update` / inv_update_period (amortized)
-      precondition   the `precondition` subgraph
-      qmodel+update  fused `kfac_step(with_stats)` minus update_statistics minus precondition
-                     (the quadratic model's two JVPs, the update and the forward pass at the
-                     new parameters for damping adaptation)
+  * median and mean wall time per optimizer step (K-FAC with its default schedule, SGD,
+    Adam) from interleaved rounds (see interleaved_step_times), the median per-round ratio
+    of K-FAC's mean step to SGD's, and the host overhead = step wall time - time inside
+    ONNX Runtime sessions;
+  * a K-FAC breakdown from variants of the fused step on one batch (medians):
+      fwd+bwd+precondition+update  the step without statistics and quadratic model
+      statistics        with minus without statistics (sampled backward, factor EMA)
+      quadratic model   with minus without the qmodel (two JVPs, the 2x2 solve)
+      LM forward/step   the damping-adaptation forward pass / adaptation interval
+      inverse/step      the inverse refresh / inv_update_period (amortized)
   * time-to-target: Adam with lr in {1e-3, 3e-3, 1e-2} for N steps (1000; --quick 200); the
     best full-data loss is the target; K-FAC runs until its full-data loss (checked every 5
-    steps, evaluation time excluded) reaches it: steps and seconds.
-All numbers are medians from one run on this machine; they move with machine load.
+    steps, evaluation time excluded) reaches it: steps and seconds, and the K-FAC/Adam time
+    ratio both as measured and as steps x the interleaved mean step times.
+All numbers come from one run on this machine; they move with machine load.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from kfac_compiler.runtime.optimizers import ema_coefficient  # noqa: E402
 
 MODELS = (("digits_autoencoder", 256), ("mlp_classifier", 128))
 ADAM_LRS = (1e-3, 3e-3, 1e-2)
+OPTIMIZERS = ("kfac", "sgd", "adam")
 
 
 def med(xs):
@@ -54,20 +56,46 @@ def ms(x):
 THREADS = None
 
 
-def step_times(plan, x, y, bs, optimizer, steps, warmup, device, **kw):
-    tr = Trainer(plan, optimizer=optimizer, device=device, threads=THREADS, batch_size=bs, **kw)
-    n = len(y)
-    walls, hosts, sess = [], [], []
-    for s in range(warmup + steps):
-        idx = batch_indices(n, bs, s, 0)
-        s0 = tr.session_seconds()
-        m = tr.step({"input": x[idx]}, y[idx])
-        if s >= warmup:
-            walls.append(m["step_time"])
-            hosts.append(m["host_time"])
-            sess.append(tr.session_seconds() - s0)
-    return {"step": med(walls), "mean": statistics.fmean(walls), "host": med(hosts), "session": med(sess),
-            "trainer": tr}
+def interleaved_step_times(plan, x, y, bs, rounds, block, device):
+    """Per-step wall times of K-FAC, SGD and Adam measured in interleaved rounds: each round
+    runs `block` steps of every optimizer in turn, after a 50 ms pause (idle ONNX Runtime
+    workers of the previous trainer stop spinning) and 2 unrecorded wake-up steps. This VM's
+    speed drifts by +-30% within minutes; interleaving exposes all three to the same drift,
+    and the per-round K-FAC/SGD ratio cancels it."""
+    trainers = {o: Trainer(plan, optimizer=o, device=device, threads=THREADS, batch_size=bs) for o in OPTIMIZERS}
+    n, count = len(y), {o: 0 for o in OPTIMIZERS}
+    walls = {o: [] for o in OPTIMIZERS}
+    hosts = {o: [] for o in OPTIMIZERS}
+    sess = {o: [] for o in OPTIMIZERS}
+    ratios = []
+
+    def run(o, steps, record):
+        tr = trainers[o]
+        out = []
+        for _ in range(steps):
+            idx = batch_indices(n, bs, count[o], 0)
+            count[o] += 1
+            s0 = tr.session_seconds()
+            m = tr.step({"input": x[idx]}, y[idx])
+            if record:
+                walls[o].append(m["step_time"])
+                hosts[o].append(m["host_time"])
+                sess[o].append(tr.session_seconds() - s0)
+            out.append(m["step_time"])
+        return out
+
+    for o in OPTIMIZERS:
+        run(o, 20, False)  # first runs of every session
+    for _ in range(rounds):
+        means = {}
+        for o in OPTIMIZERS:
+            time.sleep(0.05)
+            run(o, 2, False)
+            means[o] = statistics.fmean(run(o, block, True))
+        ratios.append(means["kfac"] / means["sgd"])
+    out = {o: {"step": med(walls[o]), "mean": statistics.fmean(walls[o]), "host": med(hosts[o]),
+               "session": med(sess[o]), "trainer": trainers[o]} for o in OPTIMIZERS}
+    return out, ratios
 
 
 def timed(fn, reps):
@@ -82,42 +110,50 @@ def timed(fn, reps):
 
 
 def breakdown(tr: Trainer, x, y, bs, reps):
-    """Isolated subgraph timings on one batch (the trainer's own programs and state)."""
+    """Marginal costs from variants of the fused K-FAC step (the trainer's own sessions and
+    state, one batch, medians of `reps` runs each): isolated runs of the unfused subgraphs
+    (gradients, precondition) would run on non-spinning sessions and overstate their cost."""
     cfg = tr.config
     idx = batch_indices(len(y), bs, 0, 0)
     data = {"input": x[idx], "targets": y[idx]}
     store = tr.store
-    grads_p = tr.program("gradients")
-    stats_p = tr.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
-                         stats_batch=cfg.stats_batch_size)
-    pre_p = tr.program("precondition")
-    step_p = tr.program("kfac_step", with_stats=True, **tr._kfac_options())
-    noise = draw_noise(np.random.default_rng(0), stats_p.info, stats_p.data_inputs, data["targets"])
-    grads_p.run(store, data)  # writes the batch into the store
-    store.set_hp("hp/ema_coeff", ema_coefficient(0.5, cfg.cov_ema_decay)[0])
-    store.set_hp("hp/damping", tr.damping)
-    store.set_hp("hp/l2", cfg.l2_reg)
-    for k, v in noise.items():
+    opts = tr._kfac_options()
+    full_p = tr.program("kfac_step", with_stats=True, **opts)
+    nostats_p = tr.program("kfac_step", with_stats=False, **opts)
+    plain_p = tr.program("kfac_step", with_stats=False, **{**opts, "qmodel": False, "qmodel_batch": None,
+                                                             "loss_after": False})
+    noise = draw_noise(np.random.default_rng(0), full_p.info, full_p.data_inputs, data["targets"])
+    for k, v in {**data, **noise}.items():
         store.write_data(k, v)
-    out = grads_p.run(store, results=True)
-    vec = {f"vec/{p}": out[f"grad/{p}"] for p in tr.params}
-    # Isolated runs mutate factors/inverses/params: snapshot and restore the trainer state.
+    hp = {"hp/ema_coeff": ema_coefficient(0.5, cfg.cov_ema_decay)[0], "hp/damping": tr.damping, "hp/l2": cfg.l2_reg,
+          "hp/loss_after": 0.0, "hp/reject_increase": 0.0, "hp/max_momentum": cfg.max_momentum,
+          "hp/learning_rate": 1e-4, "hp/momentum": 0.0, "hp/norm_constraint": 0.0}
+    for k, v in hp.items():
+        store.set_hp(k, v)
+    # The runs mutate parameters, factors and inverses: snapshot and restore the trainer state.
     snap = tr.state()
-    t_grad = timed(lambda: grads_p.run(store), reps)
-    t_stats = timed(lambda: stats_p.run(store), reps)
-    t_inv = timed(tr._refresh_inverses, reps)  # the emitted part and any host-side blocks
-    t_pre = timed(lambda: pre_p.run(store, vec, results=True), reps)
-    t_step = timed(lambda: step_p.run(store), reps)
+
+    def t(fn):
+        time.sleep(0.05)
+        return timed(fn, reps)
+
+    t_full = t(lambda: full_p.run(store))
+    t_nostats = t(lambda: nostats_p.run(store))
+    t_plain = t(lambda: plain_p.run(store))
+    store.set_hp("hp/loss_after", 1.0)
+    t_adapt = t(lambda: full_p.run(store))
+    store.set_hp("hp/loss_after", 0.0)
+    t_inv = t(tr._refresh_inverses)  # the emitted part and any host-side blocks
     for k, v in snap.items():
         store.set(k, v)
     return {
-        "fwd+bwd": t_grad,
-        "statistics": max(t_stats - t_grad, 0.0),
+        "fwd+bwd+precondition+update": t_plain,
+        "statistics": t_full - t_nostats,
+        "quadratic model": t_nostats - t_plain,
+        "LM forward/step": (t_adapt - t_full) / cfg.damping_adaptation_interval,
         "inverse (raw)": t_inv,
         "inverse/step": t_inv / cfg.inv_update_period,
-        "precondition": t_pre,
-        "qmodel+update": max(t_step - t_stats - t_pre, 0.0),
-        "fused kfac_step": t_step,
+        "fused kfac_step": t_full,
     }
 
 
@@ -152,7 +188,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global THREADS
     THREADS = args.threads
-    steps, warmup, reps = (30, 5, 10) if args.quick else (200, 20, 50)
+    rounds, block, reps = (3, 10, 20) if args.quick else (12, 20, 50)
     target_steps = 200 if args.quick else 1000
     results = {}
     for name, bs in MODELS:
@@ -164,26 +200,26 @@ def main(argv=None) -> int:
         x = inputs["input"]
         r = {"batch": bs, "compile_s": compile_s}
         print(f"\n== {name} (batch {bs}, {len(y)} examples, device {args.device}) ==", flush=True)
-        per = {}
-        for opt, kw in (("kfac", {}), ("sgd", {}), ("adam", {})):
-            t = step_times(plan, x, y, bs, opt, steps, warmup, args.device, **kw)
-            per[opt] = t
+        per, ratios = interleaved_step_times(plan, x, y, bs, rounds, block, args.device)
+        for opt, t in per.items():
             r[f"{opt}_step_ms"] = 1e3 * t["step"]
             r[f"{opt}_mean_step_ms"] = 1e3 * t["mean"]
             r[f"{opt}_host_ms"] = 1e3 * t["host"]
-        print(f"{'optimizer':10s} {'median':>8s} {'mean':>8s} {'session':>8s} {'host':>8s}  (ms per step; mean "
-              "includes K-FAC's inverse refreshes)")
+        print(f"{'optimizer':10s} {'median':>8s} {'mean':>8s} {'session':>8s} {'host':>8s}  (ms per step, {rounds} "
+              f"interleaved rounds of {block} steps; mean includes K-FAC's inverse refreshes)")
         for opt, t in per.items():
             print(f"{opt:10s} {ms(t['step'])} {ms(t['mean'])} {ms(t['session'])} {ms(t['host'])}")
         r["kfac_over_sgd_median"] = per["kfac"]["step"] / per["sgd"]["step"]
         r["kfac_over_sgd_mean"] = per["kfac"]["mean"] / per["sgd"]["mean"]
-        print(f"K-FAC / SGD step: median {r['kfac_over_sgd_median']:.2f}x, mean {r['kfac_over_sgd_mean']:.2f}x")
+        r["kfac_over_sgd_mean_per_round"] = med(ratios)
+        print(f"K-FAC / SGD step: median {r['kfac_over_sgd_median']:.2f}x, mean {r['kfac_over_sgd_mean']:.2f}x; "
+              f"per-round mean ratio: median {med(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
         bd = breakdown(per["kfac"]["trainer"], x, y, bs, reps)
         r["kfac_breakdown_ms"] = {k: 1e3 * v for k, v in bd.items()}
         print(f"K-FAC breakdown (inv_update_period {per['kfac']['trainer'].config.inv_update_period}):")
         for k, v in bd.items():
-            print(f"  {k:16s} {ms(v)} ms")
-        print(f"  {'host overhead':16s} {ms(per['kfac']['host'])} ms (step wall - session time)")
+            print(f"  {k:28s} {ms(v)} ms")
+        print(f"  {'host overhead':28s} {ms(per['kfac']['host'])} ms (step wall - session time)")
         # time to target
         adam = {}
         for lr in ADAM_LRS:
@@ -194,14 +230,21 @@ def main(argv=None) -> int:
         best_lr = min(adam, key=lambda k: adam[k][0])
         target = adam[best_lr][0]
         loss, secs, hit, hit_s, k_med = run_to_target(plan, x, y, bs, "kfac", target_steps, args.device, target=target)
+        # wall-clock ratio two ways: the measured seconds of the two runs (each exposed to the
+        # machine's drift at its own time), and steps x the interleaved mean step times
+        interleaved = None if hit is None else hit * per["kfac"]["mean"] / (target_steps * per["adam"]["mean"])
         r.update(adam_best_lr=best_lr, adam_target_loss=target, adam_seconds=adam[best_lr][1],
                  adam_seconds_median_based=target_steps * adam[best_lr][2],
                  kfac_steps_to_target=hit, kfac_seconds_to_target=hit_s, kfac_final_loss=loss,
-                 kfac_seconds_median_based=None if hit is None else hit * k_med)
+                 kfac_seconds_median_based=None if hit is None else hit * k_med,
+                 kfac_over_adam_time_measured=None if hit is None else hit_s / adam[best_lr][1],
+                 kfac_over_adam_time_interleaved=interleaved)
         if hit:
             print(f"K-FAC reaches tuned Adam's (lr {best_lr:g}) {target_steps}-step loss {target:.5f} after {hit} steps, "
                   f"{hit_s:.2f} s [steps x median step: {hit * k_med:.2f} s]; Adam: {target_steps} steps, "
                   f"{adam[best_lr][1]:.2f} s [{target_steps * adam[best_lr][2]:.2f} s]")
+            print(f"K-FAC / Adam time to that loss: measured {hit_s / adam[best_lr][1]:.2f}x; "
+                  f"steps x interleaved mean step {interleaved:.2f}x")
         else:
             print(f"K-FAC did not reach {target:.5f} in {target_steps} steps (final {loss:.5f})")
         results[name] = r

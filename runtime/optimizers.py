@@ -150,8 +150,9 @@ class KfacConfig(OptimizerConfig):
 
     use_qmodel (default: True unless learning_rate/momentum are fixed): alpha and mu minimize
     the damped 2x2 quadratic model built from exact curvature (GGN) products in the
-    `kfac_step` graph. damping: initial value, adapted by Levenberg-Marquardt every
-    damping_adaptation_interval steps (adapt_damping, default with the qmodel).
+    `kfac_step` graph, on the batch's first qmodel_batch_size examples (the statistics'
+    sub-batch; None: the whole batch). damping: initial value, adapted by Levenberg-Marquardt
+    every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
     """
 
     name: ClassVar[str] = "kfac"

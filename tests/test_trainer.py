@@ -315,8 +315,10 @@ def test_kfac_stays_stable_for_long_runs(mlp):
 @pytest.mark.parametrize("bs", [64, 256])
 def test_kfac_defaults_do_not_diverge_at_small_or_large_batches(mlp, bs):
     """Regression: small batches ran away (|mu| up to 1e5, loss 1e28, then every step
-    rejected) before the momentum cap; batch 256 diverged with the quadratic model on a
-    sub-batch. (Batch 32 can still run away with the default damping: docs/runtime.md.)"""
+    rejected) before the momentum cap; batch 256 diverged with a quadratic model that mixed
+    the whole batch's gradient with a sub-batch's curvature (the default model is the
+    64-example sub-batch's own). (Batch 32 can still run away with the default damping:
+    docs/runtime.md.)"""
     plan, x, y = mlp
     for seed in (0, 1):
         tr = Trainer(plan, optimizer="kfac", seed=seed, batch_size=bs)
