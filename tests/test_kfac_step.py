@@ -57,26 +57,29 @@ def dot(a: dict, b: dict) -> float:
     return float(sum((np.asarray(a[k], np.float64) * b[k]).sum() for k in a))
 
 
-@pytest.mark.parametrize("qmodel_batch,max_momentum", [(None, 1.0), (24, 1.0), (None, 0.05)])
-def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum):
+@pytest.mark.parametrize("qmodel_batch,max_momentum,l2", [(None, 1.0, 0.0), (24, 1.0, 0.0), (None, 0.05, 0.0), (24, 1.0, 1e-2)])
+def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
     with C the exact GGN and g the gradient, both on the batch's first qmodel_batch examples
     (all when None), P = the preconditioned whole-batch gradient, v = the previous update;
     with |mu| capped at max_momentum, alpha is the best one for the capped mu.
-    qmodel_change = m(u) with the whole batch's gradient."""
+    qmodel_change = m(u) with the whole batch's gradient. With weight decay l2 both gradients
+    include l2 theta and the damping is lambda + l2."""
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac", qmodel_batch_size=qmodel_batch, stats_batch_size=None, batch_size=48,
-                 max_momentum=max_momentum)
+                 max_momentum=max_momentum, l2_reg=l2)
     batches = [np.arange(48) + 8 * s for s in range(3)]
     for idx in batches[:2]:
         tr.step({"input": x[idx]}, y[idx])
     xb, yb = x[batches[2]], y[batches[2]]
     theta = {k: v.astype(np.float64) for k, v in tr.parameters().items()}
     v = {p: tr.store.to_numpy(f"velocity/{p}").astype(np.float64) for p in tr.params}
-    lam = tr.damping
+    lam = tr.damping + l2
     _, g = gradients(plan, {"input": xb}, yb, params=tr.parameters())
     m_sub = qmodel_batch or len(xb)
     _, g_sub = gradients(plan, {"input": xb[:m_sub]}, yb[:m_sub], params=tr.parameters())
+    g = {p: g[p] + l2 * theta[p] for p in g}
+    g_sub = {p: g_sub[p] + l2 * theta[p] for p in g_sub}
     pre = tr.program("precondition").run(tr.store, {f"vec/{p}": g[p] for p in tr.params}, results=True)
     P = {p: pre[f"precond/{p}"].astype(np.float64) for p in tr.params}
     m = tr.step({"input": xb}, yb)
