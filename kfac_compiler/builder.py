@@ -234,13 +234,16 @@ class GraphBuilder:
         base_initializers: Sequence[onnx.TensorProto] = (),
         extra_opsets: Sequence[onnx.OperatorSetIdProto] = (),
     ) -> onnx.ModelProto:
-        """A model holding `base_nodes` followed by the emitted nodes."""
+        """A model holding `base_nodes` followed by the emitted nodes, less the nodes and
+        initializers no output depends on."""
+        nodes = live_nodes(list(base_nodes) + self.nodes, [o.name for o in outputs])
+        read = {t for node in nodes for t in _reads(node)}
         graph = helper.make_graph(
-            list(base_nodes) + self.nodes,
+            nodes,
             name,
             list(inputs),
             list(outputs),
-            initializer=list(base_initializers) + self.initializers,
+            initializer=[t for t in list(base_initializers) + self.initializers if t.name in read],
         )
         opsets = {o.domain: o.version for o in extra_opsets}
         opsets.update({o.domain: o.version for o in self.opset_imports()})
@@ -251,6 +254,30 @@ class GraphBuilder:
         )
         model.ir_version = IR_VERSION
         return model
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors `node` reads: its inputs and, inside If/Loop/Scan bodies, whatever those
+    bodies' nodes read (outer-scope names included; over-approximating keeps more alive)."""
+    out = {t for t in node.input if t}
+    for attr in node.attribute:
+        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in g.node:
+                out |= _reads(inner)
+    return out
+
+
+def live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
+    """`nodes` (topologically ordered) less those that no tensor in `outputs` depends on.
+    ONNX Runtime keeps and runs dead nodes (e.g. the full-batch backward pass that
+    update_statistics emits with the loss but does not need with a statistics sub-batch)."""
+    needed = set(outputs)
+    keep = []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed |= _reads(node)
+    return keep[::-1]
 
 
 def value_info(name: str, elem_type: int, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:
