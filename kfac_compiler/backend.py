@@ -17,6 +17,7 @@ import onnx
 from onnx import TensorProto
 
 from kfac_compiler.blocks import FisherBlock, make_block
+from kfac_compiler.blocks._parts import GramStatistic, emit_statistic
 from kfac_compiler import linalg
 from kfac_compiler.builder import GraphBuilder, value_info
 from kfac_compiler.errors import ConfigError, ModelError
@@ -502,21 +503,31 @@ def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | No
     em.metric("loss", loss)
     stats = em.batch_statistics(em.sub_batch_pass(stats_batch), mode, num_samples, cots)
     for layer, factors in stats.items():
-        for fname, tensor in factors.items():
-            em.result(f"stat/{layer}/{fname}", tensor)
+        for fname, stat in factors.items():
+            em.result(f"stat/{layer}/{fname}", emit_statistic(em.b, stat))
     return em.finish("statistics")
 
 
 def _update_factors(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int, ok: list[str]) -> None:
-    """Write the moving-average update of every factor; append finiteness terms to `ok`."""
+    """Write the moving-average update (1 - c) F + c S of every factor F with this batch's
+    statistic S; append finiteness terms to `ok`. A GramStatistic S = X^T X / count becomes
+    one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is that of |X|^2, which
+    bounds every entry of X^T X."""
+    b = em.b
     coeff = em.hp("ema_coeff")
+    keep = b.sub(b.const(1.0), coeff)
     stats = em.batch_statistics(fwd, mode, num_samples, cots)
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
-        for fname, batch in stats[layer.name].items():
+        for fname, stat in stats[layer.name].items():
             slot = em.state_input(f"factor/{layer.name}/{fname}", specs[fname].shape, "zeros")
-            em.state_output(slot, em.b.add(slot, em.b.mul(coeff, em.b.sub(batch, slot))))
-            ok.append(em.b.reduce_sum(batch, None))
+            if isinstance(stat, GramStatistic):
+                scaled = b.mul(stat.rows, b.div(coeff, stat.count))
+                em.state_output(slot, b.op("Gemm", [scaled, stat.rows, b.mul(slot, keep)], transA=1))
+                ok.append(b.reduce("ReduceSumSquare", stat.rows, None))
+            else:
+                em.state_output(slot, b.add(slot, b.mul(coeff, b.sub(stat, slot))))
+                ok.append(b.reduce_sum(stat, None))
 
 
 def _regularized(em: Emission, grads: dict[str, str], l2: bool) -> dict[str, str]:

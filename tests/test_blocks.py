@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks import APPROXIMATIONS, BLOCK_CLASSES, emit_inverses, make_block, numpy_inverses
+from kfac_compiler.blocks._parts import emit_statistic
 from kfac_compiler.builder import NP_TO_ONNX, GraphBuilder, value_info
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import Layer, LayerUse
@@ -30,6 +31,11 @@ def run_graph(build, feeds: dict, opset: int = 17, float_type=TensorProto.FLOAT)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     vals = sess.run(None, {k: np.asarray(v) for k, v in feeds.items()})
     return dict(zip(keys, vals))
+
+
+def stat_tensors(b, stats):
+    """emit_statistics' values as tensors (GramStatistic operands multiplied out)."""
+    return {k: emit_statistic(b, v) for k, v in stats.items()}
 
 
 def with_ok(state):
@@ -52,7 +58,7 @@ def emitted_stats(blk, inputs, cots, opset=17):
     feeds.update({f"d{u}_{s}": d for u, ds in enumerate(cots) for s, d in enumerate(ds)})
     names_in = [f"x{u}" for u in range(len(inputs))]
     names_cot = [[f"d{u}_{s}" for s in range(len(ds))] for u, ds in enumerate(cots)]
-    return run_graph(lambda b: blk.emit_statistics(b, names_in, names_cot), feeds, opset)
+    return run_graph(lambda b: stat_tensors(b, blk.emit_statistics(b, names_in, names_cot)), feeds, opset)
 
 
 def assert_close(a, b, rtol=1e-4, atol=1e-5, what=""):
@@ -411,7 +417,7 @@ def test_scale_shift_batchnorm():
     norm = {"op": "BatchNormalization", "mean": "bn_mean", "var": "bn_var", "epsilon": 1e-5}
     layer, blk, inputs, cots = ss_case("diagonal", normalization=norm, shape=(4, C, 2, 3), pshape=(C,))
     feeds = {"x0": inputs[0], "d0_0": cots[0][0], "d0_1": cots[0][1], "bn_mean": mean, "bn_var": var}
-    out = run_graph(lambda b: blk.emit_statistics(b, ["x0"], [["d0_0", "d0_1"]]), feeds)
+    out = run_graph(lambda b: stat_tensors(b, blk.emit_statistics(b, ["x0"], [["d0_0", "d0_1"]])), feeds)
     xh = (np.asarray(inputs[0], np.float64) - mean[None, :, None, None]) / np.sqrt(var[None, :, None, None] + 1e-5)
     F = ss_brute([xh], cots, (2, 3), True)
     assert_close(out["diag"], np.diag(F))
@@ -859,7 +865,7 @@ def test_float64_graph_statistics_and_inverse():
     feeds = {"x0": x64[0], "d0_0": d64[0][0], "d0_1": d64[0][1], "lam": np.float64(0.01)}
 
     def build(b):
-        st = blk.emit_statistics(b, ["x0"], [["d0_0", "d0_1"]])
+        st = stat_tensors(b, blk.emit_statistics(b, ["x0"], [["d0_0", "d0_1"]]))
         inv = blk.emit_inverse(b, st, "lam", "inverse_op")
         return {**st, **with_ok(inv)}
 

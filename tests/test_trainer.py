@@ -148,6 +148,29 @@ def test_kfac_step_keeps_state_on_device_and_reports_metrics(mlp):
     assert tr.step_count == 3
 
 
+def test_factor_moving_average_matches_numpy(mlp):
+    """factor/fc1/A after two steps = (1 - c) A_0 + c A_1 with A_k = [x 1]^T [x 1] / 64 over
+    the statistics sub-batch (the first 64 of 128 examples) and c the zero-debiased
+    coefficient: step 1's fused kfac_step folds this into one Gemm; numpy in float64."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac")
+    assert tr.config.stats_batch_size == 64
+    data = list(batches(x, y, 128, 2))
+    for inputs, t in data:
+        tr.step(inputs, t)
+
+    def batch_A(inputs):
+        rows = np.hstack([inputs["input"][:64].astype(np.float64), np.ones((64, 1))])
+        return rows.T @ rows / 64
+
+    c0, w = ema_coefficient(0.0, tr.config.cov_ema_decay)
+    c1, _ = ema_coefficient(w, tr.config.cov_ema_decay)
+    assert c0 == 1.0 and 0.0 < c1 < 1.0
+    want = (1 - c1) * batch_A(data[0][0]) + c1 * batch_A(data[1][0])
+    got = tr.store.to_numpy("factor/fc1/A")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_overflowing_step_is_rejected_keeps_state_and_raises_damping(mlp):
     """A finite input so large that the forward pass overflows to Inf/NaN inside the graph:
     the step is rejected, every state slot is kept and the damping goes up x10."""

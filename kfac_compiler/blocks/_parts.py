@@ -89,6 +89,25 @@ def emit_gram(b: GraphBuilder, X: str, rank: int = 2) -> str:
     return b.matmul(X, b.transpose(X, [0, 2, 1]))
 
 
+@dataclass(frozen=True)
+class GramStatistic:
+    """A factor statistic X^T X / count for rows X [m, k], left as its operands: the moving
+    average folds the product, the division and its decay into one Gemm
+    (backend._update_factors), instead of four more passes over the k x k factor (0.08 ms of
+    a 2.3 ms digits-autoencoder step). `emit` materializes it for every other consumer."""
+
+    rows: str
+    count: str  # scalar tensor
+
+    def emit(self, b: GraphBuilder) -> str:
+        return b.div(emit_gram(b, self.rows), self.count)
+
+
+def emit_statistic(b: GraphBuilder, stat: "str | GramStatistic") -> str:
+    """The tensor of an emit_statistics value (a tensor name or a GramStatistic)."""
+    return stat.emit(b) if isinstance(stat, GramStatistic) else stat
+
+
 def emit_add_all(b: GraphBuilder, xs: Sequence[str]) -> str:
     xs = list(xs)
     out = xs[0]

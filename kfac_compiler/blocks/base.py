@@ -14,10 +14,13 @@ matrix [W | b] (rows outputs, columns inputs then bias).
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.ir import FactorSpec, Layer
+
+if TYPE_CHECKING:
+    from kfac_compiler.blocks._parts import GramStatistic
 
 BLOCKS: dict[str, type["FisherBlock"]] = {}
 # Several classes share an approximation name (e.g. "kron" for fully connected, conv and
@@ -97,13 +100,14 @@ class FisherBlock:
     # What the emitted graphs compute ---------------------------------------
     def emit_statistics(
         self, b: GraphBuilder, inputs: list[str], cotangents: list[list[str]]
-    ) -> dict[str, str]:
+    ) -> dict[str, str | GramStatistic]:
         """One batch's estimate of every factor.
 
         inputs[u]: forward value of layer.uses[u].input. cotangents[u][s]: per-example loss
         gradient delta w.r.t. layer.uses[u].output for seed s, already scaled so that the
         factor is the SUM over seeds (the estimator folds 1/num_samples in).
-        Returns {factor name: tensor name} for every factor_specs() entry.
+        Returns {factor name: tensor name, or a _parts.GramStatistic (X^T X / count left as
+        its operands; _parts.emit_statistic materializes it)} for every factor_specs() entry.
         """
         raise NotImplementedError
 

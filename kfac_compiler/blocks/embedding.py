@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kfac_compiler.blocks._parts import MatrixView, emit_concat, emit_dim, emit_gram
+from kfac_compiler.blocks._parts import GramStatistic, MatrixView, emit_concat, emit_dim
 from kfac_compiler.blocks.base import register_block
 from kfac_compiler.blocks.kron import KronBlock
 from kfac_compiler.errors import ConfigError
@@ -68,7 +68,7 @@ class EmbeddingKron(KronBlock):
             counts = b.reduce_sum(onehot, [0])
         A = b.div(counts, rows)
         D = emit_concat(b, [b.reshape(d, [-1, self.dim]) for ds in cotangents for d in ds], axis=0)
-        G = b.div(emit_gram(b, D), emit_dim(b, cotangents[0][0], 0))
+        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0))
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents):

@@ -19,13 +19,13 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler.blocks._parts import (
+    GramStatistic,
     MatrixView,
     Part,
     PartsBlock,
     emit_append_const,
     emit_concat,
     emit_dim,
-    emit_gram,
     prod,
 )
 from kfac_compiler.blocks.base import register_block
@@ -120,11 +120,11 @@ class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
         if self.a_diag:
             A = b.div(b.reduce_sum(b.mul(X, X), [0]), rows)
         else:
-            A = b.div(emit_gram(b, X), rows)
+            A = GramStatistic(X, rows)
         if self.g_diag:
             G = b.div(b.reduce_sum(b.mul(D, D), [0]), n)
         else:
-            G = b.div(emit_gram(b, D), n)
+            G = GramStatistic(D, n)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents):
