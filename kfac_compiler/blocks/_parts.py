@@ -176,6 +176,25 @@ class MatrixView:
         out[self.weight] = w
         return out
 
+    @property
+    def stored_transposed(self) -> bool:
+        """A 2-d weight stored [in, out] (as ONNX MatMul and Gemm(transB=0) read it): blocks
+        can work on M^T = [W; b^T] as stored, without a transpose on the way in and out."""
+        return self.transpose and len(self.w_mat_shape) == 2
+
+    def emit_to_transposed(self, b: GraphBuilder, tensors: dict[str, str]) -> str:
+        """M^T [in (+1), out] of a stored_transposed view."""
+        w = tensors[self.weight]
+        if not self.bias:
+            return w
+        return b.op("Concat", [w, b.reshape(tensors[self.bias], [1, self.w_mat_shape[0]])], axis=0)
+
+    def emit_from_transposed(self, b: GraphBuilder, MT: str) -> dict[str, str]:
+        if not self.bias:
+            return {self.weight: MT}
+        w, bb = b.split(MT, [self.w_mat_shape[1], 1], axis=0)
+        return {self.weight: w, self.bias: b.reshape(bb, self.b_shape)}
+
     # numpy
     def np_to(self, arrays: dict) -> np.ndarray:
         w = np.asarray(arrays[self.weight])
