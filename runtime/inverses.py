@@ -38,14 +38,18 @@ class InverseRefresher:
         if self.emitted.written_slots:  # nothing to run when every block is on the host
             out = self.emitted.run(store, hp={"hp/damping": float(damping)})
             ok = out.get("metric/inverse_ok", 1.0) > 0.5
-        for layer, slots in self.host_layers.items():
-            fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
-            factors = {s[len(fprefix):]: store.to_numpy(s) for s in store.slots() if s.startswith(fprefix)}
-            previous = {s[len(iprefix):]: store.to_numpy(s) for s in slots} if self.warm else None
-            state, block_ok = self.blocks[layer].numpy_inverse(factors, float(damping), method=self.method,
-                                                              previous=previous)
-            if block_ok:
-                for slot in slots:
-                    store.set(slot, np.asarray(state[slot[len(iprefix):]]))
-            ok = ok and bool(block_ok)
+        with linalg.one_blas_thread():  # one thread-limit switch for all blocks
+            for layer, slots in self.host_layers.items():
+                ok = self._refresh_host_block(store, damping, layer, slots) and ok
         return ok
+
+    def _refresh_host_block(self, store: StateStore, damping: float, layer: str, slots: list[str]) -> bool:
+        fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
+        factors = {s[len(fprefix):]: store.to_numpy(s) for s in store.slots() if s.startswith(fprefix)}
+        previous = {s[len(iprefix):]: store.to_numpy(s) for s in slots} if self.warm else None
+        state, block_ok = self.blocks[layer].numpy_inverse(factors, float(damping), method=self.method,
+                                                          previous=previous)
+        if block_ok:
+            for slot in slots:
+                store.set(slot, np.asarray(state[slot[len(iprefix):]]))
+        return bool(block_ok)

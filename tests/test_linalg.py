@@ -173,7 +173,7 @@ def test_emit_inverse_batch_groups_by_size():
 
 
 def test_cholesky_keeps_float32_and_guards():
-    """LAPACK potrf/potri in the input's precision: float32 in, float32 out, accurate to
+    """LAPACK potrf/potrs in the input's precision: float32 in, float32 out, accurate to
     float32 at cond 1e3; a non-positive-definite or NaN matrix is not ok and keeps previous."""
     M = spd(40, 1e3, (3,))
     X, ok = linalg.np_inverse(M.astype(np.float32), "cholesky")

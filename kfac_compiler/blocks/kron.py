@@ -74,7 +74,7 @@ class KronBlock(PartsBlock):
         }
 
     def _np_damped(self, factors, damping):
-        # in the factors' precision: the host inverse (LAPACK potri) then runs in float32
+        # in the factors' precision: the host inverse (LAPACK potrf + potrs) then runs in float32
         A, G = np.asarray(factors["A"]), np.asarray(factors["G"])
         dA, dG = linalg.np_damping_split(A, G, damping, self.a_diag, self.g_diag)
         return {
