@@ -179,7 +179,11 @@ class GraphBuilder:
         return x if factor == 1.0 else self.mul(x, self.const(factor))
 
     def shape(self, x: str, start: int | None = None, end: int | None = None) -> str:
-        return self.op("Shape", [x], start=start, end=end)
+        if self.opset >= 15 or (start is None and end is None):
+            return self.op("Shape", [x], start=start, end=end)
+        # Shape's start/end attributes came in opset 15
+        ends = [end if end is not None else np.iinfo(np.int64).max]
+        return self.op("Slice", [self.op("Shape", [x]), self.ints([start or 0]), self.ints(ends)])
 
     def cast(self, x: str, to: int) -> str:
         return self.op("Cast", [x], to=to)

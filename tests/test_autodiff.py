@@ -307,3 +307,24 @@ def test_opset_13_and_22_forms():
         assert rep.ok, f"opset {opset}: {rep}"
         gm = convert_float_type(gradient_model(m, "y", ["W"]), TensorProto.FLOAT)
         run_ort(gm, {"x": np.ones((2, 3), np.float32), "y_grad": np.ones((2, 4), np.float32)})
+
+
+@pytest.mark.parametrize("batch", [5, "N"])
+def test_dense_bias_gradient_is_the_column_sum(batch):
+    """y = x W + b: grad b = sum over rows of dL/dy (emitted as ones @ g, a static ones row
+    for a fixed batch, ConstantOfShape for a symbolic one), grad W = x^T dL/dy; ORT float32
+    against the hand-computed values."""
+    rng = np.random.default_rng(4)
+    W, bias = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])]
+    g = helper.make_graph(nodes, "dense", [value_info("x", TensorProto.FLOAT, [batch, 3])],
+                          [value_info("y", TensorProto.FLOAT, [batch, 4])],
+                          initializer=[numpy_helper.from_array(W, "W"), numpy_helper.from_array(bias, "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    gm = gradient_model(onnx.shape_inference.infer_shapes(m), "y", ["W", "b"])
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    gy = rng.standard_normal((5, 4)).astype(np.float32)
+    got = run_ort(gm, {"x": x, "y_grad": gy})
+    np.testing.assert_allclose(got["grad/b"], gy.astype(np.float64).sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["grad/W"], x.T.astype(np.float64) @ gy, rtol=1e-5, atol=1e-6)

@@ -215,11 +215,26 @@ def unbroadcast(b, view, g: str, target: str, ref: str | None = None, rshape=Non
         if ok:
             if not axes:
                 return g
-            red = b.reduce_sum(g, axes, keepdims=True)
+            if axes == [0] and len(rs) == 2 and view.dtypes.get(target) == b.float_type:
+                red = sum_rows(b, g, rs[0])
+            else:
+                red = b.reduce_sum(g, axes, keepdims=True)
             if lead:
                 red = b.squeeze(red, list(range(lead)))
             return red
     return _unbroadcast_dynamic(b, view, g, target, None if rs is None else len(rs))
+
+
+def sum_rows(b, g: str, rows) -> str:
+    """[1, n] = the sum of the rows of 2-d g, as ones[1, rows] @ g: ONNX Runtime's ReduceSum
+    over axis 0 strides down the columns (34 us for 256 x 256 on 2 cores, 9x the GEMV; the
+    bias gradients of a dense layer). `rows`: g's static row count, or a symbolic dim."""
+    if isinstance(rows, int):
+        ones = c(b, np.ones((1, rows)))
+    else:
+        shape = b.op("Concat", [b.ints([1]), b.shape(g, 0, 1)], axis=0)
+        ones = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.ones(1, dtype=b.np_float)))
+    return b.matmul(ones, g)
 
 
 def _unbroadcast_dynamic(b, view, g: str, target: str, rg: int | None) -> str:
