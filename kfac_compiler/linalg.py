@@ -285,6 +285,14 @@ def _blas_controller():
 _blas_limit_depth = 0
 
 
+def prepare_host_inverses() -> None:
+    """Do the one-time work of the first host inverse up front: import scipy's LAPACK
+    (~0.2 s) and scan the loaded BLAS libraries (threadpoolctl, ~5 ms)."""
+    import scipy.linalg.lapack  # noqa: F401
+
+    _blas_controller()
+
+
 @contextlib.contextmanager
 def one_blas_thread():
     """Run BLAS/LAPACK (OpenBLAS, MKL) on the calling thread only. Worker threads would

@@ -28,8 +28,8 @@ class InverseRefresher:
                 layer = slot[len("inverse/"):].rpartition("/")[0]
                 self.host_layers.setdefault(layer, []).append(slot)
         self.blocks = plan_blocks(plan, list(self.host_layers)) if self.host_layers else {}
-        if self.host_layers and method == "cholesky":
-            import scipy.linalg.lapack  # noqa: F401  (~0.2 s on first import: not during a step)
+        if self.host_layers:
+            linalg.prepare_host_inverses()  # one-time imports and library scans: not in a step
 
     def __call__(self, store: StateStore, damping: float) -> bool:
         """Refresh every inverse for `damping`; False if a block failed (it keeps its previous
