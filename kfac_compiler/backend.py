@@ -259,7 +259,7 @@ class Emission:
         if self.full.weight is not None:
             w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in self.example_weights())
             data_grad = b.mul(data_grad, w)
-        self._sub_passes[m] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w)
+        self._sub_passes[m] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w, rows=m)
         return self._sub_passes[m]
 
     def clone_forward(self, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
@@ -328,10 +328,10 @@ class Emission:
         noise = []
         if spec.count:
             noise_shape = list(loss.noise_shape(z_shape))
+            if fwd.rows is not None:  # a sub-batch pass (used only on larger batches): m rows
+                noise_shape[0] = fwd.rows
             self.info["noise"] = {"count": spec.count, "shape": noise_shape, "distribution": spec.distribution}
             noise = [self.data_input(f"noise/{s}", self.b.float_type, noise_shape) for s in range(spec.count)]
-            if fwd is not self.full:
-                noise = [b.op("Slice", [u, b.ints([0]), b.shape(z, 0, 1), b.ints([0])]) for u in noise]
         targets = [fwd.name(t) for t in self.layer_cotangent_targets()]
         if mode == "empirical" and fwd is self.full and data_cots is not None:
             per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]
@@ -396,6 +396,7 @@ class ForwardPass:
     data_grad: str
     seed_scale: str | None = None  # sqrt of the example weights, when the loss is weighted
     weight: str | None = None  # the example weights, shaped to broadcast against z
+    rows: int | None = None  # m for the pass on the first m examples; None for the whole batch
 
 
 def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
