@@ -61,6 +61,9 @@ class StateStore:
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
         self._hp: dict[str, tuple[np.float32, ort.OrtValue]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
+        # bumped whenever a buffer object is created or replaced (add, a reallocated data
+        # input, a new hp): a program's IOBinding made at the same generation is still valid
+        self.generation = 0
 
     # ------------------------------------------------------------ state slots
     def add(self, slot: str, array) -> None:
@@ -72,6 +75,7 @@ class StateStore:
         bufs[1].update_inplace(a)
         self._buf[slot] = bufs
         self._cur[slot] = 0
+        self.generation += 1
         self._spec[slot] = (shape, dtype)
 
     def __contains__(self, slot: str) -> bool:
@@ -144,6 +148,7 @@ class StateStore:
         if entry is None or entry[1] != a.shape or entry[2] != a.dtype:
             ov = _alloc(a.shape, a.dtype, self.device)
             self._data[key] = (ov, tuple(a.shape), a.dtype)
+            self.generation += 1
         else:
             ov = entry[0]
         ov.update_inplace(a)
@@ -165,6 +170,7 @@ class StateStore:
             ov = _alloc((), np.float32, self.device)
             ov.update_inplace(np.asarray(v))
             self._hp[name] = (v, ov)
+            self.generation += 1
             self.uploads += 1
             return ov
         old, ov = entry

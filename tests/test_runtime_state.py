@@ -140,6 +140,32 @@ def test_program_runs_binds_and_flips():
     assert prog.runs == 7 and prog.session_seconds > 0
 
 
+def test_program_rebinds_only_when_the_store_replaced_a_buffer():
+    """Steady-state runs reuse the bindings of both parities without checks; a slot replaced
+    by add(), a reallocated data input and another data channel are bound afresh."""
+    m, info = counter_graph()
+    st = StateStore("cpu")
+    st.add("counter", np.zeros(3, np.float32))
+    st.add("acc", np.float32(0))
+    st.set_hp("hp/step", 1.0)
+    prog = Program(m, info, "cpu")
+    x = np.ones((3, 2), np.float32)
+    for _ in range(4):
+        prog.run(st, {"x": x})
+    assert len(prog._bindings) == 2  # one per parity of the double-buffered slots
+    st.add("counter", np.full(3, 10.0, np.float32))  # new buffers: the next run must read them
+    out = prog.run(st, {"x": x})
+    assert out["metric/count"] == pytest.approx(30.0)
+    np.testing.assert_array_equal(st.to_numpy("counter"), np.full(3, 11.0, np.float32))
+    out = prog.run(st, {"x": np.ones((2, 2), np.float32)}, results=["double"])  # reallocated input
+    assert out["double"].shape == (2, 2)
+    st.write_data("x", np.full((4, 2), 3.0, np.float32), channel="eval")
+    out = prog.run(st, results=["double"], channel="eval")
+    np.testing.assert_array_equal(out["double"], np.full((4, 2), 6.0))
+    out = prog.run(st, results=["double"])  # back on the training channel's buffer
+    assert out["double"].shape == (2, 2)
+
+
 def test_program_rejects_info_that_breaks_the_contract():
     m, info = counter_graph()
     bad = dict(info, metrics=["loss"])  # metric/count unclassified
