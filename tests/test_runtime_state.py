@@ -114,13 +114,18 @@ def test_data_buffers_reused_and_hp_written_on_change():
     assert st.uploads == n + 2 and st.hp_value("hp/a") == 0.25
 
 
-def test_program_runs_binds_and_flips():
+def counter_program(step: float, device: str = "cpu") -> tuple[StateStore, Program]:
+    """counter_graph's Program and a store with its slots (zeros) and hp/step."""
     m, info = counter_graph()
-    st = StateStore("cpu")
+    st = StateStore(device)
     st.add("counter", np.zeros(3, np.float32))
     st.add("acc", np.float32(0))
-    st.set_hp("hp/step", 1.5)
-    prog = Program(m, info, "cpu")
+    st.set_hp("hp/step", step)
+    return st, Program(m, info, device)
+
+
+def test_program_runs_binds_and_flips():
+    st, prog = counter_program(1.5)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     for k in range(5):
         out = prog.run(st, {"x": x})
@@ -143,12 +148,7 @@ def test_program_runs_binds_and_flips():
 def test_program_rebinds_only_when_the_store_replaced_a_buffer():
     """Steady-state runs reuse the bindings of both parities without checks; a slot replaced
     by add(), a reallocated data input and another data channel are bound afresh."""
-    m, info = counter_graph()
-    st = StateStore("cpu")
-    st.add("counter", np.zeros(3, np.float32))
-    st.add("acc", np.float32(0))
-    st.set_hp("hp/step", 1.0)
-    prog = Program(m, info, "cpu")
+    st, prog = counter_program(1.0)
     x = np.ones((3, 2), np.float32)
     for _ in range(4):
         prog.run(st, {"x": x})
@@ -188,14 +188,9 @@ def test_missing_state_is_reported():
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda_available(), reason="CUDA execution provider does not work here")
 def test_program_on_cuda_matches_cpu():
-    m, info = counter_graph()
     outs = []
     for dev in ("cpu", "cuda"):
-        st = StateStore(dev)
-        st.add("counter", np.zeros(3, np.float32))
-        st.add("acc", np.float32(0))
-        st.set_hp("hp/step", 0.25)
-        prog = Program(m, info, dev)
+        st, prog = counter_program(0.25, dev)
         if dev == "cuda":
             assert prog.session.get_providers()[0] == "CUDAExecutionProvider"
             assert st.current("counter").device_name().lower() == "cuda"
