@@ -241,9 +241,8 @@ def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None)
     and is backward stable, so no residual check is needed). potrs' two triangular solves
     with n right-hand sides (2n^3 flops) ran faster than potri's triangular inverse and
     product (n^3 flops at ~28 GFLOP/s single-threaded): 0.38 vs 0.41 ms at n = 257, 0.06 vs
-    0.09 at 129. The solution is symmetric only to rounding, so it is symmetrized, as potri's
-    lower triangle was mirrored. ok = potrf succeeded and the result is finite; where not ok the result is
-    `previous` or the identity."""
+    0.09 at 129. The solution is symmetric only to rounding, so it is symmetrized. ok = potrf
+    succeeded and the result is finite; where not ok the result is `previous` or the identity."""
     from scipy.linalg import lapack
 
     M = np.asarray(M)

@@ -77,7 +77,8 @@ class Program:
         self._bindings: dict[tuple, ort.IOBinding] = {}
         # per binding: name -> the OrtValue bound last (only what changed is bound again)
         self._bound: dict[tuple, dict[str, ort.OrtValue]] = {}
-        self._checked: tuple | None = None  # the store generation whose slots were checked
+        self._checked: int | None = None  # the store generation whose slots were checked
+        self._valid: dict[tuple, int] = {}  # per binding: the store generation it was made at
         self._slots = tuple(self.state_inputs) + tuple(self.state_outputs.values())
         self._dynamic_metrics = [m for m in self.metrics if m not in self._metric_bufs]
         self.runs = 0
@@ -138,7 +139,7 @@ class Program:
             if unknown:
                 raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
             want = tuple(results or ())
-        generation = (id(store), store.generation)
+        generation = store.generation
         if self._checked != generation:
             for n in self._slots:
                 if n not in store:
@@ -148,7 +149,7 @@ class Program:
         b, bound = self._binding(key)
         # A binding already made for this parity and channel holds the right buffers as long
         # as the store replaced none (store.generation): steady-state runs skip ~100 checks
-        if bound.get(_GENERATION) != generation:
+        if self._valid.get(key) != generation:
             for n in self.state_inputs:
                 _bind(bound, b.bind_ortvalue_input, n, store.current(n))
             for n in self.data_inputs:
@@ -163,7 +164,7 @@ class Program:
                     _bind(bound, b.bind_ortvalue_output, m, pre[1])
                 else:
                     b.bind_output(m, "cpu")
-            bound[_GENERATION] = generation
+            self._valid[key] = generation
         else:
             for m in self._dynamic_metrics:  # re-bound in place: the order stays
                 b.bind_output(m, "cpu")
@@ -196,9 +197,6 @@ class Program:
             for slot in self.state_outputs.values():
                 store.flip(slot)
         return out
-
-
-_GENERATION = "\0generation"  # key in a binding's `bound` dict: the store generation it is valid for
 
 
 def _bind(bound: dict, how: Callable[[str, ort.OrtValue], None], name: str, value: ort.OrtValue) -> None:

@@ -13,12 +13,16 @@ value changes.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 import onnxruntime as ort
 
 from kfac_compiler.runtime.device import Device, get_device
+
+
+_GENERATIONS = itertools.count(1)
 
 
 def _alloc(shape, dtype, dev: Device) -> ort.OrtValue:
@@ -61,9 +65,10 @@ class StateStore:
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
         self._hp: dict[str, tuple[np.float32, ort.OrtValue]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
-        # bumped whenever a buffer object is created or replaced (add, a reallocated data
-        # input, a new hp): a program's IOBinding made at the same generation is still valid
-        self.generation = 0
+        # renewed whenever a buffer object is created or replaced (add, a reallocated data
+        # input, a new hp): a program's IOBinding made at the same generation is still valid.
+        # Drawn from one process-wide counter, so two stores never share a generation.
+        self.generation = next(_GENERATIONS)
 
     # ------------------------------------------------------------ state slots
     def add(self, slot: str, array) -> None:
@@ -75,7 +80,7 @@ class StateStore:
         bufs[1].update_inplace(a)
         self._buf[slot] = bufs
         self._cur[slot] = 0
-        self.generation += 1
+        self.generation = next(_GENERATIONS)
         self._spec[slot] = (shape, dtype)
 
     def __contains__(self, slot: str) -> bool:
@@ -148,7 +153,7 @@ class StateStore:
         if entry is None or entry[1] != a.shape or entry[2] != a.dtype:
             ov = _alloc(a.shape, a.dtype, self.device)
             self._data[key] = (ov, tuple(a.shape), a.dtype)
-            self.generation += 1
+            self.generation = next(_GENERATIONS)
         else:
             ov = entry[0]
         ov.update_inplace(a)
@@ -170,7 +175,7 @@ class StateStore:
             ov = _alloc((), np.float32, self.device)
             ov.update_inplace(np.asarray(v))
             self._hp[name] = (v, ov)
-            self.generation += 1
+            self.generation = next(_GENERATIONS)
             self.uploads += 1
             return ov
         old, ov = entry
