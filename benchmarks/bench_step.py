@@ -185,7 +185,7 @@ def run_to_target(plan, x, y, bs, optimizer, steps, device, targets=(), checkpoi
             for t in targets:
                 if t not in hits and loss <= t:
                     hits[t] = (s + 1, secs)
-            if len(hits) == len(targets):
+            if len(hits) == len(set(targets)):
                 break
     return full_loss(tr, x, y), secs, med(times), hits, marks
 
