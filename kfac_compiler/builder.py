@@ -240,8 +240,7 @@ class GraphBuilder:
     ) -> onnx.ModelProto:
         """A model holding `base_nodes` followed by the emitted nodes, less the nodes and
         initializers no output depends on."""
-        nodes = live_nodes(list(base_nodes) + self.nodes, [o.name for o in outputs])
-        read = {t for node in nodes for t in _reads(node)}
+        nodes, read = live(list(base_nodes) + self.nodes, [o.name for o in outputs])
         graph = helper.make_graph(
             nodes,
             name,
@@ -260,28 +259,36 @@ class GraphBuilder:
         return model
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
+def node_reads(node: onnx.NodeProto) -> set[str]:
     """The tensors `node` reads: its inputs and, inside If/Loop/Scan bodies, whatever those
     bodies' nodes read (outer-scope names included; over-approximating keeps more alive)."""
     out = {t for t in node.input if t}
     for attr in node.attribute:
         for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
             for inner in g.node:
-                out |= _reads(inner)
+                out |= node_reads(inner)
     return out
 
 
-def live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
-    """`nodes` (topologically ordered) less those that no tensor in `outputs` depends on.
-    ONNX Runtime keeps and runs dead nodes (e.g. the full-batch backward pass that
-    update_statistics emits with the loss but does not need with a statistics sub-batch)."""
-    needed = set(outputs)
-    keep = []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            keep.append(node)
-            needed |= _reads(node)
-    return keep[::-1]
+def live(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes (in their given order) that the tensors `outputs` depend on, and every tensor
+    name on the way (`outputs` included). Used to drop dead nodes from emitted models: ONNX
+    Runtime keeps and runs them (e.g. the full-batch backward pass that update_statistics
+    emits with the loss but does not need with a statistics sub-batch)."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    needed: set[str] = set()
+    kept: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        t = stack.pop()
+        if t in needed:
+            continue
+        needed.add(t)
+        i = producer.get(t)
+        if i is not None and i not in kept:
+            kept.add(i)
+            stack.extend(node_reads(nodes[i]))
+    return [n for i, n in enumerate(nodes) if i in kept], needed
 
 
 def value_info(name: str, elem_type: int, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:

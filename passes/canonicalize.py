@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
-from kfac_compiler.builder import IR_VERSION
+from kfac_compiler.builder import IR_VERSION, live
 from kfac_compiler.config import compile_patterns
 from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
@@ -78,37 +78,10 @@ def _name_nodes(m: onnx.ModelProto) -> None:
         used.add(name)
 
 
-def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
-    """Tensor names that nodes of `node`'s subgraphs (If/Loop/Scan bodies) read."""
-    names: set[str] = set()
-    for a in node.attribute:
-        graphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []
-        for sg in graphs:
-            for n in sg.node:
-                names.update(i for i in n.input if i)
-                names |= _subgraph_inputs(n)
-    return names
-
-
 def _restrict(m: onnx.ModelProto, output: str) -> None:
     """Keep only what feeds `output`; make it the single graph output."""
     g = m.graph
-    producer = {o: n for n in g.node for o in n.output if o}
-    needed_nodes: set[int] = set()
-    needed: set[str] = set()
-    index = {id(n): i for i, n in enumerate(g.node)}
-    stack = [output]
-    while stack:
-        t = stack.pop()
-        if t in needed:
-            continue
-        needed.add(t)
-        node = producer.get(t)
-        if node is None or index[id(node)] in needed_nodes:
-            continue
-        needed_nodes.add(index[id(node)])
-        stack.extend(i for i in node.input if i)
-        stack.extend(_subgraph_inputs(node))
+    nodes, needed = live(list(g.node), [output])
     out_vi = None
     for vi in list(g.output) + list(g.value_info):
         if vi.name == output:
@@ -117,7 +90,6 @@ def _restrict(m: onnx.ModelProto, output: str) -> None:
             break
     if out_vi is None:
         out_vi = helper.make_empty_tensor_value_info(output)
-    nodes = [n for i, n in enumerate(g.node) if i in needed_nodes]
     inits = [t for t in g.initializer if t.name in needed]
     init_names = {t.name for t in inits}
     inputs = [i for i in g.input if i.name in needed and i.name not in init_names]
@@ -380,20 +352,7 @@ def trainable_params(
 
 
 def _reaching(view: GraphView, output: str) -> set[str]:
-    seen: set[str] = set()
-    done: set[str] = set()
-    stack = [output]
-    while stack:
-        t = stack.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        node = view.producer.get(t)
-        if node is not None and node.name not in done:
-            done.add(node.name)
-            stack.extend(i for i in node.input if i)
-            stack.extend(_subgraph_inputs(node))
-    return seen
+    return live(view.nodes, [output])[1]
 
 
 # ------------------------------------------------------------------------- loss ops
