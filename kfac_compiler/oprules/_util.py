@@ -155,10 +155,15 @@ def c(b, value) -> str:
     return b.const(np.asarray(value, dtype=b.np_float))
 
 
+def filled(b, shape_name: str, value: float, hint: str = "filled") -> str:
+    """`value` in the builder's float type, with the shape in the int64 tensor `shape_name`."""
+    val = numpy_helper.from_array(np.full(1, value, dtype=b.np_float))
+    return b.op("ConstantOfShape", [shape_name], value=val, hint=hint)
+
+
 def zeros(b, shape_name: str) -> str:
     """Zeros of the builder's float type with the shape in the int64 tensor `shape_name`."""
-    val = numpy_helper.from_array(np.zeros(1, dtype=b.np_float))
-    return b.op("ConstantOfShape", [shape_name], value=val, hint="zeros")
+    return filled(b, shape_name, 0.0, hint="zeros")
 
 
 def zeros_like(b, view, name: str) -> str:
@@ -232,8 +237,7 @@ def sum_rows(b, g: str, rows) -> str:
     if isinstance(rows, int):
         ones = c(b, np.ones((1, rows)))
     else:
-        shape = b.op("Concat", [b.ints([1]), b.shape(g, 0, 1)], axis=0)
-        ones = b.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.ones(1, dtype=b.np_float)))
+        ones = filled(b, b.op("Concat", [b.ints([1]), b.shape(g, 0, 1)], axis=0), 1.0, hint="ones")
     return b.matmul(ones, g)
 
 
