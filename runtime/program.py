@@ -77,7 +77,6 @@ class Program:
         self._bindings: dict[tuple, ort.IOBinding] = {}
         # per binding: name -> the OrtValue bound last (only what changed is bound again)
         self._bound: dict[tuple, dict[str, ort.OrtValue]] = {}
-        self._checked: int | None = None  # the store generation whose slots were checked
         self._valid: dict[tuple, int] = {}  # per binding: the store generation it was made at
         self._slots = tuple(self.state_inputs) + tuple(self.state_outputs.values())
         self._dynamic_metrics = [m for m in self.metrics if m not in self._metric_bufs]
@@ -139,13 +138,11 @@ class Program:
             if unknown:
                 raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
             want = tuple(results or ())
+        try:
+            key = (want, store.parity(self._slots), channel)
+        except KeyError as e:
+            raise ContractError(f"subgraph {self.name!r} uses state slot {e.args[0]!r} that the store lacks") from None
         generation = store.generation
-        if self._checked != generation:
-            for n in self._slots:
-                if n not in store:
-                    raise ContractError(f"subgraph {self.name!r} uses state slot {n!r} that the store lacks")
-            self._checked = generation
-        key = (want, store.parity(self._slots), channel)
         b, bound = self._binding(key)
         # A binding already made for this parity and channel holds the right buffers as long
         # as the store replaced none (store.generation): steady-state runs skip ~100 checks
