@@ -86,10 +86,10 @@ def is_host_method(method: str) -> bool:
 
 def np_trace_mean(M: np.ndarray, diag: bool = False) -> np.ndarray:
     """tr(M)/dim(M) over the last axes (a diagonal factor is stored as its diagonal)."""
-    M = np.asarray(M, dtype=np.float64)
+    M = np.asarray(M)
     if diag:
-        return M.mean(axis=-1)
-    return np.trace(M, axis1=-2, axis2=-1) / M.shape[-1]
+        return M.mean(axis=-1, dtype=np.float64)
+    return np.trace(M, axis1=-2, axis2=-1, dtype=np.float64) / M.shape[-1]  # reads the diagonal only
 
 
 def np_pi(A: np.ndarray, G: np.ndarray, a_diag: bool = False, g_diag: bool = False) -> np.ndarray:
@@ -253,15 +253,14 @@ def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None)
     flat = M.reshape(-1, n, n)
     X = np.empty_like(flat)
     ok = np.zeros(flat.shape[0], dtype=bool)
-    identity = np.eye(n, dtype=M.dtype)
+    half_identity = 0.5 * np.eye(n, dtype=M.dtype)
     with np.errstate(all="ignore"), one_blas_thread():
         for i, m in enumerate(flat):
             # m.T is m (symmetric) in Fortran order: LAPACK reads it without a transposing copy
             c, info = potrf(m.T, lower=1, clean=0)
             if info == 0:
-                inv, info = potrs(c, identity, lower=1)
-                np.add(inv, inv.T, out=X[i])  # exactly symmetric: a descent direction stays one
-                X[i] *= 0.5
+                half, info = potrs(c, half_identity, lower=1)  # M^-1 / 2
+                np.add(half, half.T, out=X[i])  # exactly symmetric: a descent direction stays one
             ok[i] = info == 0
         ok &= np.isfinite(X).all(axis=(-2, -1))  # NaN/Inf in M propagates to X
     X, ok = X.reshape(M.shape), ok.reshape(M.shape[:-2])

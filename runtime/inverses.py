@@ -45,7 +45,8 @@ class InverseRefresher:
 
     def _refresh_host_block(self, store: StateStore, damping: float, layer: str, slots: list[str]) -> bool:
         fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
-        factors = {s[len(fprefix):]: store.to_numpy(s) for s in store.slots() if s.startswith(fprefix)}
+        # no copies: the block copies what it damps, and nothing writes the slots meanwhile
+        factors = {s[len(fprefix):]: store.read_only(s) for s in store.slots() if s.startswith(fprefix)}
         previous = {s[len(iprefix):]: store.to_numpy(s) for s in slots} if self.warm else None
         state, block_ok = self.blocks[layer].numpy_inverse(factors, float(damping), method=self.method,
                                                           previous=previous)

@@ -110,6 +110,13 @@ class StateStore:
         """A host copy of the slot's current value (never aliases device memory)."""
         return np.array(self.current(slot).numpy(), copy=True)
 
+    def read_only(self, slot: str) -> np.ndarray:
+        """The slot's current value on the host without a copy where it already lives there
+        (CPU): read-only, and valid only until the next program run or set()."""
+        view = self.current(slot).numpy()
+        view.flags.writeable = False
+        return view
+
     def set(self, slot: str, array) -> None:
         """Overwrite the slot's current value in place (same shape); adds the slot if new."""
         if slot not in self._buf:

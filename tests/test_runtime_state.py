@@ -95,6 +95,11 @@ def test_state_store_double_buffering():
     with pytest.raises(ValueError):
         st.set("w", np.ones(5, np.float32))
     assert st.slots() == ["w"]
+    view = st.read_only("w")  # no copy on the CPU: it sees the next set, and cannot write
+    st.set("w", np.full(4, 3.0, np.float32))
+    np.testing.assert_array_equal(view, np.full(4, 3.0))
+    with pytest.raises(ValueError):
+        view[0] = 1.0
 
 
 def test_data_buffers_reused_and_hp_written_on_change():
