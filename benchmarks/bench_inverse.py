@@ -6,11 +6,14 @@ each method, time one inverse update of a damped SPD float32 factor (condition n
 accuracy against float64 numpy (np.linalg.inv of the same float32 matrix):
 
   inverse_op        com.microsoft Inverse + residual check (emitted, ORT)
+  schur             2x2 block recursion on Schur complements, MatMuls + Inverse on blocks
+                    of <= 48 rows, probe residual check (emitted, ORT)
   ns_cold           Newton-Schulz, NS_ITERATIONS iterations from I/||M||_F (emitted, ORT)
   ns_warm6          Newton-Schulz, 6 iterations warm-started from the inverse of the
                     factor before one moving-average step (decay 0.95, batch 128 rows from
                     the same distribution) (emitted, ORT)
-  cholesky / eigh   host numpy float64 (incl. casts and the residual check)
+  cholesky          host LAPACK potrf + potrs in float32 (one BLAS thread)
+  eigh              host numpy float64 (incl. casts and the residual check)
 and the batched variant: all zoo factors in one emitted graph (stacked per size) versus one
 graph per factor.
 
@@ -118,6 +121,10 @@ def bench_size(n: int, cond: float, repeats: int, rng) -> dict:
     X, ok = s.run(None, {"M": M})
     row["inverse_op_nocheck"] = (timeit(lambda: s.run(None, {"M": M}), repeats), rel(X, ref), bool(ok))
 
+    s = session(lambda b: list(linalg.emit_inverse(b, "M", n, "schur")), [("M", (n, n))])
+    X, ok = s.run(None, {"M": M})
+    row["schur"] = (timeit(lambda: s.run(None, {"M": M}), repeats), rel(X, ref), bool(ok))
+
     s = session(lambda b: list(linalg.emit_newton_schulz(b, "M", n)), [("M", (n, n))])
     X, ok = s.run(None, {"M": M})
     row["ns_cold"] = (timeit(lambda: s.run(None, {"M": M}), repeats), rel(X, ref), bool(ok))
@@ -153,7 +160,7 @@ def bench_batched(sizes, cond, repeats, rng) -> dict:
     return out
 
 
-METHODS = ["inverse_op", "inverse_op_nocheck", "ns_cold", "ns_warm6", "cholesky", "eigh"]
+METHODS = ["inverse_op", "inverse_op_nocheck", "schur", "ns_cold", "ns_warm6", "cholesky", "eigh"]
 
 
 def main(argv=None) -> dict:

@@ -198,6 +198,57 @@ def test_auto_method_is_host_cholesky_on_cpu_and_inverse_op_elsewhere():
     assert [n.op_type for n in b.nodes][0] == "Inverse"
 
 
+def activation_factor(n, rows=512, seed=0):
+    """A damped input factor like a tanh layer's: E[a a^T] with the bias entry, entries ~0.8
+    and cond ~1e3, plus the asymmetric rounding of the Gemm that accumulates it."""
+    rng = np.random.default_rng(seed)
+    a = np.tanh(rng.standard_normal((rows, 16)) @ rng.standard_normal((16, n - 1)) * 0.3 + 1.0)
+    a = np.concatenate([a, np.ones((rows, 1))], axis=1)
+    F = (a.T @ a / rows).astype(np.float32)
+    F += 1e-7 * rng.standard_normal(F.shape).astype(np.float32)
+    return F + np.float32(0.05) * np.eye(n, dtype=np.float32)
+
+
+def test_schur_inverse_of_a_correlated_factor():
+    """The schur recursion at 257 = 128 + 129 (down to blocks of at most SCHUR_LEAF rows) on
+    a correlated factor: within ~cond * eps32 of the float64 inverse, ok, exactly symmetric;
+    in float64 near machine precision and equal to its numpy twin. Symmetrizing every block
+    inverse is what makes it so: without it the float32 error was 1e-1."""
+    M = activation_factor(257)
+    sym = 0.5 * (M.astype(np.float64) + M.T)
+    ref = np.linalg.inv(sym)
+    assert np.linalg.cond(sym) > 500
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", 257, "schur"))), {"M": M})
+    assert out["ok"] and rel_err(out["X"], ref) < 1e-3
+    np.testing.assert_array_equal(out["X"], out["X"].T)
+    out64 = run_graph(lambda b: {"X": linalg.emit_schur_inverse(b, "M", 257)}, {"M": sym}, float_type=TensorProto.DOUBLE)
+    assert rel_err(out64["X"], ref) < 1e-10
+    np.testing.assert_allclose(out64["X"], linalg.np_schur_inverse(sym), rtol=1e-8, atol=1e-10 * np.abs(ref).max())
+
+
+def test_schur_inverse_batched_and_guarded():
+    """A stack of 150 x 150 matrices (75 + 75, then blocks of 37 and 38): accurate where the
+    matrix is SPD; a NaN or a singular matrix is not ok (the probe residual catches it)."""
+    M = spd(150, 1e3, (3,)).astype(np.float32)
+    M[1, 100, 3] = np.nan
+    M[2, :, 140:] = 0.0
+    M[2, 140:, :] = 0.0  # singular
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", 150, "schur"))), {"M": M})
+    assert out["ok"].tolist() == [True, False, False]
+    assert rel_err(out["X"][0], np.linalg.inv(M[0].astype(np.float64))) < 1e-3
+
+
+def test_schur_loses_accuracy_like_cond_squared():
+    """schur's documented limit: at cond 1e6 (n = 257) its float32 inverse fails the probe
+    residual, so a block keeps its previous inverse; LAPACK's Cholesky is still accurate."""
+    M = spd(257, 1e6).astype(np.float32)
+    ref = np.linalg.inv(M.astype(np.float64))
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", 257, "schur"))), {"M": M})
+    assert not out["ok"]
+    X, ok = linalg.np_inverse(M, "cholesky")
+    assert ok and rel_err(X, ref) < 1e-2
+
+
 def test_host_methods_are_not_emitted():
     assert linalg.is_host_method("eigh") and linalg.is_host_method("cholesky")
     assert not linalg.is_host_method("inverse_op")

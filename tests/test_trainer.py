@@ -419,30 +419,38 @@ def test_cpu_and_cuda_trajectories_agree(mlp):
 
 
 def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
-    """eigh and the CPU default ("auto" = LAPACK Cholesky on the host, in float32) follow the
-    emitted inverse_op's trajectory."""
+    """The host methods (eigh; "auto" = the CPU default, LAPACK Cholesky on the host in
+    float32) and the emitted schur follow the emitted inverse_op's trajectory."""
     plan, x, y = mlp
     losses = {}
-    for method in ("eigh", "auto", "inverse_op"):
+    for method in ("eigh", "auto", "schur", "inverse_op"):
         tr = Trainer(plan, optimizer="kfac", inverse_method=method, inv_update_period=5)
         assert tr.inverse_method == ("cholesky" if method == "auto" else method)
-        if method != "inverse_op":  # every block is inverted on the host with its numpy twin
-            assert set(tr._inverses.host_layers) == {"fc1", "fc2", "fc3"}
+        # host methods: every block is inverted on the host with its numpy twin
+        host = {"fc1", "fc2", "fc3"} if method in ("eigh", "auto") else set()
+        assert set(tr._inverses.host_layers) == host
         ms = [tr.step(*b) for b in batches(x, y, 128, 12)]
         assert all(m["rejected"] == 0 for m in ms)
         assert [m["inverse_ok"] for m in ms if m["inverse"]] == [1.0, 1.0, 1.0]  # steps 0, 5, 10
         losses[method] = [m["loss"] for m in ms]
     # float32 rounding differences grow along a 12-step trajectory (2.2e-3 at step 8 with
     # the quadratic model on 64 of 128 examples); a wrong inverse differs by far more
-    np.testing.assert_allclose(losses["eigh"], losses["inverse_op"], rtol=5e-3)
-    np.testing.assert_allclose(losses["auto"], losses["inverse_op"], rtol=5e-3)
+    for method in ("eigh", "auto"):
+        np.testing.assert_allclose(losses[method], losses["inverse_op"], rtol=5e-3)
+    # schur's float32 inverses are ~5x less accurate than LU's or Cholesky's (2e-5 against
+    # 4e-6 on fc3's input factor at cond 5e2), enough for the quadratic model to take another
+    # branch by step 9 (losses 2.5% apart there): its first steps are compared, and its
+    # inverses after a refresh below
+    np.testing.assert_allclose(losses["schur"][:4], losses["inverse_op"][:4], rtol=1e-3)
 
 
-def test_cpu_default_inverse_is_the_damped_factors_inverse(mlp):
+@pytest.mark.parametrize("method,tol", [("auto", 1e-5), ("schur", 1e-4)])
+def test_cpu_inverse_is_the_damped_factors_inverse(mlp, method, tol):
     """After a refresh the inverse slots hold (A + pi sqrt(lambda) I)^-1 and
-    (G + sqrt(lambda)/pi I)^-1 of the current factors (float32, from LAPACK on the host)."""
+    (G + sqrt(lambda)/pi I)^-1 of the current factors (float32: the CPU default from LAPACK
+    on the host, schur emitted, to ~cond^2 eps32 with fc3's cond 4e2)."""
     plan, x, y = mlp
-    tr = Trainer(plan, optimizer="kfac", inv_update_period=4)
+    tr = Trainer(plan, optimizer="kfac", inv_update_period=4, inverse_method=method)
     ms = [tr.step(*b) for b in batches(x, y, 128, 5)]
     assert ms[4]["inverse"] == 1 and ms[4]["inverse_ok"] == 1.0  # refreshed after step 4
     for layer in ("fc1", "fc3"):
@@ -454,7 +462,8 @@ def test_cpu_default_inverse_is_the_damped_factors_inverse(mlp):
             inv = tr.store.to_numpy(f"inverse/{layer}/{name}_inv")
             assert inv.dtype == np.float32
             ref = np.linalg.inv(M + d * np.eye(len(M)))
-            assert np.abs(inv - ref).max() <= 1e-5 * np.abs(ref).max()  # a 10% damping error: 5e-2
+            err = np.abs(inv - ref).max() / np.abs(ref).max()
+            assert err <= tol, (layer, name, err)  # a 10% damping error: 5e-2
 
 
 def test_saved_plan_directory_trains_like_the_in_memory_plan(tmp_path):
