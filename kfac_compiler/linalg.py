@@ -533,7 +533,7 @@ def emit_schur_inverse(b: GraphBuilder, M: str, n: int, leaf: int = SCHUR_LEAF) 
 def _emit_schur(b: GraphBuilder, M: str, n: int, leaf: int) -> str:
     """emit_schur_inverse on a stack [g, n, n]."""
     if n <= leaf:
-        return _emit_symmetrized(b, b.op("Inverse", [M], domain="com.microsoft", hint="inverse"))
+        return emit_symmetrized(b, b.op("Inverse", [M], domain="com.microsoft", hint="inverse"), rank=3)
     h = n // 2
 
     def block(r0: int, r1: int, c0: int, c1: int) -> str:
@@ -543,15 +543,16 @@ def _emit_schur(b: GraphBuilder, M: str, n: int, leaf: int) -> str:
     W = b.matmul(A_inv, block(0, h, h, n))
     S_inv = _emit_schur(b, b.sub(block(h, n, h, n), b.matmul(block(h, n, 0, h), W)), n - h, leaf)
     minus_V = b.neg(b.matmul(W, S_inv))
-    top_left = _emit_symmetrized(b, b.sub(A_inv, b.matmul(minus_V, b.transpose(W, [0, 2, 1]))))
+    top_left = emit_symmetrized(b, b.sub(A_inv, b.matmul(minus_V, b.transpose(W, [0, 2, 1]))), rank=3)
     top = b.op("Concat", [top_left, minus_V], axis=2)
     bottom = b.op("Concat", [b.transpose(minus_V, [0, 2, 1]), S_inv], axis=2)
     return b.op("Concat", [top, bottom], axis=1)
 
 
-def _emit_symmetrized(b: GraphBuilder, X: str) -> str:
-    """(X + X^T) / 2 for a stack [g, n, n]."""
-    return b.mul(b.add(X, b.transpose(X, [0, 2, 1])), b.const(0.5))
+def emit_symmetrized(b: GraphBuilder, X: str, rank: int = 2) -> str:
+    """(X + X^T) / 2 over the last two axes of a rank-`rank` tensor."""
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return b.scale(b.add(X, b.transpose(X, perm)), 0.5)
 
 
 def emit_inverse(
@@ -573,25 +574,22 @@ def emit_inverse(
     result).
     """
     method = concrete_method(method)
-    if method in ("inverse_op", "schur"):
-        if method == "inverse_op":
-            X = b.op("Inverse", [M], domain="com.microsoft", hint="inverse")
-        else:
-            X = emit_schur_inverse(b, M, n)
-        check = check or ("residual" if method == "inverse_op" else "probe")
-        if check == "residual":
-            ok = emit_residual_ok(b, M, X, n, tol)
-        elif check == "probe":
-            ok = emit_probe_residual_ok(b, M, X, n, tol)
-        else:
-            ok = emit_finite(b, X, [-2, -1])
-        return X, ok
     if method == "newton_schulz":
         return emit_newton_schulz(b, M, n, previous, iterations)
-    raise ConfigError(
-        f"inverse method {method!r} runs on the host (numpy): call the block's numpy_inverse, "
-        f"or choose one of {', '.join(EMITTED_METHODS)} for an emitted inverse"
-    )
+    if method == "inverse_op":
+        X, check = b.op("Inverse", [M], domain="com.microsoft", hint="inverse"), check or "residual"
+    elif method == "schur":
+        X, check = emit_schur_inverse(b, M, n), check or "probe"
+    else:
+        raise ConfigError(
+            f"inverse method {method!r} runs on the host (numpy): call the block's numpy_inverse, "
+            f"or choose one of {', '.join(EMITTED_METHODS)} for an emitted inverse"
+        )
+    if check == "residual":
+        return X, emit_residual_ok(b, M, X, n, tol)
+    if check == "probe":
+        return X, emit_probe_residual_ok(b, M, X, n, tol)
+    return X, emit_finite(b, X, [-2, -1])
 
 
 @dataclass

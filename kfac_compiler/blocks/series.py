@@ -248,8 +248,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         Ad, Gd = d["A"], d["G"]
         A1, G1 = factors["A_1"], factors["G_1"]
         if self.option == 1:
-            A1 = b.scale(b.add(A1, b.transpose(A1, [1, 0])), 0.5)
-            G1 = b.scale(b.add(G1, b.transpose(G1, [1, 0])), 0.5)
+            A1, G1 = linalg.emit_symmetrized(b, A1), linalg.emit_symmetrized(b, G1)
         Pa = b.matmul(A1, b.op("Inverse", [Ad], domain="com.microsoft"))
         Pg = b.matmul(G1, b.op("Inverse", [Gd], domain="com.microsoft"))
         X = self.view.emit_to(b, vectors)
