@@ -824,6 +824,7 @@ def _inverse_update(parts: PlanParts, method: str | None = None):
         # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
         new = block.emit_inverse(b, factors, damping, method, previous=previous)
         oks.append(b.cast(new.ok, FLOAT))
+        em.metric(f"inverse_ok/{layer.name}", oks[-1])  # the runtime redoes failed blocks on the host
         for s in block.inverse_specs():
             em.state_output(previous[s.name], new[s.name])
     all_ok = b.op("Min", oks) if len(oks) > 1 else (oks[0] if oks else b.const(1.0))

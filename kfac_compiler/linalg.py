@@ -2,8 +2,9 @@
 
 Inverse methods (docs/conventions.md, "Inverse methods"):
 
-  "auto" (the default) resolves per device (concrete_method): "cholesky" on CPU,
-  "inverse_op" on CUDA and when emitting a plan.
+  "auto" (the default) resolves per device (concrete_method): "schur" on CPU,
+  "inverse_op" on CUDA and when emitting a plan. On every device the runtime recomputes a
+  block whose emitted inverse is not ok with host "cholesky" (FALLBACK_METHOD).
 
   emitted (run inside ONNX Runtime, on the GPU when the session does):
     "inverse_op"     com.microsoft Inverse (LU), batched over a leading axis.
@@ -14,8 +15,9 @@ Inverse methods (docs/conventions.md, "Inverse methods"):
     "schur"          2x2 blocks on Schur complements, recursively down to blocks of at most
                      SCHUR_LEAF rows (Inverse op there): all MatMuls, the fastest on the CPU
                      (1.1-1.3 ms for the zoo's 14 factor sizes against LAPACK's 1.8-2.1),
-                     but its error grows like cond^2 eps (float32: 1.7e-5 at cond 1e3,
-                     1.1e-2 at 1e5, not ok at 1e6), so it is not the default.
+                     but its error grows like cond^2 eps (float32, n = 257: 1.3e-5 at
+                     cond 1e3, 2e-3 at 3e4), so it is ok only while its probe residual is
+                     at most SCHUR_TOL = 1e-2 (cond <~ 1e5); the rest go to the fallback.
   host (numpy/scipy; the runtime uploads the results):
     "cholesky"       LAPACK potrf + potrs in the factor's precision (float32 in the
                      runtime), M^-1 = L^-T L^-1 (TF K-FAC register_cholesky /
@@ -25,7 +27,7 @@ Inverse methods (docs/conventions.md, "Inverse methods"):
 
 Every method returns, with the result, a boolean "ok" per matrix: False when the input or
 the result is not finite, or the result is not an inverse (relative residual
-||M X - I||_F / sqrt(n) above `tol`). A caller never uses a result that is not ok: it keeps
+||M X - I||_F / sqrt(n), or schur's probe estimate of it, above `tol`). A caller never uses a result that is not ok: it keeps
 the previous (last good) value, or the identity when there is none. So a NaN/Inf or singular
 factor never turns into a NaN update.
 
@@ -60,6 +62,11 @@ NS_ITERATIONS = 20  # Newton-Schulz iterations (cold start converges for cond(M)
 NS_PROBE_STEPS = 10  # power-iteration steps that vet a warm start
 NS_WARM_RADIUS = 0.7  # warm start when the estimated spectral radius of I - M X_prev is below
 RESIDUAL_TOL = 0.1  # ok <=> ||M X - I||_F / sqrt(n) <= RESIDUAL_TOL (and everything finite)
+# schur's probe residual bound: its error grows like cond^2 eps, and a block above this bound
+# (float32: cond >~ 1e5, where the relative error passes ~3e-3) is recomputed on the host by
+# FALLBACK_METHOD (runtime/inverses.py); measured in tests/test_linalg.py
+SCHUR_TOL = 1e-2
+FALLBACK_METHOD = "cholesky"  # the host method that redoes a block whose emitted inverse failed
 PI_EPS = 1e-20  # traces below this (or non-finite) give pi = 1
 
 
@@ -70,14 +77,14 @@ def check_method(method: str) -> str:
 
 
 def concrete_method(method: str, device: str | None = None) -> str:
-    """The method "auto" stands for where the inverses run: with the state in host memory
-    (device "cpu") LAPACK's Cholesky inverse on the host ("cholesky": half the flops of ORT's
-    LU Inverse and ~2x faster on the zoo's factors; the emitted "schur" is faster still but
-    loses accuracy like cond^2, see emit_schur_inverse), elsewhere (CUDA, or emitting a plan
-    without a device) "inverse_op", so that the inverses stay on the device."""
+    """The method "auto" stands for where the inverses run: on the CPU the emitted "schur"
+    (MatMuls on one ORT thread: the autoencoder's 12 factors in ~2 ms where LAPACK's
+    Cholesky on the host takes ~3; its accuracy bound SCHUR_TOL sends ill-conditioned blocks
+    to host Cholesky, runtime/inverses.py), elsewhere (CUDA, or emitting a plan without a
+    device) "inverse_op"."""
     if check_method(method) != AUTO_METHOD:
         return method
-    return "cholesky" if device == "cpu" else DEFAULT_METHOD
+    return "schur" if device == "cpu" else DEFAULT_METHOD
 
 
 def is_host_method(method: str) -> bool:
@@ -563,7 +570,7 @@ def emit_inverse(
     previous: str | None = None,
     iterations: int = NS_ITERATIONS,
     check: str | None = None,
-    tol: float = RESIDUAL_TOL,
+    tol: float | None = None,
 ) -> tuple[str, str]:
     """Inverse of SPD M [..., n, n] in ONNX; returns (X, ok) with ok of M's batch shape.
 
@@ -571,9 +578,11 @@ def emit_inverse(
     see FisherBlock.emit_inverse). `check`: "residual" (catches singular and non-finite
     inputs, one extra MatMul; inverse_op's default), "probe" (the same test with a random
     vector, two matrix-vector products; schur's default) or "finite" (only NaN/Inf in the
-    result).
+    result); `tol` its bound (default SCHUR_TOL for schur, else RESIDUAL_TOL).
     """
     method = concrete_method(method)
+    if tol is None:
+        tol = SCHUR_TOL if method == "schur" else RESIDUAL_TOL
     if method == "newton_schulz":
         return emit_newton_schulz(b, M, n, previous, iterations)
     if method == "inverse_op":

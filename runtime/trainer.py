@@ -98,7 +98,7 @@ class Trainer:
         self.ema_weight = 0.0
         self.inverses_ready = False
         self.damping = float(self.config.damping) if isinstance(self.config, KfacConfig) else 0.0
-        # "auto" -> host Cholesky on CPU, inverse_op on CUDA (kfac_compiler.linalg.concrete_method)
+        # "auto" -> schur on CPU, inverse_op on CUDA (kfac_compiler.linalg.concrete_method)
         self.inverse_method = (concrete_method(self.config.inverse_method, self.device.name)
                                if isinstance(self.config, KfacConfig) else None)
         self._programs: dict[tuple, Program] = {}
@@ -317,6 +317,7 @@ class Trainer:
             "stats": 1.0 if (stats or first) else 0.0,
             "inverse": 1.0 if first else 0.0,
             "inverse_ok": inverse_ok,
+            "inverse_fallbacks": float(len(self._inverses.fallbacks)) if first else float("nan"),
         }
         self.step_count += 1
         if adapt:  # reported for rejected steps too (a step raising the objective is rejected)
@@ -340,6 +341,7 @@ class Trainer:
             # damping just adapted; used from the next step on (one session switch per period)
             metrics["inverse"] = 1.0
             metrics["inverse_ok"] = self._refresh_inverses()
+            metrics["inverse_fallbacks"] = float(len(self._inverses.fallbacks))
         return metrics
 
     # ------------------------------------------------------------------ evaluation

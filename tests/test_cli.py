@@ -44,7 +44,7 @@ def test_compile_and_inspect(tmp_path, models, capsys):
     assert {"name", "kind", "params", "uses", "approximation", "factors"} <= set(fc1)
     # one example's statistics: a~ a~^T (65x65) and delta delta^T (128x128), 2 FLOPs per MAC
     assert fc1["stats_flops_per_example"] == 2 * (65 * 65 + 128 * 128)
-    assert fc1["inverse_method"] == "auto: cholesky (host) on CPU, inverse_op (graph) on CUDA" and fc1["estimator"] == "gradients"
+    assert fc1["inverse_method"] == "auto: schur (graph) on CPU, inverse_op (graph) on CUDA" and fc1["estimator"] == "gradients"
     assert fc1["inverse_flops"] > 65 ** 3
     assert {s["name"] for s in doc["subgraphs"]} == {"kfac_step", "update_statistics", "inverse_update"}
     assert fc1["params"] == ["fc1.weight", "fc1.bias"] and fc1["approximation"] == "kron"
