@@ -56,7 +56,7 @@ class EstimatorConfig:
 
 @dataclass
 class InverseConfig:
-    method: str = "auto"  # CPU: host Cholesky (LAPACK), CUDA: inverse_op (linalg.concrete_method)
+    method: str = "auto"  # CPU: schur, CUDA: inverse_op (linalg.concrete_method); failed blocks: host Cholesky
     update_period: int = 10
     damping_split: str = "pi"
 
