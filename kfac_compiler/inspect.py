@@ -36,7 +36,7 @@ def render(plan: Plan, fmt: str = "table") -> str:
 # --------------------------------------------------------------------------- json
 def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
     """Per layer: inverse method (emitted or host), FLOPs of one statistics update per
-    example and of one inverse update."""
+    example and of one inverse update (by the method shown first: for "auto" the CPU's)."""
     from kfac_compiler.linalg import AUTO_METHOD, concrete_method
 
     method = plan.inverse.get("method", AUTO_METHOD)
@@ -47,6 +47,7 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
         return f"{'eigh' if where == 'host' and m not in ('eigh', 'cholesky') else m} ({where})"
 
     for name, block in plan.blocks.items():
+        first = concrete_method(method, "cpu")
         if method == AUTO_METHOD:  # the runtime picks per device
             shown = (f"auto: {label(block, concrete_method(method, 'cpu'))} on CPU, "
                      f"{label(block, concrete_method(method, 'cuda'))} on CUDA")
@@ -55,7 +56,7 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
         costs[name] = {
             "inverse_method": shown,
             "stats_flops_per_example": int(block.stats_flops(1)),
-            "inverse_flops": int(block.inverse_flops()),
+            "inverse_flops": int(block.inverse_flops(first)),
         }
     return costs
 

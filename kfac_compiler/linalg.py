@@ -27,9 +27,9 @@ Inverse methods (docs/conventions.md, "Inverse methods"):
 
 Every method returns, with the result, a boolean "ok" per matrix: False when the input or
 the result is not finite, or the result is not an inverse (relative residual
-||M X - I||_F / sqrt(n), or schur's probe estimate of it, above `tol`). A caller never uses a result that is not ok: it keeps
-the previous (last good) value, or the identity when there is none. So a NaN/Inf or singular
-factor never turns into a NaN update.
+||M X - I||_F / sqrt(n), or schur's probe estimate of it, above `tol`). A caller never uses
+a result that is not ok: it keeps the previous (last good) value, or the identity when there
+is none. So a NaN/Inf or singular factor never turns into a NaN update.
 
 Shapes: a matrix argument is [n, n] or a batch [..., n, n]; ok has the batch shape.
 Matrices of equal size from many factors/blocks can be stacked so that one Inverse (or one

@@ -261,11 +261,11 @@ class PartsBlock(FisherBlock):
     def inverse_specs(self) -> list[FactorSpec]:
         return [FactorSpec(p.name + "_inv", tuple(p.shape), role=p.name + "_inv") for p in self.parts()]
 
-    def inverse_flops(self) -> int:
+    def inverse_flops(self, method: str = linalg.DEFAULT_METHOD) -> int:
         total = 0
         for p in self.parts():
             if p.kind == "full":
-                total += linalg.flops_inverse(p.n) * prod(p.batch)
+                total += linalg.flops_inverse(p.n, method) * prod(p.batch)
             else:
                 total += 4 * prod(p.shape)
         return total

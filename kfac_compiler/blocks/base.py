@@ -93,8 +93,8 @@ class FisherBlock:
         """FLOPs of one statistics update for a batch of `batch` examples."""
         raise NotImplementedError
 
-    def inverse_flops(self) -> int:
-        """FLOPs of one inverse update."""
+    def inverse_flops(self, method: str = "inverse_op") -> int:
+        """FLOPs of one inverse update by `method` (a concrete linalg method)."""
         raise NotImplementedError
 
     # What the emitted graphs compute ---------------------------------------

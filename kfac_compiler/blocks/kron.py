@@ -58,10 +58,10 @@ class KronBlock(PartsBlock):
             ]
         return super().inverse_specs()
 
-    def inverse_flops(self) -> int:
-        if self.damping_mode == "exact":
+    def inverse_flops(self, method: str = linalg.DEFAULT_METHOD) -> int:
+        if self.damping_mode == "exact":  # eigh on the host whatever the method
             return prod(self.batch or (1,)) * 10 * (self.nA**3 + self.nG**3)
-        return super().inverse_flops()
+        return super().inverse_flops(method)
 
     # ---- damping: the pi split
     def _emit_damped(self, b, factors, damping):
