@@ -46,17 +46,17 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
         where = "host" if block.inverse_is_host(m) else "graph"
         return f"{'eigh' if where == 'host' and m not in ('eigh', 'cholesky') else m} ({where})"
 
+    cpu_method = concrete_method(method, "cpu")  # what inverse_flops counts
     for name, block in plan.blocks.items():
-        first = concrete_method(method, "cpu")
         if method == AUTO_METHOD:  # the runtime picks per device
-            shown = (f"auto: {label(block, concrete_method(method, 'cpu'))} on CPU, "
+            shown = (f"auto: {label(block, cpu_method)} on CPU, "
                      f"{label(block, concrete_method(method, 'cuda'))} on CUDA")
         else:
             shown = label(block, method)
         costs[name] = {
             "inverse_method": shown,
             "stats_flops_per_example": int(block.stats_flops(1)),
-            "inverse_flops": int(block.inverse_flops(first)),
+            "inverse_flops": int(block.inverse_flops(cpu_method)),
         }
     return costs
 
