@@ -601,7 +601,12 @@ def _kfac_step(
             damping = b.add(damping, em.hp("l2"))
         # the model on the first qmodel_batch examples; equal to stats_batch, the forward
         # clone is shared
-        a, mu, change = _qmodel(em, em.sub_batch_pass(qmodel_batch), precond, velocity, dots, damping, l2)
+        gap = None  # the objective's distance to the loss's lower bound, where one is known
+        if parts.loss.lower_bound is not None:
+            gap = b.sub(loss, b.const(float(parts.loss.lower_bound)))
+            if l2:  # the objective the model describes includes l2 |theta|^2 / 2
+                gap = b.add(gap, b.mul(b.mul(b.const(0.5), em.hp("l2")), dots("t", "t")))
+        a, mu, change = _qmodel(em, em.sub_batch_pass(qmodel_batch), precond, velocity, dots, damping, l2, gap)
     else:
         lr, mu = em.hp("learning_rate"), em.hp("momentum")
         a = b.neg(b.mul(lr, _norm_constraint(em, lr, dots("g", "P"))))
@@ -670,7 +675,8 @@ def _norm_constraint(em: Emission, lr: str, g_dot_precond: str) -> str:
     return b.op("Where", [b.op("Greater", [c, b.const(0.0)]), clipped, b.const(1.0)])
 
 
-def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str, l2: bool):
+def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str, l2: bool,
+            gap: str | None = None):
     """a, mu minimizing m(a, mu) = g.u + 1/2 u.(C + damping)u for u = a P + mu v, with C the
     exact GGN (products from forward-mode JVPs), as in kfac-jax, on the batch `fwd` covers.
 
@@ -679,7 +685,9 @@ def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots:
     batch's g with C_S overshoots wherever S under-represents the curvature along P (the
     digits classifier at batch 256 with the model on 128 examples diverged on 4 of 4 seeds;
     with g_S, 0 of 4). The returned change m(a, mu) uses the whole batch's g: it is the
-    prediction that damping adaptation compares with the whole batch's loss change."""
+    prediction that damping adaptation compares with the whole batch's loss change. With
+    `gap` (the objective's distance to the loss's lower bound) a, mu are scaled down where
+    that change would undercut the bound (_decrease_scale)."""
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = jvp(b, fwd.view, dict(precond), [z])[z]
     j_v = jvp(b, fwd.view, dict(velocity), [z])[z]
@@ -733,7 +741,28 @@ def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots:
     a = b.op("Where", [keep, a, a1])
     mu = b.op("Where", [keep, mu, b.const(0.0)])
     # the predicted change m(a, mu), with the whole batch's g
+    change = model(a, mu, whole_b1, whole_b2)
+    if gap is None:
+        return a, mu, change
+    scale = _decrease_scale(em, change, gap)
+    a, mu = b.mul(scale, a), b.mul(scale, mu)
     return a, mu, model(a, mu, whole_b1, whole_b2)
+
+
+def _decrease_scale(em: Emission, change: str, gap: str) -> str:
+    """s = min(1, k gap / -change), k = hp/max_predicted_decrease (<= 0: off): the update is
+    scaled so that the model promises at most the fraction k of the objective's distance to
+    the loss's lower bound (`gap`). A model that predicts a decrease below the bound is
+    extrapolating past its validity: on the digits classifier at batch 32 each run-away
+    started with such a step (a predicted decrease of 10-15x the loss, |u| 9-17 where steps
+    had been 0.1-0.5; docs/runtime.md "Safeguards")."""
+    b = em.b
+    k = em.hp("max_predicted_decrease")
+    limit = b.mul(k, gap)
+    capped = b.op("And", [b.op("Greater", [k, b.const(0.0)]), b.op("Less", [change, b.neg(limit)])])
+    s = b.op("Where", [capped, b.div(limit, b.neg(change)), b.const(1.0)])
+    em.metric("update_scale", s)
+    return s
 
 
 @subgraph("update_statistics")

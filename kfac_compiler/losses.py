@@ -40,6 +40,9 @@ def make_loss(kind: str, **options) -> "Loss":
 class Loss:
     kind: ClassVar[str] = ""
     noise: ClassVar[str] = "uniform"  # distribution of the host noise used for sampling
+    # A value no l_n goes below (None: unknown). The K-FAC step caps the decrease its
+    # quadratic model may predict at the objective's distance to it (optimizers.KfacConfig).
+    lower_bound: ClassVar[float | None] = None
 
     def __init__(self, **options) -> None:
         if options:
@@ -109,6 +112,7 @@ class SoftmaxCrossEntropy(Loss):
     """Categorical distribution over the last axis of z; targets are int64 class indices."""
 
     kind = "softmax_cross_entropy"
+    lower_bound = 0.0  # -log p >= 0
 
     def target_type(self) -> int:
         return TensorProto.INT64
@@ -187,6 +191,7 @@ class SigmoidCrossEntropy(Loss):
     """Independent Bernoulli per output coordinate; targets are probabilities in [0, 1]."""
 
     kind = "sigmoid_cross_entropy"
+    lower_bound = 0.0  # softplus(z) - y z >= H(y) >= 0 for y in [0, 1]
 
     def _terms(self, b, z, y):
         # l = softplus(z) - y z, computed stably as max(z,0) - y z + log(1 + exp(-|z|))
@@ -235,6 +240,7 @@ class SquaredError(Loss):
     """Normal distribution with fixed variance: l = sum (z - y)^2 / (2 variance)."""
 
     kind = "squared_error"
+    lower_bound = 0.0  # a square
     noise = "normal"
 
     def __init__(self, variance: float = 1.0) -> None:

@@ -153,6 +153,9 @@ class KfacConfig(OptimizerConfig):
     `kfac_step` graph, on the batch's first qmodel_batch_size examples (the statistics'
     sub-batch; None: the whole batch). damping: initial value, adapted by Levenberg-Marquardt
     every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
+    max_predicted_decrease (qmodel): the update is scaled down so that the model predicts a
+    decrease of at most this fraction of the objective's distance to the loss's lower bound
+    (0 for every registered loss); None: off.
     """
 
     name: ClassVar[str] = "kfac"
@@ -177,6 +180,7 @@ class KfacConfig(OptimizerConfig):
     stats_batch_size: int | None = 64
     qmodel_batch_size: int | None = 64
     max_momentum: float = 1.0
+    max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
@@ -240,6 +244,8 @@ class KfacConfig(OptimizerConfig):
         _int("burn_in_steps", self.burn_in_steps, 0)
         _int("num_samples", self.num_samples, 1)
         _positive("max_momentum", self.max_momentum)
+        if self.max_predicted_decrease is not None:
+            _positive("max_predicted_decrease", self.max_predicted_decrease)
         for name in ("stats_batch_size", "qmodel_batch_size"):
             if getattr(self, name) is not None:
                 _int(name, getattr(self, name), 1)

@@ -281,6 +281,7 @@ class Trainer:
             hp["hp/reject_increase"] = 1.0 if cfg.reject_increase else 0.0
         if cfg.use_qmodel:
             hp["hp/max_momentum"] = cfg.max_momentum
+            hp["hp/max_predicted_decrease"] = cfg.max_predicted_decrease or 0.0  # 0: off
         else:
             hp["hp/learning_rate"] = cfg.learning_rate
             hp["hp/momentum"] = cfg.momentum
@@ -312,6 +313,7 @@ class Trainer:
             "update_norm": out.get("metric/update_norm", float("nan")),
             "grad_norm": out.get("metric/grad_norm", float("nan")),
             "qmodel_change": out.get("metric/qmodel_change", float("nan")),
+            "update_scale": out.get("metric/update_scale", float("nan")),
             "rho": float("nan"),
             "rejected": 0.0,
             "stats": 1.0 if (stats or first) else 0.0,

@@ -57,17 +57,28 @@ def dot(a: dict, b: dict) -> float:
     return float(sum((np.asarray(a[k], np.float64) * b[k]).sum() for k in a))
 
 
-@pytest.mark.parametrize("qmodel_batch,max_momentum,l2", [(None, 1.0, 0.0), (24, 1.0, 0.0), (None, 0.05, 0.0), (24, 1.0, 1e-2)])
-def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2):
+def softmax_cross_entropy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
+    z = logits(params, x)
+    z = z - z.max(axis=1, keepdims=True)
+    return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]))
+
+
+@pytest.mark.parametrize("qmodel_batch,max_momentum,l2,max_decrease", [
+    (None, 1.0, 0.0, 1.0), (24, 1.0, 0.0, 1.0), (None, 0.05, 0.0, 1.0), (24, 1.0, 1e-2, 1.0),
+    (None, 1.0, 0.0, 1e-3), (24, 1.0, 1e-2, 1e-3)])
+def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2,
+                                                                              max_decrease):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
     with C the exact GGN and g the gradient, both on the batch's first qmodel_batch examples
     (all when None), P = the preconditioned whole-batch gradient, v = the previous update;
     with |mu| capped at max_momentum, alpha is the best one for the capped mu.
     qmodel_change = m(u) with the whole batch's gradient. With weight decay l2 both gradients
-    include l2 theta and the damping is lambda + l2."""
+    include l2 theta and the damping is lambda + l2. Where m(u) < -k gap (k =
+    max_predicted_decrease, gap = the objective L + l2 |theta|^2 / 2 above the loss's bound 0)
+    the applied update is s u with s = k gap / -m(u), and qmodel_change = m(s u)."""
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac", qmodel_batch_size=qmodel_batch, stats_batch_size=None, batch_size=48,
-                 max_momentum=max_momentum, l2_reg=l2)
+                 max_momentum=max_momentum, l2_reg=l2, max_predicted_decrease=max_decrease)
     batches = [np.arange(48) + 8 * s for s in range(3)]
     for idx in batches[:2]:
         tr.step({"input": x[idx]}, y[idx])
@@ -91,11 +102,21 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
     if abs(mu) > max_momentum:
         mu = math.copysign(max_momentum, mu)
         a = -(bvec[0] + mu * C[0, 1]) / C[0, 0]
-    assert m["learning_rate"] == pytest.approx(-a, rel=2e-4)
-    assert m["momentum"] == pytest.approx(mu, rel=2e-4, abs=1e-5)
     w = np.array([a, mu])
     whole_bvec = np.array([dot(g, P), dot(g, v)])
+    change = w @ whole_bvec + 0.5 * w @ C @ w
+    gap = softmax_cross_entropy(theta, xb, yb) + 0.5 * l2 * dot(theta, theta)
+    scale = max_decrease * gap / -change if change < -max_decrease * gap else 1.0
+    assert (scale < 0.5) == (max_decrease < 1)  # the cap binds exactly in the cases meant to test it
+    w = scale * w
+    assert m["update_scale"] == pytest.approx(scale, rel=1e-3)
+    assert m["learning_rate"] == pytest.approx(-w[0], rel=2e-4)
+    assert m["momentum"] == pytest.approx(w[1], rel=2e-4, abs=1e-5 * scale)
     assert m["qmodel_change"] == pytest.approx(w @ whole_bvec + 0.5 * w @ C @ w, rel=1e-3)
+    moved = {p: tr.parameters()[p] - theta[p] for p in tr.params}  # the applied update, w0 P + w1 v
+    expected = {p: w[0] * P[p] + w[1] * v[p] for p in tr.params}
+    assert math.sqrt(dot({p: moved[p] - expected[p] for p in tr.params}, {p: moved[p] - expected[p] for p in tr.params})) \
+        < 1e-3 * math.sqrt(dot(expected, expected))
     if max_momentum < 1:
         assert abs(m["momentum"]) == pytest.approx(max_momentum)  # the cap was active
     if qmodel_batch:  # the sub-batch's gradient matters: the whole batch's g gives other values

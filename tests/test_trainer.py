@@ -335,20 +335,21 @@ def test_kfac_stays_stable_for_long_runs(mlp):
         assert tr.evaluate({"input": x}, y)["loss"] < 1e-3
 
 
-@pytest.mark.parametrize("bs", [64, 256])
-def test_kfac_defaults_do_not_diverge_at_small_or_large_batches(mlp, bs):
+@pytest.mark.parametrize("bs,final", [(16, 0.05), (32, 0.05), (64, 1e-2), (256, 1e-2)])
+def test_kfac_defaults_do_not_diverge_at_small_or_large_batches(mlp, bs, final):
     """Regression: small batches ran away (|mu| up to 1e5, loss 1e28, then every step
     rejected) before the momentum cap; batch 256 diverged with a quadratic model that mixed
     the whole batch's gradient with a sub-batch's curvature (the default model is the
-    64-example sub-batch's own). (Batch 32 can still run away with the default damping:
-    docs/runtime.md.)"""
+    64-example sub-batch's own); batches 16 (seeds 0, 1) and 32 (seed 0) still ran away, from
+    a step whose model promised a decrease of 10-15x the loss, before max_predicted_decrease.
+    Batches 16 and 32 are noisier: a looser final loss (measured 0.009-0.04)."""
     plan, x, y = mlp
     for seed in (0, 1):
         tr = Trainer(plan, optimizer="kfac", seed=seed, batch_size=bs)
         ms = [tr.step(inputs, t) for inputs, t in batches(x, y, bs, 200, seed)]
         assert sum(m["rejected"] for m in ms) <= 5
         assert max(abs(m["momentum"]) for m in ms if not m["rejected"]) <= 1.0 + 1e-6
-        assert tr.evaluate({"input": x}, y)["loss"] < 1e-2
+        assert tr.evaluate({"input": x}, y)["loss"] < final
 
 
 # ----------------------------------------------------------------------------- curvature API
