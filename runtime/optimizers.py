@@ -165,7 +165,7 @@ class KfacConfig(OptimizerConfig):
     adapt_damping: bool | None = None
     damping_adaptation_interval: int = 5
     damping_adaptation_decay: float = 0.95
-    min_damping: float = 1e-3
+    min_damping: float = 3e-4
     max_damping: float = 1e8
     damping_rejection_factor: float = 10.0
     include_damping_in_quad_change: bool = False
