@@ -751,11 +751,12 @@ def _qmodel(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots:
 
 def _decrease_scale(em: Emission, change: str, gap: str) -> str:
     """s = min(1, k gap / -change), k = hp/max_predicted_decrease (<= 0: off): the update is
-    scaled so that the model promises at most the fraction k of the objective's distance to
-    the loss's lower bound (`gap`). A model that predicts a decrease below the bound is
-    extrapolating past its validity: on the digits classifier at batches 16 and 32 each
-    run-away inspected started with such a step (a predicted decrease of 10-360x the loss,
-    |u| 9-500 where steps had been 0.1-0.5; docs/runtime.md "Safeguards")."""
+    scaled by the ratio of the decrease allowed (the fraction k of the objective's distance
+    to the loss's lower bound, `gap`) to the decrease predicted. A model that predicts a
+    decrease below the bound is extrapolating past its validity: on the digits classifier at
+    batches 16 and 32 each run-away inspected started with such a step (a predicted decrease
+    of 10-360x the loss, |u| 9-500 where steps had been 0.1-0.5; docs/runtime.md
+    "Safeguards")."""
     b = em.b
     k = em.hp("max_predicted_decrease")
     limit = b.mul(k, gap)

@@ -40,8 +40,8 @@ def make_loss(kind: str, **options) -> "Loss":
 class Loss:
     kind: ClassVar[str] = ""
     noise: ClassVar[str] = "uniform"  # distribution of the host noise used for sampling
-    # A value no l_n goes below (None: unknown). The K-FAC step caps the decrease its
-    # quadratic model may predict at the objective's distance to it (optimizers.KfacConfig).
+    # A value no l_n goes below (None: unknown). The K-FAC step scales down an update whose
+    # quadratic model predicts a decrease beyond it (optimizers.KfacConfig).
     lower_bound: ClassVar[float | None] = None
 
     def __init__(self, **options) -> None:

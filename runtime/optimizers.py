@@ -153,9 +153,9 @@ class KfacConfig(OptimizerConfig):
     `kfac_step` graph, on the batch's first qmodel_batch_size examples (the statistics'
     sub-batch; None: the whole batch). damping: initial value, adapted by Levenberg-Marquardt
     every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
-    max_predicted_decrease (qmodel): the update is scaled down so that the model predicts a
-    decrease of at most this fraction of the objective's distance to the loss's lower bound
-    (0 for every registered loss); None: off.
+    max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
+    the objective's distance to the loss's lower bound (0 for every registered loss), the
+    update is scaled by their ratio; None: off.
     """
 
     name: ClassVar[str] = "kfac"

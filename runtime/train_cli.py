@@ -26,7 +26,7 @@ from kfac_compiler.errors import ConfigError, DataError, ModelError
 DEFAULT_MODEL = "mlp_classifier"
 from kfac_compiler.config import LOSS_KINDS
 CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
-               "qmodel_change", "rho", "rejected", "burn_in", "step_time")
+               "qmodel_change", "update_scale", "rho", "rejected", "burn_in", "step_time")
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:

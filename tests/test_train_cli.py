@@ -54,6 +54,7 @@ def test_metrics_csv_save_and_checkpoint_resume(tmp_path, capsys):
     rows = list(csv.DictReader(open(m1)))
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     assert all(float(r["loss"]) > 0 for r in rows) and rows[0]["damping"] and rows[0]["rejected"] == "0"
+    assert all(0 < float(r["update_scale"]) <= 1 for r in rows)
     sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     x, y = ZOO["mlp_classifier"].make_data(16)
     (logits,) = sess.run(None, {"input": x["input"]})
