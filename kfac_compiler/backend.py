@@ -19,7 +19,7 @@ from onnx import TensorProto
 from kfac_compiler.blocks import FisherBlock, make_block
 from kfac_compiler.blocks._parts import GramStatistic, emit_statistic
 from kfac_compiler import linalg
-from kfac_compiler.builder import GraphBuilder, value_info
+from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
 from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import Layer
@@ -405,13 +405,12 @@ def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
     for i, t in enumerate(node.input):
         if t in rename:
             node.input[i] = rename[t]
-    for attr in node.attribute:
-        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            for inner in g.node:
-                _rename_uses(inner, rename)
-            for out in g.output:  # a branch may pass an outer tensor through
-                if out.name in rename:
-                    out.name = rename[out.name]
+    for g in subgraphs(node):
+        for inner in g.node:
+            _rename_uses(inner, rename)
+        for out in g.output:  # a branch may pass an outer tensor through
+            if out.name in rename:
+                out.name = rename[out.name]
 
 
 def _init_of(spec) -> str:

@@ -259,14 +259,21 @@ class GraphBuilder:
         return model
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The bodies in `node`'s attributes (If branches, Loop/Scan bodies)."""
+    out: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        out += [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+    return out
+
+
 def node_reads(node: onnx.NodeProto) -> set[str]:
     """The tensors `node` reads: its inputs and, inside If/Loop/Scan bodies, whatever those
     bodies' nodes read (outer-scope names included; over-approximating keeps more alive)."""
     out = {t for t in node.input if t}
-    for attr in node.attribute:
-        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            for inner in g.node:
-                out |= node_reads(inner)
+    for g in subgraphs(node):
+        for inner in g.node:
+            out |= node_reads(inner)
     return out
 
 
