@@ -244,8 +244,15 @@ def np_inverse(
                         flat_X[i] = np.eye(n)
                         flat_ok[i] = False
             ok = ok & _np_residual_ok(safe, X, tol)
-    ok = ok & finite
-    fallback = np.broadcast_to(np.eye(n), M.shape) if previous is None else np.asarray(previous, np.float64)
+    return _kept_where_failed(X, ok & finite, previous)
+
+
+def _kept_where_failed(X: np.ndarray, ok: np.ndarray, previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(X where ok, else `previous` or the identity, in X's dtype; ok)."""
+    if ok.all():
+        return X, ok
+    n = X.shape[-1]
+    fallback = np.broadcast_to(np.eye(n, dtype=X.dtype), X.shape) if previous is None else np.asarray(previous, X.dtype)
     return np.where(ok[..., None, None], X, fallback), ok
 
 
@@ -277,11 +284,7 @@ def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None)
                 np.add(half, half.T, out=X[i])  # exactly symmetric: a descent direction stays one
             ok[i] = info == 0
         ok &= np.isfinite(X).all(axis=(-2, -1))  # NaN/Inf in M propagates to X
-    X, ok = X.reshape(M.shape), ok.reshape(M.shape[:-2])
-    if ok.all():
-        return X, ok
-    fallback = np.broadcast_to(np.eye(n, dtype=M.dtype), M.shape) if previous is None else np.asarray(previous, M.dtype)
-    return np.where(ok[..., None, None], X, fallback), ok
+    return _kept_where_failed(X.reshape(M.shape), ok.reshape(M.shape[:-2]), previous)
 
 
 @functools.cache
