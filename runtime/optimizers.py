@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.passes.estimator import MODES as ESTIMATION_MODES
 
 OPTIMIZERS = ("kfac", "sgd", "adam")
-from kfac_compiler.passes.estimator import MODES as ESTIMATION_MODES
 
 # Knob aliases accepted for convenience (kfac-jax / TF K-FAC spellings).
 ALIASES = {

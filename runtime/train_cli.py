@@ -21,10 +21,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from kfac_compiler.config import LOSS_KINDS
 from kfac_compiler.errors import ConfigError, DataError, ModelError
 
 DEFAULT_MODEL = "mlp_classifier"
-from kfac_compiler.config import LOSS_KINDS
 CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
                "qmodel_change", "update_scale", "rho", "rejected", "burn_in", "step_time")
 
