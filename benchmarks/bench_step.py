@@ -191,6 +191,13 @@ def run_to_target(plan, x, y, bs, optimizer, steps, device, targets=(), checkpoi
     return full_loss(tr, x, y), secs, med(times), hits, marks
 
 
+def write_json(path: str | None, results) -> None:
+    """The results as JSON at `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=float)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (CI smoke run)")
@@ -270,9 +277,7 @@ def main(argv=None) -> int:
             else:
                 print(f"K-FAC did not reach {target:.5f} in {last} steps (final {loss:.5f})")
         results[name] = r
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=float)
+    write_json(args.json, results)
     return 0
 
 

@@ -14,13 +14,12 @@ runs and the first inverse refresh) included. One run on this machine: the VM's 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import kfac_compiler as kc
 from kfac_compiler.models import ZOO, list_models
 
-from bench_step import ADAM_LRS, run_to_target
+from bench_step import ADAM_LRS, run_to_target, write_json
 
 
 def compare(name: str, batch_size: int, steps: int, device: str) -> dict:
@@ -64,9 +63,7 @@ def main(argv=None) -> int:
         print(f"{name:20s} {r['best_lr']:7g} {r['target_loss']:10.4g} {r['adam_seconds']:7.2f} "
               f"{r['kfac_final_loss']:10.4g} {steps:>11s} {k_s:>8s} {ratio:>10s} "
               f"{r['kfac_step_ms']:8.2f} / {r['adam_step_ms']:.2f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=float)
+    write_json(args.json, results)
     return 0
 
 
