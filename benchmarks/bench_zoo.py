@@ -8,7 +8,7 @@ Adam with lr in {1e-3, 3e-3, 1e-2} trains `--steps` steps; the lowest full-data 
 them is the target. K-FAC (defaults, no tuning) then trains the same number of steps, its
 full-data loss checked every 5 steps (evaluation time excluded): the steps and seconds it
 needs to reach the target, its time relative to the best Adam's, and its own final loss.
-Seconds are sums of measured step wall times, K-FAC's first step (~10 ms: sessions' first
+Seconds are sums of measured step wall times, K-FAC's first step (3-10 ms: sessions' first
 runs and the first inverse refresh) included. One run on this machine: the VM's speed drifts.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ def compare(name: str, batch_size: int, steps: int, device: str) -> dict:
         adam[lr] = (loss, secs, step_med)
     best = min(adam, key=lambda lr: adam[lr][0])
     target, adam_s, adam_step = adam[best]
-    loss, secs, kfac_step, hits, _ = run_to_target(plan, x, y, batch_size, "kfac", steps, device, targets=[target],
-                                                      stop=False)
+    loss, _, kfac_step, hits, _ = run_to_target(plan, x, y, batch_size, "kfac", steps, device, targets=[target],
+                                                   stop=False)
     hit_steps, hit_s = hits.get(target, (None, None))
     return dict(model=name, batch=batch_size, adam_losses={lr: v[0] for lr, v in adam.items()}, best_lr=best,
                 target_loss=target, adam_seconds=adam_s, adam_step_ms=1e3 * adam_step, kfac_final_loss=loss,
@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     ap.add_argument("--json", help="also write the results as JSON")
     args = ap.parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in ZOO]
+    if unknown:
+        ap.error(f"not zoo models: {', '.join(unknown)} (the zoo: {', '.join(list_models())})")
     print(f"{'model':20s} {'Adam lr':>7s} {'Adam loss':>10s} {'Adam s':>7s} {'K-FAC loss':>10s} "
           f"{'K-FAC steps':>11s} {'K-FAC s':>8s} {'time ratio':>10s} {'step ms K-FAC/Adam':>19s}")
     results = []
