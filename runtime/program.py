@@ -79,7 +79,11 @@ class Program:
         self._bound: dict[tuple, dict[str, ort.OrtValue]] = {}
         self._valid: dict[tuple, int] = {}  # per binding: the store generation it was made at
         self._slots = tuple(self.state_inputs) + tuple(self.state_outputs.values())
+        self._written = tuple(self.state_outputs.values())
         self._dynamic_metrics = [m for m in self.metrics if m not in self._metric_bufs]
+        # (name, host buffer) of the pre-bound scalar metrics: read without a fetch
+        self._scalar_metrics = [(m, self._metric_bufs[m][0]) for m in self.metrics
+                                if m in self._metric_bufs and self._metric_bufs[m][0].size == 1]
         self.runs = 0
         self.session_seconds = 0.0
         self.last_seconds = 0.0
@@ -106,7 +110,7 @@ class Program:
 
     @property
     def written_slots(self) -> list[str]:
-        return list(self.state_outputs.values())
+        return list(self._written)
 
     # ------------------------------------------------------------------ run
     def _binding(self, key: tuple) -> tuple[ort.IOBinding, dict[str, ort.OrtValue]]:
@@ -173,13 +177,24 @@ class Program:
         self.last_seconds = dt
         self.session_seconds += dt
         self.runs += 1
+        if want or len(self._scalar_metrics) < len(self.metrics):
+            out = self._collect(b, want)
+        else:  # the steady-state step: every metric a pre-bound host scalar
+            out = {m: float(buf.item()) for m, buf in self._scalar_metrics}
+        # A rejected step (metric/finite == 0: NaN/Inf loss or update) wrote its outputs into
+        # the spare buffers only; not flipping them keeps every state slot as it was.
+        if out.get(FINITE_METRIC, 1.0) != 0.0:
+            store.flip_all(self._written)
+        return out
+
+    def _collect(self, b: ort.IOBinding, want: tuple[str, ...]) -> dict[str, Any]:
+        """Metrics (host floats, or arrays when not scalar) and the requested results, as host copies."""
         out: dict[str, Any] = {}
-        dynamic = [m for m in self.metrics if m not in self._metric_bufs] + list(want)
+        dynamic = self._dynamic_metrics + list(want)
         fetched = {}
         if dynamic:
             names = list(self.state_outputs) + self.metrics + list(want)
-            vals = b.get_outputs()
-            for name, v in zip(names, vals):
+            for name, v in zip(names, b.get_outputs()):
                 if name in dynamic:
                     fetched[name] = np.array(v.numpy(), copy=True)
         for m in self.metrics:
@@ -188,11 +203,6 @@ class Program:
             out[m] = float(arr.reshape(-1)[0]) if arr.size == 1 else np.array(arr, copy=True)
         for r in want:
             out[r] = fetched[r]
-        # A rejected step (metric/finite == 0: NaN/Inf loss or update) wrote its outputs into
-        # the spare buffers only; not flipping them keeps every state slot as it was.
-        if out.get(FINITE_METRIC, 1.0) != 0.0:
-            for slot in self.state_outputs.values():
-                store.flip(slot)
         return out
 
 

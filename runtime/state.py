@@ -64,6 +64,7 @@ class StateStore:
         # training steps must not reallocate the training batch's buffers.
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
         self._hp: dict[str, tuple[np.float32, ort.OrtValue]] = {}
+        self._hp_host: dict[str, float] = {}  # the value last passed to set_hp, as given
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
         # renewed whenever a buffer object is created or replaced (add, a reallocated data
         # input, a new hp): a program's IOBinding made at the same generation is still valid.
@@ -100,11 +101,16 @@ class StateStore:
 
     def parity(self, slots: Iterable[str]) -> tuple[int, ...]:
         """Which buffer of each slot is current (0 or 1)."""
-        cur = self._cur
-        return tuple(cur[s] for s in slots)
+        return tuple(map(self._cur.__getitem__, slots))
 
     def flip(self, slot: str) -> None:
-        self._cur[slot] = 1 - self._cur[slot]
+        self._cur[slot] ^= 1
+
+    def flip_all(self, slots: Iterable[str]) -> None:
+        """flip() each slot (a step writes ~40 slots: one call, not 40)."""
+        cur = self._cur
+        for slot in slots:
+            cur[slot] ^= 1
 
     def to_numpy(self, slot: str) -> np.ndarray:
         """A host copy of the slot's current value (never aliases device memory)."""
@@ -176,8 +182,12 @@ class StateStore:
     # ------------------------------------------------------------ hyper-parameters
     def set_hp(self, name: str, value: float) -> ort.OrtValue:
         """Set float32 scalar `name` (e.g. "hp/damping"); the device copy is rewritten only on change."""
-        v = np.float32(value)
         entry = self._hp.get(name)
+        # most hp are the same Python float step after step: skip the float32 round trip
+        if entry is not None and self._hp_host.get(name) == value:
+            return entry[1]
+        self._hp_host[name] = value if isinstance(value, float) and value == value else None
+        v = np.float32(value)
         if entry is None:
             ov = _alloc((), np.float32, self.device)
             ov.update_inplace(np.asarray(v))
