@@ -117,6 +117,20 @@ def test_data_buffers_reused_and_hp_written_on_change():
     assert st.uploads == n + 1
     st.set_hp("hp/a", 0.25)
     assert st.uploads == n + 2 and st.hp_value("hp/a") == 0.25
+    # NaN never equals itself: it is written every time, and a number replaces it
+    st.set_hp("hp/a", float("nan"))
+    st.set_hp("hp/a", float("nan"))
+    assert st.uploads == n + 4 and np.isnan(st.hp_value("hp/a")) and np.isnan(st.hp("hp/a").numpy())
+    st.set_hp("hp/a", 0.25)
+    assert st.uploads == n + 5 and st.hp("hp/a").numpy() == np.float32(0.25)
+    # a different Python float with the same float32 value, and numpy scalars: no new upload
+    st.set_hp("hp/a", 0.25 + 1e-12)
+    st.set_hp("hp/a", np.float64(0.25))
+    st.set_hp("hp/a", np.float32(0.25))
+    assert st.uploads == n + 5
+    st.set_hp("hp/a", np.float32(0.5))
+    st.set_hp("hp/a", 0.25)  # a Python float passed before, but the device now holds 0.5
+    assert st.uploads == n + 7 and st.hp("hp/a").numpy() == np.float32(0.25)
 
 
 def counter_program(step: float, device: str = "cpu") -> tuple[StateStore, Program]:
