@@ -64,7 +64,7 @@ class StateStore:
         # training steps must not reallocate the training batch's buffers.
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
         self._hp: dict[str, tuple[np.float32, ort.OrtValue]] = {}
-        self._hp_host: dict[str, float] = {}  # the value last passed to set_hp, as given
+        self._hp_host: dict[str, float | None] = {}  # the float last passed to set_hp (None: not one)
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
         # renewed whenever a buffer object is created or replaced (add, a reallocated data
         # input, a new hp): a program's IOBinding made at the same generation is still valid.
@@ -184,9 +184,10 @@ class StateStore:
         """Set float32 scalar `name` (e.g. "hp/damping"); the device copy is rewritten only on change."""
         entry = self._hp.get(name)
         # most hp are the same Python float step after step: skip the float32 round trip
-        if entry is not None and self._hp_host.get(name) == value:
+        is_float = isinstance(value, float)
+        if is_float and entry is not None and self._hp_host.get(name) == value:
             return entry[1]
-        self._hp_host[name] = value if isinstance(value, float) and value == value else None
+        self._hp_host[name] = value if is_float and value == value else None
         v = np.float32(value)
         if entry is None:
             ov = _alloc((), np.float32, self.device)
