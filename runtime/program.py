@@ -78,8 +78,8 @@ class Program:
         # per binding: name -> the OrtValue bound last (only what changed is bound again)
         self._bound: dict[tuple, dict[str, ort.OrtValue]] = {}
         self._valid: dict[tuple, int] = {}  # per binding: the store generation it was made at
-        self._slots = tuple(self.state_inputs) + tuple(self.state_outputs.values())
         self._written = tuple(self.state_outputs.values())
+        self._slots = tuple(self.state_inputs) + self._written
         self._dynamic_metrics = [m for m in self.metrics if m not in self._metric_bufs]
         # (name, host buffer) of the pre-bound scalar metrics: read without a fetch
         self._scalar_metrics = [(m, self._metric_bufs[m][0]) for m in self.metrics

@@ -63,8 +63,8 @@ class StateStore:
         # data buffers per channel ("train", "eval", ...): evaluating on a big batch between
         # training steps must not reallocate the training batch's buffers.
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
-        self._hp: dict[str, tuple[np.float32, ort.OrtValue]] = {}
-        self._hp_host: dict[str, float | None] = {}  # the float last passed to set_hp (None: not one)
+        # name -> (float32 value on the device, its OrtValue, the Python float last passed or None)
+        self._hp: dict[str, tuple[np.float32, ort.OrtValue, float | None]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
         # renewed whenever a buffer object is created or replaced (add, a reallocated data
         # input, a new hp): a program's IOBinding made at the same generation is still valid.
@@ -185,22 +185,23 @@ class StateStore:
         entry = self._hp.get(name)
         # most hp are the same Python float step after step: skip the float32 round trip
         is_float = isinstance(value, float)
-        if is_float and entry is not None and self._hp_host.get(name) == value:
+        if is_float and entry is not None and entry[2] == value:
             return entry[1]
-        self._hp_host[name] = value if is_float and value == value else None
+        host = value if is_float and value == value else None  # NaN never matches
         v = np.float32(value)
         if entry is None:
             ov = _alloc((), np.float32, self.device)
-            ov.update_inplace(np.asarray(v))
-            self._hp[name] = (v, ov)
             self.generation = next(_GENERATIONS)
-            self.uploads += 1
-            return ov
-        old, ov = entry
-        if old != v or (np.isnan(old) != np.isnan(v)):
+            upload = True
+        else:
+            old, ov, _ = entry
+            upload = old != v or (np.isnan(old) != np.isnan(v))
+        if upload:
             ov.update_inplace(np.asarray(v))
-            self._hp[name] = (v, ov)
             self.uploads += 1
+        else:
+            v = old
+        self._hp[name] = (v, ov, host)
         return ov
 
     def hp(self, name: str) -> ort.OrtValue:
