@@ -508,26 +508,51 @@ def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | No
     return em.finish("statistics")
 
 
-def _update_factors(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int, ok: list[str]) -> None:
-    """Write the moving-average update (1 - c) F + c S of every factor F with this batch's
-    statistic S; append finiteness terms to `ok`. A GramStatistic S = X^T X / count becomes
-    one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is that of |X|^2, which
-    bounds every entry of X^T X."""
+def _factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
+                    num_samples: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """The moving-average update (1 - c) F + c S of every factor slot F with this batch's
+    statistic S, as (slot, new value) pairs, and finiteness terms. A GramStatistic
+    S = X^T X / count becomes one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is
+    that of |X|^2, which bounds every entry of X^T X."""
     b = em.b
     coeff = em.hp("ema_coeff")
     keep = b.sub(b.const(1.0), coeff)
     stats = em.batch_statistics(fwd, mode, num_samples, cots)
+    updates, ok = [], []
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
         for fname, stat in stats[layer.name].items():
             slot = em.state_input(f"factor/{layer.name}/{fname}", specs[fname].shape, "zeros")
             if isinstance(stat, GramStatistic):
                 scaled = b.mul(stat.rows, b.div(coeff, stat.count))
-                em.state_output(slot, b.op("Gemm", [scaled, stat.rows, b.mul(slot, keep)], transA=1))
+                updates.append((slot, b.op("Gemm", [scaled, stat.rows, b.mul(slot, keep)], transA=1)))
                 ok.append(b.reduce("ReduceSumSquare", stat.rows, None))
             else:
-                em.state_output(slot, b.add(slot, b.mul(coeff, b.sub(stat, slot))))
+                updates.append((slot, b.add(slot, b.mul(coeff, b.sub(stat, slot)))))
                 ok.append(b.reduce_sum(stat, None))
+    return updates, ok
+
+
+def _conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int,
+                                ok: list[str]) -> None:
+    """The factor updates inside an If on hp/update_stats > 0: the steps that skip the
+    statistics (cov_update_period > 1, the first step) run the same session, whose factor
+    outputs are then copies of its inputs. A second session for those steps would cost more:
+    each session's idle workers spin on the second core (session 4 in docs/performance_log.md)."""
+    b = em.b
+    slots: list[str] = []
+
+    def statistics() -> list[str]:
+        updates, terms = _factor_updates(em, fwd, cots, mode, num_samples)
+        slots.extend(slot for slot, _ in updates)
+        return [new for _, new in updates] + [_sum(b, terms)]
+
+    wanted = b.op("Greater", [em.hp("update_stats"), b.const(0.0)])
+    results = b.conditional(wanted, statistics, lambda: slots + [b.const(0.0)],
+                            lambda: [em.info["state_specs"][s]["shape"] for s in slots] + [[]], hint="statistics")
+    for slot, new in zip(slots, results):
+        em.state_output(slot, new)
+    ok.append(results[-1])
 
 
 def _regularized(em: Emission, grads: dict[str, str], l2: bool) -> dict[str, str]:
@@ -586,7 +611,7 @@ def _kfac_step(
     grads = _regularized(em, raw_grads, l2)
     ok_terms = [loss]
     if with_stats:
-        _update_factors(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
+        _conditional_factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
     velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
     vectors = {"g": grads, "P": precond, "v": velocity}
@@ -775,7 +800,10 @@ def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: i
     reuse = mode == "empirical" and stats_batch is None
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
-    _update_factors(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
+    updates, terms = _factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples)
+    for slot, new in updates:
+        em.state_output(slot, new)
+    ok_terms += terms
     em.metric("loss", loss)
     em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("update_statistics")

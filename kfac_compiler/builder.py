@@ -197,16 +197,22 @@ class GraphBuilder:
     def identity(self, x: str, output: str) -> str:
         return self.op("Identity", [x], outputs=[output])
 
-    def conditional(self, cond: str, then: Callable[[], Sequence[str]], otherwise: Sequence[str],
-                    shapes: Sequence[Sequence[int | str | None]], hint: str = "branch") -> list[str]:
+    def conditional(self, cond: str, then: Callable[[], Sequence[str]],
+                    otherwise: Sequence[str] | Callable[[], Sequence[str]],
+                    shapes: Sequence[Sequence[int | str | None]] | Callable[[], Sequence[Sequence[int | str | None]]],
+                    hint: str = "branch") -> list[str]:
         """If(cond): the nodes `then()` appends run only when the bool scalar `cond` is true
         (its results are returned); otherwise the `otherwise` tensors pass through. Lets one
         session skip work on most steps (e.g. a forward pass needed every k-th step) without
         a second session. Results are float tensors of `float_type` with `shapes` (a branch
-        output must declare one; None or a name for an unknown dimension)."""
+        output must declare one; None or a name for an unknown dimension). `otherwise` and
+        `shapes` may be functions, called after `then()`: for results whose alternatives
+        `then()` discovers (the state slots it reads)."""
         start = len(self.nodes)
         results = list(then())
         body, self.nodes[start:] = self.nodes[start:], []
+        otherwise = otherwise() if callable(otherwise) else otherwise
+        shapes = shapes() if callable(shapes) else shapes
         if not len(results) == len(otherwise) == len(shapes):
             raise ValueError(f"conditional {hint!r}: {len(results)} results, {len(otherwise)} alternatives, "
                              f"{len(shapes)} shapes")

@@ -173,6 +173,9 @@ class StateStore:
         self.uploads += 1
         return ov
 
+    def has_data(self, name: str, channel: str = "train") -> bool:
+        return (channel, name) in self._data
+
     def data(self, name: str, channel: str = "train") -> ort.OrtValue:
         try:
             return self._data[(channel, name)][0]

@@ -12,12 +12,12 @@ device as double-buffered OrtValues (runtime/state.py); a step writes the batch 
 pre-allocated inputs, runs one or a few subgraphs and reads back a handful of scalars.
 
 One K-FAC step k (see docs/runtime.md):
-  * the first step runs `update_statistics`, `inverse_update` (+ host-side blocks), then
-    `kfac_step(with_stats=False)`, so it is preconditioned by its own batch;
-  * every later step runs ONE fused graph `kfac_step(with_stats = k % cov_update_period == 0)`
-    which, on every damping_adaptation_interval-th step only (an If node on hp/loss_after),
-    also reports the same batch's loss at the new parameters (metric/loss_after) for
-    Levenberg-Marquardt damping;
+  * every step runs ONE fused graph, `kfac_step`, in one session: its factor statistics sit
+    in an If on hp/update_stats (1 when k % cov_update_period == 0), and on every
+    damping_adaptation_interval-th step only (an If on hp/loss_after) it also reports the same
+    batch's loss at the new parameters (metric/loss_after) for Levenberg-Marquardt damping;
+  * the first step runs `update_statistics` and `inverse_update` (+ host-side blocks) before
+    it, with hp/update_stats = 0, so it is preconditioned by its own batch;
   * after step k with k % inv_update_period == 0 the damped inverses are refreshed;
   * a step whose loss/update is not finite is discarded (the runtime does not flip the state
     buffers); the host multiplies the damping by damping_rejection_factor (10) and reports
@@ -146,13 +146,12 @@ class Trainer:
         cfg = self.config
         if isinstance(cfg, KfacConfig):
             opts = self._kfac_options()
-            self.program("kfac_step", with_stats=False, **opts)  # the first step
-            self.program("kfac_step", with_stats=True, **opts)
+            step = self.program("kfac_step", with_stats=True, **opts)
             self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self._stats_batch(),
                          weighted=self._weighted)
             self._inverses = InverseRefresher(
                 self.plan, self.program("inverse_update", method=self.inverse_method),
-                self.program("kfac_step", with_stats=False, **opts), self.inverse_method)
+                step, self.inverse_method)
         elif isinstance(cfg, SgdConfig):
             self.program("sgd_step", l2=self.config.l2_reg > 0, weighted=self._weighted)
         else:
@@ -174,6 +173,16 @@ class Trainer:
 
     def _noise(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name)
+
+    def _noise_placeholders(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Buffers for the noise inputs of a step that skips its statistics (the If does not
+        read them) where none was written yet, e.g. right after a checkpoint load: zeros, so
+        that the trainer's random stream stays that of an uninterrupted run."""
+        missing = [n for n in prog.data_inputs if n.startswith("noise/") and not self.store.has_data(n)]
+        if not missing:
+            return {}
+        shapes = draw_noise(np.random.default_rng(0), prog.info, missing, data["targets"], prog.name)
+        return {n: np.zeros_like(a) for n, a in shapes.items()}
 
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
@@ -286,22 +295,24 @@ class Trainer:
             hp["hp/learning_rate"] = cfg.learning_rate
             hp["hp/momentum"] = cfg.momentum
             hp["hp/norm_constraint"] = cfg.norm_constraint or 0.0
-        feed: dict[str, np.ndarray] | None = data
+        feed: dict[str, np.ndarray] = dict(data)
         inverse_ok = float("nan")
         w_new = None
+        prog = self.program("kfac_step", with_stats=True, **self._kfac_options())
         if first:
             # the very first step is preconditioned by its own batch: statistics, inverses, step
             self._run_statistics(data, data)
-            feed = None  # the batch is already in the store
+            feed = {}  # the batch (and the statistics' noise) is already in the store
             inverse_ok = self._refresh_inverses()
-            prog = self.program("kfac_step", with_stats=False, **self._kfac_options())
+        elif stats:
+            coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
+            hp["hp/ema_coeff"] = coeff
+            feed.update(self._noise(prog, data))
         else:
-            prog = self.program("kfac_step", with_stats=stats, **self._kfac_options())
-            if stats:
-                coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
-                hp["hp/ema_coeff"] = coeff
-                feed = dict(feed)
-                feed.update(self._noise(prog, data))
+            feed.update(self._noise_placeholders(prog, data))
+        if w_new is None:  # the If skips the statistics; their inputs only need to be bound
+            hp["hp/ema_coeff"] = 0.0
+        hp["hp/update_stats"] = 0.0 if w_new is None else 1.0
         out = prog.run(self.store, feed, hp=hp)
         ok = out.get("metric/finite", 1.0) > 0.5
         metrics = {

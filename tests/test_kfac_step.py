@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 import kfac_compiler as kc
 from kfac_compiler.models import ZOO, get_model
+from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.runtime import Trainer, gradients
+from kfac_compiler.runtime.optimizers import ema_coefficient
 
 LAYERS = ("fc1", "fc2", "fc3")
 
@@ -177,3 +180,41 @@ def test_a_step_that_raises_the_objective_is_rejected_on_adaptation_steps(mlp, r
     assert m["rejected"] == (1.0 if reject else 0.0) and unchanged == reject
     if reject:
         assert tr.damping == pytest.approx(10 * m["damping"])
+
+
+def test_statistics_run_only_on_the_steps_that_update_them(mlp):
+    """The step's factor statistics sit in an If on hp/update_stats: with cov_update_period=2
+    a step that skips them leaves every factor bit-for-bit as it was, and the next one gives
+    the moving average (1 - c) F + c S, with S from the `statistics` subgraph (brute-force
+    checked in test_fisher_bruteforce) at the parameters that step starts from."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", mode="exact", cov_update_period=2, batch_size=32)
+    stats = emit_subgraph(plan, "statistics", mode="exact")[0]
+    sess = ort.InferenceSession(stats.SerializeToString(), providers=["CPUExecutionProvider"])
+    batches = [(x[i:i + 32], y[i:i + 32]) for i in (0, 32, 16)]
+    factors = [s for s in tr.store.slots() if s.startswith("factor/")]
+    assert len(factors) == 2 * len(LAYERS)
+    tr.step({"input": batches[0][0]}, batches[0][1])
+    f0 = {s: tr.store.to_numpy(s) for s in factors}
+    m1 = tr.step({"input": batches[1][0]}, batches[1][1])
+    assert m1["stats"] == 0.0
+    assert all(np.array_equal(tr.store.to_numpy(s), f0[s]) for s in factors)
+    params = tr.parameters()
+    feeds = {"input": batches[2][0], "targets": batches[2][1], **params}
+    want = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    weight = tr.ema_weight
+    m2 = tr.step({"input": batches[2][0]}, batches[2][1])
+    assert m2["stats"] == 1.0 and m2["rejected"] == 0.0
+    c, _ = ema_coefficient(weight, tr.config.cov_ema_decay)
+    for s in factors:
+        layer, f = s.split("/")[1:]
+        expect = (1 - c) * f0[s].astype(np.float64) + c * want[f"stat/{layer}/{f}"]
+        np.testing.assert_allclose(tr.store.to_numpy(s), expect, rtol=1e-5, atol=1e-7)
+        assert not np.allclose(tr.store.to_numpy(s), f0[s])
+    # the If, not a zero coefficient, keeps them: a skipping run with c = 0.5 changes nothing
+    prog = tr.program("kfac_step", with_stats=True, **tr._kfac_options())
+    before = {s: tr.store.to_numpy(s) for s in factors}
+    assert prog.run(tr.store, hp={"hp/update_stats": 0.0, "hp/ema_coeff": 0.5})["metric/finite"] == 1.0
+    assert all(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)
+    prog.run(tr.store, hp={"hp/update_stats": 1.0, "hp/ema_coeff": 0.5})
+    assert not any(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)

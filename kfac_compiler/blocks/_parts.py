@@ -93,7 +93,7 @@ def emit_gram(b: GraphBuilder, X: str, rank: int = 2) -> str:
 class GramStatistic:
     """A factor statistic X^T X / count for rows X [m, k], left as its operands: the moving
     average folds the product, the division and its decay into one Gemm
-    (backend._update_factors), instead of four more passes over the k x k factor (0.08 ms of
+    (backend._factor_updates), instead of four more passes over the k x k factor (0.08 ms of
     a 2.3 ms digits-autoencoder step). `emit` materializes it for every other consumer."""
 
     rows: str
