@@ -213,5 +213,8 @@ class StateStore:
         except KeyError:
             raise KeyError(f"hyper-parameter {name!r} was never set") from None
 
+    def has_hp(self, name: str) -> bool:
+        return name in self._hp
+
     def hp_value(self, name: str) -> float:
         return float(self._hp[name][0])

@@ -310,7 +310,7 @@ class Trainer:
             feed.update(self._noise(prog, data))
         else:
             feed.update(self._noise_placeholders(prog, data))
-        if w_new is None:  # the If skips the statistics; their inputs only need to be bound
+        if w_new is None and not self.store.has_hp("hp/ema_coeff"):  # bound, but the If skips its reader
             hp["hp/ema_coeff"] = 0.0
         hp["hp/update_stats"] = 0.0 if w_new is None else 1.0
         out = prog.run(self.store, feed, hp=hp)
