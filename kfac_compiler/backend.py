@@ -533,6 +533,15 @@ def _factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     return updates, ok
 
 
+def _write_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int,
+                          ok: list[str]) -> None:
+    """The factor updates as state outputs, on every run; their finiteness terms into `ok`."""
+    updates, terms = _factor_updates(em, fwd, cots, mode, num_samples)
+    for slot, new in updates:
+        em.state_output(slot, new)
+    ok += terms
+
+
 def _conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int,
                                 ok: list[str]) -> None:
     """The factor updates inside an If on hp/update_stats > 0: the steps that skip the
@@ -588,6 +597,7 @@ class Gram:
 def _kfac_step(
     parts: PlanParts,
     with_stats: bool = True,
+    stats_if: bool = False,
     qmodel: bool = True,
     mode: str | None = None,
     num_samples: int | None = None,
@@ -610,8 +620,10 @@ def _kfac_step(
     loss, n, raw_grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     grads = _regularized(em, raw_grads, l2)
     ok_terms = [loss]
-    if with_stats:
+    if with_stats and stats_if:
         _conditional_factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
+    elif with_stats:
+        _write_factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
     velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
     vectors = {"g": grads, "P": precond, "v": velocity}
@@ -800,10 +812,7 @@ def _update_statistics(parts: PlanParts, mode: str | None = None, num_samples: i
     reuse = mode == "empirical" and stats_batch is None
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
-    updates, terms = _factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples)
-    for slot, new in updates:
-        em.state_output(slot, new)
-    ok_terms += terms
+    _write_factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
     em.metric("loss", loss)
     em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
     return em.finish("update_statistics")

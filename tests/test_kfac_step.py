@@ -205,6 +205,7 @@ def test_statistics_run_only_on_the_steps_that_update_them(mlp):
     weight = tr.ema_weight
     m2 = tr.step({"input": batches[2][0]}, batches[2][1])
     assert m2["stats"] == 1.0 and m2["rejected"] == 0.0
+    assert sum(name.startswith("kfac_step") for name in tr.programs()) == 1  # one session for all steps
     c, _ = ema_coefficient(weight, tr.config.cov_ema_decay)
     for s in factors:
         layer, f = s.split("/")[1:]
@@ -212,7 +213,7 @@ def test_statistics_run_only_on_the_steps_that_update_them(mlp):
         np.testing.assert_allclose(tr.store.to_numpy(s), expect, rtol=1e-5, atol=1e-7)
         assert not np.allclose(tr.store.to_numpy(s), f0[s])
     # the If, not a zero coefficient, keeps them: a skipping run with c = 0.5 changes nothing
-    prog = tr.program("kfac_step", with_stats=True, **tr._kfac_options())
+    prog = tr.program("kfac_step", with_stats=True, stats_if=True, **tr._kfac_options())
     before = {s: tr.store.to_numpy(s) for s in factors}
     assert prog.run(tr.store, hp={"hp/update_stats": 0.0, "hp/ema_coeff": 0.5})["metric/finite"] == 1.0
     assert all(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)
