@@ -164,7 +164,7 @@ class Trainer:
         """The fused K-FAC step. With cov_update_period > 1 its statistics sit in an If on
         hp/update_stats, so that the steps without them (and the first step) share its
         session; with statistics on every step they run unconditionally (the If measured
-        1-5% dearer per step there), and the first step has a statistics-free variant."""
+        2-4% dearer per step there), and the first step has a statistics-free variant."""
         if self.config.cov_update_period > 1:
             return self.program("kfac_step", with_stats=True, stats_if=True, **self._kfac_options())
         return self.program("kfac_step", with_stats=not first, **self._kfac_options())
@@ -315,7 +315,7 @@ class Trainer:
         if first:
             # the very first step is preconditioned by its own batch: statistics, inverses, step
             self._run_statistics(data, data)
-            feed = {}  # the batch (and the statistics' noise) is already in the store
+            feed = self._noise_placeholders(prog, data)  # the batch is already in the store
             inverse_ok = self._refresh_inverses()
         elif stats:
             coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)

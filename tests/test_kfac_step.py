@@ -9,8 +9,8 @@ import onnxruntime as ort
 import pytest
 
 import kfac_compiler as kc
-from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.backend import emit_subgraph
+from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.runtime import Trainer, gradients
 from kfac_compiler.runtime.optimizers import ema_coefficient
 
