@@ -112,24 +112,14 @@ def draw_noise(rng: np.random.Generator, info: Mapping[str, Any], data_inputs: l
     """The noise/<s> inputs of a subgraph (per info["noise"]), drawn from `rng`.
 
     Uniform noise is clipped into [1e-7, 1 - 1e-7] (inverse-CDF sampling never sees 0 or 1);
-    "N" (or the first dim) is the batch size; other symbolic dims are read off the targets.
+    shapes as in noise_shape.
     """
     spec = info.get("noise") or {}
     count = int(spec.get("count", 0) or 0)
     names = sorted((n for n in data_inputs if n.startswith("noise/")), key=lambda s: int(s.split("/")[1]))
     if not count or not names:
         return {}
-    batch = targets.shape[0]
-    shape = []
-    for i, d in enumerate(spec.get("shape") or []):
-        if _static(d):
-            shape.append(int(d))
-        elif i == 0 or d == "N":
-            shape.append(batch)
-        elif i < targets.ndim:
-            shape.append(int(targets.shape[i]))
-        else:
-            raise DataError(f"subgraph {name!r}: cannot resolve noise dim {d!r} of {spec.get('shape')}")
+    shape = noise_shape(info, targets, name)
     out = {}
     for n in names:
         if spec.get("distribution", "uniform") == "normal":
@@ -137,6 +127,23 @@ def draw_noise(rng: np.random.Generator, info: Mapping[str, Any], data_inputs: l
         else:
             out[n] = np.clip(rng.random(shape, dtype=np.float32), NOISE_EPS, np.float32(1) - NOISE_EPS)
     return out
+
+
+def noise_shape(info: Mapping[str, Any], targets: np.ndarray, name: str = "subgraph") -> list[int]:
+    """The concrete shape of each noise/<s> input of a subgraph for a batch with `targets`:
+    "N" (or the first dim) is the batch size; other symbolic dims are read off the targets."""
+    spec = info.get("noise") or {}
+    shape = []
+    for i, d in enumerate(spec.get("shape") or []):
+        if _static(d):
+            shape.append(int(d))
+        elif i == 0 or d == "N":
+            shape.append(targets.shape[0])
+        elif i < targets.ndim:
+            shape.append(int(targets.shape[i]))
+        else:
+            raise DataError(f"subgraph {name!r}: cannot resolve noise dim {d!r} of {spec.get('shape')}")
+    return shape
 
 
 # --------------------------------------------------------------------------- datasets

@@ -36,7 +36,7 @@ import onnx
 
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
 from kfac_compiler.linalg import concrete_method
-from kfac_compiler.runtime.data import BatchChecker, draw_noise
+from kfac_compiler.runtime.data import BatchChecker, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.optimizers import (
@@ -148,7 +148,7 @@ class Trainer:
         cfg = self.config
         if isinstance(cfg, KfacConfig):
             step = self._step_program()
-            if "hp/update_stats" not in step.hp_inputs:
+            if not self._stats_conditional:
                 self._step_program(first=True)
             self.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self._stats_batch(),
                          weighted=self._weighted)
@@ -160,12 +160,17 @@ class Trainer:
         else:
             self.program("adam_step", l2=self.config.l2_reg > 0, weighted=self._weighted)
 
+    @property
+    def _stats_conditional(self) -> bool:
+        """With cov_update_period > 1 the step's statistics sit in an If on hp/update_stats, so
+        that the steps without them (and the first step) share its session; with statistics
+        on every step they run unconditionally (the If measured 2-4% dearer per step there),
+        and the first step has a statistics-free variant."""
+        return self.config.cov_update_period > 1
+
     def _step_program(self, first: bool = False) -> Program:
-        """The fused K-FAC step. With cov_update_period > 1 its statistics sit in an If on
-        hp/update_stats, so that the steps without them (and the first step) share its
-        session; with statistics on every step they run unconditionally (the If measured
-        2-4% dearer per step there), and the first step has a statistics-free variant."""
-        if self.config.cov_update_period > 1:
+        """The fused K-FAC step (see _stats_conditional)."""
+        if self._stats_conditional:
             return self.program("kfac_step", with_stats=True, stats_if=True, **self._kfac_options())
         return self.program("kfac_step", with_stats=not first, **self._kfac_options())
 
@@ -193,8 +198,8 @@ class Trainer:
         missing = [n for n in prog.data_inputs if n.startswith("noise/") and not self.store.has_data(n)]
         if not missing:
             return {}
-        shapes = draw_noise(np.random.default_rng(0), prog.info, missing, data["targets"], prog.name)
-        return {n: np.zeros_like(a) for n, a in shapes.items()}
+        shape = noise_shape(prog.info, data["targets"], prog.name)
+        return {n: np.zeros(shape, np.float32) for n in missing}
 
     # ------------------------------------------------------------------ steps
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
@@ -311,7 +316,6 @@ class Trainer:
         inverse_ok = float("nan")
         w_new = None
         prog = self._step_program(first)
-        conditional = "hp/update_stats" in prog.hp_inputs
         if first:
             # the very first step is preconditioned by its own batch: statistics, inverses, step
             self._run_statistics(data, data)
@@ -323,7 +327,7 @@ class Trainer:
             feed.update(self._noise(prog, data))
         else:
             feed.update(self._noise_placeholders(prog, data))
-        if conditional:
+        if self._stats_conditional:
             if w_new is None and not self.store.has_hp("hp/ema_coeff"):  # bound, but the If skips its reader
                 hp["hp/ema_coeff"] = 0.0
             hp["hp/update_stats"] = 0.0 if w_new is None else 1.0
