@@ -196,7 +196,7 @@ def np_matpower(M: np.ndarray, exp: float) -> tuple[np.ndarray, np.ndarray]:
     M = np.asarray(M, dtype=np.float64)
     ok = np.isfinite(M).all(axis=(-2, -1))
     safe = np.where(ok[..., None, None], M, np.eye(M.shape[-1]))
-    s, U = np.linalg.eigh(0.5 * (safe + np.swapaxes(safe, -1, -2)))
+    s, U = np.linalg.eigh(np_symmetrized(safe))
     if exp < 0:
         ok = ok & (s > 0).all(axis=-1)
         s = np.where(s > 0, s, 1.0)
@@ -326,21 +326,22 @@ def one_blas_thread():
             limiter.restore_original_limits()
 
 
+def np_symmetrized(X: np.ndarray) -> np.ndarray:
+    """(X + X^T) / 2 over the last two axes (emit_symmetrized's twin)."""
+    return 0.5 * (X + np.swapaxes(X, -1, -2))
+
+
 def np_schur_inverse(M: np.ndarray, leaf: int = SCHUR_LEAF) -> np.ndarray:
     """The emitted "schur" method's twin: the same 2x2 block recursion (emit_schur_inverse)."""
-
-    def symmetrized(X: np.ndarray) -> np.ndarray:
-        return 0.5 * (X + np.swapaxes(X, -1, -2))
-
     n = M.shape[-1]
     if n <= leaf:
-        return symmetrized(np.linalg.inv(M))
+        return np_symmetrized(np.linalg.inv(M))
     h = n // 2
     A_inv = np_schur_inverse(M[..., :h, :h], leaf)
     W = A_inv @ M[..., :h, h:]
     S_inv = np_schur_inverse(M[..., h:, h:] - M[..., h:, :h] @ W, leaf)
     V = W @ S_inv
-    top = np.concatenate([symmetrized(A_inv + V @ np.swapaxes(W, -1, -2)), -V], axis=-1)
+    top = np.concatenate([np_symmetrized(A_inv + V @ np.swapaxes(W, -1, -2)), -V], axis=-1)
     bottom = np.concatenate([-np.swapaxes(V, -1, -2), S_inv], axis=-1)
     return np.concatenate([top, bottom], axis=-2)
 

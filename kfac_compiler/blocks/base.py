@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from kfac_compiler import linalg
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.ir import FactorSpec, Layer
 
@@ -93,7 +94,7 @@ class FisherBlock:
         """FLOPs of one statistics update for a batch of `batch` examples."""
         raise NotImplementedError
 
-    def inverse_flops(self, method: str = "inverse_op") -> int:
+    def inverse_flops(self, method: str = linalg.DEFAULT_METHOD) -> int:
         """FLOPs of one inverse update by `method` (a concrete linalg method)."""
         raise NotImplementedError
 

@@ -136,8 +136,8 @@ class KronBlock(PartsBlock):
         if ok:
             try:
                 A64, G64 = A.astype(np.float64), G.astype(np.float64)
-                sa, Ua = np.linalg.eigh(0.5 * (A64 + np.swapaxes(A64, -1, -2)))
-                sg, Ug = np.linalg.eigh(0.5 * (G64 + np.swapaxes(G64, -1, -2)))
+                sa, Ua = np.linalg.eigh(linalg.np_symmetrized(A64))
+                sg, Ug = np.linalg.eigh(linalg.np_symmetrized(G64))
                 denom = np.maximum(sg, 0)[..., :, None] * np.maximum(sa, 0)[..., None, :] + float(damping)
                 with np.errstate(all="ignore"):
                     D = 1.0 / denom

@@ -114,7 +114,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
     def stats_flops(self, batch):
         return 2 * super().stats_flops(batch)
 
-    def inverse_flops(self, method: str = "eigh"):
+    def inverse_flops(self, method: str = linalg.DEFAULT_METHOD) -> int:
         return 30 * (self.nA**3 + self.nG**3)  # host eigh whatever the method
 
     # ---- statistics
