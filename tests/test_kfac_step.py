@@ -219,3 +219,22 @@ def test_statistics_run_only_on_the_steps_that_update_them(mlp):
     assert all(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)
     prog.run(tr.store, hp={"hp/update_stats": 1.0, "hp/ema_coeff": 0.5})
     assert not any(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)
+
+
+def test_step_program_follows_the_batch_size_and_weights(mlp):
+    """The trainer's memoized step program is the one its options call for after every change
+    of batch size (a batch no larger than the sub-batch needs no slice) and of weighting; a
+    weighted step really runs the weighted graph: weights 2 double the reported loss."""
+    plan, x, y = mlp
+    runs = {}
+    for weighted in (False, True):
+        tr = Trainer(plan, optimizer="kfac", stats_batch_size=16, qmodel_batch_size=16, batch_size=48)
+        losses = []
+        for rows in (48, 8, 48):
+            w = np.full(rows, 2.0, np.float32) if weighted else None
+            losses.append(tr.step({"input": x[:rows]}, y[:rows], weights=w)["loss"])
+            assert tr._step_program() is tr.program("kfac_step", with_stats=True, **tr._kfac_options())
+        runs[weighted] = losses
+    assert tr._kfac_options()["stats_batch"] == 16 and tr._kfac_options()["weighted"]
+    # step 0 of both runs starts from the same parameters
+    assert runs[True][0] == pytest.approx(2.0 * runs[False][0], rel=1e-6)
