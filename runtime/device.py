@@ -51,6 +51,8 @@ def cuda_status() -> tuple[bool, str]:
     try:
         import numpy as np
 
+        _preload_cuda_libraries()
+
         so = ort.SessionOptions()
         so.log_severity_level = 4
         # ONNX Runtime logs the failed provider load on the process's stderr (C++ side): capture
@@ -67,10 +69,32 @@ def cuda_status() -> tuple[bool, str]:
         (y,) = sess.run(None, {"x": x})
         if not np.allclose(y, x @ x):
             return False, "the CUDA execution provider returned wrong results on a 2x2 probe"
+        # onnxruntime-gpu >= 1.2x warns "No registered plugin EP device found for
+        # 'CUDAExecutionProvider'" on its default logger at every CUDA session it creates
+        # (the classic provider is used all the same): errors only, as for our sessions
+        ort.set_default_logger_severity(3)
     except Exception as e:  # noqa: BLE001 - any failure means "no CUDA"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return False, f"creating a CUDA session failed: {first}"
     return True, "ok"
+
+
+def _preload_cuda_libraries() -> None:
+    """Load CUDA, cuBLAS and cuDNN from the `nvidia-*` wheels (pip install
+    'kfac_compiler[cuda]') when they are installed: onnxruntime-gpu does not search
+    site-packages by itself, so without this a pip-only machine falls back to the CPU.
+    Libraries already on the loader's path (a system CUDA, or torch imported first) win."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()), _captured_stderr():  # it prints its warnings
+        try:
+            preload(cuda=True, cudnn=True, msvc=False)
+        except Exception:  # noqa: BLE001 - then the probe's own failure says what is missing
+            pass
 
 
 class _captured_stderr:
@@ -175,8 +199,17 @@ def session_options(threads: int | None = None, spin: bool = True) -> ort.Sessio
         # the loss session interleaved). Sessions that do not run every step must not spin.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
+    prefix = os.environ.get(PROFILE_ENV)
+    if prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = prefix
     return so
 
+
+# KFAC_ORT_PROFILE=<prefix>: every session records ONNX Runtime's per-node profile (which
+# provider ran each node, the Memcpy nodes between them and their sizes), written to
+# <prefix>_<date>.json by session.end_profiling(); benchmarks/bench_gpu.py reads it.
+PROFILE_ENV = "KFAC_ORT_PROFILE"
 
 # Subgraphs that run at every training step keep their intra-op workers spinning between runs.
 SPINNING_SUBGRAPHS = ("kfac_step", "sgd_step", "adam_step")

@@ -66,6 +66,7 @@ class StateStore:
         # name -> (float32 value on the device, its OrtValue, the Python float last passed or None)
         self._hp: dict[str, tuple[np.float32, ort.OrtValue, float | None]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
+        self.upload_bytes = 0  # and their bytes
         # renewed whenever a buffer object is created or replaced (add, a reallocated data
         # input, a new hp): a program's IOBinding made at the same generation is still valid.
         # Drawn from one process-wide counter, so two stores never share a generation.
@@ -171,6 +172,7 @@ class StateStore:
             ov = entry[0]
         ov.update_inplace(a)
         self.uploads += 1
+        self.upload_bytes += a.nbytes
         return ov
 
     def has_data(self, name: str, channel: str = "train") -> bool:
@@ -202,6 +204,7 @@ class StateStore:
         if upload:
             ov.update_inplace(np.asarray(v))
             self.uploads += 1
+            self.upload_bytes += 4
         else:
             v = old
         self._hp[name] = (v, ov, host)
