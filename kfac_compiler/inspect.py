@@ -49,8 +49,9 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
     cpu_method = concrete_method(method, "cpu")  # what inverse_flops counts
     for name, block in plan.blocks.items():
         if method == AUTO_METHOD:  # the runtime picks per device
-            shown = (f"auto: {label(block, cpu_method)} on CPU, "
-                     f"{label(block, concrete_method(method, 'cuda'))} on CUDA")
+            on_cpu, on_cuda = label(block, cpu_method), label(block, concrete_method(method, "cuda"))
+            shown = (f"auto: {on_cpu} on CPU and CUDA" if on_cpu == on_cuda
+                     else f"auto: {on_cpu} on CPU, {on_cuda} on CUDA")
         else:
             shown = label(block, method)
         costs[name] = {

@@ -100,7 +100,7 @@ class Trainer:
         self.ema_weight = 0.0
         self.inverses_ready = False
         self.damping = float(self.config.damping) if isinstance(self.config, KfacConfig) else 0.0
-        # "auto" -> schur on CPU, inverse_op on CUDA (kfac_compiler.linalg.concrete_method)
+        # "auto" -> schur on CPU and CUDA (kfac_compiler.linalg.concrete_method)
         self.inverse_method = (concrete_method(self.config.inverse_method, self.device.name)
                                if isinstance(self.config, KfacConfig) else None)
         self._programs: dict[tuple, Program] = {}

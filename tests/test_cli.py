@@ -44,7 +44,7 @@ def test_compile_and_inspect(tmp_path, models, capsys):
     assert {"name", "kind", "params", "uses", "approximation", "factors"} <= set(fc1)
     # one example's statistics: a~ a~^T (65x65) and delta delta^T (128x128), 2 FLOPs per MAC
     assert fc1["stats_flops_per_example"] == 2 * (65 * 65 + 128 * 128)
-    assert fc1["inverse_method"] == "auto: schur (graph) on CPU, inverse_op (graph) on CUDA" and fc1["estimator"] == "gradients"
+    assert fc1["inverse_method"] == "auto: schur (graph) on CPU and CUDA" and fc1["estimator"] == "gradients"
     # the CPU's schur on the damped A (65) and G (128): 4/3 n^3 in MatMuls + the probe's 4 n^2
     assert fc1["inverse_flops"] == sum(4 * n**3 // 3 + 4 * n**2 for n in (65, 128))
     assert {s["name"] for s in doc["subgraphs"]} == {"kfac_step", "update_statistics", "inverse_update"}

@@ -190,7 +190,7 @@ def test_cholesky_keeps_float32_and_guards():
 
 def test_auto_method_is_schur_on_cpu_and_inverse_op_elsewhere():
     assert linalg.concrete_method("auto", "cpu") == "schur"
-    assert linalg.concrete_method("auto", "cuda") == "inverse_op"
+    assert linalg.concrete_method("auto", "cuda") == "schur"
     assert linalg.concrete_method("auto") == "inverse_op"  # emitting a plan: the device op
     assert linalg.concrete_method("eigh", "cuda") == "eigh"
     b = GraphBuilder(17)
