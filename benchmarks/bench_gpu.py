@@ -1,0 +1,368 @@
+"""K-FAC against Adam on real-sized exported models, on a GPU (or the CPU), side by side with
+torch's Adam and kfac-pytorch on the same device.
+
+    python benchmarks/bench_gpu.py [--device cuda] [--models resnet18,gpt] [--batch 128]
+                                   [--steps 30] [--target-steps 300] [--peers] [--json out.json]
+
+Models (kfac_compiler.models.torch_exports, so torch is needed): torchvision's ResNet-18 on
+the digits as 32x32 RGB images, and a GPT-2-style causal LM (4 layers, width 256) on the
+digits' pixel sequences. For each model:
+  * step time: median and mean wall time per step over `--steps` steps after 3 warm-up steps,
+    for our K-FAC (its default schedule: the mean includes the inverse refresh every
+    inv_update_period steps) and Adam, and with --peers torch's Adam and kfac-pytorch
+    (KFACPreconditioner + SGD, its defaults but for the update periods, set to ours) on the
+    same torch module, in eval mode for BatchNorm, so it computes the same function as the
+    export;
+  * residency (ours): per steady-state K-FAC step, bytes written to the device by the runtime
+    (the batch, hp scalars) and read back (metrics), and from ONNX Runtime's profile the
+    nodes that ran on the CPU provider and the Memcpy nodes with their bytes;
+  * time to target: Adam (ours, lr 1e-3) trains `--target-steps` steps; its loss on all 1797
+    examples is the target; K-FAC (and with --peers torch Adam, kfac-pytorch) trains until
+    its full-data loss (checked every 10 steps, evaluation excluded from the time) reaches
+    it, or 3x Adam's steps pass.
+All numbers come from one run on one machine.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import kfac_compiler as kc  # noqa: E402
+from kfac_compiler.runtime import Trainer  # noqa: E402
+from kfac_compiler.runtime.data import batch_indices  # noqa: E402
+from kfac_compiler.runtime.device import PROFILE_ENV, get_device  # noqa: E402
+from kfac_compiler.runtime.profile import read_profile  # noqa: E402
+
+EVAL_EVERY = 10
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------ models
+def build(name: str, workdir: str):
+    """(torch module, onnx path, inputs, targets)."""
+    from kfac_compiler.models import torch_exports as te
+
+    if name == "resnet18":
+        net, (inputs, y) = te.resnet18(), te.digits_images()
+    elif name == "gpt":
+        net, (inputs, y) = te.gpt(), te.digits_sequences()
+    else:
+        raise SystemExit(f"bench_gpu: unknown model {name!r}; choose resnet18 or gpt")
+    path = te.export(net, os.path.join(workdir, f"{name}.onnx"), inputs["input"][:2])
+    return net, path, inputs["input"], y
+
+
+def batches(n: int, bs: int, start: int = 0):
+    step = start
+    while True:
+        yield batch_indices(n, bs, step, 0)
+        step += 1
+
+
+# ------------------------------------------------------------------------------ ours
+def ours_trainer(plan, optimizer, device, bs, **knobs):
+    return Trainer(plan, optimizer=optimizer, device=device, batch_size=bs, seed=0, **knobs)
+
+
+def full_loss_ours(tr, x, y):
+    return tr.evaluate({"input": x}, y, batch_size=512)["loss"]
+
+
+def time_ours(tr, x, y, bs, steps, warmup=3):
+    it = batches(len(y), bs)
+    for _ in range(warmup):
+        idx = next(it)
+        tr.step({"input": x[idx]}, y[idx])
+    walls = []
+    for _ in range(steps):
+        idx = next(it)
+        walls.append(tr.step({"input": x[idx]}, y[idx])["step_time"])
+    return walls
+
+
+def residency(plan, x, y, bs, device, steps=6):
+    """Bytes the runtime moves per steady-state K-FAC step and what ORT's profile shows."""
+    prefix = os.path.join(tempfile.mkdtemp(), "prof")
+    os.environ[PROFILE_ENV] = prefix
+    try:
+        tr = ours_trainer(plan, "kfac", device, bs)
+    finally:
+        del os.environ[PROFILE_ENV]
+    it = batches(len(y), bs)
+    for _ in range(3):
+        idx = next(it)
+        tr.step({"input": x[idx]}, y[idx])
+    up0, bytes0 = tr.store.uploads, tr.store.upload_bytes
+    data_bytes = 0
+    for _ in range(steps):
+        idx = next(it)
+        batch = {"input": x[idx]}
+        data_bytes += x[idx].nbytes + y[idx].nbytes
+        tr.step(batch, y[idx])
+    uploads = (tr.store.uploads - up0) / steps
+    out = {"uploads_per_step": uploads, "batch_bytes_per_step": data_bytes / steps,
+           "upload_bytes_per_step": (tr.store.upload_bytes - bytes0) / steps,
+           "metrics_bytes_per_step": 4 * len(tr._step_program().metrics), "sessions": {}}
+    for name, prog in tr.programs().items():
+        prof = read_profile(prog.session.end_profiling())
+        out["sessions"][name] = {"runs": prof.runs, "nodes_by_provider": prof.nodes, "cpu_nodes": prof.cpu_nodes,
+                                 "copies": {op: {"count": c, "bytes_per_run": b / max(prof.runs, 1)}
+                                            for op, (c, b) in prof.copies.items()}}
+    return out
+
+
+# ------------------------------------------------------------------------------ torch peers
+def torch_setup(net, device, optimizer, bs, periods):
+    import torch
+
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
+    net = net.to(dev)
+    net.train()
+    for m in net.modules():  # BatchNorm on its running statistics, as in the export
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    pre = None
+    if optimizer == "adam":
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    else:
+        from kfac.preconditioner import KFACPreconditioner
+
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        pre = KFACPreconditioner(net, factor_update_steps=periods[0], inv_update_steps=periods[1], lr=0.1,
+                                 damping=0.003)
+    return net, opt, pre, dev
+
+
+def torch_loss(out, t):
+    import torch
+
+    if out.dim() == 3:  # LM: summed over positions, mean over the batch (our convention)
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1), reduction="sum") / out.shape[0]
+    return torch.nn.functional.cross_entropy(out, t)
+
+
+def torch_step(net, opt, pre, xb, yb):
+    opt.zero_grad(set_to_none=True)
+    loss = torch_loss(net(xb), yb)
+    loss.backward()
+    if pre is not None:
+        pre.step()
+    opt.step()
+    return loss
+
+
+def time_torch(net, opt, pre, dev, x, y, bs, steps, warmup=3):
+    import torch
+
+    xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
+    it = batches(len(y), bs)
+    walls = []
+    for k in range(warmup + steps):
+        idx = torch.from_numpy(next(it)).to(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch_step(net, opt, pre, xt[idx], yt[idx]).item()  # the host reads the loss, as ours does
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if k >= warmup:
+            walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def full_loss_torch(net, dev, x, y):
+    import torch
+
+    with torch.no_grad():
+        total = 0.0
+        for s in range(0, len(y), 512):
+            xb = torch.from_numpy(x[s:s + 512]).to(dev)
+            yb = torch.from_numpy(y[s:s + 512]).to(dev)
+            total += float(torch_loss(net(xb), yb)) * len(yb)
+    return total / len(y)
+
+
+# ------------------------------------------------------------------------------ to target
+def to_target(step_fn, loss_fn, n, bs, max_steps, target=None):
+    """Train with step_fn(idx) until loss_fn() <= target (checked every EVAL_EVERY steps);
+    (steps, seconds without evaluation, last loss)."""
+    it = batches(n, bs)
+    seconds, loss = 0.0, float("nan")
+    for k in range(1, max_steps + 1):
+        t0 = time.perf_counter()
+        step_fn(next(it))
+        seconds += time.perf_counter() - t0
+        if k % EVAL_EVERY == 0 or k == max_steps:
+            loss = loss_fn()
+            if target is not None and loss <= target:
+                return k, seconds, loss
+    return max_steps, seconds, loss
+
+
+def bench_model(name, args, workdir):
+    import copy
+
+    net, path, x, y = build(name, workdir)
+    n, bs = len(y), args.batch
+    t0 = time.perf_counter()
+    plan = kc.compile(path, loss="softmax_cross_entropy", output="logits", emit=False)
+    res = {"model": name, "batch": bs, "params": int(sum(int(np.prod(s)) for s in plan_param_shapes(plan))),
+           "compile_s": time.perf_counter() - t0, "device": args.device}
+    print(f"== {name}: {res['params'] / 1e6:.1f}M parameters, batch {bs}, compiled in {res['compile_s']:.1f} s", flush=True)
+
+    # step times (ours)
+    trainers = {}
+    variants = {"kfac": {}, "adam": {}}
+    for v in args.kfac_variant or ():
+        variants[f"kfac[{v}]"] = parse_knobs(v)
+    for opt, knobs in variants.items():
+        t0 = time.perf_counter()
+        trainers[opt] = ours_trainer(plan, opt.split("[")[0], args.device, bs, **knobs)
+        build_s = time.perf_counter() - t0
+        walls = time_ours(trainers[opt], x, y, bs, args.steps)
+        res[f"ours_{opt}"] = {"median_ms": 1e3 * med(walls), "mean_ms": 1e3 * float(np.mean(walls)), "build_s": build_s}
+        print(f"ours {opt:12s} step median {1e3 * med(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms"
+              f"  (sessions built in {build_s:.1f} s)", flush=True)
+    cfg = trainers["kfac"].config
+    periods = (cfg.cov_update_period, cfg.inv_update_period)
+    res["kfac_over_adam_mean"] = res["ours_kfac"]["mean_ms"] / res["ours_adam"]["mean_ms"]
+    print(f"ours K-FAC/Adam mean step {res['kfac_over_adam_mean']:.2f}x", flush=True)
+    del trainers
+
+    if args.residency:
+        r = residency(plan, x, y, bs, args.device)
+        res["residency"] = r
+        print(f"residency per K-FAC step: uploaded {r['upload_bytes_per_step']:.0f} B "
+              f"(batch {r['batch_bytes_per_step']:.0f} B), read back {r['metrics_bytes_per_step']} B of metrics", flush=True)
+        for label, sess in r["sessions"].items():
+            print(f"  {label}: runs {sess['runs']}, nodes by provider {sess['nodes_by_provider']}, "
+                  f"CPU-provider ops {sorted(sess['cpu_nodes']) if args.device != 'cpu' else '-'}, "
+                  f"Memcpy per run {sess['copies']}", flush=True)
+
+    peers = ("adam", "kfac") if args.peers else ()
+    for opt in peers:
+        try:
+            tnet, topt, pre, dev = torch_setup(copy.deepcopy(net), args.device, opt, bs, periods)
+            walls = time_torch(tnet, topt, pre, dev, x, y, bs, args.steps)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            res[f"torch_{opt}"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"torch {opt}: {type(e).__name__}: {e}", flush=True)
+            continue
+        res[f"torch_{opt}"] = {"median_ms": 1e3 * med(walls), "mean_ms": 1e3 * float(np.mean(walls))}
+        label = "kfac-pytorch" if opt == "kfac" else "torch adam"
+        print(f"{label:12s} step median {1e3 * med(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms", flush=True)
+
+    if args.target_steps:
+        adam = ours_trainer(plan, "adam", args.device, bs, learning_rate=1e-3)
+        k, sec, target = to_target(lambda idx: adam.step({"input": x[idx]}, y[idx]), lambda: full_loss_ours(adam, x, y),
+                                   n, bs, args.target_steps)
+        res["target"] = {"loss": target, "adam_steps": k, "adam_s": sec}
+        print(f"target: ours Adam's loss after {k} steps = {target:.4f} ({sec:.2f} s)", flush=True)
+        adam_steady = k * res["ours_adam"]["mean_ms"]
+
+        def report(key, label, steps, seconds, loss, mean_ms):
+            # measured: the run's own seconds (its sessions' first runs included: cuDNN's
+            # algorithm search, ORT's allocations); steady: steps x the mean step measured above
+            row = {"steps": steps, "s": seconds, "loss": loss, "reached": loss <= target,
+                   "time_ratio": seconds / sec, "steady_ratio": steps * mean_ms / adam_steady}
+            res["target"][key] = row
+            print(f"{label}: {steps} steps, {seconds:.2f} s, loss {loss:.4f}: {row['time_ratio']:.2f}x our Adam's "
+                  f"time measured, {row['steady_ratio']:.2f}x as steps x mean step"
+                  f"{'' if row['reached'] else ' (not reached)'}", flush=True)
+
+        for opt, knobs in variants.items():
+            if opt == "adam":
+                continue
+            kfac = ours_trainer(plan, "kfac", args.device, bs, **knobs)
+            k2, sec2, loss2 = to_target(lambda idx: kfac.step({"input": x[idx]}, y[idx]),
+                                        lambda: full_loss_ours(kfac, x, y), n, bs, 3 * args.target_steps, target)
+            report(f"ours_{opt}", f"ours {opt}", k2, sec2, loss2, res[f"ours_{opt}"]["mean_ms"])
+            del kfac
+        for opt in peers:
+            if "error" in res.get(f"torch_{opt}", {}):
+                continue
+            import torch
+
+            label = "kfac-pytorch" if opt == "kfac" else "torch adam"
+            tnet, topt, pre, dev = torch_setup(copy.deepcopy(net), args.device, opt, bs, periods)
+            xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
+
+            def tstep(idx, tnet=tnet, topt=topt, pre=pre, dev=dev, xt=xt, yt=yt):
+                i = torch.from_numpy(idx).to(dev)
+                torch_step(tnet, topt, pre, xt[i], yt[i]).item()
+
+            try:
+                k3, sec3, loss3 = to_target(tstep, lambda tnet=tnet, dev=dev: full_loss_torch(tnet, dev, x, y),
+                                            n, bs, 3 * args.target_steps, target)
+            except Exception as e:  # noqa: BLE001 - e.g. kfac-pytorch's eigh failing to converge
+                res["target"][f"torch_{opt}"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+                continue
+            report(f"torch_{opt}", label, k3, sec3, loss3, res[f"torch_{opt}"]["mean_ms"])
+    return res
+
+
+def parse_knobs(text: str) -> dict:
+    """"a=1,b=2.5" -> {"a": 1, "b": 2.5}."""
+    out = {}
+    for item in text.split(","):
+        k, _, v = item.partition("=")
+        out[k.strip()] = float(v) if any(c in v for c in ".e") else int(v)
+    return out
+
+
+def plan_param_shapes(plan):
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in plan.model.graph.initializer}
+    return [numpy_helper.to_array(inits[p]).shape for p in plan.trainable]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda", "auto"))
+    ap.add_argument("--models", default="resnet18,gpt")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per optimizer")
+    ap.add_argument("--target-steps", type=int, default=300, help="Adam's steps for the target (0: skip)")
+    ap.add_argument("--peers", action="store_true", help="also torch's Adam and kfac-pytorch")
+    ap.add_argument("--residency", action="store_true", help="profile the bytes a K-FAC step moves")
+    ap.add_argument("--kfac-variant", action="append",
+                    help="also K-FAC with these knobs, e.g. inv_update_period=50 (repeatable)")
+    ap.add_argument("--json", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    args.device = get_device(args.device).name
+    warnings.simplefilter("ignore")
+    results = {"date": time.strftime("%Y-%m-%d"), "results": []}
+    try:
+        import torch
+
+        if args.device == "cuda":
+            results["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        raise SystemExit("bench_gpu needs torch (pip install torch) to export its models") from None
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in args.models.split(","):
+            results["results"].append(bench_model(name, args, workdir))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
