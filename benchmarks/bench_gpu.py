@@ -42,7 +42,7 @@ import kfac_compiler as kc  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime.data import batch_indices  # noqa: E402
 from kfac_compiler.runtime.device import PROFILE_ENV, get_device  # noqa: E402
-from kfac_compiler.runtime.profile import read_profile  # noqa: E402
+from kfac_compiler.runtime.ort_profile import read_profile  # noqa: E402
 
 EVAL_EVERY = 10
 

@@ -73,7 +73,7 @@ def _run_train(args) -> int:
 def _run_compile(args) -> int:
     from kfac_compiler.config import load_config
     from kfac_compiler.frontend import compile_frontend
-    from kfac_compiler.inspect import render_table
+    from kfac_compiler.report import render_table
 
     cfg = load_config(args.config)
     from kfac_compiler.blocks import APPROXIMATIONS
@@ -106,7 +106,7 @@ def _run_compile(args) -> int:
 
 
 def _run_inspect(args) -> int:
-    from kfac_compiler.inspect import render
+    from kfac_compiler.report import render
     from kfac_compiler.plan import load_plan
 
     plan = load_plan(args.plan)

@@ -19,7 +19,7 @@ from kfac_compiler import linalg
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Curvature, Trainer
 from kfac_compiler.runtime.device import CUDA_EP, PROFILE_ENV, cuda_status
-from kfac_compiler.runtime.profile import read_profile
+from kfac_compiler.runtime.ort_profile import read_profile
 
 _OK, _WHY = cuda_status()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _OK, reason=f"CUDA does not work here: {_WHY}")]

@@ -231,6 +231,6 @@ def supported_ops(jvp: bool = False, nondiff: bool = True) -> list[str]:
 
 
 # populate the registry
-from kfac_compiler.oprules import elementwise, linalg, nn, reduce, tensor  # noqa: E402,F401
+from kfac_compiler.oprules import elementwise, matmul, nn, reduce, tensor  # noqa: E402,F401
 
 __all__ = ["RULES", "Rule", "find", "lookup", "register", "register_nondiff", "supported_ops"]
