@@ -33,7 +33,7 @@ def compile(model: Any, loss: str | None = None, output: str | None = None, conf
         for name, options in DEFAULT_SUBGRAPHS:
             graph, info = emit_subgraph(plan, name, **options)
             plan.subgraphs[name] = graph
-            plan.subgraph_info[name] = info  # info["options"]: the resolved options
+            plan.subgraph_info[name] = info  # info.options: the resolved options
     return plan
 
 

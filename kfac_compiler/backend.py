@@ -18,8 +18,10 @@ from onnx import TensorProto
 
 from kfac_compiler.blocks import FisherBlock, make_block
 from kfac_compiler.blocks._parts import GramStatistic, emit_statistic
+from kfac_compiler import contract as C
 from kfac_compiler import linalg
 from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
+from kfac_compiler.contract import NoiseSpec, SlotSpec, SubgraphInfo
 from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import Layer
@@ -28,8 +30,7 @@ from kfac_compiler.passes.autodiff import backward, jvp
 from kfac_compiler.passes.estimator import emit_seeds, noise_spec
 
 FLOAT = TensorProto.FLOAT
-RESERVED = ("targets", "loss", "example_weights", "kfac/output")
-WEIGHTS = "example_weights"  # the optional per-example loss weights input
+WEIGHTS = C.EXAMPLE_WEIGHTS  # the optional per-example loss weights input
 
 
 @dataclass
@@ -49,24 +50,21 @@ class PlanParts:
     damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
 
 
-def plan_parts(plan: Any) -> PlanParts:
-    """Extract PlanParts from a kfac_compiler.plan.Plan."""
-    loss_cfg = dict(plan.loss)
-    kind = loss_cfg.pop("kind")
-    options = {k: v for k, v in loss_cfg.items() if k == "variance" and kind == "squared_error"}
-    est = dict(getattr(plan, "estimator", {}) or {})
-    inv = dict(getattr(plan, "inverse", {}) or {})
+def plan_parts(plan: "Plan | PlanParts") -> PlanParts:
+    """Extract PlanParts from a kfac_compiler.plan.Plan (a PlanParts is returned as is)."""
+    if isinstance(plan, PlanParts):
+        return plan
     return PlanParts(
         model=plan.model,
         output=plan.output,
-        loss=make_loss(kind, **options),
+        loss=make_loss(plan.loss.kind, **plan.loss.options),
         params=list(plan.trainable),
         layers=list(plan.layers),
-        mode=est.get("mode", "gradients"),
-        num_samples=int(est.get("num_samples", 1)),
-        inverse_method=inv.get("method", "auto"),
+        mode=plan.estimator.mode,
+        num_samples=int(plan.estimator.num_samples),
+        inverse_method=plan.inverse.method,
         blocks=plan.blocks,
-        damping_split=inv.get("damping_split", "pi"),
+        damping_split=plan.inverse.damping_split,
     )
 
 
@@ -79,7 +77,7 @@ class Emission:
     b: GraphBuilder
     inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
-    info: dict = field(default_factory=dict)
+    info: SubgraphInfo = field(default_factory=SubgraphInfo)
     blocks: dict[str, FisherBlock] = field(default_factory=dict)
     _sub_passes: dict[int, "ForwardPass"] = field(default_factory=dict)  # sub_batch_pass clones
 
@@ -87,25 +85,15 @@ class Emission:
     @classmethod
     def start(cls, parts: PlanParts, float_type: int = FLOAT) -> "Emission":
         view = GraphView(parts.model)
-        for name in RESERVED:
+        for name in C.RESERVED:
             if name in view.all_names():
                 raise ModelError(f"the model already has a tensor named {name!r}; rename it before compiling")
         b = GraphBuilder(view.opset, prefix="kfac", taken=view.all_names(), float_type=float_type)
         em = cls(parts, view, b)
-        em.info = {
-            "data_inputs": [],
-            "hp_inputs": [],
-            "state_inputs": [],
-            "state_outputs": {},
-            "metrics": [],
-            "results": [],
-            "state_specs": {},
-            "noise": {"count": 0, "shape": [], "distribution": "uniform"},
-        }
         for vi in parts.model.graph.input:
             if vi.name not in view.initializers:
                 em.inputs.append(vi)
-                em.info["data_inputs"].append(vi.name)
+                em.info.data_inputs.append(vi.name)
         for p in parts.params:
             em.state_input(p, tuple(view.shapes[p]), "param")
         if parts.blocks is not None:
@@ -121,39 +109,39 @@ class Emission:
     # --------------------------------------------------------- interfaces
     def data_input(self, name: str, elem_type: int, shape) -> str:
         self.inputs.append(value_info(name, elem_type, shape))
-        self.info["data_inputs"].append(name)
+        self.info.data_inputs.append(name)
         return name
 
     def hp(self, name: str) -> str:
-        full = f"hp/{name}"
-        if full not in self.info["hp_inputs"]:
+        full = C.hp(name)
+        if full not in self.info.hp_inputs:
             self.inputs.append(value_info(full, FLOAT, []))
-            self.info["hp_inputs"].append(full)
+            self.info.hp_inputs.append(full)
         return full
 
     def state_input(self, slot: str, shape: tuple, init: str) -> str:
-        if slot not in self.info["state_inputs"]:
+        if slot not in self.info.state_specs:
             self.inputs.append(value_info(slot, self.b.float_type, list(shape)))
-            self.info["state_inputs"].append(slot)
-            self.info["state_specs"][slot] = {"shape": list(shape), "dtype": "float32", "init": init}
+            self.info.state_inputs.append(slot)
+            self.info.state_specs[slot] = SlotSpec(list(shape), "float32", init)
         return slot
 
     def state_output(self, slot: str, tensor: str) -> None:
-        name = f"new/{slot}"
+        name = C.new(slot)
         self.b.identity(tensor, name)
-        self.outputs.append(value_info(name, self.b.float_type, self.info["state_specs"][slot]["shape"]))
-        self.info["state_outputs"][name] = slot
+        self.outputs.append(value_info(name, self.b.float_type, self.info.state_specs[slot].shape))
+        self.info.state_outputs[name] = slot
 
     def metric(self, name: str, tensor: str) -> None:
-        full = name if name == "loss" else f"metric/{name}"
+        full = C.metric(name)
         self.b.identity(tensor, full)
         self.outputs.append(value_info(full, self.b.float_type, []))
-        self.info["metrics"].append(full)
+        self.info.metrics.append(full)
 
     def result(self, name: str, tensor: str, elem_type: int | None = None) -> None:
         self.b.identity(tensor, name)
         self.outputs.append(value_info(name, elem_type or self.b.float_type, None))
-        self.info["results"].append(name)
+        self.info.results.append(name)
 
     def _fold_output_identities(self) -> None:
         """Name emitted tensors after the graph outputs they feed instead of copying them
@@ -176,7 +164,7 @@ class Emission:
                     node.output[i] = rename[t]
         self.b.nodes = keep
 
-    def finish(self, name: str) -> tuple[onnx.ModelProto, dict]:
+    def finish(self, name: str) -> tuple[onnx.ModelProto, SubgraphInfo]:
         self._fold_output_identities()
         params = set(self.parts.params)
         base_inits = [t for t in self.parts.model.graph.initializer if t.name not in params]
@@ -198,14 +186,14 @@ class Emission:
     def targets(self) -> str:
         loss = self.parts.loss
         out_shape = self.view.shape(self.output) or ()
-        return self.data_input("targets", loss.target_type(), list(loss.target_shape(tuple(out_shape))))
+        return self.data_input(C.TARGETS, loss.target_type(), list(loss.target_shape(tuple(out_shape))))
 
     def example_weights(self) -> tuple[str, str] | tuple[None, None]:
         """With parts.weighted: the "example_weights" [N] input (loss L = 1/N sum_n w_n l_n) as
         (w, sqrt(w)), each shaped to broadcast against the model output."""
         if not self.parts.weighted:
             return None, None
-        if WEIGHTS not in self.info["data_inputs"]:
+        if WEIGHTS not in self.info.data_inputs:
             out_shape = self.view.shape(self.output) or ("N",)
             self.data_input(WEIGHTS, self.b.float_type, [out_shape[0]])
             rank = len(out_shape)
@@ -330,8 +318,8 @@ class Emission:
             noise_shape = list(loss.noise_shape(z_shape))
             if fwd.rows is not None:  # a sub-batch pass (used only on larger batches): m rows
                 noise_shape[0] = fwd.rows
-            self.info["noise"] = {"count": spec.count, "shape": noise_shape, "distribution": spec.distribution}
-            noise = [self.data_input(f"noise/{s}", self.b.float_type, noise_shape) for s in range(spec.count)]
+            self.info.noise = NoiseSpec(spec.count, noise_shape, spec.distribution)
+            noise = [self.data_input(C.noise(s), self.b.float_type, noise_shape) for s in range(spec.count)]
         targets = [fwd.name(t) for t in self.layer_cotangent_targets()]
         if mode == "empirical" and fwd is self.full and data_cots is not None:
             per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]
@@ -369,7 +357,7 @@ class Emission:
         for layer in self.parts.layers:
             block = self.blocks[layer.name]
             inverses = {
-                s.name: self.state_input(f"inverse/{layer.name}/{s.name}", s.shape, _init_of(s))
+                s.name: self.state_input(C.inverse(layer.name, s.name), s.shape, _init_of(s))
                 for s in block.inverse_specs()
             }
             out.update(block.emit_multiply_inverse(self.b, {p: grads[p] for p in layer.params}, inverses))
@@ -426,7 +414,7 @@ def _sum(b: GraphBuilder, terms: list[str]) -> str:
 
 
 # ====================================================================== subgraphs
-SUBGRAPHS: dict[str, Callable[..., tuple[onnx.ModelProto, dict]]] = {}
+SUBGRAPHS: dict[str, Callable[..., tuple[onnx.ModelProto, SubgraphInfo]]] = {}
 
 
 def subgraph(name: str):
@@ -459,7 +447,7 @@ def resolved_options(plan: Any, name: str, **options) -> dict[str, Any]:
     return out
 
 
-def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dict]:
+def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, SubgraphInfo]:
     """Emit subgraph `name` of the contract for `plan` (a Plan or PlanParts); info["options"]
     records the resolved options (see resolved_options)."""
     parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
@@ -468,27 +456,27 @@ def emit_subgraph(plan: Any, name: str, **options) -> tuple[onnx.ModelProto, dic
     if weighted != parts.weighted:
         parts = dataclasses.replace(parts, weighted=weighted)
     model, info = SUBGRAPHS[name](parts, **options)
-    info["options"] = resolved
+    info.options = resolved
     return model, info
 
 
 @subgraph("loss")
-def _loss(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
+def _loss(parts: PlanParts) -> tuple[onnx.ModelProto, SubgraphInfo]:
     em = Emission.start(parts)
     y = em.targets()
     em.example_weights()
     em.metric("loss", parts.loss.emit_loss(em.b, em.output, y, WEIGHTS if parts.weighted else None))
-    em.result("kfac/output", em.output)
+    em.result(C.MODEL_OUTPUT, em.output)
     return em.finish("loss")
 
 
 @subgraph("gradients")
-def _gradients(parts: PlanParts) -> tuple[onnx.ModelProto, dict]:
+def _gradients(parts: PlanParts) -> tuple[onnx.ModelProto, SubgraphInfo]:
     em = Emission.start(parts)
     loss, _, grads, _ = em.loss_and_grads()
     em.metric("loss", loss)
     for p in parts.params:
-        em.result(f"grad/{p}", grads[p])
+        em.result(C.grad(p), grads[p])
     return em.finish("gradients")
 
 
@@ -504,7 +492,7 @@ def _statistics(parts: PlanParts, mode: str | None = None, num_samples: int | No
     stats = em.batch_statistics(em.sub_batch_pass(stats_batch), mode, num_samples, cots)
     for layer, factors in stats.items():
         for fname, stat in factors.items():
-            em.result(f"stat/{layer}/{fname}", emit_statistic(em.b, stat))
+            em.result(C.stat(layer, fname), emit_statistic(em.b, stat))
     return em.finish("statistics")
 
 
@@ -522,7 +510,7 @@ def _factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
         for fname, stat in stats[layer.name].items():
-            slot = em.state_input(f"factor/{layer.name}/{fname}", specs[fname].shape, "zeros")
+            slot = em.state_input(C.factor(layer.name, fname), specs[fname].shape, "zeros")
             if isinstance(stat, GramStatistic):
                 scaled = b.mul(stat.rows, b.div(coeff, stat.count))
                 updates.append((slot, b.op("Gemm", [scaled, stat.rows, b.mul(slot, keep)], transA=1)))
@@ -558,7 +546,7 @@ def _conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode
 
     wanted = b.op("Greater", [em.hp("update_stats"), b.const(0.0)])
     results = b.conditional(wanted, statistics, lambda: slots + [b.const(0.0)],
-                            lambda: [em.info["state_specs"][s]["shape"] for s in slots] + [[]], hint="statistics")
+                            lambda: [em.info.state_specs[s].shape for s in slots] + [[]], hint="statistics")
     for slot, new in zip(slots, results):
         em.state_output(slot, new)
     ok.append(results[-1])
@@ -625,7 +613,7 @@ def _kfac_step(
     elif with_stats:
         _write_factor_updates(em, em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
     precond = em.precondition(grads)
-    velocity = {p: em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros") for p in parts.params}
+    velocity = {p: em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros") for p in parts.params}
     vectors = {"g": grads, "P": precond, "v": velocity}
     if l2:
         vectors["raw"] = raw_grads
@@ -659,7 +647,7 @@ def _kfac_step(
     new_params = {p: b.add(p, update[p]) for p in parts.params}
     for p in parts.params:
         em.state_output(p, new_params[p])
-        em.state_output(f"velocity/{p}", update[p])
+        em.state_output(C.velocity(p), update[p])
     if loss_after:
         # The objective at the new parameters on the same batch, for Levenberg-Marquardt
         # damping. The forward pass runs inside an If on hp/loss_after > 0, so only the
@@ -828,10 +816,10 @@ def _sgd_step(parts: PlanParts, l2: bool = False):
     lr, mom = em.hp("learning_rate"), em.hp("momentum")
     steps = {}
     for p in parts.params:
-        vel = em.state_input(f"velocity/{p}", tuple(em.view.shapes[p]), "zeros")
+        vel = em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros")
         steps[p] = b.sub(b.mul(mom, vel), b.mul(lr, grads[p]))
         em.state_output(p, b.add(p, steps[p]))
-        em.state_output(f"velocity/{p}", steps[p])
+        em.state_output(C.velocity(p), steps[p])
     _baseline_metrics(em, loss, steps, raw)
     return em.finish("sgd_step")
 
@@ -848,15 +836,15 @@ def _adam_step(parts: PlanParts, l2: bool = False):
     steps = {}
     for p in parts.params:
         shape = tuple(em.view.shapes[p])
-        m = em.state_input(f"adam_m/{p}", shape, "zeros")
-        v = em.state_input(f"adam_v/{p}", shape, "zeros")
+        m = em.state_input(C.adam_m(p), shape, "zeros")
+        v = em.state_input(C.adam_v(p), shape, "zeros")
         g = grads[p]
         m_new = b.add(b.mul(b1, m), b.mul(b.sub(one, b1), g))
         v_new = b.add(b.mul(b2, v), b.mul(b.sub(one, b2), b.mul(g, g)))
         steps[p] = b.neg(b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps))))
         em.state_output(p, b.add(p, steps[p]))
-        em.state_output(f"adam_m/{p}", m_new)
-        em.state_output(f"adam_v/{p}", v_new)
+        em.state_output(C.adam_m(p), m_new)
+        em.state_output(C.adam_v(p), v_new)
     _baseline_metrics(em, loss, steps, raw)
     return em.finish("adam_step")
 
@@ -882,10 +870,10 @@ def _inverse_update(parts: PlanParts, method: str | None = None):
         if block.inverse_is_host(method):
             continue
         factors = {
-            s.name: em.state_input(f"factor/{layer.name}/{s.name}", s.shape, "zeros") for s in block.factor_specs()
+            s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()
         }
         previous = {
-            s.name: em.state_input(f"inverse/{layer.name}/{s.name}", s.shape, _init_of(s)) for s in block.inverse_specs()
+            s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, _init_of(s)) for s in block.inverse_specs()
         }
         # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
         new = block.emit_inverse(b, factors, damping, method, previous=previous)
@@ -901,10 +889,10 @@ def _inverse_update(parts: PlanParts, method: str | None = None):
 @subgraph("precondition")
 def _precondition(parts: PlanParts):
     em = Emission.start(parts)
-    vecs = {p: em.data_input(f"vec/{p}", FLOAT, list(em.view.shapes[p])) for p in parts.params}
+    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in parts.params}
     out = em.precondition(vecs)
     for p in parts.params:
-        em.result(f"precond/{p}", out[p])
+        em.result(C.precond(p), out[p])
     return em.finish("precondition")
 
 
@@ -915,16 +903,16 @@ def _multiply(parts: PlanParts, exp: int = 1):
     eigendecompositions: Curvature.multiply_matpower does them on the host)."""
     em = Emission.start(parts)
     damping = em.hp("damping")
-    vecs = {p: em.data_input(f"vec/{p}", FLOAT, list(em.view.shapes[p])) for p in parts.params}
+    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in parts.params}
     for layer in parts.layers:
         block = em.blocks[layer.name]
-        factors = {s.name: em.state_input(f"factor/{layer.name}/{s.name}", s.shape, "zeros") for s in block.factor_specs()}
+        factors = {s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()}
         mine = {p: vecs[p] for p in layer.params}
         if exp == 1:
             out = block.emit_multiply(em.b, mine, factors, damping)
         else:
             out = block.emit_multiply_matpower(em.b, mine, factors, damping, int(exp))
         for p in layer.params:
-            em.result(f"product/{p}", out[p])
+            em.result(C.product(p), out[p])
     return em.finish("multiply")
 

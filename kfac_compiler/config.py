@@ -41,7 +41,7 @@ from typing import Any
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import LOSSES
-from kfac_compiler.passes.estimator import MODES as ESTIMATOR_MODES
+from kfac_compiler.contract import ESTIMATION_MODES as ESTIMATOR_MODES
 
 LOSS_KINDS = tuple(LOSSES)  # the loss registry is the one list of loss kinds
 DAMPING_SPLITS = ("pi", "exact")

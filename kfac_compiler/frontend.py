@@ -26,7 +26,8 @@ from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
-from kfac_compiler.plan import Plan, file_sha256, value_spec
+from kfac_compiler.contract import TARGETS
+from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
 
 
 def compile_frontend(
@@ -90,7 +91,7 @@ def apply_overrides(cfg: CompileConfig, overrides: dict[str, Any]) -> CompileCon
 def _compile(model, source, source_path, source_hash, loss, output, cfg: CompileConfig) -> Plan:
     output = check_output(model, output, source)
     rec = recognise_loss(model, output)
-    loss_info: dict[str, Any] = {"kind": loss, "variance": None, "recognised_from": None}
+    recognised: dict[str, Any] = {}
     target_input = None
     if rec is not None:
         if loss is not None and loss != rec.kind:
@@ -101,14 +102,13 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         loss = rec.kind
         output = rec.scores
         target_input = rec.target_input
-        loss_info.update(kind=loss, recognised_from=rec.op, recognised_node=rec.node, notes=list(rec.notes))
+        recognised = {"recognised_from": rec.op, "recognised_node": rec.node, "notes": list(rec.notes)}
     elif loss is None:
         raise ConfigError(
             f"no loss given for {source!r} and the graph does not end in a recognised loss op; "
             f"pass a loss kind ({', '.join(LOSS_KINDS)})"
         )
-    if loss == "squared_error":
-        loss_info["variance"] = float(cfg.loss_variance)
+    loss_options = {"variance": float(cfg.loss_variance)} if loss == "squared_error" else {}
 
     canon = canonicalize(model, output)
     view = GraphView(canon)
@@ -147,29 +147,20 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         t_shape, t_dtype = (None if o_shape is None else o_shape[:-1]), "int64"
     else:
         t_shape, t_dtype = o_shape, o_dtype
-    targets = {"name": "targets", "shape": t_shape, "dtype": t_dtype, "from_input": target_input}
+    targets = TensorSpec(TARGETS, t_shape, t_dtype, target_input)
 
     return Plan(
         model=canon,
         output=output,
-        loss=loss_info,
-        inputs=[value_spec(vi) for vi in canon.graph.input],
+        loss=LossSpec(loss, loss_options, **recognised),
+        inputs=[tensor_spec(vi) for vi in canon.graph.input],
         targets=targets,
         trainable=trainable,
         frozen=frozen,
         layers=layers,
         factors=factors,
-        estimator={"mode": cfg.estimator.mode, "num_samples": cfg.estimator.num_samples},
-        schedule={
-            "ema_decay": cfg.ema_decay,
-            "damping": cfg.damping,
-            "inverse": {
-                "method": cfg.inverse.method,
-                "update_period": cfg.inverse.update_period,
-                "damping_split": cfg.inverse.damping_split,
-            },
-            "stats": {"update_period": cfg.stats.update_period},
-        },
+        estimator=dataclasses.replace(cfg.estimator),
+        schedule=Schedule(cfg.ema_decay, cfg.damping, dataclasses.replace(cfg.inverse), dataclasses.replace(cfg.stats)),
         dtype=cfg.dtype,
         source_path=source_path,
         source_sha256=source_hash,

@@ -18,14 +18,19 @@ import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 from onnx import helper
 
+from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
+from kfac_compiler.contract import TARGETS, SubgraphInfo
 from kfac_compiler.errors import PlanError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -33,34 +38,100 @@ MODEL_FILE = "model.onnx"
 _SUBGRAPH_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
+# ------------------------------------------------------------------------------ plan sections
+@dataclass
+class LossSpec:
+    """The loss the plan trains: its kind (a registered loss), the kind's options (e.g.
+    squared_error's variance) and, when the source graph ended in a loss op, which one."""
+
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+    recognised_from: str | None = None
+    recognised_node: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """plan.json's loss entry (its layout predates this class: checkpoints fingerprint it)."""
+        doc = {"kind": self.kind, "variance": None, **_jsonable(self.options), "recognised_from": self.recognised_from}
+        if self.recognised_from is not None:
+            doc.update(recognised_node=self.recognised_node, notes=list(self.notes))
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "LossSpec":
+        named = ("kind", "recognised_from", "recognised_node", "notes")
+        options = {k: v for k, v in doc.items() if k not in named and v is not None}
+        return cls(doc["kind"], options, doc.get("recognised_from"), doc.get("recognised_node"),
+                   list(doc.get("notes") or []))
+
+
+@dataclass
+class TensorSpec:
+    """A data tensor of the plan: the model's inputs, and the targets (which may come from a
+    model input the compiler cut off with the loss: `from_input`)."""
+
+    name: str
+    shape: list[Any] | None
+    dtype: str | None
+    from_input: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {"name": self.name, "shape": self.shape, "dtype": self.dtype}
+        if self.name == TARGETS:
+            doc["from_input"] = self.from_input
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "TensorSpec":
+        return cls(doc["name"], doc.get("shape"), doc.get("dtype"), doc.get("from_input"))
+
+
+@dataclass
+class Schedule:
+    """The training schedule the plan was compiled with (the optimizer's defaults)."""
+
+    ema_decay: float = 0.9
+    damping: float = 1e-3
+    inverse: InverseConfig = field(default_factory=InverseConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "Schedule":
+        return cls(doc.get("ema_decay", 0.9), doc.get("damping", 1e-3), InverseConfig(**doc.get("inverse", {})),
+                   StatsConfig(**doc.get("stats", {})))
+
+
 @dataclass
 class Plan:
     """Everything the back end and the runtime need, in memory.
 
     `factors[layer name]` lists the block's FactorSpecs (None when the block class was not
-    available at compile time). `subgraphs` / `subgraph_info` are filled by the back end:
-    info is free-form JSON (e.g. the runtime contract's data/state inputs and outputs);
-    save() adds each subgraph's file, inputs and outputs to plan.json.
+    available at compile time). `subgraphs` / `subgraph_info` are filled by the back end
+    (kfac_compiler.compile with emit=True); save() adds each subgraph's file, inputs and
+    outputs to plan.json.
     """
 
     model: onnx.ModelProto
     output: str
-    loss: dict[str, Any]
-    inputs: list[dict[str, Any]]
-    targets: dict[str, Any]
+    loss: LossSpec
+    inputs: list[TensorSpec]
+    targets: TensorSpec
     trainable: list[str]
     frozen: list[str]
     layers: list[Layer]
     factors: dict[str, list[FactorSpec] | None] = field(default_factory=dict)
-    estimator: dict[str, Any] = field(default_factory=dict)
-    schedule: dict[str, Any] = field(default_factory=dict)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    schedule: Schedule = field(default_factory=Schedule)
     dtype: str = "float32"
     source_path: str | None = None
     source_sha256: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     subgraphs: dict[str, onnx.ModelProto] = field(default_factory=dict)
-    subgraph_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    subgraph_info: dict[str, SubgraphInfo] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ lookups
@@ -70,9 +141,9 @@ class Plan:
         return {t.name: tuple(int(d) for d in t.dims) for t in self.model.graph.initializer}
 
     @property
-    def inverse(self) -> dict[str, Any]:
-        """schedule["inverse"]: {method, update_period, damping_split}."""
-        return dict(self.schedule.get("inverse", {}))
+    def inverse(self) -> InverseConfig:
+        """The inverse schedule: method, update_period, damping_split."""
+        return self.schedule.inverse
 
     @property
     def source_hash(self) -> str:
@@ -82,7 +153,23 @@ class Plan:
     @property
     def loss_recognised_from(self) -> str | None:
         """The loss op found at the end of the source graph (None: the loss kind was given)."""
-        return self.loss.get("recognised_from")
+        return self.loss.recognised_from
+
+    @property
+    def data_inputs(self) -> list[onnx.ValueInfoProto]:
+        """The model's graph inputs that are not initializers (the user's data)."""
+        inits = {t.name for t in self.model.graph.initializer}
+        return [vi for vi in self.model.graph.input if vi.name not in inits]
+
+    def parameter_values(self) -> dict[str, "np.ndarray"]:
+        """The trainable parameters' initial values (copies of the model's initializers)."""
+        from onnx import numpy_helper
+
+        inits = {t.name: t for t in self.model.graph.initializer}
+        missing = [p for p in self.trainable if p not in inits]
+        if missing:
+            raise PlanError(f"trainable parameter {missing[0]!r} is not an initializer of the plan's model")
+        return {p: numpy_helper.to_array(inits[p]).copy() for p in self.trainable}
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:
@@ -102,7 +189,7 @@ class Plan:
                 l,
                 {p: shapes[p] for p in l.params},
                 [view.shape(u.input) for u in l.uses],
-                damping_mode=self.inverse.get("damping_split", "pi"),
+                damping_mode=self.inverse.damping_split,
             )
             for l in self.layers
         }
@@ -158,14 +245,14 @@ class Plan:
             "source": {"path": self.source_path, "sha256": self.source_sha256},
             "model": MODEL_FILE,
             "output": self.output,
-            "loss": _jsonable(self.loss),
-            "inputs": _jsonable(self.inputs),
-            "targets": _jsonable(self.targets),
+            "loss": self.loss.to_json(),
+            "inputs": [i.to_json() for i in self.inputs],
+            "targets": self.targets.to_json(),
             "trainable": list(self.trainable),
             "frozen": list(self.frozen),
             "layers": [self.layer_json(l) for l in self.layers],
-            "estimator": _jsonable(self.estimator),
-            "schedule": _jsonable(self.schedule),
+            "estimator": dataclasses.asdict(self.estimator),
+            "schedule": self.schedule.to_json(),
             "dtype": self.dtype,
             "totals": self.totals(),
             "config": _jsonable(self.config),
@@ -174,12 +261,11 @@ class Plan:
         }
 
     def _subgraph_json(self, name: str) -> dict[str, Any]:
-        """{file, inputs, outputs, reads, writes (state slots), info (subgraph_info verbatim)}."""
-        info = _jsonable(self.subgraph_info.get(name, {}))
-        reads = info.get("state_inputs", info.get("reads", []))
-        outs = info.get("state_outputs", info.get("writes", []))
-        writes = list(dict.fromkeys(outs.values())) if isinstance(outs, dict) else list(outs)
-        return {"file": f"{name}.onnx", **_io_json(self.subgraphs[name]), "reads": list(reads), "writes": writes, "info": info}
+        """{file, inputs, outputs, reads, writes (state slots), info (the SubgraphInfo)}."""
+        info = self.subgraph_info.get(name) or SubgraphInfo()
+        writes = list(dict.fromkeys(info.state_outputs.values()))
+        return {"file": f"{name}.onnx", **_io_json(self.subgraphs[name]), "reads": list(info.state_inputs),
+                "writes": writes, "info": _jsonable(info.to_json())}
 
     # -------------------------------------------------------------- save
     def save(self, path: str | os.PathLike) -> str:
@@ -298,19 +384,19 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
             if not os.path.isfile(file):
                 raise PlanError(f"plan {path!r} is incomplete: subgraph file {os.path.basename(file)!r} is missing")
             subgraphs[name] = _load_onnx(file, path)
-            info[name] = entry.get("info", {})
+            info[name] = SubgraphInfo.from_json(entry.get("info", {}))
         return Plan(
             model=model,
             output=doc["output"],
-            loss=doc["loss"],
-            inputs=doc["inputs"],
-            targets=doc["targets"],
+            loss=LossSpec.from_json(doc["loss"]),
+            inputs=[TensorSpec.from_json(i) for i in doc["inputs"]],
+            targets=TensorSpec.from_json(doc["targets"]),
             trainable=list(doc["trainable"]),
             frozen=list(doc["frozen"]),
             layers=layers,
             factors=factors,
-            estimator=doc.get("estimator", {}),
-            schedule=doc.get("schedule", {}),
+            estimator=EstimatorConfig(**doc.get("estimator", {})),
+            schedule=Schedule.from_json(doc.get("schedule", {})),
             dtype=doc.get("dtype", "float32"),
             source_path=src_path,
             source_sha256=src_hash,
@@ -332,7 +418,7 @@ def _load_onnx(file: str, plan_dir: str) -> onnx.ModelProto:
 
 
 def value_spec(vi: onnx.ValueInfoProto) -> dict[str, Any]:
-    """{name, shape, dtype} of a ValueInfo (dims: int, symbolic name or None)."""
+    """{name, shape, dtype} of a ValueInfo (dims: int, symbolic name or None); see tensor_spec."""
     t = vi.type.tensor_type
     shape = None
     if t.HasField("shape"):
@@ -344,6 +430,10 @@ def value_spec(vi: onnx.ValueInfoProto) -> dict[str, Any]:
     except (KeyError, ValueError, TypeError):
         dtype = onnx.TensorProto.DataType.Name(t.elem_type).lower()
     return {"name": vi.name, "shape": shape, "dtype": dtype}
+
+
+def tensor_spec(vi: onnx.ValueInfoProto) -> TensorSpec:
+    return TensorSpec(**value_spec(vi))
 
 
 def _io_json(model: onnx.ModelProto) -> dict[str, Any]:

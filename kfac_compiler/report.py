@@ -4,10 +4,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
 
+from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.plan import Plan, factor_json
 
@@ -39,7 +41,7 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
     example and of one inverse update (by the method shown first: for "auto" the CPU's)."""
     from kfac_compiler.linalg import AUTO_METHOD, concrete_method
 
-    method = plan.inverse.get("method", AUTO_METHOD)
+    method = plan.inverse.method
     costs: dict[str, dict[str, Any]] = {}
 
     def label(block, m: str) -> str:
@@ -66,15 +68,15 @@ def subgraph_summary(plan: Plan) -> list[dict[str, Any]]:
     """The emitted subgraphs: file, node count, state slots read and written."""
     out = []
     for name, model in plan.subgraphs.items():
-        info = plan.subgraph_info.get(name, {})
+        info = plan.subgraph_info.get(name) or SubgraphInfo()
         out.append({
             "name": name,
             "file": f"{name}.onnx",
             "nodes": len(model.graph.node),
-            "options": info.get("options", {}),
-            "reads": len(info.get("state_inputs", [])),
-            "writes": len(info.get("state_outputs", {})),
-            "metrics": list(info.get("metrics", [])),
+            "options": dict(info.options),
+            "reads": len(info.state_inputs),
+            "writes": len(info.state_outputs),
+            "metrics": list(info.metrics),
         })
     return out
 
@@ -95,7 +97,7 @@ def summary(plan: Plan) -> dict[str, Any]:
                 "factors": None if specs is None else [
                     {k: v for k, v in factor_json(s).items() if k in ("name", "shape", "dtype", "bytes")} for s in specs
                 ],
-                "estimator": plan.estimator.get("mode"),
+                "estimator": plan.estimator.mode,
                 **costs[layer.name],
             }
         )
@@ -103,9 +105,9 @@ def summary(plan: Plan) -> dict[str, Any]:
         "layers": layers,
         "totals": plan.totals(),
         "output": plan.output,
-        "loss": plan.loss,
-        "estimator": plan.estimator,
-        "schedule": plan.schedule,
+        "loss": plan.loss.to_json(),
+        "estimator": dataclasses.asdict(plan.estimator),
+        "schedule": plan.schedule.to_json(),
         "subgraphs": subgraph_summary(plan),
     }
 
@@ -167,16 +169,16 @@ def render_table(plan: Plan) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     src = plan.source_path or "<in-memory model>"
-    loss = plan.loss.get("kind")
-    if plan.loss.get("recognised_from"):
-        loss = f"{loss} (recognised from {plan.loss['recognised_from']})"
-    inv = plan.schedule.get("inverse", {})
+    loss = plan.loss.kind
+    if plan.loss.recognised_from:
+        loss = f"{loss} (recognised from {plan.loss.recognised_from})"
+    inv = plan.schedule.inverse
     head = [
         f"model:     {src}",
         f"output:    {plan.output}   loss: {loss}",
-        f"estimator: {plan.estimator.get('mode')} x{plan.estimator.get('num_samples')}   "
-        f"ema_decay {plan.schedule.get('ema_decay')}   damping {plan.schedule.get('damping')}   "
-        f"inverse {inv.get('method')} every {inv.get('update_period')} steps",
+        f"estimator: {plan.estimator.mode} x{plan.estimator.num_samples}   "
+        f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
+        f"inverse {inv.method} every {inv.update_period} steps",
         "",
     ]
     body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]
@@ -264,7 +266,7 @@ def render_dot(plan: Plan) -> str:
     ]
     for t in plan.view().graph_inputs:
         lines.append(f"  {_q('input:' + t)} [label={_q(t)}, shape=ellipse, fillcolor=white];")
-    lines.append(f"  {_q('output:' + plan.output)} [label={_q(plan.output + ' (' + str(plan.loss.get('kind')) + ')')}, shape=ellipse, fillcolor=white];")
+    lines.append(f"  {_q('output:' + plan.output)} [label={_q(plan.output + ' (' + plan.loss.kind + ')')}, shape=ellipse, fillcolor=white];")
     for layer in plan.layers:
         n = int(sum(math.prod(shapes[p]) for p in layer.params))
         uses = f", {layer.num_uses} uses" if layer.num_uses > 1 else ""

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kfac_compiler.builder import GraphBuilder
+from kfac_compiler.contract import ESTIMATION_MODES as MODES
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.losses import Loss
 
-MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
 MAX_EXACT_COORDINATES = 512
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kfac_compiler.errors import CheckpointError
+from kfac_compiler.plan import Plan
 
 FORMAT = "kfac_compiler.checkpoint"
 VERSION = 1
@@ -65,7 +66,7 @@ def _atomic(path: str, write) -> None:
 
 
 # --------------------------------------------------------------------------- fingerprint
-def plan_fingerprint(plan: Any) -> dict[str, Any]:
+def plan_fingerprint(plan: Plan) -> dict[str, Any]:
     """What identifies a plan: schema version, source model sha256 (plan.source_sha256), graph
     structure, parameters with shapes, layers with their approximations, loss and output. Two
     plans with the same fingerprint have the same state slots with the same meaning."""
@@ -73,30 +74,23 @@ def plan_fingerprint(plan: Any) -> dict[str, Any]:
     model = plan.model
     dims = {t.name: [int(d) for d in t.dims] for t in model.graph.initializer}
     params = [[p, dims.get(p)] for p in plan.trainable]
-    layers = []
-    for layer in getattr(plan, "layers", []) or []:
-        if isinstance(layer, dict):
-            layers.append([layer.get("name"), layer.get("kind"), layer.get("approximation"), list(layer.get("params", []))])
-        else:
-            layers.append([getattr(layer, "name", str(layer)), getattr(layer, "kind", None),
-                           getattr(layer, "approximation", None), list(getattr(layer, "params", []))])
-    loss = plan.loss
-    loss = loss if isinstance(loss, (str, dict)) else str(loss)
+    layers = [[layer.name, layer.kind, layer.approximation, list(layer.params)] for layer in plan.layers]
+    loss = plan.loss.to_json()
     g = model.graph
     h = hashlib.sha256()
     for n in g.node:  # the graph structure (not the weights)
         h.update(f"{n.op_type}|{','.join(n.input)}|{','.join(n.output)};".encode())
     structure = h.hexdigest()
     # the source model's hash (file or serialized proto, weights included) when the plan has it
-    source = getattr(plan, "source_sha256", None) or getattr(plan, "source_hash", None) or ""
+    source = plan.source_sha256
     ident = {
-        "schema_version": getattr(plan, "schema_version", None),
+        "schema_version": plan.schema_version,
         "source": source,
         "structure": structure,
         "params": params,
         "layers": layers,
         "loss": loss,
-        "output": getattr(plan, "output", None),
+        "output": plan.output,
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
     return {"fingerprint": digest, "schema_version": ident["schema_version"], "source": source,

@@ -21,50 +21,47 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kfac_compiler import contract as C
+from kfac_compiler.contract import ESTIMATION_MODES, plan_blocks
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.linalg import concrete_method
+from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
-from kfac_compiler.runtime.optimizers import ESTIMATION_MODES, _plan_schedule, ema_coefficient
-from kfac_compiler.runtime.program import (
-    Program,
-    cached_program,
-    initial_parameters,
-    plan_blocks,
-    plan_trainable,
-)
+from kfac_compiler.runtime.optimizers import ema_coefficient
+from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
 
 
-def _group(results: Mapping[str, np.ndarray], prefix: str) -> dict[str, dict[str, np.ndarray]]:
+def _group_stats(results: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """{layer: {factor: array}} of a statistics run's stat/<layer>/<f> results."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for name, value in results.items():
-        if name.startswith(prefix):
-            layer, _, f = name[len(prefix):].rpartition("/")
-            out.setdefault(layer, {})[f] = value
+        parsed = C.split_layer_item(name, "stat/")
+        if parsed is not None:
+            out.setdefault(parsed[0], {})[parsed[1]] = value
     return out
 
 
 class Curvature:
     """Curvature estimates of `plan` (factors, moving averages, damped inverses) on `device`."""
 
-    def __init__(self, plan: Any, device: str = "cpu", mode: str | None = None, num_samples: int | None = None,
+    def __init__(self, plan: Plan, device: str = "cpu", mode: str | None = None, num_samples: int | None = None,
                  ema_decay: float | None = None, inverse_method: str | None = None, seed: int = 0,
                  threads: int | None = None) -> None:
-        sched = _plan_schedule(plan)
         self.plan = plan
         self.device = get_device(device)
         self.threads = threads
-        self.mode = mode or sched.get("mode", "gradients")
-        self.num_samples = int(num_samples or sched.get("num_samples", 1))
-        self.ema_decay = float(ema_decay if ema_decay is not None else sched.get("ema_decay", 0.9))
-        self.inverse_method = concrete_method(inverse_method or sched.get("inverse_method", "auto"), self.device.name)
+        self.mode = mode or plan.estimator.mode
+        self.num_samples = int(num_samples or plan.estimator.num_samples)
+        self.ema_decay = float(ema_decay if ema_decay is not None else plan.schedule.ema_decay)
+        self.inverse_method = concrete_method(inverse_method or plan.inverse.method, self.device.name)
         self._check_mode(self.mode)
         self.rng = np.random.default_rng(seed)
         self.store = StateStore(self.device)
-        self.params = plan_trainable(plan)
-        for p, v in initial_parameters(plan).items():
+        self.params = list(plan.trainable)
+        for p, v in plan.parameter_values().items():
             self.store.add(p, v)
         self.ema_weight = 0.0
         self.damping: float | None = None
@@ -93,7 +90,7 @@ class Curvature:
     def gradients(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
         data = self._check_batch(inputs, targets, weights)
         out = self.program("gradients", weighted=weights is not None).run(self.store, data, results=True)
-        return out["loss"], {p: out[f"grad/{p}"] for p in self.params}
+        return out[C.LOSS], {p: out[C.grad(p)] for p in self.params}
 
     def estimate(self, inputs: Mapping[str, Any], targets: Any, mode: str | None = None,
                  num_samples: int | None = None, weights: Any = None) -> dict[str, dict[str, np.ndarray]]:
@@ -104,29 +101,33 @@ class Curvature:
         prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples,
                             weighted=weights is not None)
         data = self._check_batch(inputs, targets, weights)
-        data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
+        data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         out = prog.run(self.store, data, results=True)
-        self.last_loss = out["loss"]
-        return _group(out, "stat/")
+        self.last_loss = out[C.LOSS]
+        return _group_stats(out)
 
     def update(self, inputs: Mapping[str, Any], targets: Any) -> float:
         """Fold one batch into the zero-debiased moving averages; returns the batch loss."""
         prog = self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
         data = self._check_batch(inputs, targets)
-        data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data["targets"], prog.name))
+        data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
-        out = prog.run(self.store, data, hp={"hp/ema_coeff": coeff})
-        if out.get("metric/finite", 1.0) > 0.5:
+        out = prog.run(self.store, data, hp={C.hp("ema_coeff"): coeff})
+        if out.get(C.FINITE, 1.0) > 0.5:
             self.ema_weight = w
-        return out["loss"]
+        return out[C.LOSS]
 
     def factors(self) -> dict[str, dict[str, np.ndarray]]:
         """The current moving averages per layer."""
         self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
-        return _group({s: self.store.to_numpy(s) for s in self.store.slots() if s.startswith("factor/")}, "factor/")
+        return self._layer_state(C.FACTOR)
 
     def inverses(self) -> dict[str, dict[str, np.ndarray]]:
-        return _group({s: self.store.to_numpy(s) for s in self.store.slots() if s.startswith("inverse/")}, "inverse/")
+        return self._layer_state(C.INVERSE)
+
+    def _layer_state(self, kind: str) -> dict[str, dict[str, np.ndarray]]:
+        return {layer: {item: self.store.to_numpy(s) for item, s in slots.items()}
+                for layer, slots in C.layer_slots(self.store.slots(), kind).items()}
 
     def update_inverses(self, damping: float) -> bool:
         """Recompute the damped inverses of the moving averages; False if a block failed (it
@@ -148,9 +149,9 @@ class Curvature:
         missing = [p for p in self.params if p not in grads]
         if missing:
             raise ConfigError(f"precondition: no vector for parameter {missing[0]!r}")
-        data = {f"vec/{p}": np.asarray(grads[p], np.float32) for p in self.params}
+        data = {C.vec(p): np.asarray(grads[p], np.float32) for p in self.params}
         out = prog.run(self.store, data, results=True)
-        return {p: out[f"precond/{p}"] for p in self.params}
+        return {p: out[C.precond(p)] for p in self.params}
 
     # ---------------------------------------------------------------- per block (host)
     def blocks(self) -> dict[str, Any]:
@@ -175,9 +176,9 @@ class Curvature:
         on the device, from the moving-average factors."""
         d = self.damping if damping is None else damping
         prog = self.program("multiply", exp=int(exp))
-        out = prog.run(self.store, {f"vec/{p}": np.asarray(v, np.float32) for p, v in vectors.items()},
-                       hp={"hp/damping": float(d or 0.0)}, results=True)
-        return {p: out[f"product/{p}"] for p in self.params}
+        out = prog.run(self.store, {C.vec(p): np.asarray(v, np.float32) for p, v in vectors.items()},
+                       hp={C.hp("damping"): float(d or 0.0)}, results=True)
+        return {p: out[C.product(p)] for p in self.params}
 
     def multiply_matpower(self, layer: str, vectors: Mapping[str, np.ndarray], exp: float,
                           damping: float | None = None) -> dict[str, np.ndarray]:
@@ -198,7 +199,7 @@ class Curvature:
 _GRAD_CACHE: dict[int, tuple[Any, Curvature]] = {}
 
 
-def gradients(plan: Any, inputs: Mapping[str, Any], targets: Any, params: Mapping[str, np.ndarray] | None = None,
+def gradients(plan: Plan, inputs: Mapping[str, Any], targets: Any, params: Mapping[str, np.ndarray] | None = None,
               device: str = "cpu", weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
     """(mean loss, {initializer name: gradient}) at the plan's weights (or `params`);
     `weights`: optional per-example loss weights or mask."""
@@ -214,7 +215,7 @@ def gradients(plan: Any, inputs: Mapping[str, Any], targets: Any, params: Mappin
             _GRAD_CACHE[id(plan)] = (ref, curv)
         except TypeError:
             pass
-    values = initial_parameters(plan)
+    values = plan.parameter_values()
     values.update(params or {})  # parameters not given keep the plan's values
     curv.set_parameters(values)
     return curv.gradients(inputs, targets, weights)

@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from kfac_compiler import contract as C
+from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import DataError
 
 NOISE_EPS = np.float32(1e-7)
@@ -80,10 +82,8 @@ class BatchChecker:
     a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
 
     def __init__(self, plan: Any) -> None:
-        from kfac_compiler.runtime.program import plan_data_inputs, plan_loss_kind
-
-        self.input_specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
-        self.loss_kind = plan_loss_kind(plan)
+        self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
+        self.loss_kind = plan.loss.kind
         self.out_spec = output_spec(plan.model, plan.output)
 
     def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
@@ -107,34 +107,32 @@ def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarr
     return data
 
 
-def draw_noise(rng: np.random.Generator, info: Mapping[str, Any], data_inputs: list[str],
+def draw_noise(rng: np.random.Generator, info: SubgraphInfo, data_inputs: list[str],
                targets: np.ndarray, name: str = "subgraph") -> dict[str, np.ndarray]:
-    """The noise/<s> inputs of a subgraph (per info["noise"]), drawn from `rng`.
+    """The noise/<s> inputs of a subgraph (per info.noise), drawn from `rng`.
 
     Uniform noise is clipped into [1e-7, 1 - 1e-7] (inverse-CDF sampling never sees 0 or 1);
     shapes as in noise_shape.
     """
-    spec = info.get("noise") or {}
-    count = int(spec.get("count", 0) or 0)
-    names = sorted((n for n in data_inputs if n.startswith("noise/")), key=lambda s: int(s.split("/")[1]))
-    if not count or not names:
+    spec = info.noise
+    names = sorted((n for n in data_inputs if C.is_noise(n)), key=C.noise_index)
+    if not spec.count or not names:
         return {}
     shape = noise_shape(info, targets, name)
     out = {}
     for n in names:
-        if spec.get("distribution", "uniform") == "normal":
+        if spec.distribution == "normal":
             out[n] = rng.standard_normal(shape, dtype=np.float32)
         else:
             out[n] = np.clip(rng.random(shape, dtype=np.float32), NOISE_EPS, np.float32(1) - NOISE_EPS)
     return out
 
 
-def noise_shape(info: Mapping[str, Any], targets: np.ndarray, name: str = "subgraph") -> list[int]:
+def noise_shape(info: SubgraphInfo, targets: np.ndarray, name: str = "subgraph") -> list[int]:
     """The concrete shape of each noise/<s> input of a subgraph for a batch with `targets`:
     "N" (or the first dim) is the batch size; other symbolic dims are read off the targets."""
-    spec = info.get("noise") or {}
     shape = []
-    for i, d in enumerate(spec.get("shape") or []):
+    for i, d in enumerate(info.noise.shape):
         if _static(d):
             shape.append(int(d))
         elif i == 0 or d == "N":
@@ -142,7 +140,7 @@ def noise_shape(info: Mapping[str, Any], targets: np.ndarray, name: str = "subgr
         elif i < targets.ndim:
             shape.append(int(targets.shape[i]))
         else:
-            raise DataError(f"subgraph {name!r}: cannot resolve noise dim {d!r} of {spec.get('shape')}")
+            raise DataError(f"subgraph {name!r}: cannot resolve noise dim {d!r} of {info.noise.shape}")
     return shape
 
 

@@ -9,18 +9,19 @@ from typing import Any
 
 import numpy as np
 
+from kfac_compiler import contract as C
 from kfac_compiler import linalg
-from kfac_compiler.runtime.program import Program, plan_blocks
+from kfac_compiler.contract import plan_blocks
+from kfac_compiler.plan import Plan
+from kfac_compiler.runtime.program import Program
 from kfac_compiler.runtime.state import StateStore
-
-LAYER_OK_PREFIX = "metric/inverse_ok/"
 
 
 class InverseRefresher:
     """Knows which inverse slots `reader` (a step or precondition program) needs that
     `emitted` (inverse_update) does not write, and recomputes all of them on demand."""
 
-    def __init__(self, plan: Any, emitted: Program, reader: Program, method: str) -> None:
+    def __init__(self, plan: Plan, emitted: Program, reader: Program, method: str) -> None:
         self.plan, self.emitted, self.method = plan, emitted, method
         # A failed block keeps its inverse in the store (it is not written), so the previous
         # inverse is downloaded only for a warm start (saves ~1 MB of copies per refresh)
@@ -28,9 +29,8 @@ class InverseRefresher:
         written = set(emitted.written_slots)
         self.host_layers: dict[str, list[str]] = {}
         self.emitted_layers: dict[str, list[str]] = {}
-        for slot in reader.state_inputs:
-            if slot.startswith("inverse/"):
-                layer = slot[len("inverse/"):].rpartition("/")[0]
+        for layer, slots in C.layer_slots(reader.state_inputs, C.INVERSE).items():
+            for slot in slots.values():
                 group = self.emitted_layers if slot in written else self.host_layers
                 group.setdefault(layer, []).append(slot)
         self.blocks = plan_blocks(plan, list(self.host_layers)) if self.host_layers else {}
@@ -44,10 +44,10 @@ class InverseRefresher:
         ok = True
         self.fallbacks = []
         if self.emitted.written_slots:  # nothing to run when every block is on the host
-            out = self.emitted.run(store, hp={"hp/damping": float(damping)})
-            if out.get("metric/inverse_ok", 1.0) < 0.5:
+            out = self.emitted.run(store, hp={C.hp("damping"): float(damping)})
+            if out.get(C.INVERSE_OK, 1.0) < 0.5:
                 self.fallbacks = [layer for layer in self.emitted_layers
-                                  if out.get(LAYER_OK_PREFIX + layer, 0.0) < 0.5]
+                                  if out.get(C.inverse_ok(layer), 0.0) < 0.5]
         if not (self.host_layers or self.fallbacks):
             return ok
         with linalg.one_blas_thread():  # one thread-limit switch for all blocks
@@ -66,14 +66,14 @@ class InverseRefresher:
 
     def _refresh_host_block(self, store: StateStore, damping: float, layer: str, slots: list[str],
                             method: str) -> bool:
-        fprefix, iprefix = f"factor/{layer}/", f"inverse/{layer}/"
         # no copies: the block copies what it damps, and nothing writes the slots meanwhile
-        factors = {s[len(fprefix):]: store.read_only(s) for s in store.slots() if s.startswith(fprefix)}
+        factors = {f: store.read_only(s) for f, s in C.layer_slots(store.slots(), C.FACTOR).get(layer, {}).items()}
+        items = {C.parse_slot(s).item: s for s in slots}
         warm = self.warm and method == self.method
-        previous = {s[len(iprefix):]: store.to_numpy(s) for s in slots} if warm else None
+        previous = {i: store.to_numpy(s) for i, s in items.items()} if warm else None
         state, block_ok = self._block(layer).numpy_inverse(factors, float(damping), method=method,
                                                            previous=previous)
         if block_ok:
-            for slot in slots:
-                store.set(slot, np.asarray(state[slot[len(iprefix):]]))
+            for i, slot in items.items():
+                store.set(slot, np.asarray(state[i]))
         return bool(block_ok)

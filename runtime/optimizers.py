@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.passes.estimator import MODES as ESTIMATION_MODES
+
+if TYPE_CHECKING:
+    from kfac_compiler.plan import Plan
+from kfac_compiler.contract import ESTIMATION_MODES
 
 OPTIMIZERS = ("kfac", "sgd", "adam")
 
@@ -258,44 +261,14 @@ class KfacConfig(OptimizerConfig):
         return self.damping_adaptation_decay ** self.damping_adaptation_interval
 
 
-def _plan_schedule(plan: Any) -> dict[str, Any]:
+def _plan_schedule(plan: "Plan | None") -> dict[str, Any]:
     """Defaults the plan carries (compile config): damping, ema decay, periods, estimator."""
-    out: dict[str, Any] = {}
     if plan is None:
-        return out
-    est = getattr(plan, "estimator", None) or {}
-    if isinstance(est, dict):
-        if "mode" in est:
-            out["mode"] = est["mode"]
-        if "num_samples" in est:
-            out["num_samples"] = est["num_samples"]
-    inv = getattr(plan, "inverse", None) or {}
-    if isinstance(inv, dict):
-        if "method" in inv:
-            out["inverse_method"] = inv["method"]
-        if "update_period" in inv:
-            out["inv_update_period"] = inv["update_period"]
-    # Plan.schedule = {"ema_decay", "damping", "inverse": {"method", "update_period", ...},
-    #                  "stats": {"update_period"}}
-    sched = getattr(plan, "schedule", None) or {}
-    if isinstance(sched, dict):
-        for k in ("damping", "ema_decay"):
-            if isinstance(sched.get(k), (int, float)):
-                out[k] = sched[k]
-        sinv = sched.get("inverse") or {}
-        if isinstance(sinv, dict):
-            if "method" in sinv:
-                out["inverse_method"] = sinv["method"]
-            if "update_period" in sinv:
-                out["inv_update_period"] = sinv["update_period"]
-        sstats = sched.get("stats") or {}
-        if isinstance(sstats, dict) and "update_period" in sstats:
-            out["cov_update_period"] = sstats["update_period"]
-    for attr, k in (("damping", "damping"), ("ema_decay", "ema_decay")):
-        v = getattr(plan, attr, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = v
-    return out
+        return {}
+    sched = plan.schedule
+    return {"mode": plan.estimator.mode, "num_samples": plan.estimator.num_samples,
+            "inverse_method": sched.inverse.method, "inv_update_period": sched.inverse.update_period,
+            "cov_update_period": sched.stats.update_period, "damping": sched.damping, "ema_decay": sched.ema_decay}
 
 
 def make_config(optimizer: str, plan: Any = None, **knobs: Any) -> OptimizerConfig:

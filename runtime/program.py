@@ -2,7 +2,7 @@
 
     prog = Program(model, info, device)          # info as in docs/runtime_contract.md
     out = prog.run(store, {"input": x, "targets": y})
-    out["loss"], out["metric/update_norm"]      # metrics: host floats
+    out["loss"], out["metric/update_norm"]      # metrics: host floats (names: kfac_compiler.contract)
     prog.run(store, data, results=True)["grad/fc1.weight"]   # results: numpy, only when asked
 
 Every run binds (IOBinding): state inputs -> the slots' current buffers; data inputs -> the
@@ -20,6 +20,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from kfac_compiler import contract as C
+from kfac_compiler.contract import SubgraphInfo, request_subgraph
+from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
 
@@ -45,24 +48,21 @@ def _as_device(device) -> Device:
     return get_device(device)
 
 
-FINITE_METRIC = "metric/finite"
-
-
 class Program:
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
-    def __init__(self, model: "onnx.ModelProto | bytes", info: Mapping[str, Any], device="cpu",
+    def __init__(self, model: "onnx.ModelProto | bytes", info: SubgraphInfo, device="cpu",
                  name: str | None = None, threads: int | None = None) -> None:
         self.device = _as_device(device)
         self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
-        self.info = dict(info)
+        self.info = info
         self.session = make_session(model, self.device, self.name, threads=threads)
-        self.data_inputs = list(info.get("data_inputs", []))
-        self.hp_inputs = list(info.get("hp_inputs", []))
-        self.state_inputs = list(info.get("state_inputs", []))
-        self.state_outputs = dict(info.get("state_outputs", {}))
-        self.metrics = list(info.get("metrics", []))
-        self.results = list(info.get("results", []))
+        self.data_inputs = list(info.data_inputs)
+        self.hp_inputs = list(info.hp_inputs)
+        self.state_inputs = list(info.state_inputs)
+        self.state_outputs = dict(info.state_outputs)
+        self.metrics = list(info.metrics)
+        self.results = list(info.results)
         self._check_contract()
         self.input_dtypes = {i.name: _ORT_TYPES.get(i.type) for i in self.session.get_inputs()}
         self._metric_bufs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
@@ -105,7 +105,7 @@ class Program:
             raise ContractError(f"subgraph {self.name!r}: graph outputs {outs} disagree with info "
                                 f"(unclassified {missing}, absent {extra})")
         for out, slot in self.state_outputs.items():
-            if out != f"new/{slot}":
+            if out != C.new(slot):
                 raise ContractError(f"subgraph {self.name!r}: state output {out!r} must be named 'new/{slot}'")
 
     @property
@@ -183,7 +183,7 @@ class Program:
             out = {m: float(buf.item()) for m, buf in self._scalar_metrics}
         # A rejected step (metric/finite == 0: NaN/Inf loss or update) wrote its outputs into
         # the spare buffers only; not flipping them keeps every state slot as it was.
-        if out.get(FINITE_METRIC, 1.0) != 0.0:
+        if out.get(C.FINITE, 1.0) != 0.0:
             store.flip_all(self._written)
         return out
 
@@ -214,16 +214,16 @@ def _bind(bound: dict, how: Callable[[str, ort.OrtValue], None], name: str, valu
         bound[name] = value
 
 
-def cached_program(programs: dict, store: StateStore, plan: Any, device: Any, threads: int | None,
+def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, **options: Any) -> "Program":
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`."""
     key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
     prog = programs.get(key)
     if prog is None:
-        model, info = plan_subgraph(plan, name, **options)
+        model, info = request_subgraph(plan, name, **options)
         prog = Program(model, info, device, name=name, threads=threads)
-        for slot, spec in (info.get("state_specs") or {}).items():
+        for slot, spec in info.state_specs.items():
             if slot not in store:
                 store.add(slot, init_value(spec))
         for slot in prog.state_inputs + prog.written_slots:
@@ -231,98 +231,3 @@ def cached_program(programs: dict, store: StateStore, plan: Any, device: Any, th
                 raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
         programs[key] = prog
     return prog
-
-
-# =========================================================================== plan access
-# The runtime needs only a few things from a plan: its model (initial parameter values, data
-# inputs), the trainable parameter names, the loss kind, and the subgraphs (stored in the plan
-# when compiled with the same options, emitted on demand by kfac_compiler.backend otherwise).
-
-_EMIT_CACHE: dict[int, tuple[Any, dict]] = {}
-
-
-def plan_subgraph(plan: Any, name: str, **options: Any) -> tuple[Any, dict]:
-    """(model, info) of subgraph `name` with `options`: the plan's stored copy when it was
-    emitted with the same resolved options (plan settings included, so editing the plan's
-    estimator or schedule re-emits), else kfac_compiler.backend.emit_subgraph (cached)."""
-    from kfac_compiler.backend import PlanParts, emit_subgraph, plan_parts, resolved_options
-
-    # built once (it builds the plan's blocks) for both the comparison and the emission
-    parts = plan if isinstance(plan, PlanParts) else plan_parts(plan)
-    want = resolved_options(parts, name, **options)
-    stored = getattr(plan, "subgraphs", None) or {}
-    stored_info = getattr(plan, "subgraph_info", None) or {}
-    if name in stored and name in stored_info and stored_info[name].get("options") == want:
-        return stored[name], dict(stored_info[name])
-    key = (name, tuple(sorted(want.items())))
-    entry = _EMIT_CACHE.get(id(plan))
-    if entry is None or entry[0]() is not plan:
-        import weakref
-
-        try:
-            ref = weakref.ref(plan)
-        except TypeError:
-            ref = (lambda p=plan: p)
-        entry = (ref, {})
-        _EMIT_CACHE[id(plan)] = entry
-        try:
-            weakref.finalize(plan, _EMIT_CACHE.pop, id(plan), None)
-        except TypeError:
-            pass
-    cache = entry[1]
-    if key not in cache:
-        cache[key] = emit_subgraph(parts, name, **options)
-    return cache[key]
-
-
-def plan_model(plan: Any) -> onnx.ModelProto:
-    return plan.model
-
-
-def plan_trainable(plan: Any) -> list[str]:
-    return list(plan.trainable)
-
-
-def plan_loss_kind(plan: Any) -> str:
-    loss = plan.loss
-    if isinstance(loss, str):
-        return loss
-    if isinstance(loss, Mapping):
-        return str(loss.get("kind"))
-    return str(getattr(loss, "kind", loss))
-
-
-def plan_data_inputs(plan: Any) -> list[onnx.ValueInfoProto]:
-    """The model's graph inputs that are not initializers (the user's data)."""
-    model = plan_model(plan)
-    inits = {t.name for t in model.graph.initializer}
-    return [vi for vi in model.graph.input if vi.name not in inits]
-
-
-def initial_parameters(plan: Any) -> dict[str, np.ndarray]:
-    """Trainable parameter values from the plan's model initializers."""
-    from onnx import numpy_helper
-
-    model = plan_model(plan)
-    inits = {t.name: t for t in model.graph.initializer}
-    out = {}
-    for p in plan_trainable(plan):
-        if p not in inits:
-            raise ContractError(f"trainable parameter {p!r} is not an initializer of the plan's model")
-        out[p] = np.array(numpy_helper.to_array(inits[p]), copy=True)
-    return out
-
-
-def plan_blocks(plan: Any, layers: list[str] | None = None) -> dict[str, Any]:
-    """Fisher block objects (with their numpy twins) for the plan's layers."""
-    blocks = getattr(plan, "blocks", None)
-    if isinstance(blocks, Mapping) and all(l in blocks for l in (layers or blocks)):
-        return {l: blocks[l] for l in (layers or blocks)}
-    from kfac_compiler.backend import Emission, plan_parts
-
-    em = Emission.start(plan_parts(plan))
-    out = dict(em.blocks)
-    missing = [l for l in (layers or []) if l not in out]
-    if missing:
-        raise ContractError(f"the plan has no layer {missing[0]!r}")
-    return {l: out[l] for l in (layers or out)}

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import onnxruntime as ort
 
+from kfac_compiler.contract import SlotSpec
 from kfac_compiler.runtime.device import Device, get_device
 
 
@@ -34,11 +35,11 @@ def _contig(array, dtype=None) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def init_value(spec: Mapping[str, Any]) -> np.ndarray:
-    """The initial value of a state slot from info["state_specs"][slot]."""
-    shape = tuple(int(d) for d in spec["shape"])
-    dtype = np.dtype(spec.get("dtype", "float32"))
-    init = spec.get("init", "zeros")
+def init_value(spec: SlotSpec) -> np.ndarray:
+    """The initial value of a state slot from its SubgraphInfo.state_specs entry."""
+    shape = tuple(int(d) for d in spec.shape)
+    dtype = np.dtype(spec.dtype)
+    init = spec.init
     if init == "identity":
         if len(shape) == 2 and shape[0] == shape[1]:
             return np.eye(shape[0], dtype=dtype)

@@ -116,12 +116,10 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
 
 
 def load_data(plan, entry, data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    from kfac_compiler.runtime.data import digits_for, load_npz, output_spec, validate_dataset
-    from kfac_compiler.runtime.program import plan_data_inputs, plan_loss_kind
-    from kfac_compiler.runtime.data import input_spec
+    from kfac_compiler.runtime.data import digits_for, input_spec, load_npz, output_spec, validate_dataset
 
-    specs = {vi.name: input_spec(vi) for vi in plan_data_inputs(plan)}
-    kind = plan_loss_kind(plan)
+    specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
+    kind = plan.loss.kind
     out = output_spec(plan.model, plan.output)
     if data == "digits":
         if entry is not None:

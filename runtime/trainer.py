@@ -48,14 +48,7 @@ from kfac_compiler.runtime.optimizers import (
     make_config,
     reduction_ratio,
 )
-from kfac_compiler.runtime.program import (
-    Program,
-    cached_program,
-    initial_parameters,
-    plan_loss_kind,
-    plan_model,
-    plan_trainable,
-)
+from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
 
 class Trainer:
@@ -89,8 +82,8 @@ class Trainer:
         self.seed = int(seed)
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device)
-        self.params = plan_trainable(plan)
-        self.loss_kind = plan_loss_kind(plan)
+        self.params = list(plan.trainable)
+        self.loss_kind = plan.loss.kind
         self._check_batch = BatchChecker(plan)
         self.input_specs = self._check_batch.input_specs
         # host-side state (all of it goes into checkpoints)
@@ -109,7 +102,7 @@ class Trainer:
         # rows of the current batch (chooses the sub-batch slices); the batch_size hint lets
         # the sessions for it be built here rather than in the first step
         self._batch_size = int(batch_size or 0)
-        for p, value in initial_parameters(plan).items():
+        for p, value in plan.parameter_values().items():
             self.store.add(p, value)
         self._build_programs()
 
@@ -441,7 +434,7 @@ class Trainer:
         from onnx import numpy_helper
 
         model = onnx.ModelProto()
-        model.CopyFrom(plan_model(self.plan))
+        model.CopyFrom(self.plan.model)
         values = self.parameters()
         for i, t in enumerate(model.graph.initializer):
             if t.name in values:

@@ -250,10 +250,10 @@ def test_recognise_softmax_cross_entropy_loss():
     rec = recognise_loss(m, "loss")
     assert (rec.kind, rec.scores, rec.target_input, rec.op) == ("softmax_cross_entropy", "logits", "labels", "SoftmaxCrossEntropyLoss")
     plan = compile_frontend(m, None)
-    assert plan.output == "logits" and plan.loss["kind"] == "softmax_cross_entropy"
-    assert plan.loss["recognised_from"] == "SoftmaxCrossEntropyLoss"
-    assert plan.targets["from_input"] == "labels" and plan.targets["dtype"] == "int64"
-    assert [i["name"] for i in plan.inputs] == ["input"]
+    assert plan.output == "logits" and plan.loss.kind == "softmax_cross_entropy"
+    assert plan.loss.recognised_from == "SoftmaxCrossEntropyLoss"
+    assert plan.targets.from_input == "labels" and plan.targets.dtype == "int64"
+    assert [i.name for i in plan.inputs] == ["input"]
     assert [l.name for l in plan.layers] == ["fc1", "fc2", "fc3"]
     # the same loss kind may be given; another one is an error
     assert compile_frontend(m, "softmax_cross_entropy").output == "logits"
@@ -294,8 +294,8 @@ def test_recognise_mean_squared_error(square, pred_first):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = compile_frontend(m, None, config={"loss_variance": 0.5})
-    assert plan.loss["kind"] == "squared_error" and plan.loss["variance"] == 0.5
-    assert plan.targets == {"name": "targets", "shape": ["N", 64], "dtype": "float32", "from_input": "target"}
+    assert plan.loss.kind == "squared_error" and plan.loss.options["variance"] == 0.5
+    assert plan.targets.to_json() == {"name": "targets", "shape": ["N", 64], "dtype": "float32", "from_input": "target"}
 
 
 def test_scalar_output_without_recognised_loss_is_an_error():

@@ -76,7 +76,7 @@ def _statistics(plan, x, y, mode, num_samples=1, seed=0, stats_batch=None):
     feeds.update({p: numpy_helper.to_array(t) for p, t in
                   ((t.name, t) for t in plan.model.graph.initializer) if p in plan.trainable})
     rng = np.random.default_rng(seed)
-    for s in range(info["noise"]["count"]):
+    for s in range(info.noise.count):
         feeds[f"noise/{s}"] = rng.uniform(1e-6, 1 - 1e-6, size=x.shape[:1] + (OUT,)).astype(np.float32)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(None, feeds)))

@@ -10,6 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import PlanError
 from kfac_compiler.frontend import compile_frontend
 from kfac_compiler.models import save_model
@@ -36,7 +37,7 @@ def _subgraph():
 def test_round_trip(tmp_path, compiled):
     plan, src = compiled
     plan.subgraphs["train_step"] = _subgraph()
-    plan.subgraph_info["train_step"] = {"state_inputs": ["fc.weight"], "state_outputs": {"new/fc.weight": "fc.weight"}}
+    plan.subgraph_info["train_step"] = SubgraphInfo(state_inputs=["fc.weight"], state_outputs={"new/fc.weight": "fc.weight"})
     out = plan.save(tmp_path / "plan")
     assert sorted(os.listdir(out)) == ["model.onnx", "plan.json", "train_step.onnx"]
     doc = json.load(open(os.path.join(out, "plan.json")))

@@ -2,11 +2,14 @@
 docs/runtime_contract.md, with real ONNX Runtime sessions."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import DeviceError
 from kfac_compiler.runtime.device import cuda_available, get_device, make_session, resolve_device
 from kfac_compiler.runtime.program import ContractError, Program
@@ -56,7 +59,7 @@ def counter_graph():
                         "acc": {"shape": [], "dtype": "float32", "init": "zeros"}},
         "noise": {"count": 0},
     }
-    return m, info
+    return m, SubgraphInfo.from_json(info)
 
 
 def test_resolve_device_cpu_and_auto():
@@ -187,10 +190,10 @@ def test_program_rebinds_only_when_the_store_replaced_a_buffer():
 
 def test_program_rejects_info_that_breaks_the_contract():
     m, info = counter_graph()
-    bad = dict(info, metrics=["loss"])  # metric/count unclassified
+    bad = dataclasses.replace(info, metrics=["loss"])  # metric/count unclassified
     with pytest.raises(ContractError):
         Program(m, bad, "cpu")
-    bad = dict(info, state_outputs={"new/counter": "acc", "new/acc": "counter"})
+    bad = dataclasses.replace(info, state_outputs={"new/counter": "acc", "new/acc": "counter"})
     with pytest.raises(ContractError):
         Program(m, bad, "cpu")
 

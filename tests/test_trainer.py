@@ -116,10 +116,10 @@ def test_optimizer_defaults_and_validation():
 def test_plan_defaults_are_used(mlp):
     plan, _, _ = mlp
     cfg = make_config("kfac", plan)
-    assert cfg.damping == plan.schedule["damping"]
-    assert cfg.inv_update_period == plan.schedule["inverse"]["update_period"]
-    assert cfg.cov_ema_decay == plan.schedule["ema_decay"]
-    assert cfg.mode == plan.estimator["mode"]
+    assert cfg.damping == plan.schedule.damping
+    assert cfg.inv_update_period == plan.schedule.inverse.update_period
+    assert cfg.cov_ema_decay == plan.schedule.ema_decay
+    assert cfg.mode == plan.estimator.mode
 
 
 # ----------------------------------------------------------------------------- steps

@@ -89,7 +89,7 @@ def test_zoo_layer_table(plans, name):
     params = [p for l in plan.layers for p in l.params]
     assert sorted(params) == sorted(plan.trainable)
     assert plan.output == "logits"
-    assert plan.loss["kind"] == ZOO[name].loss
+    assert plan.loss.kind == ZOO[name].loss
 
 
 def test_zoo_details(plans):
@@ -119,7 +119,7 @@ def test_zoo_details(plans):
     assert ln1.attrs["normalization"] == {"op": "LayerNormalization", "axis": 2, "epsilon": 1e-5}
     assert ln1.attrs["scale_axes"] == (2,)
     assert ln1.uses[0].input == "pos_emb/Add:0"
-    assert tr.targets["shape"] == ["N", 8] and tr.targets["dtype"] == "int64"
+    assert tr.targets.shape == ["N", 8] and tr.targets.dtype == "int64"
 
     dw = plans["depthwise_cnn"]
     assert dw.layer("dwconv").attrs["group"] == 8
@@ -135,6 +135,6 @@ def test_zoo_details(plans):
     assert plans["mlp_classifier"].layer("fc1").attrs == {
         "weight_layout": "out_in", "alpha": 1.0, "beta": 1.0, "input_shape": ("N", 64),
     }
-    assert plans["digits_autoencoder"].targets == {
+    assert plans["digits_autoencoder"].targets.to_json() == {
         "name": "targets", "shape": ["N", 64], "dtype": "float32", "from_input": None,
     }

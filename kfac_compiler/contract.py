@@ -1,0 +1,290 @@
+"""The contract between the compiler and the runtime: every name the two sides share, the
+typed description of a subgraph, and the one way the runtime asks for a subgraph.
+
+The back end emits subgraphs whose inputs and outputs follow these names; the runtime binds
+them to device buffers by the same names. Nothing else in either side spells a name: they
+call the constructors below (and the parsers, to read one back).
+
+| kind | names | constructors |
+| --- | --- | --- |
+| data inputs | the model's inputs, `targets`, `example_weights`, `noise/<s>`, `vec/<p>` | TARGETS, EXAMPLE_WEIGHTS, noise(s), vec(p) |
+| hyper-parameters | `hp/<name>`, float32 scalars | hp(name) |
+| state slots | parameters (initializer names), `velocity/<p>`, `adam_m/<p>`, `adam_v/<p>`, `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), adam_m(p), adam_v(p), factor(l, f), inverse(l, i); parse_slot |
+| state outputs | `new/<slot>` | new(slot), written_slot(output) |
+| metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
+| results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |
+
+Subgraphs: the runtime never emits a graph itself. It calls `request_subgraph(plan, name,
+**options)`, which returns the plan's stored copy when that was emitted with the same
+resolved options, and otherwise asks the back end to emit one (docs/runtime_contract.md,
+"Where subgraphs come from"). `SubgraphInfo` says what each input and output of the graph is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import onnx
+
+    from kfac_compiler.plan import Plan
+
+# ------------------------------------------------------------------------------ data inputs
+TARGETS = "targets"
+EXAMPLE_WEIGHTS = "example_weights"  # optional per-example loss weights [N]
+NOISE_PREFIX = "noise/"
+VEC_PREFIX = "vec/"
+
+
+def noise(s: int) -> str:
+    """The s-th noise input of a sampled estimator."""
+    return f"{NOISE_PREFIX}{int(s)}"
+
+
+def noise_index(name: str) -> int:
+    return int(name[len(NOISE_PREFIX):])
+
+
+def is_noise(name: str) -> bool:
+    return name.startswith(NOISE_PREFIX)
+
+
+def vec(p: str) -> str:
+    """The vector input for parameter p of `precondition` / `multiply`."""
+    return f"{VEC_PREFIX}{p}"
+
+
+# ------------------------------------------------------------------------------ hyper-parameters
+HP_PREFIX = "hp/"
+
+
+def hp(name: str) -> str:
+    return f"{HP_PREFIX}{name}"
+
+
+# ------------------------------------------------------------------------------ state slots
+VELOCITY, ADAM_M, ADAM_V, FACTOR, INVERSE = "velocity", "adam_m", "adam_v", "factor", "inverse"
+PARAM = "param"
+_PARAM_STATE = (VELOCITY, ADAM_M, ADAM_V)
+
+
+def velocity(p: str) -> str:
+    return f"{VELOCITY}/{p}"
+
+
+def adam_m(p: str) -> str:
+    return f"{ADAM_M}/{p}"
+
+
+def adam_v(p: str) -> str:
+    return f"{ADAM_V}/{p}"
+
+
+def factor(layer: str, name: str) -> str:
+    return f"{FACTOR}/{layer}/{name}"
+
+
+def inverse(layer: str, name: str) -> str:
+    return f"{INVERSE}/{layer}/{name}"
+
+
+@dataclass(frozen=True)
+class SlotName:
+    """A parsed state slot: kind (param, velocity, adam_m, adam_v, factor, inverse), the
+    parameter or layer it belongs to, and the factor / inverse name (factor, inverse only)."""
+
+    kind: str
+    owner: str
+    item: str = ""
+
+
+def parse_slot(slot: str) -> SlotName:
+    """The inverse of the slot constructors (a name matching none is a parameter). Layer
+    names may contain '/', factor and inverse names may not."""
+    head, sep, rest = slot.partition("/")
+    if sep and head in _PARAM_STATE:
+        return SlotName(head, rest)
+    if sep and head in (FACTOR, INVERSE) and "/" in rest:
+        layer, _, item = rest.rpartition("/")
+        return SlotName(head, layer, item)
+    return SlotName(PARAM, slot)
+
+
+def layer_slots(slots, kind: str) -> dict[str, dict[str, str]]:
+    """{layer: {item: slot}} of the factor or inverse slots among `slots`."""
+    out: dict[str, dict[str, str]] = {}
+    for s in slots:
+        parsed = parse_slot(s)
+        if parsed.kind == kind:
+            out.setdefault(parsed.owner, {})[parsed.item] = s
+    return out
+
+
+NEW_PREFIX = "new/"
+
+
+def new(slot: str) -> str:
+    """The output that writes state slot `slot`."""
+    return f"{NEW_PREFIX}{slot}"
+
+
+def written_slot(output: str) -> str | None:
+    """The slot a `new/<slot>` output writes (None for any other name)."""
+    return output[len(NEW_PREFIX):] if output.startswith(NEW_PREFIX) else None
+
+
+# ------------------------------------------------------------------------------ metrics, results
+LOSS = "loss"
+METRIC_PREFIX = "metric/"
+
+
+def metric(name: str) -> str:
+    return LOSS if name == LOSS else f"{METRIC_PREFIX}{name}"
+
+
+FINITE = metric("finite")  # 1.0: apply the step; 0.0: the runtime discards it (no flip)
+INVERSE_OK = metric("inverse_ok")
+
+
+def inverse_ok(layer: str) -> str:
+    """Per block of inverse_update: 1.0 if its emitted inverse passed the method's check."""
+    return metric(f"inverse_ok/{layer}")
+
+
+MODEL_OUTPUT = "kfac/output"  # the model output, as a result of the `loss` subgraph
+RESERVED = (TARGETS, LOSS, EXAMPLE_WEIGHTS, MODEL_OUTPUT)  # model tensors may not use these
+
+
+def grad(p: str) -> str:
+    return f"grad/{p}"
+
+
+def stat(layer: str, name: str) -> str:
+    return f"stat/{layer}/{name}"
+
+
+def precond(p: str) -> str:
+    return f"precond/{p}"
+
+
+def product(p: str) -> str:
+    return f"product/{p}"
+
+
+def split_layer_item(name: str, prefix: str) -> tuple[str, str] | None:
+    """(layer, item) of `<prefix><layer>/<item>` (stat/, factor/, inverse/), else None."""
+    if not name.startswith(prefix):
+        return None
+    layer, _, item = name[len(prefix):].rpartition("/")
+    return layer, item
+
+
+# ------------------------------------------------------------------------------ plan vocabulary
+# The curvature estimators a plan or an optimizer may name (passes/estimator.py emits them).
+ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
+
+
+# ------------------------------------------------------------------------------ subgraph info
+@dataclass
+class SlotSpec:
+    """A state slot's shape, dtype and initial value: "param" (the plan's initializer),
+    "zeros", "identity" (eye for [k, k], one per matrix for [g, k, k], ones otherwise)."""
+
+    shape: list[int]
+    dtype: str = "float32"
+    init: str = "zeros"
+
+
+@dataclass
+class NoiseSpec:
+    """The noise inputs of a sampled estimator: `count` inputs of `shape` ("N" for the batch
+    dimension, an int m when the statistics run on a sub-batch of m examples)."""
+
+    count: int = 0
+    shape: list[Any] = field(default_factory=list)
+    distribution: str = "uniform"
+
+
+@dataclass
+class SubgraphInfo:
+    """What every input and output of an emitted subgraph is (docs/runtime_contract.md).
+    `options`: every option the subgraph was emitted with, defaults and plan settings filled
+    in; equal options mean an identical graph."""
+
+    data_inputs: list[str] = field(default_factory=list)
+    hp_inputs: list[str] = field(default_factory=list)
+    state_inputs: list[str] = field(default_factory=list)
+    state_outputs: dict[str, str] = field(default_factory=dict)  # new/<slot> -> slot
+    metrics: list[str] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
+    state_specs: dict[str, SlotSpec] = field(default_factory=dict)
+    noise: NoiseSpec = field(default_factory=NoiseSpec)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def written_slots(self) -> list[str]:
+        return list(self.state_outputs.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "SubgraphInfo":
+        """From plan.json's `info` (or an older plan's free-form dict: absent keys are empty)."""
+        specs = {s: SlotSpec(**v) for s, v in (doc.get("state_specs") or {}).items()}
+        noise_doc = doc.get("noise") or {}
+        return cls(
+            data_inputs=list(doc.get("data_inputs", [])),
+            hp_inputs=list(doc.get("hp_inputs", [])),
+            state_inputs=list(doc.get("state_inputs", [])),
+            state_outputs=dict(doc.get("state_outputs", {})),
+            metrics=list(doc.get("metrics", [])),
+            results=list(doc.get("results", [])),
+            state_specs=specs,
+            noise=NoiseSpec(**noise_doc) if noise_doc else NoiseSpec(),
+            options=dict(doc.get("options", {})),
+        )
+
+
+# ------------------------------------------------------------------------------ the emit request
+_EMIT_CACHE: dict[int, tuple[Any, dict]] = {}
+
+
+def request_subgraph(plan: "Plan", name: str, **options: Any) -> "tuple[onnx.ModelProto, SubgraphInfo]":
+    """The runtime's one way to get subgraph `name` with `options`: the plan's stored copy
+    when it was emitted with the same resolved options (the plan's own settings included,
+    so editing its estimator or schedule re-emits), otherwise the back end emits it (cached
+    per plan object). Options that depend on the run (the batch's sub-batch sizes, example
+    weights) make the stored set incomplete by design: a plan holds the subgraphs for the
+    options it was compiled with, and the runtime requests the rest here."""
+    from kfac_compiler.backend import emit_subgraph, plan_parts, resolved_options
+
+    parts = plan_parts(plan)
+    want = resolved_options(parts, name, **options)
+    stored = plan.subgraph_info.get(name)
+    if name in plan.subgraphs and stored is not None and stored.options == want:
+        return plan.subgraphs[name], stored
+    key = (name, tuple(sorted(want.items())))
+    entry = _EMIT_CACHE.get(id(plan))
+    if entry is None or entry[0]() is not plan:
+        entry = (weakref.ref(plan), {})
+        _EMIT_CACHE[id(plan)] = entry
+        weakref.finalize(plan, _EMIT_CACHE.pop, id(plan), None)
+    cache = entry[1]
+    if key not in cache:
+        cache[key] = emit_subgraph(parts, name, **options)
+    return cache[key]
+
+
+def plan_blocks(plan: "Plan", layers: list[str] | None = None) -> dict[str, Any]:
+    """The Fisher block objects of the plan's layers (their numpy twins compute host-side
+    inverses and the lower-level API's per-layer products)."""
+    from kfac_compiler.errors import PlanError
+
+    blocks = plan.blocks
+    missing = [l for l in (layers or []) if l not in blocks]
+    if missing:
+        raise PlanError(f"the plan has no layer {missing[0]!r}")
+    return {l: blocks[l] for l in (layers or blocks)}
