@@ -230,7 +230,19 @@ def supported_ops(jvp: bool = False, nondiff: bool = True) -> list[str]:
     return sorted(out)
 
 
-# populate the registry
-from kfac_compiler.oprules import elementwise, matmul, nn, reduce, tensor  # noqa: E402,F401
+# populate the registry (no two modules register the same op, so the order is immaterial)
+from kfac_compiler.oprules import (  # noqa: E402,F401
+    arithmetic,
+    conv,
+    matmul,
+    nondifferentiable,
+    normalization,
+    pooling,
+    reduce,
+    selection,
+    softmax,
+    tensor,
+    unary,
+)
 
 __all__ = ["RULES", "Rule", "find", "lookup", "register", "register_nondiff", "supported_ops"]

@@ -186,6 +186,11 @@ def where0(b, cond: str, v: str) -> str:
     return b.op("Where", [cond, v, c(b, 0.0)])
 
 
+def gt0(b, x: str) -> str:
+    """The boolean x > 0."""
+    return b.op("Greater", [x, c(b, 0.0)])
+
+
 def numel(b, view, x: str) -> str:
     """Number of elements of x as a float scalar (constant when static)."""
     s = static_shape(view, x)
@@ -266,6 +271,11 @@ def expand_to(b, view, t: str, src: str, dst: str) -> str:
     if same_shape(view, src, dst):
         return t
     return b.op("Expand", [t, shape_tensor(b, view, dst)])
+
+
+def expand_like(b, view, t: str, y: str) -> str:
+    """Expand a tangent of unknown (possibly smaller) shape to the shape of y."""
+    return b.op("Expand", [t, shape_tensor(b, view, y)])
 
 
 # --------------------------------------------------------------- re-emission

@@ -1,0 +1,228 @@
+"""Normalizations: LayerNormalization, BatchNormalization (training and inference forms),
+InstanceNormalization. They share the recomputed statistics (`_stats`) and the symmetric
+projection that is both the vjp and the jvp of x -> xhat (`_proj`)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kfac_compiler.oprules import register
+from kfac_compiler.oprules._util import (
+    add_n,
+    attr,
+    c,
+    inp,
+    need,
+    shape_tensor,
+    static_shape,
+    unbroadcast,
+    unsupported,
+)
+
+
+def _stats(b, x: str, axes, eps: float):
+    mean = b.reduce_mean(x, axes, keepdims=True)
+    xc = b.sub(x, mean)
+    var = b.reduce_mean(b.mul(xc, xc), axes, keepdims=True)
+    inv = b.div(c(b, 1.0), b.op("Sqrt", [b.add(var, c(b, eps))]))
+    return mean, inv, b.mul(xc, inv)
+
+
+def _proj(b, v: str, xhat: str, inv: str, axes) -> str:
+    """Jacobian of x -> xhat applied to v (symmetric): inv (v - mean(v) - xhat mean(v xhat))."""
+    m1 = b.reduce_mean(v, axes, keepdims=True)
+    m2 = b.reduce_mean(b.mul(v, xhat), axes, keepdims=True)
+    return b.mul(inv, b.sub(b.sub(v, m1), b.mul(xhat, m2)))
+
+
+def _rank_or_fail(view, node, x):
+    r = view.rank(x)
+    if r is None:
+        raise unsupported(node, view, "needs the input rank (run shape inference)")
+    return r
+
+
+def _ln_axes(view, node):
+    axis = int(attr(node, "axis", -1))
+    r = view.rank(node.input[0])
+    if axis < 0:
+        return list(range(axis, 0)) if r is None else list(range(axis + r, r))
+    if r is None:
+        raise unsupported(node, view, "with a non-negative axis needs the input rank")
+    return list(range(axis, r))
+
+
+@register("LayerNormalization", since=17)
+def _ln_vjp(b, view, node, gys, needs=None):
+    X, S = node.input[0], node.input[1]
+    B = inp(node, 2)
+    n_in = len(node.input)
+    g, gm, gi = (list(gys) + [None, None, None])[:3]
+    res: list[str | None] = [None] * n_in
+    if g is None and gm is None and gi is None:
+        return res
+    axes = _ln_axes(view, node)
+    eps = float(attr(node, "epsilon", 1e-5))
+    mean, inv, xhat = _stats(b, X, axes, eps)
+    if need(needs, 0):
+        terms = []
+        if g is not None:
+            terms.append(_proj(b, b.mul(g, S), xhat, inv, axes))
+        if gm is not None or gi is not None:
+            xs = static_shape(view, X)
+            if xs is not None:
+                M = c(b, float(np.prod([xs[a] for a in axes])))
+            else:
+                M = b.div(b.cast(b.op("Size", [X]), b.float_type), b.cast(b.op("Size", [mean]), b.float_type))
+            if gm is not None:
+                terms.append(b.op("Expand", [b.div(gm, M), b.op("Shape", [X])]))
+            if gi is not None:
+                terms.append(b.neg(b.div(b.mul(b.mul(gi, b.mul(inv, inv)), xhat), M)))
+        res[0] = add_n(b, terms)
+    if g is not None and need(needs, 1):
+        res[1] = unbroadcast(b, view, b.mul(g, xhat), S, X)
+    if g is not None and B is not None and need(needs, 2):
+        res[2] = unbroadcast(b, view, g, B, X)
+    return res
+
+
+@_ln_vjp.defjvp
+def _ln_jvp(b, view, node, ts):
+    X, S = node.input[0], node.input[1]
+    B = inp(node, 2)
+    tX, tS = ts[0], ts[1]
+    tB = ts[2] if len(ts) > 2 and B else None
+    axes = _ln_axes(view, node)
+    mean, inv, xhat = _stats(b, X, axes, float(attr(node, "epsilon", 1e-5)))
+    terms = []
+    if tX is not None:
+        terms.append(b.mul(_proj(b, tX, xhat, inv, axes), S))
+    if tS is not None:
+        terms.append(b.mul(xhat, tS))
+    if tB is not None:
+        terms.append(b.op("Expand", [tB, shape_tensor(b, view, X)]) if not terms else tB)
+    ty = add_n(b, terms)
+    res = [ty]
+    if len(node.output) > 1:
+        res.append(b.reduce_mean(tX, axes, keepdims=True) if tX is not None and node.output[1] else None)
+    if len(node.output) > 2:
+        res.append(
+            b.neg(b.mul(b.mul(inv, inv), b.reduce_mean(b.mul(xhat, tX), axes, keepdims=True)))
+            if tX is not None and node.output[2] else None
+        )
+    return res
+
+
+def _chan(b, t: str, r: int) -> str:
+    """A per-channel [C] vector reshaped to broadcast over [N, C, *spatial]."""
+    return t if r == 2 else b.reshape(t, [-1] + [1] * (r - 2))
+
+
+@register("BatchNormalization")
+def _bn_vjp(b, view, node, gys, needs=None):
+    g = gys[0]
+    n_in = len(node.input)
+    res: list[str | None] = [None] * n_in
+    if g is None:
+        return res
+    X, S, B, mean, var = node.input[:5]
+    r = _rank_or_fail(view, node, X)
+    eps = float(attr(node, "epsilon", 1e-5))
+    axes = [0] + list(range(2, r))
+    if int(attr(node, "training_mode", 0)):
+        _, inv, xhat = _stats(b, X, axes, eps)
+        if need(needs, 0):
+            res[0] = _proj(b, b.mul(g, _chan(b, S, r)), xhat, inv, axes)
+    else:
+        inv = b.div(c(b, 1.0), b.op("Sqrt", [b.add(var, c(b, eps))]))
+        xhat = b.mul(b.sub(X, _chan(b, mean, r)), _chan(b, inv, r))
+        if need(needs, 0):
+            res[0] = b.mul(g, _chan(b, b.mul(S, inv), r))
+        if need(needs, 3) or need(needs, 4):
+            gB = b.reduce_sum(g, axes, keepdims=False)
+            gxh = b.reduce_sum(b.mul(g, xhat), axes, keepdims=False)
+            si = b.mul(S, inv)
+            if need(needs, 3):
+                res[3] = b.neg(b.mul(gB, si))
+            if need(needs, 4):
+                res[4] = b.mul(b.mul(gxh, b.mul(si, inv)), c(b, -0.5))
+    if need(needs, 1):
+        res[1] = b.reduce_sum(b.mul(g, xhat), axes, keepdims=False)
+    if need(needs, 2):
+        res[2] = b.reduce_sum(g, axes, keepdims=False)
+    return res
+
+
+@_bn_vjp.defjvp
+def _bn_jvp(b, view, node, ts):
+    X, S, B, mean, var = node.input[:5]
+    Y = node.output[0]
+    ts = list(ts) + [None] * (5 - len(ts))
+    tX, tS, tB, tM, tV = ts[:5]
+    r = _rank_or_fail(view, node, X)
+    eps = float(attr(node, "epsilon", 1e-5))
+    axes = [0] + list(range(2, r))
+    terms = []
+    chan = []  # per-channel vectors added after broadcasting
+    if int(attr(node, "training_mode", 0)):
+        _, inv, xhat = _stats(b, X, axes, eps)
+        if tX is not None:
+            terms.append(b.mul(_proj(b, tX, xhat, inv, axes), _chan(b, S, r)))
+        if tS is not None:
+            terms.append(b.mul(xhat, _chan(b, tS, r)))
+    else:
+        inv = b.div(c(b, 1.0), b.op("Sqrt", [b.add(var, c(b, eps))]))
+        si = b.mul(S, inv)
+        xhat = None
+        if tX is not None:
+            terms.append(b.mul(tX, _chan(b, si, r)))
+        if tM is not None:
+            chan.append(b.neg(b.mul(tM, si)))
+        xcoef = []
+        if tS is not None:
+            xcoef.append(tS)
+        if tV is not None:
+            xcoef.append(b.mul(tV, b.mul(b.mul(si, inv), c(b, -0.5))))
+        if xcoef:
+            xhat = b.mul(b.sub(X, _chan(b, mean, r)), _chan(b, inv, r))
+            terms.append(b.mul(xhat, _chan(b, add_n(b, xcoef), r)))
+    if tB is not None:
+        chan.append(tB)
+    if chan:
+        cv = _chan(b, add_n(b, chan), r)
+        terms.append(b.op("Expand", [cv, shape_tensor(b, view, Y)]) if not terms else cv)
+    return [add_n(b, terms)] + [None] * (len(node.output) - 1)
+
+
+@register("InstanceNormalization")
+def _in_vjp(b, view, node, gys, needs=None):
+    g = gys[0]
+    if g is None:
+        return [None] * 3
+    X, S, B = node.input
+    r = _rank_or_fail(view, node, X)
+    axes = list(range(2, r))
+    _, inv, xhat = _stats(b, X, axes, float(attr(node, "epsilon", 1e-5)))
+    cax = [0] + axes
+    return [
+        _proj(b, b.mul(g, _chan(b, S, r)), xhat, inv, axes) if need(needs, 0) else None,
+        b.reduce_sum(b.mul(g, xhat), cax, keepdims=False) if need(needs, 1) else None,
+        b.reduce_sum(g, cax, keepdims=False) if need(needs, 2) else None,
+    ]
+
+
+@_in_vjp.defjvp
+def _in_jvp(b, view, node, ts):
+    X, S, B = node.input
+    Y = node.output[0]
+    r = _rank_or_fail(view, node, X)
+    axes = list(range(2, r))
+    _, inv, xhat = _stats(b, X, axes, float(attr(node, "epsilon", 1e-5)))
+    terms = []
+    if ts[0] is not None:
+        terms.append(b.mul(_proj(b, ts[0], xhat, inv, axes), _chan(b, S, r)))
+    if ts[1] is not None:
+        terms.append(b.mul(xhat, _chan(b, ts[1], r)))
+    if ts[2] is not None:
+        cv = _chan(b, ts[2], r)
+        terms.append(b.op("Expand", [cv, shape_tensor(b, view, Y)]) if not terms else cv)
+    return [add_n(b, terms)]

@@ -1,0 +1,199 @@
+"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool. The windowed pools use
+conv's geometry (`Geom`) and, for AveragePool, its ConvTranspose adjoint (`conv_t_to`).
+
+Lowerings (see docs/autodiff.md):
+- MaxPool: the Indices output (re-emitted when the node has none) and
+  ScatterElements(reduction="add") on the flattened input.
+- AveragePool: nearest-neighbour Resize for non-overlapping windows, else ConvTranspose of
+  cotangent/divisor with a ones kernel on [N*C, 1, *S].
+"""
+from __future__ import annotations
+
+from itertools import product
+
+import numpy as np
+
+from kfac_compiler.oprules import register
+from kfac_compiler.oprules._util import (
+    INT64_MAX,
+    add_n,
+    attr,
+    c,
+    dim_parts,
+    dims_slice,
+    make_shape,
+    out,
+    reapply,
+    shape_tensor,
+    static_shape,
+    unsupported,
+    zeros,
+)
+from kfac_compiler.oprules.conv import Geom, conv_t_to, spatial_axes
+
+
+def _pool_indices(b, view, node) -> str:
+    idx = out(node, 1)
+    if idx is not None and int(attr(node, "storage_order", 0)) == 0:
+        return idx
+    return reapply(b, node, {}, n_out=2, drop=("storage_order",))[1]
+
+
+@register("MaxPool", inputs=(0,))
+def _maxpool_vjp(b, view, node, gys):
+    g = gys[0]
+    if g is None:
+        return [None]
+    X = node.input[0]
+    idx = _pool_indices(b, view, node)
+    numel = b.reshape(b.op("Size", [X]), [1])
+    if b.opset >= 16:
+        flat = b.op("ScatterElements", [zeros(b, numel), b.reshape(idx, [-1]), b.reshape(g, [-1])],
+                    axis=0, reduction="add")
+    else:
+        # no scatter-add before opset 16: split the output positions into classes whose
+        # windows do not overlap (unique argmax positions) and scatter each class
+        k = attr(node, "kernel_shape")
+        nd = len(k)
+        s = attr(node, "strides", [1] * nd)
+        d = attr(node, "dilations", [1] * nd)
+        m = [-(-((k[i] - 1) * d[i] + 1) // s[i]) for i in range(nd)]
+        parts = []
+        for off in product(*[range(mi) for mi in m]):
+            if all(mi == 1 for mi in m):
+                gs, ids = g, idx
+            else:
+                sl = [b.ints(list(off)), b.ints([INT64_MAX] * nd), b.ints(spatial_axes(nd)), b.ints(m)]
+                gs = b.op("Slice", [g] + sl)
+                ids = b.op("Slice", [idx] + sl)
+            parts.append(b.op("ScatterElements", [zeros(b, numel), b.reshape(ids, [-1]), b.reshape(gs, [-1])],
+                              axis=0))
+        flat = add_n(b, parts)
+    return [b.reshape(flat, b.op("Shape", [X]))]
+
+
+@_maxpool_vjp.defjvp
+def _maxpool_jvp(b, view, node, ts):
+    t = ts[0]
+    if t is None:
+        return [None] * len(node.output)
+    idx = _pool_indices(b, view, node)
+    return [b.op("Gather", [b.reshape(t, [-1]), idx], axis=0)] + [None] * (len(node.output) - 1)
+
+
+def _avg_divisor(b, view, node, geo: Geom, so):
+    """Per-output-position divisor of AveragePool: a float (constant) or a const tensor."""
+    include = int(attr(node, "count_include_pad", 0))
+    no_pad = not any(geo.pb) and not any(geo.pe)
+    if not geo.ceil and (include or no_pad):
+        return float(np.prod(geo.k))
+    if not geo.S_static or so is None:
+        raise unsupported(node, view, "with padding/ceil_mode needs static spatial dims")
+    per = []
+    for i in range(geo.nd):
+        lo, hi = (-geo.pb[i], geo.S[i] + geo.pe[i]) if include else (0, geo.S[i])
+        cnt = []
+        for o in range(so[i]):
+            pos = o * geo.s[i] - geo.pb[i] + np.arange(geo.k[i]) * geo.d[i]
+            cnt.append(int(((pos >= lo) & (pos < hi)).sum()))
+        per.append(np.asarray(cnt, dtype=np.float64))
+    div = per[0]
+    for p in per[1:]:
+        div = np.multiply.outer(div, p)
+    return div
+
+
+def _upsample(b, view, v: str, Y: str, X: str, k: list[int]) -> str:
+    """Nearest-neighbour upsampling of v (shaped like Y [N, C, *So]) by the integer factors
+    k (Resize, asymmetric/floor: exact), zero-padded at the end to X's spatial size: the
+    adjoint of non-overlapping window sums."""
+    nd = len(k)
+    scales = b.const(np.asarray([1.0, 1.0] + [float(f) for f in k], dtype=np.float32), hint="scales")
+    r = b.op("Resize", [v, "", scales], mode="nearest", coordinate_transformation_mode="asymmetric",
+             nearest_mode="floor")
+    ys, xs = static_shape(view, Y), static_shape(view, X)
+    if ys is not None and xs is not None:
+        rem = [xs[2 + i] - ys[2 + i] * k[i] for i in range(nd)]
+        if any(rem):
+            r = b.op("Pad", [r, b.ints([0] * (2 + nd) + [0, 0] + rem)])
+        return r
+    rem = b.sub(dims_slice(b, X, 2), b.mul(dims_slice(b, Y, 2), b.ints(k)))
+    return b.op("Pad", [r, b.op("Concat", [b.ints([0] * (2 + nd + 2)), rem], axis=0)])
+
+
+@register("AveragePool", inputs=(0,))
+def _avgpool_vjp(b, view, node, gys):
+    g = gys[0]
+    if g is None:
+        return [None]
+    X, Y = node.input[0], node.output[0]
+    geo = Geom(view, node, X, None)
+    ys = static_shape(view, Y)
+    so = list(ys[2:]) if ys is not None else geo.out_size()
+    div = _avg_divisor(b, view, node, geo, so)
+    gd = b.mul(g, c(b, 1.0 / div)) if isinstance(div, float) else b.div(g, b.const(div.astype(b.np_float)))
+    if (geo.k == geo.s and all(v == 1 for v in geo.d) and not any(geo.pb) and not any(geo.pe)
+            and not geo.ceil):
+        return [_upsample(b, view, gd, Y, X, geo.k)]
+    g2 = b.reshape(gd, make_shape(b, [-1, 1] + dim_parts(b, view, Y, 2)))
+    ones = b.const(np.ones([1, 1] + geo.k, dtype=b.np_float), hint="pool_ones")
+    dx = conv_t_to(b, view, g2, ones, geo, X, so if not geo.ceil else None)
+    return [b.reshape(dx, b.op("Shape", [X]))]
+
+
+@_avgpool_vjp.defcheck
+def _avgpool_check(view, node):
+    geo = Geom(view, node, node.input[0], None)
+    ys = static_shape(view, node.output[0])
+    _avg_divisor(None, view, node, geo, list(ys[2:]) if ys is not None else geo.out_size())
+
+
+_avgpool_vjp.defjvp(lambda b, view, node, ts: [None] if ts[0] is None else reapply(b, node, {0: ts[0]}))
+
+
+def _spatial_count(b, view, X: str, Y: str) -> str:
+    xs = static_shape(view, X)
+    if xs is not None:
+        return c(b, float(np.prod(xs[2:])))
+    return b.div(b.cast(b.op("Size", [X]), b.float_type), b.cast(b.op("Size", [Y]), b.float_type))
+
+
+@register("GlobalAveragePool", inputs=(0,))
+def _gap_vjp(b, view, node, gys):
+    g = gys[0]
+    if g is None:
+        return [None]
+    X, Y = node.input[0], node.output[0]
+    gd = b.div(g, _spatial_count(b, view, X, Y))
+    return [b.op("Expand", [gd, shape_tensor(b, view, X)])]
+
+
+_gap_vjp.defjvp(lambda b, view, node, ts: [None] if ts[0] is None else reapply(b, node, {0: ts[0]}))
+
+
+def _gmp_mask(b, view, node):
+    X, Y = node.input[0], node.output[0]
+    mask = b.cast(b.op("Equal", [X, Y]), b.float_type)
+    r = view.rank(X)
+    if r is None:
+        raise unsupported(node, view, "needs the input rank")
+    cnt = b.reduce_sum(mask, list(range(2, r)), keepdims=True)
+    return mask, cnt, r
+
+
+@register("GlobalMaxPool", inputs=(0,))
+def _gmp_vjp(b, view, node, gys):
+    g = gys[0]
+    if g is None:
+        return [None]
+    mask, cnt, _ = _gmp_mask(b, view, node)
+    return [b.mul(mask, b.div(g, cnt))]
+
+
+@_gmp_vjp.defjvp
+def _gmp_jvp(b, view, node, ts):
+    t = ts[0]
+    if t is None:
+        return [None]
+    mask, cnt, r = _gmp_mask(b, view, node)
+    return [b.div(b.reduce_sum(b.mul(mask, t), list(range(2, r)), keepdims=True), cnt)]
