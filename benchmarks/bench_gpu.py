@@ -25,7 +25,6 @@ All numbers come from one run on one machine.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -116,7 +115,7 @@ def residency(plan, x, y, bs, device, steps=6):
     uploads = (tr.store.uploads - up0) / steps
     out = {"uploads_per_step": uploads, "batch_bytes_per_step": data_bytes / steps,
            "upload_bytes_per_step": (tr.store.upload_bytes - bytes0) / steps,
-           "metrics_bytes_per_step": 4 * len(tr._step_program().metrics), "sessions": {}}
+           "metrics_bytes_per_step": 4 * len(tr.policy.step_program().metrics), "sessions": {}}
     for name, prog in tr.programs().items():
         prof = read_profile(prog.session.end_profiling())
         out["sessions"][name] = {"runs": prof.runs, "nodes_by_provider": prof.nodes, "cpu_nodes": prof.cpu_nodes,

@@ -71,10 +71,10 @@ def main(argv=None) -> int:
             ts = []
             for _ in range(3):
                 t = time.perf_counter()
-                tr._refresh_inverses()
+                tr.policy.refresh_inverses()
                 ts.append(time.perf_counter() - t)
             log(opt, "refresh alone ms", [round(1e3 * v, 1) for v in ts], "fallbacks",
-                tr._inverses.fallbacks[:5], len(tr._inverses.fallbacks))
+                tr.policy.inverses.fallbacks[:5], len(tr.policy.inverses.fallbacks))
         del tr
     return 0
 

@@ -39,7 +39,7 @@ import kfac_compiler as kc  # noqa: E402
 from kfac_compiler.models import ZOO  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime.data import batch_indices, draw_noise  # noqa: E402
-from kfac_compiler.runtime.optimizers import ema_coefficient  # noqa: E402
+from kfac_compiler.optimizers import ema_coefficient  # noqa: E402
 
 MODELS = (("digits_autoencoder", 256), ("mlp_classifier", 128))
 # Tuned Adam's full-data loss after these many steps are the targets (the runtime issue's:
@@ -121,7 +121,7 @@ def breakdown(tr: Trainer, x, y, bs, reps):
     idx = batch_indices(len(y), bs, 0, 0)
     data = {"input": x[idx], "targets": y[idx]}
     store = tr.store
-    opts = tr._kfac_options()
+    opts = tr.policy.kfac_options()
     full_p = tr.program("kfac_step", with_stats=True, **opts)
     nostats_p = tr.program("kfac_step", with_stats=False, **opts)
     plain_p = tr.program("kfac_step", with_stats=False, **{**opts, "qmodel": False, "qmodel_batch": None,
@@ -149,7 +149,7 @@ def breakdown(tr: Trainer, x, y, bs, reps):
     store.set_hp("hp/loss_after", 1.0)
     t_adapt = t(lambda: full_p.run(store))
     store.set_hp("hp/loss_after", 0.0)
-    t_inv = t(tr._refresh_inverses)  # the emitted part and any host-side blocks
+    t_inv = t(tr.policy.refresh_inverses)  # the emitted part and any host-side blocks
     for k, v in snap.items():
         store.set(k, v)
     return {

@@ -175,6 +175,12 @@ class GraphBuilder:
     def neg(self, a: str) -> str:
         return self.op("Neg", [a])
 
+    def sum(self, terms: Sequence[str]) -> str:
+        """One tensor summing `terms` (their own name for one, a Sum node for more, 0.0 for none)."""
+        if not terms:
+            return self.const(0.0)
+        return terms[0] if len(terms) == 1 else self.op("Sum", list(terms))
+
     def scale(self, x: str, factor: float) -> str:
         return x if factor == 1.0 else self.mul(x, self.const(factor))
 

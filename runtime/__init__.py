@@ -8,18 +8,20 @@ Layers (docs/runtime.md):
   device.py      resolve_device / get_device: providers, a cached CUDA probe (no silent fallback)
   state.py       StateStore: double-buffered device state, pre-allocated data, hp scalars
   program.py     Program: one session per subgraph, IOBinding driven by the contract's info
-  optimizers.py  knobs and defaults of kfac / sgd / adam; damping adaptation; EMA weights
-  trainer.py     Trainer: the training loop's step(), evaluate(), export(), checkpoints
+  trainer.py     Trainer: the training loop's step(), evaluate(), export(), checkpoints, for
+                 any optimizer plugin (kfac_compiler.optimizers: settings, graphs, policies)
+  inverses.py    InverseRefresher: emitted and host-side inverse refreshes
   curvature.py   Curvature and gradients(): the lower-level API
   checkpoint.py  atomic .npz checkpoints with a plan fingerprint
   data.py        batch checks, host noise, datasets for the CLI
   train_cli.py   the `kfac-compiler train` subcommand
+  ort_profile.py what ONNX Runtime ran where (KFAC_ORT_PROFILE)
 """
 from __future__ import annotations
 
 from kfac_compiler.runtime.curvature import Curvature, gradients
 from kfac_compiler.runtime.device import cuda_available, get_device, resolve_device
-from kfac_compiler.runtime.optimizers import AdamConfig, KfacConfig, SgdConfig, make_config
+from kfac_compiler.optimizers import AdamConfig, KfacConfig, SgdConfig, make_config
 from kfac_compiler.runtime.program import ContractError, Program
 from kfac_compiler.runtime.state import StateStore
 from kfac_compiler.runtime.trainer import Trainer

@@ -29,7 +29,7 @@ from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.data import BatchChecker, draw_noise
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
-from kfac_compiler.runtime.optimizers import ema_coefficient
+from kfac_compiler.optimizers import ema_coefficient
 from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
 

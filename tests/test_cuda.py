@@ -9,8 +9,6 @@ method ("auto") is the emitted "schur" on both.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -87,7 +85,7 @@ def test_inverses_are_computed_on_the_gpu():
     assert tr.inverse_method == "schur"
     damping = tr.damping + tr.config.l2_reg
     tr.step(*batch(inputs, y, 0, 64))
-    assert not tr._inverses.host_layers and not tr._inverses.fallbacks
+    assert not tr.policy.inverses.host_layers and not tr.policy.inverses.fallbacks
     st = tr.state()
     for layer in ("fc1", "fc2", "fc3"):
         A, G = st[f"factor/{layer}/A"].astype(np.float64), st[f"factor/{layer}/G"].astype(np.float64)
@@ -113,7 +111,7 @@ def test_steady_step_moves_only_the_batch(tmp_path, name, monkeypatch):
         tr.step(*batch(inputs, y, s, 64))
     uploaded = (tr.store.upload_bytes - b0) / STEPS
     # the step's data inputs: the batch, its targets and the noise of the sampled Fisher
-    data = sum(tr.store.data(n).numpy().nbytes for n in tr._step_program().data_inputs)
+    data = sum(tr.store.data(n).numpy().nbytes for n in tr.policy.step_program().data_inputs)
     assert data <= uploaded <= data + 16 * 4  # + a few changed hp scalars
     for label, prog in tr.programs().items():
         prof = read_profile(prog.session.end_profiling())

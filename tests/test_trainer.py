@@ -12,7 +12,7 @@ import kfac_compiler as kc
 from kfac_compiler.errors import ConfigError, DataError
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Curvature, Trainer, gradients
-from kfac_compiler.runtime.optimizers import (
+from kfac_compiler.optimizers import (
     AdamConfig,
     KfacConfig,
     SgdConfig,
@@ -413,7 +413,7 @@ def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
         assert tr.inverse_method == ("schur" if method == "auto" else method)
         # host methods: every block is inverted on the host with its numpy twin
         host = {"fc1", "fc2", "fc3"} if method in ("eigh", "cholesky") else set()
-        assert set(tr._inverses.host_layers) == host
+        assert set(tr.policy.inverses.host_layers) == host
         ms = [tr.step(*b) for b in batches(x, y, 128, 12)]
         assert all(m["rejected"] == 0 for m in ms)
         assert [m["inverse_ok"] for m in ms if m["inverse"]] == [1.0, 1.0, 1.0]  # steps 0, 5, 10
@@ -472,11 +472,11 @@ def test_emitted_inverse_beyond_its_accuracy_falls_back_to_host_cholesky(mlp):
     d = 1e-9
     tr = Trainer(plan, optimizer="kfac", inv_update_period=100, damping=d, min_damping=d, adapt_damping=False)
     m = tr.step(*next(batches(x, y, 128, 1)))  # the first step: statistics, refresh, step
-    fallbacks = tr._inverses.fallbacks
+    fallbacks = tr.policy.inverses.fallbacks
     assert m["inverse_ok"] == 1.0 and m["inverse_fallbacks"] == len(fallbacks) and "fc3" in fallbacks
     # the emitted refresh alone rates those blocks not ok (and keeps their previous inverses)
     before = {p: tr.store.to_numpy(p) for p in tr.store.slots() if p.startswith("inverse/fc3/")}
-    out = tr._inverses.emitted.run(tr.store, hp={"hp/damping": d})
+    out = tr.policy.inverses.emitted.run(tr.store, hp={"hp/damping": d})
     assert [layer for layer in ("fc1", "fc2", "fc3") if out[f"metric/inverse_ok/{layer}"] < 0.5] == fallbacks
     for p, v in before.items():
         np.testing.assert_array_equal(tr.store.to_numpy(p), v)

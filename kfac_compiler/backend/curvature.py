@@ -1,0 +1,153 @@
+"""Curvature inside an emitted subgraph: one batch's factor statistics (per the estimator
+mode), their moving-average updates as state outputs, and preconditioning by the blocks'
+inverse state."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kfac_compiler import contract as C
+from kfac_compiler.blocks._parts import GramStatistic
+from kfac_compiler.builder import GraphBuilder
+from kfac_compiler.contract import NoiseSpec
+from kfac_compiler.passes.autodiff import backward
+from kfac_compiler.passes.estimator import emit_seeds, noise_spec
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.backend.forward import ForwardPass
+
+
+def inverse_init(spec) -> str:
+    """Inverse state starts as the identity (a no-op preconditioner until the first update)
+    unless the block's spec says otherwise."""
+    return spec.init or "identity"
+
+
+def layer_cotangent_targets(em: Emission) -> list[str]:
+    """Tensors whose per-example cotangents the blocks need (layer outputs; generic params)."""
+    names: list[str] = []
+    for layer in em.parts.layers:
+        if layer.kind == "generic":
+            names += [p for p in layer.params if p not in names]
+        else:
+            names += [u.output for u in layer.uses if u.output not in names]
+    return names
+
+
+def batch_statistics(
+    em: Emission, fwd: ForwardPass, mode: str, num_samples: int, data_cots: dict[str, str] | None = None
+) -> dict[str, dict[str, str]]:
+    """One batch's factor estimates {layer: {factor: tensor}} for `mode` on pass `fwd`.
+    `data_cots`: cotangents of the mean loss at the layer outputs from the full-batch
+    backward, reused by the empirical mode when fwd is the full batch."""
+    b, loss, z, n = em.b, em.parts.loss, fwd.z, fwd.n
+    spec = noise_spec(mode, num_samples, loss)
+    z_shape = tuple(em.view.shape(em.output) or ())
+    noise = []
+    if spec.count:
+        noise_shape = list(loss.noise_shape(z_shape))
+        if fwd.rows is not None:  # a sub-batch pass (used only on larger batches): m rows
+            noise_shape[0] = fwd.rows
+        em.info.noise = NoiseSpec(spec.count, noise_shape, spec.distribution)
+        noise = [em.data_input(C.noise(s), em.b.float_type, noise_shape) for s in range(spec.count)]
+    targets = [fwd.name(t) for t in layer_cotangent_targets(em)]
+    if mode == "empirical" and fwd is em.full and data_cots is not None:
+        per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]
+    else:
+        seeds = emit_seeds(b, loss, z, z_shape, mode, num_samples, fwd.data_grad, noise)
+        if fwd.seed_scale is not None and mode != "empirical":
+            # Fisher of the weighted loss: sum_n w_n F_n, i.e. seeds scaled by sqrt(w_n)
+            seeds = [b.mul(sd, fwd.seed_scale) for sd in seeds]
+        per_seed = [backward(b, fwd.view, {z: s}, targets) for s in seeds]
+    inv_sqrt_n = b.op("Reciprocal", [b.op("Sqrt", [n])])
+    stats: dict[str, dict[str, str]] = {}
+    for layer in em.parts.layers:
+        block = em.blocks[layer.name]
+        if layer.kind == "generic":
+            inputs = list(layer.params)
+            cots = [[_per_example_fallback(em, d.get(p), p, inv_sqrt_n) for d in per_seed] for p in layer.params]
+        else:
+            inputs = [fwd.name(u.input) for u in layer.uses]
+            outs = [fwd.name(u.output) for u in layer.uses]
+            cots = [[d.get(o) or _zeros_like(em.b, o) for d in per_seed] for o in outs]
+        stats[layer.name] = block.emit_statistics(b, inputs, cots)
+    return stats
+
+
+def _per_example_fallback(em: Emission, cot: str | None, p: str, inv_sqrt_n: str) -> str:
+    """[1, *shape] = sum_n g_n / sqrt(N): unbiased for sampled targets (E g_n = 0)."""
+    g = cot or em.zeros_like_param(p)
+    return em.b.unsqueeze(em.b.mul(g, inv_sqrt_n), [0])
+
+
+def _zeros_like(b: GraphBuilder, t: str) -> str:
+    return b.op("Mul", [t, b.const(0.0)])
+
+
+def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
+                    num_samples: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """The moving-average update (1 - c) F + c S of every factor slot F with this batch's
+    statistic S, as (slot, new value) pairs, and finiteness terms. A GramStatistic
+    S = X^T X / count becomes one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is
+    that of |X|^2, which bounds every entry of X^T X."""
+    b = em.b
+    coeff = em.hp("ema_coeff")
+    keep = b.sub(b.const(1.0), coeff)
+    stats = batch_statistics(em, fwd, mode, num_samples, cots)
+    updates, ok = [], []
+    for layer in em.parts.layers:
+        specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
+        for fname, stat in stats[layer.name].items():
+            slot = em.state_input(C.factor(layer.name, fname), specs[fname].shape, "zeros")
+            if isinstance(stat, GramStatistic):
+                scaled = b.mul(stat.rows, b.div(coeff, stat.count))
+                updates.append((slot, b.op("Gemm", [scaled, stat.rows, b.mul(slot, keep)], transA=1)))
+                ok.append(b.reduce("ReduceSumSquare", stat.rows, None))
+            else:
+                updates.append((slot, b.add(slot, b.mul(coeff, b.sub(stat, slot)))))
+                ok.append(b.reduce_sum(stat, None))
+    return updates, ok
+
+
+def write_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int,
+                          ok: list[str]) -> None:
+    """The factor updates as state outputs, on every run; their finiteness terms into `ok`."""
+    updates, terms = factor_updates(em, fwd, cots, mode, num_samples)
+    for slot, new in updates:
+        em.state_output(slot, new)
+    ok += terms
+
+
+def conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int,
+                                ok: list[str]) -> None:
+    """The factor updates inside an If on hp/update_stats > 0: the steps that skip the
+    statistics (cov_update_period > 1, the first step) run the same session, whose factor
+    outputs are then copies of its inputs. A second session for those steps would cost more:
+    each session's idle workers spin on the second core (session 4 in docs/performance_log.md)."""
+    b = em.b
+    slots: list[str] = []
+
+    def statistics() -> list[str]:
+        updates, terms = factor_updates(em, fwd, cots, mode, num_samples)
+        slots.extend(slot for slot, _ in updates)
+        return [new for _, new in updates] + [b.sum(terms)]
+
+    wanted = b.op("Greater", [em.hp("update_stats"), b.const(0.0)])
+    results = b.conditional(wanted, statistics, lambda: slots + [b.const(0.0)],
+                            lambda: [em.info.state_specs[s].shape for s in slots] + [[]], hint="statistics")
+    for slot, new in zip(slots, results):
+        em.state_output(slot, new)
+    ok.append(results[-1])
+
+
+def precondition(em: Emission, grads: dict[str, str]) -> dict[str, str]:
+    """(F + damping)^-1 g for every block, from the `inverse/<layer>/<name>` state slots."""
+    out: dict[str, str] = {}
+    for layer in em.parts.layers:
+        block = em.blocks[layer.name]
+        inverses = {
+            s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, inverse_init(s))
+            for s in block.inverse_specs()
+        }
+        out.update(block.emit_multiply_inverse(em.b, {p: grads[p] for p in layer.params}, inverses))
+    return out

@@ -1,0 +1,232 @@
+"""A subgraph under construction (`Emission`): its inputs and outputs by contract name,
+and the building blocks every emitter uses.
+
+Each subgraph is a standalone ONNX model built from the canonical forward graph with the
+trainable initializers turned into graph inputs, plus the nodes the emitter adds; `finish`
+returns it with its SubgraphInfo (docs/runtime_contract.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from kfac_compiler import contract as C
+from kfac_compiler.backend import curvature, forward
+from kfac_compiler.backend.forward import ForwardPass
+from kfac_compiler.backend.parts import PlanParts
+from kfac_compiler.blocks import FisherBlock, make_block
+from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
+from kfac_compiler.contract import SlotSpec, SubgraphInfo
+from kfac_compiler.errors import ModelError
+from kfac_compiler.graph import GraphView
+from kfac_compiler.passes.autodiff import jvp
+
+FLOAT = TensorProto.FLOAT
+WEIGHTS = C.EXAMPLE_WEIGHTS  # the optional per-example loss weights input
+
+
+@dataclass
+class Emission:
+    """A subgraph under construction: the forward graph with the parameters as inputs, plus
+    the nodes its emitter adds. It is the API a subgraph emitter (kfac_compiler.backend's own
+    and every optimizer plugin's) writes against: declare inputs and outputs by their
+    contract names (data_input, hp, state_input, state_output, metric, result), build the
+    loss, its gradients and forward passes (forward.py), the factor statistics and the
+    preconditioner (curvature.py), and `b`, the GraphBuilder, for everything else."""
+
+    parts: PlanParts
+    view: GraphView
+    b: GraphBuilder
+    inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    info: SubgraphInfo = field(default_factory=SubgraphInfo)
+    blocks: dict[str, FisherBlock] = field(default_factory=dict)
+    full: ForwardPass | None = None  # the whole batch's forward pass, set by loss_and_grads
+    _sub_passes: dict[int, ForwardPass] = field(default_factory=dict)  # sub_batch_pass clones
+    _weights: tuple[str, str] | None = None  # (w, sqrt w) of a weighted loss, shaped like the output
+
+    # ------------------------------------------------------------- set-up
+    @classmethod
+    def start(cls, parts: PlanParts, float_type: int = FLOAT) -> "Emission":
+        view = GraphView(parts.model)
+        for name in C.RESERVED:
+            if name in view.all_names():
+                raise ModelError(f"the model already has a tensor named {name!r}; rename it before compiling")
+        b = GraphBuilder(view.opset, prefix="kfac", taken=view.all_names(), float_type=float_type)
+        em = cls(parts, view, b)
+        for vi in parts.model.graph.input:
+            if vi.name not in view.initializers:
+                em.inputs.append(vi)
+                em.info.data_inputs.append(vi.name)
+        for p in parts.params:
+            em.state_input(p, tuple(view.shapes[p]), "param")
+        if parts.blocks is not None:
+            em.blocks = dict(parts.blocks)
+        else:
+            shapes = {p: tuple(view.shapes[p]) for t in parts.layers for p in t.params}
+            em.blocks = {
+                layer.name: make_block(layer, shapes, [view.shape(u.input) for u in layer.uses])
+                for layer in parts.layers
+            }
+        return em
+
+    # --------------------------------------------------------- interfaces
+    def data_input(self, name: str, elem_type: int, shape) -> str:
+        self.inputs.append(value_info(name, elem_type, shape))
+        self.info.data_inputs.append(name)
+        return name
+
+    def hp(self, name: str) -> str:
+        full = C.hp(name)
+        if full not in self.info.hp_inputs:
+            self.inputs.append(value_info(full, FLOAT, []))
+            self.info.hp_inputs.append(full)
+        return full
+
+    def state_input(self, slot: str, shape: tuple, init: str) -> str:
+        if slot not in self.info.state_specs:
+            self.inputs.append(value_info(slot, self.b.float_type, list(shape)))
+            self.info.state_inputs.append(slot)
+            self.info.state_specs[slot] = SlotSpec(list(shape), "float32", init)
+        return slot
+
+    def state_output(self, slot: str, tensor: str) -> None:
+        name = C.new(slot)
+        self.b.identity(tensor, name)
+        self.outputs.append(value_info(name, self.b.float_type, self.info.state_specs[slot].shape))
+        self.info.state_outputs[name] = slot
+
+    def metric(self, name: str, tensor: str) -> None:
+        full = C.metric(name)
+        self.b.identity(tensor, full)
+        self.outputs.append(value_info(full, self.b.float_type, []))
+        self.info.metrics.append(full)
+
+    def result(self, name: str, tensor: str, elem_type: int | None = None) -> None:
+        self.b.identity(tensor, name)
+        self.outputs.append(value_info(name, elem_type or self.b.float_type, None))
+        self.info.results.append(name)
+
+    def _fold_output_identities(self) -> None:
+        """Name emitted tensors after the graph outputs they feed instead of copying them
+        through Identity nodes (each Identity to an output is a copy in ONNX Runtime)."""
+        producer = {o: n for n in self.b.nodes for o in n.output}
+        outputs = {vi.name for vi in self.outputs}
+        rename: dict[str, str] = {}
+        keep = []
+        for node in self.b.nodes:
+            src = node.input[0] if node.op_type == "Identity" else None
+            if (src is not None and node.output[0] in outputs and src in producer
+                    and src not in outputs and src not in rename):
+                rename[src] = node.output[0]
+                continue
+            keep.append(node)
+        for node in keep:
+            _rename_uses(node, rename)
+            for i, t in enumerate(node.output):
+                if t in rename:
+                    node.output[i] = rename[t]
+        self.b.nodes = keep
+
+    def finish(self, name: str) -> tuple[onnx.ModelProto, SubgraphInfo]:
+        self._fold_output_identities()
+        params = set(self.parts.params)
+        base_inits = [t for t in self.parts.model.graph.initializer if t.name not in params]
+        model = self.b.make_model(
+            name,
+            self.inputs,
+            self.outputs,
+            base_nodes=self.parts.model.graph.node,
+            base_initializers=base_inits,
+            extra_opsets=self.parts.model.opset_import,
+        )
+        return model, self.info
+
+    # ------------------------------------------------------------ pieces
+    @property
+    def output(self) -> str:
+        return self.parts.output
+
+    def targets(self) -> str:
+        loss = self.parts.loss
+        out_shape = self.view.shape(self.output) or ()
+        return self.data_input(C.TARGETS, loss.target_type(), list(loss.target_shape(tuple(out_shape))))
+
+    def example_weights(self) -> tuple[str, str] | tuple[None, None]:
+        """With parts.weighted: the "example_weights" [N] input (loss L = 1/N sum_n w_n l_n) as
+        (w, sqrt(w)), each shaped to broadcast against the model output."""
+        if not self.parts.weighted:
+            return None, None
+        if WEIGHTS not in self.info.data_inputs:
+            out_shape = self.view.shape(self.output) or ("N",)
+            self.data_input(WEIGHTS, self.b.float_type, [out_shape[0]])
+            rank = len(out_shape)
+            w = self.b.unsqueeze(WEIGHTS, list(range(1, rank))) if rank > 1 else WEIGHTS
+            self._weights = (w, self.b.op("Sqrt", [w]))
+        return self._weights
+
+    def zeros_like_param(self, p: str) -> str:
+        return self.b.const(np.zeros(self.view.shapes[p]), hint="zeros")
+
+    def finite(self, tensors: list[str]) -> str:
+        """Bool scalar: every tensor (scalar) is finite."""
+        total = self.b.sum(tensors)
+        bad = self.b.op("Or", [self.b.op("IsNaN", [total]), self.b.op("IsInf", [total])])
+        return self.b.op("Not", [bad])
+
+    # ---------------------------------------------- forward passes (forward.py)
+    def loss_and_grads(self, extra_wrt: list[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
+        """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`."""
+        return forward.loss_and_grads(self, extra_wrt)
+
+    def sub_batch_pass(self, m: int | None) -> ForwardPass:
+        """The forward pass on the whole batch (m = None) or on its first m examples."""
+        return forward.sub_batch_pass(self, m)
+
+    def clone_forward(self, prefix: str, substitutions: dict[str, str]):
+        """A copy of the forward graph reading `substitutions`; (its view, renaming)."""
+        return forward.clone_forward(self, prefix, substitutions)
+
+    def jvp(self, fwd: ForwardPass, tangents: dict[str, str], outputs: list[str]) -> dict[str, str]:
+        """Forward-mode products through pass `fwd`: {output: J tangents}."""
+        return jvp(self.b, fwd.view, dict(tangents), outputs)
+
+    # ---------------------------------------------- curvature (curvature.py)
+    def layer_cotangent_targets(self) -> list[str]:
+        return curvature.layer_cotangent_targets(self)
+
+    def batch_statistics(self, fwd: ForwardPass, mode: str, num_samples: int,
+                         data_cots: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+        """One batch's factor estimates {layer: {factor: tensor or GramStatistic}} on `fwd`."""
+        return curvature.batch_statistics(self, fwd, mode, num_samples, data_cots)
+
+    def factor_updates(self, fwd: ForwardPass, cots: dict, mode: str, num_samples: int, ok: list[str],
+                       conditional: bool = False) -> None:
+        """The factors' moving-average updates from this batch's statistics on pass `fwd`, as
+        state outputs (inside an If on hp/update_stats with `conditional`); their finiteness
+        terms are appended to `ok`."""
+        write = curvature.conditional_factor_updates if conditional else curvature.write_factor_updates
+        write(self, fwd, cots, mode, num_samples, ok)
+
+    def precondition(self, grads: dict[str, str]) -> dict[str, str]:
+        """(F + damping)^-1 g for every block, from the inverse state slots."""
+        return curvature.precondition(self, grads)
+
+
+
+def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
+    """Rename the tensors `node` reads, including outer-scope reads inside its subgraphs
+    (If branches)."""
+    for i, t in enumerate(node.input):
+        if t in rename:
+            node.input[i] = rename[t]
+    for g in subgraphs(node):
+        for inner in g.node:
+            _rename_uses(inner, rename)
+        for out in g.output:  # a branch may pass an outer tensor through
+            if out.name in rename:
+                out.name = rename[out.name]

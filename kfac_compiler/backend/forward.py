@@ -1,0 +1,129 @@
+"""Forward passes inside an emitted subgraph: the loss and its gradients on the whole batch,
+clones of the forward graph on the batch's first m examples (sub_batch_pass) or at other
+parameters (clone_forward), each described by a ForwardPass that autodiff can walk."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import onnx
+
+from kfac_compiler import contract as C
+from kfac_compiler.builder import value_info
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.graph import GraphView
+from kfac_compiler.passes.autodiff import backward
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+
+
+@dataclass
+class ForwardPass:
+    """A forward pass in the emitted graph: its index (for autodiff), a map from the source
+    model's tensor names to this pass's, the model output z, targets y, batch size n and the
+    per-example data gradient dl_n/dz (times w_n for a weighted loss)."""
+
+    view: GraphView
+    name: Callable[[str], str]
+    z: str
+    y: str
+    n: str
+    data_grad: str
+    seed_scale: str | None = None  # sqrt of the example weights, when the loss is weighted
+    weight: str | None = None  # the example weights, shaped to broadcast against z
+    rows: int | None = None  # m for the pass on the first m examples; None for the whole batch
+
+
+def loss_and_grads(em: Emission, extra_wrt: list[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
+    """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`; sets
+    em.full, the whole batch's forward pass."""
+    b, z = em.b, em.output
+    y = em.targets()
+    weights = C.EXAMPLE_WEIGHTS if em.parts.weighted else None
+    w, sqrt_w = em.example_weights()
+    loss = em.parts.loss.emit_loss(b, z, y, weights)
+    n = b.batch_size(z)
+    data_grad = em.parts.loss.emit_grad(b, z, y)
+    if w is not None:
+        data_grad = b.mul(data_grad, w)
+    wrt = list(em.parts.params) + [t for t in extra_wrt if t not in em.parts.params]
+    cots = backward(b, em.view, {z: b.div(data_grad, n)}, wrt)
+    grads = {p: cots.get(p) or em.zeros_like_param(p) for p in em.parts.params}
+    extra = {t: cots.get(t) for t in extra_wrt}
+    em.full = ForwardPass(em.view, lambda t: t, z, y, n, data_grad, sqrt_w, w)
+    return loss, n, grads, extra
+
+
+def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
+    """The forward pass on the whole batch (m = None) or on its first m examples: a clone
+    of the forward graph (built once per m and shared), on which the factor statistics
+    and the quadratic model's curvature products cost m/N of their full-batch price (the
+    moving average pools many batches anyway). Call after loss_and_grads."""
+    if m is None:
+        return em.full
+    cached = em._sub_passes.get(int(m))
+    if cached is not None:
+        return cached
+    m = int(m)
+    if m < 1:
+        raise ConfigError(f"a sub-batch size must be >= 1, got {m}")
+    b = em.b
+    start, end, axes = b.ints([0]), b.ints([m]), b.ints([0])
+    sliced = {x: b.op("Slice", [x, start, end, axes]) for x in em.view.graph_inputs}
+    view, rename = clone_forward(em, f"kfac/sub{m}/", sliced)  # one prefix per size
+    z = rename(em.output)
+    y = b.op("Slice", [em.full.y, start, end, axes])
+    n = b.batch_size(z)
+    data_grad = em.parts.loss.emit_grad(b, z, y)
+    w = sqrt_w = None
+    if em.full.weight is not None:
+        w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in em.example_weights())
+        data_grad = b.mul(data_grad, w)
+    em._sub_passes[m] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w, rows=m)
+    return em._sub_passes[m]
+
+
+def clone_forward(em: Emission, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
+    """Append a copy of the forward graph whose inputs/parameters listed in
+    `substitutions` read other tensors; every tensor the copy computes is renamed with
+    `prefix`. Returns the copy's index (for autodiff) and the renaming function."""
+    b = em.b
+    graph = em.parts.model.graph
+    produced = {o for node in graph.node for o in node.output if o}
+
+    def rename(t: str) -> str:
+        if t in substitutions:
+            return substitutions[t]
+        return prefix + t if t in produced else t
+
+    clones = []
+    for node in graph.node:
+        c = onnx.NodeProto()
+        c.CopyFrom(node)
+        c.name = prefix + node.name
+        c.input[:] = [rename(t) if t else t for t in node.input]
+        c.output[:] = [rename(t) if t else t for t in node.output]
+        b.taken.update(c.output)
+        clones.append(c)
+    b.nodes.extend(clones)
+
+    def renamed_infos(infos):
+        out = []
+        for vi in infos:
+            r = onnx.ValueInfoProto()
+            r.CopyFrom(vi)
+            r.name = rename(vi.name)
+            out.append(r)
+        return out
+
+    data = set(em.view.graph_inputs)
+    inputs = renamed_infos([vi for vi in graph.input if vi.name in data])
+    inits = [t for t in graph.initializer if t.name not in substitutions]
+    inputs += [value_info(substitutions[t.name], t.data_type, list(t.dims))
+               for t in graph.initializer if t.name in substitutions]
+    sub = onnx.helper.make_graph(
+        clones, prefix.strip("/"), inputs, renamed_infos(graph.output),
+        initializer=inits, value_info=renamed_infos(graph.value_info),
+    )
+    return GraphView(onnx.helper.make_model(sub, opset_imports=em.parts.model.opset_import)), rename

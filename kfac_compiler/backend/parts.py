@@ -1,0 +1,49 @@
+"""What the back end needs from a plan, independent of the plan's storage format."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import onnx
+
+from kfac_compiler.blocks import FisherBlock
+from kfac_compiler.ir import Layer
+from kfac_compiler.losses import Loss, make_loss
+
+if TYPE_CHECKING:
+    from kfac_compiler.plan import Plan
+
+
+@dataclass
+class PlanParts:
+    """What the back end needs from a plan, independent of the plan's storage format."""
+
+    model: onnx.ModelProto
+    output: str
+    loss: Loss
+    params: list[str]
+    layers: list[Layer]
+    mode: str = "gradients"
+    num_samples: int = 1
+    inverse_method: str = "auto"
+    blocks: dict[str, FisherBlock] | None = None
+    weighted: bool = False  # an "example_weights" [N] data input scales each example's loss
+    damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
+
+
+def plan_parts(plan: "Plan | PlanParts") -> PlanParts:
+    """Extract PlanParts from a kfac_compiler.plan.Plan (a PlanParts is returned as is)."""
+    if isinstance(plan, PlanParts):
+        return plan
+    return PlanParts(
+        model=plan.model,
+        output=plan.output,
+        loss=make_loss(plan.loss.kind, **plan.loss.options),
+        params=list(plan.trainable),
+        layers=list(plan.layers),
+        mode=plan.estimator.mode,
+        num_samples=int(plan.estimator.num_samples),
+        inverse_method=plan.inverse.method,
+        blocks=plan.blocks,
+        damping_split=plan.inverse.damping_split,
+    )

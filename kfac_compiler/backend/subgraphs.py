@@ -1,0 +1,112 @@
+"""The back end's own subgraphs: the loss, gradients, factor statistics and their moving
+averages, inverse refreshes, preconditioning and curvature products (the optimizers'
+training steps are emitted by their plugins, kfac_compiler.optimizers)."""
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from kfac_compiler import contract as C
+from kfac_compiler import linalg
+from kfac_compiler.backend.curvature import inverse_init
+from kfac_compiler.backend.emission import WEIGHTS, Emission
+from kfac_compiler.backend.registry import subgraph
+from kfac_compiler.blocks._parts import emit_statistic
+
+FLOAT = TensorProto.FLOAT
+
+
+@subgraph("loss")
+def loss(em: Emission) -> None:
+    y = em.targets()
+    em.example_weights()
+    em.metric("loss", em.parts.loss.emit_loss(em.b, em.output, y, WEIGHTS if em.parts.weighted else None))
+    em.result(C.MODEL_OUTPUT, em.output)
+
+
+@subgraph("gradients")
+def gradients(em: Emission) -> None:
+    loss, _, grads, _ = em.loss_and_grads()
+    em.metric("loss", loss)
+    for p in em.parts.params:
+        em.result(C.grad(p), grads[p])
+
+
+@subgraph("statistics")
+def statistics(em: Emission, mode: str | None = None, num_samples: int | None = None,
+                stats_batch: int | None = None) -> None:
+    mode = mode or em.parts.mode
+    num_samples = num_samples or em.parts.num_samples
+    targets = em.layer_cotangent_targets() if mode == "empirical" and stats_batch is None else []
+    loss, n, _, cots = em.loss_and_grads(targets)
+    em.metric("loss", loss)
+    stats = em.batch_statistics(em.sub_batch_pass(stats_batch), mode, num_samples, cots)
+    for layer, factors in stats.items():
+        for fname, stat in factors.items():
+            em.result(C.stat(layer, fname), emit_statistic(em.b, stat))
+
+
+@subgraph("update_statistics")
+def update_statistics(em: Emission, mode: str | None = None, num_samples: int | None = None,
+                       stats_batch: int | None = None) -> None:
+    """Moving-average factor update only (first step, burn-in, before an inverse refresh)."""
+    mode = mode or em.parts.mode
+    num_samples = num_samples or em.parts.num_samples
+    reuse = mode == "empirical" and stats_batch is None
+    loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
+    ok_terms = [loss]
+    em.factor_updates(em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
+    em.metric("loss", loss)
+    em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
+
+
+@subgraph("inverse_update")
+def inverse_update(em: Emission, method: str | None = None) -> None:
+    b = em.b
+    method = linalg.concrete_method(method or em.parts.inverse_method)  # "auto" emits inverse_op
+    damping = em.hp("damping")
+    oks = []
+    for layer in em.parts.layers:
+        block = em.blocks[layer.name]
+        if block.inverse_is_host(method):
+            continue
+        factors = {
+            s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()
+        }
+        previous = {
+            s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, inverse_init(s)) for s in block.inverse_specs()
+        }
+        # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
+        new = block.emit_inverse(b, factors, damping, method, previous=previous)
+        oks.append(b.cast(new.ok, FLOAT))
+        em.metric(f"inverse_ok/{layer.name}", oks[-1])  # the runtime redoes failed blocks on the host
+        for s in block.inverse_specs():
+            em.state_output(previous[s.name], new[s.name])
+    all_ok = b.op("Min", oks) if len(oks) > 1 else (oks[0] if oks else b.const(1.0))
+    em.metric("inverse_ok", all_ok)
+
+
+@subgraph("precondition")
+def precondition(em: Emission) -> None:
+    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
+    out = em.precondition(vecs)
+    for p in em.parts.params:
+        em.result(C.precond(p), out[p])
+
+
+@subgraph("multiply")
+def multiply(em: Emission, exp: int = 1) -> None:
+    """(F + damping)^exp v for every block, from the moving-average factors: the block
+    multiply for exp = 1, an integer matrix power otherwise (fractional powers need
+    eigendecompositions: Curvature.multiply_matpower does them on the host)."""
+    damping = em.hp("damping")
+    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
+    for layer in em.parts.layers:
+        block = em.blocks[layer.name]
+        factors = {s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()}
+        mine = {p: vecs[p] for p in layer.params}
+        if exp == 1:
+            out = block.emit_multiply(em.b, mine, factors, damping)
+        else:
+            out = block.emit_multiply_matpower(em.b, mine, factors, damping, int(exp))
+        for p in layer.params:
+            em.result(C.product(p), out[p])

@@ -1,0 +1,78 @@
+"""Adam: settings, the `adam_step` graph, the host step (bias correction on the host)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from kfac_compiler import contract as C
+from kfac_compiler.optimizers.base import regularized, register_optimizer
+from kfac_compiler.optimizers.config import OptimizerConfig, check_positive, check_unit
+from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.plan import Plan
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    """Adam (Kingma & Ba); the host passes the bias-corrected learning rate each step."""
+
+    name: ClassVar[str] = "adam"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    momentum: float | None = None  # accepted for a uniform API: an alias of beta1 when given
+
+    def resolve(self, plan: "Plan | None") -> None:
+        if self.learning_rate is None:
+            self.learning_rate = 1e-3
+        if self.momentum is not None:
+            self.beta1 = float(self.momentum)
+        self.momentum = self.beta1
+
+    def validate(self) -> None:
+        super().validate()
+        check_unit("beta1", self.beta1)
+        check_unit("beta2", self.beta2)
+        check_positive("epsilon", self.epsilon)
+
+    def lr_at(self, t: int) -> float:
+        """Bias-corrected learning rate for the t-th applied step (t >= 1)."""
+        return self.learning_rate * math.sqrt(1.0 - self.beta2**t) / (1.0 - self.beta1**t)
+
+
+def emit_adam_step(em: "Emission", l2: bool = False) -> None:
+    """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t)."""
+    b = em.b
+    loss, _, raw, _ = em.loss_and_grads()
+    grads = regularized(em, raw, l2)
+    lr, b1, b2, eps = em.hp("learning_rate"), em.hp("beta1"), em.hp("beta2"), em.hp("epsilon")
+    one = b.const(1.0)
+    steps = {}
+    for p in em.parts.params:
+        shape = tuple(em.view.shapes[p])
+        m = em.state_input(C.adam_m(p), shape, "zeros")
+        v = em.state_input(C.adam_v(p), shape, "zeros")
+        g = grads[p]
+        m_new = b.add(b.mul(b1, m), b.mul(b.sub(one, b1), g))
+        v_new = b.add(b.mul(b2, v), b.mul(b.sub(one, b2), b.mul(g, g)))
+        steps[p] = b.neg(b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps))))
+        em.state_output(p, b.add(p, steps[p]))
+        em.state_output(C.adam_m(p), m_new)
+        em.state_output(C.adam_v(p), v_new)
+    emit_baseline_metrics(em, loss, steps, raw)
+
+
+@register_optimizer
+class Adam(FirstOrderOptimizer):
+    name = "adam"
+    Config = AdamConfig
+    subgraphs = {"adam_step": emit_adam_step}
+    step_subgraph = "adam_step"
+
+    def hyper_parameters(self) -> dict[str, float]:
+        cfg = self.config
+        return {C.hp("learning_rate"): cfg.lr_at(self.trainer.applied_steps + 1), C.hp("beta1"): cfg.beta1,
+                C.hp("beta2"): cfg.beta2, C.hp("epsilon"): cfg.epsilon}

@@ -1,0 +1,127 @@
+"""Optimizers as plugins: the contract every optimizer implements, and the registry.
+
+An optimizer owns three things, in its own module:
+  * its settings (`Config`, an OptimizerConfig: knobs, defaults, validation);
+  * the graphs it emits (`subgraphs`: {subgraph name: emitter}); an emitter is a function
+    `emit(em, **options)` that adds nodes to `em`, a kfac_compiler.backend Emission, and
+    declares its inputs and outputs by contract name; the back end's emit_subgraph finds it
+    here by name, and its keyword options are the subgraph's options;
+  * its host-side policy (the plugin instance, made per Trainer): which sessions a step
+    runs with which hyper-parameters, schedules, rejection, and its host state for
+    checkpoints.
+
+    @register_optimizer
+    class MyOptimizer(Optimizer):
+        name = "mine"
+        Config = MyConfig
+        subgraphs = {"mine_step": emit_mine_step}
+        def build(self): self.trainer.program("mine_step")
+        def step(self, data): ...
+
+`kfac_compiler.runtime.Trainer(plan, optimizer="mine")` then trains with it. Nothing here
+imports the back end: emitters receive their Emission, so the runtime can import the
+optimizers without the compiler's internals.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers.config import OptimizerConfig
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.plan import Plan
+    from kfac_compiler.runtime.trainer import Trainer
+
+Emitter = Callable[..., None]
+
+
+class Optimizer:
+    """Base of the optimizer plugins; one instance per Trainer holds the host-side state."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[OptimizerConfig]] = OptimizerConfig
+    subgraphs: ClassVar[dict[str, Emitter]] = {}
+    burn_in_count: int = 0  # statistics-only steps taken (see burn_in)
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+        self.config = trainer.config
+
+    def build(self) -> None:
+        """Create every session the steps use, so that all state exists up front
+        (checkpoints, parameters()) and the first step is not slowed by session creation."""
+
+    def step(self, data: dict[str, Any]) -> dict[str, float]:
+        """One step on a checked batch (already `trainer.weighted` / `trainer.batch_size`);
+        returns host-float metrics and advances trainer.step_count / applied_steps."""
+        raise NotImplementedError
+
+    def burn_in(self, data: dict[str, Any]) -> dict[str, float]:
+        raise ConfigError(f"burn-in only applies to K-FAC, not {self.name!r}")
+
+    def host_state(self) -> dict[str, Any]:
+        """The optimizer's host-side state (checkpointed with the device state)."""
+        return {}
+
+    def set_host_state(self, state: Mapping[str, Any]) -> None:
+        """Restore host_state() (keys another optimizer wrote are ignored)."""
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {}
+
+
+def register_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
+    """Class decorator: make `cls` selectable as optimizer `cls.name`."""
+    OPTIMIZERS[cls.name] = cls
+    return cls
+
+
+def optimizer_class(name: str) -> type[Optimizer]:
+    cls = OPTIMIZERS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return cls
+
+
+def make_config(optimizer: str, plan: "Plan | None" = None, **knobs: Any) -> OptimizerConfig:
+    """The validated settings of `optimizer` from keyword knobs and the plan's defaults."""
+    return optimizer_class(optimizer).Config.from_knobs(plan, **knobs)
+
+
+def emitters() -> dict[str, Emitter]:
+    """Every registered optimizer's subgraphs, by name."""
+    out: dict[str, Emitter] = {}
+    for cls in OPTIMIZERS.values():
+        out.update(cls.subgraphs)
+    return out
+
+
+# --------------------------------------------------------------------------- emission helpers
+def regularized(em: "Emission", grads: dict[str, str], l2: bool) -> dict[str, str]:
+    """g + l2 * theta (only emitted when the optimizer uses weight decay)."""
+    if not l2:
+        return grads
+    coeff = em.hp("l2")
+    return {p: em.b.add(g, em.b.mul(coeff, p)) for p, g in grads.items()}
+
+
+class Gram:
+    """Dot products of parameter-shaped vectors, each emitted on first use: per parameter a
+    ReduceSumSquare (x.x) or Mul + ReduceSum (x.y), then one Sum. (One MatMul of the
+    flattened vectors' concatenation needs fewer nodes, but the concatenation copies every
+    vector and the k x k product over all parameters runs memory-bound.)"""
+
+    def __init__(self, em: "Emission", vectors: dict[str, dict[str, str]]) -> None:
+        self.b, self.params, self.vectors = em.b, list(em.parts.params), vectors
+        self._dots: dict[tuple[str, str], str] = {}
+
+    def __call__(self, x: str, y: str) -> str:
+        key = (x, y) if x <= y else (y, x)
+        if key not in self._dots:
+            b, u, v = self.b, self.vectors[x], self.vectors[y]
+            terms = [b.reduce("ReduceSumSquare", u[p], None) if x == y else b.reduce_sum(b.mul(u[p], v[p]), None)
+                     for p in self.params]
+            self._dots[key] = b.sum(terms)
+        return self._dots[key]

@@ -1,0 +1,57 @@
+"""What SGD and Adam share: the metrics their graphs report and their host-side step (one
+session per step, hyper-parameters from the settings, no host state of their own)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from onnx import TensorProto
+
+from kfac_compiler import contract as C
+from kfac_compiler.optimizers.base import Gram, Optimizer
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+
+
+def emit_baseline_metrics(em: "Emission", loss: str, steps: dict, raw: dict) -> None:
+    """loss, metric/update_norm, metric/grad_norm and metric/finite of a first-order step."""
+    dots = Gram(em, {"u": steps, "g": raw})
+    update_sq = dots("u", "u")
+    em.metric("loss", loss)
+    em.metric("update_norm", em.b.op("Sqrt", [update_sq]))
+    em.metric("grad_norm", em.b.op("Sqrt", [dots("g", "g")]))
+    em.metric("finite", em.b.cast(em.finite([loss, update_sq]), TensorProto.FLOAT))
+
+
+class FirstOrderOptimizer(Optimizer):
+    """A step is one run of `step_subgraph` with `hyper_parameters()`."""
+
+    step_subgraph = ""
+
+    def _program(self):
+        return self.trainer.program(self.step_subgraph, l2=self.config.l2_reg > 0, weighted=self.trainer.weighted)
+
+    def build(self) -> None:
+        self._program()
+
+    def hyper_parameters(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def step(self, data: dict[str, Any]) -> dict[str, float]:
+        tr, cfg = self.trainer, self.config
+        tr.store.set_hp(C.hp("l2"), cfg.l2_reg)
+        out = self._program().run(tr.store, data, hp=self.hyper_parameters())
+        ok = out.get(C.FINITE, 1.0) > 0.5
+        m = {
+            "step": float(tr.step_count),
+            "loss": out[C.LOSS],
+            "learning_rate": float(cfg.learning_rate),
+            "momentum": float(cfg.momentum),
+            "update_norm": out.get(C.metric("update_norm"), float("nan")) if ok else 0.0,
+            "grad_norm": out.get(C.metric("grad_norm"), float("nan")),
+            "rejected": 0.0 if ok else 1.0,
+        }
+        tr.step_count += 1
+        if ok:
+            tr.applied_steps += 1
+        return m

@@ -1,0 +1,252 @@
+"""K-FAC as an optimizer plugin: its settings (config.py), the `kfac_step` graph in three
+stages (graph.py) and, here, its host-side policy.
+
+One step k (docs/runtime.md):
+  * every step runs ONE fused graph, `kfac_step`: its factor statistics run on every step
+    (cov_update_period 1) or sit in an If on hp/update_stats (1 when k % cov_update_period
+    == 0), and on every damping_adaptation_interval-th step only (an If on hp/loss_after) it
+    also reports the same batch's loss at the new parameters (metric/loss_after) for
+    Levenberg-Marquardt damping;
+  * the first step runs `update_statistics` and `inverse_update` (+ host-side blocks) before
+    it, and then the step without statistics (`with_stats=False`, or hp/update_stats = 0),
+    so it is preconditioned by its own batch;
+  * after step k with k % inv_update_period == 0 the damped inverses are refreshed;
+  * a step whose loss/update is not finite is discarded (the runtime does not flip the state
+    buffers); the host multiplies the damping by damping_rejection_factor (10) and reports
+    `rejected: 1`.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from kfac_compiler import contract as C
+from kfac_compiler.linalg import concrete_method
+from kfac_compiler.optimizers.base import Optimizer, register_optimizer
+from kfac_compiler.optimizers.kfac.config import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
+from kfac_compiler.optimizers.kfac.graph import STAGES, emit_kfac_step
+
+__all__ = ["STAGES", "Kfac", "KfacConfig", "ema_coefficient", "emit_kfac_step", "lm_adapt", "reduction_ratio"]
+
+
+@register_optimizer
+class Kfac(Optimizer):
+    name = "kfac"
+    Config = KfacConfig
+    subgraphs = {"kfac_step": emit_kfac_step}
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer)
+        cfg: KfacConfig = self.config
+        self.burn_in_count = 0
+        self.ema_weight = 0.0
+        self.inverses_ready = False
+        self.damping = float(cfg.damping)
+        # "auto" -> schur on CPU and CUDA (kfac_compiler.linalg.concrete_method)
+        self.inverse_method = concrete_method(cfg.inverse_method, trainer.device.name)
+        self.inverses = None  # the InverseRefresher, made by build()
+        self._step_programs: dict[tuple, Any] = {}  # step_program's memo
+
+    # ------------------------------------------------------------------ sessions
+    def _sub_batch(self, m: int | None) -> int | None:
+        """m when the current batch is larger, else None: slicing a batch that is not larger
+        would only add a second forward pass."""
+        return m if m is not None and self.trainer.batch_size > m else None
+
+    def stats_batch(self) -> int | None:
+        return self._sub_batch(self.config.stats_batch_size)
+
+    def kfac_options(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
+                "l2": cfg.l2_reg > 0, "stats_batch": self.stats_batch(),
+                "qmodel_batch": self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
+                "loss_after": bool(cfg.adapt_damping), "weighted": self.trainer.weighted}
+
+    @property
+    def stats_conditional(self) -> bool:
+        """With cov_update_period > 1 the step's statistics sit in an If on hp/update_stats, so
+        that the steps without them (and the first step) share its session; with statistics
+        on every step they run unconditionally (the If costs a little on every step), and the
+        first step has a statistics-free variant."""
+        return self.config.cov_update_period > 1
+
+    def step_program(self, first: bool = False):
+        """The fused K-FAC step (see stats_conditional), memoized on what its options depend
+        on (the general lookup sorts an options dict on every step)."""
+        tr = self.trainer
+        key = (first, tr.weighted, tr.batch_size)
+        prog = self._step_programs.get(key)
+        if prog is None:
+            if self.stats_conditional:
+                prog = tr.program("kfac_step", with_stats=True, stats_if=True, **self.kfac_options())
+            else:
+                prog = tr.program("kfac_step", with_stats=not first, **self.kfac_options())
+            self._step_programs[key] = prog
+        return prog
+
+    def statistics_program(self):
+        cfg = self.config
+        return self.trainer.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
+                                    stats_batch=self.stats_batch(), weighted=self.trainer.weighted)
+
+    def build(self) -> None:
+        from kfac_compiler.runtime.inverses import InverseRefresher
+
+        tr = self.trainer
+        step = self.step_program()
+        if not self.stats_conditional:
+            self.step_program(first=True)
+        self.statistics_program()
+        # an emitted refresh runs between two runs of the step session, whose spinning
+        # workers hold the other cores: on the CPU it gets one thread
+        threads = 1 if tr.device.name == "cpu" else None
+        emitted = tr.program("inverse_update", threads=threads, method=self.inverse_method)
+        self.inverses = InverseRefresher(tr.plan, emitted, step, self.inverse_method)
+
+    # ------------------------------------------------------------------ noise
+    def _noise(self, prog, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from kfac_compiler.runtime.data import draw_noise
+
+        return draw_noise(self.trainer.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name)
+
+    def _noise_placeholders(self, prog, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Buffers for the noise inputs of a step that skips its statistics (the If does not
+        read them) where none was written yet, e.g. right after a checkpoint load: zeros, so
+        that the trainer's random stream stays that of an uninterrupted run."""
+        from kfac_compiler.runtime.data import noise_shape
+
+        store = self.trainer.store
+        missing = [n for n in prog.data_inputs if C.is_noise(n) and not store.has_data(n)]
+        if not missing:
+            return {}
+        shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
+        return {n: np.zeros(shape, np.float32) for n in missing}
+
+    # ------------------------------------------------------------------ steps
+    def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
+        """update_statistics on the batch (already in the store when data is None)."""
+        prog = self.statistics_program()
+        coeff, w_new = ema_coefficient(self.ema_weight, self.config.cov_ema_decay)
+        feed = dict(data or {})
+        feed.update(self._noise(prog, batch_data))
+        out = prog.run(self.trainer.store, feed, hp={C.hp("ema_coeff"): coeff})
+        ok = out.get(C.FINITE, 1.0) > 0.5
+        if ok:
+            self.ema_weight = w_new
+        return out, ok
+
+    def refresh_inverses(self) -> float:
+        """Recompute every damped inverse from the current factors; returns inverse_ok."""
+        ok = self.inverses(self.trainer.store, self.damping + self.config.l2_reg)
+        self.inverses_ready = True
+        return 1.0 if ok else 0.0
+
+    def burn_in(self, data: dict[str, Any]) -> dict[str, float]:
+        """A statistics-only step (no parameter update): the factors absorb the batch."""
+        out, ok = self.run_statistics(data, data)
+        self.burn_in_count += 1
+        return {"step": float(self.trainer.step_count), "loss": out[C.LOSS], "burn_in": 1.0,
+                "rejected": 0.0 if ok else 1.0}
+
+    def _hyper_parameters(self, adapt: bool) -> dict[str, float]:
+        cfg = self.config
+        hp = {C.hp("damping"): self.damping}
+        if cfg.adapt_damping:
+            hp[C.hp("loss_after")] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
+            hp[C.hp("reject_increase")] = 1.0 if cfg.reject_increase else 0.0
+        if cfg.use_qmodel:
+            hp[C.hp("max_momentum")] = cfg.max_momentum
+            hp[C.hp("max_predicted_decrease")] = cfg.max_predicted_decrease or 0.0  # 0: off
+        else:
+            hp[C.hp("learning_rate")] = cfg.learning_rate
+            hp[C.hp("momentum")] = cfg.momentum
+            hp[C.hp("norm_constraint")] = cfg.norm_constraint or 0.0
+        return hp
+
+    def step(self, data: dict[str, Any]) -> dict[str, float]:
+        cfg: KfacConfig = self.config
+        tr = self.trainer
+        if self.burn_in_count < cfg.burn_in_steps:
+            return {**self.burn_in(data), "damping": self.damping}
+        k = tr.step_count
+        stats = (k % cfg.cov_update_period == 0) or self.ema_weight == 0.0
+        first = not self.inverses_ready
+        tr.store.set_hp(C.hp("l2"), cfg.l2_reg)
+        damping = self.damping
+        adapt = bool(cfg.adapt_damping) and k % cfg.damping_adaptation_interval == 0
+        hp = self._hyper_parameters(adapt)
+        feed: dict[str, np.ndarray] = dict(data)
+        inverse_ok = float("nan")
+        w_new = None
+        prog = self.step_program(first)
+        if first:
+            # the very first step is preconditioned by its own batch: statistics, inverses, step
+            self.run_statistics(data, data)
+            feed = self._noise_placeholders(prog, data)  # the batch is already in the store
+            inverse_ok = self.refresh_inverses()
+        elif stats:
+            coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
+            hp[C.hp("ema_coeff")] = coeff
+            feed.update(self._noise(prog, data))
+        else:
+            feed.update(self._noise_placeholders(prog, data))
+        if self.stats_conditional:
+            if w_new is None and not tr.store.has_hp(C.hp("ema_coeff")):  # bound, but the If skips its reader
+                hp[C.hp("ema_coeff")] = 0.0
+            hp[C.hp("update_stats")] = 0.0 if w_new is None else 1.0
+        out = prog.run(tr.store, feed, hp=hp)
+        ok = out.get(C.FINITE, 1.0) > 0.5
+        metrics = {
+            "step": float(k),
+            "loss": out[C.LOSS],
+            "damping": damping,
+            "learning_rate": out.get(C.metric("alpha"), float("nan")),
+            "momentum": out.get(C.metric("mu"), float("nan")),
+            "update_norm": out.get(C.metric("update_norm"), float("nan")),
+            "grad_norm": out.get(C.metric("grad_norm"), float("nan")),
+            "qmodel_change": out.get(C.metric("qmodel_change"), float("nan")),
+            "update_scale": out.get(C.metric("update_scale"), float("nan")),
+            "rho": float("nan"),
+            "rejected": 0.0,
+            "stats": 1.0 if (stats or first) else 0.0,
+            "inverse": 1.0 if first else 0.0,
+            "inverse_ok": inverse_ok,
+            "inverse_fallbacks": float(len(self.inverses.fallbacks)) if first else float("nan"),
+        }
+        tr.step_count += 1
+        if adapt:  # reported for rejected steps too (a step raising the objective is rejected)
+            new_loss = out[C.metric("loss_after")]
+            # without the qmodel the graph's change is first order: no damping term to remove
+            metrics["rho"] = reduction_ratio(out[C.LOSS], new_loss, metrics["qmodel_change"], metrics["update_norm"],
+                                             damping, cfg.include_damping_in_quad_change or not cfg.use_qmodel)
+            metrics["new_loss"] = new_loss
+        if not ok:
+            metrics["rejected"] = 1.0
+            metrics["update_norm"] = 0.0
+            self.damping = min(max(damping * cfg.damping_rejection_factor, cfg.min_damping), cfg.max_damping)
+        else:
+            tr.applied_steps += 1
+            if w_new is not None:
+                self.ema_weight = w_new
+            if adapt:
+                self.damping = lm_adapt(damping, metrics["rho"], cfg)
+        if not first and k % cfg.inv_update_period == 0:
+            # refreshed right after the step, from factors that include this batch, with the
+            # damping just adapted; used from the next step on (one session switch per period)
+            metrics["inverse"] = 1.0
+            metrics["inverse_ok"] = self.refresh_inverses()
+            metrics["inverse_fallbacks"] = float(len(self.inverses.fallbacks))
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def host_state(self) -> dict[str, Any]:
+        return {"burn_in_count": self.burn_in_count, "ema_weight": self.ema_weight,
+                "inverses_ready": self.inverses_ready, "damping": self.damping}
+
+    def set_host_state(self, state: Mapping[str, Any]) -> None:
+        self.burn_in_count = int(state["burn_in_count"])
+        self.ema_weight = float(state["ema_weight"])
+        self.inverses_ready = bool(state["inverses_ready"])
+        self.damping = float(state["damping"])

@@ -1,0 +1,170 @@
+"""K-FAC's settings (knobs, defaults, validation) and its host-side schedules: the
+zero-debiased moving-average coefficient, Levenberg-Marquardt damping, the reduction ratio."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from kfac_compiler.contract import ESTIMATION_MODES
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers.config import (
+    OptimizerConfig,
+    check_int,
+    check_positive,
+    check_unit,
+    plan_schedule,
+)
+
+if TYPE_CHECKING:
+    from kfac_compiler.plan import Plan
+
+
+@dataclass
+class KfacConfig(OptimizerConfig):
+    """K-FAC (Martens & Grosse 2015) with kfac-jax's adaptive step and damping.
+
+    use_qmodel (default: True unless learning_rate/momentum are fixed): alpha and mu minimize
+    the damped 2x2 quadratic model built from exact curvature (GGN) products in the
+    `kfac_step` graph, on the batch's first qmodel_batch_size examples (the statistics'
+    sub-batch; None: the whole batch). damping: initial value, adapted by Levenberg-Marquardt
+    every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
+    max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
+    the objective's distance to the loss's lower bound (0 for every registered loss), the
+    update is scaled by their ratio; None: off.
+    """
+
+    name: ClassVar[str] = "kfac"
+    momentum: float | None = None
+    use_qmodel: bool | None = None
+    damping: float | None = None
+    adapt_damping: bool | None = None
+    damping_adaptation_interval: int = 5
+    damping_adaptation_decay: float = 0.95
+    min_damping: float = 3e-4
+    max_damping: float = 1e8
+    damping_rejection_factor: float = 10.0
+    include_damping_in_quad_change: bool = False
+    norm_constraint: float | None = None
+    cov_ema_decay: float | None = None
+    cov_update_period: int | None = None
+    inv_update_period: int | None = None
+    burn_in_steps: int = 0
+    mode: str | None = None
+    num_samples: int | None = None
+    inverse_method: str | None = None
+    stats_batch_size: int | None = 64
+    qmodel_batch_size: int | None = 64
+    max_momentum: float = 1.0
+    max_predicted_decrease: float | None = 1.0
+    reject_increase: bool = True
+
+    DEFAULT_DAMPING: ClassVar[float] = 1e-3
+
+    def resolve(self, plan: "Plan | None") -> None:
+        fixed = self.learning_rate is not None or self.momentum is not None
+        if self.use_qmodel is None:
+            self.use_qmodel = not fixed
+        elif self.use_qmodel and fixed:
+            raise ConfigError(
+                "K-FAC with use_qmodel=True chooses learning rate and momentum itself; "
+                "drop learning_rate/momentum or pass use_qmodel=False"
+            )
+        if not self.use_qmodel:
+            if self.learning_rate is None:
+                raise ConfigError("K-FAC with use_qmodel=False needs a learning_rate (e.g. 0.01)")
+            if self.momentum is None:
+                self.momentum = 0.9
+        elif self.norm_constraint is not None:
+            raise ConfigError("norm_constraint (KL clipping) only applies with use_qmodel=False")
+        if self.adapt_damping is None:
+            self.adapt_damping = bool(self.use_qmodel)
+        plan_cfg = plan_schedule(plan)
+        if self.damping is None:
+            self.damping = plan_cfg.get("damping", self.DEFAULT_DAMPING)
+        if self.cov_ema_decay is None:
+            self.cov_ema_decay = plan_cfg.get("ema_decay", 0.9)
+        if self.cov_update_period is None:
+            self.cov_update_period = int(plan_cfg.get("cov_update_period", 1))
+        if self.inv_update_period is None:
+            self.inv_update_period = int(plan_cfg.get("inv_update_period", 10))
+        if self.mode is None:
+            self.mode = plan_cfg.get("mode", "gradients")
+        if self.num_samples is None:
+            self.num_samples = int(plan_cfg.get("num_samples", 1))
+        if self.inverse_method is None:
+            self.inverse_method = plan_cfg.get("inverse_method", "auto")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.momentum is not None:
+            check_unit("momentum", self.momentum)
+        check_positive("damping", self.damping)
+        check_positive("min_damping", self.min_damping)
+        check_positive("max_damping", self.max_damping)
+        if self.min_damping > self.max_damping:
+            raise ConfigError("min_damping must not exceed max_damping")
+        if not self.min_damping <= self.damping <= self.max_damping:
+            raise ConfigError(
+                f"damping {self.damping:g} is outside [min_damping {self.min_damping:g}, max_damping {self.max_damping:g}]; "
+                "set min_damping/max_damping too"
+            )
+        check_int("damping_adaptation_interval", self.damping_adaptation_interval, 1)
+        check_unit("damping_adaptation_decay", self.damping_adaptation_decay, closed_low=False)
+        check_positive("damping_rejection_factor", self.damping_rejection_factor)
+        if self.norm_constraint is not None:
+            check_positive("norm_constraint", self.norm_constraint)
+        check_unit("cov_ema_decay", self.cov_ema_decay)
+        check_int("cov_update_period", self.cov_update_period, 1)
+        check_int("inv_update_period", self.inv_update_period, 1)
+        check_int("burn_in_steps", self.burn_in_steps, 0)
+        check_int("num_samples", self.num_samples, 1)
+        check_positive("max_momentum", self.max_momentum)
+        if self.max_predicted_decrease is not None:
+            check_positive("max_predicted_decrease", self.max_predicted_decrease)
+        for name in ("stats_batch_size", "qmodel_batch_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if self.mode not in ESTIMATION_MODES:
+            raise ConfigError(f"unknown estimation mode {self.mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
+
+    @property
+    def omega(self) -> float:
+        """Damping multiplier of one adaptation (kfac-jax: decay ** interval)."""
+        return self.damping_adaptation_decay ** self.damping_adaptation_interval
+
+
+def ema_coefficient(weight: float, decay: float) -> tuple[float, float]:
+    """Zero-debiased moving average: (c_t, w_t) with w_t = decay w_{t-1} + (1 - decay),
+    c_t = (1 - decay) / w_t (so the first batch gets c = 1)."""
+    w = decay * weight + (1.0 - decay)
+    return (1.0 - decay) / w, w
+
+
+def lm_adapt(damping: float, rho: float, cfg: KfacConfig) -> float:
+    """Levenberg-Marquardt: rho > 3/4 -> damping * omega, rho < 1/4 (or NaN) -> damping / omega."""
+    omega = cfg.omega
+    if not math.isfinite(rho) or rho < 0.25:
+        damping = damping / omega
+    elif rho > 0.75:
+        damping = damping * omega
+    return min(max(damping, cfg.min_damping), cfg.max_damping)
+
+
+def reduction_ratio(loss_old: float, loss_new: float, qmodel_change: float, update_norm: float,
+                    damping: float, include_damping: bool) -> float:
+    """rho = (loss_new - loss_old) / predicted change.
+
+    The graph's metric/qmodel_change is the value of the DAMPED quadratic model at the chosen
+    update. Like kfac-jax (include_damping_in_quad_change=False) we take out the damping's
+    contribution 1/2 * damping * ||update||^2 by default, which is Martens & Grosse's rho.
+    """
+    change = qmodel_change
+    if not include_damping:
+        change = qmodel_change - 0.5 * damping * update_norm * update_norm
+    if not (math.isfinite(change) and math.isfinite(loss_new) and math.isfinite(loss_old)):
+        return float("nan")
+    if change >= 0:
+        # the model predicts no decrease: rho is meaningless; treat as "model untrustworthy"
+        return float("nan") if loss_new > loss_old else 1.0
+    return (loss_new - loss_old) / change

@@ -1,0 +1,327 @@
+"""The `kfac_step` graph, as three stages with explicit reduction points.
+
+    local          the loss and gradients of this batch, and this batch's factor statistics
+                   folded into the moving averages (on statistics steps)
+      -- reduce: the gradients, the loss and the factor statistics (means over the batch)
+    precondition   P = (F + damping)^-1 g from the inverses, the dot products of g, P and the
+                   velocity v, and the quadratic model's terms: curvature products along P and
+                   v from forward-mode JVPs on the (sub-)batch, with its gradient terms
+      -- reduce: the quadratic model's terms (means over the batch)
+    update         (alpha, mu) from the 2x2 model (or the fixed learning rate and momentum),
+                   the update alpha P + mu v, new parameters and velocity, the same batch's
+                   loss at the new parameters for damping adaptation, the metrics
+
+One process runs the three stages fused in one graph. Everything a stage reads from an
+earlier one is a mean over the examples, so a data-parallel run all-reduces (averages) the
+values STAGES lists at each boundary and every rank then computes the same update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from onnx import TensorProto
+
+from kfac_compiler import contract as C
+from kfac_compiler.optimizers.base import Gram, regularized
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.backend.forward import ForwardPass
+
+FLOAT = TensorProto.FLOAT
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the step and what a data-parallel run averages over ranks after it."""
+
+    name: str
+    computes: str
+    reduces: tuple[str, ...]
+
+
+STAGES = (
+    Stage("local", "loss, gradients and this batch's factor statistics",
+          ("gradients", "loss", "factor statistics (statistics steps)")),
+    Stage("precondition", "P = (F + damping)^-1 g, dot products, the quadratic model's terms",
+          ("quadratic model terms c11 c12 c22 b1 b2",)),
+    Stage("update", "(alpha, mu), the update, new parameters and velocity, metrics", ()),
+)
+
+
+@dataclass
+class Local:
+    """What the local stage hands on: the loss, the gradients (raw and with weight decay) and
+    the finiteness terms gathered so far."""
+
+    loss: str
+    raw_grads: dict[str, str]
+    grads: dict[str, str]
+    ok_terms: list[str]
+
+
+@dataclass
+class QuadraticModel:
+    """m(a, mu) = a b1 + mu b2 + 1/2 [a mu] C [a mu]^T with C = [[c11, c12], [c12, c22]]
+    (damped GGN products along P and v on the model's batch); b1, b2 the gradient terms on
+    that batch, whole_b1, whole_b2 those of the whole batch (the change damping adaptation
+    compares with)."""
+
+    c11: str
+    c12: str
+    c22: str
+    b1: str
+    b2: str
+    whole_b1: str
+    whole_b2: str
+
+
+@dataclass
+class Preconditioned:
+    precond: dict[str, str]
+    velocity: dict[str, str]
+    dots: Gram
+    model: QuadraticModel | None
+
+
+def emit_kfac_step(
+    em: "Emission",
+    with_stats: bool = True,
+    stats_if: bool = False,
+    qmodel: bool = True,
+    mode: str | None = None,
+    num_samples: int | None = None,
+    l2: bool = False,
+    stats_batch: int | None = None,
+    loss_after: bool = False,
+    qmodel_batch: int | None = None,
+) -> None:
+    """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
+    preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
+    quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr), whose curvature
+    products run on the first qmodel_batch examples (None: all). loss_after adds
+    metric/loss_after, the loss of the same batch at the updated parameters, computed only
+    when hp/loss_after > 0 (NaN otherwise). Options: docs/runtime_contract.md."""
+    mode = mode or em.parts.mode
+    num_samples = num_samples or em.parts.num_samples
+    local = local_stage(em, with_stats, stats_if, mode, num_samples, l2, stats_batch)
+    pre = precondition_stage(em, local, qmodel, l2, qmodel_batch)
+    update_stage(em, local, pre, l2, loss_after)
+
+
+# --------------------------------------------------------------------------- stage 1: local
+def local_stage(em: "Emission", with_stats: bool, stats_if: bool, mode: str, num_samples: int, l2: bool,
+                stats_batch: int | None) -> Local:
+    """Loss, gradients (+ l2 theta), and with_stats the factors' moving-average updates from
+    this batch's statistics on its first stats_batch examples (inside an If on
+    hp/update_stats with stats_if)."""
+    reuse = with_stats and mode == "empirical" and stats_batch is None
+    loss, _, raw_grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
+    grads = regularized(em, raw_grads, l2)
+    ok_terms = [loss]
+    if with_stats:
+        em.factor_updates(em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms, conditional=stats_if)
+    return Local(loss, raw_grads, grads, ok_terms)
+
+
+# --------------------------------------------------------------------------- stage 2: precondition
+def precondition_stage(em: "Emission", local: Local, qmodel: bool, l2: bool,
+                       qmodel_batch: int | None) -> Preconditioned:
+    """P, the velocity, their dot products with g, and with qmodel the quadratic model's
+    terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
+    shared)."""
+    precond = em.precondition(local.grads)
+    velocity = {p: em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros") for p in em.parts.params}
+    vectors = {"g": local.grads, "P": precond, "v": velocity}
+    if l2:
+        vectors["raw"] = local.raw_grads
+        vectors["t"] = {p: p for p in em.parts.params}  # theta, for the regularizer's change
+    dots = Gram(em, vectors)
+    model = None
+    if qmodel:
+        damping = em.hp("damping")
+        if l2:
+            damping = em.b.add(damping, em.hp("l2"))
+        model = quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity, dots, damping, l2)
+    return Preconditioned(precond, velocity, dots, model)
+
+
+def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity: dict, dots: Gram, damping: str,
+                    l2: bool) -> QuadraticModel:
+    """The damped model's terms with C the exact GGN (products from forward-mode JVPs), as in
+    kfac-jax, on the batch `fwd` covers.
+
+    On a sub-batch S the model is the sub-batch's own: C and g both from S, with
+    g_S.u = sum_{n in S} (J_n u).dl_n/dz / |S| from the same JVPs (free). Mixing the whole
+    batch's g with C_S overshoots wherever S under-represents the curvature along P (seen
+    on the digits classifier at batch 256 with the model on 128 examples)."""
+    b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
+    j_p = em.jvp(fwd, precond, [z])[z]
+    j_v = em.jvp(fwd, velocity, [z])[z]
+    f_p, f_v = loss.emit_fisher_times(b, z, j_p), loss.emit_fisher_times(b, z, j_v)
+    if fwd.weight is not None:  # C = 1/N sum_n w_n J_n^T F_n J_n for a weighted loss
+        f_p, f_v = b.mul(f_p, fwd.weight), b.mul(f_v, fwd.weight)
+
+    def mean_dot(u: str, w: str) -> str:
+        return b.div(b.reduce_sum(b.mul(u, w), None), n)
+
+    c11 = b.add(mean_dot(j_p, f_p), b.mul(damping, dots("P", "P")))
+    c12 = b.add(mean_dot(j_p, f_v), b.mul(damping, dots("P", "v")))
+    c22 = b.add(mean_dot(j_v, f_v), b.mul(damping, dots("v", "v")))
+    whole_b1, whole_b2 = dots("g", "P"), dots("g", "v")
+    if fwd is em.full:
+        b1, b2 = whole_b1, whole_b2
+    else:  # fwd.data_grad carries the example weights of a weighted loss
+        b1, b2 = mean_dot(j_p, fwd.data_grad), mean_dot(j_v, fwd.data_grad)
+        if l2:
+            b1 = b.add(b1, b.mul(em.hp("l2"), dots("t", "P")))
+            b2 = b.add(b2, b.mul(em.hp("l2"), dots("t", "v")))
+    return QuadraticModel(c11, c12, c22, b1, b2, whole_b1, whole_b2)
+
+
+# --------------------------------------------------------------------------- stage 3: update
+def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, loss_after: bool) -> None:
+    """(a, mu), the update, the new parameters and velocity, loss_after and the metrics."""
+    b, dots, loss = em.b, pre.dots, local.loss
+    if pre.model is not None:
+        gap = None  # the objective's distance to the loss's lower bound, where one is known
+        if em.parts.loss.lower_bound is not None:
+            gap = b.sub(loss, b.const(float(em.parts.loss.lower_bound)))
+            if l2:  # the objective the model describes includes l2 |theta|^2 / 2
+                gap = b.add(gap, b.mul(b.mul(b.const(0.5), em.hp("l2")), dots("t", "t")))
+        a, mu, change = solve_quadratic_model(em, pre.model, gap)
+    else:
+        lr, mu = em.hp("learning_rate"), em.hp("momentum")
+        a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("g", "P"))))
+    params = em.parts.params
+    update = {p: b.add(b.mul(a, pre.precond[p]), b.mul(mu, pre.velocity[p])) for p in params}
+    # |a P + mu v|^2 and g . update from the Gram entries
+    update_sq = b.add(
+        b.add(b.mul(b.mul(a, a), dots("P", "P")), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), dots("P", "v"))),
+        b.mul(b.mul(mu, mu), dots("v", "v")),
+    )
+    if pre.model is None:
+        change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # first-order only
+    ok_terms = local.ok_terms + [update_sq, a, mu]
+    ok_flags: list[str] = []
+    new_params = {p: b.add(p, update[p]) for p in params}
+    for p in params:
+        em.state_output(p, new_params[p])
+        em.state_output(C.velocity(p), update[p])
+    if loss_after:
+        ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2))
+    em.metric("loss", loss)
+    em.metric("update_norm", b.op("Sqrt", [update_sq]))
+    em.metric("grad_norm", b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
+    em.metric("alpha", b.neg(a))
+    em.metric("mu", mu)
+    em.metric("qmodel_change", change)
+    ok = em.finite(ok_terms)
+    for flag in ok_flags:
+        ok = b.op("And", [ok, flag])
+    em.metric("finite", b.cast(ok, FLOAT))
+
+
+def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
+                update_sq: str, change: str, l2: bool) -> str:
+    """metric/loss_after: the objective at the new parameters on the same batch, for
+    Levenberg-Marquardt damping, inside an If on hp/loss_after > 0 so that only the
+    damping-adaptation steps pay for the forward pass. With l2 it includes the regularizer's
+    change l2 (theta.u + |u|^2 / 2), so that loss_after - loss is the change of the objective
+    the quadratic model describes. Returns the flag that rejects the step: with
+    hp/reject_increase > 0, a step that raises the batch objective by more than |predicted
+    change| (rho < -1) is not applied (|.|: a sub-batch model can predict a small increase of
+    the whole batch's objective, and a step that then lowers it is fine; NaN, no forward
+    pass this step, compares false)."""
+    b = em.b
+    weights = C.EXAMPLE_WEIGHTS if em.parts.weighted else None
+
+    def objective_after() -> list[str]:
+        _, rename = em.clone_forward("kfac/after/", new_params)
+        after = em.parts.loss.emit_loss(b, rename(em.output), em.full.y, weights)
+        if l2:
+            reg = b.add(
+                b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v"))),
+                b.mul(b.const(0.5), update_sq),
+            )
+            after = b.add(after, b.mul(em.hp("l2"), reg))
+        return [after]
+
+    wanted = b.op("Greater", [em.hp("loss_after"), b.const(0.0)])
+    (after,) = b.conditional(wanted, objective_after, [b.const(float("nan"))], [[]], hint="loss_after")
+    em.metric("loss_after", after)
+    increase = b.op("And", [b.op("Greater", [em.hp("reject_increase"), b.const(0.0)]),
+                            b.op("Greater", [b.sub(after, local.loss), b.op("Abs", [change])])])
+    return b.op("Not", [increase])
+
+
+def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
+    """(a, mu, change): the minimizer of the model with |mu| <= hp/max_momentum, and the
+    model's value there with the whole batch's gradient (the prediction damping adaptation
+    compares with the whole batch's loss change). With `gap` (the objective's distance to
+    the loss's lower bound) a, mu are scaled down where that change would undercut the bound
+    (decrease_scale)."""
+    b = em.b
+    c11, c12, c22, b1, b2 = m.c11, m.c12, m.c22, m.b1, m.b2
+    det = b.sub(b.mul(c11, c22), b.mul(c12, c12))
+    # 2-D solve unless v = 0 (first step) or the system is numerically rank one in float32
+    two_d = b.op("And", [
+        b.op("Greater", [c22, b.const(0.0)]),
+        b.op("Greater", [det, b.mul(b.const(1e-6), b.mul(c11, c22))]),
+    ])
+    safe_det = b.op("Where", [two_d, det, b.const(1.0)])
+    a2 = b.neg(b.div(b.sub(b.mul(c22, b1), b.mul(c12, b2)), safe_det))
+    mu2 = b.neg(b.div(b.sub(b.mul(c11, b2), b.mul(c12, b1)), safe_det))
+    a1 = b.neg(b.div(b1, b.op("Max", [c11, b.const(1e-30)])))
+    a = b.op("Where", [two_d, a2, a1])
+    mu = b.op("Where", [two_d, mu2, b.const(0.0)])
+    # |mu| <= hp/max_momentum, with a re-solved for the clipped mu: where the batch's
+    # curvature along v is tiny the model's optimum has |mu| >> 1 and training diverges
+    limit = em.hp("max_momentum")
+    mu_c = b.op("Min", [b.op("Max", [mu, b.neg(limit)]), limit])
+    a_c = b.neg(b.div(b.add(b1, b.mul(mu_c, c12)), b.op("Max", [c11, b.const(1e-30)])))
+    a = b.op("Where", [b.op("Equal", [mu, mu_c]), a, a_c])
+    mu = mu_c
+
+    def model(a: str, mu: str, b1: str, b2: str) -> str:
+        quad = b.add(b.add(b.mul(b.mul(a, a), c11), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), c12)), b.mul(b.mul(mu, mu), c22))
+        return b.add(b.add(b.mul(a, b1), b.mul(mu, b2)), b.mul(b.const(0.5), quad))
+
+    # Fall back to the momentum-free step when it is no worse: in exact arithmetic the
+    # (clipped) 2-D solution never is, but with v almost parallel to P the float32 solve can
+    # pick the wrong sign of mu and predict an increase
+    keep = b.op("LessOrEqual", [model(a, mu, b1, b2), model(a1, b.const(0.0), b1, b2)])
+    a = b.op("Where", [keep, a, a1])
+    mu = b.op("Where", [keep, mu, b.const(0.0)])
+    change = model(a, mu, m.whole_b1, m.whole_b2)
+    if gap is None:
+        return a, mu, change
+    scale = decrease_scale(em, change, gap)
+    a, mu = b.mul(scale, a), b.mul(scale, mu)
+    return a, mu, model(a, mu, m.whole_b1, m.whole_b2)
+
+
+def decrease_scale(em: "Emission", change: str, gap: str) -> str:
+    """s = min(1, k gap / -change), k = hp/max_predicted_decrease (<= 0: off): the update is
+    scaled by the ratio of the decrease allowed (the fraction k of the objective's distance
+    to the loss's lower bound, `gap`) to the decrease predicted. A model that predicts a
+    decrease below the bound is extrapolating past its validity (docs/runtime.md,
+    "Safeguards")."""
+    b = em.b
+    k = em.hp("max_predicted_decrease")
+    limit = b.mul(k, gap)
+    capped = b.op("And", [b.op("Greater", [k, b.const(0.0)]), b.op("Less", [change, b.neg(limit)])])
+    s = b.op("Where", [capped, b.div(limit, b.neg(change)), b.const(1.0)])
+    em.metric("update_scale", s)
+    return s
+
+
+def norm_constraint(em: "Emission", lr: str, g_dot_precond: str) -> str:
+    """KL clipping (TF K-FAC): scale so lr^2 g.F^-1 g <= c; c <= 0 disables."""
+    b = em.b
+    c = em.hp("norm_constraint")
+    sq = b.mul(b.mul(lr, lr), b.op("Abs", [g_dot_precond]))
+    ratio = b.op("Sqrt", [b.div(c, b.op("Max", [sq, b.const(1e-30)]))])
+    clipped = b.op("Min", [ratio, b.const(1.0)])
+    return b.op("Where", [b.op("Greater", [c, b.const(0.0)]), clipped, b.const(1.0)])

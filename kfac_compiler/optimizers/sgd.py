@@ -1,0 +1,58 @@
+"""SGD with heavy-ball momentum: settings, the `sgd_step` graph, the host step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from kfac_compiler import contract as C
+from kfac_compiler.optimizers.base import regularized, register_optimizer
+from kfac_compiler.optimizers.config import OptimizerConfig, check_unit
+from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.plan import Plan
+
+
+@dataclass
+class SgdConfig(OptimizerConfig):
+    """SGD with heavy-ball momentum: v <- mu v - lr (g + l2 w); w <- w + v."""
+
+    name: ClassVar[str] = "sgd"
+    momentum: float | None = None
+
+    def resolve(self, plan: "Plan | None") -> None:
+        if self.learning_rate is None:
+            self.learning_rate = 0.1
+        if self.momentum is None:
+            self.momentum = 0.9
+
+    def validate(self) -> None:
+        super().validate()
+        check_unit("momentum", self.momentum)
+
+
+def emit_sgd_step(em: "Emission", l2: bool = False) -> None:
+    """Heavy-ball SGD: v = momentum v - lr g; theta += v."""
+    b = em.b
+    loss, _, raw, _ = em.loss_and_grads()
+    grads = regularized(em, raw, l2)
+    lr, mom = em.hp("learning_rate"), em.hp("momentum")
+    steps = {}
+    for p in em.parts.params:
+        vel = em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros")
+        steps[p] = b.sub(b.mul(mom, vel), b.mul(lr, grads[p]))
+        em.state_output(p, b.add(p, steps[p]))
+        em.state_output(C.velocity(p), steps[p])
+    emit_baseline_metrics(em, loss, steps, raw)
+
+
+@register_optimizer
+class Sgd(FirstOrderOptimizer):
+    name = "sgd"
+    Config = SgdConfig
+    subgraphs = {"sgd_step": emit_sgd_step}
+    step_subgraph = "sgd_step"
+
+    def hyper_parameters(self) -> dict[str, float]:
+        return {C.hp("learning_rate"): self.config.learning_rate, C.hp("momentum"): self.config.momentum}
