@@ -23,6 +23,7 @@ import numpy as np
 
 from kfac_compiler.config import LOSS_KINDS
 from kfac_compiler.errors import ConfigError, DataError, ModelError
+from kfac_compiler.optimizers import OPTIMIZERS
 
 DEFAULT_MODEL = "mlp_classifier"
 CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
@@ -40,7 +41,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets'")
     t.add_argument("--loss", choices=LOSS_KINDS, help="loss kind (for an .onnx model; zoo models know theirs)")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
-    t.add_argument("--optimizer", default=None, choices=("kfac", "adam", "sgd"), help="default kfac")
+    t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=128, help="examples per step (default 128)")
     t.add_argument("--seed", type=int, default=0, help="batch order, estimator noise and zoo init (default 0)")
