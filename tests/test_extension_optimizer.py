@@ -1,0 +1,49 @@
+"""An optimizer registered from one file (tests/extensions/normalized_gd.py) trains a zoo
+model through the generic Trainer, and its steps are the update rule it states."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.models import ZOO
+from kfac_compiler.optimizers import OPTIMIZERS
+from kfac_compiler.runtime import Trainer
+from extensions import normalized_gd  # noqa: F401  (registers the optimizer; tests/ is on sys.path)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    e = ZOO["mlp_classifier"]
+    inputs, y = e.make_data(n=256, seed=0)
+    return kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False), inputs, y
+
+
+def test_registered_optimizer_trains_with_its_update_rule(mlp):
+    plan, inputs, y = mlp
+    assert "normalized_gd" in OPTIMIZERS
+    tr = Trainer(plan, optimizer="normalized_gd", learning_rate=0.05)
+    losses = []
+    for k in range(5):
+        idx = np.arange(32 * k, 32 * (k + 1))
+        batch = {"input": inputs["input"][idx]}
+        before = tr.parameters()
+        _, g = kc.gradients(plan, batch, y[idx], params=before)  # the gradients subgraph at theta_k
+        norm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in g.values()))
+        m = tr.step(batch, y[idx])
+        losses.append(m["loss"])
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+        after = tr.parameters()
+        for p in before:
+            np.testing.assert_allclose(after[p], before[p] - 0.05 * g[p] / norm, rtol=1e-5, atol=1e-7)
+    assert losses[-1] < losses[0]
+    assert tr.step_count == 5 and tr.applied_steps == 5
+
+
+def test_registered_optimizer_settings_are_checked(mlp):
+    plan, _, _ = mlp
+    with pytest.raises(ConfigError, match="eps"):
+        Trainer(plan, optimizer="normalized_gd", eps=-1.0)
+    with pytest.raises(ConfigError, match="no option"):
+        Trainer(plan, optimizer="normalized_gd", momentum_typo=0.9)
