@@ -1,0 +1,292 @@
+"""Damped inverses and matrix powers emitted as ONNX nodes (they run where the session
+runs: the GPU for a CUDA session)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kfac_compiler.builder import GraphBuilder
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.linalg import (
+    DEFAULT_METHOD,
+    EMITTED_METHODS,
+    NS_ITERATIONS,
+    NS_PROBE_STEPS,
+    NS_WARM_RADIUS,
+    PI_EPS,
+    RESIDUAL_TOL,
+    SCHUR_LEAF,
+    SCHUR_TOL,
+    concrete_method,
+    probe_vector,
+)
+
+
+def emit_eye(b: GraphBuilder, n: int) -> str:
+    return b.const(np.eye(n), hint=f"eye{n}")
+
+
+def emit_trace_mean(b: GraphBuilder, M: str, n: int, diag: bool = False) -> str:
+    """tr(M)/n over the last axis/axes: a tensor of M's batch shape (scalar for one matrix)."""
+    if diag:
+        return b.reduce_mean(M, [-1])
+    return b.scale(b.reduce_sum(b.mul(M, emit_eye(b, n)), [-2, -1]), 1.0 / n)
+
+
+def emit_pi(b: GraphBuilder, A: str, nA: int, G: str, nG: int, a_diag=False, g_diag=False) -> str:
+    """pi = sqrt((tr A/dim A) / (tr G/dim G)), 1 where a trace is tiny, negative or NaN/Inf."""
+    ta, tg = emit_trace_mean(b, A, nA, a_diag), emit_trace_mean(b, G, nG, g_diag)
+    eps = b.const(PI_EPS)
+    big = b.const(np.finfo(np.float32).max)
+    good = b.op("And", [b.op("Greater", [ta, eps]), b.op("Greater", [tg, eps])])
+    good = b.op("And", [good, b.op("And", [b.op("Less", [ta, big]), b.op("Less", [tg, big])])])
+    one = b.const(1.0)
+    ratio = b.div(b.op("Where", [good, ta, one]), b.op("Where", [good, tg, one]))
+    return b.op("Where", [good, b.op("Sqrt", [ratio]), one], hint="pi")
+
+
+def emit_damping_split(b, A, nA, G, nG, damping: str, a_diag=False, g_diag=False) -> tuple[str, str]:
+    """(pi sqrt(lambda), sqrt(lambda)/pi) as tensors of the factors' batch shape."""
+    pi = emit_pi(b, A, nA, G, nG, a_diag, g_diag)
+    s = b.op("Sqrt", [damping])
+    return b.mul(pi, s), b.div(s, pi)
+
+
+def emit_add_diagonal(b: GraphBuilder, M: str, n: int, d: str, diag: bool = False, batched: bool = False) -> str:
+    """M + d I; d a scalar, or (batched) a tensor of M's batch shape [g]."""
+    if diag:
+        return b.add(M, b.unsqueeze(d, [-1]) if batched else d)
+    dd = b.unsqueeze(d, [-1, -2]) if batched else d
+    return b.add(M, b.mul(dd, emit_eye(b, n)))
+
+
+def emit_all(b: GraphBuilder, flags: Sequence[str]) -> str:
+    """One boolean scalar: every element of every flag tensor is True."""
+    parts = []
+    for f in flags:
+        x = b.cast(f, b.float_type)
+        parts.append(b.reduce("ReduceMin", x, None, keepdims=False))
+    m = parts[0] if len(parts) == 1 else b.op("Min", parts)
+    return b.op("Greater", [m, b.const(0.5)], hint="ok")
+
+
+def emit_finite(b: GraphBuilder, x: str, axes: Sequence[int] | None = None) -> str:
+    """Boolean (over the reduced `axes`, None = all): every element finite."""
+    s = b.reduce_sum(b.op("Abs", [x]), axes) if axes is not None else b.reduce_sum(b.op("Abs", [x]), None)
+    return b.op("Less", [s, b.const(np.inf)])  # False for NaN and +Inf
+
+
+def emit_residual_ok(b: GraphBuilder, M: str, X: str, n: int, tol: float = RESIDUAL_TOL) -> str:
+    """||M X - I||_F / sqrt(n) <= tol per matrix (False for NaN/Inf anywhere)."""
+    R = b.sub(b.matmul(M, X), emit_eye(b, n))
+    r = b.reduce("ReduceSumSquare", R, [-2, -1], keepdims=False)
+    return b.op("LessOrEqual", [r, b.const(tol * tol * n)])
+
+
+def emit_select(b: GraphBuilder, ok: str, new: str, old: str) -> str:
+    """new where ok else old (ok a boolean scalar, or broadcastable)."""
+    return b.op("Where", [ok, new, old], hint="keep_good")
+
+
+def emit_newton_schulz(
+    b: GraphBuilder, M: str, n: int, previous: str | None = None, iterations: int = NS_ITERATIONS
+) -> tuple[str, str]:
+    """Newton-Schulz inverse of SPD M [..., n, n]; returns (X, residual_ok per matrix).
+
+    The residual squares each step (I - M X_{k+1} = (I - M X_k)^2), so the iteration
+    converges iff the spectral radius of R_0 = I - M X_0 is below 1. Start: the previous
+    inverse where a power iteration on R_0 (NS_PROBE_STEPS matrix-vector products from a
+    fixed vector; growth rate ||R_0^m v||^(1/m)) estimates that radius below NS_WARM_RADIUS,
+    else I / ||M||_F (all eigenvalues of M X_0 in (0, 1]). (||R_0||_F < 1 would be a proof
+    but rejects most useful warm starts: R_0 is far from normal.) The ok test is
+    on the last step's residual, which the iteration computes anyway: ||I - M X_{K-1}||_F /
+    sqrt(n) <= sqrt(tol), so the result's residual is about tol or less.
+    """
+    eye = emit_eye(b, n)
+    two_eye = b.const(2.0 * np.eye(n), hint=f"two_eye{n}")
+    fro = b.op("Sqrt", [b.reduce("ReduceSumSquare", M, [-2, -1], keepdims=True)])
+    fro = b.op("Max", [fro, b.const(np.finfo(np.float32).tiny)])
+    X = b.div(eye, fro)
+    if previous is not None:
+        R0 = b.sub(eye, b.matmul(M, previous))
+        v = b.const(probe_vector(n), hint="probe")
+        for _ in range(NS_PROBE_STEPS):
+            v = b.matmul(R0, v)
+        g = b.reduce("ReduceSumSquare", v, [-2, -1], keepdims=True)  # growth^(2m)
+        warm = b.op("Less", [g, b.const(NS_WARM_RADIUS ** (2 * NS_PROBE_STEPS))])
+        X = b.op("Where", [warm, previous, X], hint="ns_start")
+    P = None
+    for _ in range(iterations):
+        P = b.matmul(M, X)
+        X = b.matmul(X, b.sub(two_eye, P))
+    if P is None:
+        return X, emit_residual_ok(b, M, X, n)
+    r = b.reduce("ReduceSumSquare", b.sub(eye, P), [-2, -1], keepdims=False)
+    ok = b.op("LessOrEqual", [r, b.const(RESIDUAL_TOL * n)])
+    ok = b.op("And", [ok, emit_finite(b, X, [-2, -1])])
+    return X, ok
+
+
+def emit_probe_residual_ok(b: GraphBuilder, M: str, X: str, n: int, tol: float = RESIDUAL_TOL) -> str:
+    """||M X v - v|| / ||v|| <= tol per matrix for the fixed random unit probe v: the
+    residual test at the cost of two matrix-vector products instead of a MatMul (for R = M X
+    - I and a random direction v, ||R v||^2 estimates ||R||_F^2 / n, the quantity
+    emit_residual_ok bounds). False for NaN/Inf anywhere in X."""
+    v = b.const(probe_vector(n), hint="probe")
+    r = b.sub(b.matmul(M, b.matmul(X, v)), v)
+    return b.op("LessOrEqual", [b.reduce("ReduceSumSquare", r, [-2, -1], keepdims=False), b.const(tol * tol)])
+
+
+def emit_schur_inverse(b: GraphBuilder, M: str, n: int, leaf: int = SCHUR_LEAF) -> str:
+    """Inverse of SPD M [..., n, n] by 2x2 blocks, recursively: with M = [[A, B], [B^T, D]],
+    W = A^-1 B and the Schur complement S = D - B^T W (SPD when M is),
+
+        M^-1 = [[A^-1 + W S^-1 W^T, -W S^-1], [-(W S^-1)^T, S^-1]],
+
+    down to blocks of at most `leaf` rows, inverted by the Inverse op (LU). This is block
+    Gaussian elimination (no pivoting needed on SPD matrices) with all its work in MatMuls,
+    4/3 n^3 flops in all: ONNX Runtime's GEMMs on one thread beat LAPACK's potrf + potrs on
+    the host (docs/conventions.md, "Which method"). The price is accuracy: the blocks are
+    multiplied by explicit inverses instead of triangular solves, so the error grows like
+    cond^2 eps rather than cond eps (float32, n = 257: 1.5e-5 at cond 1e3, 9e-3 at 1e5, not
+    ok at 1e6, where LAPACK's Cholesky is still at 3e-3). The formulas take A^-1, S^-1 and
+    M as symmetric, so every block inverse is symmetrized before it is used: without that,
+    the rounding asymmetries compounded level by level (the digits autoencoder's 257 x 257
+    input factor at cond 1e3: relative error 7e-2 in float32, 5e-8 in float64; with it 1e-4
+    and 2e-13). The result is exactly symmetric."""
+    X = _emit_schur(b, b.reshape(M, [-1, n, n]), n, leaf)
+    return b.reshape(X, b.shape(M))
+
+
+def _emit_schur(b: GraphBuilder, M: str, n: int, leaf: int) -> str:
+    """emit_schur_inverse on a stack [g, n, n]."""
+    if n <= leaf:
+        return emit_symmetrized(b, b.op("Inverse", [M], domain="com.microsoft", hint="inverse"), rank=3)
+    h = n // 2
+
+    def block(r0: int, r1: int, c0: int, c1: int) -> str:
+        return b.op("Slice", [M, b.ints([r0, c0]), b.ints([r1, c1]), b.ints([1, 2])], hint="block")
+
+    A_inv = _emit_schur(b, block(0, h, 0, h), h, leaf)
+    W = b.matmul(A_inv, block(0, h, h, n))
+    S_inv = _emit_schur(b, b.sub(block(h, n, h, n), b.matmul(block(h, n, 0, h), W)), n - h, leaf)
+    minus_V = b.neg(b.matmul(W, S_inv))
+    top_left = emit_symmetrized(b, b.sub(A_inv, b.matmul(minus_V, b.transpose(W, [0, 2, 1]))), rank=3)
+    top = b.op("Concat", [top_left, minus_V], axis=2)
+    bottom = b.op("Concat", [b.transpose(minus_V, [0, 2, 1]), S_inv], axis=2)
+    return b.op("Concat", [top, bottom], axis=1)
+
+
+def emit_symmetrized(b: GraphBuilder, X: str, rank: int = 2) -> str:
+    """(X + X^T) / 2 over the last two axes of a rank-`rank` tensor."""
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return b.scale(b.add(X, b.transpose(X, perm)), 0.5)
+
+
+def emit_inverse(
+    b: GraphBuilder,
+    M: str,
+    n: int,
+    method: str = DEFAULT_METHOD,
+    previous: str | None = None,
+    iterations: int = NS_ITERATIONS,
+    check: str | None = None,
+    tol: float | None = None,
+) -> tuple[str, str]:
+    """Inverse of SPD M [..., n, n] in ONNX; returns (X, ok) with ok of M's batch shape.
+
+    X is NOT yet guarded: callers select `Where(ok, X, previous)` (usually once per block,
+    see FisherBlock.emit_inverse). `check`: "residual" (catches singular and non-finite
+    inputs, one extra MatMul; inverse_op's default), "probe" (the same test with a random
+    vector, two matrix-vector products; schur's default) or "finite" (only NaN/Inf in the
+    result); `tol` its bound (default SCHUR_TOL for schur, else RESIDUAL_TOL).
+    """
+    method = concrete_method(method)
+    if tol is None:
+        tol = SCHUR_TOL if method == "schur" else RESIDUAL_TOL
+    if method == "newton_schulz":
+        return emit_newton_schulz(b, M, n, previous, iterations)
+    if method == "inverse_op":
+        X, check = b.op("Inverse", [M], domain="com.microsoft", hint="inverse"), check or "residual"
+    elif method == "schur":
+        X, check = emit_schur_inverse(b, M, n), check or "probe"
+    else:
+        raise ConfigError(
+            f"inverse method {method!r} runs on the host (numpy): call the block's numpy_inverse, "
+            f"or choose one of {', '.join(EMITTED_METHODS)} for an emitted inverse"
+        )
+    if check == "residual":
+        return X, emit_residual_ok(b, M, X, n, tol)
+    if check == "probe":
+        return X, emit_probe_residual_ok(b, M, X, n, tol)
+    return X, emit_finite(b, X, [-2, -1])
+
+
+@dataclass
+class InverseRequest:
+    """One damped SPD matrix (or batch [g, n, n]) to invert; `previous` = last good inverse."""
+
+    matrix: str
+    n: int
+    batch: tuple[int, ...] = ()
+    previous: str | None = None
+
+
+def emit_inverse_batch(
+    b: GraphBuilder, requests: Sequence[InverseRequest], method: str = DEFAULT_METHOD, **kw
+) -> list[tuple[str, str]]:
+    """Invert many matrices: those of equal size are stacked ([sum batch, n, n]) so one
+    Inverse / one Newton-Schulz chain serves all of them. Returns (X, ok) per request, ok
+    of the request's batch shape."""
+    out: list = [None] * len(requests)
+    by_size: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_size.setdefault(r.n, []).append(i)
+    for n, idx in by_size.items():
+        if len(idx) == 1:
+            r = requests[idx[0]]
+            out[idx[0]] = emit_inverse(b, r.matrix, n, method, r.previous, **kw)
+            continue
+        counts = [int(np.prod(requests[i].batch)) if requests[i].batch else 1 for i in idx]
+        stacked = b.op("Concat", [b.reshape(requests[i].matrix, [-1, n, n]) for i in idx], axis=0)
+        prev = None
+        if method == "newton_schulz" and any(requests[i].previous for i in idx):
+            eye = b.const(np.eye(n)[None], hint=f"eye{n}_b")
+            prev = b.op(
+                "Concat",
+                [
+                    b.reshape(requests[i].previous, [-1, n, n])
+                    if requests[i].previous
+                    else b.op("Tile", [eye, b.ints([c, 1, 1])])
+                    for i, c in zip(idx, counts)
+                ],
+                axis=0,
+            )
+        X, ok = emit_inverse(b, stacked, n, method, prev, **kw)
+        Xs = b.split(X, counts, axis=0)
+        oks = b.split(ok, counts, axis=0)
+        for i, x, o in zip(idx, Xs, oks):
+            batch = requests[i].batch
+            out[i] = (b.reshape(x, [*batch, n, n]), b.reshape(o, list(batch)))
+    return out
+
+
+def emit_matpower_int(b: GraphBuilder, M: str, n: int, exp: int, method: str = DEFAULT_METHOD) -> tuple[str, str]:
+    """M^exp for an integer exp in ONNX (negative: inverse first); returns (P, ok)."""
+    if exp != int(exp):
+        raise ConfigError(f"matrix power {exp} is not an integer: compute it on the host (method 'eigh')")
+    exp = int(exp)
+    if exp == 0:
+        return b.op("Add", [b.mul(M, b.const(0.0)), emit_eye(b, n)]), emit_finite(b, M, [-2, -1])
+    ok = None
+    base = M
+    if exp < 0:
+        base, ok = emit_inverse(b, M, n, method)
+        exp = -exp
+    P = base
+    for _ in range(exp - 1):
+        P = b.matmul(P, base)
+    fin = emit_finite(b, P, [-2, -1])
+    return P, fin if ok is None else b.op("And", [ok, fin])
