@@ -14,14 +14,12 @@ matrix [W | b] (rows outputs, columns inputs then bias).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from kfac_compiler import linalg
+from kfac_compiler.blocks.statistics import GramStatistic
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.ir import FactorSpec, Layer
-
-if TYPE_CHECKING:
-    from kfac_compiler.blocks._parts import GramStatistic
 
 BLOCKS: dict[str, type["FisherBlock"]] = {}
 # Several classes share an approximation name (e.g. "kron" for fully connected, conv and
@@ -107,8 +105,9 @@ class FisherBlock:
         inputs[u]: forward value of layer.uses[u].input. cotangents[u][s]: per-example loss
         gradient delta w.r.t. layer.uses[u].output for seed s, already scaled so that the
         factor is the SUM over seeds (the estimator folds 1/num_samples in).
-        Returns {factor name: tensor name, or a _parts.GramStatistic (X^T X / count left as
-        its operands; _parts.emit_statistic materializes it)} for every factor_specs() entry.
+        Returns {factor name: tensor name, or a statistics.GramStatistic (X^T X / count left
+        as its operands; statistics.emit_statistic materializes it)} for every factor_specs()
+        entry.
         """
         raise NotImplementedError
 

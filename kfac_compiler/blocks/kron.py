@@ -15,7 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks._parts import MatrixView, Part, PartsBlock, prod
+from kfac_compiler.blocks._parts import Part, PartsBlock
+from kfac_compiler.blocks.ops import prod
+from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 

@@ -34,9 +34,9 @@ import numpy as np
 import scipy.linalg
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks._parts import emit_add_all, emit_concat, emit_dim
 from kfac_compiler.blocks.base import register_block
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
+from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
