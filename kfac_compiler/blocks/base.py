@@ -1,4 +1,4 @@
-"""The Fisher-block contract and its registry.
+"""The Fisher-block contract (the registry and the menu are in registry.py).
 
 A block owns the curvature of one Layer (its linked parameters). It says which factors it
 keeps (shapes, for the plan), emits the ONNX nodes that estimate them from one batch, emits
@@ -17,30 +17,17 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kfac_compiler import linalg
+from kfac_compiler.blocks.registry import (  # noqa: F401  (re-exported: the registry lived here)
+    APPROXIMATIONS,
+    BLOCK_CLASSES,
+    BLOCKS,
+    block_class,
+    menu_key,
+    register_block,
+)
 from kfac_compiler.blocks.statistics import GramStatistic
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.ir import FactorSpec, Layer
-
-BLOCKS: dict[str, type["FisherBlock"]] = {}
-# Several classes share an approximation name (e.g. "kron" for fully connected, conv and
-# embedding layers): the registry proper is keyed by (name, layer kind). BLOCKS keeps, per
-# name, the first class registered under it (so `name in BLOCKS` still tests a known name).
-BLOCK_CLASSES: dict[tuple[str, str], type["FisherBlock"]] = {}
-
-
-def register_block(cls: type["FisherBlock"]) -> type["FisherBlock"]:
-    """Class decorator: make `cls` available under `cls.name` for its layer kinds."""
-    BLOCKS.setdefault(cls.name, cls)
-    for kind in cls.layer_kinds:
-        BLOCK_CLASSES[(cls.name, kind)] = cls
-    return cls
-
-
-def block_class(name: str, kind: str) -> type["FisherBlock"] | None:
-    """The block class for approximation `name` on a layer of `kind` (None if there is none)."""
-    import kfac_compiler.blocks  # noqa: F401  (registers every block module)
-
-    return BLOCK_CLASSES.get((name, kind))
 
 
 class InverseState(dict):
@@ -53,7 +40,8 @@ class InverseState(dict):
 
 
 class FisherBlock:
-    """Base class. Subclasses set `name` and `layer_kinds` and implement the emit_* methods.
+    """Base class. Subclasses set `name`, `layer_kinds` (and where the block appears in the
+    menu: `uses`, `menu_rank`; see registry.py) and implement the emit_* methods.
 
     `param_shapes` maps each of the layer's parameter names to its initializer shape.
     `input_shapes` (optional) gives the static shape of each use's input tensor
@@ -66,6 +54,8 @@ class FisherBlock:
 
     name: ClassVar[str] = ""
     layer_kinds: ClassVar[tuple[str, ...]] = ()
+    uses: ClassVar[str] = "any"  # "single" | "multi" | "any": which of the kind's menus list it
+    menu_rank: ClassVar[int] = 100  # place in its menus, lowest first (= the default)
 
     def __init__(
         self,

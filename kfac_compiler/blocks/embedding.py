@@ -26,6 +26,7 @@ class EmbeddingKron(KronBlock):
 
     name = "kron"
     layer_kinds = ("embedding",)
+    menu_rank = 0
     a_diag = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):

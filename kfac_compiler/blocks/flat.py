@@ -236,6 +236,7 @@ class ScaleShiftFull(ScaleShiftBlock):
 
     name = "full"
     full = True
+    menu_rank = 0
 
 
 @register_block
@@ -244,6 +245,7 @@ class ScaleShiftDiagonal(ScaleShiftBlock):
 
     name = "diagonal"
     full = False
+    menu_rank = 10
 
 
 # =====================================================================================
@@ -291,6 +293,7 @@ class GenericDiagonal(GenericBlock):
 
     name = "diagonal"
     full = False
+    menu_rank = 0
 
 
 @register_block
@@ -299,3 +302,4 @@ class GenericFull(GenericBlock):
 
     name = "full"
     full = True
+    menu_rank = 10

@@ -135,6 +135,8 @@ class FullyConnectedKron(FullyConnectedKronBase):
     """K-FAC for a fully connected layer: F ~ A (x) G (pooled over uses when R > 1)."""
 
     name = "kron"
+    uses = "single"
+    menu_rank = 0
 
 
 @register_block
@@ -143,23 +145,31 @@ class FullyConnectedKronIndep(FullyConnectedKronBase):
     pooled factors as "kron"."""
 
     name = "kron_indep"
+    uses = "multi"
+    menu_rank = 0
 
 
 @register_block
 class FullyConnectedKronInDiag(FullyConnectedKronBase):
     name = "kron_in_diag"
+    uses = "single"
+    menu_rank = 11
     a_diag = True
 
 
 @register_block
 class FullyConnectedKronOutDiag(FullyConnectedKronBase):
     name = "kron_out_diag"
+    uses = "single"
+    menu_rank = 12
     g_diag = True
 
 
 @register_block
 class FullyConnectedKronBothDiag(FullyConnectedKronBase):
     name = "kron_both_diag"
+    uses = "single"
+    menu_rank = 13
     a_diag = True
     g_diag = True
 
@@ -171,6 +181,8 @@ class FullyConnectedDiagonal(FullyConnectedMixin, PartsBlock):
 
     name = "diagonal"
     layer_kinds = ("fully_connected",)
+    uses = "any"
+    menu_rank = 10  # after kron and the series blocks
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)

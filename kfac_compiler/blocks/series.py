@@ -301,6 +301,8 @@ class FullyConnectedKronSeries1(FullyConnectedKronSeries):
     """Martens, Ba & Johnson 2018, Option 1 (finite R, symmetric V_1)."""
 
     name = "kron_series_1"
+    uses = "multi"
+    menu_rank = 1
     option = 1
 
 
@@ -309,4 +311,6 @@ class FullyConnectedKronSeries2(FullyConnectedKronSeries):
     """Martens, Ba & Johnson 2018, Option 2 (R -> infinity)."""
 
     name = "kron_series_2"
+    uses = "multi"
+    menu_rank = 2
     option = 2
