@@ -61,6 +61,8 @@ class PartsBlock(FisherBlock):
     {"iterations": 12} for Newton-Schulz, {"check": "finite"}).
     """
 
+    host_matpowers = True  # numpy_matpower: any real power of the damped parts (eigh)
+
     def parts(self) -> list[Part]:
         raise NotImplementedError
 
@@ -189,48 +191,36 @@ class PartsBlock(FisherBlock):
         res = linalg.np_inverse_batch([m for _, m, _ in reqs], method, [pr for _, _, pr in reqs], **self._np_kw())
         return self._np_inverse_finish(factors, damped, {name: r for (name, _, _), r in zip(reqs, res)}, previous)
 
-    # ---- multiplies
-    def emit_multiply_inverse(self, b, grads, inverses):
-        return self.emit_multiply_state(b, grads, inverses)
+    # ---- the power hook: the parts (from a state, or damped and raised) applied to v
+    def _state_key(self, p: Part, state) -> str:
+        """A state's key for part p: p + "_inv" (inverse state) or p + "_pow" (numpy_matpower)."""
+        return p.name + "_inv" if p.name + "_inv" in state else p.name + "_pow"
 
-    def emit_multiply_state(self, b, vectors, state):
-        """Multiply by a state of part matrices: keys part+"_inv" (inverse) or part+"_pow"."""
-        mats = {}
-        for p in self.parts():
-            key = p.name + "_inv" if p.name + "_inv" in state else p.name + "_pow"
-            mats[p.name] = state[key]
-        return self._emit_apply(b, vectors, mats)
-
-    def emit_multiply(self, b, vectors, factors, damping):
-        return self._emit_apply(b, vectors, self._emit_damped(b, factors, damping))
-
-    def emit_multiply_matpower(self, b, vectors, factors, damping, exp):
-        """(damped parts)^exp applied to v; integer exp in ONNX (inverse_op for negative)."""
+    def emit_power(self, b, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None:
+            return self._emit_apply(b, vectors, {p.name: state[self._state_key(p, state)] for p in self.parts()})
         if exp != int(exp):
             raise ConfigError(
                 f"layer {self.layer.name!r}: matrix power {exp} needs eigendecompositions: use "
                 "numpy_matpower (host) and emit_multiply_state"
             )
         damped = self._emit_damped(b, factors, damping)
+        if exp == 1:
+            return self._emit_apply(b, vectors, damped)
         mats = {}
-        for p in self.parts():
+        for p in self.parts():  # integer powers in ONNX (the Inverse op for negative ones)
             if p.kind == "diag":
                 mats[p.name] = b.op("Pow", [damped[p.name], b.const(float(exp))])
             else:
                 mats[p.name] = linalg.emit_matpower_int(b, damped[p.name], p.n, int(exp))[0]
         return self._emit_apply(b, vectors, mats)
 
-    def numpy_multiply_inverse(self, grads, state):
-        return self.numpy_multiply_state(grads, state)
-
-    def numpy_multiply_state(self, vectors, state):
-        mats = {}
-        for p in self.parts():
-            key = p.name + "_inv" if p.name + "_inv" in state else p.name + "_pow"
-            mats[p.name] = np.asarray(state[key], np.float64)
-        return self._np_apply(vectors, mats)
-
-    def numpy_multiply(self, vectors, factors, damping):
+    def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None:
+            mats = {p.name: np.asarray(state[self._state_key(p, state)], np.float64) for p in self.parts()}
+            return self._np_apply(vectors, mats)
+        if exp != 1:
+            return self.numpy_multiply_matpower(vectors, factors, damping, exp)
         return self._np_apply(vectors, self._np_damped(factors, damping))
 
     def numpy_matpower(self, factors, damping, exp):
@@ -247,10 +237,6 @@ class PartsBlock(FisherBlock):
                 ok = ok and bool(np.all(o))
             state[p.name + "_pow"] = P
         return state, ok
-
-    def numpy_multiply_matpower(self, vectors, factors, damping, exp):
-        state, _ = self.numpy_matpower(factors, damping, exp)
-        return self.numpy_multiply_state(vectors, state)
 
 
 # ------------------------------------------------------------------ across blocks
