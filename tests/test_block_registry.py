@@ -56,8 +56,10 @@ def test_a_registered_class_joins_the_menus_by_its_declaration(registry):
         uses = "any"
         menu_rank = 11  # between kron_in_diag and kron_out_diag; after diagonal (10) in the multi menu
 
-    assert APPROXIMATIONS["fully_connected"] == ("kron", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
-    assert APPROXIMATIONS["fully_connected_multi"] == ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "extra")
+    fc = ("kron", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
+    assert APPROXIMATIONS["fully_connected"] == fc
+    multi = ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "extra")
+    assert APPROXIMATIONS["fully_connected_multi"] == multi
     cfg = CompileConfig.from_dict({"approximations": {"fully_connected_multi": "extra"}})
     (chosen,) = choose_blocks([layer("fully_connected", uses=2)], cfg)
     assert chosen.approximation == "extra"

@@ -99,7 +99,8 @@ def test_compile_and_train_match_numpy(extension):
         state = trainer.state()
         for name in LAYERS:
             np.testing.assert_allclose(state[f"factor/{name}/c"], factor[name], rtol=2e-5, err_msg=f"{step} {name}")
-            np.testing.assert_allclose(state[f"inverse/{name}/c_inv"], inverse[name], rtol=2e-5, err_msg=f"{step} {name}")
+            np.testing.assert_allclose(state[f"inverse/{name}/c_inv"], inverse[name], rtol=2e-5,
+                                       err_msg=f"{step} {name}")
         for p, value in trainer.parameters().items():
             np.testing.assert_allclose(value, theta[p], rtol=1e-4, atol=1e-6, err_msg=f"step {step} {p}")
     assert history["fc3"][0] > 0 and len(set(history["fc3"])) == STEPS  # real, changing statistics

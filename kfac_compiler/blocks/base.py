@@ -17,14 +17,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks.registry import (  # noqa: F401  (re-exported: the registry lived here)
-    APPROXIMATIONS,
-    BLOCK_CLASSES,
-    BLOCKS,
-    block_class,
-    menu_key,
-    register_block,
-)
+from kfac_compiler.blocks.registry import BLOCK_CLASSES, BLOCKS, block_class, register_block  # noqa: F401  (lived here)
 from kfac_compiler.blocks.statistics import GramStatistic
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError

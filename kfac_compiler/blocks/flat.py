@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler.blocks._parts import Part, PartsBlock
-from kfac_compiler.blocks.base import register_block
 from kfac_compiler.blocks.ops import emit_add_all, emit_dim, emit_gram, prod
+from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import FlatView
 from kfac_compiler.errors import ConfigError
 

@@ -34,9 +34,10 @@ import numpy as np
 import scipy.linalg
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks.base import FisherBlock, register_block
+from kfac_compiler.blocks.base import FisherBlock
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
 from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim
+from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
