@@ -1,4 +1,4 @@
-"""Shared machinery for the Fisher blocks.
+"""The parts block: shared machinery of the Kronecker, diagonal and full Fisher blocks.
 
 A `PartsBlock` keeps its curvature as a few *parts*: SPD matrices ("full", possibly with a
 leading batch axis, e.g. one factor per conv group) and elementwise diagonals ("diag").
@@ -7,7 +7,8 @@ part "full". Damped inverses, multiplies and matrix powers then follow one patte
 
     damped parts  = the parts with damping added (Kronecker: the pi split)
     inverse state = {part + "_inv": damped part ^ -1}, guarded by one "ok" flag per block
-    multiply by a state / the damped parts / their powers = `_emit_apply` (block specific)
+    the power hook (emit_power / numpy_power) = `_emit_apply` (block specific) of a state's
+        parts, of the damped parts, or of their integer powers
 
 The ONNX helpers, the statistic type and the parameter views that used to live here are in
 ops.py, statistics.py and views.py; they are re-exported for existing imports.
