@@ -1,7 +1,8 @@
 """Pass 4: choose each layer's Fisher block (its `approximation`).
 
-The menu of a layer is kfac_compiler.blocks.APPROXIMATIONS[menu_key(kind, num_uses)]; its
-first entry is the default. Precedence, highest first:
+The menu of a layer is kfac_compiler.blocks.APPROXIMATIONS[menu_key(kind, num_uses)], derived
+from the registered block classes (blocks/registry.py); its first entry is the default.
+Precedence, highest first:
   1. config.layers {layer name or regex (full match): approximation} - the first entry that
      matches the layer name, in file order;
   2. an approximation already set on the layer (user links);

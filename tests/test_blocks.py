@@ -823,6 +823,22 @@ def test_registry_and_errors():
         linalg.check_method("svd")
 
 
+DERIVED = (
+    "emit_multiply", "emit_multiply_inverse", "emit_multiply_state", "emit_multiply_matpower",
+    "numpy_multiply", "numpy_multiply_inverse", "numpy_multiply_state", "numpy_multiply_matpower",
+)
+
+
+def test_multiplies_derive_from_the_power_hook():
+    """Every block implements emit_power / numpy_power only; the multiplies are the base's."""
+    from kfac_compiler.blocks import FisherBlock
+
+    for (name, kind), cls in BLOCK_CLASSES.items():
+        assert cls.emit_power is not FisherBlock.emit_power and cls.numpy_power is not FisherBlock.numpy_power
+        for method in DERIVED:
+            assert getattr(cls, method) is getattr(FisherBlock, method), (name, kind, method)
+
+
 def test_numpy_inverses_across_blocks_match_single():
     items, singles = [], []
     for name, case in CASES:

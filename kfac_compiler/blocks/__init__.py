@@ -1,37 +1,22 @@
 """Fisher blocks: one class per approximation, registered by name.
 
-See base.py for the contract every block implements. `APPROXIMATIONS` is the menu the
-front end offers per layer kind (first entry = default), after TensorFlow K-FAC.
+See base.py for the contract every block implements and registry.py for the registry.
+`APPROXIMATIONS` is the menu the front end offers per layer kind (first entry = default),
+after TensorFlow K-FAC; it is derived from the registered classes, so `@register_block` in
+any imported module makes a new approximation selectable (docs/extending_blocks.md).
 """
 from __future__ import annotations
 
-from kfac_compiler.blocks.base import (
+from kfac_compiler.blocks.base import FisherBlock, InverseState, make_block
+from kfac_compiler.blocks.registry import (
+    APPROXIMATIONS,
     BLOCK_CLASSES,
     BLOCKS,
-    FisherBlock,
-    InverseState,
     block_class,
-    make_block,
+    menu_key,
     register_block,
+    unregister_block,
 )
-
-APPROXIMATIONS: dict[str, tuple[str, ...]] = {
-    "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
-    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal"),
-    "conv": ("kron", "diagonal"),
-    "conv_multi": ("kron_indep", "diagonal"),
-    "depthwise_conv": ("diagonal",),
-    "embedding": ("kron",),
-    "scale_and_shift": ("full", "diagonal"),
-    "generic": ("diagonal", "full"),
-}
-
-
-def menu_key(kind: str, num_uses: int) -> str:
-    """Key into APPROXIMATIONS for a layer kind and its number of uses."""
-    multi = f"{kind}_multi"
-    return multi if num_uses > 1 and multi in APPROXIMATIONS else kind
-
 
 # Importing the block modules registers their classes (BLOCK_CLASSES[(name, kind)]).
 from kfac_compiler.blocks import conv, embedding, flat, fully_connected, series  # noqa: E402,F401
@@ -49,4 +34,5 @@ __all__ = [
     "menu_key",
     "numpy_inverses",
     "register_block",
+    "unregister_block",
 ]

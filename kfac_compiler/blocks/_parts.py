@@ -1,4 +1,4 @@
-"""Shared machinery for the Fisher blocks.
+"""The parts block: shared machinery of the Kronecker, diagonal and full Fisher blocks.
 
 A `PartsBlock` keeps its curvature as a few *parts*: SPD matrices ("full", possibly with a
 leading batch axis, e.g. one factor per conv group) and elementwise diagonals ("diag").
@@ -7,10 +7,11 @@ part "full". Damped inverses, multiplies and matrix powers then follow one patte
 
     damped parts  = the parts with damping added (Kronecker: the pi split)
     inverse state = {part + "_inv": damped part ^ -1}, guarded by one "ok" flag per block
-    multiply by a state / the damped parts / their powers = `_emit_apply` (block specific)
+    the power hook (emit_power / numpy_power) = `_emit_apply` (block specific) of a state's
+        parts, of the damped parts, or of their integer powers
 
-`MatrixView` maps parameter tensors (in their stored shapes) to the K-FAC matrix [W | b]
-(rows outputs, columns inputs then bias) and back, in ONNX and in numpy.
+The ONNX helpers, the statistic type and the parameter views that used to live here are in
+ops.py, statistics.py and views.py; they are re-exported for existing imports.
 """
 from __future__ import annotations
 
@@ -21,16 +22,20 @@ import numpy as np
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks.base import FisherBlock, InverseState
+from kfac_compiler.blocks.ops import (  # noqa: F401  (re-exported)
+    emit_add_all,
+    emit_append_const,
+    emit_concat,
+    emit_dim,
+    emit_gram,
+    emit_shape_with,
+    prod,
+)
+from kfac_compiler.blocks.statistics import GramStatistic, emit_statistic  # noqa: F401  (re-exported)
+from kfac_compiler.blocks.views import FlatView, MatrixView  # noqa: F401  (re-exported)
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
-
-
-def prod(xs) -> int:
-    p = 1
-    for x in xs:
-        p *= int(x)
-    return p
 
 
 @dataclass(frozen=True)
@@ -50,206 +55,14 @@ class Part:
         return tuple(self.shape[:-2]) if self.kind == "full" else ()
 
 
-# ------------------------------------------------------------------ ONNX helpers
-def emit_dim(b: GraphBuilder, x: str, axis: int) -> str:
-    """x.shape[axis] as a float scalar (works for every opset >= 13)."""
-    d = b.op("Gather", [b.op("Shape", [x]), b.const(np.asarray(axis, np.int64))], axis=0)
-    return b.cast(d, b.float_type)
-
-
-def emit_shape_with(b: GraphBuilder, x: str, rank: int, axis: int, size: int = 1) -> str:
-    """Shape of x (rank `rank`) with dimension `axis` replaced by `size`."""
-    axis = axis % rank
-    shp = b.op("Shape", [x])
-    pieces = []
-    if axis > 0:
-        pieces.append(b.op("Slice", [shp, b.ints([0]), b.ints([axis])]))
-    pieces.append(b.ints([size]))
-    if axis < rank - 1:
-        pieces.append(b.op("Slice", [shp, b.ints([axis + 1]), b.ints([rank])]))
-    return pieces[0] if len(pieces) == 1 else b.op("Concat", pieces, axis=0)
-
-
-def emit_append_const(b: GraphBuilder, x: str, rank: int, axis: int, value: float) -> str:
-    """Append one slice filled with `value` at the end of `axis` (the homogeneous coordinate)."""
-    shape = emit_shape_with(b, x, rank, axis, 1)
-    filled = b.op("Expand", [b.const(np.full([1] * rank, value)), shape])
-    return b.op("Concat", [x, filled], axis=axis)
-
-
-def emit_concat(b: GraphBuilder, xs: Sequence[str], axis: int) -> str:
-    xs = list(xs)
-    return xs[0] if len(xs) == 1 else b.op("Concat", xs, axis=axis)
-
-
-def emit_gram(b: GraphBuilder, X: str, rank: int = 2) -> str:
-    """X^T X for X [rows, k] (rank 2) or X X^T per batch for X [g, k, cols] (rank 3)."""
-    if rank == 2:
-        return b.matmul(b.transpose(X, [1, 0]), X)
-    return b.matmul(X, b.transpose(X, [0, 2, 1]))
-
-
-@dataclass(frozen=True)
-class GramStatistic:
-    """A factor statistic X^T X / count for rows X [m, k], left as its operands: the moving
-    average folds the product, the division and its decay into one Gemm
-    (backend._factor_updates), instead of four more passes over the k x k factor (0.08 ms of
-    a 2.3 ms digits-autoencoder step). `emit` materializes it for every other consumer."""
-
-    rows: str
-    count: str  # scalar tensor
-
-    def emit(self, b: GraphBuilder) -> str:
-        return b.div(emit_gram(b, self.rows), self.count)
-
-
-def emit_statistic(b: GraphBuilder, stat: "str | GramStatistic") -> str:
-    """The tensor of an emit_statistics value (a tensor name or a GramStatistic)."""
-    return stat.emit(b) if isinstance(stat, GramStatistic) else stat
-
-
-def emit_add_all(b: GraphBuilder, xs: Sequence[str]) -> str:
-    xs = list(xs)
-    out = xs[0]
-    for x in xs[1:]:
-        out = b.add(out, x)
-    return out
-
-
-# ------------------------------------------------------------------ parameter <-> matrix
-class MatrixView:
-    """Parameters in their stored shapes <-> the K-FAC matrix [W | b] of shape
-    [*batch, out, in (+1 with a bias)].
-
-    weight -> (transpose, for 2-d weights stored [in, out]) -> reshape to `w_mat_shape`;
-    bias -> reshape to [*batch, out, 1]; the two are concatenated on the last axis.
-    """
-
-    def __init__(
-        self,
-        weight: str,
-        w_shape: Sequence[int],
-        w_mat_shape: Sequence[int],
-        transpose: bool = False,
-        bias: str | None = None,
-        b_shape: Sequence[int] | None = None,
-    ) -> None:
-        self.weight, self.w_shape, self.transpose = weight, tuple(w_shape), transpose
-        self.w_mat_shape = tuple(w_mat_shape)
-        self.bias, self.b_shape = bias, (tuple(b_shape) if b_shape is not None else None)
-        if prod(self.w_shape) != prod(self.w_mat_shape):
-            raise ConfigError(f"parameter {weight!r}: shape {self.w_shape} does not fit the matrix {self.w_mat_shape}")
-        if bias is not None and prod(self.b_shape) != prod(self.w_mat_shape[:-1]):
-            raise ConfigError(f"parameter {bias!r}: shape {self.b_shape} does not fit {self.w_mat_shape[:-1]}")
-
-    @property
-    def mat_shape(self) -> tuple[int, ...]:
-        *lead, k = self.w_mat_shape
-        return (*lead, k + (1 if self.bias else 0))
-
-    @property
-    def _pre_shape(self) -> tuple[int, ...]:
-        return (self.w_shape[1], self.w_shape[0]) if self.transpose else self.w_shape
-
-    # ONNX
-    def emit_to(self, b: GraphBuilder, tensors: dict[str, str]) -> str:
-        w = tensors[self.weight]
-        if self.transpose:
-            w = b.transpose(w, [1, 0])
-        if self._pre_shape != self.w_mat_shape:
-            w = b.reshape(w, self.w_mat_shape)
-        if not self.bias:
-            return w
-        bb = b.reshape(tensors[self.bias], [*self.w_mat_shape[:-1], 1])
-        return b.op("Concat", [w, bb], axis=-1)
-
-    def emit_from(self, b: GraphBuilder, M: str) -> dict[str, str]:
-        out = {}
-        w = M
-        if self.bias:
-            w, bb = b.split(M, [self.w_mat_shape[-1], 1], axis=-1)
-            out[self.bias] = b.reshape(bb, self.b_shape)
-        if self._pre_shape != self.w_mat_shape:
-            w = b.reshape(w, self._pre_shape)
-        if self.transpose:
-            w = b.transpose(w, [1, 0])
-        out[self.weight] = w
-        return out
-
-    @property
-    def stored_transposed(self) -> bool:
-        """A 2-d weight stored [in, out] (as ONNX MatMul and Gemm(transB=0) read it): blocks
-        can work on M^T = [W; b^T] as stored, without a transpose on the way in and out."""
-        return self.transpose and len(self.w_mat_shape) == 2
-
-    def emit_to_transposed(self, b: GraphBuilder, tensors: dict[str, str]) -> str:
-        """M^T [in (+1), out] of a stored_transposed view."""
-        w = tensors[self.weight]
-        if not self.bias:
-            return w
-        return b.op("Concat", [w, b.reshape(tensors[self.bias], [1, self.w_mat_shape[0]])], axis=0)
-
-    def emit_from_transposed(self, b: GraphBuilder, MT: str) -> dict[str, str]:
-        if not self.bias:
-            return {self.weight: MT}
-        w, bb = b.split(MT, [self.w_mat_shape[1], 1], axis=0)
-        return {self.weight: w, self.bias: b.reshape(bb, self.b_shape)}
-
-    # numpy
-    def np_to(self, arrays: dict) -> np.ndarray:
-        w = np.asarray(arrays[self.weight])
-        if self.transpose:
-            w = w.T
-        w = w.reshape(self.w_mat_shape)
-        if not self.bias:
-            return w
-        return np.concatenate([w, np.asarray(arrays[self.bias]).reshape(*self.w_mat_shape[:-1], 1)], axis=-1)
-
-    def np_from(self, M: np.ndarray) -> dict:
-        out = {}
-        k = self.w_mat_shape[-1]
-        w = M[..., :k]
-        if self.bias:
-            out[self.bias] = M[..., k].reshape(self.b_shape)
-        w = w.reshape(self._pre_shape)
-        out[self.weight] = w.T if self.transpose else w
-        return out
-
-
-class FlatView:
-    """Parameters <-> one flat vector (concatenation of the flattened parameters, in order)."""
-
-    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
-        self.names = list(names)
-        self.shapes = [tuple(s) for s in shapes]
-        self.sizes = [prod(s) for s in self.shapes]
-        self.size = sum(self.sizes)
-
-    def emit_to(self, b: GraphBuilder, tensors: dict[str, str]) -> str:
-        return emit_concat(b, [b.reshape(tensors[n], [-1]) for n in self.names], axis=0)
-
-    def emit_from(self, b: GraphBuilder, v: str) -> dict[str, str]:
-        parts = b.split(v, self.sizes, axis=0) if len(self.names) > 1 else [v]
-        return {n: b.reshape(p, list(s)) for n, p, s in zip(self.names, parts, self.shapes)}
-
-    def np_to(self, arrays: dict) -> np.ndarray:
-        return np.concatenate([np.asarray(arrays[n]).reshape(-1) for n in self.names])
-
-    def np_from(self, v: np.ndarray) -> dict:
-        out, start = {}, 0
-        for n, s, k in zip(self.names, self.shapes, self.sizes):
-            out[n] = v[start : start + k].reshape(s)
-            start += k
-        return out
-
-
-# ------------------------------------------------------------------ the parts block
 class PartsBlock(FisherBlock):
     """A block whose curvature is a set of parts (see module docstring).
 
     Options (constructor keywords): `inverse_options` (dict passed to linalg, e.g.
     {"iterations": 12} for Newton-Schulz, {"check": "finite"}).
     """
+
+    host_matpowers = True  # numpy_matpower: any real power of the damped parts (eigh)
 
     def parts(self) -> list[Part]:
         raise NotImplementedError
@@ -379,48 +192,36 @@ class PartsBlock(FisherBlock):
         res = linalg.np_inverse_batch([m for _, m, _ in reqs], method, [pr for _, _, pr in reqs], **self._np_kw())
         return self._np_inverse_finish(factors, damped, {name: r for (name, _, _), r in zip(reqs, res)}, previous)
 
-    # ---- multiplies
-    def emit_multiply_inverse(self, b, grads, inverses):
-        return self.emit_multiply_state(b, grads, inverses)
+    # ---- the power hook: the parts (from a state, or damped and raised) applied to v
+    def _state_key(self, p: Part, state) -> str:
+        """A state's key for part p: p + "_inv" (inverse state) or p + "_pow" (numpy_matpower)."""
+        return p.name + "_inv" if p.name + "_inv" in state else p.name + "_pow"
 
-    def emit_multiply_state(self, b, vectors, state):
-        """Multiply by a state of part matrices: keys part+"_inv" (inverse) or part+"_pow"."""
-        mats = {}
-        for p in self.parts():
-            key = p.name + "_inv" if p.name + "_inv" in state else p.name + "_pow"
-            mats[p.name] = state[key]
-        return self._emit_apply(b, vectors, mats)
-
-    def emit_multiply(self, b, vectors, factors, damping):
-        return self._emit_apply(b, vectors, self._emit_damped(b, factors, damping))
-
-    def emit_multiply_matpower(self, b, vectors, factors, damping, exp):
-        """(damped parts)^exp applied to v; integer exp in ONNX (inverse_op for negative)."""
+    def emit_power(self, b, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None:
+            return self._emit_apply(b, vectors, {p.name: state[self._state_key(p, state)] for p in self.parts()})
         if exp != int(exp):
             raise ConfigError(
                 f"layer {self.layer.name!r}: matrix power {exp} needs eigendecompositions: use "
                 "numpy_matpower (host) and emit_multiply_state"
             )
         damped = self._emit_damped(b, factors, damping)
+        if exp == 1:
+            return self._emit_apply(b, vectors, damped)
         mats = {}
-        for p in self.parts():
+        for p in self.parts():  # integer powers in ONNX (the Inverse op for negative ones)
             if p.kind == "diag":
                 mats[p.name] = b.op("Pow", [damped[p.name], b.const(float(exp))])
             else:
                 mats[p.name] = linalg.emit_matpower_int(b, damped[p.name], p.n, int(exp))[0]
         return self._emit_apply(b, vectors, mats)
 
-    def numpy_multiply_inverse(self, grads, state):
-        return self.numpy_multiply_state(grads, state)
-
-    def numpy_multiply_state(self, vectors, state):
-        mats = {}
-        for p in self.parts():
-            key = p.name + "_inv" if p.name + "_inv" in state else p.name + "_pow"
-            mats[p.name] = np.asarray(state[key], np.float64)
-        return self._np_apply(vectors, mats)
-
-    def numpy_multiply(self, vectors, factors, damping):
+    def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None:
+            mats = {p.name: np.asarray(state[self._state_key(p, state)], np.float64) for p in self.parts()}
+            return self._np_apply(vectors, mats)
+        if exp != 1:
+            return self.numpy_multiply_matpower(vectors, factors, damping, exp)
         return self._np_apply(vectors, self._np_damped(factors, damping))
 
     def numpy_matpower(self, factors, damping, exp):
@@ -437,10 +238,6 @@ class PartsBlock(FisherBlock):
                 ok = ok and bool(np.all(o))
             state[p.name + "_pow"] = P
         return state, ok
-
-    def numpy_multiply_matpower(self, vectors, factors, damping, exp):
-        state, _ = self.numpy_matpower(factors, damping, exp)
-        return self.numpy_multiply_state(vectors, state)
 
 
 # ------------------------------------------------------------------ across blocks
@@ -496,10 +293,12 @@ def numpy_inverses(items, method: str = "eigh", **kw) -> list[tuple[dict, bool]]
 
 __all__ = [
     "FlatView",
+    "GramStatistic",
     "MatrixView",
     "Part",
     "PartsBlock",
     "emit_inverses",
+    "emit_statistic",
     "numpy_inverses",
     "prod",
 ]

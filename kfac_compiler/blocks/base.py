@@ -1,4 +1,4 @@
-"""The Fisher-block contract and its registry.
+"""The Fisher-block contract (the registry and the menu are in registry.py).
 
 A block owns the curvature of one Layer (its linked parameters). It says which factors it
 keeps (shapes, for the plan), emits the ONNX nodes that estimate them from one batch, emits
@@ -14,35 +14,14 @@ matrix [W | b] (rows outputs, columns inputs then bias).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from kfac_compiler import linalg
+from kfac_compiler.blocks.registry import BLOCK_CLASSES, BLOCKS, block_class, register_block  # noqa: F401  (lived here)
+from kfac_compiler.blocks.statistics import GramStatistic
 from kfac_compiler.builder import GraphBuilder
+from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec, Layer
-
-if TYPE_CHECKING:
-    from kfac_compiler.blocks._parts import GramStatistic
-
-BLOCKS: dict[str, type["FisherBlock"]] = {}
-# Several classes share an approximation name (e.g. "kron" for fully connected, conv and
-# embedding layers): the registry proper is keyed by (name, layer kind). BLOCKS keeps, per
-# name, the first class registered under it (so `name in BLOCKS` still tests a known name).
-BLOCK_CLASSES: dict[tuple[str, str], type["FisherBlock"]] = {}
-
-
-def register_block(cls: type["FisherBlock"]) -> type["FisherBlock"]:
-    """Class decorator: make `cls` available under `cls.name` for its layer kinds."""
-    BLOCKS.setdefault(cls.name, cls)
-    for kind in cls.layer_kinds:
-        BLOCK_CLASSES[(cls.name, kind)] = cls
-    return cls
-
-
-def block_class(name: str, kind: str) -> type["FisherBlock"] | None:
-    """The block class for approximation `name` on a layer of `kind` (None if there is none)."""
-    import kfac_compiler.blocks  # noqa: F401  (registers every block module)
-
-    return BLOCK_CLASSES.get((name, kind))
 
 
 class InverseState(dict):
@@ -55,7 +34,12 @@ class InverseState(dict):
 
 
 class FisherBlock:
-    """Base class. Subclasses set `name` and `layer_kinds` and implement the emit_* methods.
+    """Base class. Subclasses set `name`, `layer_kinds` (and where the block appears in the
+    menu: `uses`, `menu_rank`; see registry.py) and implement the specs, the statistics, the
+    inverse and ONE power hook, `emit_power` with its twin `numpy_power`: (F + damping)^p v
+    from the factors or from a state. emit_multiply (p = 1), emit_multiply_inverse (p = -1,
+    the inverse state), emit_multiply_matpower (integer p), emit_multiply_state and their
+    numpy twins are derived from it (docs/extending_blocks.md).
 
     `param_shapes` maps each of the layer's parameter names to its initializer shape.
     `input_shapes` (optional) gives the static shape of each use's input tensor
@@ -68,6 +52,11 @@ class FisherBlock:
 
     name: ClassVar[str] = ""
     layer_kinds: ClassVar[tuple[str, ...]] = ()
+    uses: ClassVar[str] = "any"  # "single" | "multi" | "any": which of the kind's menus list it
+    menu_rank: ClassVar[int] = 100  # place in its menus, lowest first (= the default)
+    # True: numpy_matpower gives a state for any real exp (an eigendecomposition), used by
+    # numpy_multiply_matpower for exp = 1 too; False: only the inverse state (exp = -1).
+    host_matpowers: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -107,8 +96,9 @@ class FisherBlock:
         inputs[u]: forward value of layer.uses[u].input. cotangents[u][s]: per-example loss
         gradient delta w.r.t. layer.uses[u].output for seed s, already scaled so that the
         factor is the SUM over seeds (the estimator folds 1/num_samples in).
-        Returns {factor name: tensor name, or a _parts.GramStatistic (X^T X / count left as
-        its operands; _parts.emit_statistic materializes it)} for every factor_specs() entry.
+        Returns {factor name: tensor name, or a statistics.GramStatistic (X^T X / count left
+        as its operands; statistics.emit_statistic materializes it)} for every factor_specs()
+        entry.
         """
         raise NotImplementedError
 
@@ -134,19 +124,6 @@ class FisherBlock:
         """
         raise NotImplementedError
 
-    def emit_multiply_inverse(
-        self, b: GraphBuilder, grads: dict[str, str], inverses: dict[str, str]
-    ) -> dict[str, str]:
-        """(F + damping)^-1 g for the block's parameters, g keyed by parameter name."""
-        raise NotImplementedError
-
-    def emit_multiply(
-        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str
-    ) -> dict[str, str]:
-        """(F + damping) v for the block's parameters."""
-        raise NotImplementedError
-
-    # Extensions (every block in kfac_compiler.blocks implements them) -------------
     @property
     def host_inverse_only(self) -> bool:
         """True when the inverse is host-side whatever the method (see inverse_is_host)."""
@@ -156,16 +133,67 @@ class FisherBlock:
         """True when this block's inverse for `method` is computed on the host
         (numpy_inverse) rather than emitted (emit_inverse): host methods (linalg.HOST_METHODS),
         exact damping, the RNN series blocks."""
-        from kfac_compiler import linalg
-
         return linalg.is_host_method(method)
+
+    # The power hook: a block implements these two; the multiplies below derive from them --
+    def emit_power(
+        self,
+        b: GraphBuilder,
+        vectors: dict[str, str],
+        exp: float | None,
+        *,
+        factors: dict[str, str] | None = None,
+        damping: str | None = None,
+        state: dict[str, str] | None = None,
+    ) -> dict[str, str]:
+        """(F + damping)^exp v in ONNX, v keyed by parameter name; one of two operands:
+
+        * `factors` and `damping` (a scalar tensor): the damped curvature raised to `exp`;
+          exp = 1 always, integer exps where the block can emit them;
+        * `state`: a state already holding the power: the inverse state (emit_inverse /
+          numpy_inverse) for exp = -1, or a numpy_matpower state (exp None).
+
+        A power the block cannot emit raises ConfigError naming the layer and the host way
+        (numpy_matpower, numpy_inverse)."""
+        raise NotImplementedError
+
+    def numpy_power(
+        self,
+        vectors: dict,
+        exp: float | None,
+        *,
+        factors: dict | None = None,
+        damping: float | None = None,
+        state: dict | None = None,
+    ) -> dict:
+        """numpy twin of emit_power (float64 inside). With factors it is called for exp = 1;
+        other host powers go through a numpy_matpower state (numpy_multiply_matpower)."""
+        raise NotImplementedError
+
+    # Derived from the hook ------------------------------------------------------------------
+    def emit_multiply(
+        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str
+    ) -> dict[str, str]:
+        """(F + damping) v for the block's parameters."""
+        return self.emit_power(b, vectors, 1, factors=factors, damping=damping)
+
+    def emit_multiply_inverse(
+        self, b: GraphBuilder, grads: dict[str, str], inverses: dict[str, str]
+    ) -> dict[str, str]:
+        """(F + damping)^-1 g for the block's parameters, g keyed by parameter name, by the
+        inverse state (emit_inverse, or numpy_inverse uploaded)."""
+        return self.emit_power(b, grads, -1, state=inverses)
+
+    def emit_multiply_state(self, b: GraphBuilder, vectors: dict[str, str], state: dict[str, str]) -> dict[str, str]:
+        """Multiply by a host state (numpy_matpower, numpy_inverse) fed to the graph."""
+        return self.emit_power(b, vectors, None, state=state)
 
     def emit_multiply_matpower(
         self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str, exp: float
     ) -> dict[str, str]:
         """(F + damping)^exp v for an integer exp, in ONNX (fractional exps: host-side
         numpy_matpower, then emit_multiply_state with that state)."""
-        raise NotImplementedError
+        return self.emit_power(b, vectors, exp, factors=factors, damping=damping)
 
     # numpy twins (host-side inverse methods, tests); arrays keyed like the emit_* methods
     def numpy_statistics(self, inputs: list, cotangents: list[list]) -> dict:
@@ -175,18 +203,28 @@ class FisherBlock:
         """-> (state keyed like inverse_specs(), ok: bool); not ok => state = previous (or identity)."""
         raise NotImplementedError
 
-    def numpy_multiply_inverse(self, grads: dict, state: dict) -> dict:
-        raise NotImplementedError
+    def numpy_matpower(self, factors: dict, damping: float, exp: float):
+        """-> (state for emit_multiply_state / numpy_multiply_state, ok). Here: the inverse
+        state for exp = -1; blocks with host_matpowers compute any real exp."""
+        if exp == -1:
+            return self.numpy_inverse(factors, damping)
+        raise ConfigError(f"layer {self.layer.name!r}: {self.name} supports matrix powers 1 and -1 only")
 
     def numpy_multiply(self, vectors: dict, factors: dict, damping: float) -> dict:
-        raise NotImplementedError
+        return self.numpy_power(vectors, 1, factors=factors, damping=damping)
 
-    def numpy_matpower(self, factors: dict, damping: float, exp: float):
-        """-> (state for emit_multiply_state / numpy_multiply_state, ok)."""
-        raise NotImplementedError
+    def numpy_multiply_inverse(self, grads: dict, state: dict) -> dict:
+        return self.numpy_power(grads, -1, state=state)
+
+    def numpy_multiply_state(self, vectors: dict, state: dict) -> dict:
+        return self.numpy_power(vectors, None, state=state)
 
     def numpy_multiply_matpower(self, vectors: dict, factors: dict, damping: float, exp: float) -> dict:
-        raise NotImplementedError
+        """(F + damping)^exp v for any real exp the block supports, via numpy_matpower's state."""
+        if exp == 1 and not self.host_matpowers:
+            return self.numpy_multiply(vectors, factors, damping)
+        state, _ = self.numpy_matpower(factors, damping, exp)
+        return self.numpy_power(vectors, exp, state=state)
 
 
 def make_block(
@@ -196,8 +234,6 @@ def make_block(
     **options,
 ) -> FisherBlock:
     """The block object for a layer whose `approximation` is set."""
-    from kfac_compiler.errors import ConfigError
-
     cls = block_class(layer.approximation or "", layer.kind)
     if cls is None:
         raise ConfigError(f"layer {layer.name!r}: no Fisher block {layer.approximation!r} for kind {layer.kind!r}")

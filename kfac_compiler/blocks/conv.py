@@ -23,18 +23,11 @@ import itertools
 import numpy as np
 from onnx import TensorProto
 
-from kfac_compiler.blocks._parts import (
-    MatrixView,
-    Part,
-    PartsBlock,
-    emit_append_const,
-    emit_concat,
-    emit_dim,
-    emit_gram,
-    prod,
-)
-from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.kron import KronBlock
+from kfac_compiler.blocks.ops import emit_append_const, emit_concat, emit_dim, emit_gram, prod
+from kfac_compiler.blocks.registry import register_block
+from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 
 
@@ -235,6 +228,8 @@ class ConvKron(ConvKronBase):
     """KFC (Grosse & Martens 2016); per-group factors when group > 1; uses pooled."""
 
     name = "kron"
+    uses = "single"
+    menu_rank = 0
 
 
 @register_block
@@ -242,6 +237,8 @@ class ConvKronIndep(ConvKronBase):
     """Multi-use conv: uses pooled as independent (same factors as "kron")."""
 
     name = "kron_indep"
+    uses = "multi"
+    menu_rank = 0
 
 
 @register_block
@@ -250,6 +247,8 @@ class ConvDiagonal(ConvMixin, PartsBlock):
 
     name = "diagonal"
     layer_kinds = ("conv", "depthwise_conv")
+    uses = "any"  # depthwise_conv has no multi-use menu: its layers of any use count pick here
+    menu_rank = 10
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kfac_compiler.blocks._parts import GramStatistic, MatrixView, emit_concat, emit_dim
-from kfac_compiler.blocks.base import register_block
 from kfac_compiler.blocks.kron import KronBlock
+from kfac_compiler.blocks.ops import emit_concat, emit_dim
+from kfac_compiler.blocks.registry import register_block
+from kfac_compiler.blocks.statistics import GramStatistic
+from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 
 
@@ -24,6 +26,7 @@ class EmbeddingKron(KronBlock):
 
     name = "kron"
     layer_kinds = ("embedding",)
+    menu_rank = 0
     a_diag = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):

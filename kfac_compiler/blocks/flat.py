@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kfac_compiler.blocks._parts import FlatView, Part, PartsBlock, emit_add_all, emit_dim, emit_gram, prod
-from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks._parts import Part, PartsBlock
+from kfac_compiler.blocks.ops import emit_add_all, emit_dim, emit_gram, prod
+from kfac_compiler.blocks.registry import register_block
+from kfac_compiler.blocks.views import FlatView
 from kfac_compiler.errors import ConfigError
 
 
@@ -234,6 +236,7 @@ class ScaleShiftFull(ScaleShiftBlock):
 
     name = "full"
     full = True
+    menu_rank = 0
 
 
 @register_block
@@ -242,6 +245,7 @@ class ScaleShiftDiagonal(ScaleShiftBlock):
 
     name = "diagonal"
     full = False
+    menu_rank = 10
 
 
 # =====================================================================================
@@ -289,6 +293,7 @@ class GenericDiagonal(GenericBlock):
 
     name = "diagonal"
     full = False
+    menu_rank = 0
 
 
 @register_block
@@ -297,3 +302,4 @@ class GenericFull(GenericBlock):
 
     name = "full"
     full = True
+    menu_rank = 10

@@ -18,18 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kfac_compiler.blocks._parts import (
-    GramStatistic,
-    MatrixView,
-    Part,
-    PartsBlock,
-    emit_append_const,
-    emit_concat,
-    emit_dim,
-    prod,
-)
-from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.kron import KronBlock
+from kfac_compiler.blocks.ops import emit_append_const, emit_concat, emit_dim, prod
+from kfac_compiler.blocks.registry import register_block
+from kfac_compiler.blocks.statistics import GramStatistic
+from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 
 
@@ -141,6 +135,8 @@ class FullyConnectedKron(FullyConnectedKronBase):
     """K-FAC for a fully connected layer: F ~ A (x) G (pooled over uses when R > 1)."""
 
     name = "kron"
+    uses = "single"
+    menu_rank = 0
 
 
 @register_block
@@ -149,23 +145,31 @@ class FullyConnectedKronIndep(FullyConnectedKronBase):
     pooled factors as "kron"."""
 
     name = "kron_indep"
+    uses = "multi"
+    menu_rank = 0
 
 
 @register_block
 class FullyConnectedKronInDiag(FullyConnectedKronBase):
     name = "kron_in_diag"
+    uses = "single"
+    menu_rank = 11
     a_diag = True
 
 
 @register_block
 class FullyConnectedKronOutDiag(FullyConnectedKronBase):
     name = "kron_out_diag"
+    uses = "single"
+    menu_rank = 12
     g_diag = True
 
 
 @register_block
 class FullyConnectedKronBothDiag(FullyConnectedKronBase):
     name = "kron_both_diag"
+    uses = "single"
+    menu_rank = 13
     a_diag = True
     g_diag = True
 
@@ -177,6 +181,8 @@ class FullyConnectedDiagonal(FullyConnectedMixin, PartsBlock):
 
     name = "diagonal"
     layer_kinds = ("fully_connected",)
+    uses = "any"
+    menu_rank = 10  # after kron and the series blocks
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)

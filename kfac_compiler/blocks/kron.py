@@ -15,7 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks._parts import MatrixView, Part, PartsBlock, prod
+from kfac_compiler.blocks._parts import Part, PartsBlock
+from kfac_compiler.blocks.ops import prod
+from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
@@ -156,37 +158,35 @@ class KronBlock(PartsBlock):
                 }
         return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, ok
 
-    def emit_multiply_state(self, b, vectors, state):
-        if "D_inv" not in state:
-            return super().emit_multiply_state(b, vectors, state)
-        X = self.view.emit_to(b, vectors)
-        perm = list(range(len(self.batch))) + [len(self.batch) + 1, len(self.batch)]
-        Y = b.matmul(b.matmul(b.transpose(state["G_Q"], perm), X), state["A_Q"])
-        Y = b.mul(Y, state["D_inv"])
-        Y = b.matmul(b.matmul(state["G_Q"], Y), b.transpose(state["A_Q"], perm))
-        return self.view.emit_from(b, Y)
+    # ---- the power hook: exact damping multiplies by G X A + lambda X, and its host state
+    # (eigenbases, D_inv) by Ug [(Ug^T X Ua) * D_inv] Ua^T; "pi" is the parts' hook
+    def emit_power(self, b, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None and "D_inv" in state:
+            X = self.view.emit_to(b, vectors)
+            perm = list(range(len(self.batch))) + [len(self.batch) + 1, len(self.batch)]
+            Y = b.matmul(b.matmul(b.transpose(state["G_Q"], perm), X), state["A_Q"])
+            Y = b.mul(Y, state["D_inv"])
+            Y = b.matmul(b.matmul(state["G_Q"], Y), b.transpose(state["A_Q"], perm))
+            return self.view.emit_from(b, Y)
+        if state is None and self.damping_mode == "exact":
+            if exp != 1:
+                raise ConfigError(f"layer {self.layer.name!r}: exact damping powers are host-side (numpy_matpower)")
+            X = self.view.emit_to(b, vectors)
+            Y = b.add(b.matmul(b.matmul(factors["G"], X), factors["A"]), b.mul(X, damping))
+            return self.view.emit_from(b, Y)
+        return super().emit_power(b, vectors, exp, factors=factors, damping=damping, state=state)
 
-    def numpy_multiply_state(self, vectors, state):
-        if "D_inv" not in state:
-            return super().numpy_multiply_state(vectors, state)
-        X = self.view.np_to(vectors).astype(np.float64)
-        Ua, Ug = np.asarray(state["A_Q"], np.float64), np.asarray(state["G_Q"], np.float64)
-        Y = (np.swapaxes(Ug, -1, -2) @ X @ Ua) * state["D_inv"]
-        return self.view.np_from(Ug @ Y @ np.swapaxes(Ua, -1, -2))
-
-    def emit_multiply(self, b, vectors, factors, damping):
-        if self.damping_mode != "exact":
-            return super().emit_multiply(b, vectors, factors, damping)
-        X = self.view.emit_to(b, vectors)
-        Y = b.add(b.matmul(b.matmul(factors["G"], X), factors["A"]), b.mul(X, damping))
-        return self.view.emit_from(b, Y)
-
-    def numpy_multiply(self, vectors, factors, damping):
-        if self.damping_mode != "exact":
-            return super().numpy_multiply(vectors, factors, damping)
-        X = self.view.np_to(vectors).astype(np.float64)
-        A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
-        return self.view.np_from(G @ X @ A + float(damping) * X)
+    def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None and "D_inv" in state:
+            X = self.view.np_to(vectors).astype(np.float64)
+            Ua, Ug = np.asarray(state["A_Q"], np.float64), np.asarray(state["G_Q"], np.float64)
+            Y = (np.swapaxes(Ug, -1, -2) @ X @ Ua) * state["D_inv"]
+            return self.view.np_from(Ug @ Y @ np.swapaxes(Ua, -1, -2))
+        if state is None and exp == 1 and self.damping_mode == "exact":
+            X = self.view.np_to(vectors).astype(np.float64)
+            A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
+            return self.view.np_from(G @ X @ A + float(damping) * X)
+        return super().numpy_power(vectors, exp, factors=factors, damping=damping, state=state)
 
     def numpy_matpower(self, factors, damping, exp):
         if self.damping_mode == "exact":
@@ -198,10 +198,3 @@ class KronBlock(PartsBlock):
             D = (np.maximum(sg, 0)[..., :, None] * np.maximum(sa, 0)[..., None, :] + float(damping)) ** exp
             return {"A_Q": Ua, "G_Q": Ug, "D_inv": D}, bool(np.isfinite(D).all())
         return super().numpy_matpower(factors, damping, exp)
-
-    def emit_multiply_matpower(self, b, vectors, factors, damping, exp):
-        if self.damping_mode == "exact" and exp not in (1,):
-            raise ConfigError(f"layer {self.layer.name!r}: exact damping powers are host-side (numpy_matpower)")
-        if self.damping_mode == "exact":
-            return self.emit_multiply(b, vectors, factors, damping)
-        return super().emit_multiply_matpower(b, vectors, factors, damping, exp)

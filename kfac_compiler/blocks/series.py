@@ -34,9 +34,10 @@ import numpy as np
 import scipy.linalg
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks._parts import emit_add_all, emit_concat, emit_dim
-from kfac_compiler.blocks.base import register_block
+from kfac_compiler.blocks.base import FisherBlock
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
+from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim
+from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
@@ -200,11 +201,29 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
             state = dict(previous) if previous is not None else self._fallback_state()
         return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, bool(ok)
 
-    # ---- multiply by the inverse (state from numpy_inverse)
-    def emit_multiply_inverse(self, b, grads, inverses):
-        return self.emit_multiply_state(b, grads, inverses)
+    # ---- the power hook: F^-1 by the host state (numpy_inverse), F itself from the factors;
+    # no other power (numpy_matpower: the inverse state only, as the contract's default)
+    host_matpowers = False
+    numpy_matpower = FisherBlock.numpy_matpower
 
-    def emit_multiply_state(self, b, vectors, st):
+    def emit_power(self, b, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None:
+            return self._emit_state_product(b, vectors, state)
+        if exp != 1:
+            raise ConfigError(
+                f"layer {self.layer.name!r}: {self.name} power {exp}: use numpy_inverse + emit_multiply_inverse"
+            )
+        return self._emit_fisher_product(b, vectors, factors, damping)
+
+    def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is not None:
+            return self._np_state_product(vectors, state)
+        if exp != 1:
+            return self.numpy_multiply_matpower(vectors, factors, damping, exp)
+        return self._np_fisher_product(vectors, factors, damping)
+
+    # ---- multiply by the inverse (state from numpy_inverse)
+    def _emit_state_product(self, b, vectors, st):
         X = self.view.emit_to(b, vectors)
         if self.option == 2:
             X = b.sub(X, b.matmul(b.matmul(st["G_psi"], X), b.transpose(st["A_psi"], [1, 0])))
@@ -215,10 +234,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
             Y = b.sub(Y, b.matmul(b.matmul(b.transpose(st["G_psi"], [1, 0]), Y), st["A_psi"]))
         return self.view.emit_from(b, Y)
 
-    def numpy_multiply_inverse(self, grads, state):
-        return self.numpy_multiply_state(grads, state)
-
-    def numpy_multiply_state(self, vectors, st):
+    def _np_state_product(self, vectors, st):
         st = {k: np.asarray(v, np.float64) for k, v in st.items()}
         X = self.view.np_to(vectors).astype(np.float64)
         if self.option == 2:
@@ -230,7 +246,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         return self.view.np_from(Y)
 
     # ---- multiply by F (numpy: exact, same clipping as the inverse)
-    def numpy_multiply(self, vectors, factors, damping):
+    def _np_fisher_product(self, vectors, factors, damping):
         st = self._state(factors, damping)
         X = self.view.np_to(vectors).astype(np.float64)
         Ka_inv, Kg_inv = np.linalg.inv(st["A_K"]), np.linalg.inv(st["G_K"])
@@ -243,7 +259,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         return self.view.np_from(Y)
 
     # ---- multiply by F in ONNX (no eigenvalue clipping; option 2 truncated at 2^m terms)
-    def emit_multiply(self, b, vectors, factors, damping):
+    def _emit_fisher_product(self, b, vectors, factors, damping):
         d = self._emit_damped(b, factors, damping)
         Ad, Gd = d["A"], d["G"]
         A1, G1 = factors["A_1"], factors["G_1"]
@@ -276,31 +292,14 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
                 PA, PG = b.matmul(PA, PA), b.matmul(PG, PG)
         return X
 
-    # ---- powers: only 1 and -1
-    def numpy_matpower(self, factors, damping, exp):
-        if exp == -1:
-            return self.numpy_inverse(factors, damping)
-        raise ConfigError(f"layer {self.layer.name!r}: {self.name} supports matrix powers 1 and -1 only")
-
-    def numpy_multiply_matpower(self, vectors, factors, damping, exp):
-        if exp == 1:
-            return self.numpy_multiply(vectors, factors, damping)
-        state, _ = self.numpy_matpower(factors, damping, exp)
-        return self.numpy_multiply_state(vectors, state)
-
-    def emit_multiply_matpower(self, b, vectors, factors, damping, exp):
-        if exp == 1:
-            return self.emit_multiply(b, vectors, factors, damping)
-        raise ConfigError(
-            f"layer {self.layer.name!r}: {self.name} power {exp}: use numpy_inverse + emit_multiply_inverse"
-        )
-
 
 @register_block
 class FullyConnectedKronSeries1(FullyConnectedKronSeries):
     """Martens, Ba & Johnson 2018, Option 1 (finite R, symmetric V_1)."""
 
     name = "kron_series_1"
+    uses = "multi"
+    menu_rank = 1
     option = 1
 
 
@@ -309,4 +308,6 @@ class FullyConnectedKronSeries2(FullyConnectedKronSeries):
     """Martens, Ba & Johnson 2018, Option 2 (R -> infinity)."""
 
     name = "kron_series_2"
+    uses = "multi"
+    menu_rank = 2
     option = 2

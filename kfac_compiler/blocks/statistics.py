@@ -1,0 +1,33 @@
+"""What a block's emit_statistics returns per factor: a tensor name, or a GramStatistic.
+
+Its own module so that base.py (the contract names the type) and the back end can import it
+without importing the block implementations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kfac_compiler.blocks.ops import emit_gram
+from kfac_compiler.builder import GraphBuilder
+
+
+@dataclass(frozen=True)
+class GramStatistic:
+    """A factor statistic X^T X / count for rows X [m, k], left as its operands: the moving
+    average folds the product, the division and its decay into one Gemm
+    (backend._factor_updates), instead of four more passes over the k x k factor (0.08 ms of
+    a 2.3 ms digits-autoencoder step). `emit` materializes it for every other consumer."""
+
+    rows: str
+    count: str  # scalar tensor
+
+    def emit(self, b: GraphBuilder) -> str:
+        return b.div(emit_gram(b, self.rows), self.count)
+
+
+def emit_statistic(b: GraphBuilder, stat: "str | GramStatistic") -> str:
+    """The tensor of an emit_statistics value (a tensor name or a GramStatistic)."""
+    return stat.emit(b) if isinstance(stat, GramStatistic) else stat
+
+
+__all__ = ["GramStatistic", "emit_statistic"]
