@@ -195,8 +195,7 @@ def session_options(threads: int | None = None, spin: bool = True) -> ort.Sessio
     if not spin:
         # A trainer runs several sessions in turn, each with its own intra-op pool whose idle
         # workers spin for a while after a run, stealing the cores from the next session's
-        # run (measured on the digits autoencoder: K-FAC step p90 14 ms instead of 3 ms with
-        # the loss session interleaved). Sessions that do not run every step must not spin.
+        # run. Sessions that do not run every step must not spin.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
     prefix = os.environ.get(PROFILE_ENV)

@@ -72,8 +72,8 @@ class Program:
                 self._metric_bufs[o.name] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
         # One IOBinding per (requested results, which buffer of each state slot is current):
         # ORT keeps a binding across runs, so once both parities of the double-buffered slots
-        # have been seen a steady-state run binds nothing (re-binding the ~70 flipped slots
-        # each step made the autoencoder's host overhead 0.2-0.3 ms per step; now 0.13 ms).
+        # have been seen a steady-state run binds nothing (re-binding every flipped slot each
+        # step would cost host time in proportion to the number of slots).
         self._bindings: dict[tuple, ort.IOBinding] = {}
         # per binding: name -> the OrtValue bound last (only what changed is bound again)
         self._bound: dict[tuple, dict[str, ort.OrtValue]] = {}

@@ -123,7 +123,7 @@ def conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode:
     """The factor updates inside an If on hp/update_stats > 0: the steps that skip the
     statistics (cov_update_period > 1, the first step) run the same session, whose factor
     outputs are then copies of its inputs. A second session for those steps would cost more:
-    each session's idle workers spin on the second core (session 4 in docs/performance_log.md)."""
+    each session's idle workers spin on cores the other session needs."""
     b = em.b
     slots: list[str] = []
 

@@ -14,10 +14,9 @@ Inverse methods (docs/conventions.md, "Inverse methods"):
                      from X_0 = I / ||M||_F.
     "schur"          2x2 blocks on Schur complements, recursively down to blocks of at most
                      SCHUR_LEAF rows (Inverse op there): all MatMuls, the fastest on the CPU
-                     (1.1-1.3 ms for the zoo's 14 factor sizes against LAPACK's 1.8-2.1),
-                     but its error grows like cond^2 eps (float32, n = 257: 1.3e-5 at
-                     cond 1e3, 2e-3 at 3e4), so it is ok only while its probe residual is
-                     at most SCHUR_TOL = 1e-2 (cond <~ 1e5); the rest go to the fallback.
+                     and on CUDA (docs/conventions.md, "Which method"), but its error grows
+                     like cond^2 eps, so it is ok only while its probe residual is at most
+                     SCHUR_TOL = 1e-2 (cond <~ 1e5); the rest go to the fallback.
   host (numpy/scipy; the runtime uploads the results):
     "cholesky"       LAPACK potrf + potrs in the factor's precision (float32 in the
                      runtime), M^-1 = L^-T L^-1 (TF K-FAC register_cholesky /
@@ -75,11 +74,10 @@ def check_method(method: str) -> str:
 def concrete_method(method: str, device: str | None = None) -> str:
     """The method "auto" stands for where the inverses run: the emitted "schur" on a device
     (its accuracy bound SCHUR_TOL sends ill-conditioned blocks to host Cholesky,
-    runtime/inverses.py), "inverse_op" when emitting a plan without one.
-    CPU: MatMuls on one ORT thread, the autoencoder's 12 factors in ~2 ms where LAPACK's
-    Cholesky on the host takes ~3. CUDA (H100, 2026-11-24): ORT's Inverse kernel is cuBLAS's
-    batched LU, made for small matrices: ResNet-18's 42 factors (up to 4608 rows) took 98 s
-    per refresh, schur 0.45 s (Newton-Schulz 0.7 s); GPT (768-1024 rows) 2.1 s vs 0.17 s."""
+    runtime/inverses.py), "inverse_op" when emitting a plan without one. On the CPU its
+    MatMuls beat LAPACK's Cholesky on the host; on CUDA, ORT's Inverse kernel is cuBLAS's
+    batched LU, made for many small matrices, and crawls on factors of thousands of rows
+    (measurements: docs/conventions.md, "Which method")."""
     if check_method(method) != AUTO_METHOD:
         return method
     return "schur" if device in ("cpu", "cuda") else DEFAULT_METHOD

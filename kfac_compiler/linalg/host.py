@@ -177,9 +177,9 @@ def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None)
     """Inverse of SPD M ([..., n, n]) by LAPACK potrf + potrs against the identity, in M's
     precision (float32 stays float32: potrf succeeding certifies the matrix positive definite
     and is backward stable, so no residual check is needed). potrs' two triangular solves
-    with n right-hand sides (2n^3 flops) ran faster than potri's triangular inverse and
-    product (n^3 flops at ~28 GFLOP/s single-threaded): 0.38 vs 0.41 ms at n = 257, 0.06 vs
-    0.09 at 129. The solution is symmetric only to rounding, so it is symmetrized. ok = potrf
+    with n right-hand sides (2n^3 flops) run faster than potri's triangular inverse and
+    product (n^3 flops, but a slower kernel) at the factor sizes here. The solution is
+    symmetric only to rounding, so it is symmetrized. ok = potrf
     succeeded and the result is finite; where not ok the result is `previous` or the identity."""
     from scipy.linalg import lapack
 
@@ -219,7 +219,7 @@ _blas_limit_depth = 0
 
 def prepare_host_inverses() -> None:
     """Do the one-time work of the first host inverse up front: import scipy's LAPACK
-    (~0.2 s) and scan the loaded BLAS libraries (threadpoolctl, ~5 ms)."""
+    and scan the loaded BLAS libraries (threadpoolctl), so that no step pays for them."""
     import scipy.linalg.lapack  # noqa: F401
 
     _blas_controller()

@@ -237,8 +237,8 @@ def unbroadcast(b, view, g: str, target: str, ref: str | None = None, rshape=Non
 
 def sum_rows(b, g: str, rows) -> str:
     """[1, n] = the sum of the rows of 2-d g, as ones[1, rows] @ g: ONNX Runtime's ReduceSum
-    over axis 0 strides down the columns (34 us for 256 x 256 on 2 cores, 9x the GEMV; the
-    bias gradients of a dense layer). `rows`: g's static row count, or a symbolic dim."""
+    over axis 0 strides down the columns, several times slower than the GEMV (the bias
+    gradients of a dense layer). `rows`: g's static row count, or a symbolic dim."""
     if isinstance(rows, int):
         ones = c(b, np.ones((1, rows)))
     else:

@@ -154,8 +154,7 @@ def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity:
 
     On a sub-batch S the model is the sub-batch's own: C and g both from S, with
     g_S.u = sum_{n in S} (J_n u).dl_n/dz / |S| from the same JVPs (free). Mixing the whole
-    batch's g with C_S overshoots wherever S under-represents the curvature along P (seen
-    on the digits classifier at batch 256 with the model on 128 examples)."""
+    batch's g with C_S overshoots wherever S under-represents the curvature along P."""
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = em.jvp(fwd, precond, [z])[z]
     j_v = em.jvp(fwd, velocity, [z])[z]
