@@ -131,7 +131,10 @@ def test_ambiguous_output(tmp_path):
 
 def test_intermediate_tensor_is_a_valid_output():
     m = get_model("mlp_classifier")
-    validate_model(m, "fc2/Relu:0")
+    validate_model(m, "fc2/Relu:0")  # no ModelError
+    assert check_output(m, "fc2/Relu:0") == "fc2/Relu:0"
+    with pytest.raises(ModelError, match="fc2/Relu:1"):
+        validate_model(m, "fc2/Relu:1")  # a name the graph does not have
 
 
 def test_invalid_graph_is_reported():
