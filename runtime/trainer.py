@@ -223,7 +223,7 @@ class Trainer:
         return self
 
     @classmethod
-    def load_checkpoint(cls, path: str | os.PathLike, plan: Any, device: str = "cpu", batch_size: int | None = None,
+    def load_checkpoint(cls, path: str | os.PathLike, plan: Plan, device: str = "cpu", batch_size: int | None = None,
                         **overrides: Any) -> "Trainer":
         """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`."""
         from kfac_compiler.runtime.checkpoint import read_meta
