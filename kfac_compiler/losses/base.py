@@ -38,12 +38,14 @@ from kfac_compiler.errors import ConfigError, DataError
 @dataclass(frozen=True)
 class LossOption:
     """One option a loss takes. `check` returns the value normalised, or raises ValueError
-    with the reason (worded to follow the option's name: "must be > 0")."""
+    with the reason (worded to follow the option's name: "must be > 0"). `config_alias`: a
+    top-level config key that also sets it (an old spelling kept for existing configs)."""
 
     name: str
     default: Any
     help: str
     check: Callable[[Any], Any]
+    config_alias: str | None = None
 
 
 def positive_number(value: Any) -> float:

@@ -12,7 +12,8 @@ class SquaredError(Loss):
 
     kind = "squared_error"
     description = "normal with fixed variance, l = sum (z - y)^2 / (2 variance), targets shaped like the output"
-    options = (LossOption("variance", 1.0, "variance of the normal predictive distribution", positive_number),)
+    options = (LossOption("variance", 1.0, "variance of the normal predictive distribution", positive_number,
+                          config_alias="loss_variance"),)
     lower_bound = 0.0  # a square
     noise = "normal"
     variance: float
