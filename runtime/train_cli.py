@@ -120,25 +120,25 @@ def load_data(plan, entry, data: str, seed: int) -> tuple[dict[str, np.ndarray],
     from kfac_compiler.runtime.data import digits_for, input_spec, load_npz, output_spec, validate_dataset
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
-    kind = plan.loss.kind
+    loss = plan.loss.build()
     out = output_spec(plan.model, plan.output)
     if data == "digits":
         if entry is not None:
             inputs, targets = entry.make_data(None, seed=0)
         else:
-            inputs, targets = digits_for(specs, kind, out)
+            inputs, targets = digits_for(specs, loss, out)
         source = "digits"
     elif data.endswith(".npz") or os.path.isfile(data):
         inputs, targets = load_npz(data)
         source = data
-        checked = validate_dataset(specs, kind, inputs, targets, out, source=source)
+        checked = validate_dataset(specs, loss, inputs, targets, out, source=source)
         extra = [k for k in inputs if k not in specs]
         if extra:
             raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, plus 'targets')")
         return checked
     else:
         raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")
-    return validate_dataset(specs, kind, inputs, targets, out, source=source)
+    return validate_dataset(specs, loss, inputs, targets, out, source=source)
 
 
 class MetricsWriter:
@@ -315,8 +315,7 @@ def run_train(args) -> int:
     if args.plot and losses:
         _plot(args.plot, steps_seen, losses, f"{os.path.basename(str(name))} ({trainer.optimizer})")
     parts = [f"final train loss {final['loss']:.6f}"]
-    if "accuracy" in final:
-        parts.append(f"accuracy {final['accuracy']:.4f}")
+    parts += [f"{name} {value:.4f}" for name, value in final.items() if name != "loss"]
     parts.append(f"({args.steps} steps, {elapsed:.1f} s")
     if rejected:
         parts[-1] += f", {rejected} rejected"
