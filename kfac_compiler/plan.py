@@ -52,7 +52,8 @@ class LossSpec:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """plan.json's loss entry (its layout predates this class: checkpoints fingerprint it)."""
+        """plan.json's loss entry (its layout predates this class: checkpoints fingerprint it;
+        the "variance" slot, squared_error's option, is written as null for the other kinds)."""
         doc = {"kind": self.kind, "variance": None, **_jsonable(self.options), "recognised_from": self.recognised_from}
         if self.recognised_from is not None:
             doc.update(recognised_node=self.recognised_node, notes=list(self.notes))

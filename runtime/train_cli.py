@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kfac_compiler.errors import ConfigError, DataError, ModelError
-from kfac_compiler.losses import loss_kinds
+from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
 
 DEFAULT_MODEL = "mlp_classifier"
@@ -39,7 +39,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"zoo model name, .onnx file or plan directory (default: {DEFAULT_MODEL})")
     t.add_argument("--data", default="digits", metavar="digits|FILE.npz",
                    help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets'")
-    t.add_argument("--loss", choices=loss_kinds(), help="loss kind (for an .onnx model; zoo models know theirs)")
+    t.add_argument("--loss", choices=loss_kinds(), metavar="KIND",
+                   help=f"for an .onnx model (zoo models know theirs): {losses_help()}")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
