@@ -6,6 +6,7 @@ subclass decorated with @register_loss (docs/extending_losses.md).
 """
 from kfac_compiler.losses.base import (
     LOSSES,
+    ElementwiseLoss,
     Loss,
     LossOption,
     loss_class,
@@ -22,7 +23,7 @@ from kfac_compiler.losses.sigmoid_cross_entropy import SigmoidCrossEntropy
 from kfac_compiler.losses.squared_error import SquaredError
 
 __all__ = [
-    "LOSSES", "Loss", "LossOption", "SigmoidCrossEntropy", "SoftmaxCrossEntropy", "SquaredError",
+    "LOSSES", "ElementwiseLoss", "Loss", "LossOption", "SigmoidCrossEntropy", "SoftmaxCrossEntropy", "SquaredError",
     "loss_class", "loss_kinds", "losses_help", "make_loss", "positive_int", "positive_number",
     "reduce_rows", "register_loss",
 ]

@@ -211,6 +211,27 @@ class Loss:
         raise NotImplementedError
 
 
+class ElementwiseLoss(Loss):
+    """A loss whose l_n is a sum of per-coordinate terms t(z, y) (the independent-coordinate
+    distributions): subclasses give the terms, in ONNX and in numpy."""
+
+    def emit_terms(self, b: GraphBuilder, z: str, y: str) -> str:
+        """t(z, y), the shape of z."""
+        raise NotImplementedError
+
+    def np_terms(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def emit_per_example_loss_sum(self, b: GraphBuilder, z: str, y: str) -> str:
+        return b.reduce_sum(self.emit_terms(b, z, y), None)
+
+    def emit_per_example(self, b: GraphBuilder, z: str, y: str) -> str:
+        return reduce_rows(b, self.emit_terms(b, z, y))
+
+    def np_per_example(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return self.np_terms(z, y).reshape(len(z), -1).sum(axis=1)
+
+
 def reduce_rows(b: GraphBuilder, x: str) -> str:
     """Sum every axis but the first: [N, ...] -> [N]."""
     flat = b.op("Flatten", [x], axis=1)

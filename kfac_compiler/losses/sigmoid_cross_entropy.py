@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler.errors import DataError
-from kfac_compiler.losses.base import Loss, reduce_rows, register_loss
+from kfac_compiler.losses.base import ElementwiseLoss, register_loss
 
 
 @register_loss
-class SigmoidCrossEntropy(Loss):
+class SigmoidCrossEntropy(ElementwiseLoss):
     """Independent Bernoulli per output coordinate; targets are probabilities in [0, 1]."""
 
     kind = "sigmoid_cross_entropy"
@@ -19,17 +19,11 @@ class SigmoidCrossEntropy(Loss):
         if np.min(y) < 0 or np.max(y) > 1:
             raise DataError(f"{source}: 'targets' must lie in [0, 1] for {self.kind}, got [{np.min(y)}, {np.max(y)}]")
 
-    def _terms(self, b, z, y):
+    def emit_terms(self, b, z, y):
         # l = softplus(z) - y z, computed stably as max(z,0) - y z + log(1 + exp(-|z|))
         relu = b.op("Relu", [z])
         soft = b.op("Log", [b.add(b.const(1.0), b.op("Exp", [b.neg(b.op("Abs", [z]))]))])
         return b.add(b.sub(relu, b.mul(y, z)), soft)
-
-    def emit_per_example_loss_sum(self, b, z, y):
-        return b.reduce_sum(self._terms(b, z, y), None)
-
-    def emit_per_example(self, b, z, y):
-        return reduce_rows(b, self._terms(b, z, y))
 
     def emit_grad(self, b, z, y):
         return b.sub(b.op("Sigmoid", [z]), y)
@@ -49,9 +43,8 @@ class SigmoidCrossEntropy(Loss):
     def emit_fisher_times(self, b, z, v):
         return b.mul(self._variance(b, z), v)
 
-    def np_per_example(self, z, y):
-        terms = np.maximum(z, 0) - y * z + np.log1p(np.exp(-np.abs(z)))
-        return terms.reshape(len(z), -1).sum(axis=1)
+    def np_terms(self, z, y):
+        return np.maximum(z, 0) - y * z + np.log1p(np.exp(-np.abs(z)))
 
     def np_grad(self, z, y):
         return 1.0 / (1.0 + np.exp(-z)) - y

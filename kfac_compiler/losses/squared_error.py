@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kfac_compiler.losses.base import Loss, LossOption, positive_number, reduce_rows, register_loss
+from kfac_compiler.losses.base import ElementwiseLoss, LossOption, positive_number, register_loss
 
 
 @register_loss
-class SquaredError(Loss):
+class SquaredError(ElementwiseLoss):
     """Normal distribution with fixed variance: l = sum (z - y)^2 / (2 variance)."""
 
     kind = "squared_error"
@@ -18,15 +18,9 @@ class SquaredError(Loss):
     noise = "normal"
     variance: float
 
-    def _terms(self, b, z, y):
+    def emit_terms(self, b, z, y):
         d = b.sub(z, y)
         return b.scale(b.mul(d, d), 0.5 / self.variance)
-
-    def emit_per_example_loss_sum(self, b, z, y):
-        return b.reduce_sum(self._terms(b, z, y), None)
-
-    def emit_per_example(self, b, z, y):
-        return reduce_rows(b, self._terms(b, z, y))
 
     def emit_grad(self, b, z, y):
         return b.scale(b.sub(z, y), 1.0 / self.variance)
@@ -41,8 +35,8 @@ class SquaredError(Loss):
     def emit_fisher_times(self, b, z, v):
         return b.scale(v, 1.0 / self.variance)
 
-    def np_per_example(self, z, y):
-        return (0.5 / self.variance * (z - y) ** 2).reshape(len(z), -1).sum(axis=1)
+    def np_terms(self, z, y):
+        return 0.5 / self.variance * (z - y) ** 2
 
     def np_grad(self, z, y):
         return (z - y) / self.variance

@@ -18,14 +18,14 @@ import numpy as np
 
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import DataError
-from kfac_compiler.losses import Loss, LossOption, positive_int, reduce_rows, register_loss
+from kfac_compiler.losses import ElementwiseLoss, LossOption, positive_int, register_loss
 from kfac_compiler.models.data import MAX_PIXEL
 
 _TINY = 1e-30  # floor of y inside log y, so that 0 log 0 = 0
 
 
 @register_loss
-class PoissonLoss(Loss):
+class PoissonLoss(ElementwiseLoss):
     """Independent Poisson counts with rate exp(z); targets are counts (any y >= 0 is accepted)."""
 
     kind = "poisson"
@@ -51,16 +51,10 @@ class PoissonLoss(Loss):
         return {"mean_absolute_error": (float(np.sum(np.abs(np.exp(outputs) - targets))), int(targets.size))}
 
     # -- ONNX emitters
-    def _terms(self, b: GraphBuilder, z: str, y: str) -> str:
+    def emit_terms(self, b: GraphBuilder, z: str, y: str) -> str:
         # exp(z) - y + y (log y - z), with 0 log 0 = 0 (y is floored inside the log only)
         log_y = b.op("Log", [b.op("Max", [y, b.const(_TINY)])])
         return b.add(b.sub(b.op("Exp", [z]), y), b.mul(y, b.sub(log_y, z)))
-
-    def emit_per_example_loss_sum(self, b, z, y):
-        return b.reduce_sum(self._terms(b, z, y), None)
-
-    def emit_per_example(self, b, z, y):
-        return reduce_rows(b, self._terms(b, z, y))
 
     def emit_grad(self, b, z, y):
         return b.sub(b.op("Exp", [z]), y)
@@ -83,9 +77,8 @@ class PoissonLoss(Loss):
         return b.mul(b.op("Exp", [z]), v)
 
     # -- numpy twins
-    def np_per_example(self, z, y):
-        y_log_y = y * np.log(np.maximum(y, _TINY))
-        return (np.exp(z) - y * z + y_log_y - y).reshape(len(z), -1).sum(axis=1)
+    def np_terms(self, z, y):
+        return np.exp(z) - y * z + y * np.log(np.maximum(y, _TINY)) - y
 
     def np_grad(self, z, y):
         return np.exp(z) - y
