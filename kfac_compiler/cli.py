@@ -15,6 +15,7 @@ import warnings
 from typing import Sequence
 
 from kfac_compiler.errors import ConfigError, KfacError
+from kfac_compiler.losses import losses_help
 
 
 class _UsageError(KfacError):
@@ -33,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile an ONNX model into a plan directory")
     c.add_argument("model", metavar="MODEL", help="the .onnx file")
-    c.add_argument("--loss", help="softmax_cross_entropy | sigmoid_cross_entropy | squared_error "
-                   "(optional when the graph ends in a loss op)")
+    c.add_argument("--loss", metavar="KIND", help=f"{losses_help()} (optional when the graph ends in a loss op; "
+                   "options go in the config's loss_options table)")
     c.add_argument("--output", help="the tensor the loss applies to (default: the only graph output)")
     c.add_argument("--config", help="a TOML or JSON config file")
     c.add_argument("--approx", action="append", default=[], metavar="KEY=APPROX",

@@ -17,10 +17,11 @@ from typing import Any
 import onnx
 
 from kfac_compiler.blocks import BLOCKS, make_block
-from kfac_compiler.config import LOSS_KINDS, CompileConfig, load_config
+from kfac_compiler.config import CompileConfig, load_config
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer
+from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss, trainable_params
 from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
@@ -39,16 +40,17 @@ def compile_frontend(
 ) -> Plan:
     """Compile a model (file path or ModelProto) into a Plan without subgraphs.
 
-    `loss`: softmax_cross_entropy | sigmoid_cross_entropy | squared_error; may be None when
-    the graph ends in a recognised loss op (or config.loss is set). `output`: the tensor the
-    loss applies to (default: config.output, else the only graph output). `overrides` set
-    config keys (e.g. damping=1e-2, estimator={"mode": "empirical"}) on top of `config`.
+    `loss`: a registered loss kind (kfac_compiler.losses), its options from
+    config.loss_options; may be None when the graph ends in a recognised loss op (or
+    config.loss is set). `output`: the tensor the loss applies to (default: config.output,
+    else the only graph output). `overrides` set config keys (e.g. damping=1e-2,
+    estimator={"mode": "empirical"}) on top of `config`.
     """
     cfg = apply_overrides(load_config(config), overrides)
     loss = loss if loss is not None else cfg.loss
     output = output if output is not None else cfg.output
-    if loss is not None and loss not in LOSS_KINDS:
-        raise ConfigError(f"unknown loss {loss!r}; choose one of {', '.join(LOSS_KINDS)}")
+    if loss is not None:
+        loss_class(loss)  # an unknown kind fails before the model is read
 
     if isinstance(model_path_or_proto, onnx.ModelProto):
         model = model_path_or_proto
@@ -106,9 +108,10 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     elif loss is None:
         raise ConfigError(
             f"no loss given for {source!r} and the graph does not end in a recognised loss op; "
-            f"pass a loss kind ({', '.join(LOSS_KINDS)})"
+            f"pass a loss kind ({', '.join(loss_kinds())})"
         )
-    loss_options = {"variance": float(cfg.loss_variance)} if loss == "squared_error" else {}
+    cls = loss_class(loss)
+    loss_fn = cls(**cls.resolve_options(cfg.loss_options_for(cls), where="loss_options: "))
 
     canon = canonicalize(model, output)
     view = GraphView(canon)
@@ -119,8 +122,9 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
             f"{source!r}: output {output!r} is a scalar; name the model's prediction (the scores the loss is "
             "applied to) with --output"
         )
-    if out_shape is not None and len(out_shape) < 2 and loss == "softmax_cross_entropy":
-        raise ModelError(f"{source!r}: output {output!r} has shape {list(out_shape)}; softmax_cross_entropy needs [N, ..., classes]")
+    problem = loss_fn.output_problem(out_shape) if out_shape is not None else None
+    if problem:
+        raise ModelError(f"{source!r}: output {output!r} has shape {list(out_shape)}; {problem}")
     if rec is not None and rec.op == "SoftmaxCrossEntropyLoss" and out_shape is not None and len(out_shape) > 2:
         raise UnsupportedOpError(
             f"{source!r}: SoftmaxCrossEntropyLoss {rec.node!r} takes classes on axis 1 of a rank-{len(out_shape)} "
@@ -141,18 +145,12 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     for layer in layers:
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
 
-    spec = value_spec(out_vi)
-    o_shape, o_dtype = spec["shape"], spec["dtype"] or "float32"
-    if loss == "softmax_cross_entropy":
-        t_shape, t_dtype = (None if o_shape is None else o_shape[:-1]), "int64"
-    else:
-        t_shape, t_dtype = o_shape, o_dtype
-    targets = TensorSpec(TARGETS, t_shape, t_dtype, target_input)
+    targets = _targets_spec(loss_fn, value_spec(out_vi), target_input)
 
     return Plan(
         model=canon,
         output=output,
-        loss=LossSpec(loss, loss_options, **recognised),
+        loss=LossSpec(loss, loss_fn.option_values(), **recognised),
         inputs=[tensor_spec(vi) for vi in canon.graph.input],
         targets=targets,
         trainable=trainable,
@@ -167,6 +165,13 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         config=cfg.to_dict(),
         notes=plan_notes,
     )
+
+
+def _targets_spec(loss: Loss, output: dict[str, Any], from_input: str | None) -> TensorSpec:
+    """The plan's targets: shape and dtype as the loss derives them from the output's."""
+    o_shape, o_dtype = output["shape"], output["dtype"] or "float32"
+    t_shape = None if o_shape is None else list(loss.target_shape(tuple(o_shape)))
+    return TensorSpec(TARGETS, t_shape, loss.target_dtype(o_dtype), from_input)
 
 
 def input_shapes(layer: Layer, view: GraphView) -> list[tuple | None]:

@@ -28,6 +28,7 @@ from kfac_compiler.contract import TARGETS, SubgraphInfo
 from kfac_compiler.errors import PlanError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
+from kfac_compiler.losses import Loss, make_loss
 
 if TYPE_CHECKING:
     import numpy as np
@@ -51,7 +52,8 @@ class LossSpec:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """plan.json's loss entry (its layout predates this class: checkpoints fingerprint it)."""
+        """plan.json's loss entry (its layout predates this class: checkpoints fingerprint it;
+        the "variance" slot, squared_error's option, is written as null for the other kinds)."""
         doc = {"kind": self.kind, "variance": None, **_jsonable(self.options), "recognised_from": self.recognised_from}
         if self.recognised_from is not None:
             doc.update(recognised_node=self.recognised_node, notes=list(self.notes))
@@ -63,6 +65,10 @@ class LossSpec:
         options = {k: v for k, v in doc.items() if k not in named and v is not None}
         return cls(doc["kind"], options, doc.get("recognised_from"), doc.get("recognised_node"),
                    list(doc.get("notes") or []))
+
+    def build(self) -> Loss:
+        """The loss object (its class from the registry, with these options)."""
+        return make_loss(self.kind, **self.options)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from kfac_compiler.builder import IR_VERSION, live
 from kfac_compiler.config import compile_patterns
 from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
+from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
 
 # Ops never folded: random, or with side effects / sequences.
 _NO_FOLD = {
@@ -358,7 +359,8 @@ def _reaching(view: GraphView, output: str) -> set[str]:
 # ------------------------------------------------------------------------- loss ops
 @dataclass(frozen=True)
 class RecognisedLoss:
-    """A loss op found at the end of the graph."""
+    """A loss op found at the end of the graph (graph patterns are this pass's knowledge;
+    the kind it names is a registered loss class's)."""
 
     kind: str
     scores: str  # the model output the compiler trains (the loss op's scores/prediction input)
@@ -385,14 +387,14 @@ def recognise_loss(model: onnx.ModelProto, output: str) -> RecognisedLoss | None
     if node.op_type == "SoftmaxCrossEntropyLoss":
         notes.extend(_loss_notes(node, attrs))
         return RecognisedLoss(
-            "softmax_cross_entropy", node.input[0], label_input(node.input[1]), node.op_type, node.name, tuple(notes)
+            SoftmaxCrossEntropy.kind, node.input[0], label_input(node.input[1]), node.op_type, node.name, tuple(notes)
         )
     if node.op_type == "NegativeLogLikelihoodLoss":
         prev = view.producer.get(node.input[0])
         if prev is not None and prev.op_type == "LogSoftmax":
             notes.extend(_loss_notes(node, attrs))
             return RecognisedLoss(
-                "softmax_cross_entropy", prev.input[0], label_input(node.input[1]),
+                SoftmaxCrossEntropy.kind, prev.input[0], label_input(node.input[1]),
                 "NegativeLogLikelihoodLoss(LogSoftmax)", node.name, tuple(notes),
             )
         return None
@@ -421,7 +423,8 @@ def recognise_loss(model: onnx.ModelProto, output: str) -> RecognisedLoss | None
             notes.append("the graph sums the squared error; kfac_compiler uses the mean over examples")
         else:
             notes.append("the graph averages over every element; kfac_compiler averages over examples only")
-        return RecognisedLoss("squared_error", pred, target, f"{node.op_type}(({sq.op_type}) of Sub)", node.name, tuple(notes))
+        return RecognisedLoss(SquaredError.kind, pred, target, f"{node.op_type}(({sq.op_type}) of Sub)", node.name,
+                              tuple(notes))
     return None
 
 

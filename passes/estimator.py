@@ -8,8 +8,9 @@ SUM over seeds (the 1/num_samples weight is folded in as a sqrt on each seed):
 - curvature_prop / curvature_prop_GGN: B v with random +-1 vectors v, F_z = B B^T;
 - exact / exact_GGN: B e_k for every output coordinate k (exact Fisher/GGN factor; only for
   small outputs).
-For the three supported losses the loss Hessian w.r.t. z equals the Fisher F_z (canonical
-links), so each *_GGN mode computes the same seeds as its Fisher twin.
+Every registered loss has its Hessian w.r.t. z equal to the Fisher F_z (a canonical link:
+the loss contract, kfac_compiler.losses.base), so each *_GGN mode computes the same seeds as
+its Fisher twin.
 """
 from __future__ import annotations
 

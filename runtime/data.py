@@ -1,8 +1,9 @@
 """Data handling for the runtime: batch checks, host noise, datasets and batching for `train`.
 
 * `prepare_batch` is the structural check (input names, ranks, static dims, batch sizes).
-* `validate_dataset` is the thorough check (missing arrays, shapes, dtypes, label ranges,
-  NaN/Inf -> one-line DataError): the CLI runs it once on the whole dataset, `BatchChecker`
+* `validate_dataset` is the thorough check (missing arrays, shapes, dtypes, NaN/Inf, and
+  the loss's own target checks -> one-line DataError): the CLI runs it once on the whole
+  dataset, `BatchChecker`
   (both checks) on every batch handed to the runtime API (~20 us for a 256 x 64 batch).
 * `draw_noise` draws the `noise/<s>` inputs of the sampled estimators from the caller's
   numpy Generator, so that runs are reproducible and the generator state is checkpointable.
@@ -20,6 +21,7 @@ from onnx import TensorProto
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import DataError
+from kfac_compiler.losses import Loss
 
 NOISE_EPS = np.float32(1e-7)
 
@@ -81,15 +83,15 @@ class BatchChecker:
     """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN):
     a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, loss: Loss | None = None) -> None:
         self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
-        self.loss_kind = plan.loss.kind
+        self.loss = loss if loss is not None else plan.loss.build()
         self.out_spec = output_spec(plan.model, plan.output)
 
     def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
         data = prepare_batch(self.input_specs, inputs, targets)
         y = data.pop("targets")
-        conv, y = validate_dataset(self.input_specs, self.loss_kind, data, y, self.out_spec, source="batch")
+        conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch")
         return add_weights({**conv, "targets": y}, weights)
 
 
@@ -152,10 +154,11 @@ def output_spec(model: onnx.ModelProto, output: str) -> tuple[list[Any], int] | 
     return None
 
 
-def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss_kind: str,
+def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Loss,
                      inputs: Mapping[str, np.ndarray], targets: np.ndarray,
                      out_spec: tuple[list[Any], int] | None = None, source: str = "data") -> tuple[dict, np.ndarray]:
-    """Thorough checks before training; returns the arrays converted to the model's dtypes."""
+    """Thorough checks before training; returns the arrays converted to the model's dtypes
+    (the targets checked and converted by the loss)."""
     missing = [n for n in input_specs if n not in inputs]
     if missing:
         raise DataError(f"{source}: no array named {missing[0]!r} (the model's inputs: {list(input_specs)}, plus 'targets')")
@@ -189,25 +192,7 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss_kind
         raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; expected {n} rows like the inputs")
     if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
         raise DataError(f"{source}: 'targets' contains {int(np.sum(~np.isfinite(y)))} NaN/Inf value(s)")
-    out_dims = out_spec[0] if out_spec else None
-    if loss_kind == "softmax_cross_entropy":
-        if y.dtype.kind == "f" and not np.all(y == np.round(y)):
-            raise DataError(f"{source}: 'targets' must be integer class indices for softmax_cross_entropy")
-        classes = out_dims[-1] if out_dims and _static(out_dims[-1]) else None
-        if out_dims is not None and y.ndim != len(out_dims) - 1:
-            raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; softmax_cross_entropy expects class "
-                            f"indices shaped like the output {out_dims} without its last axis")
-        lo, hi = int(np.min(y)), int(np.max(y))
-        if lo < 0 or (classes is not None and hi >= classes):
-            raise DataError(f"{source}: 'targets' has labels in [{lo}, {hi}]; the model has {classes} classes (0..{(classes or 1) - 1})")
-        y = y.astype(np.int64)
-    else:
-        if out_dims is not None and (y.ndim != len(out_dims) or any(_static(d) and y.shape[i] != d for i, d in enumerate(out_dims) if i)):
-            raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; {loss_kind} expects the output's shape {out_dims}")
-        if loss_kind == "sigmoid_cross_entropy" and (np.min(y) < 0 or np.max(y) > 1):
-            raise DataError(f"{source}: 'targets' must lie in [0, 1] for sigmoid_cross_entropy, got [{np.min(y)}, {np.max(y)}]")
-        y = y.astype(np.float32)
-    return conv, y
+    return conv, loss.check_targets(y, out_spec[0] if out_spec else None, source)
 
 
 def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -224,10 +209,10 @@ def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
     return arrays, y
 
 
-def digits_for(input_specs: Mapping[str, tuple[list[Any], int]], loss_kind: str,
+def digits_for(input_specs: Mapping[str, tuple[list[Any], int]], loss: Loss,
                out_spec: tuple[list[Any], int] | None, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """scikit-learn's digits shaped for a user model with one float input of 64 values per
-    example: labels for softmax CE, the pixels themselves (reconstruction) otherwise."""
+    example; the loss makes its targets from the pixels and labels (Loss.digits_targets)."""
     from kfac_compiler.models.data import digits
 
     if len(input_specs) != 1:
@@ -237,14 +222,7 @@ def digits_for(input_specs: Mapping[str, tuple[list[Any], int]], loss_kind: str,
     if et not in _FLOAT_TYPES or not all(_static(d) for d in rest) or int(np.prod(rest or [1])) != 64:
         raise DataError(f"--data digits gives 64 pixels per example; input {name!r} is {dims}; pass --data FILE.npz")
     x, labels = digits(None, seed)
-    inputs = {name: x.reshape([-1, *rest])}
-    if loss_kind == "softmax_cross_entropy":
-        return inputs, labels
-    odims = out_spec[0] if out_spec else None
-    if odims is None or not all(_static(d) for d in odims[1:]) or int(np.prod(odims[1:] or [1])) != 64:
-        raise DataError(f"--data digits: a {loss_kind} model must output 64 values per example to reconstruct "
-                        f"the pixels (output {odims}); pass --data FILE.npz")
-    return inputs, x.reshape([-1, *odims[1:]]).copy()
+    return {name: x.reshape([-1, *rest])}, loss.digits_targets(x, labels, out_spec[0] if out_spec else None)
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:

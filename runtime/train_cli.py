@@ -21,8 +21,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kfac_compiler.config import LOSS_KINDS
 from kfac_compiler.errors import ConfigError, DataError, ModelError
+from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
 
 DEFAULT_MODEL = "mlp_classifier"
@@ -39,7 +39,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"zoo model name, .onnx file or plan directory (default: {DEFAULT_MODEL})")
     t.add_argument("--data", default="digits", metavar="digits|FILE.npz",
                    help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets'")
-    t.add_argument("--loss", choices=LOSS_KINDS, help="loss kind (for an .onnx model; zoo models know theirs)")
+    t.add_argument("--loss", choices=loss_kinds(), metavar="KIND",
+                   help=f"for an .onnx model (zoo models know theirs): {losses_help()}")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
@@ -120,25 +121,25 @@ def load_data(plan, entry, data: str, seed: int) -> tuple[dict[str, np.ndarray],
     from kfac_compiler.runtime.data import digits_for, input_spec, load_npz, output_spec, validate_dataset
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
-    kind = plan.loss.kind
+    loss = plan.loss.build()
     out = output_spec(plan.model, plan.output)
     if data == "digits":
         if entry is not None:
             inputs, targets = entry.make_data(None, seed=0)
         else:
-            inputs, targets = digits_for(specs, kind, out)
+            inputs, targets = digits_for(specs, loss, out)
         source = "digits"
     elif data.endswith(".npz") or os.path.isfile(data):
         inputs, targets = load_npz(data)
         source = data
-        checked = validate_dataset(specs, kind, inputs, targets, out, source=source)
+        checked = validate_dataset(specs, loss, inputs, targets, out, source=source)
         extra = [k for k in inputs if k not in specs]
         if extra:
             raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, plus 'targets')")
         return checked
     else:
         raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")
-    return validate_dataset(specs, kind, inputs, targets, out, source=source)
+    return validate_dataset(specs, loss, inputs, targets, out, source=source)
 
 
 class MetricsWriter:
@@ -315,8 +316,7 @@ def run_train(args) -> int:
     if args.plot and losses:
         _plot(args.plot, steps_seen, losses, f"{os.path.basename(str(name))} ({trainer.optimizer})")
     parts = [f"final train loss {final['loss']:.6f}"]
-    if "accuracy" in final:
-        parts.append(f"accuracy {final['accuracy']:.4f}")
+    parts += [f"{name} {value:.4f}" for name, value in final.items() if name != "loss"]
     parts.append(f"({args.steps} steps, {elapsed:.1f} s")
     if rejected:
         parts[-1] += f", {rejected} rejected"

@@ -5,7 +5,7 @@ K-FAC, SGD, Adam, or a plugin of your own), with ONNX Runtime.
     trainer = Trainer(plan, optimizer="kfac", device="cpu", seed=0)
     for inputs, targets in batches:
         metrics = trainer.step(inputs, targets)       # {"loss": ..., "damping": ..., ...}
-    trainer.evaluate(inputs, targets)                 # {"loss": ..., "accuracy": ...}
+    trainer.evaluate(inputs, targets)                 # {"loss": ..., and the loss's metrics}
     trainer.export("trained.onnx")                    # the model with the trained weights
 
 All state (parameters, velocities, Kronecker factors, inverses, Adam moments) stays on the
@@ -68,8 +68,8 @@ class Trainer:
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device)
         self.params = list(plan.trainable)
-        self.loss_kind = plan.loss.kind
-        self._check_batch = BatchChecker(plan)
+        self.loss = plan.loss.build()
+        self._check_batch = BatchChecker(plan, self.loss)
         self.input_specs = self._check_batch.input_specs
         # host-side state every optimizer shares (the optimizer's own is in self.policy)
         self.step_count = 0        # optimizer steps taken (rejected ones included)
@@ -138,27 +138,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
-        """Mean loss (and accuracy for softmax cross-entropy) at the current parameters."""
+        """Mean loss and the loss's metrics (Loss.metrics, e.g. softmax cross-entropy's
+        accuracy) at the current parameters."""
         if batch_size is not None and int(batch_size) < 1:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._check_batch(inputs, targets)
         prog = self.program("loss")
         n = data["targets"].shape[0]
         bs = n if not batch_size else int(batch_size)
-        want_acc = self.loss_kind == "softmax_cross_entropy"
-        result = prog.results[0] if prog.results else None
-        total, correct = 0.0, 0
+        result = prog.results[0] if prog.results and self.loss.metrics else None
+        total = 0.0
+        sums: dict[str, list] = {}  # metric: [sum, count]
         for s in range(0, n, bs):
             chunk = {k: v[s:s + bs] for k, v in data.items()}
-            out = prog.run(self.store, chunk, results=[result] if (want_acc and result) else False, channel="eval")
+            out = prog.run(self.store, chunk, results=[result] if result else False, channel="eval")
             m = chunk["targets"].shape[0]
             total += out["loss"] * m
-            if want_acc and result:
-                logits = out[result]
-                correct += int(np.sum(np.argmax(logits, axis=-1) == chunk["targets"]))
+            if result:
+                for name, (value, count) in self.loss.metric_totals(out[result], chunk["targets"]).items():
+                    acc = sums.setdefault(name, [0, 0])
+                    acc[0] += value
+                    acc[1] += count
         metrics = {"loss": total / n}
-        if want_acc and result:
-            metrics["accuracy"] = correct / (n * int(np.prod(data["targets"].shape[1:], dtype=np.int64)))
+        metrics.update({name: value / count for name, (value, count) in sums.items()})
         return metrics
 
     def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:

@@ -8,7 +8,7 @@ import onnx
 
 from kfac_compiler.blocks import FisherBlock
 from kfac_compiler.ir import Layer
-from kfac_compiler.losses import Loss, make_loss
+from kfac_compiler.losses import Loss
 
 if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
@@ -38,7 +38,7 @@ def plan_parts(plan: "Plan | PlanParts") -> PlanParts:
     return PlanParts(
         model=plan.model,
         output=plan.output,
-        loss=make_loss(plan.loss.kind, **plan.loss.options),
+        loss=plan.loss.build(),
         params=list(plan.trainable),
         layers=list(plan.layers),
         mode=plan.estimator.mode,

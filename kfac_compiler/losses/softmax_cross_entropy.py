@@ -1,0 +1,118 @@
+"""Softmax cross-entropy: a categorical distribution over the LAST axis of the output."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from onnx import TensorProto
+
+from kfac_compiler.builder import GraphBuilder
+from kfac_compiler.errors import DataError
+from kfac_compiler.losses.base import Loss, is_static, reduce_rows, register_loss
+
+
+@register_loss
+class SoftmaxCrossEntropy(Loss):
+    """Categorical distribution over the last axis of z; targets are int64 class indices."""
+
+    kind = "softmax_cross_entropy"
+    description = "categorical over the output's last axis, targets are class indices"
+    lower_bound = 0.0  # -log p >= 0
+    metrics = ("accuracy",)
+
+    # -- targets
+    def target_type(self) -> int:
+        return TensorProto.INT64
+
+    def target_shape(self, output_shape: tuple) -> tuple:
+        return tuple(output_shape[:-1])
+
+    def target_dtype(self, output_dtype: str) -> str:
+        return "int64"
+
+    def output_problem(self, output_shape: Sequence[Any]) -> str | None:
+        return f"{self.kind} needs [N, ..., classes]" if len(output_shape) < 2 else None
+
+    def check_targets(self, y: np.ndarray, output_dims: list[Any] | None, source: str) -> np.ndarray:
+        if y.dtype.kind == "f" and not np.all(y == np.round(y)):
+            raise DataError(f"{source}: 'targets' must be integer class indices for {self.kind}")
+        classes = output_dims[-1] if output_dims and is_static(output_dims[-1]) else None
+        if output_dims is not None and y.ndim != len(output_dims) - 1:
+            raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; {self.kind} expects class "
+                            f"indices shaped like the output {output_dims} without its last axis")
+        lo, hi = int(np.min(y)), int(np.max(y))
+        if lo < 0 or (classes is not None and hi >= classes):
+            raise DataError(f"{source}: 'targets' has labels in [{lo}, {hi}]; the model has {classes} classes "
+                            f"(0..{(classes or 1) - 1})")
+        return y.astype(np.int64)
+
+    def digits_targets(self, pixels: np.ndarray, labels: np.ndarray, output_dims: list[Any] | None) -> np.ndarray:
+        return labels
+
+    # -- evaluation
+    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
+        """accuracy: the fraction of targets (examples, or positions of sequence outputs)
+        whose class has the largest score."""
+        correct = int(np.sum(np.argmax(outputs, axis=-1) == targets))
+        return {"accuracy": (correct, int(targets.size))}
+
+    # -- ONNX emitters
+    def _onehot(self, b: GraphBuilder, z: str, y: str) -> str:
+        depth = b.op("Shape", [z], start=-1)
+        values = b.const(np.array([0.0, 1.0]))
+        return b.op("OneHot", [y, depth, values], axis=-1)
+
+    def emit_per_example_loss_sum(self, b, z, y):
+        logp = b.op("LogSoftmax", [z], axis=-1)
+        return b.neg(b.reduce_sum(b.mul(logp, self._onehot(b, z, y)), None))
+
+    def emit_per_example(self, b, z, y):
+        logp = b.op("LogSoftmax", [z], axis=-1)
+        picked = b.mul(logp, self._onehot(b, z, y))
+        return b.neg(reduce_rows(b, picked))
+
+    def emit_grad(self, b, z, y):
+        return b.sub(b.op("Softmax", [z], axis=-1), self._onehot(b, z, y))
+
+    def emit_sampled_grad(self, b, z, noise):
+        # Gumbel-max: y = argmax(z + g), g = -log(-log u); one-hot via equality with the max.
+        g = b.neg(b.op("Log", [b.neg(b.op("Log", [noise]))]))
+        perturbed = b.add(z, g)
+        top = b.reduce("ReduceMax", perturbed, [-1], keepdims=True)
+        onehot = b.cast(b.op("Equal", [perturbed, top]), b.float_type)
+        return b.sub(b.op("Softmax", [z], axis=-1), onehot)
+
+    def emit_fisher_sqrt_times(self, b, z, v):
+        p = b.op("Softmax", [z], axis=-1)
+        sp = b.op("Sqrt", [p])
+        inner = b.reduce_sum(b.mul(sp, v), [-1], keepdims=True)
+        return b.sub(b.mul(sp, v), b.mul(p, inner))
+
+    def emit_fisher_times(self, b, z, v):
+        p = b.op("Softmax", [z], axis=-1)
+        pv = b.mul(p, v)
+        return b.sub(pv, b.mul(p, b.reduce_sum(pv, [-1], keepdims=True)))
+
+    # -- numpy twins
+    @staticmethod
+    def _np_softmax(z):
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    def np_per_example(self, z, y):
+        logp = np.log(self._np_softmax(z))
+        picked = np.take_along_axis(logp, y[..., None].astype(np.int64), axis=-1)[..., 0]
+        return -picked.reshape(len(z), -1).sum(axis=1)
+
+    def np_grad(self, z, y):
+        onehot = np.eye(z.shape[-1])[y]
+        return self._np_softmax(z) - onehot
+
+    def np_fisher(self, z_n):
+        p = self._np_softmax(z_n).reshape(-1, z_n.shape[-1])
+        blocks = [np.diag(row) - np.outer(row, row) for row in p]
+        out = np.zeros((p.size, p.size))
+        k = z_n.shape[-1]
+        for i, blk in enumerate(blocks):
+            out[i * k:(i + 1) * k, i * k:(i + 1) * k] = blk
+        return out
