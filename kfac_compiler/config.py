@@ -58,7 +58,7 @@ class EstimatorConfig:
 
 @dataclass
 class InverseConfig:
-    method: str = "auto"  # CPU: schur, CUDA: inverse_op (linalg.concrete_method); failed blocks: host Cholesky
+    method: str = "auto"  # schur on CPU and CUDA (linalg.concrete_method); failed blocks: host Cholesky
     update_period: int = 10
     damping_split: str = "pi"
 

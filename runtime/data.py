@@ -4,7 +4,7 @@
 * `validate_dataset` is the thorough check (missing arrays, shapes, dtypes, NaN/Inf, and
   the loss's own target checks -> one-line DataError): the CLI runs it once on the whole
   dataset, `BatchChecker`
-  (both checks) on every batch handed to the runtime API (~20 us for a 256 x 64 batch).
+  (both checks, O(batch)) on every batch handed to the runtime API.
 * `draw_noise` draws the `noise/<s>` inputs of the sampled estimators from the caller's
   numpy Generator, so that runs are reproducible and the generator state is checkpointable.
 * `load_dataset` / `batch_indices` serve the `kfac-compiler train` command.

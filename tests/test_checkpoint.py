@@ -13,8 +13,6 @@ from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.checkpoint import plan_fingerprint, read_meta
 
-pytest.importorskip("kfac_compiler.backend")
-
 
 def _plan(name, **build):
     e = ZOO[name]

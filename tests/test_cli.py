@@ -146,9 +146,12 @@ def test_stale_plan_is_an_error(tmp_path, models, capsys):
     assert "stale" in err_line(capsys)
 
 
-def test_train_hook_is_not_implemented(capsys):
-    code = main(["train"])
-    assert isinstance(code, int)
+@pytest.mark.slow
+def test_train_subcommand_runs_the_main_job(capsys):
+    """`kfac-compiler train` with no arguments: the README's main job (200 K-FAC steps)."""
+    assert main(["train", "-q"]) == 0
+    final = [l for l in capsys.readouterr().out.splitlines() if l.startswith("final train loss")]
+    assert final and float(final[0].split()[3]) < 0.05
 
 
 # ------------------------------------------------------------------------- config

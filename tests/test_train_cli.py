@@ -12,8 +12,6 @@ import pytest
 
 from kfac_compiler.models import ZOO, save_model
 
-pytest.importorskip("kfac_compiler.backend")
-
 
 def _wired() -> bool:
     """True once kfac_compiler/cli.py delegates `train` to kfac_compiler.runtime.train_cli."""
@@ -36,6 +34,7 @@ def run(argv, capsys):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_train_with_no_arguments(capsys):
     code, out, err = run([], capsys)
     assert code == 0, err
@@ -67,6 +66,7 @@ def test_metrics_csv_save_and_checkpoint_resume(tmp_path, capsys):
     assert [int(r["step"]) for r in csv.DictReader(open(m1))] == list(range(7))
 
 
+@pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tmp_path, capsys):
     common = ["digits_autoencoder", "--batch-size", "128", "-q", "--knob", "inv_update_period=3"]
     a, b, ck = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "c.npz"

@@ -22,8 +22,6 @@ from kfac_compiler.optimizers import (
     reduction_ratio,
 )
 
-pytest.importorskip("kfac_compiler.backend")
-
 
 def _plan(name):
     e = ZOO[name]
@@ -224,6 +222,7 @@ def test_nan_parameter_rejects_step(mlp):
     assert all(np.array_equal(before[k], after[k], equal_nan=True) for k in before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["small_cnn", "depthwise_cnn", "unrolled_rnn", "transformer_block"])
 def test_kfac_runs_every_zoo_model(name):
     e = ZOO[name]
@@ -312,6 +311,7 @@ def _adam_best(plan, x, y, steps, bs):
     return best
 
 
+@pytest.mark.slow
 def test_kfac_beats_tuned_adam_on_digits_classifier(mlp):
     plan, x, y = mlp
     steps, bs = 60, 128
@@ -320,6 +320,7 @@ def test_kfac_beats_tuned_adam_on_digits_classifier(mlp):
     assert kfac_loss < 0.5 * adam_loss, (kfac_loss, adam_loss)
 
 
+@pytest.mark.slow
 def test_kfac_beats_tuned_adam_on_digits_autoencoder(ae):
     plan, x, y = ae
     steps, bs = 80, 256
@@ -328,6 +329,7 @@ def test_kfac_beats_tuned_adam_on_digits_autoencoder(ae):
     assert kfac_loss < adam_loss - 1.0, (kfac_loss, adam_loss)
 
 
+@pytest.mark.slow
 def test_kfac_stays_stable_for_long_runs(mlp):
     plan, x, y = mlp
     for seed in (0, 1):
@@ -335,6 +337,7 @@ def test_kfac_stays_stable_for_long_runs(mlp):
         assert tr.evaluate({"input": x}, y)["loss"] < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bs,final", [(16, 0.05), (32, 0.05), (64, 1e-2), (256, 1e-2)])
 def test_kfac_defaults_do_not_diverge_at_small_or_large_batches(mlp, bs, final):
     """Regression: small batches ran away (|mu| up to 1e5, loss 1e28, then every step
