@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                 tr.policy.refresh_inverses()
                 ts.append(time.perf_counter() - t)
             log(opt, "refresh alone ms", [round(1e3 * v, 1) for v in ts], "fallbacks",
-                tr.policy.inverses.fallbacks[:5], len(tr.policy.inverses.fallbacks))
+                tr.policy.refresher.fallbacks[:5], len(tr.policy.refresher.fallbacks))
         del tr
     return 0
 

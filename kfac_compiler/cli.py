@@ -59,13 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------- train
 def _add_train_parser(subparsers) -> None:
-    from kfac_compiler.runtime.train_cli import add_train_parser
+    from kfac_compiler.train_cli import add_train_parser
 
     add_train_parser(subparsers)
 
 
 def _run_train(args) -> int:
-    from kfac_compiler.runtime.train_cli import run_train
+    from kfac_compiler.train_cli import run_train
 
     return run_train(args)
 

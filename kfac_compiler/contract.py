@@ -64,6 +64,15 @@ def hp(name: str) -> str:
     return f"{HP_PREFIX}{name}"
 
 
+# the hyper-parameters more than one module binds or reads (an optimizer names its own)
+DAMPING = hp("damping")            # the damping every block's inverse and product use
+EMA_COEFF = hp("ema_coeff")        # this batch's weight in the factors' moving average
+UPDATE_STATS = hp("update_stats")  # > 0: the step's statistics run (its If on them)
+L2 = hp("l2")                      # weight decay
+LEARNING_RATE = hp("learning_rate")
+MOMENTUM = hp("momentum")
+
+
 # ------------------------------------------------------------------------------ state slots
 VELOCITY, ADAM_M, ADAM_V, FACTOR, INVERSE = "velocity", "adam_m", "adam_v", "factor", "inverse"
 PARAM = "param"
@@ -146,6 +155,8 @@ def metric(name: str) -> str:
 
 FINITE = metric("finite")  # 1.0: apply the step; 0.0: the runtime discards it (no flip)
 INVERSE_OK = metric("inverse_ok")
+UPDATE_NORM = metric("update_norm")  # |update| and |gradient| of a training step
+GRAD_NORM = metric("grad_norm")
 
 
 def inverse_ok(layer: str) -> str:
@@ -161,8 +172,16 @@ def grad(p: str) -> str:
     return f"grad/{p}"
 
 
+STAT_PREFIX = "stat/"
+
+
 def stat(layer: str, name: str) -> str:
-    return f"stat/{layer}/{name}"
+    return f"{STAT_PREFIX}{layer}/{name}"
+
+
+def parse_stat(name: str) -> tuple[str, str] | None:
+    """(layer, factor) of a `stat/<layer>/<factor>` result, else None."""
+    return split_layer_item(name, STAT_PREFIX)
 
 
 def precond(p: str) -> str:
@@ -179,6 +198,12 @@ def split_layer_item(name: str, prefix: str) -> tuple[str, str] | None:
         return None
     layer, _, item = name[len(prefix):].rpartition("/")
     return layer, item
+
+
+# ------------------------------------------------------------------------------ reduction points
+# Emission.reduce_mean's point for a batch's factor statistics (the back end's factor updates,
+# inside an optimizer's step); an optimizer names its other points itself.
+FACTOR_STATISTICS_POINT = "factor statistics"
 
 
 # ------------------------------------------------------------------------------ plan vocabulary

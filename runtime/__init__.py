@@ -14,7 +14,6 @@ Layers (docs/runtime.md):
   curvature.py   Curvature and gradients(): the lower-level API
   checkpoint.py  atomic .npz checkpoints with a plan fingerprint
   data.py        batch checks, host noise, datasets for the CLI
-  train_cli.py   the `kfac-compiler train` subcommand
   ort_profile.py what ONNX Runtime ran where (KFAC_ORT_PROFILE)
 """
 from __future__ import annotations

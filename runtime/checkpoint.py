@@ -23,12 +23,15 @@ import json
 import os
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kfac_compiler.errors import CheckpointError
 from kfac_compiler.plan import Plan
+
+if TYPE_CHECKING:
+    from kfac_compiler.runtime.trainer import Trainer
 
 FORMAT = "kfac_compiler.checkpoint"
 VERSION = 1
@@ -98,7 +101,7 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- save / load
-def save_checkpoint(trainer: Any, path: str | os.PathLike) -> str:
+def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> str:
     path = os.fspath(path)
     slots = trainer.store.slots()
     arrays = {f"slot_{i:05d}": trainer.store.to_numpy(s) for i, s in enumerate(slots)}
@@ -159,7 +162,7 @@ def _meta(z, path: str) -> dict[str, Any]:
     return meta
 
 
-def restore_checkpoint(trainer: Any, path: str | os.PathLike) -> None:
+def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     """Load every state slot, the host counters, the damping and the RNG state into `trainer`."""
     path = os.fspath(path)
     with _open(path) as z:

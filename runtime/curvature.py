@@ -38,7 +38,7 @@ def _group_stats(results: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.nd
     """{layer: {factor: array}} of a statistics run's stat/<layer>/<f> results."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for name, value in results.items():
-        parsed = C.split_layer_item(name, "stat/")
+        parsed = C.parse_stat(name)
         if parsed is not None:
             out.setdefault(parsed[0], {})[parsed[1]] = value
     return out
@@ -112,7 +112,7 @@ class Curvature:
         data = self._check_batch(inputs, targets)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
-        out = prog.run(self.store, data, hp={C.hp("ema_coeff"): coeff})
+        out = prog.run(self.store, data, hp={C.EMA_COEFF: coeff})
         if out.get(C.FINITE, 1.0) > 0.5:
             self.ema_weight = w
         return out[C.LOSS]
@@ -177,7 +177,7 @@ class Curvature:
         d = self.damping if damping is None else damping
         prog = self.program("multiply", exp=int(exp))
         out = prog.run(self.store, {C.vec(p): np.asarray(v, np.float32) for p, v in vectors.items()},
-                       hp={C.hp("damping"): float(d or 0.0)}, results=True)
+                       hp={C.DAMPING: float(d or 0.0)}, results=True)
         return {p: out[C.product(p)] for p in self.params}
 
     def multiply_matpower(self, layer: str, vectors: Mapping[str, np.ndarray], exp: float,

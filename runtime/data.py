@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import onnx
@@ -22,6 +22,9 @@ from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import DataError
 from kfac_compiler.losses import Loss
+
+if TYPE_CHECKING:
+    from kfac_compiler.plan import Plan
 
 NOISE_EPS = np.float32(1e-7)
 
@@ -75,7 +78,7 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
         raise DataError(f"targets have shape {list(y.shape)}; expected a batch of {batch} rows")
     if y.shape[0] == 0:
         raise DataError("empty batch")
-    data["targets"] = y
+    data[C.TARGETS] = y
     return data
 
 
@@ -83,16 +86,16 @@ class BatchChecker:
     """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN):
     a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
 
-    def __init__(self, plan: Any, loss: Loss | None = None) -> None:
+    def __init__(self, plan: "Plan", loss: Loss | None = None) -> None:
         self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
         self.loss = loss if loss is not None else plan.loss.build()
         self.out_spec = output_spec(plan.model, plan.output)
 
     def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
         data = prepare_batch(self.input_specs, inputs, targets)
-        y = data.pop("targets")
+        y = data.pop(C.TARGETS)
         conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch")
-        return add_weights({**conv, "targets": y}, weights)
+        return add_weights({**conv, C.TARGETS: y}, weights)
 
 
 def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarray]:
@@ -100,12 +103,12 @@ def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarr
     if weights is None:
         return data
     w = np.asarray(weights, dtype=np.float32)
-    n = data["targets"].shape[0]
+    n = data[C.TARGETS].shape[0]
     if w.shape != (n,):
         raise DataError(f"weights have shape {list(w.shape)}; expected one weight per example ({n})")
     if not np.all(np.isfinite(w)) or (w < 0).any():
         raise DataError("weights must be finite and >= 0")
-    data["example_weights"] = w
+    data[C.EXAMPLE_WEIGHTS] = w
     return data
 
 
@@ -203,7 +206,7 @@ def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # noqa: BLE001
         raise DataError(f"data file {path!r} is not a readable .npz ({type(e).__name__}: {e})") from None
-    if "targets" not in arrays:
+    if "targets" not in arrays:  # the .npz file's key (docs/runtime.md, "kfac-compiler train")
         raise DataError(f"data file {path!r} has no array named 'targets' (it has {sorted(arrays)})")
     y = arrays.pop("targets")
     return arrays, y

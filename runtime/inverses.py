@@ -44,7 +44,7 @@ class InverseRefresher:
         ok = True
         self.fallbacks = []
         if self.emitted.written_slots:  # nothing to run when every block is on the host
-            out = self.emitted.run(store, hp={C.hp("damping"): float(damping)})
+            out = self.emitted.run(store, hp={C.DAMPING: float(damping)})
             if out.get(C.INVERSE_OK, 1.0) < 0.5:
                 self.fallbacks = [layer for layer in self.emitted_layers
                                   if out.get(C.inverse_ok(layer), 0.0) < 0.5]

@@ -29,8 +29,9 @@ from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.data import BatchChecker
+from kfac_compiler.runtime.data import BatchChecker, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
 
@@ -112,6 +113,27 @@ class Trainer:
     def session_seconds(self) -> float:
         return sum(p.session_seconds for p in self._programs.values())
 
+    # ------------------------------------------------------------------ services for optimizers
+    def draw_noise(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The noise inputs of `prog` (a sampled estimator's) for this batch, from the trainer's
+        random stream (checkpointed, so a resumed run draws what an uninterrupted one would)."""
+        return draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name)
+
+    def noise_placeholders(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Buffers for the noise inputs of a run that does not read them (a step whose `If`
+        skips its statistics) where none was written yet, e.g. right after a checkpoint load:
+        zeros, so that the random stream stays that of an uninterrupted run."""
+        missing = [n for n in prog.data_inputs if C.is_noise(n) and not self.store.has_data(n)]
+        if not missing:
+            return {}
+        shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
+        return {n: np.zeros(shape, np.float32) for n in missing}
+
+    def inverse_refresher(self, emitted: Program, reader: Program, method: str) -> InverseRefresher:
+        """Refreshes the inverse slots `reader` uses: `emitted` (an inverse_update program) for
+        the blocks it writes, the blocks' numpy twins on the host for the rest."""
+        return InverseRefresher(self.plan, emitted, reader, method)
+
     # ------------------------------------------------------------------ steps
     def _prepare(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
         """The checked batch; sets the current batch's weighting and rows."""
@@ -144,7 +166,7 @@ class Trainer:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._check_batch(inputs, targets)
         prog = self.program("loss")
-        n = data["targets"].shape[0]
+        n = data[C.TARGETS].shape[0]
         bs = n if not batch_size else int(batch_size)
         result = prog.results[0] if prog.results and self.loss.metrics else None
         total = 0.0
@@ -152,10 +174,10 @@ class Trainer:
         for s in range(0, n, bs):
             chunk = {k: v[s:s + bs] for k, v in data.items()}
             out = prog.run(self.store, chunk, results=[result] if result else False, channel="eval")
-            m = chunk["targets"].shape[0]
-            total += out["loss"] * m
+            m = chunk[C.TARGETS].shape[0]
+            total += out[C.LOSS] * m
             if result:
-                for name, (value, count) in self.loss.metric_totals(out[result], chunk["targets"]).items():
+                for name, (value, count) in self.loss.metric_totals(out[result], chunk[C.TARGETS]).items():
                     acc = sums.setdefault(name, [0, 0])
                     acc[0] += value
                     acc[1] += count
@@ -174,7 +196,7 @@ class Trainer:
             raise DataError(f"predict: inputs must be exactly the model's {list(specs)} "
                             f"(missing {missing}, unknown {unknown})")
         sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
-        out_name = getattr(self.plan, "output", None) or sess.get_outputs()[0].name
+        out_name = self.plan.output
         return sess.run([out_name], {k: np.asarray(v) for k, v in inputs.items()})[0]
 
     # ------------------------------------------------------------------ parameters

@@ -85,7 +85,7 @@ def test_inverses_are_computed_on_the_gpu():
     assert tr.inverse_method == "schur"
     damping = tr.damping + tr.config.l2_reg
     tr.step(*batch(inputs, y, 0, 64))
-    assert not tr.policy.inverses.host_layers and not tr.policy.inverses.fallbacks
+    assert not tr.policy.refresher.host_layers and not tr.policy.refresher.fallbacks
     st = tr.state()
     for layer in ("fc1", "fc2", "fc3"):
         A, G = st[f"factor/{layer}/A"].astype(np.float64), st[f"factor/{layer}/G"].astype(np.float64)

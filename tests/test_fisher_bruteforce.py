@@ -8,7 +8,6 @@ Fisher. Statistics come from the plan's `statistics` subgraph run in ONNX Runtim
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper

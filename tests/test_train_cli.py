@@ -14,7 +14,7 @@ from kfac_compiler.models import ZOO, save_model
 
 
 def _wired() -> bool:
-    """True once kfac_compiler/cli.py delegates `train` to kfac_compiler.runtime.train_cli."""
+    """True once kfac_compiler/cli.py delegates `train` to kfac_compiler.train_cli."""
     try:
         from kfac_compiler.cli import build_parser
 
@@ -28,7 +28,7 @@ def run(argv, capsys):
     if _wired():
         from kfac_compiler.cli import main
     else:
-        from kfac_compiler.runtime.train_cli import main
+        from kfac_compiler.train_cli import main
     code = main(["train", *argv])
     out, err = capsys.readouterr()
     return code, out, err

@@ -416,7 +416,7 @@ def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
         assert tr.inverse_method == ("schur" if method == "auto" else method)
         # host methods: every block is inverted on the host with its numpy twin
         host = {"fc1", "fc2", "fc3"} if method in ("eigh", "cholesky") else set()
-        assert set(tr.policy.inverses.host_layers) == host
+        assert set(tr.policy.refresher.host_layers) == host
         ms = [tr.step(*b) for b in batches(x, y, 128, 12)]
         assert all(m["rejected"] == 0 for m in ms)
         assert [m["inverse_ok"] for m in ms if m["inverse"]] == [1.0, 1.0, 1.0]  # steps 0, 5, 10
@@ -475,11 +475,11 @@ def test_emitted_inverse_beyond_its_accuracy_falls_back_to_host_cholesky(mlp):
     d = 1e-9
     tr = Trainer(plan, optimizer="kfac", inv_update_period=100, damping=d, min_damping=d, adapt_damping=False)
     m = tr.step(*next(batches(x, y, 128, 1)))  # the first step: statistics, refresh, step
-    fallbacks = tr.policy.inverses.fallbacks
+    fallbacks = tr.policy.refresher.fallbacks
     assert m["inverse_ok"] == 1.0 and m["inverse_fallbacks"] == len(fallbacks) and "fc3" in fallbacks
     # the emitted refresh alone rates those blocks not ok (and keeps their previous inverses)
     before = {p: tr.store.to_numpy(p) for p in tr.store.slots() if p.startswith("inverse/fc3/")}
-    out = tr.policy.inverses.emitted.run(tr.store, hp={"hp/damping": d})
+    out = tr.policy.refresher.emitted.run(tr.store, hp={"hp/damping": d})
     assert [layer for layer in ("fc1", "fc2", "fc3") if out[f"metric/inverse_ok/{layer}"] < 0.5] == fallbacks
     for p, v in before.items():
         np.testing.assert_array_equal(tr.store.to_numpy(p), v)

@@ -3,16 +3,16 @@ following docs/runtime_contract.md, which is what the runtime relies on.
 
     model, info = emit_subgraph(plan, "kfac_step", stats_batch=64)   # info: SubgraphInfo
 
-Modules: parts.py (what the back end reads from a plan), emission.py (a subgraph under
+Modules: plan_parts.py (what the back end reads from a plan), emission.py (a subgraph under
 construction and its inputs and outputs), forward.py (loss, gradients, forward clones),
-curvature.py (factor statistics, moving averages, preconditioning), registry.py (the
+factors.py (factor statistics, moving averages, preconditioning), registry.py (the
 emitters by subgraph name, emit_subgraph), subgraphs.py (the back end's own subgraphs; the
 optimizers' steps come from kfac_compiler.optimizers).
 """
 from kfac_compiler.backend import subgraphs as _subgraphs  # noqa: F401  (registers the emitters)
 from kfac_compiler.backend.emission import Emission
 from kfac_compiler.backend.forward import ForwardPass
-from kfac_compiler.backend.parts import PlanParts, plan_parts
+from kfac_compiler.backend.plan_parts import PlanParts, plan_parts
 from kfac_compiler.backend.registry import SUBGRAPHS, emit_subgraph, emitter, resolved_options, subgraph
 
 __all__ = ["SUBGRAPHS", "Emission", "ForwardPass", "PlanParts", "emit_subgraph", "emitter", "plan_parts",

@@ -8,16 +8,16 @@ returns it with its SubgraphInfo (docs/runtime_contract.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping, TypeVar
 
 import numpy as np
 import onnx
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
-from kfac_compiler.backend import curvature, forward
+from kfac_compiler.backend import factors, forward
 from kfac_compiler.backend.forward import ForwardPass
-from kfac_compiler.backend.parts import PlanParts
+from kfac_compiler.backend.plan_parts import PlanParts
 from kfac_compiler.blocks import FisherBlock, make_block
 from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
 from kfac_compiler.contract import SlotSpec, SubgraphInfo
@@ -26,6 +26,7 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.passes.autodiff import jvp
 
 FLOAT = TensorProto.FLOAT
+T = TypeVar("T")
 WEIGHTS = C.EXAMPLE_WEIGHTS  # the optional per-example loss weights input
 
 
@@ -36,7 +37,7 @@ class Emission:
     and every optimizer plugin's) writes against: declare inputs and outputs by their
     contract names (data_input, hp, state_input, state_output, metric, result), build the
     loss, its gradients and forward passes (forward.py), the factor statistics and the
-    preconditioner (curvature.py), and `b`, the GraphBuilder, for everything else."""
+    preconditioner (factors.py), and `b`, the GraphBuilder, for everything else."""
 
     parts: PlanParts
     view: GraphView
@@ -48,6 +49,7 @@ class Emission:
     full: ForwardPass | None = None  # the whole batch's forward pass, set by loss_and_grads
     _sub_passes: dict[int, ForwardPass] = field(default_factory=dict)  # sub_batch_pass clones
     _weights: tuple[str, str] | None = None  # (w, sqrt w) of a weighted loss, shaped like the output
+    reductions: list[tuple[str, Any]] = field(default_factory=list)  # reduce_mean's points, in order
 
     # ------------------------------------------------------------- set-up
     @classmethod
@@ -81,7 +83,9 @@ class Emission:
         return name
 
     def hp(self, name: str) -> str:
-        full = C.hp(name)
+        """The float32 scalar input `name` (a contract name such as C.DAMPING, or a short name
+        the optimizer owns: "beta1" is hp/beta1), declared on first use."""
+        full = name if name.startswith(C.HP_PREFIX) else C.hp(name)
         if full not in self.info.hp_inputs:
             self.inputs.append(value_info(full, FLOAT, []))
             self.info.hp_inputs.append(full)
@@ -101,7 +105,9 @@ class Emission:
         self.info.state_outputs[name] = slot
 
     def metric(self, name: str, tensor: str) -> None:
-        full = C.metric(name)
+        """Report scalar `tensor` as metric `name` (a contract name, or a short name:
+        "alpha" is metric/alpha)."""
+        full = name if name == C.LOSS or name.startswith(C.METRIC_PREFIX) else C.metric(name)
         self.b.identity(tensor, full)
         self.outputs.append(value_info(full, self.b.float_type, []))
         self.info.metrics.append(full)
@@ -169,6 +175,15 @@ class Emission:
             self._weights = (w, self.b.op("Sqrt", [w]))
         return self._weights
 
+    def reduce_mean(self, point: str, values: T) -> T:
+        """A reduction point: `values` (tensor names, GramStatistics, or dataclasses, dicts,
+        lists of them) are means over this process's examples, which a data-parallel step
+        replaces here by their means over all ranks. In one process they are the values
+        themselves; `reductions` records each point, so the stages' boundaries are explicit
+        in the emitted step (kfac_compiler/optimizers/kfac/graph.py, STAGES)."""
+        self.reductions.append((point, values))
+        return values
+
     def zeros_like_param(self, p: str) -> str:
         return self.b.const(np.zeros(self.view.shapes[p]), hint="zeros")
 
@@ -197,24 +212,24 @@ class Emission:
 
     # ---------------------------------------------- curvature (curvature.py)
     def layer_cotangent_targets(self) -> list[str]:
-        return curvature.layer_cotangent_targets(self)
+        return factors.layer_cotangent_targets(self)
 
     def batch_statistics(self, fwd: ForwardPass, mode: str, num_samples: int,
                          data_cots: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
         """One batch's factor estimates {layer: {factor: tensor or GramStatistic}} on `fwd`."""
-        return curvature.batch_statistics(self, fwd, mode, num_samples, data_cots)
+        return factors.batch_statistics(self, fwd, mode, num_samples, data_cots)
 
     def factor_updates(self, fwd: ForwardPass, cots: dict, mode: str, num_samples: int, ok: list[str],
                        conditional: bool = False) -> None:
         """The factors' moving-average updates from this batch's statistics on pass `fwd`, as
         state outputs (inside an If on hp/update_stats with `conditional`); their finiteness
         terms are appended to `ok`."""
-        write = curvature.conditional_factor_updates if conditional else curvature.write_factor_updates
+        write = factors.conditional_factor_updates if conditional else factors.write_factor_updates
         write(self, fwd, cots, mode, num_samples, ok)
 
     def precondition(self, grads: dict[str, str]) -> dict[str, str]:
         """(F + damping)^-1 g for every block, from the inverse state slots."""
-        return curvature.precondition(self, grads)
+        return factors.precondition(self, grads)
 
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import onnx
 
 from kfac_compiler.backend.emission import Emission
-from kfac_compiler.backend.parts import PlanParts, plan_parts
+from kfac_compiler.backend.plan_parts import PlanParts, plan_parts
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers import emitters as optimizer_emitters
@@ -34,7 +34,11 @@ def subgraph(name: str):
 
 def emitter(name: str) -> Emitter:
     """The emitter of subgraph `name`: the back end's, or a registered optimizer's."""
-    found = {**SUBGRAPHS, **optimizer_emitters()}
+    plugins = optimizer_emitters()
+    clash = sorted(set(plugins) & set(SUBGRAPHS))
+    if clash:
+        raise ConfigError(f"an optimizer emits a subgraph named {clash[0]!r}, which the back end already emits")
+    found = {**SUBGRAPHS, **plugins}
     if name not in found:
         raise ConfigError(f"unknown subgraph {name!r}; choose one of {', '.join(found)}")
     return found[name]

@@ -7,7 +7,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler import linalg
-from kfac_compiler.backend.curvature import inverse_init
+from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.emission import WEIGHTS, Emission
 from kfac_compiler.backend.registry import subgraph
 from kfac_compiler.blocks._parts import emit_statistic
@@ -19,14 +19,14 @@ FLOAT = TensorProto.FLOAT
 def loss(em: Emission) -> None:
     y = em.targets()
     em.example_weights()
-    em.metric("loss", em.parts.loss.emit_loss(em.b, em.output, y, WEIGHTS if em.parts.weighted else None))
+    em.metric(C.LOSS, em.parts.loss.emit_loss(em.b, em.output, y, WEIGHTS if em.parts.weighted else None))
     em.result(C.MODEL_OUTPUT, em.output)
 
 
 @subgraph("gradients")
 def gradients(em: Emission) -> None:
     loss, _, grads, _ = em.loss_and_grads()
-    em.metric("loss", loss)
+    em.metric(C.LOSS, loss)
     for p in em.parts.params:
         em.result(C.grad(p), grads[p])
 
@@ -38,7 +38,7 @@ def statistics(em: Emission, mode: str | None = None, num_samples: int | None = 
     num_samples = num_samples or em.parts.num_samples
     targets = em.layer_cotangent_targets() if mode == "empirical" and stats_batch is None else []
     loss, n, _, cots = em.loss_and_grads(targets)
-    em.metric("loss", loss)
+    em.metric(C.LOSS, loss)
     stats = em.batch_statistics(em.sub_batch_pass(stats_batch), mode, num_samples, cots)
     for layer, factors in stats.items():
         for fname, stat in factors.items():
@@ -55,15 +55,15 @@ def update_statistics(em: Emission, mode: str | None = None, num_samples: int | 
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
     em.factor_updates(em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms)
-    em.metric("loss", loss)
-    em.metric("finite", em.b.cast(em.finite(ok_terms), FLOAT))
+    em.metric(C.LOSS, loss)
+    em.metric(C.FINITE, em.b.cast(em.finite(ok_terms), FLOAT))
 
 
 @subgraph("inverse_update")
 def inverse_update(em: Emission, method: str | None = None) -> None:
     b = em.b
     method = linalg.concrete_method(method or em.parts.inverse_method)  # "auto" emits inverse_op
-    damping = em.hp("damping")
+    damping = em.hp(C.DAMPING)
     oks = []
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
@@ -78,11 +78,11 @@ def inverse_update(em: Emission, method: str | None = None) -> None:
         # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
         new = block.emit_inverse(b, factors, damping, method, previous=previous)
         oks.append(b.cast(new.ok, FLOAT))
-        em.metric(f"inverse_ok/{layer.name}", oks[-1])  # the runtime redoes failed blocks on the host
+        em.metric(C.inverse_ok(layer.name), oks[-1])  # the runtime redoes failed blocks on the host
         for s in block.inverse_specs():
             em.state_output(previous[s.name], new[s.name])
     all_ok = b.op("Min", oks) if len(oks) > 1 else (oks[0] if oks else b.const(1.0))
-    em.metric("inverse_ok", all_ok)
+    em.metric(C.INVERSE_OK, all_ok)
 
 
 @subgraph("precondition")
@@ -98,7 +98,7 @@ def multiply(em: Emission, exp: int = 1) -> None:
     """(F + damping)^exp v for every block, from the moving-average factors: the block
     multiply for exp = 1, an integer matrix power otherwise (fractional powers need
     eigendecompositions: Curvature.multiply_matpower does them on the host)."""
-    damping = em.hp("damping")
+    damping = em.hp(C.DAMPING)
     vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
     for layer in em.parts.layers:
         block = em.blocks[layer.name]

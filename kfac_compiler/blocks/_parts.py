@@ -31,7 +31,7 @@ from kfac_compiler.blocks.ops import (  # noqa: F401  (re-exported)
     emit_shape_with,
     prod,
 )
-from kfac_compiler.blocks.statistics import GramStatistic, emit_statistic  # noqa: F401  (re-exported)
+from kfac_compiler.blocks.gram import GramStatistic, emit_statistic  # noqa: F401  (re-exported)
 from kfac_compiler.blocks.views import FlatView, MatrixView  # noqa: F401  (re-exported)
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError

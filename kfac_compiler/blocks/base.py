@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks.registry import BLOCK_CLASSES, BLOCKS, block_class, register_block  # noqa: F401  (lived here)
-from kfac_compiler.blocks.statistics import GramStatistic
+from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec, Layer

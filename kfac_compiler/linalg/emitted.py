@@ -9,7 +9,7 @@ import numpy as np
 
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.linalg import (
+from kfac_compiler.linalg.methods import (
     DEFAULT_METHOD,
     EMITTED_METHODS,
     NS_ITERATIONS,

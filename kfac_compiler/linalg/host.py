@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.linalg import (
+from kfac_compiler.linalg.methods import (
     NS_ITERATIONS,
     NS_PROBE_STEPS,
     NS_WARM_RADIUS,

@@ -10,7 +10,7 @@ from kfac_compiler.optimizers.base import (
     register_optimizer,
     regularized,
 )
-from kfac_compiler.optimizers.config import ALIASES, OptimizerConfig
+from kfac_compiler.optimizers.settings import ALIASES, OptimizerConfig
 
 # Importing the optimizer modules registers them.
 from kfac_compiler.optimizers import adam, kfac, sgd  # noqa: E402,F401

@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers.base import regularized, register_optimizer
-from kfac_compiler.optimizers.config import OptimizerConfig, check_positive, check_unit
+from kfac_compiler.optimizers.settings import OptimizerConfig, check_positive, check_unit
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
     from kfac_compiler.plan import Plan
+
+BETA1, BETA2, EPSILON = C.hp("beta1"), C.hp("beta2"), C.hp("epsilon")  # adam_step's own hyper-parameters
 
 
 @dataclass
@@ -48,7 +50,7 @@ def emit_adam_step(em: "Emission", l2: bool = False) -> None:
     b = em.b
     loss, _, raw, _ = em.loss_and_grads()
     grads = regularized(em, raw, l2)
-    lr, b1, b2, eps = em.hp("learning_rate"), em.hp("beta1"), em.hp("beta2"), em.hp("epsilon")
+    lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
     one = b.const(1.0)
     steps = {}
     for p in em.parts.params:
@@ -74,5 +76,5 @@ class Adam(FirstOrderOptimizer):
 
     def hyper_parameters(self) -> dict[str, float]:
         cfg = self.config
-        return {C.hp("learning_rate"): cfg.lr_at(self.trainer.applied_steps + 1), C.hp("beta1"): cfg.beta1,
-                C.hp("beta2"): cfg.beta2, C.hp("epsilon"): cfg.epsilon}
+        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1), BETA1: cfg.beta1,
+                BETA2: cfg.beta2, EPSILON: cfg.epsilon}

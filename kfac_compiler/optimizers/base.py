@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
+from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.optimizers.config import OptimizerConfig
+from kfac_compiler.optimizers.settings import OptimizerConfig
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -73,7 +74,11 @@ OPTIMIZERS: dict[str, type[Optimizer]] = {}
 
 
 def register_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
-    """Class decorator: make `cls` selectable as optimizer `cls.name`."""
+    """Class decorator: make `cls` selectable as optimizer `cls.name` (registering a name
+    again replaces the earlier class, as for losses and blocks: a user may override a
+    built-in). Its subgraph names must be its own (emitters() checks)."""
+    if not cls.name:
+        raise TypeError(f"optimizer class {cls.__name__} has no name")
     OPTIMIZERS[cls.name] = cls
     return cls
 
@@ -91,10 +96,14 @@ def make_config(optimizer: str, plan: "Plan | None" = None, **knobs: Any) -> Opt
 
 
 def emitters() -> dict[str, Emitter]:
-    """Every registered optimizer's subgraphs, by name."""
+    """Every registered optimizer's subgraphs, by name (a name two optimizers emit is an error)."""
     out: dict[str, Emitter] = {}
+    owner: dict[str, str] = {}
     for cls in OPTIMIZERS.values():
-        out.update(cls.subgraphs)
+        for name, fn in cls.subgraphs.items():
+            if name in owner:
+                raise ConfigError(f"optimizers {owner[name]!r} and {cls.name!r} both emit a subgraph named {name!r}")
+            out[name], owner[name] = fn, cls.name
     return out
 
 
@@ -103,7 +112,7 @@ def regularized(em: "Emission", grads: dict[str, str], l2: bool) -> dict[str, st
     """g + l2 * theta (only emitted when the optimizer uses weight decay)."""
     if not l2:
         return grads
-    coeff = em.hp("l2")
+    coeff = em.hp(C.L2)
     return {p: em.b.add(g, em.b.mul(coeff, p)) for p, g in grads.items()}
 
 

@@ -17,10 +17,10 @@ def emit_baseline_metrics(em: "Emission", loss: str, steps: dict, raw: dict) -> 
     """loss, metric/update_norm, metric/grad_norm and metric/finite of a first-order step."""
     dots = Gram(em, {"u": steps, "g": raw})
     update_sq = dots("u", "u")
-    em.metric("loss", loss)
-    em.metric("update_norm", em.b.op("Sqrt", [update_sq]))
-    em.metric("grad_norm", em.b.op("Sqrt", [dots("g", "g")]))
-    em.metric("finite", em.b.cast(em.finite([loss, update_sq]), TensorProto.FLOAT))
+    em.metric(C.LOSS, loss)
+    em.metric(C.UPDATE_NORM, em.b.op("Sqrt", [update_sq]))
+    em.metric(C.GRAD_NORM, em.b.op("Sqrt", [dots("g", "g")]))
+    em.metric(C.FINITE, em.b.cast(em.finite([loss, update_sq]), TensorProto.FLOAT))
 
 
 class FirstOrderOptimizer(Optimizer):
@@ -39,7 +39,7 @@ class FirstOrderOptimizer(Optimizer):
 
     def step(self, data: dict[str, Any]) -> dict[str, float]:
         tr, cfg = self.trainer, self.config
-        tr.store.set_hp(C.hp("l2"), cfg.l2_reg)
+        tr.store.set_hp(C.L2, cfg.l2_reg)
         out = self._program().run(tr.store, data, hp=self.hyper_parameters())
         ok = out.get(C.FINITE, 1.0) > 0.5
         m = {
@@ -47,8 +47,8 @@ class FirstOrderOptimizer(Optimizer):
             "loss": out[C.LOSS],
             "learning_rate": float(cfg.learning_rate),
             "momentum": float(cfg.momentum),
-            "update_norm": out.get(C.metric("update_norm"), float("nan")) if ok else 0.0,
-            "grad_norm": out.get(C.metric("grad_norm"), float("nan")),
+            "update_norm": out.get(C.UPDATE_NORM, float("nan")) if ok else 0.0,
+            "grad_norm": out.get(C.GRAD_NORM, float("nan")),
             "rejected": 0.0 if ok else 1.0,
         }
         tr.step_count += 1

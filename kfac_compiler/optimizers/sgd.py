@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers.base import regularized, register_optimizer
-from kfac_compiler.optimizers.config import OptimizerConfig, check_unit
+from kfac_compiler.optimizers.settings import OptimizerConfig, check_unit
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def emit_sgd_step(em: "Emission", l2: bool = False) -> None:
     b = em.b
     loss, _, raw, _ = em.loss_and_grads()
     grads = regularized(em, raw, l2)
-    lr, mom = em.hp("learning_rate"), em.hp("momentum")
+    lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
     steps = {}
     for p in em.parts.params:
         vel = em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros")
@@ -55,4 +55,4 @@ class Sgd(FirstOrderOptimizer):
     step_subgraph = "sgd_step"
 
     def hyper_parameters(self) -> dict[str, float]:
-        return {C.hp("learning_rate"): self.config.learning_rate, C.hp("momentum"): self.config.momentum}
+        return {C.LEARNING_RATE: self.config.learning_rate, C.MOMENTUM: self.config.momentum}

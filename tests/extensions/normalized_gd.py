@@ -13,7 +13,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers import Gram, Optimizer, OptimizerConfig, register_optimizer
-from kfac_compiler.optimizers.config import check_positive
+from kfac_compiler.optimizers.settings import check_positive
 
 
 @dataclass

@@ -24,7 +24,8 @@ import numpy as np
 from kfac_compiler import contract as C
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers.base import Optimizer, register_optimizer
-from kfac_compiler.optimizers.kfac.config import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
+from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
+from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac.graph import STAGES, emit_kfac_step
 
 __all__ = ["STAGES", "Kfac", "KfacConfig", "ema_coefficient", "emit_kfac_step", "lm_adapt", "reduction_ratio"]
@@ -45,7 +46,7 @@ class Kfac(Optimizer):
         self.damping = float(cfg.damping)
         # "auto" -> schur on CPU and CUDA (kfac_compiler.linalg.concrete_method)
         self.inverse_method = concrete_method(cfg.inverse_method, trainer.device.name)
-        self.inverses = None  # the InverseRefresher, made by build()
+        self.refresher = None  # refreshes the damped inverses (the trainer's InverseRefresher), made by build()
         self._step_programs: dict[tuple, Any] = {}  # step_program's memo
 
     # ------------------------------------------------------------------ sessions
@@ -92,8 +93,6 @@ class Kfac(Optimizer):
                                     stats_batch=self.stats_batch(), weighted=self.trainer.weighted)
 
     def build(self) -> None:
-        from kfac_compiler.runtime.inverses import InverseRefresher
-
         tr = self.trainer
         step = self.step_program()
         if not self.stats_conditional:
@@ -103,26 +102,7 @@ class Kfac(Optimizer):
         # workers hold the other cores: on the CPU it gets one thread
         threads = 1 if tr.device.name == "cpu" else None
         emitted = tr.program("inverse_update", threads=threads, method=self.inverse_method)
-        self.inverses = InverseRefresher(tr.plan, emitted, step, self.inverse_method)
-
-    # ------------------------------------------------------------------ noise
-    def _noise(self, prog, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from kfac_compiler.runtime.data import draw_noise
-
-        return draw_noise(self.trainer.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name)
-
-    def _noise_placeholders(self, prog, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Buffers for the noise inputs of a step that skips its statistics (the If does not
-        read them) where none was written yet, e.g. right after a checkpoint load: zeros, so
-        that the trainer's random stream stays that of an uninterrupted run."""
-        from kfac_compiler.runtime.data import noise_shape
-
-        store = self.trainer.store
-        missing = [n for n in prog.data_inputs if C.is_noise(n) and not store.has_data(n)]
-        if not missing:
-            return {}
-        shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
-        return {n: np.zeros(shape, np.float32) for n in missing}
+        self.refresher = tr.inverse_refresher(emitted, step, self.inverse_method)
 
     # ------------------------------------------------------------------ steps
     def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
@@ -130,8 +110,8 @@ class Kfac(Optimizer):
         prog = self.statistics_program()
         coeff, w_new = ema_coefficient(self.ema_weight, self.config.cov_ema_decay)
         feed = dict(data or {})
-        feed.update(self._noise(prog, batch_data))
-        out = prog.run(self.trainer.store, feed, hp={C.hp("ema_coeff"): coeff})
+        feed.update(self.trainer.draw_noise(prog, batch_data))
+        out = prog.run(self.trainer.store, feed, hp={C.EMA_COEFF: coeff})
         ok = out.get(C.FINITE, 1.0) > 0.5
         if ok:
             self.ema_weight = w_new
@@ -139,7 +119,7 @@ class Kfac(Optimizer):
 
     def refresh_inverses(self) -> float:
         """Recompute every damped inverse from the current factors; returns inverse_ok."""
-        ok = self.inverses(self.trainer.store, self.damping + self.config.l2_reg)
+        ok = self.refresher(self.trainer.store, self.damping + self.config.l2_reg)
         self.inverses_ready = True
         return 1.0 if ok else 0.0
 
@@ -152,17 +132,17 @@ class Kfac(Optimizer):
 
     def _hyper_parameters(self, adapt: bool) -> dict[str, float]:
         cfg = self.config
-        hp = {C.hp("damping"): self.damping}
+        hp = {C.DAMPING: self.damping}
         if cfg.adapt_damping:
-            hp[C.hp("loss_after")] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
-            hp[C.hp("reject_increase")] = 1.0 if cfg.reject_increase else 0.0
+            hp[G.WANT_LOSS_AFTER] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
+            hp[G.REJECT_INCREASE] = 1.0 if cfg.reject_increase else 0.0
         if cfg.use_qmodel:
-            hp[C.hp("max_momentum")] = cfg.max_momentum
-            hp[C.hp("max_predicted_decrease")] = cfg.max_predicted_decrease or 0.0  # 0: off
+            hp[G.MAX_MOMENTUM] = cfg.max_momentum
+            hp[G.MAX_PREDICTED_DECREASE] = cfg.max_predicted_decrease or 0.0  # 0: off
         else:
-            hp[C.hp("learning_rate")] = cfg.learning_rate
-            hp[C.hp("momentum")] = cfg.momentum
-            hp[C.hp("norm_constraint")] = cfg.norm_constraint or 0.0
+            hp[C.LEARNING_RATE] = cfg.learning_rate
+            hp[C.MOMENTUM] = cfg.momentum
+            hp[G.NORM_CONSTRAINT] = cfg.norm_constraint or 0.0
         return hp
 
     def step(self, data: dict[str, Any]) -> dict[str, float]:
@@ -173,7 +153,7 @@ class Kfac(Optimizer):
         k = tr.step_count
         stats = (k % cfg.cov_update_period == 0) or self.ema_weight == 0.0
         first = not self.inverses_ready
-        tr.store.set_hp(C.hp("l2"), cfg.l2_reg)
+        tr.store.set_hp(C.L2, cfg.l2_reg)
         damping = self.damping
         adapt = bool(cfg.adapt_damping) and k % cfg.damping_adaptation_interval == 0
         hp = self._hyper_parameters(adapt)
@@ -184,40 +164,40 @@ class Kfac(Optimizer):
         if first:
             # the very first step is preconditioned by its own batch: statistics, inverses, step
             self.run_statistics(data, data)
-            feed = self._noise_placeholders(prog, data)  # the batch is already in the store
+            feed = tr.noise_placeholders(prog, data)  # the batch is already in the store
             inverse_ok = self.refresh_inverses()
         elif stats:
             coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
-            hp[C.hp("ema_coeff")] = coeff
-            feed.update(self._noise(prog, data))
+            hp[C.EMA_COEFF] = coeff
+            feed.update(tr.draw_noise(prog, data))
         else:
-            feed.update(self._noise_placeholders(prog, data))
+            feed.update(tr.noise_placeholders(prog, data))
         if self.stats_conditional:
-            if w_new is None and not tr.store.has_hp(C.hp("ema_coeff")):  # bound, but the If skips its reader
-                hp[C.hp("ema_coeff")] = 0.0
-            hp[C.hp("update_stats")] = 0.0 if w_new is None else 1.0
+            if w_new is None and not tr.store.has_hp(C.EMA_COEFF):  # bound, but the If skips its reader
+                hp[C.EMA_COEFF] = 0.0
+            hp[C.UPDATE_STATS] = 0.0 if w_new is None else 1.0
         out = prog.run(tr.store, feed, hp=hp)
         ok = out.get(C.FINITE, 1.0) > 0.5
         metrics = {
             "step": float(k),
             "loss": out[C.LOSS],
             "damping": damping,
-            "learning_rate": out.get(C.metric("alpha"), float("nan")),
-            "momentum": out.get(C.metric("mu"), float("nan")),
-            "update_norm": out.get(C.metric("update_norm"), float("nan")),
-            "grad_norm": out.get(C.metric("grad_norm"), float("nan")),
-            "qmodel_change": out.get(C.metric("qmodel_change"), float("nan")),
-            "update_scale": out.get(C.metric("update_scale"), float("nan")),
+            "learning_rate": out.get(G.ALPHA, float("nan")),
+            "momentum": out.get(G.MU, float("nan")),
+            "update_norm": out.get(C.UPDATE_NORM, float("nan")),
+            "grad_norm": out.get(C.GRAD_NORM, float("nan")),
+            "qmodel_change": out.get(G.QMODEL_CHANGE, float("nan")),
+            "update_scale": out.get(G.UPDATE_SCALE, float("nan")),
             "rho": float("nan"),
             "rejected": 0.0,
             "stats": 1.0 if (stats or first) else 0.0,
             "inverse": 1.0 if first else 0.0,
             "inverse_ok": inverse_ok,
-            "inverse_fallbacks": float(len(self.inverses.fallbacks)) if first else float("nan"),
+            "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first else float("nan"),
         }
         tr.step_count += 1
         if adapt:  # reported for rejected steps too (a step raising the objective is rejected)
-            new_loss = out[C.metric("loss_after")]
+            new_loss = out[G.LOSS_AFTER]
             # without the qmodel the graph's change is first order: no damping term to remove
             metrics["rho"] = reduction_ratio(out[C.LOSS], new_loss, metrics["qmodel_change"], metrics["update_norm"],
                                              damping, cfg.include_damping_in_quad_change or not cfg.use_qmodel)
@@ -237,7 +217,7 @@ class Kfac(Optimizer):
             # damping just adapted; used from the next step on (one session switch per period)
             metrics["inverse"] = 1.0
             metrics["inverse_ok"] = self.refresh_inverses()
-            metrics["inverse_fallbacks"] = float(len(self.inverses.fallbacks))
+            metrics["inverse_fallbacks"] = float(len(self.refresher.fallbacks))
         return metrics
 
     # ------------------------------------------------------------------ checkpoints

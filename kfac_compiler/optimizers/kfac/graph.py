@@ -9,11 +9,15 @@
       -- reduce: the quadratic model's terms (means over the batch)
     update         (alpha, mu) from the 2x2 model (or the fixed learning rate and momentum),
                    the update alpha P + mu v, new parameters and velocity, the same batch's
-                   loss at the new parameters for damping adaptation, the metrics
+                   loss at the new parameters for damping adaptation (and rejection), the
+                   metrics
+      -- reduce: the loss at the new parameters, before the rejection test reads it
 
-One process runs the three stages fused in one graph. Everything a stage reads from an
-earlier one is a mean over the examples, so a data-parallel run all-reduces (averages) the
-values STAGES lists at each boundary and every rank then computes the same update.
+Each reduction point is an `em.reduce_mean(point, values)` call where the values are made:
+one process runs the stages fused in one graph and the call returns the values; everything a
+stage reads from an earlier one is a mean over the examples, so a data-parallel step
+all-reduces (averages) them there, as STAGES lists, and every rank computes the same update
+and the same accept/reject decision.
 """
 from __future__ import annotations
 
@@ -31,22 +35,37 @@ if TYPE_CHECKING:
 
 FLOAT = TensorProto.FLOAT
 
+# kfac_step's own hyper-parameters and metrics (the policy binds and reads these names; the
+# shared ones, C.DAMPING, C.L2, ..., are the contract's)
+NORM_CONSTRAINT = C.hp("norm_constraint")      # KL clipping (without the quadratic model)
+MAX_MOMENTUM = C.hp("max_momentum")            # |mu| cap of the quadratic model
+MAX_PREDICTED_DECREASE = C.hp("max_predicted_decrease")
+WANT_LOSS_AFTER = C.hp("loss_after")           # > 0: report LOSS_AFTER this step
+REJECT_INCREASE = C.hp("reject_increase")      # > 0: reject a step that raises the objective
+ALPHA, MU = C.metric("alpha"), C.metric("mu")  # the step's update is -alpha P + mu v
+QMODEL_CHANGE = C.metric("qmodel_change")      # the quadratic model's predicted change
+UPDATE_SCALE = C.metric("update_scale")
+LOSS_AFTER = C.metric("loss_after")            # the batch's loss at the new parameters
+
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the step and what a data-parallel run averages over ranks after it."""
+    """One stage of the step and the reduction points (Emission.reduce_mean) at its end: what
+    a data-parallel run averages over the ranks before the next stage reads it."""
 
     name: str
     computes: str
     reduces: tuple[str, ...]
 
 
+LOSS_POINT, GRADIENTS_POINT, MODEL_POINT, LOSS_AFTER_POINT = (
+    "loss", "gradients", "quadratic model terms", "loss after the update")
 STAGES = (
     Stage("local", "loss, gradients and this batch's factor statistics",
-          ("gradients", "loss", "factor statistics (statistics steps)")),
-    Stage("precondition", "P = (F + damping)^-1 g, dot products, the quadratic model's terms",
-          ("quadratic model terms c11 c12 c22 b1 b2",)),
-    Stage("update", "(alpha, mu), the update, new parameters and velocity, metrics", ()),
+          (LOSS_POINT, GRADIENTS_POINT, C.FACTOR_STATISTICS_POINT)),
+    Stage("precondition", "P = (F + damping)^-1 g, dot products, the quadratic model's terms", (MODEL_POINT,)),
+    Stage("update", "(alpha, mu), the update, new parameters and velocity, the loss after it, metrics",
+          (LOSS_AFTER_POINT,)),
 )
 
 
@@ -118,6 +137,8 @@ def local_stage(em: "Emission", with_stats: bool, stats_if: bool, mode: str, num
     hp/update_stats with stats_if)."""
     reuse = with_stats and mode == "empirical" and stats_batch is None
     loss, _, raw_grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
+    loss = em.reduce_mean(LOSS_POINT, loss)
+    raw_grads = em.reduce_mean(GRADIENTS_POINT, raw_grads)
     grads = regularized(em, raw_grads, l2)
     ok_terms = [loss]
     if with_stats:
@@ -140,10 +161,11 @@ def precondition_stage(em: "Emission", local: Local, qmodel: bool, l2: bool,
     dots = Gram(em, vectors)
     model = None
     if qmodel:
-        damping = em.hp("damping")
+        damping = em.hp(C.DAMPING)
         if l2:
-            damping = em.b.add(damping, em.hp("l2"))
-        model = quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity, dots, damping, l2)
+            damping = em.b.add(damping, em.hp(C.L2))
+        model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity,
+                                                             dots, damping, l2))
     return Preconditioned(precond, velocity, dots, model)
 
 
@@ -174,8 +196,8 @@ def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity:
     else:  # fwd.data_grad carries the example weights of a weighted loss
         b1, b2 = mean_dot(j_p, fwd.data_grad), mean_dot(j_v, fwd.data_grad)
         if l2:
-            b1 = b.add(b1, b.mul(em.hp("l2"), dots("t", "P")))
-            b2 = b.add(b2, b.mul(em.hp("l2"), dots("t", "v")))
+            b1 = b.add(b1, b.mul(em.hp(C.L2), dots("t", "P")))
+            b2 = b.add(b2, b.mul(em.hp(C.L2), dots("t", "v")))
     return QuadraticModel(c11, c12, c22, b1, b2, whole_b1, whole_b2)
 
 
@@ -188,10 +210,10 @@ def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, lo
         if em.parts.loss.lower_bound is not None:
             gap = b.sub(loss, b.const(float(em.parts.loss.lower_bound)))
             if l2:  # the objective the model describes includes l2 |theta|^2 / 2
-                gap = b.add(gap, b.mul(b.mul(b.const(0.5), em.hp("l2")), dots("t", "t")))
+                gap = b.add(gap, b.mul(b.mul(b.const(0.5), em.hp(C.L2)), dots("t", "t")))
         a, mu, change = solve_quadratic_model(em, pre.model, gap)
     else:
-        lr, mu = em.hp("learning_rate"), em.hp("momentum")
+        lr, mu = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
         a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("g", "P"))))
     params = em.parts.params
     update = {p: b.add(b.mul(a, pre.precond[p]), b.mul(mu, pre.velocity[p])) for p in params}
@@ -210,16 +232,16 @@ def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, lo
         em.state_output(C.velocity(p), update[p])
     if loss_after:
         ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2))
-    em.metric("loss", loss)
-    em.metric("update_norm", b.op("Sqrt", [update_sq]))
-    em.metric("grad_norm", b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
-    em.metric("alpha", b.neg(a))
-    em.metric("mu", mu)
-    em.metric("qmodel_change", change)
+    em.metric(C.LOSS, loss)
+    em.metric(C.UPDATE_NORM, b.op("Sqrt", [update_sq]))
+    em.metric(C.GRAD_NORM, b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
+    em.metric(ALPHA, b.neg(a))
+    em.metric(MU, mu)
+    em.metric(QMODEL_CHANGE, change)
     ok = em.finite(ok_terms)
     for flag in ok_flags:
         ok = b.op("And", [ok, flag])
-    em.metric("finite", b.cast(ok, FLOAT))
+    em.metric(C.FINITE, b.cast(ok, FLOAT))
 
 
 def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
@@ -244,13 +266,14 @@ def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, 
                 b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v"))),
                 b.mul(b.const(0.5), update_sq),
             )
-            after = b.add(after, b.mul(em.hp("l2"), reg))
+            after = b.add(after, b.mul(em.hp(C.L2), reg))
         return [after]
 
-    wanted = b.op("Greater", [em.hp("loss_after"), b.const(0.0)])
+    wanted = b.op("Greater", [em.hp(WANT_LOSS_AFTER), b.const(0.0)])
     (after,) = b.conditional(wanted, objective_after, [b.const(float("nan"))], [[]], hint="loss_after")
-    em.metric("loss_after", after)
-    increase = b.op("And", [b.op("Greater", [em.hp("reject_increase"), b.const(0.0)]),
+    after = em.reduce_mean(LOSS_AFTER_POINT, after)  # every rank then takes the same decision
+    em.metric(LOSS_AFTER, after)
+    increase = b.op("And", [b.op("Greater", [em.hp(REJECT_INCREASE), b.const(0.0)]),
                             b.op("Greater", [b.sub(after, local.loss), b.op("Abs", [change])])])
     return b.op("Not", [increase])
 
@@ -277,7 +300,7 @@ def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) ->
     mu = b.op("Where", [two_d, mu2, b.const(0.0)])
     # |mu| <= hp/max_momentum, with a re-solved for the clipped mu: where the batch's
     # curvature along v is tiny the model's optimum has |mu| >> 1 and training diverges
-    limit = em.hp("max_momentum")
+    limit = em.hp(MAX_MOMENTUM)
     mu_c = b.op("Min", [b.op("Max", [mu, b.neg(limit)]), limit])
     a_c = b.neg(b.div(b.add(b1, b.mul(mu_c, c12)), b.op("Max", [c11, b.const(1e-30)])))
     a = b.op("Where", [b.op("Equal", [mu, mu_c]), a, a_c])
@@ -308,18 +331,18 @@ def decrease_scale(em: "Emission", change: str, gap: str) -> str:
     decrease below the bound is extrapolating past its validity (docs/runtime.md,
     "Safeguards")."""
     b = em.b
-    k = em.hp("max_predicted_decrease")
+    k = em.hp(MAX_PREDICTED_DECREASE)
     limit = b.mul(k, gap)
     capped = b.op("And", [b.op("Greater", [k, b.const(0.0)]), b.op("Less", [change, b.neg(limit)])])
     s = b.op("Where", [capped, b.div(limit, b.neg(change)), b.const(1.0)])
-    em.metric("update_scale", s)
+    em.metric(UPDATE_SCALE, s)
     return s
 
 
 def norm_constraint(em: "Emission", lr: str, g_dot_precond: str) -> str:
     """KL clipping (TF K-FAC): scale so lr^2 g.F^-1 g <= c; c <= 0 disables."""
     b = em.b
-    c = em.hp("norm_constraint")
+    c = em.hp(NORM_CONSTRAINT)
     sq = b.mul(b.mul(lr, lr), b.op("Abs", [g_dot_precond]))
     ratio = b.op("Sqrt", [b.div(c, b.op("Max", [sq, b.const(1e-30)]))])
     clipped = b.op("Min", [ratio, b.const(1.0)])

@@ -17,13 +17,17 @@ import math
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
 from kfac_compiler.errors import ConfigError, DataError, ModelError
 from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from kfac_compiler.models import ZooEntry
+    from kfac_compiler.plan import Plan
 
 DEFAULT_MODEL = "mlp_classifier"
 CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
@@ -117,7 +121,7 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
     )
 
 
-def load_data(plan, entry, data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
     from kfac_compiler.runtime.data import digits_for, input_spec, load_npz, output_spec, validate_dataset
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
@@ -329,7 +333,7 @@ def run_train(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry point (python -m kfac_compiler.runtime.train_cli ...)."""
+    """Standalone entry point (python -m kfac_compiler.train_cli ...)."""
     from kfac_compiler.errors import KfacError
 
     p = argparse.ArgumentParser(prog="kfac-compiler")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler.contract import ESTIMATION_MODES
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.optimizers.config import (
+from kfac_compiler.optimizers.settings import (
     OptimizerConfig,
     check_int,
     check_positive,

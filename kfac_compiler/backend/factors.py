@@ -91,9 +91,9 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     S = X^T X / count becomes one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is
     that of |X|^2, which bounds every entry of X^T X."""
     b = em.b
-    coeff = em.hp("ema_coeff")
+    coeff = em.hp(C.EMA_COEFF)
     keep = b.sub(b.const(1.0), coeff)
-    stats = batch_statistics(em, fwd, mode, num_samples, cots)
+    stats = em.reduce_mean(C.FACTOR_STATISTICS_POINT, batch_statistics(em, fwd, mode, num_samples, cots))
     updates, ok = [], []
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
@@ -132,7 +132,7 @@ def conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode:
         slots.extend(slot for slot, _ in updates)
         return [new for _, new in updates] + [b.sum(terms)]
 
-    wanted = b.op("Greater", [em.hp("update_stats"), b.const(0.0)])
+    wanted = b.op("Greater", [em.hp(C.UPDATE_STATS), b.const(0.0)])
     results = b.conditional(wanted, statistics, lambda: slots + [b.const(0.0)],
                             lambda: [em.info.state_specs[s].shape for s in slots] + [[]], hint="statistics")
     for slot, new in zip(slots, results):

@@ -15,7 +15,7 @@ from kfac_compiler.builder import GraphBuilder
 class GramStatistic:
     """A factor statistic X^T X / count for rows X [m, k], left as its operands: the moving
     average folds the product, the division and its decay into one Gemm
-    (backend.curvature.factor_updates), instead of four more passes over the k x k factor.
+    (backend.factors.factor_updates), instead of four more passes over the k x k factor.
     `emit` materializes it for every other consumer."""
 
     rows: str
