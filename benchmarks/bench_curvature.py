@@ -43,12 +43,12 @@ def _feeds(sess, plan, info, x, y, rng):
         elif name in inits:
             feeds[name] = inits[name]
         else:
-            spec = info["state_specs"][name]
-            shape = spec["shape"]
+            spec = info.state_specs[name]
+            shape = list(spec.shape)
             if name.startswith("factor/"):
                 a = rng.normal(size=shape[:-1] + [max(2 * shape[-1], 8)]).astype(np.float32) if len(shape) >= 2 and shape[-1] == shape[-2] else None
                 feeds[name] = (a @ np.swapaxes(a, -1, -2) / a.shape[-1]).astype(np.float32) if a is not None else np.abs(rng.normal(size=shape)).astype(np.float32)
-            elif spec["init"] == "identity" and len(shape) >= 2 and shape[-1] == shape[-2]:
+            elif spec.init == "identity" and len(shape) >= 2 and shape[-1] == shape[-2]:
                 feeds[name] = np.broadcast_to(np.eye(shape[-1], dtype=np.float32), shape).copy()
             else:
                 feeds[name] = np.ones(shape, np.float32)

@@ -10,8 +10,8 @@ os.replace, so a crash never leaves a truncated checkpoint under the final name)
 meta = {"format": "kfac_compiler.checkpoint", "version": 1,
         "plan": {"schema_version", "fingerprint", "layers", "params"},
         "optimizer": "kfac", "knobs": {...resolved optimizer config...}, "seed": 0,
-        "host": {"step_count", "applied_steps", "burn_in_count", "ema_weight", "damping",
-                 "inverses_ready"},
+        "host": {"step_count", "applied_steps", + the optimizer's host state (K-FAC:
+                 "burn_in_count", "ema_weight", "damping", "inverses_ready")},
         "rng": numpy bit_generator.state, "slots": [...], "device": "cpu", "created": ...}
 
 Loading a checkpoint of another plan (different fingerprint) raises CheckpointError.
