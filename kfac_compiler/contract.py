@@ -10,7 +10,7 @@ call the constructors below (and the parsers, to read one back).
 | data inputs | the model's inputs, `targets`, `example_weights`, `noise/<s>`, `vec/<p>` | TARGETS, EXAMPLE_WEIGHTS, noise(s), vec(p) |
 | hyper-parameters | `hp/<name>`, float32 scalars | hp(name) |
 | state slots | parameters (initializer names), `velocity/<p>`, `adam_m/<p>`, `adam_v/<p>`, `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), adam_m(p), adam_v(p), factor(l, f), inverse(l, i); parse_slot |
-| state outputs | `new/<slot>` | new(slot), written_slot(output) |
+| state outputs | `new/<slot>` | new(slot) |
 | metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
 | results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |
 
@@ -139,11 +139,6 @@ def new(slot: str) -> str:
     return f"{NEW_PREFIX}{slot}"
 
 
-def written_slot(output: str) -> str | None:
-    """The slot a `new/<slot>` output writes (None for any other name)."""
-    return output[len(NEW_PREFIX):] if output.startswith(NEW_PREFIX) else None
-
-
 # ------------------------------------------------------------------------------ metrics, results
 LOSS = "loss"
 METRIC_PREFIX = "metric/"
@@ -247,10 +242,6 @@ class SubgraphInfo:
     state_specs: dict[str, SlotSpec] = field(default_factory=dict)
     noise: NoiseSpec = field(default_factory=NoiseSpec)
     options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def written_slots(self) -> list[str]:
-        return list(self.state_outputs.values())
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

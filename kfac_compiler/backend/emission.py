@@ -210,7 +210,7 @@ class Emission:
         """Forward-mode products through pass `fwd`: {output: J tangents}."""
         return jvp(self.b, fwd.view, dict(tangents), outputs)
 
-    # ---------------------------------------------- curvature (curvature.py)
+    # ---------------------------------------------- factors and preconditioning (factors.py)
     def layer_cotangent_targets(self) -> list[str]:
         return factors.layer_cotangent_targets(self)
 
@@ -230,7 +230,6 @@ class Emission:
     def precondition(self, grads: dict[str, str]) -> dict[str, str]:
         """(F + damping)^-1 g for every block, from the inverse state slots."""
         return factors.precondition(self, grads)
-
 
 
 def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:

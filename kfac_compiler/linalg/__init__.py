@@ -38,6 +38,5 @@ Modules: methods.py (the methods, their constants and FLOP counts), host.py (the
 and host inverses, np_*), emitted.py (the ONNX emitters, emit_*); all re-exported here.
 """
 from kfac_compiler.linalg.emitted import *  # noqa: F401,F403
-from kfac_compiler.linalg.emitted import _emit_schur  # noqa: F401
 from kfac_compiler.linalg.host import *  # noqa: F401,F403
 from kfac_compiler.linalg.methods import *  # noqa: F401,F403
