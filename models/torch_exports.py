@@ -32,6 +32,8 @@ import warnings
 
 import numpy as np
 
+from kfac_compiler.models.data import MAX_PIXEL, digits
+
 try:
     import torch
     from torch import nn
@@ -184,27 +186,19 @@ def export(module: nn.Module, path: str, example: np.ndarray) -> str:
     return path
 
 
-def _digits(n: int | None, seed: int):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    order = np.random.default_rng(seed).permutation(len(d.target))
-    order = order if n is None else order[:n]
-    return d.images[order], d.target[order]
-
-
 def digits_images(n: int | None = None, seed: int = 0, size: int = 32) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """({"input": [n,3,size,size] float32 in [0,1]}, int64 labels): digits scaled up by pixel
     repetition (size a multiple of 8) and copied to three channels."""
-    images, labels = _digits(n, seed)
-    x = np.repeat(np.repeat(images / 16.0, size // 8, axis=1), size // 8, axis=2).astype(np.float32)
-    return {"input": np.ascontiguousarray(np.broadcast_to(x[:, None], (len(x), 3, size, size)))}, labels.astype(np.int64)
+    pixels, labels = digits(n, seed)  # the zoo's selection and scaling
+    images = pixels.reshape(-1, 8, 8)
+    x = np.repeat(np.repeat(images, size // 8, axis=1), size // 8, axis=2)
+    return {"input": np.ascontiguousarray(np.broadcast_to(x[:, None], (len(x), 3, size, size)))}, labels
 
 
 def digits_sequences(n: int | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """({"input": [n,64] int64 tokens}, [n,64] int64 next tokens): an image's pixels (0..16)
     in reading order; the target of position t is pixel t+1, the last one's is 0."""
-    images, _ = _digits(n, seed)
-    tokens = images.reshape(len(images), 64).astype(np.int64)
+    pixels, _ = digits(n, seed)  # the zoo's selection, scaled to [0, 1]
+    tokens = np.rint(pixels * MAX_PIXEL).astype(np.int64)
     targets = np.concatenate([tokens[:, 1:], np.zeros((len(tokens), 1), np.int64)], axis=1)
     return {"input": tokens}, targets
