@@ -1,7 +1,8 @@
 """Command line: `kfac-compiler compile|inspect|train`.
 
     kfac-compiler compile MODEL --loss KIND [--output NAME] [--config FILE]
-                  [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--frontend-only] -o PLAN_DIR
+                  [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
+                  [--untie P|all ...] [--frontend-only] -o PLAN_DIR
     kfac-compiler inspect PLAN_DIR [--format table|json|dot]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
@@ -14,6 +15,7 @@ import sys
 import warnings
 from typing import Sequence
 
+from kfac_compiler.cli_options import add_selection_args, apply_selection_args
 from kfac_compiler.errors import ConfigError, KfacError
 from kfac_compiler.losses import losses_help
 
@@ -40,10 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="a TOML or JSON config file")
     c.add_argument("--approx", action="append", default=[], metavar="KEY=APPROX",
                    help="approximation for a layer kind (e.g. conv=diagonal) or a layer name/regex; repeatable")
-    c.add_argument("--include", action="append", default=None, metavar="PARAM",
-                   help="train only these parameters (name or regex; repeatable)")
-    c.add_argument("--exclude", action="append", default=None, metavar="PARAM",
-                   help="freeze these parameters (name or regex; repeatable)")
+    add_selection_args(c)
     c.add_argument("-o", "--out", required=True, metavar="PLAN_DIR", help="the plan directory to write")
     c.add_argument("--frontend-only", action="store_true",
                    help="stop after the front end: layers, blocks and factor sizes, no training subgraphs")
@@ -87,10 +86,7 @@ def _run_compile(args) -> int:
             cfg.approximations[key] = value
         else:
             cfg.layers[key] = value
-    if args.include is not None:
-        cfg.include = list(cfg.include or []) + args.include
-    if args.exclude is not None:
-        cfg.exclude = list(cfg.exclude) + args.exclude
+    apply_selection_args(cfg, args)
     cfg.validate("command line")
     if args.frontend_only:
         plan = compile_frontend(args.model, loss=args.loss, output=args.output, config=cfg)

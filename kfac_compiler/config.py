@@ -4,6 +4,8 @@ Every key is checked: an unknown key, a value of the wrong type or range, or a b
 expression raises a one-line ConfigError naming the key. Example (TOML):
 
     exclude = ["pos_emb"]
+    train = ["temperature"]   # train although the constants rule freezes it
+    untie = ["ln.weight"]     # or "all": one copy per consumer node
     damping = 1e-3
     ema_decay = 0.9
 
@@ -73,7 +75,9 @@ class CompileConfig:
     """All front-end and schedule options (defaults in parentheses in docs/frontend.md).
 
     include / exclude: parameter names or regexes (full match) selecting the trainable
-    parameters among the float initializers that reach the output.
+    parameters among the float initializers that reach the output; train: initializers to
+    train although the constants rule freezes them (passes/trainable.py); untie: shared
+    parameters to split into one copy per consumer node (names, regexes or "all").
     approximations: {layer kind or menu key: approximation}; layers: {layer name or regex:
     approximation}; links: [{"params": [...], "approximation": "diagonal"|"full", "name": ...}].
     """
@@ -82,6 +86,8 @@ class CompileConfig:
     output: str | None = None
     include: list[str] | None = None
     exclude: list[str] = field(default_factory=list)
+    train: list[str] = field(default_factory=list)
+    untie: list[str] = field(default_factory=list)
     approximations: dict[str, str] = field(default_factory=dict)
     layers: dict[str, str] = field(default_factory=dict)
     links: list[dict[str, Any]] = field(default_factory=list)
@@ -158,8 +164,11 @@ class CompileConfig:
         if self.include is not None:
             self.include = _str_list(self.include, "include", source)
             compile_patterns(self.include, "include")
-        self.exclude = _str_list(self.exclude, "exclude", source)
-        compile_patterns(self.exclude, "exclude")
+        for key in ("exclude", "train", "untie"):
+            if key == "untie" and self.untie == "all":
+                self.untie = ["all"]
+            setattr(self, key, _str_list(getattr(self, key), key, source))
+            compile_patterns(getattr(self, key), key)
         from kfac_compiler.blocks import APPROXIMATIONS
 
         if not isinstance(self.approximations, dict):

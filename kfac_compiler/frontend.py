@@ -22,7 +22,9 @@ from kfac_compiler.errors import ConfigError, KfacError, ModelError, Unsupported
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
-from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss, trainable_params
+from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
+from kfac_compiler.passes.trainable import split_trainable
+from kfac_compiler.passes.untie import report_shared, select_untie, shared_params, untie
 from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
@@ -133,7 +135,19 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     if not view.is_float(output) and output in view.dtypes and view.dtypes[output]:
         raise ModelError(f"{source!r}: output {output!r} is not a float tensor")
 
-    trainable, frozen = trainable_params(canon, output, cfg.include, cfg.exclude)
+    plan_notes: list[str] = []
+    split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
+    shared = shared_params(view, split.trainable)
+    to_untie = select_untie(cfg.untie, shared)
+    if to_untie:
+        canon, copies = untie(canon, shared, to_untie)
+        view = GraphView(canon)
+        split = dataclasses.replace(split, trainable=[c for p in split.trainable for c in [p] + copies.get(p, [])])
+        plan_notes.append("untied: " + "; ".join(f"{k} -> {', '.join([k] + v)}" for k, v in copies.items()))
+    report_shared(shared, set(to_untie), plan_notes)
+    if split.frozen:
+        plan_notes.append(f"{len(split.frozen)} initializers frozen (not trained); inspect lists each with its reason")
+    trainable, frozen = split.trainable, split.frozen
     matches = match_layers(canon, trainable, view=view)
     layers = link_params(matches, trainable, cfg.links, view=view)
     layers = choose_blocks(layers, cfg)
@@ -141,7 +155,6 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     layers = [_with_input_shape(layer, view) for layer in layers]
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}
     factors: dict[str, list[FactorSpec] | None] = {}
-    plan_notes: list[str] = []
     for layer in layers:
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
 
@@ -155,6 +168,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         targets=targets,
         trainable=trainable,
         frozen=frozen,
+        frozen_reasons=dict(split.reasons),
         layers=layers,
         factors=factors,
         estimator=dataclasses.replace(cfg.estimator),

@@ -138,6 +138,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     subgraphs: dict[str, onnx.ModelProto] = field(default_factory=dict)
     subgraph_info: dict[str, SubgraphInfo] = field(default_factory=dict)
+    # frozen initializer -> why it is not trained (the constants rule, include/exclude, ...)
+    frozen_reasons: dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ lookups
@@ -203,6 +205,10 @@ class Plan:
     def view(self) -> GraphView:
         return GraphView(self.model)
 
+    def frozen_reason(self, name: str) -> str:
+        """Why the frozen initializer `name` is not trained."""
+        return self.frozen_reasons.get(name, "frozen")
+
     def totals(self) -> dict[str, Any]:
         shapes = self.param_shapes
         factor_bytes = 0
@@ -256,6 +262,7 @@ class Plan:
             "targets": self.targets.to_json(),
             "trainable": list(self.trainable),
             "frozen": list(self.frozen),
+            "frozen_reasons": {name: self.frozen_reason(name) for name in self.frozen},
             "layers": [self.layer_json(l) for l in self.layers],
             "estimator": dataclasses.asdict(self.estimator),
             "schedule": self.schedule.to_json(),
@@ -399,6 +406,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
             targets=TensorSpec.from_json(doc["targets"]),
             trainable=list(doc["trainable"]),
             frozen=list(doc["frozen"]),
+            frozen_reasons=dict(doc.get("frozen_reasons", {})),
             layers=layers,
             factors=factors,
             estimator=EstimatorConfig(**doc.get("estimator", {})),

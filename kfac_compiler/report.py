@@ -108,6 +108,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "loss": plan.loss.to_json(),
         "estimator": dataclasses.asdict(plan.estimator),
         "schedule": plan.schedule.to_json(),
+        "frozen": [{"name": n, "reason": plan.frozen_reason(n)} for n in plan.frozen],
         "subgraphs": subgraph_summary(plan),
     }
 
@@ -183,7 +184,8 @@ def render_table(plan: Plan) -> str:
     ]
     body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]
     if plan.frozen:
-        body.append(f"frozen: {', '.join(plan.frozen)}")
+        body += ["", f"frozen ({len(plan.frozen)}, not trained):"]
+        body += [f"  {name:<{max(map(len, plan.frozen))}}  {plan.frozen_reason(name)}" for name in plan.frozen]
     subs = subgraph_summary(plan)
     if subs:
         body += ["", "subgraphs (open in Netron):"]
@@ -275,5 +277,8 @@ def render_dot(plan: Plan) -> str:
         lines.append(f"  {_q(layer.name)} [label=\"{label.replace(chr(34), '')}\", fillcolor={_q(color)}];")
     for src, dst in layer_edges(plan):
         lines.append(f"  {_q(src)} -> {_q(dst)};")
+    if plan.frozen:  # one note box; "\l" ends a left-aligned line in graphviz labels
+        rows = "".join(f"{n}: {plan.frozen_reason(n)}".replace('"', "'") + "\\l" for n in plan.frozen)
+        lines.append(f'  "frozen" [label="frozen (not trained)\\l{rows}", shape=note, fillcolor="#eeeeee"];')
     lines.append("}")
     return "\n".join(lines) + "\n"

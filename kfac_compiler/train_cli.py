@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
+from kfac_compiler.cli_options import add_selection_args, apply_selection_args
 from kfac_compiler.errors import ConfigError, DataError, ModelError
 from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
+    from kfac_compiler.config import CompileConfig
     from kfac_compiler.models import ZooEntry
     from kfac_compiler.plan import Plan
 
@@ -46,6 +48,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--loss", choices=loss_kinds(), metavar="KIND",
                    help=f"for an .onnx model (zoo models know theirs): {losses_help()}")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
+    t.add_argument("--config", metavar="FILE", help="compile options (TOML or JSON) for an .onnx or zoo model")
+    add_selection_args(t)
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=128, help="examples per step (default 128)")
@@ -98,22 +102,40 @@ def _knobs(args) -> dict[str, Any]:
     return knobs
 
 
-def load_model_and_plan(model: str | None, loss: str | None, output: str | None, seed: int):
-    """(plan, zoo entry or None)."""
+def compile_config(args) -> "CompileConfig | None":
+    """The compile options of the command line (--config and the selection options), or None."""
+    from kfac_compiler.config import load_config
+
+    given = [args.config, args.include, args.exclude, args.train_params, args.untie]
+    if all(g is None for g in given):
+        return None
+    if args.model and os.path.isdir(args.model):
+        raise ConfigError(f"{args.model!r} is a compiled plan: --config, --include, --exclude, --train and --untie "
+                          "apply when compiling; pass the .onnx file instead")
+    cfg = load_config(args.config)
+    apply_selection_args(cfg, args)
+    cfg.validate("command line")
+    return cfg
+
+
+def load_model_and_plan(model: str | None, loss: str | None, output: str | None, seed: int,
+                        config: "CompileConfig | None" = None):
+    """(plan, zoo entry or None); `config` compiles an .onnx or zoo model (a plan directory has its own)."""
     import kfac_compiler as kc
     from kfac_compiler.models import ZOO
 
     name = model or DEFAULT_MODEL
     if name in ZOO and not os.path.exists(name):
         entry = ZOO[name]
-        plan = kc.compile(entry.build(seed=seed), loss=loss or entry.loss, output=output or entry.output_name, emit=False)
+        plan = kc.compile(entry.build(seed=seed), loss=loss or entry.loss, output=output or entry.output_name,
+                          config=config, emit=False)
         return plan, entry
     if os.path.isdir(name):
         from kfac_compiler.plan import load_plan
 
         return load_plan(name), None
     if os.path.isfile(name):
-        return kc.compile(name, loss=loss, output=output, emit=False), None
+        return kc.compile(name, loss=loss, output=output, config=config, emit=False), None
     if name.lower().endswith(".onnx") or os.sep in name:
         raise ModelError(f"model file {name!r} does not exist")
     raise ModelError(
@@ -268,7 +290,7 @@ def run_train(args) -> int:
     for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
         if path and os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r} is a directory; give a file path")
-    plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed)
+    plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
     inputs, targets = load_data(plan, entry, args.data, args.seed)
     n = targets.shape[0]
     knobs = _knobs(args)

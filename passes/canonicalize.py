@@ -14,14 +14,11 @@
   6. shape inference (strict off, data_prop on) fills value_info; ir_version is pinned to
      kfac_compiler.builder.IR_VERSION.
 
-`trainable_params(model, output, include, exclude)` splits the float initializers that reach
-`output` into (trainable, frozen). `recognise_loss(model, output)` detects a loss op at the
-end of the graph (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss(LogSoftmax), a mean
+`recognise_loss(model, output)` detects a loss op at the end of the graph (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss(LogSoftmax), a mean
 squared difference) and returns the scores tensor, loss kind and labels input.
 """
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 
@@ -30,8 +27,7 @@ import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
 from kfac_compiler.builder import IR_VERSION, live
-from kfac_compiler.config import compile_patterns
-from kfac_compiler.errors import ConfigError, ModelError
+from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
 
@@ -302,60 +298,6 @@ def _infer(m: onnx.ModelProto, keep_going: bool) -> onnx.ModelProto:
 
 
 # ---------------------------------------------------------------------- trainable params
-def trainable_params(
-    model: onnx.ModelProto,
-    output: str,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-) -> tuple[list[str], list[str]]:
-    """(trainable, frozen) float initializers that reach `output`, in initializer order.
-
-    include / exclude are parameter names or regexes (full match). BatchNormalization running
-    mean/var inputs are always frozen. A bad regex, a pattern matching no parameter, or an
-    empty trainable set is a ConfigError.
-    """
-    view = GraphView(model)
-    reach = _reaching(view, output)
-    candidates = [t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES and t.name in reach]
-    running = set()
-    for node in view.nodes:
-        if node.op_type == "BatchNormalization":
-            running.update(i for i in list(node.input)[3:5] if i)
-    inc = compile_patterns(include, "include") if include is not None else None
-    exc = compile_patterns(exclude or [], "exclude")
-
-    def hit(name: str, pats: list[str], rxs: list[re.Pattern]) -> list[bool]:
-        return [name == p or rx.fullmatch(name) is not None for p, rx in zip(pats, rxs)]
-
-    used_inc = [False] * len(include or [])
-    used_exc = [False] * len(exclude or [])
-    trainable, frozen = [], []
-    for name in candidates:
-        ok = name not in running
-        if inc is not None:
-            h = hit(name, include, inc)
-            used_inc = [a or b for a, b in zip(used_inc, h)]
-            ok = ok and any(h)
-        h = hit(name, exclude or [], exc)
-        used_exc = [a or b for a, b in zip(used_exc, h)]
-        ok = ok and not any(h)
-        (trainable if ok else frozen).append(name)
-    for what, pats, used in (("include", include or [], used_inc), ("exclude", exclude or [], used_exc)):
-        for p, u in zip(pats, used):
-            if not u:
-                raise ConfigError(
-                    f"{what}: {p!r} matches no parameter reaching {output!r} "
-                    f"(parameters: {', '.join(candidates[:12])}{', ...' if len(candidates) > 12 else ''})"
-                )
-    if not trainable:
-        raise ConfigError(f"no trainable parameters reach {output!r} after include/exclude")
-    return trainable, frozen
-
-
-def _reaching(view: GraphView, output: str) -> set[str]:
-    return live(view.nodes, [output])[1]
-
-
 # ------------------------------------------------------------------------- loss ops
 @dataclass(frozen=True)
 class RecognisedLoss:

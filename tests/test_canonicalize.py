@@ -16,7 +16,8 @@ from kfac_compiler.errors import ConfigError, ModelError, UnsupportedOpError
 from kfac_compiler.frontend import compile_frontend
 from kfac_compiler.graph import GraphView
 from kfac_compiler.models import ZOO, get_model
-from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss, trainable_params
+from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
+from kfac_compiler.passes.trainable import trainable_params
 
 F = TensorProto.FLOAT
 
@@ -221,7 +222,7 @@ def test_trainable_params_errors():
     c = canonicalize(get_model("mlp_classifier"), "logits")
     with pytest.raises(ConfigError, match=r"bad regular expression '\(fc'"):
         trainable_params(c, "logits", exclude=["(fc"])
-    with pytest.raises(ConfigError, match="include: 'fc9.*' matches no parameter"):
+    with pytest.raises(ConfigError, match="include: 'fc9.*' matches no float initializer"):
         trainable_params(c, "logits", include=["fc9.*"])
     with pytest.raises(ConfigError, match="no trainable parameters"):
         trainable_params(c, "logits", exclude=[".*"])

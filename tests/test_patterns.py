@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kfac_compiler.graph import GraphView
-from kfac_compiler.passes.canonicalize import canonicalize, trainable_params
+from kfac_compiler.passes.canonicalize import canonicalize
+from kfac_compiler.passes.trainable import trainable_params
 from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.match_layers import match_layers
@@ -318,7 +319,7 @@ def test_mul_add_that_broadcasts_data_up_is_not_scale_and_shift():
 def test_generic_fallback_one_layer_per_parameter():
     prelu = helper.make_node("PRelu", ["x", "slope"], ["h"], name="prelu")
     div = helper.make_node("Div", ["h", "temp"], ["y"], name="div")
-    layers, _ = layers_of(mk([prelu, div], {"x": ["N", 4]}, {"slope": w(4), "temp": np.float32(2.0)}))
+    layers, _ = layers_of(mk([prelu, div], {"x": ["N", 4]}, {"slope": w(4), "temp": w(4)}))
     assert [(l.name, l.kind, l.params, l.approximation) for l in layers] == [
         ("slope", "generic", ("slope",), "diagonal"), ("temp", "generic", ("temp",), "diagonal")]
     assert layers[0].uses[0].nodes == ("prelu",) and layers[0].uses[0].input == "slope"

@@ -1,0 +1,195 @@
+"""Pass: which float initializers are parameters, and which are constants (with a reason).
+
+Exporters lift literals and buffers into initializers: attention scales, GELU's constants,
+Pow exponents, ReLU6's Clip bounds, -inf / -3.4e38 mask fills, causal masks. Training them
+is wrong (a trained Pow exponent sends GPT-2 to NaN in one step), so the trainable set is
+decided by a documented rule (docs/frontend.md, "Parameters and constants"). A float
+initializer that reaches the output is a CONSTANT (frozen, with its reason) when
+
+  1. it holds a non-finite value (a mask fill such as -inf);
+  2. it reaches the output only through non-learnable inputs: settings of an op (Clip's
+     bounds, Pow's exponent, shapes, axes, pads, scales, indices, Dropout's ratio), the
+     inputs of ops without a gradient (comparisons, Shape, ArgMax, ...), a Where condition,
+     or anything whose only path is a non-float tensor;
+  3. it has one element, every node using it is elementwise arithmetic (Add, Mul, Div, Pow,
+     Max, Where, ...) and it is not a bias added to a MatMul / Gemm / Conv output: exporters
+     lift Python scalars this way (a 1x1 weight, a bias of one unit or a PRelu slope stay
+     parameters);
+  4. it is a BatchNormalization running mean or variance.
+
+Everything else is a parameter. The config overrides either way: `exclude` freezes, `include`
+restricts, `train` trains a parameter the rule froze (`exclude` wins over `train`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from kfac_compiler.config import compile_patterns
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.graph import FLOAT_TYPES, GraphView
+from kfac_compiler.oprules import find as find_rule
+
+# Input slots that are an op's settings, never data to learn (beyond what the gradient
+# rules already say: rules' `inputs` and nondiff ops are consulted too). Slots are 0-based.
+SETTING_SLOTS: dict[str, tuple[int, ...]] = {
+    "Clip": (1, 2), "Pow": (1,), "Where": (0,), "Reshape": (1,), "Expand": (1,), "Tile": (1,),
+    "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "Upsample": (1,),
+    "Squeeze": (1,), "Unsqueeze": (1,), "Split": (1,), "ReduceSum": (1,), "ReduceMean": (1,),
+    "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL1": (1,), "ReduceL2": (1,),
+    "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,), "Dropout": (1, 2), "Gather": (1,),
+    "GatherElements": (1,), "GatherND": (1,), "ScatterND": (1,), "ScatterElements": (1,),
+    "CumSum": (1,), "Trilu": (1,), "TopK": (1,), "OneHot": (0, 1, 2), "Range": (0, 1, 2),
+    "ConstantOfShape": (0,), "BatchNormalization": (3, 4), "LSTM": (4,), "GRU": (4,), "RNN": (4,),
+}
+# Elementwise arithmetic: where exporters put the Python scalars they lift into initializers.
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Sum", "Mean", "Where", "Clip",
+                "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+_LINEAR_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
+
+
+@dataclass(frozen=True)
+class TrainableSet:
+    """The split of the float initializers that reach the output, in initializer order."""
+
+    trainable: list[str]
+    frozen: list[str]
+    reasons: dict[str, str] = field(default_factory=dict)  # frozen name -> why
+
+
+def slot_name(node: onnx.NodeProto, slot: int, opset: int) -> str:
+    """`input 1 (min)`: the slot with the op schema's name for it when there is one."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+        formal = schema.inputs[min(slot, len(schema.inputs) - 1)].name
+        return f"input {slot} ({formal})"
+    except (onnx.defs.SchemaError, IndexError):  # custom domain or an op onnx does not know
+        return f"input {slot}"
+
+
+def _learnable_slot(node: onnx.NodeProto, slot: int, opset: int) -> bool:
+    if slot in SETTING_SLOTS.get(node.op_type, ()) and not node.domain:
+        return False
+    rule = find_rule(node, opset)
+    return rule is None or rule.diff_slot(slot)  # no rule: the autodiff pass reports the op
+
+
+def _learnable_tensors(view: GraphView, output: str) -> set[str]:
+    """Tensors on a path to `output` through learnable float slots only."""
+    learnable = {output}
+    for node in reversed(view.nodes):  # nodes are in topological order
+        if not any(o in learnable for o in node.output if o):
+            continue
+        for slot, name in enumerate(node.input):
+            if name and _learnable_slot(node, slot, view.opset) and view.dtypes.get(name, 1) in FLOAT_TYPES:
+                learnable.add(name)
+    return learnable
+
+
+
+def _is_literal(view: GraphView, name: str) -> bool:
+    """Every use is elementwise arithmetic, none adds it to a linear op's output (a bias)."""
+    for node in view.consumers.get(name, []):
+        if node.op_type not in _ELEMENTWISE or node.domain:
+            return False
+        if node.op_type == "Add":
+            others = [view.producer.get(n) for n in node.input if n != name]
+            if any(p is not None and p.op_type in _LINEAR_OPS for p in others):
+                return False
+    return True
+
+
+def constant_reason(view: GraphView, name: str, learnable: set[str]) -> str | None:
+    """Why the float initializer `name` is a constant under the rule, or None (a parameter)."""
+    value = view.array(name)
+    if value.size and not np.all(np.isfinite(value)):
+        return "constant: holds non-finite values (a mask fill such as -inf)"
+    if name not in learnable:
+        for node in view.consumers.get(name, []):
+            for slot, n in enumerate(node.input):
+                if n == name:
+                    return (f"constant: reaches the output only through non-learnable inputs "
+                            f"({node.op_type} {node.name!r} {slot_name(node, slot, view.opset)})")
+        return "constant: reaches the output only through non-learnable inputs"
+    if value.size == 1 and _is_literal(view, name):
+        return "constant: a single value in elementwise arithmetic (a literal the exporter lifted)"
+    return None
+
+
+def split_trainable(
+    model: onnx.ModelProto,
+    output: str,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    train: list[str] | None = None,
+    view: GraphView | None = None,
+) -> TrainableSet:
+    """Parameters and constants among the float initializers that reach `output`.
+
+    A bad regex, an include/exclude/train entry matching no initializer, or nothing left to
+    train is a ConfigError.
+    """
+    from kfac_compiler.builder import live
+
+    view = view or GraphView(model)
+    reach = live(view.nodes, [output])[1]
+    candidates = [t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES and t.name in reach]
+    running: dict[str, str] = {}
+    for node in view.nodes:
+        if node.op_type == "BatchNormalization":
+            for i in list(node.input)[3:5]:
+                if i:
+                    running[i] = f"BatchNormalization {node.name!r} running statistic"
+    learnable = _learnable_tensors(view, output)
+    selectors = {key: (list(pats or []), compile_patterns(list(pats or []), key))
+                 for key, pats in (("include", include), ("exclude", exclude), ("train", train))}
+    used = {key: [False] * len(pats) for key, (pats, _) in selectors.items()}
+
+    def hit(key: str, name: str) -> str | None:
+        pats, rxs = selectors[key]
+        first = None
+        for i, (p, rx) in enumerate(zip(pats, rxs)):
+            if name == p or rx.fullmatch(name) is not None:
+                used[key][i] = True
+                first = first or p
+        return first
+
+    trainable, frozen, reasons = [], [], {}
+    for name in candidates:
+        excluded, forced, included = hit("exclude", name), hit("train", name), hit("include", name)
+        reason = running.get(name) or constant_reason(view, name, learnable)
+        if reason is not None and forced:
+            reason = None
+        if reason is None and include is not None and not included:
+            reason = "not selected by include"
+        if excluded:
+            reason = f"excluded by config (exclude {excluded!r})"
+        if reason is None:
+            trainable.append(name)
+        else:
+            frozen.append(name)
+            reasons[name] = reason
+    for key, (pats, _) in selectors.items():
+        for p, u in zip(pats, used[key]):
+            if not u:
+                raise ConfigError(
+                    f"{key}: {p!r} matches no float initializer reaching {output!r} "
+                    f"(initializers: {', '.join(candidates[:12])}{', ...' if len(candidates) > 12 else ''})"
+                )
+    if not trainable:
+        raise ConfigError(f"no trainable parameters reach {output!r} after include/exclude and the constants rule "
+                          f"(frozen: {', '.join(f'{n}: {reasons[n]}' for n in frozen[:4])}); "
+                          "train a constant with the config's train list (CLI --train)")
+    return TrainableSet(trainable, frozen, reasons)
+
+
+def trainable_params(model: onnx.ModelProto, output: str, include: list[str] | None = None,
+                     exclude: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(trainable, frozen) names: `split_trainable` without the reasons."""
+    split = split_trainable(model, output, include, exclude)
+    return split.trainable, split.frozen
+
+
+__all__ = ["SETTING_SLOTS", "TrainableSet", "constant_reason", "split_trainable", "trainable_params"]

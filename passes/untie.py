@@ -1,0 +1,119 @@
+"""Pass: find parameters shared by several nodes, warn about merged ones, untie on request.
+
+ONNX exporters de-duplicate equal initializers. On a freshly initialised transformer every
+LayerNorm gain is all ones and every zero bias all zeros, so the file has ONE gain used by
+5-16 LayerNorms: training it ties what the user never tied. The file cannot tell such a merge
+from a tie the user meant (ALBERT shares whole layers, gains included), so the default keeps
+what the file says and makes it loud:
+
+  * a shared parameter whose values are all equal (the signature of a merge) gets a warning
+    naming it, its uses and the option that unties it;
+  * any other shared parameter (an unrolled RNN's weights, a tied embedding) gets a plan note;
+  * `untie` (config; CLI --untie, repeatable; names, regexes or "all") gives every consumer
+    node after the first its own copy `<name>.untied<k>` (k = 1, 2, ... in graph order).
+
+The copies are ordinary initializers of the canonical model, so the trained model written by
+`Trainer.export` carries them as separate initializers.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from kfac_compiler.config import compile_patterns
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.graph import GraphView
+
+UNTIE_ALL = "all"
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    name: str
+    nodes: tuple[str, ...]   # consumer nodes in graph order
+    uniform: float | None    # the one value every element holds, else None
+
+
+def shared_params(view: GraphView, params: list[str]) -> list[SharedParam]:
+    """Parameters consumed by more than one node, in `params` order."""
+    found = []
+    for name in params:
+        nodes = tuple(dict.fromkeys(n.name for n in view.consumers.get(name, [])))
+        if len(nodes) < 2:
+            continue
+        value = view.array(name)
+        uniform = float(value.flat[0]) if value.size > 1 and np.all(value == value.flat[0]) else None
+        found.append(SharedParam(name, nodes, uniform))
+    return found
+
+
+def report_shared(shared: list[SharedParam], untied: set[str], notes: list[str]) -> None:
+    """Warn about likely merges, note the other shared parameters (skipping untied ones)."""
+    for s in shared:
+        if s.name in untied:
+            continue
+        uses = f"{len(s.nodes)} nodes ({', '.join(s.nodes[:3])}{', ...' if len(s.nodes) > 3 else ''})"
+        if s.uniform is not None:
+            warnings.warn(
+                f"parameter {s.name!r} is shared by {uses} and all its values are {s.uniform:g}, as when an exporter "
+                f"merges equal initializers of a freshly initialised model; training ties these uses: untie it "
+                f"with untie = [{s.name!r}] (CLI --untie {s.name}, or --untie all) if they are separate parameters",
+                stacklevel=2,
+            )
+        else:
+            notes.append(f"parameter {s.name!r} is shared by {uses} and trained as one tied parameter "
+                         f"(untie it with --untie {s.name} if that is not intended)")
+
+
+def select_untie(spec: list[str] | str | None, shared: list[SharedParam]) -> list[str]:
+    """The shared parameters `spec` names ("all", names or regexes); an entry naming none is an error."""
+    if not spec:
+        return []
+    names = [s.name for s in shared]
+    if spec == UNTIE_ALL or spec == [UNTIE_ALL]:
+        return names
+    entries = [spec] if isinstance(spec, str) else list(spec)
+    chosen: list[str] = []
+    for pattern, rx in zip(entries, compile_patterns(entries, "untie")):
+        hits = [n for n in names if n == pattern or rx.fullmatch(n)]
+        if not hits:
+            raise ConfigError(f"untie: {pattern!r} names no trainable parameter used by several nodes "
+                              f"(shared: {', '.join(names[:12]) or 'none'})")
+        chosen += [n for n in hits if n not in chosen]
+    return chosen
+
+
+def untie(model: onnx.ModelProto, shared: list[SharedParam], names: list[str]) -> tuple[onnx.ModelProto, dict[str, list[str]]]:
+    """A copy of `model` where each named shared parameter gets one initializer per consumer node.
+
+    Returns the model and {original name: [copies]} (the first consumer keeps the original).
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    taken = {t.name for t in m.graph.initializer} | {i.name for i in m.graph.input}
+    taken |= {o for n in m.graph.node for o in n.output}
+    by_name = {s.name: s for s in shared}
+    inits = {t.name: t for t in m.graph.initializer}
+    nodes = {n.name: n for n in m.graph.node}
+    copies: dict[str, list[str]] = {}
+    for name in names:
+        value = numpy_helper.to_array(inits[name])
+        for k, node_name in enumerate(by_name[name].nodes[1:], start=1):
+            new = f"{name}.untied{k}"
+            while new in taken:
+                new += "_"
+            taken.add(new)
+            m.graph.initializer.append(numpy_helper.from_array(value, new))
+            node = nodes[node_name]
+            for i, inp in enumerate(node.input):
+                if inp == name:
+                    node.input[i] = new
+            copies.setdefault(name, []).append(new)
+    return m, copies
+
+
+__all__ = ["UNTIE_ALL", "SharedParam", "report_shared", "select_untie", "shared_params", "untie"]

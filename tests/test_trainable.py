@@ -1,0 +1,158 @@
+"""Parameters vs constants (passes/trainable.py) and shared parameters (passes/untie.py)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kfac_compiler as kc
+from kfac_compiler.cli import main
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.report import render
+from kfac_compiler.runtime import Trainer
+
+RNG = np.random.default_rng(0)
+
+
+def f32(*shape, value=None):
+    return np.full(shape, value, np.float32) if value is not None else RNG.standard_normal(shape).astype(np.float32)
+
+
+def model(nodes, inits, x_shape=("N", 4), y_shape=("N", 3), opset=17):
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def exported_like() -> onnx.ModelProto:
+    """What exporters write: a ReLU6 Clip with lifted bounds, a Pow exponent, an attention-style
+    scale, a -inf mask fill, a float mask reaching only a Where condition, a 1x1 weight, a PRelu
+    scalar slope and a one-unit bias, which must stay parameters."""
+    nodes = [
+        helper.make_node("Gemm", ["x", "fc.weight", "fc.bias"], ["a"], transB=1),
+        helper.make_node("Clip", ["a", "zero", "six"], ["b"]),
+        helper.make_node("Pow", ["b", "three"], ["c"]),
+        helper.make_node("Div", ["c", "scale"], ["d"]),
+        helper.make_node("Add", ["d", "fill"], ["e"]),
+        helper.make_node("Cast", ["mask"], ["mask_b"], to=TensorProto.BOOL),
+        helper.make_node("Where", ["mask_b", "e", "b"], ["f"]),
+        helper.make_node("PRelu", ["f", "slope"], ["g"]),
+        helper.make_node("MatMul", ["g", "head.weight"], ["h"]),
+        helper.make_node("Add", ["h", "head.bias"], ["i"]),
+        helper.make_node("MatMul", ["i", "one.weight"], ["y"]),
+    ]
+    inits = {"fc.weight": f32(3, 4), "fc.bias": f32(3), "zero": np.array(0, np.float32), "six": np.array(6, np.float32),
+             "three": np.array(3, np.float32), "scale": np.array(8 ** 0.5, np.float32),
+             "fill": np.array([0, -np.inf, 0], np.float32), "mask": np.array([1, 0, 1], np.float32),
+             "slope": f32(1), "head.weight": f32(3, 1), "head.bias": f32(1), "one.weight": f32(1, 1)}
+    return model(nodes, inits, y_shape=("N", 1))
+
+
+EXPECTED_FROZEN = {
+    "zero": "Clip", "six": "Clip", "three": "Pow", "scale": "single value", "fill": "non-finite", "mask": "Cast",
+}
+
+
+def test_constants_rule_freezes_lifted_literals_and_masks():
+    plan = kc.compile(exported_like(), loss="squared_error", emit=False)
+    assert plan.trainable == ["fc.weight", "fc.bias", "slope", "head.weight", "head.bias", "one.weight"]
+    assert sorted(plan.frozen) == sorted(EXPECTED_FROZEN)
+    for name, why in EXPECTED_FROZEN.items():
+        assert why in plan.frozen_reasons[name], (name, plan.frozen_reasons[name])
+    assert "input 1 (min)" in plan.frozen_reasons["zero"] and "input 1 (Y)" in plan.frozen_reasons["three"]
+
+
+def test_frozen_reasons_in_every_format_and_plan_json(tmp_path):
+    plan = kc.compile(exported_like(), loss="squared_error", emit=False)
+    table, dot = render(plan, "table"), render(plan, "dot")
+    summary = json.loads(render(plan, "json"))
+    assert {f["name"]: f["reason"] for f in summary["frozen"]} == plan.frozen_reasons
+    for name, reason in plan.frozen_reasons.items():
+        assert f"{name}  " in table and reason in table
+        assert f"{name}: {reason}".replace('"', "'") in dot
+    plan.save(tmp_path / "p")
+    doc = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert doc["frozen_reasons"] == plan.frozen_reasons
+    assert kc.load_plan(tmp_path / "p").frozen_reasons == plan.frozen_reasons
+
+
+def test_train_overrides_the_rule_and_exclude_wins():
+    plan = kc.compile(exported_like(), loss="squared_error", emit=False, train=["three", "s.*"], exclude=["six"])
+    assert "three" in plan.trainable and "scale" in plan.trainable and "six" in plan.frozen
+    assert plan.frozen_reasons["six"] == "excluded by config (exclude 'six')"
+    with pytest.raises(ConfigError, match="train: 'nope' matches no float initializer"):
+        kc.compile(exported_like(), loss="squared_error", emit=False, train=["nope"])
+
+
+def test_constants_do_not_move_in_training():
+    plan = kc.compile(exported_like(), loss="squared_error")
+    x = f32(16, 4)
+    trainer = Trainer(plan, optimizer="kfac", learning_rate=0.1)
+    for _ in range(3):
+        trainer.step({"x": x}, targets=f32(16, 1))
+    exported = {t.name: numpy_helper.to_array(t) for t in trainer.exported_model().graph.initializer}
+    assert exported["zero"] == 0 and exported["six"] == 6 and exported["three"] == 3
+    assert not np.allclose(exported["fc.weight"], numpy_helper.to_array(plan.model.graph.initializer[0]))
+
+
+# ----------------------------------------------------------------------- untie
+def merged_layernorms() -> onnx.ModelProto:
+    """Two LayerNorms sharing one all-ones gain and one all-zeros bias, as exporters merge them."""
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["a"], axis=-1, name="ln1"),
+        helper.make_node("MatMul", ["a", "fc.weight"], ["b"], name="fc"),
+        helper.make_node("LayerNormalization", ["b", "ln.weight", "ln.bias"], ["c"], axis=-1, name="ln2"),
+        helper.make_node("MatMul", ["c", "fc2.weight"], ["y"], name="fc2"),
+    ]
+    inits = {"ln.weight": f32(4, value=1.0), "ln.bias": f32(4, value=0.0), "fc.weight": f32(4, 4), "fc2.weight": f32(4, 3)}
+    return model(nodes, inits)
+
+
+def test_merged_initializers_warn_by_name():
+    with pytest.warns(UserWarning, match=r"'ln.weight' is shared by 2 nodes \(ln1, ln2\) and all its values are 1"):
+        plan = kc.compile(merged_layernorms(), loss="squared_error", emit=False)
+    assert any("'ln.bias' is shared by 2 nodes" in n for n in plan.notes)
+    assert plan.trainable == ["ln.weight", "ln.bias", "fc.weight", "fc2.weight"]
+
+
+def test_untie_gives_each_use_its_own_parameter_and_export_writes_them(tmp_path):
+    plan = kc.compile(merged_layernorms(), loss="squared_error", untie=["ln\\..*"])
+    assert plan.trainable == ["ln.weight", "ln.weight.untied1", "ln.bias", "ln.bias.untied1", "fc.weight", "fc2.weight"]
+    ln = [l for l in plan.layers if l.kind == "scale_and_shift"]
+    assert [l.params for l in ln] == [("ln.weight", "ln.bias"), ("ln.weight.untied1", "ln.bias.untied1")]
+    assert all(l.num_uses == 1 for l in ln)
+    trainer = Trainer(plan, optimizer="kfac", learning_rate=0.1)
+    x = f32(32, 4)
+    for _ in range(3):
+        trainer.step({"x": x}, targets=f32(32, 3))
+    path = trainer.export(tmp_path / "trained.onnx")
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    assert not np.allclose(inits["ln.weight"], inits["ln.weight.untied1"])  # trained apart
+    nodes = {n.name: n for n in onnx.load(path).graph.node}
+    assert list(nodes["ln2"].input)[1:] == ["ln.weight.untied1", "ln.bias.untied1"]
+
+
+def test_untie_all_and_errors():
+    plan = kc.compile(merged_layernorms(), loss="squared_error", emit=False, untie="all")
+    assert "ln.bias.untied1" in plan.trainable and any(n.startswith("untied: ") for n in plan.notes)
+    with pytest.raises(ConfigError, match="untie: 'fc.weight' names no trainable parameter used by several nodes"):
+        kc.compile(merged_layernorms(), loss="squared_error", emit=False, untie=["fc.weight"])
+
+
+def test_cli_train_and_untie(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(merged_layernorms(), src)
+    assert main(["compile", str(src), "--loss", "squared_error", "--untie", "all", "--frontend-only", "-q",
+                 "-o", str(tmp_path / "p")]) == 0
+    assert "ln.weight.untied1" in kc.load_plan(tmp_path / "p").trainable
+    onnx.save(exported_like(), src)
+    assert main(["compile", str(src), "--loss", "squared_error", "--train", "three", "--frontend-only",
+                 "-o", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    assert "frozen (5, not trained):" in out and "three" in kc.load_plan(tmp_path / "q").trainable
+    assert main(["inspect", str(tmp_path / "q"), "--format", "json"]) == 0
+    assert {f["name"] for f in json.loads(capsys.readouterr().out)["frozen"]} == set(EXPECTED_FROZEN) - {"three"}
