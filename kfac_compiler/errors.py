@@ -40,3 +40,9 @@ class DeviceError(KfacError):
 
 class CheckpointError(KfacError):
     """A checkpoint is unreadable or belongs to another plan."""
+
+
+class DivergedError(KfacError):
+    """Training ended with a non-finite loss (what was asked for is still written)."""
+
+    exit_code = 1

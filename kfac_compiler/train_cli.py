@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from kfac_compiler.cli_options import add_selection_args, apply_selection_args
-from kfac_compiler.errors import ConfigError, DataError, ModelError
+from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError
 from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
 
@@ -351,6 +351,9 @@ def run_train(args) -> int:
     for label, path in (("metrics", args.metrics), ("plot", args.plot), ("model", args.save), ("checkpoint", args.checkpoint)):
         if path:
             print(f"{label} written to {path}")
+    if not math.isfinite(final["loss"]):
+        raise DivergedError(f"training ended with a non-finite loss ({final['loss']}): lower the learning rate, "
+                            "raise --damping, or check the data and the model's constants (kfac-compiler inspect)")
     return 0
 
 

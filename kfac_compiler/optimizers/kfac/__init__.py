@@ -11,9 +11,13 @@ One step k (docs/runtime.md):
     it, and then the step without statistics (`with_stats=False`, or hp/update_stats = 0),
     so it is preconditioned by its own batch;
   * after step k with k % inv_update_period == 0 the damped inverses are refreshed;
-  * a step whose loss/update is not finite is discarded (the runtime does not flip the state
-    buffers); the host multiplies the damping by damping_rejection_factor (10) and reports
-    `rejected: 1`.
+  * a step whose loss, update or (when computed) loss after the update is not finite is
+    discarded (the runtime does not flip the state buffers); the host multiplies the damping
+    by damping_rejection_factor (10) and reports `rejected: 1`;
+  * a step applied without the loss after it (not an adaptation step) is checked by the next
+    step's loss: when that is not finite, the update is undone (theta -= velocity, which holds
+    the last update; velocity = 0) and the step reports `rolled_back: 1`, so no update whose
+    loss is non-finite stays applied.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class Kfac(Optimizer):
         self.inverse_method = concrete_method(cfg.inverse_method, trainer.device.name)
         self.refresher = None  # refreshes the damped inverses (the trainer's InverseRefresher), made by build()
         self._step_programs: dict[tuple, Any] = {}  # step_program's memo
+        self.unchecked_update = False  # the last applied update had no loss_after check
 
     # ------------------------------------------------------------------ sessions
     def _sub_batch(self, m: int | None) -> int | None:
@@ -206,7 +211,11 @@ class Kfac(Optimizer):
             metrics["rejected"] = 1.0
             metrics["update_norm"] = 0.0
             self.damping = min(max(damping * cfg.damping_rejection_factor, cfg.min_damping), cfg.max_damping)
+            if self.unchecked_update and not np.isfinite(metrics["loss"]):
+                self.roll_back()
+                metrics["rolled_back"] = 1.0
         else:
+            self.unchecked_update = not adapt
             tr.applied_steps += 1
             if w_new is not None:
                 self.ema_weight = w_new
@@ -220,13 +229,26 @@ class Kfac(Optimizer):
             metrics["inverse_fallbacks"] = float(len(self.refresher.fallbacks))
         return metrics
 
+    def roll_back(self) -> None:
+        """Undo the last applied update: theta -= velocity (the update), velocity = 0 (host
+        round trip: only after a divergence)."""
+        store = self.trainer.store
+        for p in self.trainer.params:
+            v = store.to_numpy(C.velocity(p))
+            store.set(p, store.to_numpy(p) - v)
+            store.set(C.velocity(p), np.zeros_like(v))
+        self.unchecked_update = False
+        self.trainer.applied_steps -= 1
+
     # ------------------------------------------------------------------ checkpoints
     def host_state(self) -> dict[str, Any]:
         return {"burn_in_count": self.burn_in_count, "ema_weight": self.ema_weight,
-                "inverses_ready": self.inverses_ready, "damping": self.damping}
+                "inverses_ready": self.inverses_ready, "damping": self.damping,
+                "unchecked_update": self.unchecked_update}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         self.burn_in_count = int(state["burn_in_count"])
         self.ema_weight = float(state["ema_weight"])
+        self.unchecked_update = bool(state.get("unchecked_update", False))  # older checkpoints lack it
         self.inverses_ready = bool(state["inverses_ready"])
         self.damping = float(state["damping"])

@@ -253,8 +253,9 @@ def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, 
     the quadratic model describes. Returns the flag that rejects the step: with
     hp/reject_increase > 0, a step that raises the batch objective by more than |predicted
     change| (rho < -1) is not applied (|.|: a sub-batch model can predict a small increase of
-    the whole batch's objective, and a step that then lowers it is fine; NaN, no forward
-    pass this step, compares false)."""
+    the whole batch's objective, and a step that then lowers it is fine). When the forward
+    pass ran, a non-finite loss after the update rejects the step whatever reject_increase
+    says (NaN is also the placeholder of the steps without the forward pass)."""
     b = em.b
     weights = C.EXAMPLE_WEIGHTS if em.parts.weighted else None
 
@@ -275,7 +276,9 @@ def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, 
     em.metric(LOSS_AFTER, after)
     increase = b.op("And", [b.op("Greater", [em.hp(REJECT_INCREASE), b.const(0.0)]),
                             b.op("Greater", [b.sub(after, local.loss), b.op("Abs", [change])])])
-    return b.op("Not", [increase])
+    # a non-finite loss at the new parameters rejects the step, the first one included
+    after_ok = b.op("Or", [b.op("Not", [wanted]), em.finite([after])])
+    return b.op("And", [b.op("Not", [increase]), after_ok])
 
 
 def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
