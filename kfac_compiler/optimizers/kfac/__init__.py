@@ -15,9 +15,9 @@ One step k (docs/runtime.md):
     discarded (the runtime does not flip the state buffers); the host multiplies the damping
     by damping_rejection_factor (10) and reports `rejected: 1`;
   * a step applied without the loss after it (not an adaptation step) is checked by the next
-    step's loss: when that is not finite, the update is undone (theta -= velocity, which holds
-    the last update; velocity = 0) and the step reports `rolled_back: 1`, so no update whose
-    loss is non-finite stays applied.
+    step's loss: when that is not finite but is finite without the update, the update is undone
+    (theta -= velocity, which holds the last update; velocity = 0) and the step reports
+    `rolled_back: 1`, so no update whose loss is non-finite stays applied.
 """
 from __future__ import annotations
 
@@ -212,8 +212,7 @@ class Kfac(Optimizer):
             metrics["update_norm"] = 0.0
             self.damping = min(max(damping * cfg.damping_rejection_factor, cfg.min_damping), cfg.max_damping)
             if self.unchecked_update and not np.isfinite(metrics["loss"]):
-                self.roll_back()
-                metrics["rolled_back"] = 1.0
+                metrics["rolled_back"] = 1.0 if self.roll_back(data) else 0.0
         else:
             self.unchecked_update = not adapt
             tr.applied_steps += 1
@@ -229,16 +228,25 @@ class Kfac(Optimizer):
             metrics["inverse_fallbacks"] = float(len(self.refresher.fallbacks))
         return metrics
 
-    def roll_back(self) -> None:
-        """Undo the last applied update: theta -= velocity (the update), velocity = 0 (host
-        round trip: only after a divergence)."""
-        store = self.trainer.store
-        for p in self.trainer.params:
-            v = store.to_numpy(C.velocity(p))
-            store.set(p, store.to_numpy(p) - v)
+    def roll_back(self, data: dict[str, Any]) -> bool:
+        """Undo the last applied update (theta -= velocity, the update; velocity = 0) when the
+        loss of this batch is finite without it; else the batch itself is bad and the update
+        stays. A host round trip and a forward pass: only after a divergence."""
+        tr = self.trainer
+        store = tr.store
+        kept = {p: (store.to_numpy(p), store.to_numpy(C.velocity(p))) for p in tr.params}
+        for p, (theta, v) in kept.items():
+            store.set(p, theta - v)
             store.set(C.velocity(p), np.zeros_like(v))
+        loss = tr.program("loss").run(store, data, results=False, channel="eval")[C.LOSS]
+        if not np.isfinite(loss):
+            for p, (theta, v) in kept.items():
+                store.set(p, theta)
+                store.set(C.velocity(p), v)
+            return False
         self.unchecked_update = False
-        self.trainer.applied_steps -= 1
+        tr.applied_steps -= 1
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def host_state(self) -> dict[str, Any]:
