@@ -227,7 +227,12 @@ def test_gradients_match_finite_differences(case):
     (jv,) = run(jm, {**feeds, **{f"tangent/{k}": v[k] for k in params}}, ["jvp/loss"])
     an = sum(float(np.sum(grads[k] * v[k])) for k in params)
     assert abs(float(jv) - an) <= 1e-9 * max(1.0, abs(an))
-    # (c) float32 central differences on ONNX Runtime's fused op, gradients folded back to W/R/B/P
+    # (c) float32 central differences on ONNX Runtime's fused op (it has no float64 kernels),
+    # gradients folded back to W/R/B/P. Only for smooth cells: a float32 step large enough to
+    # beat rounding (1e-3) crosses kinks of Clip/Relu/LeakyRelu (errors up to 30% seen), and
+    # those cases are covered by the float64 differences of (a).
+    if kw.get("clip") is not None or {"Relu", "LeakyRelu"} & set(kw.get("acts", ())):
+        return
     folded = fold_recurrent_params(canon, grads)
     m32, feeds32 = make_model(op, **kw)
     originals = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in m32.graph.initializer}
@@ -243,7 +248,7 @@ def test_gradients_match_finite_differences(case):
 
     fd = (loss32(1) - loss32(-1)) / (2 * eps)
     an = sum(float(np.sum(folded[k] * v[k])) for k in originals)
-    assert abs(fd - an) <= 2e-3 * max(1.0, abs(an)), (fd, an)
+    assert abs(fd - an) <= 1e-3 * max(1.0, abs(an)), (fd, an)
 
 
 # ------------------------------------------------------------------------ torch autograd
