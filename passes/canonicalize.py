@@ -12,7 +12,9 @@
      initializers, e.g. shape arithmetic) are evaluated with onnx.reference and replaced
      by Constant nodes; float initializers are never folded (they may be parameters);
   6. shape inference (strict off, data_prop on) fills value_info; ir_version is pinned to
-     kfac_compiler.builder.IR_VERSION.
+     kfac_compiler.builder.IR_VERSION;
+  7. fused LSTM/GRU/RNN nodes with a static sequence length are unrolled into primitive
+     ops (passes/recurrent.py, after the first shape inference).
 
 `recognise_loss(model, output)` detects a loss op at the end of the graph (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss(LogSoftmax), a mean
 squared difference) and returns the scores tensor, loss kind and labels input.
@@ -30,6 +32,7 @@ from kfac_compiler.builder import IR_VERSION, live
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
+from kfac_compiler.passes.recurrent import lower_recurrent
 
 # Ops never folded: random, or with side effects / sequences.
 _NO_FOLD = {
@@ -46,7 +49,7 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _name_nodes(m)
     _restrict(m, output)
     _rewrite_gemm_trans_a(m)
-    m = _infer(m, keep_going=True)
+    m = lower_recurrent(_infer(m, keep_going=True))
     _collapse_noops(m, output)
     _fold_constants(m, output)
     _restrict(m, output)
