@@ -40,19 +40,44 @@ from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
-# the stored factors: (name, side of the matrix) lookup A_V, G_D; head A_D, G_V
+# the stored factors: lookup A_V, G_D; head A_D, G_V
 TIED_FACTORS = ("A_V", "G_D", "A_D", "G_V")
+COMBINE = ("frobenius", "trace")
+NKP_TIE = 1e-6  # relative size of the eigenvector below which M is taken as a multiple of I
 
 
 def np_tied_coefficients(traces_l, traces_r) -> tuple[list[float], list[float]]:
-    """(c_i, d_i) with L = sum c_i L_i, R = sum d_i R_i: c_i = sqrt(r_i/l_i), d_i = sqrt(l_i/r_i),
-    both 0 for a term whose traces are not both positive and finite."""
+    """combine="trace": (c_i, d_i) with L = sum c_i L_i, R = sum d_i R_i: c_i = sqrt(r_i/l_i),
+    d_i = sqrt(l_i/r_i) (l_i = tr L_i, r_i = tr R_i), both 0 for a term whose traces are not
+    both positive and finite."""
     cs, ds = [], []
     for l, r in zip(traces_l, traces_r):
         good = np.isfinite(l) and np.isfinite(r) and l > PI_EPS and r > PI_EPS
         cs.append(float(np.sqrt(r / l)) if good else 0.0)
         ds.append(float(np.sqrt(l / r)) if good else 0.0)
     return cs, ds
+
+
+def np_nkp_coefficients(Ga, Gb) -> tuple[list[float], list[float]]:
+    """combine="frobenius": the nearest Kronecker product (Frobenius) to L_1 (x) R_1 + L_2 (x) R_2
+    is (c_1 L_1 + c_2 L_2) (x) (d_1 R_1 + d_2 R_2) with c the Perron eigenvector of M = Gb Ga
+    (Ga[i, j] = <L_i, L_j>_F, Gb[i, j] = <R_i, R_j>_F, 2 x 2, non-negative for PSD factors)
+    and d = Ga c / (c^T Ga c). Ga, Gb are scaled by their traces first (c and d do not change).
+    Returns zeros when both terms vanish."""
+    Ga, Gb = np.asarray(Ga, np.float64), np.asarray(Gb, np.float64)
+    ta, tb = np.trace(Ga), np.trace(Gb)
+    if not (np.isfinite(ta) and np.isfinite(tb) and ta > PI_EPS and tb > PI_EPS):
+        return [0.0, 0.0], [0.0, 0.0]
+    Ga, Gb = Ga / ta, Gb / tb
+    M = Gb @ Ga
+    lam = (M[0, 0] + M[1, 1]) / 2 + np.sqrt(((M[0, 0] - M[1, 1]) / 2) ** 2 + M[0, 1] * M[1, 0])
+    c = np.array([M[0, 1] + lam - M[1, 1], M[1, 0] + lam - M[0, 0]])
+    if c.sum() <= NKP_TIE * lam:  # M = m I: every c is optimal
+        c = np.ones(2)
+    q = c @ Ga @ c
+    if not q > PI_EPS:
+        return [0.0, 0.0], [0.0, 0.0]
+    return [float(x) for x in c], [float(x) for x in Ga @ c / q]
 
 
 class TiedMixin:
@@ -123,6 +148,9 @@ class TiedKronBase(TiedMixin, KronBlock):
         self._tied_setup()
         self.a_diag = self.vocab_diag
         self.nA, self.nG = self.vocab, self.dim
+        self.combine = options.get("combine", "frobenius")
+        if self.combine not in COMBINE:
+            raise ConfigError(f"layer {layer.name!r}: combine {self.combine!r} is not one of {', '.join(COMBINE)}")
         self._setup_exact_check()
 
     # ---- plan records: the four per-use factors are the moving averages
@@ -182,8 +210,14 @@ class TiedKronBase(TiedMixin, KronBlock):
         G_D = np.asarray(factors["G_D"], np.float64)
         A_D = np.asarray(factors["A_D"], np.float64)
         G_V = np.asarray(factors["G_V"], np.float64)
-        tr_gv = G_V.sum() if self.vocab_diag else np.trace(G_V)
-        (c1, c2), (d1, d2) = np_tied_coefficients([A_V.sum(), tr_gv], [np.trace(G_D), np.trace(A_D)])
+        if self.combine == "trace":
+            tr_gv = G_V.sum() if self.vocab_diag else np.trace(G_V)
+            (c1, c2), (d1, d2) = np_tied_coefficients([A_V.sum(), tr_gv], [np.trace(G_D), np.trace(A_D)])
+        else:
+            gv_diag = G_V if self.vocab_diag else np.diag(G_V)
+            Ga = [[A_V @ A_V, A_V @ gv_diag], [A_V @ gv_diag, (G_V * G_V).sum()]]
+            Gb = [[(G_D * G_D).sum(), (G_D * A_D).sum()], [(G_D * A_D).sum(), (A_D * A_D).sum()]]
+            (c1, c2), (d1, d2) = np_nkp_coefficients(Ga, Gb)
         L = c1 * A_V + c2 * G_V if self.vocab_diag else c1 * np.diag(A_V) + c2 * G_V
         dtype = np.result_type(*[np.asarray(factors[k]).dtype for k in TIED_FACTORS])
         return {"A": np.asarray(L, dtype), "G": np.asarray(d1 * G_D + d2 * A_D, dtype)}
@@ -205,14 +239,51 @@ class TiedKronBase(TiedMixin, KronBlock):
             ratio = b.op("Sqrt", [b.div(b.op("Where", [good, r, one]), b.op("Where", [good, l, one]))])
             return b.op("Where", [good, ratio, zero]), b.op("Where", [good, b.op("Reciprocal", [ratio]), zero])
 
-        c1, d1 = coeffs(trace(factors["A_V"], V, True), trace(factors["G_D"], D, False))
-        c2, d2 = coeffs(trace(factors["G_V"], V, self.vocab_diag), trace(factors["A_D"], D, False))
+        if self.combine == "trace":
+            c1, d1 = coeffs(trace(factors["A_V"], V, True), trace(factors["G_D"], D, False))
+            c2, d2 = coeffs(trace(factors["G_V"], V, self.vocab_diag), trace(factors["A_D"], D, False))
+        else:
+            (c1, c2), (d1, d2) = self._emit_nkp(b, factors)
         lookup_L = b.mul(factors["A_V"], c1)
         if not self.vocab_diag:
             lookup_L = b.mul(b.unsqueeze(lookup_L, [-1]), linalg.emit_eye(b, V))  # diag(c1 A_V)
         L = b.add(lookup_L, b.mul(factors["G_V"], c2))
         R = b.add(b.mul(factors["G_D"], d1), b.mul(factors["A_D"], d2))
         return {"A": L, "G": R}
+
+    def _emit_nkp(self, b, f):
+        """ONNX twin of np_nkp_coefficients on the factors' Frobenius inner products."""
+        V = self.vocab
+        eps, big, zero, one = b.const(PI_EPS), b.const(np.finfo(np.float32).max), b.const(0.0), b.const(1.0)
+
+        def dot(x, y):
+            return b.reduce_sum(b.mul(x, y), None, keepdims=False)
+
+        gv_diag = f["G_V"] if self.vocab_diag else b.reduce_sum(b.mul(f["G_V"], linalg.emit_eye(b, V)), [1])
+        a11, a12, a22 = dot(f["A_V"], f["A_V"]), dot(f["A_V"], gv_diag), dot(f["G_V"], f["G_V"])
+        b11, b12, b22 = dot(f["G_D"], f["G_D"]), dot(f["G_D"], f["A_D"]), dot(f["A_D"], f["A_D"])
+        ta, tb = b.add(a11, a22), b.add(b11, b22)
+        good = b.op("And", [b.op("Greater", [ta, eps]), b.op("Greater", [tb, eps])])
+        good = b.op("And", [good, b.op("And", [b.op("Less", [ta, big]), b.op("Less", [tb, big])])])
+        ta, tb = b.op("Where", [good, ta, one]), b.op("Where", [good, tb, one])
+        a11, a12, a22 = (b.div(x, ta) for x in (a11, a12, a22))
+        b11, b12, b22 = (b.div(x, tb) for x in (b11, b12, b22))
+        m11, m12 = b.add(b.mul(b11, a11), b.mul(b12, a12)), b.add(b.mul(b11, a12), b.mul(b12, a22))
+        m21, m22 = b.add(b.mul(b12, a11), b.mul(b22, a12)), b.add(b.mul(b12, a12), b.mul(b22, a22))
+        half = b.const(0.5)
+        disc = b.add(b.op("Pow", [b.mul(b.sub(m11, m22), half), b.const(2.0)]), b.mul(m12, m21))
+        lam = b.add(b.mul(b.add(m11, m22), half), b.op("Sqrt", [disc]))
+        c1, c2 = b.sub(b.add(m12, lam), m22), b.sub(b.add(m21, lam), m11)
+        tie = b.op("LessOrEqual", [b.add(c1, c2), b.mul(lam, b.const(NKP_TIE))])
+        c1, c2 = b.op("Where", [tie, one, c1]), b.op("Where", [tie, one, c2])
+        ga_c1, ga_c2 = b.add(b.mul(a11, c1), b.mul(a12, c2)), b.add(b.mul(a12, c1), b.mul(a22, c2))
+        q = b.add(b.mul(c1, ga_c1), b.mul(c2, ga_c2))
+        good = b.op("And", [good, b.op("Greater", [q, eps])])
+        q = b.op("Where", [good, q, one])
+        return (
+            tuple(b.op("Where", [good, c, zero]) for c in (c1, c2)),
+            tuple(b.op("Where", [good, b.div(g, q), zero]) for g in (ga_c1, ga_c2)),
+        )
 
     # ---- every path that reads the factors goes through the combination
     def _emit_damped(self, b, factors, damping):
