@@ -26,7 +26,7 @@ from kfac_compiler.blocks.tied import np_tied_coefficients
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.losses import make_loss
 from kfac_compiler.report import render
-from test_blocks import f32, run_graph
+from test_blocks import CASES, emitted_stats, f32, run_graph
 
 V, D, T = 5, 3, 2
 
@@ -232,6 +232,20 @@ def test_per_use_factors_equal_their_definitions(approx):
     np.testing.assert_allclose(st["G_D"], dl.reshape(-1, D).T @ dl.reshape(-1, D) / 4)
     Gv = dh.reshape(-1, V).T @ dh.reshape(-1, V) / 4
     np.testing.assert_allclose(st["G_V"], np.diag(Gv) if approx.endswith("diag") else Gv)
+
+
+@pytest.mark.parametrize("name", ["tied-kron_tied", "tied-kron_tied_vocab_diag", "tied-diagonal"])
+@pytest.mark.parametrize("opset", [13, 17])
+def test_emitted_statistics_match_numpy_with_several_uses_and_seeds(name, opset):
+    """Two lookups and a Gemm head (alpha 0.5), two seeds (test_blocks' case); opset 13 counts
+    the tokens by OneHot, 17 by ScatterElements."""
+    layer, shapes, inputs, cots = dict(CASES)[name]()
+    blk = make_block(layer, shapes)
+    out = emitted_stats(blk, inputs, cots, opset=opset)
+    ref = blk.numpy_statistics(inputs, cots)
+    assert set(out) == set(ref) == {s.name for s in blk.factor_specs()}
+    for k in ref:
+        np.testing.assert_allclose(out[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 def test_diagonal_block_is_the_diagonal_of_the_brute_force_fisher():
