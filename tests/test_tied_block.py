@@ -386,7 +386,19 @@ def _errors(seed):
     Kd = _dense(_block(plan, "kron_tied_vocab_diag"), dict(st, G_V=np.diag(st["G_V"])))
     Kt = _dense(_block(plan, combine="trace"), st)
     fro = np.linalg.norm(F)
+    # the damped preconditioner against the exact one: mean cosine of (K + lam)^-1 g and
+    # (F + lam)^-1 g over random g, lam = 1e-2 tr F / dim
+    lam, n = 1e-2 * np.trace(F) / len(F), len(F)
+    gs = np.random.default_rng(seed).normal(size=(n, 20))
+    want = np.linalg.solve(F + lam * np.eye(n), gs)
+
+    def cosine(K):
+        got = np.linalg.solve(K + lam * np.eye(n), gs)
+        return float(np.mean((got * want).sum(0) / np.linalg.norm(got, axis=0) / np.linalg.norm(want, axis=0)))
+
+    cos = {"cos_kron_tied": cosine(K), "cos_diagonal": cosine(np.diag(np.diag(F)))}
     return {
+        **cos,
         "kron_tied": np.linalg.norm(K - F) / fro,
         "kron_tied_vocab_diag": np.linalg.norm(Kd - F) / fro,
         "kron_tied_trace": np.linalg.norm(Kt - F) / fro,
@@ -408,6 +420,9 @@ def test_kron_tied_is_closer_to_the_brute_force_fisher_than_the_diagonal():
     assert (tied < diag).sum() >= 5
     assert tied.max() < 0.8
     assert all(e["kron_tied"] <= e["kron_tied_trace"] for e in errs)  # Frobenius-optimal vs upper bound
+    # as a preconditioner it is closer on every model (measured cosines 0.63-0.88, mean 0.73,
+    # against 0.45-0.57, mean 0.51)
+    assert all(e["cos_kron_tied"] > e["cos_diagonal"] + 0.05 for e in errs)
 
 
 # ---------------------------------------------------------------- training
