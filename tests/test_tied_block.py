@@ -195,6 +195,14 @@ def test_gemm_trans_b_head_is_tied_too_and_other_cross_kind_sharing_stays_generi
     plan = _compile(model)
     layer = plan.layer("emb")
     assert layer.kind == "tied_embedding" and tuple(layer.attrs["alphas"]) == (1.0, 0.5)
+    # with a Gemm bias C: C is released to its own layer
+    nodes[1] = helper.make_node("Gemm", ["x", "emb", "C"], ["logits"], name="head", transB=1)
+    C = numpy_helper.from_array(np.zeros(V, np.float32), "C")
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.INT64, ["N"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", V])], [E, C])
+    plan = _compile(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert (plan.layer("emb").kind, plan.layer("emb").params, plan.layer("C").kind) == ("tied_embedding", ("emb",), "generic")
+    assert plan.layer("emb").uses[1].output == "logits"
     # a square weight read by a fully connected layer and a conv-free other kind (Mul scale):
     # not the tied pair, so the old generic layer and its warning
     Wt = numpy_helper.from_array(np.ones((D, D), np.float32), "W")
