@@ -8,17 +8,21 @@ Each use contributes a Kronecker term on vec(M) (docs/conventions.md, "Tied embe
   lookup  A_V (x) G_D   A_V[v] = 1/(N T_l) #{index == v}  [V] (diagonal), G_D = 1/N sum delta_l delta_l^T
   head    G_V (x) A_D   A_D = 1/(N T_h) sum a a^T (a = alpha h) [D, D], G_V = 1/N sum delta_h delta_h^T [V, V]
 
-(uses of one kind are pooled as the embedding / fully connected blocks pool theirs). These
-four are the factors kept as moving averages. The block's curvature is ONE Kronecker product
-made from them at inverse / multiply time (trace-weighted sum, l_i = tr L_i, r_i = tr R_i):
+(uses of one kind are pooled as the embedding / fully connected blocks pool theirs; the
+cross term between the two uses' gradients is dropped). These four are the factors kept as
+moving averages. The block's curvature is ONE Kronecker product L (x) R ~ K = L_1 (x) R_1 +
+L_2 (x) R_2 (L_1 = diag A_V, R_1 = G_D, L_2 = G_V, R_2 = A_D) made from them at inverse /
+multiply time; option `combine`:
 
-  L = sqrt(r_1/l_1) A_V + sqrt(r_2/l_2) G_V,   R = sqrt(l_1/r_1) G_D + sqrt(l_2/r_2) A_D
+  "frobenius" (default): the nearest Kronecker product argmin ||K - L (x) R||_F, closed form:
+      L = c_1 L_1 + c_2 L_2, c the Perron eigenvector of M = Gb Ga (2 x 2 Gram matrices
+      Ga_ij = <L_i, L_j>_F, Gb_ij = <R_i, R_j>_F); R = d_1 R_1 + d_2 R_2, d = Ga c / (c^T Ga c).
+      Exact whenever K is a Kronecker product (a use contributing nothing, G_D ~ A_D, ...).
+  "trace": L = sqrt(r_1/l_1) L_1 + sqrt(r_2/l_2) L_2, R = sqrt(l_1/r_1) R_1 + sqrt(l_2/r_2) R_2
+      (l_i = tr L_i, r_i = tr R_i): K plus PSD cross terms of least trace, 2 sqrt(tr K_1 tr K_2).
 
-so L (x) R = A_V (x) G_D + G_V (x) A_D + (cross terms, PSD); the coefficients minimize the
-trace of the cross terms among all (a A_V + b G_V) (x) (c G_D + d A_D) that keep both use
-terms exact. A term with a zero trace (a use that contributes nothing) is dropped: then
-L (x) R is exactly the other use's term. L and R are then damped and inverted like the
-Kronecker blocks' A and G ("pi" split; "exact" damping on the host).
+A term with a zero trace (a use that contributes nothing) is dropped. L and R are then damped
+and inverted like the Kronecker blocks' A and G ("pi" split; "exact" damping on the host).
 
   kron_tied             L full [V, V] (G_V full)
   kron_tied_vocab_diag  L diagonal [V] (G_V kept as its diagonal; for large vocabularies)
