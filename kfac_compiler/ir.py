@@ -18,6 +18,7 @@ LAYER_KINDS = (
     "depthwise_conv",
     "embedding",
     "scale_and_shift",
+    "tied_embedding",  # made by linking (an embedding table also read by the output head), no pattern
     "generic",
 )
 

@@ -6,9 +6,15 @@ Policies (docs/frontend.md, "Linking"):
     several uses (an unrolled RNN's W_x: 8 uses); its bias is linked only if every use adds
     the same bias, otherwise the bias is released (it gets its own generic layer);
   * a bias linked to several different weights is released from all of them;
-  * a weight matched by several kinds (a tied embedding + output head) or with different
-    attributes gets ONE generic layer holding it with all its uses (approximation "diagonal"
-    by default) and a warning naming the parameter and the kinds;
+  * a weight matched by exactly the kinds embedding and fully_connected, every fully connected
+    use reading it as "out_in" (a tied embedding table E [V, D]: Gather(E, ids) and the output
+    head MatMul(h, Transpose(E)) or Gemm(h, E, transB=1)) becomes ONE layer of kind
+    "tied_embedding" with all its uses (block "kron_tied" by default, docs/conventions.md
+    "Tied embeddings"); a head bias is not linked to it (it gets its own generic layer, with
+    a note on the tied layer);
+  * any other weight matched by several kinds, or with different attributes, gets ONE generic
+    layer holding it with all its uses (approximation "diagonal" by default) and a warning
+    naming the parameter and the kinds;
   * user links (config `links`, like TF K-FAC define_linked_parameters) take their parameters
     out of every match and form one generic layer with the chosen approximation;
   * every trainable parameter left over gets a generic layer of its own.
@@ -92,8 +98,12 @@ def link_params(
     generic_params: dict[str, tuple[str, ...]] = {}  # param -> notes
     generic_attrs: dict[str, dict] = {}
     weight_groups: dict[str, list[LayerMatch]] = {}
+    tied_groups: dict[str, list[LayerMatch]] = {}
     for w, ms in groups.items():
         kinds = list(dict.fromkeys(m.kind for m in ms))
+        if _is_tied_embedding(ms):
+            tied_groups[w] = ms
+            continue
         if len(kinds) > 1:
             msg = (
                 f"parameter {w!r} is used as {' and '.join(kinds)} ({len(ms)} uses): it gets one generic "
@@ -131,12 +141,19 @@ def link_params(
                 why = f"bias {b!r} is not linked to {w!r}: not every use of {w!r} adds it"
                 released[b] = why
                 notes.setdefault(w, []).append(why)
+    tied_biases: set[str] = set()
+    for w, ms in tied_groups.items():
+        for b in dict.fromkeys(m.bias for m in ms if m.bias is not None):
+            tied_biases.add(b)
+            why = f"bias {b!r} of the tied output head is not linked to {w!r}: it gets its own layer"
+            released[b] = why
+            notes.setdefault(w, []).append(why)
     owners: dict[str, list[str]] = {}
     for w, b in bias_of.items():
         if b is not None:
             owners.setdefault(b, []).append(w)
     for b, ws in owners.items():
-        if len(ws) > 1 or b in weight_groups or b in generic_params:
+        if len(ws) > 1 or b in weight_groups or b in generic_params or b in tied_biases:
             for w in ws:
                 bias_of[w] = None
                 why = f"bias {b!r} is not linked to {w!r}: it is also used with {', '.join(x for x in ws if x != w) or 'another layer'}"
@@ -158,6 +175,26 @@ def link_params(
                 params=(w,) if b is None else (w, b),
                 uses=tuple(uses),
                 attrs=attrs,
+                pattern=",".join(dict.fromkeys(m.pattern for m in ms)),
+                notes=tuple(notes.get(w, ())),
+            )
+        )
+
+    for w, ms in tied_groups.items():
+        ms = [_drop_bias(m, view) if m.bias is not None else m for m in ms]
+        emb = next(m for m in ms if m.kind == "embedding")
+        layers.append(
+            Layer(
+                name="",
+                kind="tied_embedding",
+                params=(w,),
+                uses=tuple(m.use for m in ms),
+                attrs={
+                    "vocab": int(emb.attrs["vocab"]),
+                    "dim": int(emb.attrs["dim"]),
+                    "use_kinds": tuple(m.kind for m in ms),
+                    "alphas": tuple(float(m.attrs.get("alpha", 1.0)) if m.kind != "embedding" else 1.0 for m in ms),
+                },
                 pattern=",".join(dict.fromkeys(m.pattern for m in ms)),
                 notes=tuple(notes.get(w, ())),
             )
@@ -199,6 +236,19 @@ def link_params(
     if order:
         layers.sort(key=lambda l: min((order.get(n, len(order)) for u in l.uses for n in u.nodes), default=len(order)))
     return layers
+
+
+def _is_tied_embedding(ms: list[LayerMatch]) -> bool:
+    """The matches of one weight are a tied embedding: kinds exactly {embedding,
+    fully_connected}, every embedding use with the same (vocab, dim), every fully connected
+    use reading the [vocab, dim] table as "out_in" (logits = h E^T)."""
+    if {m.kind for m in ms} != {"embedding", "fully_connected"}:
+        return False
+    embs = [m for m in ms if m.kind == "embedding"]
+    ref = (embs[0].attrs.get("vocab"), embs[0].attrs.get("dim"))
+    if any((m.attrs.get("vocab"), m.attrs.get("dim")) != ref for m in embs) or None in ref:
+        return False
+    return all(m.attrs.get("weight_layout") == "out_in" for m in ms if m.kind == "fully_connected")
 
 
 def _layer_attrs(m: LayerMatch) -> dict:

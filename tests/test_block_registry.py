@@ -1,5 +1,5 @@
 """The block menu is derived from the registered classes: pinned to the menu the front end
-has always offered, and a class registered later (with its `uses` and `menu_rank`) shows up
+offers (the tied_embedding row added with blocks/tied.py), and a class registered later (with its `uses` and `menu_rank`) shows up
 in it, in config validation and in the block choice."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ MENU = {
     "depthwise_conv": ("diagonal",),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
+    "tied_embedding": ("kron_tied", "kron_tied_vocab_diag", "diagonal"),
     "generic": ("diagonal", "full"),
 }
 

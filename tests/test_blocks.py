@@ -464,6 +464,18 @@ def all_block_cases():
         return layer, {"E": (6, 3)}, [RNG.integers(0, 6, size=(8, 5)).astype(np.int64)], [[f32(RNG.standard_normal((8, 5, 3)))]]
 
     cases.append(("embedding-kron", emb))
+
+    def tied(a):
+        # a table used by two lookups and a head (Gemm alpha 0.5), two seeds
+        layer = make_layer("tied_embedding", ("E",), 3, a, vocab=6, dim=3,
+                           use_kinds=("embedding", "fully_connected", "embedding"), alphas=(1.0, 0.5, 1.0))
+        inputs = [RNG.integers(0, 6, size=(8, 5)).astype(np.int64), f32(RNG.standard_normal((8, 5, 3))),
+                  RNG.integers(0, 6, size=(8, 2)).astype(np.int64)]
+        cots = [[f32(RNG.standard_normal((8, t, w))) for _ in range(2)] for t, w in ((5, 3), (5, 6), (2, 3))]
+        return layer, {"E": (6, 3)}, inputs, cots
+
+    for approx in ("kron_tied", "kron_tied_vocab_diag", "diagonal"):
+        cases.append((f"tied-{approx}", lambda a=approx: tied(a)))
     for approx in ("full", "diagonal"):
 
         def ss(a=approx):

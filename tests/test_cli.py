@@ -132,10 +132,24 @@ def test_errors_exit_2_with_one_line(tmp_path, models, capsys, argv, expected):
 
 
 def test_warnings_are_printed(tmp_path, models, capsys):
+    # the zoo transformer's tied table links without a warning (a tied_embedding layer) ...
     assert main(["compile", models["transformer_block"], "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "p"), "-q",
                  "--frontend-only"]) == 0
-    err = capsys.readouterr().err
-    assert "warning: parameter 'tok_emb' is used as embedding and fully_connected" in err
+    assert "warning" not in capsys.readouterr().err
+    # ... a weight shared by a lookup and an "in_out" MatMul is not the tied pair: warned
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Gather", ["W", "ids"], ["y"], name="g", axis=0),
+             helper.make_node("MatMul", ["y", "W"], ["logits"], name="mm")]
+    graph = helper.make_graph(nodes, "shared", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])],
+                              [numpy_helper.from_array(np.ones((4, 4), np.float32), "W")])
+    path = str(tmp_path / "shared.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert main(["compile", path, "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "p2"), "-q", "--frontend-only"]) == 0
+    assert "warning: parameter 'W' is used as embedding and fully_connected" in capsys.readouterr().err
 
 
 def test_stale_plan_is_an_error(tmp_path, models, capsys):

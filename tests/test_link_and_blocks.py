@@ -99,12 +99,28 @@ def test_bias_shared_by_two_weights_is_released():
     ]
 
 
-def test_parameter_shared_across_kinds_becomes_one_generic_layer_with_a_warning():
-    with pytest.warns(UserWarning, match=r"parameter 'tok_emb' is used as embedding and fully_connected"):
+def test_tied_embedding_and_head_become_one_tied_embedding_layer_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         layers = link(canonicalize(get_model("transformer_block"), "logits"), "logits")
     tok = layers[0]
-    assert (tok.name, tok.kind, tok.params, tok.num_uses, tok.approximation) == ("tok_emb", "generic", ("tok_emb",), 2, "diagonal")
-    assert tok.attrs["shared_kinds"] == ("embedding", "fully_connected")
+    assert (tok.name, tok.kind, tok.params, tok.num_uses, tok.approximation) == ("tok_emb", "tied_embedding", ("tok_emb",), 2, "kron_tied")
+    assert tok.attrs["use_kinds"] == ("embedding", "fully_connected")
+    assert (tok.attrs["vocab"], tok.attrs["dim"]) == (17, 16)
+
+
+def test_parameter_shared_across_other_kinds_becomes_one_generic_layer_with_a_warning():
+    # a lookup and an "in_out" MatMul of the same table: not the tied pair (the head would
+    # read the table as [in, out]), so the generic layer and the warning remain
+    nodes = [
+        helper.make_node("Gather", ["W", "ids"], ["e"], name="g", axis=0),
+        helper.make_node("MatMul", ["e", "W"], ["y"], name="mm"),
+    ]
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])
+    with pytest.warns(UserWarning, match=r"parameter 'W' is used as embedding and fully_connected"):
+        layers = link(mk(nodes, {"ids": ids}, {"W": w(4, 4)}))
+    assert table(layers) == [("W", "generic", ("W",), 2, "diagonal")]
+    assert layers[0].attrs["shared_kinds"] == ("embedding", "fully_connected")
 
 
 def test_same_kind_with_different_attributes_is_generic():
@@ -271,8 +287,8 @@ def test_factor_shapes_diagonal_and_scale_and_shift(zoo_plans):
     assert _block_or_skip(dw, bn) == {"full": (16, 16)}  # (2 * size)^2
     tr = zoo_plans["transformer_block"]
     assert _block_or_skip(tr, tr.layer("ln1")) == {"full": (32, 32)}
-    tok = tr.layer("tok_emb")
-    assert sum(math.prod(s) for s in _block_or_skip(tr, tok).values()) == 17 * 16
+    tok = tr.layer("tok_emb")  # tied: lookup A_V, G_D and head A_D, G_V
+    assert _block_or_skip(tr, tok) == {"A_V": (17,), "G_D": (16, 16), "A_D": (16, 16), "G_V": (17, 17)}
 
 
 def test_factor_shapes_embedding():

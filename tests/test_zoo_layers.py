@@ -44,9 +44,9 @@ EXPECTED = {
         ("out", "fully_connected", ("out.weight", "out.bias"), 1, "kron"),
     ],
     "transformer_block": [
-        # tok_emb: Gather (embedding) and Transpose -> head MatMul (fully_connected): shared
-        # across kinds -> one generic layer with both uses.
-        ("tok_emb", "generic", ("tok_emb",), 2, "diagonal"),
+        # tok_emb: Gather (embedding) and Transpose -> head MatMul (fully_connected): a tied
+        # embedding -> one tied_embedding layer with both uses.
+        ("tok_emb", "tied_embedding", ("tok_emb",), 2, "kron_tied"),
         ("pos_emb", "generic", ("pos_emb",), 1, "diagonal"),
         ("ln1", "scale_and_shift", ("ln1.scale", "ln1.bias"), 1, "full"),
         ("attn.q", "fully_connected", ("attn.q.weight", "attn.q.bias"), 1, "kron"),
@@ -107,9 +107,10 @@ def test_zoo_details(plans):
 
     tr = plans["transformer_block"]
     tok = tr.layer("tok_emb")
-    assert tok.attrs["shared_kinds"] == ("embedding", "fully_connected")
-    assert [u.nodes for u in tok.uses] == [("tok_emb/Gather",), ("head/Transpose_emb",)]
-    assert any("tok_emb" in n and "embedding" in n for n in tr.notes)
+    assert tok.attrs["use_kinds"] == ("embedding", "fully_connected")
+    assert [u.nodes for u in tok.uses] == [("tok_emb/Gather",), ("head/Transpose_emb", "head/MatMul")]
+    assert [(u.input, u.output) for u in tok.uses] == [("input", "tok_emb/Gather:0"), ("lnf/LayerNormalization:0", "logits")]
+    assert not any("tok_emb" in n for n in tr.notes)  # no warning
     q = tr.layer("attn.q")
     assert q.uses[0].nodes == ("attn.q/MatMul", "attn.q/Add")
     assert q.uses[0].input == "ln1/LayerNormalization:0"
