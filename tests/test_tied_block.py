@@ -184,7 +184,7 @@ def test_tied_table_links_into_one_tied_embedding_layer_and_the_plan_shows_it():
 
 
 def test_gemm_trans_b_head_is_tied_too_and_other_cross_kind_sharing_stays_generic():
-    E = numpy_helper.from_array(np.ones((V, D), np.float32), "emb")
+    E = numpy_helper.from_array(np.random.default_rng(0).standard_normal((V, D)).astype(np.float32), "emb")
     nodes = [
         helper.make_node("Gather", ["emb", "input"], ["x"], name="lookup", axis=0),
         helper.make_node("Gemm", ["x", "emb"], ["logits"], name="head", transB=1, alpha=0.5),
@@ -205,7 +205,7 @@ def test_gemm_trans_b_head_is_tied_too_and_other_cross_kind_sharing_stays_generi
     assert plan.layer("emb").uses[1].output == "logits"
     # a square weight read by a fully connected layer and a conv-free other kind (Mul scale):
     # not the tied pair, so the old generic layer and its warning
-    Wt = numpy_helper.from_array(np.ones((D, D), np.float32), "W")
+    Wt = numpy_helper.from_array(np.random.default_rng(1).standard_normal((D, D)).astype(np.float32), "W")
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
              helper.make_node("Gather", ["W", "ids"], ["y"], name="g", axis=0),
              helper.make_node("MatMul", ["y", "W"], ["logits"], name="mm2")]

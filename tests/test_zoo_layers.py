@@ -110,7 +110,10 @@ def test_zoo_details(plans):
     assert tok.attrs["use_kinds"] == ("embedding", "fully_connected")
     assert [u.nodes for u in tok.uses] == [("tok_emb/Gather",), ("head/Transpose_emb", "head/MatMul")]
     assert [(u.input, u.output) for u in tok.uses] == [("input", "tok_emb/Gather:0"), ("lnf/LayerNormalization:0", "logits")]
-    assert not any("tok_emb" in n for n in tr.notes)  # no warning
+    # no warning, only the note that the tie is trained as one parameter
+    assert [n for n in tr.notes if "tok_emb" in n] == [
+        "parameter 'tok_emb' is shared by 2 nodes (tok_emb/Gather, head/Transpose_emb) and trained as one tied "
+        "parameter (untie it with --untie tok_emb if that is not intended)"]
     q = tr.layer("attn.q")
     assert q.uses[0].nodes == ("attn.q/MatMul", "attn.q/Add")
     assert q.uses[0].input == "ln1/LayerNormalization:0"
