@@ -146,3 +146,181 @@ def test_against_torch_autograd(key, op, attrs, opset):
         biased = 0.9 * ref[f"{key}/running_var"] + 0.1 * x.var(axes)
         np.testing.assert_allclose(y["y2"], biased, rtol=1e-6)
         assert count > 1
+
+
+# ------------------------------------------------------------------ patterns and blocks
+import onnxruntime as ort  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
+
+import kfac_compiler as kc  # noqa: E402
+from kfac_compiler.backend import emit_subgraph  # noqa: E402
+from kfac_compiler.losses import make_loss  # noqa: E402
+
+C_IN, L, K = 4, 2, 3  # channels, spatial length, classes
+
+
+def _np_norm(kind, x, s, b, groups=2, eps=1e-5):
+    """float64 forward of the normalization on x [N, C, L]."""
+    n, c = x.shape[:2]
+    if kind == "bn":
+        mu, var = x.mean((0, 2), keepdims=True), x.var((0, 2), keepdims=True)
+        return (x - mu) / np.sqrt(var + eps) * s[None, :, None] + b[None, :, None]
+    if kind == "in":
+        mu, var = x.mean(2, keepdims=True), x.var(2, keepdims=True)
+        return (x - mu) / np.sqrt(var + eps) * s[None, :, None] + b[None, :, None]
+    xg = x.reshape(n, groups, -1)
+    xh = (xg - xg.mean(2, keepdims=True)) / np.sqrt(xg.var(2, keepdims=True) + eps)
+    if kind == "gn18":  # per-group scale/bias
+        return (xh * s[None, :, None] + b[None, :, None]).reshape(x.shape)
+    return xh.reshape(x.shape) * s[None, :, None] + b[None, :, None]
+
+
+def _norm_model(kind, seed=0, running_used=False):
+    """x [N, C, L] -> normalization -> Tanh -> Flatten -> Gemm -> logits [N, K]."""
+    rng = np.random.default_rng(seed)
+    psize = 2 if kind == "gn18" else C_IN
+    s = (1.0 + 0.3 * rng.normal(size=psize)).astype(np.float32)
+    b = (0.3 * rng.normal(size=psize)).astype(np.float32)
+    w = rng.normal(size=(K, C_IN * L)).astype(np.float32)
+    c = (0.3 * rng.normal(size=K)).astype(np.float32)
+    inits = {"norm.weight": s, "norm.bias": b, "fc.weight": w, "fc.bias": c}
+    opset = {"bn": 15, "in": 17, "gn18": 18, "gn21": 21}[kind]
+    if kind == "bn":
+        inits["norm.running_mean"] = np.zeros(C_IN, np.float32)
+        inits["norm.running_var"] = np.ones(C_IN, np.float32)
+        norm = helper.make_node("BatchNormalization", ["x", "norm.weight", "norm.bias", "norm.running_mean",
+                                                       "norm.running_var"], ["y", "rmean", "rvar"], name="norm",
+                                training_mode=1, momentum=0.8)
+    elif kind == "in":
+        norm = helper.make_node("InstanceNormalization", ["x", "norm.weight", "norm.bias"], ["y"], name="norm")
+    else:
+        norm = helper.make_node("GroupNormalization", ["x", "norm.weight", "norm.bias"], ["y"], name="norm",
+                                num_groups=2)
+    nodes = [norm,
+             helper.make_node("Tanh", ["y"], ["a"], name="act"),
+             helper.make_node("Flatten", ["a"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1)]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", K])]
+    if running_used:  # the running mean feeds the output: the BatchNormalization is not a layer
+        nodes[-1] = helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["l0"], name="fc", transB=1)
+        nodes.append(helper.make_node("ReduceSum", ["rmean"], ["rs"], name="rs", keepdims=0))
+        nodes.append(helper.make_node("Add", ["l0", "rs"], ["logits"], name="plus"))
+    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", C_IN, L])],
+                              outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model, {k: v.astype(np.float64) for k, v in inits.items()}
+
+
+def _np_forward(kind, params, x):
+    y = _np_norm(kind, x, params["norm.weight"], params["norm.bias"])
+    return np.tanh(y).reshape(len(x), -1) @ params["fc.weight"].T + params["fc.bias"]
+
+
+def _brute_fisher(kind, params, x, eps=1e-6):
+    """F = 1/N sum_n J_n^T F_z(z_n) J_n, J_n = d z_n / d [scale, shift] by central differences
+    of the whole batch's forward pass (the batch statistics do not depend on the parameters)."""
+    theta = np.concatenate([params["norm.weight"], params["norm.bias"]])
+    P = len(params["norm.weight"])
+    cols = []
+    for i in range(len(theta)):
+        zs = []
+        for sign in (1, -1):
+            t = theta.copy()
+            t[i] += sign * eps
+            zs.append(_np_forward(kind, dict(params, **{"norm.weight": t[:P], "norm.bias": t[P:]}), x))
+        cols.append((zs[0] - zs[1]) / (2 * eps))
+    J = np.stack(cols, axis=2)  # [N, K, P]
+    z = _np_forward(kind, params, x)
+    loss = make_loss("softmax_cross_entropy")
+    return sum(J[n].T @ loss.np_fisher(z[n]) @ J[n] for n in range(len(x))) / len(x)
+
+
+def _stats(plan, x, mode="exact"):
+    model, info = emit_subgraph(plan, "statistics", mode=mode)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": x.astype(np.float32), "targets": np.zeros(len(x), np.int64)}
+    inits = {t.name: numpy_helper.to_array(t) for t in plan.model.graph.initializer}
+    feeds.update({p: inits[p] for p in plan.trainable})
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, feeds)))
+
+
+KINDS = ["bn", "in", "gn18", "gn21"]
+PATTERNS = {"bn": "batch_norm_train", "in": "instance_norm", "gn18": "group_norm", "gn21": "group_norm"}
+BRUTE_ERRORS: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pattern_scale_and_shift(kind):
+    model, _ = _norm_model(kind)
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    layer = plan.layer("norm")
+    assert (layer.kind, layer.pattern, layer.params) == ("scale_and_shift", PATTERNS[kind], ("norm.weight", "norm.bias"))
+    norm = layer.attrs["normalization"]
+    assert norm["op"] == {"bn": "BatchNormalization", "in": "InstanceNormalization"}.get(kind, "GroupNormalization")
+    assert layer.attrs["scale_axes"] == (1,) and layer.approximation == "full"
+    if kind == "bn":
+        assert norm["training"] is True
+    if kind.startswith("gn"):
+        assert norm["num_groups"] == 2 and norm["per_group"] == (kind == "gn18")
+    assert not [n for n in plan.notes if "generic" in n]
+
+
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_against_brute_force_fisher(kind, approx):
+    """The scale_and_shift block's exact-mode statistic equals the brute-force Fisher block of
+    [scale, shift] (full) or its diagonal on a batch, with the batch statistics the forward
+    pass used."""
+    model, params = _norm_model(kind, seed=1)
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False,
+                      layers={"norm": approx})
+    x = np.random.default_rng(2).normal(size=(5, C_IN, L)) * 1.5 + 0.3
+    x = x.astype(np.float32).astype(np.float64)
+    stats = _stats(plan, x)
+    F = _brute_fisher(kind, params, x)
+    got = stats["stat/norm/full"] if approx == "full" else stats["stat/norm/diag"]
+    want = F if approx == "full" else np.diag(F)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    BRUTE_ERRORS[f"{kind}-{approx}"] = err
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+
+
+def _xhat_ref(norm, x):
+    x = np.asarray(x, np.float64).reshape(x.shape[0], x.shape[1], -1)
+    op, eps = norm["op"], norm["epsilon"]
+    if op == "BatchNormalization":
+        return (x - x.mean((0, 2), keepdims=True)) / np.sqrt(x.var((0, 2), keepdims=True) + eps)
+    if op == "InstanceNormalization":
+        return (x - x.mean(2, keepdims=True)) / np.sqrt(x.var(2, keepdims=True) + eps)
+    g = norm["num_groups"]
+    xg = x.reshape(x.shape[0], g, -1)
+    xh = (xg - xg.mean(2, keepdims=True)) / np.sqrt(xg.var(2, keepdims=True) + eps)
+    return xh if norm["per_group"] else xh.reshape(x.shape)
+
+
+@pytest.mark.parametrize("approx", ["full", "diagonal"])
+@pytest.mark.parametrize("norm,shape,psize", [
+    ({"op": "BatchNormalization", "training": True, "epsilon": 1e-5}, (5, 3, 2, 2), 3),
+    ({"op": "BatchNormalization", "training": True, "epsilon": 1e-3}, (6, 3), 3),
+    ({"op": "InstanceNormalization", "epsilon": 1e-5}, (4, 3, 5), 3),
+    ({"op": "GroupNormalization", "num_groups": 2, "per_group": True, "epsilon": 1e-5}, (4, 4, 3), 2),
+    ({"op": "GroupNormalization", "num_groups": 2, "per_group": False, "epsilon": 1e-5}, (4, 6, 2, 2), 6),
+], ids=["bn4d", "bn2d", "in3d", "gn-group", "gn-chan"])
+def test_block_statistics_emitted_and_numpy(norm, shape, psize, approx):
+    """The block alone (tests/test_blocks.py style): emitted statistics in ORT and the numpy
+    twin against sum over seeds of 1/N g g^T, g_n = [sum x_hat_n d_n, sum d_n] per scale entry."""
+    from test_blocks import assert_close, emitted_stats, make_block, make_layer, ss_brute
+
+    layer = make_layer("scale_and_shift", ("s", "t"), 1, approx, normalization=norm, scale_axes=(1,))
+    blk = make_block(layer, {"s": (psize,), "t": (psize,)})
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
+    cots = [[rng.standard_normal(shape).astype(np.float32) for _ in range(2)]]
+    xh = _xhat_ref(norm, x)
+    F = ss_brute([xh], [[np.asarray(d, np.float64).reshape(xh.shape) for d in cots[0]]], (2,), True)
+    key = "full" if approx == "full" else "diag"
+    want = F if approx == "full" else np.diag(F)
+    assert_close(emitted_stats(blk, [x], cots)[key], want)
+    assert_close(blk.numpy_statistics([x], cots)[key], want, 1e-6, 1e-6)
