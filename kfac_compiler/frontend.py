@@ -27,6 +27,7 @@ from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
+from kfac_compiler.patterns.builtin import normalization_fallback_notes
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
 
@@ -137,6 +138,8 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     matches = match_layers(canon, trainable, view=view)
     layers = link_params(matches, trainable, cfg.links, view=view)
     layers = choose_blocks(layers, cfg)
+    for note in normalization_fallback_notes(view, layers):
+        warnings.warn(note)
 
     layers = [_with_input_shape(layer, view) for layer in layers]
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}

@@ -324,3 +324,36 @@ def test_block_statistics_emitted_and_numpy(norm, shape, psize, approx):
     want = F if approx == "full" else np.diag(F)
     assert_close(emitted_stats(blk, [x], cots)[key], want)
     assert_close(blk.numpy_statistics([x], cots)[key], want, 1e-6, 1e-6)
+
+
+# ------------------------------------------------------------------ fallback notes
+def test_note_when_running_outputs_are_used():
+    model, _ = _norm_model("bn", running_used=True)
+    with pytest.warns(UserWarning, match="generic"):
+        plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    assert [l.kind for l in plan.layers if "norm" in l.params[0]] == ["generic", "generic"]
+    notes = [n for n in plan.notes if n.startswith("BatchNormalization 'norm'")]
+    assert notes == ["BatchNormalization 'norm' in training mode with its running-statistics outputs used "
+                     "elsewhere: 'norm.weight', 'norm.bias' are generic layers (diagonal)"], plan.notes
+
+
+def test_note_when_scale_and_shift_differ_in_shape():
+    node = helper.make_node("LayerNormalization", ["x", "ln.scale", "ln.bias"], ["y"], name="ln", axis=1)
+    inits = [numpy_helper.from_array(np.ones((3, 4), np.float32), "ln.scale"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "ln.bias")]
+    graph = helper.make_graph([node], "ln", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    with pytest.warns(UserWarning):
+        plan = kc.compile(model, loss="squared_error", output="y", emit=False)
+    # the scale alone is a scale_and_shift layer (layer_norm_scale); the shift is generic
+    assert plan.layer("ln").pattern == "layer_norm_scale"
+    assert ("LayerNormalization 'ln' with scale and shift of different shapes: 'ln.bias' is a generic layer "
+            "(diagonal)") in plan.notes
+
+
+def test_no_note_for_matched_normalizations():
+    for kind in KINDS:
+        plan = kc.compile(_norm_model(kind)[0], loss="softmax_cross_entropy", output="logits", emit=False)
+        assert not [n for n in plan.notes if "generic" in n], plan.notes

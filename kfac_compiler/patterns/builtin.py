@@ -441,6 +441,56 @@ def _mul_add_pattern() -> Pattern:
     )
 
 
+# ------------------------------------------------------ normalization fallback notes
+NORMALIZATION_OPS = ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization")
+
+
+def _fallback_reason(node: onnx.NodeProto, view: GraphView, trainable: set[str]) -> str:
+    """Why a normalization's scale/shift matched no scale_and_shift pattern (best guess)."""
+    op = node.op_type
+    training = op == "BatchNormalization" and int(attrs_of(node).get("training_mode", 0)) != 0
+    label = f"{op} {node.name!r}" + (" in training mode" if training else "")
+    if op == "BatchNormalization" and running_outputs_used(node, view):
+        return f"{label} with its running-statistics outputs used elsewhere"
+    if op == "BatchNormalization" and not training and (
+            len(node.input) < 5 or any(node.input[i] not in view.initializers for i in (3, 4))):
+        return f"{label} whose mean/var are not initializers"
+    scale, bias = node.input[1], (node.input[2] if len(node.input) > 2 else "")
+    if scale not in trainable:
+        return f"{label} with a frozen or computed scale (only the shift is trained)"
+    shapes = [view.shape(t) for t in (scale, bias) if t in trainable]
+    if len(shapes) == 2 and tuple(shapes[0] or ()) != tuple(shapes[1] or ()):
+        return f"{label} with scale and shift of different shapes"
+    if op != "LayerNormalization" and view.rank(scale) != 1:
+        return f"{label} with a scale of rank {view.rank(scale)}"
+    if any(len(view.consumers.get(t, ())) > 1 for t in (scale, bias) if t in trainable):
+        return f"{label} whose scale or shift is also used by other nodes"
+    return f"{label} matched no scale_and_shift pattern"
+
+
+def normalization_fallback_notes(view: GraphView, layers) -> list[str]:
+    """One note per normalization node whose trainable scale/shift ended up in generic layers
+    (not linked by the user): the op, the node, why, and the blocks the parameters got, e.g.
+    "BatchNormalization 'bn1' in training mode with its running-statistics outputs used
+    elsewhere: 'bn1.weight', 'bn1.bias' are generic layers (diagonal)"."""
+    generic = {p: layer for layer in layers if layer.kind == "generic"
+               and not layer.attrs.get("linked_by_user") and not layer.attrs.get("shared_kinds")
+               for p in layer.params}
+    trainable = {p for layer in layers for p in layer.params}
+    notes = []
+    for node in view.nodes:
+        if node.op_type not in NORMALIZATION_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        params = [t for t in list(node.input)[1:3] if t and t in generic]
+        if not params:
+            continue
+        approx = sorted({generic[p].approximation or "?" for p in params})
+        names = ", ".join(repr(p) for p in params)
+        notes.append(f"{_fallback_reason(node, view, trainable)}: {names} "
+                     f"{'is a generic layer' if len(params) == 1 else 'are generic layers'} ({', '.join(approx)})")
+    return notes
+
+
 # ------------------------------------------------------------ built-in library
 for _tb in (0, 1):
     for _bias in (False, True):
