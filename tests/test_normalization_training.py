@@ -357,3 +357,57 @@ def test_no_note_for_matched_normalizations():
     for kind in KINDS:
         plan = kc.compile(_norm_model(kind)[0], loss="softmax_cross_entropy", output="logits", emit=False)
         assert not [n for n in plan.notes if "generic" in n], plan.notes
+
+
+# ------------------------------------------------------------------ running statistics
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "kfac"])
+def test_running_statistics_are_updated_exported_and_checkpointed(optimizer, tmp_path):
+    from kfac_compiler.runtime import Trainer
+
+    model, _ = _norm_model("bn")
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, C_IN, L)).astype(np.float32) * 2 + 1, rng.integers(0, K, 8)) for _ in range(3)]
+    tr = Trainer(plan, optimizer=optimizer, learning_rate=0.05)
+    mean, var = np.zeros(C_IN), np.ones(C_IN)
+    for x, y in batches[:2]:
+        m = tr.step({"x": x}, y)
+        assert m["finite"] == 1.0 if "finite" in m else True
+        xd = x.astype(np.float64)
+        mean = 0.8 * mean + 0.2 * xd.mean((0, 2))  # the input of the BatchNormalization is x
+        var = 0.8 * var + 0.2 * xd.var((0, 2))
+    state = tr.state()
+    np.testing.assert_allclose(state["norm.running_mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["norm.running_var"], var, rtol=1e-5, atol=1e-6)
+    # evaluation and gradients do not touch them
+    tr.evaluate({"x": batches[2][0]}, batches[2][1])
+    np.testing.assert_array_equal(tr.state()["norm.running_mean"], state["norm.running_mean"])
+    # the exported model carries them
+    path = tr.export(str(tmp_path / "trained.onnx"))
+    import onnx
+
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    np.testing.assert_allclose(inits["norm.running_mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inits["norm.running_var"], var, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inits["norm.weight"], tr.parameters()["norm.weight"])
+    # checkpoints save them; a restored trainer continues identically
+    ck = tr.save_checkpoint(str(tmp_path / "ck.npz"))
+    again = Trainer.load_checkpoint(ck, plan)
+    np.testing.assert_array_equal(again.state()["norm.running_var"], tr.state()["norm.running_var"])
+    x, y = batches[2]
+    tr.step({"x": x}, y)
+    again.step({"x": x}, y)
+    np.testing.assert_allclose(again.state()["norm.running_mean"], tr.state()["norm.running_mean"], rtol=1e-6)
+    np.testing.assert_allclose(again.parameters()["fc.weight"], tr.parameters()["fc.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_only_training_steps_write_running_statistics():
+    model, _ = _norm_model("bn")
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    for name in ("loss", "gradients", "statistics"):
+        _, info = emit_subgraph(plan, name)
+        assert "norm.running_mean" not in info.state_specs, name
+    _, info = emit_subgraph(plan, "sgd_step")
+    assert info.state_outputs["new/norm.running_mean"] == "norm.running_mean"
+    assert info.state_specs["norm.running_var"].init == "model"
+    assert "norm.running_var" not in plan.trainable
