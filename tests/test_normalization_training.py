@@ -411,3 +411,22 @@ def test_only_training_steps_write_running_statistics():
     assert info.state_outputs["new/norm.running_mean"] == "norm.running_mean"
     assert info.state_specs["norm.running_var"].init == "model"
     assert "norm.running_var" not in plan.trainable
+
+
+@pytest.mark.parametrize("outputs", [["y", "", ""], ["y"]])
+def test_unnamed_running_outputs_are_named(outputs):
+    """ONNX Runtime rejects a training-mode BatchNormalization with fewer than three outputs
+    and crashes on unnamed ones: the front end names them, and training updates them."""
+    from kfac_compiler.runtime import Trainer
+
+    model, _ = _norm_model("bn")
+    node = model.graph.node[0]
+    del node.output[:]
+    node.output.extend(outputs)
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    bn = [n for n in plan.model.graph.node if n.op_type == "BatchNormalization"][0]
+    assert list(bn.output) == ["y", "norm/running_mean", "norm/running_var"]
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.01)
+    x = np.random.default_rng(1).normal(size=(4, C_IN, L)).astype(np.float32)
+    tr.step({"x": x}, np.zeros(4, np.int64))
+    np.testing.assert_allclose(tr.state()["norm.running_mean"], 0.2 * x.mean((0, 2)), rtol=1e-5, atol=1e-6)
