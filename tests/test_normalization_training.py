@@ -430,3 +430,66 @@ def test_unnamed_running_outputs_are_named(outputs):
     x = np.random.default_rng(1).normal(size=(4, C_IN, L)).astype(np.float32)
     tr.step({"x": x}, np.zeros(4, np.int64))
     np.testing.assert_allclose(tr.state()["norm.running_mean"], 0.2 * x.mean((0, 2)), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ a torch export (optional)
+def test_torch_training_mode_export_end_to_end(tmp_path):
+    """A torch model exported with TrainingMode.TRAINING: BatchNorm2d is a scale_and_shift
+    layer, our gradients equal torch autograd's in train mode, and one SGD step updates the
+    running statistics as torch does (torch keeps the unbiased variance, ONNX the biased)."""
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 3, 3)
+            self.bn = torch.nn.BatchNorm2d(3)
+            self.fc = torch.nn.Linear(3 * 4 * 4, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+    net = Net()
+    with torch.no_grad():
+        net.bn.weight.uniform_(0.5, 1.5)
+        net.bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(6, 2, 6, 6)
+    y = torch.tensor([0, 1, 2, 3, 1, 0])
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), buf, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          opset_version=17, dynamo=False, input_names=["x"], output_names=["logits"],
+                          dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
+    import onnx
+
+    plan = kc.compile(onnx.load_from_string(buf.getvalue()), loss="softmax_cross_entropy", output="logits", emit=False)
+    assert (plan.layer("bn").kind, plan.layer("bn").pattern) == ("scale_and_shift", "batch_norm_train")
+    assert "bn.running_mean" in plan.frozen
+    # the export traced the module in training mode (its running statistics moved): start
+    # torch from the exported values
+    inits = {t.name: numpy_helper.to_array(t) for t in plan.model.graph.initializer}
+    with torch.no_grad():
+        net.bn.running_mean.copy_(torch.from_numpy(inits["bn.running_mean"]))
+        net.bn.running_var.copy_(torch.from_numpy(inits["bn.running_var"]))
+    _, grads = kc.gradients(plan, inputs={"x": x.numpy()}, targets=y.numpy())
+    net.train()
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=2e-3, atol=2e-5, err_msg=name)
+    from kfac_compiler.runtime import Trainer
+
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.01)
+    tr.step({"x": x.numpy()}, y.numpy())
+    st = tr.state()
+    np.testing.assert_allclose(st["bn.running_mean"], net.bn.running_mean.numpy(), rtol=1e-4, atol=1e-6)
+    count = 6 * 4 * 4  # torch: 0.9 v0 + 0.1 var * count / (count - 1); ONNX: 0.9 v0 + 0.1 var
+    v0 = inits["bn.running_var"]
+    biased = 0.9 * v0 + (net.bn.running_var.numpy() - 0.9 * v0) * (count - 1) / count
+    np.testing.assert_allclose(st["bn.running_var"], biased, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(st["bn.running_var"], net.bn.running_var.numpy(), rtol=1e-4)
