@@ -236,8 +236,8 @@ def _brute_fisher(kind, params, x, eps=1e-6):
     return sum(J[n].T @ loss.np_fisher(z[n]) @ J[n] for n in range(len(x))) / len(x)
 
 
-def _stats(plan, x, mode="exact"):
-    model, info = emit_subgraph(plan, "statistics", mode=mode)
+def _stats(plan, x, mode="exact", stats_batch=None):
+    model, info = emit_subgraph(plan, "statistics", mode=mode, stats_batch=stats_batch)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {"x": x.astype(np.float32), "targets": np.zeros(len(x), np.int64)}
     inits = {t.name: numpy_helper.to_array(t) for t in plan.model.graph.initializer}
@@ -285,6 +285,18 @@ def test_block_against_brute_force_fisher(kind, approx):
     err = float(np.abs(got - want).max() / np.abs(want).max())
     BRUTE_ERRORS[f"{kind}-{approx}"] = err
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+
+
+def test_stats_batch_uses_the_sub_batch_statistics():
+    """On a stats_batch sub-batch the forward clone normalizes with the sub-batch's batch
+    statistics, and so does the block: the same numbers as the sub-batch alone."""
+    model, _ = _norm_model("bn", seed=3)
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    x = np.random.default_rng(4).normal(size=(7, C_IN, L))
+    sliced = _stats(plan, x, stats_batch=3)["stat/norm/full"]
+    alone = _stats(plan, x[:3])["stat/norm/full"]
+    np.testing.assert_allclose(sliced, alone, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(_stats(plan, x)["stat/norm/full"], alone, rtol=1e-2)
 
 
 def _xhat_ref(norm, x):
