@@ -210,7 +210,9 @@ ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_
 @dataclass
 class SlotSpec:
     """A state slot's shape, dtype and initial value: "param" (the plan's initializer),
-    "zeros", "identity" (eye for [k, k], one per matrix for [g, k, k], ones otherwise)."""
+    "model" (the plan model's initializer of the slot's name: non-trained state such as the
+    running statistics of a training-mode BatchNormalization), "zeros", "identity" (eye for
+    [k, k], one per matrix for [g, k, k], ones otherwise)."""
 
     shape: list[int]
     dtype: str = "float32"

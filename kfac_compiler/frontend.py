@@ -29,6 +29,7 @@ from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
+from kfac_compiler.patterns.builtin import normalization_fallback_notes
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
 
@@ -116,6 +117,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     loss_fn = cls(**cls.resolve_options(cfg.loss_options_for(cls), where="loss_options: "))
 
     canon = canonicalize(model, output)
+    _name_running_outputs(canon)
     view = GraphView(canon)
     out_shape = view.shape(output)
     out_vi = canon.graph.output[0]
@@ -151,6 +153,8 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     matches = match_layers(canon, trainable, view=view)
     layers = link_params(matches, trainable, cfg.links, view=view)
     layers = choose_blocks(layers, cfg)
+    for note in normalization_fallback_notes(view, layers):
+        warnings.warn(note)
 
     layers = [_with_input_shape(layer, view) for layer in layers]
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}
@@ -179,6 +183,29 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         config=cfg.to_dict(),
         notes=plan_notes,
     )
+
+
+def _name_running_outputs(model: onnx.ModelProto) -> None:
+    """Give every training-mode BatchNormalization all three outputs, named: ONNX Runtime
+    (1.31) rejects the node with fewer and crashes on unnamed ones, and the training steps
+    read the running statistics from them (kfac_compiler.backend.emission)."""
+    taken = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    taken |= {t.name for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        if not any(a.name == "training_mode" and a.i for a in node.attribute):
+            continue
+        while len(node.output) < 3:
+            node.output.append("")
+        for i, suffix in ((1, "running_mean"), (2, "running_var")):
+            if not node.output[i]:
+                name, k = f"{node.name}/{suffix}", 0
+                while name in taken:
+                    k += 1
+                    name = f"{node.name}/{suffix}_{k}"
+                node.output[i] = name
+                taken.add(name)
 
 
 def _targets_spec(loss: Loss, output: dict[str, Any], from_input: str | None) -> TensorSpec:

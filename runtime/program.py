@@ -214,6 +214,17 @@ def _bind(bound: dict, how: Callable[[str, ort.OrtValue], None], name: str, valu
         bound[name] = value
 
 
+def _model_value(plan: Plan, slot: str) -> np.ndarray:
+    """A state slot initialized from the plan model's initializer of the same name (init
+    "model": non-trained state such as BatchNormalization running statistics)."""
+    from onnx import numpy_helper
+
+    for t in plan.model.graph.initializer:
+        if t.name == slot:
+            return numpy_helper.to_array(t).copy()
+    raise ContractError(f"state slot {slot!r} (init 'model') is not an initializer of the plan's model")
+
+
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, **options: Any) -> "Program":
     """The Program for subgraph `name` with `options`, created on first use (cached in
@@ -225,7 +236,7 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
         prog = Program(model, info, device, name=name, threads=threads)
         for slot, spec in info.state_specs.items():
             if slot not in store:
-                store.add(slot, init_value(spec))
+                store.add(slot, _model_value(plan, slot) if spec.init == "model" else init_value(spec))
         for slot in prog.state_inputs + prog.written_slots:
             if slot not in store:
                 raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")

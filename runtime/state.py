@@ -50,7 +50,8 @@ def init_value(spec: SlotSpec) -> np.ndarray:
         return np.zeros(shape, dtype)
     if init == "ones":
         return np.ones(shape, dtype)
-    raise ValueError(f"unknown state init {init!r} (expected zeros, identity, ones or param)")
+    raise ValueError(f"unknown state init {init!r} (expected zeros, identity, ones or param; 'model' slots "
+                     "are read from the plan by the program that declares them)")
 
 
 class StateStore:

@@ -220,6 +220,10 @@ class Trainer:
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
         values = self.parameters()
+        # non-trained state the steps update (BatchNormalization running statistics): every
+        # other state slot named after an initializer of the model
+        values.update({t.name: self.store.to_numpy(t.name) for t in model.graph.initializer
+                       if t.name not in values and t.name in self.store})
         for i, t in enumerate(model.graph.initializer):
             if t.name in values:
                 new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
@@ -227,7 +231,8 @@ class Trainer:
         return model
 
     def export(self, path: str | os.PathLike) -> str:
-        """Write the plan's model with the trained weights as initializers (atomic)."""
+        """Write the plan's model with the trained weights (and the running statistics the
+        steps updated) as initializers (atomic)."""
         from kfac_compiler.runtime.checkpoint import atomic_write_bytes
 
         path = os.fspath(path)

@@ -293,7 +293,16 @@ def test_batch_norm_inference_and_training_forms():
     assert trainable_params(canon, "y") == (["bn.scale", "bn.bias"], ["bn.mean", "bn.var"])
     train = helper.make_node("BatchNormalization", ["x", "bn.scale", "bn.bias", "bn.mean", "bn.var"], ["y"],
                              name="bn", training_mode=1)
-    layers, _ = layers_of(mk([train], {"x": ["N", 3, 4, 4]}, inits))
+    layer, _ = one(mk([train], {"x": ["N", 3, 4, 4]}, inits))
+    assert (layer.kind, layer.pattern) == ("scale_and_shift", "batch_norm_train")
+    assert layer.attrs["normalization"] == {"op": "BatchNormalization", "training": True, "epsilon": 1e-5}
+    # the running mean feeding the output: the parameters fall back to generic layers
+    used = helper.make_node("BatchNormalization", ["x", "bn.scale", "bn.bias", "bn.mean", "bn.var"],
+                            ["y0", "rm", "rv"], name="bn", training_mode=1)
+    plus = helper.make_node("Add", ["y0", "rm2"], ["y"], name="plus")
+    reshape = helper.make_node("Reshape", ["rm", "shape"], ["rm2"], name="r")
+    layers, _ = layers_of(mk([used, reshape, plus], {"x": ["N", 3, 4, 4]},
+                             {**inits, "shape": np.array([3, 1, 1], np.int64)}))
     assert [l.kind for l in layers] == ["generic", "generic"]
 
 

@@ -138,10 +138,27 @@ class Emission:
                     node.output[i] = rename[t]
         self.b.nodes = keep
 
+    def running_statistics(self) -> None:
+        """In a training step (a subgraph that writes the parameters): the running mean and
+        variance of every training-mode BatchNormalization become state (slots named after
+        their initializers, init "model": the plan's values) updated with the op's own
+        running outputs on the whole batch, running = input * momentum + batch * (1 -
+        momentum) (ONNX semantics; the variance is the biased batch variance). A rejected
+        step leaves them as they were, like every slot. Other subgraphs read the model's
+        initializers (a training-mode forward pass does not depend on them)."""
+        params = set(self.parts.params)
+        if not any(slot in params for slot in self.info.state_outputs.values()):
+            return
+        for slot, tensor in running_stat_outputs(self.parts.model, params):
+            self.state_input(slot, tuple(self.view.shapes[slot]), "model")
+            self.state_output(slot, tensor)
+
     def finish(self, name: str) -> tuple[onnx.ModelProto, SubgraphInfo]:
+        self.running_statistics()
         self._fold_output_identities()
         params = set(self.parts.params)
-        base_inits = [t for t in self.parts.model.graph.initializer if t.name not in params]
+        state = params | set(self.info.state_specs)
+        base_inits = [t for t in self.parts.model.graph.initializer if t.name not in state]
         model = self.b.make_model(
             name,
             self.inputs,
@@ -230,6 +247,26 @@ class Emission:
     def precondition(self, grads: dict[str, str]) -> dict[str, str]:
         """(F + damping)^-1 g for every block, from the inverse state slots."""
         return factors.precondition(self, grads)
+
+
+def running_stat_outputs(model: onnx.ModelProto, params: set[str]) -> list[tuple[str, str]]:
+    """(initializer, output) pairs of the running statistics of the training-mode
+    BatchNormalization nodes: input 3 (mean) -> output 1, input 4 (var) -> output 2, where
+    the input is a float initializer that is not trained and the output is named."""
+    inits = {t.name: t for t in model.graph.initializer}
+    pairs: list[tuple[str, str]] = []
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        if not any(a.name == "training_mode" and a.i for a in node.attribute):
+            continue
+        for i, o in ((3, 1), (4, 2)):
+            src = node.input[i] if i < len(node.input) else ""
+            out = node.output[o] if o < len(node.output) else ""
+            if src in inits and src not in params and out and src not in {p for p, _ in pairs}:
+                if inits[src].data_type == TensorProto.FLOAT:
+                    pairs.append((src, out))
+    return pairs
 
 
 def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:

@@ -11,6 +11,15 @@ scale_and_shift (params scale, shift optional): x_hat per attrs["normalization"]
   {"op": "LayerNormalization", "axis", "epsilon"}   x_hat = LayerNorm(x) without affine
   {"op": "BatchNormalization", "mean", "var", "epsilon"}  x_hat = (x - mean)/sqrt(var + eps)
                                  (mean/var: graph tensors [C], channel axis 1)
+  {"op": "BatchNormalization", "training": True, "epsilon"}  training mode: x_hat normalized
+                                 with the batch statistics of x (over N and space, per channel),
+                                 the statistics the forward pass used (on a sub-batch pass, the
+                                 sub-batch's)
+  {"op": "InstanceNormalization", "epsilon"}  x_hat normalized per example and channel
+  {"op": "GroupNormalization", "num_groups", "epsilon", "per_group"}  x_hat normalized per
+                                 example and group of channels; per_group (opset 18-20): the
+                                 scale/shift are [num_groups] and the gradients are summed per
+                                 group, else per channel
   g_scale[n] = sum over the non-batch axes outside attrs["scale_axes"] of x_hat * delta,
   g_shift[n] = the same sum of delta; M = N; several uses add their gradients.
 
@@ -27,6 +36,10 @@ from kfac_compiler.blocks.ops import emit_add_all, emit_dim, emit_gram, prod
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import FlatView
 from kfac_compiler.errors import ConfigError
+
+
+BATCH_STAT_NORMS = ("BatchNormalization", "InstanceNormalization", "GroupNormalization")
+"""Normalizations whose x_hat the block computes in the [N, K, L] layout (K the scale's size)."""
 
 
 class FlatBlock(PartsBlock):
@@ -93,11 +106,11 @@ class ScaleShiftBlock(FlatBlock):
         norm = layer.attrs.get("normalization") or None
         self.norm = dict(norm) if norm else None
         self.norm_op = self.norm.get("op") if self.norm else None
-        if self.norm_op not in (None, "LayerNormalization", "BatchNormalization"):
+        if self.norm_op not in (None, "LayerNormalization", *BATCH_STAT_NORMS):
             raise ConfigError(f"layer {layer.name!r}: normalization {self.norm_op!r} is not supported")
         axes = layer.attrs.get("scale_axes", layer.attrs.get("axes"))
         if axes is None:
-            if self.norm_op == "BatchNormalization":
+            if self.norm_op in BATCH_STAT_NORMS:
                 axes = (1,)
             else:  # numpy broadcasting: the scale's non-1 dims align with the trailing axes
                 axes = tuple(i - len(self.S) for i, d in enumerate(self.S) if d != 1) or (-1,)
@@ -157,6 +170,8 @@ class ScaleShiftBlock(FlatBlock):
         if self.norm_op is None:
             return x, rank, None
         eps = float(self.norm.get("epsilon", 1e-5))
+        if self.norm_op in BATCH_STAT_NORMS and self._batch_stats():
+            return self._emit_batch_xhat(b, x, eps)
         if self.norm_op == "BatchNormalization":
             x3 = b.reshape(x, [0, 0, -1])
             mean = b.reshape(self.norm["mean"], [-1, 1])
@@ -182,6 +197,8 @@ class ScaleShiftBlock(FlatBlock):
         if self.norm_op is None:
             return x, None
         eps = float(self.norm.get("epsilon", 1e-5))
+        if self.norm_op in BATCH_STAT_NORMS and self._batch_stats():
+            return self._np_batch_xhat(x, eps)
         if self.norm_op == "BatchNormalization":
             mean = np.asarray(self.norm_values["mean"], np.float64).reshape(-1, 1)
             var = np.asarray(self.norm_values["var"], np.float64).reshape(-1, 1)
@@ -192,6 +209,43 @@ class ScaleShiftBlock(FlatBlock):
         mu = x.mean(axis=axes, keepdims=True)
         var = ((x - mu) ** 2).mean(axis=axes, keepdims=True)
         return (x - mu) / np.sqrt(var + eps), None
+
+    # ---- x_hat from the statistics of the data itself (training-mode BatchNormalization,
+    # InstanceNormalization, GroupNormalization): [N, K, L] with K the scale's size
+    def _batch_stats(self) -> bool:
+        return self.norm_op != "BatchNormalization" or bool(self.norm.get("training"))
+
+    def _grouping(self):
+        """(K of the grouped [N, K', L'] layout the statistics are taken in, stats axes, and
+        whether x_hat stays grouped: GroupNormalization with per-group scale/shift)."""
+        if self.norm_op == "BatchNormalization":
+            return 0, [0, 2], False
+        if self.norm_op == "InstanceNormalization":
+            return 0, [2], False
+        return int(self.norm["num_groups"]), [2], bool(self.norm.get("per_group"))
+
+    def _emit_batch_xhat(self, b, x, eps):
+        groups, axes, keep = self._grouping()
+        xg = b.reshape(x, [0, groups, -1])
+        mu = b.reduce_mean(xg, axes, keepdims=True)
+        xc = b.sub(xg, mu)
+        var = b.reduce_mean(b.mul(xc, xc), axes, keepdims=True)
+        xh = b.mul(xc, b.op("Reciprocal", [b.op("Sqrt", [b.add(var, b.const(eps))])]))
+        if groups and not keep:
+            xh = b.reshape(xh, [0, prod(self.S), -1])
+        k = groups if keep else 0
+        return xh, 3, lambda d: b.reshape(d, [0, k, -1])
+
+    def _np_batch_xhat(self, x, eps):
+        groups, axes, keep = self._grouping()
+        n = x.shape[0]
+        xg = x.reshape(n, groups or x.shape[1], -1)
+        mu = xg.mean(axis=tuple(axes), keepdims=True)
+        var = ((xg - mu) ** 2).mean(axis=tuple(axes), keepdims=True)
+        xh = (xg - mu) / np.sqrt(var + eps)
+        if groups and not keep:
+            xh = xh.reshape(n, prod(self.S), -1)
+        return xh, lambda d: np.asarray(d, np.float64).reshape(xh.shape)
 
     def set_norm_values(self, **values) -> None:
         """Values of the BatchNormalization mean/var tensors, for the numpy twins."""

@@ -1,5 +1,6 @@
 """Normalizations: LayerNormalization, BatchNormalization (training and inference forms),
-InstanceNormalization. They share the recomputed statistics (`_stats`) and the symmetric
+InstanceNormalization, GroupNormalization (opset 18: scale/bias per group [G]; opset 21:
+per channel [C]). They share the recomputed statistics (`_stats`) and the symmetric
 projection that is both the vjp and the jvp of x -> xhat (`_proj`)."""
 from __future__ import annotations
 
@@ -226,3 +227,83 @@ def _in_jvp(b, view, node, ts):
         cv = _chan(b, ts[2], r)
         terms.append(b.op("Expand", [cv, shape_tensor(b, view, Y)]) if not terms else cv)
     return [add_n(b, terms)]
+
+
+# ---------------------------------------------------------------- GroupNormalization
+def _gn_geometry(view, node):
+    """(rank, num_groups, per_group): the scale/bias are per group ([G], opset 18-20) or per
+    channel ([C], opset >= 21)."""
+    X = node.input[0]
+    r = _rank_or_fail(view, node, X)
+    if r < 2:
+        raise unsupported(node, view, "needs an input of rank >= 2")
+    G = int(attr(node, "num_groups", 0))
+    if G < 1:
+        raise unsupported(node, view, "needs num_groups >= 1")
+    return r, G, view.opset < 21
+
+
+def _gn_grouped(b, x: str, G: int) -> str:
+    """[N, C, *S] -> [N, G, C/G * prod(S)]."""
+    return b.reshape(x, [0, G, -1])
+
+
+def _gn_param(b, p: str, r: int, per_group: bool) -> str:
+    """Scale/bias reshaped to broadcast: per group against [N, G, K], per channel against X."""
+    return b.reshape(p, [-1, 1]) if per_group else _chan(b, p, r)
+
+
+@register("GroupNormalization", since=18)
+def _gn_vjp(b, view, node, gys, needs=None):
+    g = gys[0]
+    if g is None:
+        return [None] * len(node.input)
+    X, S = node.input[0], node.input[1]
+    B = inp(node, 2)
+    r, G, per_group = _gn_geometry(view, node)
+    _, inv, xhat = _stats(b, _gn_grouped(b, X, G), [2], float(attr(node, "epsilon", 1e-5)))
+    xs = shape_tensor(b, view, X)
+    res: list[str | None] = [None] * len(node.input)
+    if per_group:
+        gr = _gn_grouped(b, g, G)
+        if need(needs, 0):
+            res[0] = b.reshape(_proj(b, b.mul(gr, _gn_param(b, S, r, True)), xhat, inv, [2]), xs)
+        if need(needs, 1):
+            res[1] = b.reduce_sum(b.mul(gr, xhat), [0, 2], keepdims=False)
+        if B is not None and need(needs, 2):
+            res[2] = b.reduce_sum(gr, [0, 2], keepdims=False)
+        return res
+    cax = [0] + list(range(2, r))
+    if need(needs, 0):
+        gs = _gn_grouped(b, b.mul(g, _chan(b, S, r)), G)
+        res[0] = b.reshape(_proj(b, gs, xhat, inv, [2]), xs)
+    if need(needs, 1):
+        res[1] = b.reduce_sum(b.mul(g, b.reshape(xhat, xs)), cax, keepdims=False)
+    if B is not None and need(needs, 2):
+        res[2] = b.reduce_sum(g, cax, keepdims=False)
+    return res
+
+
+@_gn_vjp.defjvp
+def _gn_jvp(b, view, node, ts):
+    X, S = node.input[0], node.input[1]
+    B = inp(node, 2)
+    ts = list(ts) + [None] * (3 - len(ts))
+    tX, tS, tB = ts[0], ts[1], ts[2] if B else None
+    r, G, per_group = _gn_geometry(view, node)
+    _, inv, xhat = _stats(b, _gn_grouped(b, X, G), [2], float(attr(node, "epsilon", 1e-5)))
+    xs = shape_tensor(b, view, X)
+    terms = []  # in the grouped [N, G, K] layout when per_group, else shaped like X
+    if tX is not None:
+        p = _proj(b, _gn_grouped(b, tX, G), xhat, inv, [2])
+        terms.append(b.mul(p, _gn_param(b, S, r, True)) if per_group else b.mul(b.reshape(p, xs), _chan(b, S, r)))
+    if tS is not None:
+        xh = xhat if per_group else b.reshape(xhat, xs)
+        terms.append(b.mul(xh, _gn_param(b, tS, r, per_group)))
+    if tB is not None:
+        cv = _gn_param(b, tB, r, per_group)
+        if not terms:
+            cv = b.op("Expand", [cv, b.op("Shape", [xhat]) if per_group else xs])
+        terms.append(cv)
+    ty = add_n(b, terms)
+    return [b.reshape(ty, xs) if per_group and ty is not None else ty]

@@ -13,7 +13,8 @@ Patterns are matched with networkx.algorithms.isomorphism.MultiDiGraphMatcher
 Variants are enumerated (one Pattern each): Gemm transB 0/1 with or without bias C,
 MatMul / MatMul+Add / Transpose(W)+MatMul (tied heads) / with Add, Conv 1-d/2-d/3-d with or
 without bias (plain, grouped, depthwise), Gather embedding, LayerNormalization,
-BatchNormalization (inference form) and Mul+Add scale-and-shift.
+BatchNormalization (inference and training form), InstanceNormalization, GroupNormalization
+and Mul+Add scale-and-shift.
 
 Register your own with `register_pattern(Pattern(...))`; see docs/frontend.md.
 

@@ -1,7 +1,8 @@
 """The built-in pattern library: every variant enumerated, one Pattern each (Gemm transB
 0/1 with or without bias, MatMul / MatMul+Add / Transpose(W)+MatMul, Conv 1-d/2-d/3-d plain,
 grouped and depthwise with or without bias, Gather embedding, LayerNormalization,
-BatchNormalization in inference form, Mul+Add scale-and-shift)."""
+BatchNormalization in inference and training form, InstanceNormalization,
+GroupNormalization, Mul+Add scale-and-shift)."""
 from __future__ import annotations
 
 import onnx
@@ -286,8 +287,7 @@ def _ln_pattern(with_bias: bool) -> Pattern:
 def _bn_inference(node: onnx.NodeProto, view: GraphView) -> bool:
     if int(attrs_of(node).get("training_mode", 0)) != 0:
         return False
-    extra = [o for o in list(node.output)[1:] if o]
-    return not any(o in view.consumers or o in view.graph_outputs for o in extra)
+    return not running_outputs_used(node, view)
 
 
 def _bn_pattern(with_bias: bool) -> Pattern:
@@ -328,6 +328,65 @@ def _bn_pattern(with_bias: bool) -> Pattern:
         where=where,
         attrs=attrs,
     )
+
+
+def running_outputs_used(node: onnx.NodeProto, view: GraphView) -> bool:
+    """Whether a BatchNormalization's outputs after Y (running mean/var) feed anything."""
+    extra = [o for o in list(node.output)[1:] if o]
+    return any(o in view.consumers or o in view.graph_outputs for o in extra)
+
+
+def _bn_training(node: onnx.NodeProto, view: GraphView) -> bool:
+    return int(attrs_of(node).get("training_mode", 0)) != 0 and not running_outputs_used(node, view)
+
+
+def _batch_stat_pattern(name: str, op: str, with_bias: bool, node_where=None, norm=None) -> Pattern:
+    """scale_and_shift over an op that normalizes with statistics of its own input:
+    BatchNormalization in training mode (batch statistics), InstanceNormalization,
+    GroupNormalization. `norm(binding)` -> the attrs["normalization"] entries beyond op and
+    epsilon."""
+    nodes = [PNode("n", op, where=node_where), PNode("scale", PARAM, where=param_rank(1))]
+    edges = [PEdge("scale", "n", (1,))]
+    if with_bias:
+        nodes.append(PNode("B", PARAM, where=param_rank(1)))
+        edges.append(PEdge("B", "n", (2,)))
+
+    def where(b: Binding) -> bool:
+        rank = b.view.rank(b.input())
+        if rank is not None and rank < 2:
+            return False
+        return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
+
+    def attrs(b: Binding) -> dict:
+        spec = {"op": op, "epsilon": nice_float(b.attr("n", "epsilon", 1e-5))}
+        spec.update(norm(b) if norm else {})
+        return {"normalization": spec, "scale_axes": (1,), "scale_input": b.input()}
+
+    return Pattern(
+        name=name + ("" if with_bias else "_scale"),
+        kind="scale_and_shift",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="scale",
+        bias="B" if with_bias else None,
+        input=("n", 0),
+        output="n",
+        where=where,
+        attrs=attrs,
+    )
+
+
+def _group_norm_spec(b: Binding) -> dict:
+    groups = int(b.attr("n", "num_groups", 0))
+    if groups < 1:
+        raise NoMatch(f"GroupNormalization {b.node('n').name!r}: num_groups {groups}")
+    channels = (b.view.shape(b.input()) or [None, None])[1]
+    per_group = b.view.opset < 21
+    size = static_size(b.view.shape(b.weight))
+    if isinstance(channels, int) and (channels % groups or size != (groups if per_group else channels)):
+        raise NoMatch(f"GroupNormalization {b.node('n').name!r}: {channels} channels, {groups} groups, "
+                      f"scale of size {size}")
+    return {"num_groups": groups, "per_group": per_group}
 
 
 def broadcast_axes(param_shape, data_rank: int | None) -> tuple[int, ...]:
@@ -382,6 +441,56 @@ def _mul_add_pattern() -> Pattern:
     )
 
 
+# ------------------------------------------------------ normalization fallback notes
+NORMALIZATION_OPS = ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization")
+
+
+def _fallback_reason(node: onnx.NodeProto, view: GraphView, trainable: set[str]) -> str:
+    """Why a normalization's scale/shift matched no scale_and_shift pattern (best guess)."""
+    op = node.op_type
+    training = op == "BatchNormalization" and int(attrs_of(node).get("training_mode", 0)) != 0
+    label = f"{op} {node.name!r}" + (" in training mode" if training else "")
+    if op == "BatchNormalization" and running_outputs_used(node, view):
+        return f"{label} with its running-statistics outputs used elsewhere"
+    if op == "BatchNormalization" and not training and (
+            len(node.input) < 5 or any(node.input[i] not in view.initializers for i in (3, 4))):
+        return f"{label} whose mean/var are not initializers"
+    scale, bias = node.input[1], (node.input[2] if len(node.input) > 2 else "")
+    if scale not in trainable:
+        return f"{label} with a frozen or computed scale (only the shift is trained)"
+    shapes = [view.shape(t) for t in (scale, bias) if t in trainable]
+    if len(shapes) == 2 and tuple(shapes[0] or ()) != tuple(shapes[1] or ()):
+        return f"{label} with scale and shift of different shapes"
+    if op != "LayerNormalization" and view.rank(scale) != 1:
+        return f"{label} with a scale of rank {view.rank(scale)}"
+    if any(len(view.consumers.get(t, ())) > 1 for t in (scale, bias) if t in trainable):
+        return f"{label} whose scale or shift is also used by other nodes"
+    return f"{label} matched no scale_and_shift pattern"
+
+
+def normalization_fallback_notes(view: GraphView, layers) -> list[str]:
+    """One note per normalization node whose trainable scale/shift ended up in generic layers
+    (not linked by the user): the op, the node, why, and the blocks the parameters got, e.g.
+    "BatchNormalization 'bn1' in training mode with its running-statistics outputs used
+    elsewhere: 'bn1.weight', 'bn1.bias' are generic layers (diagonal)"."""
+    generic = {p: layer for layer in layers if layer.kind == "generic"
+               and not layer.attrs.get("linked_by_user") and not layer.attrs.get("shared_kinds")
+               for p in layer.params}
+    trainable = {p for layer in layers for p in layer.params}
+    notes = []
+    for node in view.nodes:
+        if node.op_type not in NORMALIZATION_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        params = [t for t in list(node.input)[1:3] if t and t in generic]
+        if not params:
+            continue
+        approx = sorted({generic[p].approximation or "?" for p in params})
+        names = ", ".join(repr(p) for p in params)
+        notes.append(f"{_fallback_reason(node, view, trainable)}: {names} "
+                     f"{'is a generic layer' if len(params) == 1 else 'are generic layers'} ({', '.join(approx)})")
+    return notes
+
+
 # ------------------------------------------------------------ built-in library
 for _tb in (0, 1):
     for _bias in (False, True):
@@ -397,6 +506,10 @@ register_builtin(_embedding_pattern())
 for _bias in (False, True):
     register_builtin(_ln_pattern(_bias))
     register_builtin(_bn_pattern(_bias))
+    register_builtin(_batch_stat_pattern("batch_norm_train", "BatchNormalization", _bias, _bn_training,
+                                         lambda b: {"training": True}))
+    register_builtin(_batch_stat_pattern("instance_norm", "InstanceNormalization", _bias))
+    register_builtin(_batch_stat_pattern("group_norm", "GroupNormalization", _bias, norm=_group_norm_spec))
 register_builtin(_mul_add_pattern())
 
 BUILTIN_PATTERN_NAMES = tuple(p.name for p in patterns())
