@@ -268,6 +268,21 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("ReduceLogSumExp", "ReduceLogSumExp", [("x", r(2, 3, 4))], attrs={"axes": [1]}),
     C("ReduceMax", "ReduceMax", [("x", r(2, 3, 4))], attrs={"axes": [1], "keepdims": 0}),
     C("ReduceMin-18", "ReduceMin", [("x", r(2, 3, 4)), ("ax", i64(2))], opset=18),
+    # -------------------------------------------------------------------------- einsum
+    C("Einsum-matmul", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk->ik"}),
+    C("Einsum-attn", "Einsum", [("q", r(2, 3, 4, 5)), ("k", r(2, 3, 6, 5))], attrs={"equation": "bhqd,bhkd->bhqk"}),
+    C("Einsum-implicit", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk"}),
+    C("Einsum-three", "Einsum", [("a", r(2, 3)), ("b", r(3, 4)), ("c", r(4, 2))], attrs={"equation": "ij,jk,kl->il"}),
+    C("Einsum-sum-only-in-a", "Einsum", [("a", r(3, 4, 2)), ("b", r(4, 5))], attrs={"equation": "ijm,jk->ik"}),
+    C("Einsum-transpose", "Einsum", [("a", r(2, 3, 4))], attrs={"equation": "ijk->kij"}),
+    C("Einsum-trace", "Einsum", [("a", r(4, 4))], attrs={"equation": "ii->"}),
+    C("Einsum-diag", "Einsum", [("a", r(3, 4, 3))], attrs={"equation": "iji->ij"}),
+    C("Einsum-diag-bilinear", "Einsum", [("a", r(3, 3)), ("b", r(3, 2))], attrs={"equation": "ii,ij->j"}),
+    C("Einsum-outer", "Einsum", [("a", r(3)), ("b", r(4))], attrs={"equation": "i,j->ij"}),
+    C("Einsum-ellipsis", "Einsum", [("a", r(2, 3, 4, 5)), ("b", r(5, 6))], attrs={"equation": "...ij,jk->...ik"},
+      symbolic=False),
+    C("Einsum-ellipsis-both", "Einsum", [("a", r(2, 3, 4)), ("b", r(2, 4, 5))], attrs={"equation": "...ij,...jk->...ik"},
+      symbolic=False),
 ]
 
 

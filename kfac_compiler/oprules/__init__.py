@@ -234,6 +234,7 @@ def supported_ops(jvp: bool = False, nondiff: bool = True) -> list[str]:
 from kfac_compiler.oprules import (  # noqa: E402,F401
     arithmetic,
     conv,
+    einsum,
     matmul,
     nondifferentiable,
     normalization,
