@@ -38,6 +38,10 @@ def pos(*shape):
     return RNG.uniform(0.5, 2.0, shape)
 
 
+def f32(*v):
+    return np.asarray(v, dtype=np.float32)
+
+
 def i64(*v):
     return np.asarray(v, dtype=np.int64)
 
@@ -58,6 +62,7 @@ class Case:
     outputs: tuple | None = None  # outputs to seed (default: all float outputs)
     consts: tuple = ()  # float inputs made initializers (constants)
     runner: str = "reference"  # "ort": float32 FD on ORT (op wrong in onnx.reference)
+    keep_dtype: tuple = ()  # float inputs that keep their dtype (Resize's float32 scales)
 
     def __repr__(self) -> str:
         return self.id
@@ -268,6 +273,26 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("ReduceLogSumExp", "ReduceLogSumExp", [("x", r(2, 3, 4))], attrs={"axes": [1]}),
     C("ReduceMax", "ReduceMax", [("x", r(2, 3, 4))], attrs={"axes": [1], "keepdims": 0}),
     C("ReduceMin-18", "ReduceMin", [("x", r(2, 3, 4)), ("ax", i64(2))], opset=18),
+    # -------------------------------------------------------------------------- resize
+    *[C(f"Resize-{id}", "Resize", [("x", x), ("roi", None), ("sc", f32(*sc) if sc else None)] + ([("sz", i64(*sz))] if sz else []),
+        attrs=a, consts=("sc",), keep_dtype=("sc",), opset=op, symbolic=False)
+      for id, x, sc, sz, a, op, sym in [
+          ("nearest-x2", r(2, 3, 3, 4), (1, 1, 2, 2), None,
+           {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, 17, True),
+          ("nearest-sizes-down", r(1, 2, 7, 6), None, (1, 2, 3, 4), {"mode": "nearest"}, 17, True),
+          ("bilinear-x2", r(2, 2, 3, 4), (1, 1, 2, 2), None,
+           {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, 17, True),
+          ("bilinear-align-sizes", r(1, 2, 3, 4), None, (1, 2, 5, 7),
+           {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, 17, True),
+          ("linear-1d-x3", r(2, 3, 4), (1, 1, 3), None, {"mode": "linear", "coordinate_transformation_mode": "half_pixel"},
+           17, True),
+          ("trilinear-3d", r(1, 1, 2, 3, 2), (1, 1, 2, 1.5, 2), None,
+           {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, 17, True),
+          ("bicubic", r(1, 2, 4, 4), (1, 1, 2, 2), None, {"mode": "cubic", "coordinate_transformation_mode": "half_pixel"},
+           17, True),
+          ("linear-antialias-down", r(1, 2, 8, 6), (1, 1, 0.5, 0.5), None, {"mode": "linear", "antialias": 1}, 18, True),
+          ("axes-18", r(2, 3, 4, 4), (2, 2), None, {"mode": "nearest", "axes": [2, 3]}, 18, True),
+      ]],
     # -------------------------------------------------------------------------- einsum
     C("Einsum-matmul", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk->ik"}),
     C("Einsum-attn", "Einsum", [("q", r(2, 3, 4, 5)), ("k", r(2, 3, 6, 5))], attrs={"equation": "bhqd,bhkd->bhqk"}),
@@ -287,7 +312,7 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
 
 
 # ops whose rules mix static parameter shapes with dynamic data shapes
-_DATA_SYMBOLIC = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
+_DATA_SYMBOLIC = {"Resize", "Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
                   "LayerNormalization", "BatchNormalization", "InstanceNormalization", "Add", "Mul",
                   "PRelu", "GlobalAveragePool", "Slice", "Pad", "Concat"}
 
@@ -333,7 +358,8 @@ def _ort_agrees(model64, feeds, wrt, outs, jvp: bool) -> None:
 @pytest.mark.parametrize("case,symbolic", _params())
 def test_rule_fd(case: Case, symbolic):
     model, feeds = one_node_model(case.op, case.inputs, case.attrs, n_out=case.n_out, opset=case.opset,
-                                  runtime_inputs=case.runtime, symbolic=symbolic, constants=case.consts)
+                                  runtime_inputs=case.runtime, symbolic=symbolic, constants=case.consts,
+                                  keep_dtype=case.keep_dtype)
     outs = list(case.outputs) if case.outputs else [
         o.name for o in model.graph.output if o.type.tensor_type.elem_type == TensorProto.DOUBLE]
     if case.runner == "ort":  # float32 differences of a (bi)linear op: exact up to rounding
@@ -414,3 +440,27 @@ def test_every_zoo_op_has_jvp():
                "Pow", "Exp", "Log", "ReduceMean", "ReduceSum", "Cast", "Identity"]
     have = set(supported_ops(jvp=True))
     assert not [o for o in zoo_ops if o not in have]
+
+
+def test_resize_symbolic_batch_and_dynamic_scales():
+    """Resize with a symbolic batch (the constant interpolation matrices do not depend on it);
+    non-constant scales are refused in one line."""
+    import onnx
+
+    from kfac_compiler.graph import GraphView
+
+    x = r(2, 3, 3, 4)
+    model, feeds = one_node_model("Resize", [("x", x), ("roi", None), ("sc", f32(1, 1, 2, 2))],
+                                  {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"},
+                                  constants=("sc",), keep_dtype=("sc",))
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    del model.graph.value_info[:]
+    model = onnx.shape_inference.infer_shapes(model)
+    rep = fd_check(model, feeds)
+    assert rep.ok and rep.vjp, str(rep)
+    dyn, _ = one_node_model("Resize", [("x", x), ("roi", None), ("sc", f32(1, 1, 2, 2))], {"mode": "nearest"},
+                            keep_dtype=("sc",), runtime_inputs=("sc",))
+    node = dyn.graph.node[0]
+    with pytest.raises(UnsupportedOpError, match="constant roi/scales/sizes") as ei:
+        lookup(node, 17).check(GraphView(dyn), node)
+    assert "\n" not in str(ei.value)

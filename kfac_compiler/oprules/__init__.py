@@ -240,6 +240,7 @@ from kfac_compiler.oprules import (  # noqa: E402,F401
     normalization,
     pooling,
     reduce,
+    resize,
     selection,
     softmax,
     tensor,
