@@ -179,6 +179,10 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("ConvT2d-group", "ConvTranspose", [("x", r(1, 4, 3, 4)), ("w", r(4, 3, 2, 3))],
       attrs={"group": 2, "strides": [2, 1], "dilations": [1, 2]}),
     C("ConvT1d", "ConvTranspose", [("x", r(2, 2, 5)), ("w", r(2, 3, 4)), ("b", r(3))], attrs={"strides": [3], "pads": [2, 1]}),
+    C("ConvT2d-all", "ConvTranspose", [("x", r(2, 4, 3, 4)), ("w", r(4, 3, 3, 2)), ("b", r(6))],
+      attrs={"group": 2, "strides": [2, 3], "pads": [1, 0, 2, 1], "output_padding": [1, 2], "dilations": [2, 1]}),
+    C("ConvT3d", "ConvTranspose", [("x", r(1, 2, 2, 3, 2)), ("w", r(2, 2, 2, 2, 3)), ("b", r(2))],
+      attrs={"strides": [2, 1, 2], "pads": [0, 1, 1, 0, 0, 1]}),
     C("ConvT2d-output-shape", "ConvTranspose", [("x", r(1, 2, 3, 3)), ("w", r(2, 2, 3, 3))],
       attrs={"strides": [2, 2], "output_shape": [6, 7]}, symbolic=False, runner="ort"),
     # -------------------------------------------------------------------------- pools
