@@ -285,9 +285,12 @@ def test_gradient_model_errors():
     assert res["grad/W2"].shape == (2, 4) and not res["grad/W2"].any()
 
 
-def test_opset_13_and_22_forms():
-    """The same model at the lowest and highest supported opsets (Reduce/Squeeze forms)."""
-    for opset in (13, 22):
+def test_opset_13_to_max_forms():
+    """The same model at the lowest, a middle and the highest supported opsets (Reduce/Squeeze
+    forms; ops re-versioned in 21, 23-25 for new types)."""
+    from kfac_compiler.builder import MAX_OPSET
+
+    for opset in (13, 22, 23, MAX_OPSET):
         rng = np.random.default_rng(0)
         nodes = [
             helper.make_node("MatMul", ["x", "W"], ["h"]),

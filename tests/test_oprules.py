@@ -297,6 +297,13 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
           ("linear-antialias-down", r(1, 2, 8, 6), (1, 1, 0.5, 0.5), None, {"mode": "linear", "antialias": 1}, 18, True),
           ("axes-18", r(2, 3, 4, 4), (2, 2), None, {"mode": "nearest", "axes": [2, 3]}, 18, True),
       ]],
+    # --------------------------------------------------------------- opset 23+ ops
+    C("RMSNorm-last", "RMSNormalization", [("x", r(2, 3, 5)), ("s", r(5))], opset=23),
+    C("RMSNorm-axis1", "RMSNormalization", [("x", r(2, 3, 4)), ("s", r(3, 4))], attrs={"axis": 1, "epsilon": 1e-3},
+      opset=23),
+    C("RMSNorm-bcast-scale", "RMSNormalization", [("x", r(2, 3, 4)), ("s", r(1, 4))], attrs={"axis": -2}, opset=23),
+    C("Swish", "Swish", [("x", r(3, 4))], opset=24),
+    C("Swish-alpha", "Swish", [("x", r(3, 4))], attrs={"alpha": 0.7}, opset=24),
     # -------------------------------------------------------------------------- einsum
     C("Einsum-matmul", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk->ik"}),
     C("Einsum-attn", "Einsum", [("q", r(2, 3, 4, 5)), ("k", r(2, 3, 6, 5))], attrs={"equation": "bhqd,bhkd->bhqk"}),
@@ -316,7 +323,7 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
 
 
 # ops whose rules mix static parameter shapes with dynamic data shapes
-_DATA_SYMBOLIC = {"Resize", "Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
+_DATA_SYMBOLIC = {"RMSNormalization", "Resize", "Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
                   "LayerNormalization", "BatchNormalization", "InstanceNormalization", "Add", "Mul",
                   "PRelu", "GlobalAveragePool", "Slice", "Pad", "Concat"}
 

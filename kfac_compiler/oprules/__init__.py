@@ -241,6 +241,7 @@ from kfac_compiler.oprules import (  # noqa: E402,F401
     pooling,
     reduce,
     resize,
+    rms_norm,
     selection,
     softmax,
     tensor,
