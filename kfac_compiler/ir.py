@@ -16,6 +16,7 @@ LAYER_KINDS = (
     "fully_connected",
     "conv",
     "depthwise_conv",
+    "conv_transpose",
     "embedding",
     "scale_and_shift",
     "generic",
