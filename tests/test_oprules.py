@@ -412,12 +412,18 @@ def test_broadcasting_property(pair, op, symbolic):
 
 # ---------------------------------------------------------------------- registry
 def test_lookup_unknown_op_one_line():
-    node = helper.make_node("Einsum", ["a", "b"], ["c"], name="my/einsum", equation="ij,jk->ik")
+    node = helper.make_node("LRN", ["a"], ["c"], name="my/lrn", size=3)
     with pytest.raises(UnsupportedOpError) as ei:
         lookup(node, 17)
     msg = str(ei.value)
-    assert "\n" not in msg
-    assert "'my/einsum'" in msg and "Einsum" in msg and "17" in msg and "Gemm" in msg
+    assert "\n" not in msg and len(msg) < 300
+    assert "'my/lrn'" in msg and "op LRN (domain ai.onnx, opset 17)" in msg
+    assert "--exclude" in msg and "docs/extending.md" in msg and "Gemm" not in msg
+    msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, ["fc1.weight", "fc1.bias"]).value)
+    assert "--exclude fc1.weight --exclude fc1.bias" in msg
+    many = [f"p{i}" for i in range(9)]
+    msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, many).value)
+    assert "--exclude p5 ..." in msg and "(9 parameters in all)" in msg and "p6" not in msg
 
 
 def test_lookup_opset_ranges():
