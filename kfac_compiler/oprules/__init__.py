@@ -249,6 +249,7 @@ def supported_ops(jvp: bool = False, nondiff: bool = True) -> list[str]:
 # populate the registry (no two modules register the same op, so the order is immaterial)
 from kfac_compiler.oprules import (  # noqa: E402,F401
     arithmetic,
+    attention,
     conv,
     einsum,
     matmul,
