@@ -314,6 +314,11 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("Attention-bool-mask-24", "Attention", [("q", r(1, 2, 3, 4)), ("k", r(1, 2, 4, 4)), ("v", r(1, 2, 4, 4)),
                                               ("m", np.tril(np.ones((3, 4), bool)) | np.eye(3, 4, 1, dtype=bool))],
       opset=24, symbolic=False),
+    C("RotaryEmbedding-4d", "RotaryEmbedding", [("x", r(2, 2, 3, 4)), ("cos", np.cos(r(2, 3, 2))), ("sin", np.sin(r(2, 3, 2)))],
+      consts=("cos", "sin"), opset=23, symbolic=False),
+    C("RotaryEmbedding-3d-pos-partial-interleaved", "RotaryEmbedding",
+      [("x", r(2, 3, 12)), ("cos", np.cos(r(5, 2))), ("sin", np.sin(r(5, 2))), ("pos", i64([0, 2, 4], [1, 1, 3]))],
+      attrs={"num_heads": 2, "rotary_embedding_dim": 4, "interleaved": 1}, consts=("cos", "sin"), opset=23, symbolic=False),
     # -------------------------------------------------------------------------- einsum
     C("Einsum-matmul", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk->ik"}),
     C("Einsum-attn", "Einsum", [("q", r(2, 3, 4, 5)), ("k", r(2, 3, 6, 5))], attrs={"equation": "bhqd,bhkd->bhqk"}),

@@ -173,3 +173,31 @@ def _attn_jvp(b, view, node, ts):
 
 
 _attn_vjp.defcheck(_check)
+
+
+# ==================================================================== RotaryEmbedding
+@register("RotaryEmbedding", since=23, inputs=(0,))
+def _rope_vjp(b, view, node, gys):
+    """A rotation of each (pair of) coordinate(s) by a position-dependent angle: orthogonal,
+    so the vjp is the rotation by the opposite angle, the op with sin_cache negated (the
+    unrotated tail, rotary_embedding_dim < head size, passes through either way). The caches
+    are taken as constants."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    ins = list(node.input)
+    ins[0], ins[2] = g, b.neg(node.input[2])
+    out = b.fresh("rope_vjp")
+    n = helper.make_node("RotaryEmbedding", ins, [out], name=b.fresh("RotaryEmbedding/vjp"))
+    n.attribute.extend(node.attribute)
+    b.nodes.append(n)
+    return [out]
+
+
+def _rope_jvp(b, view, node, ts):
+    from kfac_compiler.oprules._util import linear_jvp
+
+    return linear_jvp(0)(b, view, node, ts)
+
+
+_rope_vjp.defjvp(_rope_jvp)
