@@ -186,3 +186,25 @@ def test_conv_transpose_layers_compile_and_train(approx):
     tr = Trainer(plan, optimizer="kfac", device="cpu")
     losses = [float(tr.step({"input": x}, targets=y)["loss"]) for _ in range(6)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
+def test_patterns_registered_and_auto_pad_falls_back():
+    import warnings
+
+    from kfac_compiler.frontend import compile_frontend
+    from kfac_compiler.patterns.builtin import BUILTIN_PATTERN_NAMES
+
+    for nd in (1, 2, 3):
+        assert f"conv_transpose{nd}d" in BUILTIN_PATTERN_NAMES and f"conv_transpose{nd}d_bias" in BUILTIN_PATTERN_NAMES
+    assert "rms_norm" in BUILTIN_PATTERN_NAMES
+    m = _decoder_model()
+    for n in m.graph.node:
+        if n.name == "up2":
+            n.attribute.append(helper.make_attribute("auto_pad", "SAME_UPPER"))
+    m = onnx.shape_inference.infer_shapes(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = compile_frontend(m, loss="squared_error", output="logits")
+    kinds = {l.name: l.kind for l in plan.layers}
+    assert kinds["up1"] == "conv_transpose" and kinds["up2"] == "generic", kinds
+    assert any("auto_pad=SAME_UPPER" in str(w.message) for w in caught)
