@@ -171,3 +171,17 @@ def test_dynamo_export_against_torch_autograd(opset):
     plan = kc.compile(model, loss="softmax_cross_entropy", output="logits")
     kinds = {l.pattern: l.kind for l in plan.layers}
     assert kinds.get("rms_norm") == "scale_and_shift" and kinds.get("conv_transpose2d_bias") == "conv_transpose", kinds
+
+
+def test_every_rule_covers_the_highest_opset():
+    """Rules match opset ranges [since, until]; ops re-versioned in 21-25 (Cast, Reshape,
+    Transpose, Squeeze, Pad, ...) must keep their rules up to MAX_OPSET."""
+    from kfac_compiler.oprules import RULES, find
+
+    missing = [op for (domain, op), rules in RULES.items()
+               if not domain and find(helper.make_node(op, [], []), MAX_OPSET) is None]
+    assert not missing, missing
+    for op in ("Cast", "CastLike", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Pad",
+               "Shape", "Size", "Constant", "ConstantOfShape", "TopK", "Attention", "RMSNormalization",
+               "RotaryEmbedding", "Swish", "Einsum", "Resize", "ConvTranspose"):
+        assert find(helper.make_node(op, [], []), MAX_OPSET) is not None, op
