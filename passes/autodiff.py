@@ -108,7 +108,10 @@ def backward(
     rules = {}
     for node in path:
         rule = find(node, view.opset) or lookup(node, view.opset, params_behind(view, node, wrt))
-        rule.check(view, node)
+        try:
+            rule.check(view, node)
+        except UnsupportedOpError as e:  # a form the rule refuses: the same advice, one line
+            raise UnsupportedOpError(f"{e}; {remedy(params_behind(view, node, wrt), 'extend its rule')}") from None
         rules[id(node)] = rule
     acc: dict[str, list[str]] = {}
     for s, ct in seeds.items():

@@ -496,3 +496,9 @@ def test_resize_symbolic_batch_and_dynamic_scales():
     with pytest.raises(UnsupportedOpError, match="constant roi/scales/sizes") as ei:
         lookup(node, 17).check(GraphView(dyn), node)
     assert "\n" not in str(ei.value)
+    from kfac_compiler.builder import GraphBuilder
+    from kfac_compiler.passes.autodiff import backward
+
+    with pytest.raises(UnsupportedOpError, match=r"constant roi/scales/sizes; .*extend its rule \(docs/extending.md") as ei:
+        backward(GraphBuilder(17), GraphView(dyn), {"y0": "g"}, ["x"])
+    assert "\n" not in str(ei.value)
