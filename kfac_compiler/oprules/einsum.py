@@ -12,7 +12,9 @@ additions so that the result has exactly X_i's shape:
 
 Ellipsis ("...") is kept in the emitted equations; it is supported when the operand's
 ellipsis dims are those of the output (no broadcasting of the ellipsis part into the
-operand; symbolic dims are assumed equal), else the rule raises UnsupportedOpError. jvp: the sum over operands of the
+operand; symbolic dims are assumed equal), else the rule raises UnsupportedOpError. (ONNX
+Runtime 1.31 refuses Einsum nodes whose operands' ellipsis dims differ at all, "Ellipsis
+represents incompatible dimensions", so broadcasting ellipses do not occur in runnable models.) jvp: the sum over operands of the
 Einsum with that operand replaced by its tangent.
 """
 from __future__ import annotations
