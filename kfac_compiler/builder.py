@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 MIN_OPSET = 13
-MAX_OPSET = 22
+MAX_OPSET = 26
 # ONNX Runtime 1.31 accepts IR <= 13; emitted models pin this IR version.
 IR_VERSION = 8
 

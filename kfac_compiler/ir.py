@@ -16,6 +16,7 @@ LAYER_KINDS = (
     "fully_connected",
     "conv",
     "depthwise_conv",
+    "conv_transpose",
     "embedding",
     "scale_and_shift",
     "tied_embedding",  # made by linking (an embedding table also read by the output head), no pattern

@@ -19,6 +19,7 @@ KIND_COLORS = {
     "fully_connected": "#9ecae1",
     "conv": "#a1d99b",
     "depthwise_conv": "#c7e9c0",
+    "conv_transpose": "#74c476",
     "embedding": "#fdd0a2",
     "scale_and_shift": "#dadaeb",
     "generic": "#d9d9d9",

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 from kfac_compiler.builder import IR_VERSION, GraphBuilder, value_info
 from kfac_compiler.errors import ModelError, UnsupportedOpError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView
-from kfac_compiler.oprules import find, lookup, supported_ops
+from kfac_compiler.oprules import describe, find, lookup, remedy
 from kfac_compiler.oprules._util import zeros_like
 
 __all__ = ["backward", "jvp", "gradient_model", "jvp_model", "path_nodes"]
@@ -66,6 +66,23 @@ def path_nodes(view: GraphView, sources: Sequence[str], sinks: Sequence[str]):
     return path, useful
 
 
+def params_behind(view: GraphView, node: onnx.NodeProto, sources: Sequence[str]) -> list[str]:
+    """The initializers among `sources` from which `node` is reachable (for error messages)."""
+    want = {s for s in sources if s in view.initializers}
+    found, seen, stack = set(), set(), [x for x in node.input if x]
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in want:
+            found.add(t)
+        prod = view.producer.get(t)
+        if prod is not None:
+            stack.extend(x for x in prod.input if x)
+    return [s for s in sources if s in found]
+
+
 def _total(b: GraphBuilder, acc: dict[str, list[str]], name: str) -> str | None:
     parts = acc.get(name)
     if not parts:
@@ -90,8 +107,11 @@ def backward(
     path, useful = path_nodes(view, wrt, list(seeds))
     rules = {}
     for node in path:
-        rule = lookup(node, view.opset)
-        rule.check(view, node)
+        rule = find(node, view.opset) or lookup(node, view.opset, params_behind(view, node, wrt))
+        try:
+            rule.check(view, node)
+        except UnsupportedOpError as e:  # a form the rule refuses: the same advice, one line
+            raise UnsupportedOpError(f"{e}; {remedy(params_behind(view, node, wrt), 'extend its rule')}") from None
         rules[id(node)] = rule
     acc: dict[str, list[str]] = {}
     for s, ct in seeds.items():
@@ -123,12 +143,15 @@ def jvp(
     path, _ = path_nodes(view, list(tangents), list(outputs))
     rules = {}
     for node in path:
-        rule = lookup(node, view.opset)
+        behind = None
+        rule = find(node, view.opset)
+        if rule is None or not rule.has_jvp:
+            behind = params_behind(view, node, list(tangents))
+        if rule is None:
+            rule = lookup(node, view.opset, behind)
         if not rule.has_jvp:
-            raise UnsupportedOpError(
-                f"node {node.name!r}: op {node.op_type} (opset {view.opset}) has no forward-mode "
-                f"(jvp) rule; ops with one: {', '.join(supported_ops(jvp=True))}"
-            )
+            raise UnsupportedOpError(f"{describe(node, view.opset)} has no forward-mode (jvp) rule; "
+                                     f"{remedy(behind, 'add a jvp to its rule')}")
         rules[id(node)] = rule
     tan = dict(tangents)
     for node in path:

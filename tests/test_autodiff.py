@@ -238,24 +238,29 @@ def test_shared_weight_accumulates():
 
 
 def test_unsupported_op_is_one_line_and_early():
-    x = value_info("x", TensorProto.FLOAT, [2, 2])
-    nodes = [helper.make_node("Einsum", ["x", "x"], ["e"], name="weird/einsum", equation="ij,jk->ik"),
-             helper.make_node("Relu", ["e"], ["y"], name="relu")]
-    g = helper.make_graph(nodes, "g", [x], [value_info("y", TensorProto.FLOAT, [2, 2])])
+    x = value_info("x", TensorProto.FLOAT, [2, 3, 4])
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+             helper.make_node("LRN", ["h"], ["e"], name="weird/lrn", size=3),
+             helper.make_node("Mul", ["e", "s"], ["y"], name="scale")]
+    g = helper.make_graph(nodes, "g", [x], [value_info("y", TensorProto.FLOAT, [2, 3, 4])],
+                          initializer=[numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
+                                       numpy_helper.from_array(np.ones(4, np.float32), "s")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     view = GraphView(m)
     b = GraphBuilder(17, taken=view.all_names())
     with pytest.raises(UnsupportedOpError) as ei:
-        backward(b, view, {"y": "gy"}, ["x"])
+        backward(b, view, {"y": "gy"}, ["W", "s"])
     msg = str(ei.value)
-    assert "\n" not in msg and "weird/einsum" in msg and "Einsum" in msg and "opset 17" in msg
+    assert "\n" not in msg and "'weird/lrn'" in msg and "op LRN (domain ai.onnx, opset 17)" in msg
+    assert "(--exclude W)" in msg and "docs/extending.md" in msg  # s does not reach it
     assert not b.nodes  # nothing emitted before the check
-    with pytest.raises(UnsupportedOpError):
-        jvp(b, view, {"x": "tx"}, ["y"])
+    with pytest.raises(UnsupportedOpError, match=r"weird/lrn.*--exclude W\)"):
+        jvp(b, view, {"W": "tW", "s": "ts"}, ["y"])
     assert not b.nodes
     # an unsupported op off the path is fine
-    res = backward(b, view, {"y": "gy"}, ["e"])
-    assert res["e"] is not None
+    res = backward(b, view, {"y": "gy"}, ["s"])
+    assert res["s"] is not None
 
 
 def test_unsupported_attribute_is_reported_before_emitting():
@@ -285,9 +290,12 @@ def test_gradient_model_errors():
     assert res["grad/W2"].shape == (2, 4) and not res["grad/W2"].any()
 
 
-def test_opset_13_and_22_forms():
-    """The same model at the lowest and highest supported opsets (Reduce/Squeeze forms)."""
-    for opset in (13, 22):
+def test_opset_13_to_max_forms():
+    """The same model at the lowest, a middle and the highest supported opsets (Reduce/Squeeze
+    forms; ops re-versioned in 21, 23-25 for new types)."""
+    from kfac_compiler.builder import MAX_OPSET
+
+    for opset in (13, 22, 23, MAX_OPSET):
         rng = np.random.default_rng(0)
         nodes = [
             helper.make_node("MatMul", ["x", "W"], ["h"]),

@@ -18,6 +18,7 @@ MENU = {
     "conv": ("kron", "diagonal"),
     "conv_multi": ("kron_indep", "diagonal"),
     "depthwise_conv": ("diagonal",),
+    "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
     "tied_embedding": ("kron_tied", "kron_tied_vocab_diag", "diagonal"),

@@ -38,6 +38,10 @@ def pos(*shape):
     return RNG.uniform(0.5, 2.0, shape)
 
 
+def f32(*v):
+    return np.asarray(v, dtype=np.float32)
+
+
 def i64(*v):
     return np.asarray(v, dtype=np.int64)
 
@@ -58,6 +62,7 @@ class Case:
     outputs: tuple | None = None  # outputs to seed (default: all float outputs)
     consts: tuple = ()  # float inputs made initializers (constants)
     runner: str = "reference"  # "ort": float32 FD on ORT (op wrong in onnx.reference)
+    keep_dtype: tuple = ()  # float inputs that keep their dtype (Resize's float32 scales)
 
     def __repr__(self) -> str:
         return self.id
@@ -174,6 +179,10 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("ConvT2d-group", "ConvTranspose", [("x", r(1, 4, 3, 4)), ("w", r(4, 3, 2, 3))],
       attrs={"group": 2, "strides": [2, 1], "dilations": [1, 2]}),
     C("ConvT1d", "ConvTranspose", [("x", r(2, 2, 5)), ("w", r(2, 3, 4)), ("b", r(3))], attrs={"strides": [3], "pads": [2, 1]}),
+    C("ConvT2d-all", "ConvTranspose", [("x", r(2, 4, 3, 4)), ("w", r(4, 3, 3, 2)), ("b", r(6))],
+      attrs={"group": 2, "strides": [2, 3], "pads": [1, 0, 2, 1], "output_padding": [1, 2], "dilations": [2, 1]}),
+    C("ConvT3d", "ConvTranspose", [("x", r(1, 2, 2, 3, 2)), ("w", r(2, 2, 2, 2, 3)), ("b", r(2))],
+      attrs={"strides": [2, 1, 2], "pads": [0, 1, 1, 0, 0, 1]}),
     C("ConvT2d-output-shape", "ConvTranspose", [("x", r(1, 2, 3, 3)), ("w", r(2, 2, 3, 3))],
       attrs={"strides": [2, 2], "output_shape": [6, 7]}, symbolic=False, runner="ort"),
     # -------------------------------------------------------------------------- pools
@@ -268,11 +277,68 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("ReduceLogSumExp", "ReduceLogSumExp", [("x", r(2, 3, 4))], attrs={"axes": [1]}),
     C("ReduceMax", "ReduceMax", [("x", r(2, 3, 4))], attrs={"axes": [1], "keepdims": 0}),
     C("ReduceMin-18", "ReduceMin", [("x", r(2, 3, 4)), ("ax", i64(2))], opset=18),
+    # -------------------------------------------------------------------------- resize
+    *[C(f"Resize-{id}", "Resize", [("x", x), ("roi", None), ("sc", f32(*sc) if sc else None)] + ([("sz", i64(*sz))] if sz else []),
+        attrs=a, consts=("sc",), keep_dtype=("sc",), opset=op, symbolic=False)
+      for id, x, sc, sz, a, op, sym in [
+          ("nearest-x2", r(2, 3, 3, 4), (1, 1, 2, 2), None,
+           {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, 17, True),
+          ("nearest-sizes-down", r(1, 2, 7, 6), None, (1, 2, 3, 4), {"mode": "nearest"}, 17, True),
+          ("bilinear-x2", r(2, 2, 3, 4), (1, 1, 2, 2), None,
+           {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, 17, True),
+          ("bilinear-align-sizes", r(1, 2, 3, 4), None, (1, 2, 5, 7),
+           {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, 17, True),
+          ("linear-1d-x3", r(2, 3, 4), (1, 1, 3), None, {"mode": "linear", "coordinate_transformation_mode": "half_pixel"},
+           17, True),
+          ("trilinear-3d", r(1, 1, 2, 3, 2), (1, 1, 2, 1.5, 2), None,
+           {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, 17, True),
+          ("bicubic", r(1, 2, 4, 4), (1, 1, 2, 2), None, {"mode": "cubic", "coordinate_transformation_mode": "half_pixel"},
+           17, True),
+          ("linear-antialias-down", r(1, 2, 8, 6), (1, 1, 0.5, 0.5), None, {"mode": "linear", "antialias": 1}, 18, True),
+          ("axes-18", r(2, 3, 4, 4), (2, 2), None, {"mode": "nearest", "axes": [2, 3]}, 18, True),
+      ]],
+    # --------------------------------------------------------------- opset 23+ ops
+    C("RMSNorm-last", "RMSNormalization", [("x", r(2, 3, 5)), ("s", r(5))], opset=23),
+    C("RMSNorm-axis1", "RMSNormalization", [("x", r(2, 3, 4)), ("s", r(3, 4))], attrs={"axis": 1, "epsilon": 1e-3},
+      opset=23),
+    C("RMSNorm-bcast-scale", "RMSNormalization", [("x", r(2, 3, 4)), ("s", r(1, 4))], attrs={"axis": -2}, opset=23),
+    C("Swish", "Swish", [("x", r(3, 4))], opset=24),
+    C("Swish-alpha", "Swish", [("x", r(3, 4))], attrs={"alpha": 0.7}, opset=24),
+    C("Attention-mha", "Attention", [("q", r(2, 2, 3, 4)), ("k", r(2, 2, 5, 4)), ("v", r(2, 2, 5, 3))], opset=23, symbolic=False),
+    C("Attention-gqa-causal", "Attention", [("q", r(1, 4, 3, 4)), ("k", r(1, 2, 3, 4)), ("v", r(1, 2, 3, 4))],
+      attrs={"is_causal": 1}, opset=23, symbolic=False),
+    C("Attention-3d-heads-scale", "Attention", [("q", r(2, 3, 8)), ("k", r(2, 4, 4)), ("v", r(2, 4, 6))],
+      attrs={"q_num_heads": 2, "kv_num_heads": 1, "scale": 0.3}, opset=23, symbolic=False),
+    C("Attention-float-mask", "Attention", [("q", r(2, 2, 3, 4)), ("k", r(2, 2, 5, 4)), ("v", r(2, 2, 5, 4)),
+                                            ("m", r(3, 5))], opset=23, symbolic=False),
+    C("Attention-bool-mask-24", "Attention", [("q", r(1, 2, 3, 4)), ("k", r(1, 2, 4, 4)), ("v", r(1, 2, 4, 4)),
+                                              ("m", np.tril(np.ones((3, 4), bool)) | np.eye(3, 4, 1, dtype=bool))],
+      opset=24, symbolic=False),
+    C("RotaryEmbedding-4d", "RotaryEmbedding", [("x", r(2, 2, 3, 4)), ("cos", np.cos(r(2, 3, 2))), ("sin", np.sin(r(2, 3, 2)))],
+      consts=("cos", "sin"), opset=23, symbolic=False),
+    C("RotaryEmbedding-3d-pos-partial-interleaved", "RotaryEmbedding",
+      [("x", r(2, 3, 12)), ("cos", np.cos(r(5, 2))), ("sin", np.sin(r(5, 2))), ("pos", i64([0, 2, 4], [1, 1, 3]))],
+      attrs={"num_heads": 2, "rotary_embedding_dim": 4, "interleaved": 1}, consts=("cos", "sin"), opset=23, symbolic=False),
+    # -------------------------------------------------------------------------- einsum
+    C("Einsum-matmul", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk->ik"}),
+    C("Einsum-attn", "Einsum", [("q", r(2, 3, 4, 5)), ("k", r(2, 3, 6, 5))], attrs={"equation": "bhqd,bhkd->bhqk"}),
+    C("Einsum-implicit", "Einsum", [("a", r(3, 4)), ("b", r(4, 5))], attrs={"equation": "ij,jk"}),
+    C("Einsum-three", "Einsum", [("a", r(2, 3)), ("b", r(3, 4)), ("c", r(4, 2))], attrs={"equation": "ij,jk,kl->il"}),
+    C("Einsum-sum-only-in-a", "Einsum", [("a", r(3, 4, 2)), ("b", r(4, 5))], attrs={"equation": "ijm,jk->ik"}),
+    C("Einsum-transpose", "Einsum", [("a", r(2, 3, 4))], attrs={"equation": "ijk->kij"}),
+    C("Einsum-trace", "Einsum", [("a", r(4, 4))], attrs={"equation": "ii->"}),
+    C("Einsum-diag", "Einsum", [("a", r(3, 4, 3))], attrs={"equation": "iji->ij"}),
+    C("Einsum-diag-bilinear", "Einsum", [("a", r(3, 3)), ("b", r(3, 2))], attrs={"equation": "ii,ij->j"}),
+    C("Einsum-outer", "Einsum", [("a", r(3)), ("b", r(4))], attrs={"equation": "i,j->ij"}),
+    C("Einsum-ellipsis", "Einsum", [("a", r(2, 3, 4, 5)), ("b", r(5, 6))], attrs={"equation": "...ij,jk->...ik"},
+      symbolic=False),
+    C("Einsum-ellipsis-both", "Einsum", [("a", r(2, 3, 4)), ("b", r(2, 4, 5))], attrs={"equation": "...ij,...jk->...ik"},
+      symbolic=False),
 ]
 
 
 # ops whose rules mix static parameter shapes with dynamic data shapes
-_DATA_SYMBOLIC = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
+_DATA_SYMBOLIC = {"RMSNormalization", "Resize", "Conv", "ConvTranspose", "MaxPool", "AveragePool", "MatMul", "Gemm", "Gather",
                   "LayerNormalization", "BatchNormalization", "InstanceNormalization", "Add", "Mul",
                   "PRelu", "GlobalAveragePool", "Slice", "Pad", "Concat"}
 
@@ -318,7 +384,8 @@ def _ort_agrees(model64, feeds, wrt, outs, jvp: bool) -> None:
 @pytest.mark.parametrize("case,symbolic", _params())
 def test_rule_fd(case: Case, symbolic):
     model, feeds = one_node_model(case.op, case.inputs, case.attrs, n_out=case.n_out, opset=case.opset,
-                                  runtime_inputs=case.runtime, symbolic=symbolic, constants=case.consts)
+                                  runtime_inputs=case.runtime, symbolic=symbolic, constants=case.consts,
+                                  keep_dtype=case.keep_dtype)
     outs = list(case.outputs) if case.outputs else [
         o.name for o in model.graph.output if o.type.tensor_type.elem_type == TensorProto.DOUBLE]
     if case.runner == "ort":  # float32 differences of a (bi)linear op: exact up to rounding
@@ -360,12 +427,18 @@ def test_broadcasting_property(pair, op, symbolic):
 
 # ---------------------------------------------------------------------- registry
 def test_lookup_unknown_op_one_line():
-    node = helper.make_node("Einsum", ["a", "b"], ["c"], name="my/einsum", equation="ij,jk->ik")
+    node = helper.make_node("LRN", ["a"], ["c"], name="my/lrn", size=3)
     with pytest.raises(UnsupportedOpError) as ei:
         lookup(node, 17)
     msg = str(ei.value)
-    assert "\n" not in msg
-    assert "'my/einsum'" in msg and "Einsum" in msg and "17" in msg and "Gemm" in msg
+    assert "\n" not in msg and len(msg) < 300
+    assert "'my/lrn'" in msg and "op LRN (domain ai.onnx, opset 17)" in msg
+    assert "--exclude" in msg and "docs/extending.md" in msg and "Gemm" not in msg
+    msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, ["fc1.weight", "fc1.bias"]).value)
+    assert "--exclude fc1.weight --exclude fc1.bias" in msg
+    many = [f"p{i}" for i in range(9)]
+    msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, many).value)
+    assert "--exclude p5 ..." in msg and "(9 parameters in all)" in msg and "p6" not in msg
 
 
 def test_lookup_opset_ranges():
@@ -399,3 +472,33 @@ def test_every_zoo_op_has_jvp():
                "Pow", "Exp", "Log", "ReduceMean", "ReduceSum", "Cast", "Identity"]
     have = set(supported_ops(jvp=True))
     assert not [o for o in zoo_ops if o not in have]
+
+
+def test_resize_symbolic_batch_and_dynamic_scales():
+    """Resize with a symbolic batch (the constant interpolation matrices do not depend on it);
+    non-constant scales are refused in one line."""
+    import onnx
+
+    from kfac_compiler.graph import GraphView
+
+    x = r(2, 3, 3, 4)
+    model, feeds = one_node_model("Resize", [("x", x), ("roi", None), ("sc", f32(1, 1, 2, 2))],
+                                  {"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"},
+                                  constants=("sc",), keep_dtype=("sc",))
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    del model.graph.value_info[:]
+    model = onnx.shape_inference.infer_shapes(model)
+    rep = fd_check(model, feeds)
+    assert rep.ok and rep.vjp, str(rep)
+    dyn, _ = one_node_model("Resize", [("x", x), ("roi", None), ("sc", f32(1, 1, 2, 2))], {"mode": "nearest"},
+                            keep_dtype=("sc",), runtime_inputs=("sc",))
+    node = dyn.graph.node[0]
+    with pytest.raises(UnsupportedOpError, match="constant roi/scales/sizes") as ei:
+        lookup(node, 17).check(GraphView(dyn), node)
+    assert "\n" not in str(ei.value)
+    from kfac_compiler.builder import GraphBuilder
+    from kfac_compiler.passes.autodiff import backward
+
+    with pytest.raises(UnsupportedOpError, match=r"constant roi/scales/sizes; .*extend its rule \(docs/extending.md") as ei:
+        backward(GraphBuilder(17), GraphView(dyn), {"y0": "g"}, ["x"])
+    assert "\n" not in str(ei.value)

@@ -9,6 +9,7 @@ in layer.params order), summed over seeds s:
 scale_and_shift (params scale, shift optional): x_hat per attrs["normalization"]
   None                          x_hat = use.input (the tensor the Mul scales)
   {"op": "LayerNormalization", "axis", "epsilon"}   x_hat = LayerNorm(x) without affine
+  {"op": "RMSNormalization", "axis", "epsilon"}     x_hat = x / sqrt(mean(x^2) + eps) (axes from axis on)
   {"op": "BatchNormalization", "mean", "var", "epsilon"}  x_hat = (x - mean)/sqrt(var + eps)
                                  (mean/var: graph tensors [C], channel axis 1)
   {"op": "BatchNormalization", "training": True, "epsilon"}  training mode: x_hat normalized
@@ -106,7 +107,7 @@ class ScaleShiftBlock(FlatBlock):
         norm = layer.attrs.get("normalization") or None
         self.norm = dict(norm) if norm else None
         self.norm_op = self.norm.get("op") if self.norm else None
-        if self.norm_op not in (None, "LayerNormalization", *BATCH_STAT_NORMS):
+        if self.norm_op not in (None, "LayerNormalization", "RMSNormalization", *BATCH_STAT_NORMS):
             raise ConfigError(f"layer {layer.name!r}: normalization {self.norm_op!r} is not supported")
         axes = layer.attrs.get("scale_axes", layer.attrs.get("axes"))
         if axes is None:
@@ -179,6 +180,8 @@ class ScaleShiftBlock(FlatBlock):
             inv = b.op("Reciprocal", [b.op("Sqrt", [b.add(var, b.const(eps))])])
             return b.mul(b.sub(x3, mean), inv), 3, lambda d: b.reshape(d, [0, 0, -1])
         axis = int(self.norm.get("axis", -1))
+        if self.norm_op == "RMSNormalization":  # opset >= 23: the model has the op
+            return b.op("RMSNormalization", [x, b.const(np.ones(self.S))], axis=axis, epsilon=eps), rank, None
         if b.opset >= 17:
             ones = b.const(np.ones(self.S))
             zeros = b.const(np.zeros(self.S))
@@ -206,6 +209,8 @@ class ScaleShiftBlock(FlatBlock):
             return (x3 - mean) / np.sqrt(var + eps), lambda d: np.asarray(d, np.float64).reshape(x3.shape)
         axis = int(self.norm.get("axis", -1)) % x.ndim
         axes = tuple(range(axis, x.ndim))
+        if self.norm_op == "RMSNormalization":
+            return x / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps), None
         mu = x.mean(axis=axes, keepdims=True)
         var = ((x - mu) ** 2).mean(axis=axes, keepdims=True)
         return (x - mu) / np.sqrt(var + eps), None

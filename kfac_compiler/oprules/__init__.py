@@ -105,10 +105,8 @@ class Rule:
         if self.nondiff:
             return [None] * n_out
         if self.jvp_fn is None:
-            raise UnsupportedOpError(
-                f"node {node.name!r} (op {_qual(node)}, opset {view.opset}) has no forward-mode "
-                f"(jvp) rule; ops with one: {', '.join(supported_ops(jvp=True))}"
-            )
+            raise UnsupportedOpError(f"{describe(node, view.opset)} has no forward-mode (jvp) rule; "
+                                     f"{remedy(None, 'add a jvp to its rule')}")
         res = list(self.jvp_fn(b, view, node, list(tangents)))
         res = res + [None] * (n_out - len(res))
         return res[:n_out]
@@ -203,20 +201,38 @@ def find(node: onnx.NodeProto, opset: int) -> Rule | None:
     return None
 
 
-def lookup(node: onnx.NodeProto, opset: int) -> Rule:
-    """The rule for `node` at `opset`; UnsupportedOpError (one line) when there is none."""
+def lookup(node: onnx.NodeProto, opset: int, behind: Sequence[str] | None = None) -> Rule:
+    """The rule for `node` at `opset`; UnsupportedOpError (one line) when there is none.
+    `behind`: the trainable parameters whose gradient paths reach the node (named in the
+    message as what to exclude)."""
     rule = find(node, opset)
     if rule is not None:
         return rule
     known = RULES.get((_norm_domain(node.domain), node.op_type))
     if known:
         ranges = ", ".join(f"{r.since}..{r.until or ''}" for r in known)
-        why = f"has no gradient rule at opset {opset} (rules exist for opsets {ranges})"
+        why = f"has no gradient rule at this opset (rules exist for opsets {ranges})"
     else:
-        why = f"has no gradient rule (opset {opset})"
-    raise UnsupportedOpError(
-        f"node {node.name!r}: op {_qual(node)} {why}; supported ops: {', '.join(supported_ops())}"
-    )
+        why = "has no gradient rule"
+    raise UnsupportedOpError(f"{describe(node, opset)} {why}; {remedy(behind)}")
+
+
+def describe(node: onnx.NodeProto, opset: int) -> str:
+    """"node 'name': op X (domain D, opset N)"."""
+    return f"node {node.name!r}: op {node.op_type} (domain {_norm_domain(node.domain) or 'ai.onnx'}, opset {opset})"
+
+
+def remedy(behind: Sequence[str] | None, what: str = "register a gradient rule for it") -> str:
+    """What to do about an op without a rule: exclude the parameters behind it, or add a rule."""
+    docs = "docs/extending.md#an-op-rule"
+    if behind is None:
+        return f"exclude the parameters whose gradients pass through it (--exclude) or {what} ({docs})"
+    if not behind:
+        return f"{what} ({docs})"
+    shown = list(behind)[:6]
+    more = f" ... ({len(behind)} parameters in all)" if len(behind) > len(shown) else ""
+    flags = " ".join(f"--exclude {p}" for p in shown)
+    return f"exclude the parameters behind it ({flags}{more}) or {what} ({docs})"
 
 
 def supported_ops(jvp: bool = False, nondiff: bool = True) -> list[str]:
@@ -233,16 +249,20 @@ def supported_ops(jvp: bool = False, nondiff: bool = True) -> list[str]:
 # populate the registry (no two modules register the same op, so the order is immaterial)
 from kfac_compiler.oprules import (  # noqa: E402,F401
     arithmetic,
+    attention,
     conv,
+    einsum,
     matmul,
     nondifferentiable,
     normalization,
     pooling,
     reduce,
+    resize,
+    rms_norm,
     selection,
     softmax,
     tensor,
     unary,
 )
 
-__all__ = ["RULES", "Rule", "find", "lookup", "register", "register_nondiff", "supported_ops"]
+__all__ = ["RULES", "Rule", "describe", "find", "lookup", "register", "register_nondiff", "remedy", "supported_ops"]

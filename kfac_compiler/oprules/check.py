@@ -217,13 +217,15 @@ def one_node_model(
     symbolic: bool | Sequence[str] = False,
     domain: str = "",
     constants: Sequence[str] = (),
+    keep_dtype: Sequence[str] = (),
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A float64 model of one node. Float arrays become graph inputs (unless named in
     `constants`), other arrays initializers, except names in `runtime_inputs` (graph inputs
     too); None
     marks an omitted optional input. With `symbolic`, graph input dims are symbolic (every
     dim its own name; `symbolic` may list the inputs to treat so), so rules must use their
-    dynamic-shape code paths. Returns the model
+    dynamic-shape code paths. Float arrays named in `keep_dtype` keep their dtype (e.g.
+    Resize's float32 scales). Returns the model
     (shape-inferred) and the feeds."""
     names, ginputs, inits, feeds = [], [], [], {}
     for name, arr in inputs:
@@ -232,7 +234,7 @@ def one_node_model(
             continue
         names.append(name)
         arr = np.asarray(arr)
-        if arr.dtype.kind == "f":
+        if arr.dtype.kind == "f" and name not in keep_dtype:
             arr = arr.astype(np.float64)
         if (arr.dtype.kind == "f" and name not in constants) or name in runtime_inputs:
             et = helper.np_dtype_to_tensor_dtype(arr.dtype)

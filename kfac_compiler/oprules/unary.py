@@ -272,3 +272,11 @@ def _dropout_jvp(b, view, node, ts):
         return [None]
     m = _dropout_scale(b, view, node)
     return [t if m is None else b.mul(t, m)]
+
+
+@unary("Swish", since=24)
+def _swish(b, node, x, y, v):  # y = x s, s = sigmoid(alpha x): s + alpha x s (1 - s)
+    alpha = float(attr(node, "alpha", 1.0))
+    s = b.op("Sigmoid", [b.mul(x, c(b, alpha))]) if alpha != 1.0 else b.op("Sigmoid", [x])
+    d = b.add(s, b.mul(b.mul(b.mul(x, c(b, alpha)), s), b.sub(c(b, 1.0), s)))
+    return b.mul(v, d)

@@ -2,7 +2,8 @@
 0/1 with or without bias, MatMul / MatMul+Add / Transpose(W)+MatMul, Conv 1-d/2-d/3-d plain,
 grouped and depthwise with or without bias, Gather embedding, LayerNormalization,
 BatchNormalization in inference and training form, InstanceNormalization,
-GroupNormalization, Mul+Add scale-and-shift)."""
+GroupNormalization, Mul+Add scale-and-shift; RMSNormalization scale and ConvTranspose
+1-d/2-d/3-d with or without bias)."""
 from __future__ import annotations
 
 import onnx
@@ -491,6 +492,89 @@ def normalization_fallback_notes(view: GraphView, layers) -> list[str]:
     return notes
 
 
+# ------------------------------------------- opset 23+ and ConvTranspose (wt-ops)
+def _rms_norm_pattern() -> Pattern:
+    """RMSNormalization(x, scale) (opset 23; scale only): scale_and_shift without shift."""
+
+    def attrs(b: Binding) -> dict:
+        axis = int(b.attr("rms", "axis", -1))
+        rank = b.view.rank(b.input())
+        if rank is not None:
+            axis = axis % rank
+            scale_axes = tuple(range(axis, rank))
+        elif axis < 0:
+            scale_axes = tuple(range(axis, 0))
+        else:
+            raise NoMatch(f"RMSNormalization {b.node('rms').name!r}: input rank unknown")
+        return {
+            "normalization": {"op": "RMSNormalization", "axis": axis,
+                              "epsilon": nice_float(b.attr("rms", "epsilon", 1e-5))},
+            "scale_axes": scale_axes,
+            "scale_input": b.input(),
+        }
+
+    return Pattern(
+        name="rms_norm",
+        kind="scale_and_shift",
+        nodes=(PNode("rms", "RMSNormalization"), PNode("scale", PARAM)),
+        edges=(PEdge("scale", "rms", (1,)),),
+        weight="scale",
+        bias=None,
+        input=("rms", 0),
+        output="rms",
+        attrs=attrs,
+    )
+
+
+def _conv_transpose_pattern(nd: int, with_bias: bool) -> Pattern:
+    """ConvTranspose (weight [C_in, C_out/group, *k], bias [C_out]) with explicit pads;
+    auto_pad or output_shape: NoMatch (generic fallback)."""
+    nodes = [PNode("convt", "ConvTranspose"), PNode("W", PARAM, where=param_rank(nd + 2))]
+    edges = [PEdge("W", "convt", (1,))]
+    if with_bias:
+        nodes.append(PNode("B", PARAM, where=param_rank(1)))
+        edges.append(PEdge("B", "convt", (2,)))
+
+    def where(b: Binding) -> bool:
+        w = b.view.shape(b.weight)
+        group = int(b.attr("convt", "group", 1))
+        if with_bias and tuple(b.view.shape(b.bias)) != (w[1] * group,):
+            return False
+        r = b.view.rank(b.input())
+        return r is None or r == nd + 2
+
+    def attrs(b: Binding) -> dict:
+        name = b.node("convt").name
+        auto_pad = b.attr("convt", "auto_pad", "NOTSET")
+        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+        if auto_pad not in ("NOTSET", ""):
+            raise NoMatch(f"ConvTranspose node {name!r}: auto_pad={auto_pad} (export with explicit pads)")
+        if b.attr("convt", "output_shape", None) is not None:
+            raise NoMatch(f"ConvTranspose node {name!r}: output_shape (export with explicit pads/output_padding)")
+        kernel = tuple(int(k) for k in (b.attr("convt", "kernel_shape", None) or b.view.shape(b.weight)[2:]))
+        return {
+            "kernel_shape": kernel,
+            "strides": tuple(int(s) for s in b.attr("convt", "strides", [1] * nd)),
+            "pads": tuple(int(p) for p in b.attr("convt", "pads", [0] * 2 * nd)),
+            "dilations": tuple(int(d) for d in b.attr("convt", "dilations", [1] * nd)),
+            "output_padding": tuple(int(p) for p in b.attr("convt", "output_padding", [0] * nd)),
+            "group": int(b.attr("convt", "group", 1)),
+        }
+
+    return Pattern(
+        name=f"conv_transpose{nd}d" + ("_bias" if with_bias else ""),
+        kind="conv_transpose",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="W",
+        bias="B" if with_bias else None,
+        input=("convt", 0),
+        output="convt",
+        where=where,
+        attrs=attrs,
+    )
+
+
 # ------------------------------------------------------------ built-in library
 for _tb in (0, 1):
     for _bias in (False, True):
@@ -511,5 +595,9 @@ for _bias in (False, True):
     register_builtin(_batch_stat_pattern("instance_norm", "InstanceNormalization", _bias))
     register_builtin(_batch_stat_pattern("group_norm", "GroupNormalization", _bias, norm=_group_norm_spec))
 register_builtin(_mul_add_pattern())
+register_builtin(_rms_norm_pattern())
+for _nd in (1, 2, 3):
+    for _bias in (False, True):
+        register_builtin(_conv_transpose_pattern(_nd, _bias))
 
 BUILTIN_PATTERN_NAMES = tuple(p.name for p in patterns())
