@@ -17,7 +17,7 @@ Checks per fixture:
              gradient norm);
   blocks     each layer's kind and Fisher block is the one expected for the torch module
              (EXPECTED_BLOCKS; a tied embedding+head takes whatever the compiler gives);
-  train      (slow) 10 default K-FAC steps on the fixture's batch lower its loss (by 2%).
+  train      (slow) 20 default K-FAC steps on the fixture's batch lower its loss by 10%.
 
 XFAIL lists what fails today and why; remove an entry when its feature lands (the marks are
 not strict, so an xpass is reported, not failed).
@@ -63,6 +63,11 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt2-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
     ("bert-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
     ("gpt-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
+    # kc.compile's default subgraphs need gradients: what has no gradient rule does not compile
+    ("lstm-*", "compile"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
+    ("gru-*", "compile"): "ONNX GRU op (nn.GRU) has no gradient rule",
+    ("gpt2-dynamo_noopt", "compile"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
+    ("gpt-dynamo_noopt", "compile"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
     # nn.LSTM / nn.GRU export as ONNX LSTM / GRU ops: no gradient rule, no pattern
     ("lstm-*", "gradients"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
     ("gru-*", "gradients"): "ONNX GRU op (nn.GRU) has no gradient rule",
@@ -75,13 +80,8 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt-dynamo_noopt", "gradients"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
     ("gpt2-dynamo_noopt", "train"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
     ("gpt-dynamo_noopt", "train"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    # trained constants: the mask fill and score scale move, the loss goes to NaN / up
-    ("gpt2-dynamo", "train"): "constants trained as parameters (loss NaN after 10 K-FAC steps)",
-    ("gpt-dynamo", "train"): "constants trained as parameters (loss 28 -> 47 after 10 K-FAC steps)",
-    # not diagnosed: with every parameter a plain initializer (the head a separate copy), the
-    # default K-FAC step alternates up and down (28 -> 52 -> 58 -> 36 -> ... -> 46) and no
-    # step is rejected; Adam lowers the loss (28 -> 24), and gpt2-ts (same structure) trains
-    ("gpt-ts", "train"): "default K-FAC diverges on the hand-written GPT (untied head copy?; not diagnosed)",
+    # trained constants (the attention mask fill / score scale among them): the loss goes NaN
+    ("gpt2-dynamo", "train"): "constants trained as parameters (loss NaN after a few K-FAC steps)",
 }
 
 _TIED = None  # any kind and block (recorded by benchmarks/bench_real_exports.py)
@@ -134,7 +134,7 @@ def _xfail(case: str, check: str) -> str | None:
 def cases(check: str) -> list:
     out = []
     for case in CASES:
-        reason = _xfail(case, check) or _xfail(case, "compile")
+        reason = _xfail(case, check)
         marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
         out.append(pytest.param(case, marks=marks, id=case))
     return out or [pytest.param(None, marks=pytest.mark.skip(reason="no fixtures in tests/fixtures/real"))]
@@ -169,8 +169,8 @@ def _holders(case: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("case", cases("compile"))
 def test_compiles(case):
-    plan = compiled(case)
-    assert plan.layers and plan.trainable
+    plan = compiled(case, emit=True)  # the front end and the default training subgraphs
+    assert plan.layers and plan.trainable and plan.subgraphs
 
 
 @pytest.mark.parametrize("case", cases("trainable"))
@@ -241,13 +241,16 @@ def test_blocks(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cases("train"))
 def test_kfac_steps_lower_the_loss(case):
+    """20 default K-FAC steps on the fixture's batch (8 examples: a task any of these models
+    can learn) lower its loss by 10%. (On the benchmark's stream of held-out digits the tiny
+    MobileNets barely move in 20-40 steps with K-FAC or Adam: not a test of the compiler.)"""
     from kfac_compiler.runtime import Trainer
 
     d, plan = fixture(case), compiled(case, emit=True)
     inputs, targets = {"input": d["input"]}, d["targets"]
     trainer = Trainer(plan, optimizer="kfac", device="cpu", seed=0)
     before = trainer.evaluate(inputs, targets)["loss"]
-    for _ in range(10):
+    for _ in range(20):
         trainer.step(inputs, targets)
     after = trainer.evaluate(inputs, targets)["loss"]
-    assert np.isfinite(after) and after < 0.98 * before, f"{case}: loss {before:.4f} -> {after:.4f}"
+    assert np.isfinite(after) and after < 0.9 * before, f"{case}: loss {before:.4f} -> {after:.4f}"
