@@ -1,0 +1,31 @@
+"""Batches for the real-export fixtures (models/real_exports.py, tests/test_real_exports.py,
+benchmarks/bench_real_exports.py); numpy only.
+
+* "image": 16x16 RGB digits (the 8x8 digits scaled up by pixel repetition, three equal
+  channels, values in [0, 1]) and their labels;
+* "tokens": a row of a digit's pixel intensities (0..16) as SEQ tokens with the next pixels as
+  next-token targets (example i takes rows starting at row 1 + i % 6: a learnable task).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kfac_compiler.models.data import MAX_PIXEL, digits
+
+VOCAB, SEQ = 32, 8
+
+
+def batch(kind: str, n: int | None = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(input, targets) for `kind` ("image" or "tokens") from the first `n` digits of the
+    zoo's seeded order (models.data.digits; None: all 1797)."""
+    pixels, labels = digits(n, seed)
+    if kind == "image":
+        img = pixels.reshape(-1, 8, 8)
+        x = np.repeat(np.repeat(img, 2, axis=1), 2, axis=2)
+        return np.ascontiguousarray(np.broadcast_to(x[:, None], (len(x), 3, 16, 16))).astype(np.float32), labels
+    if kind != "tokens":
+        raise ValueError(f"kind must be 'image' or 'tokens', got {kind!r}")
+    tokens = np.rint(pixels * MAX_PIXEL).astype(np.int64)
+    rows = 8 + 8 * (np.arange(len(tokens)) % 6)  # start of rows 1..6
+    seq = np.take_along_axis(tokens, rows[:, None] + np.arange(SEQ + 1)[None], axis=1)
+    return seq[:, :SEQ].copy(), seq[:, 1:].copy()

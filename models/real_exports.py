@@ -1,0 +1,472 @@
+"""Small random-weight exports of models nobody here wrote, from both torch exporters, with
+torch autograd reference values (the fixtures of tests/test_real_exports.py).
+
+    python -m kfac_compiler.models.real_exports --out tests/fixtures/real [--only gpt2 ...]
+
+needs torch (and transformers for the Hugging Face families; onnxscript for the dynamo
+exporter): `pip install -e '.[fixtures]'`. Nothing in kfac_compiler imports this module.
+
+Families (`FAMILIES`; every one in eval form, seed 0, every parameter redrawn at random so
+that no two initializers are equal and every initializer's values identify the torch
+parameter elements it holds):
+
+* resnet: the ResNet-18 twin's BasicBlock (models/torch_exports) in a ResNet of [1,1,1,1]
+  blocks of widths 8/12/16/24 with BatchNorm (torchvision is not used: its wheel does not
+  load with this torch build; the layers and names are torchvision's), 16x16 RGB digits;
+* mobilenet_v2: inverted residual blocks (1x1 expand, 3x3 depthwise, 1x1 project) with
+  BatchNorm and ReLU6; mobilenet_v3: the same with Hardswish and squeeze-excitation
+  (avg-pool, 1x1 convs, ReLU, Hardsigmoid, Mul);
+* gpt2, bert: transformers' GPT2LMHeadModel and BertForMaskedLM from a tiny config
+  (2 layers, width 32, 2 heads, vocab 32, 8 positions; eager attention), logits [N, 8, 32];
+* gpt: models/torch_exports.gpt at width 16, 2 layers, vocab 32, 8 positions (tied head);
+* lstm, gru: Embedding(32, 16) -> nn.LSTM / nn.GRU (2 layers, hidden 16, batch_first) ->
+  Linear(16, 32).
+
+Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dynamo"
+(dynamo=True, the exporter's default opset, its optimizer on) and "dynamo_noopt"
+(optimize=False). The batch dimension is dynamic ("N") where the exporter accepts it. The
+dynamo exports lose their per-node stack traces (`_strip_traces`), nothing else.
+
+Per fixture `<family>-<exporter>.onnx` and `.npz`:
+
+* `input`, `targets`: a batch (digits images / rows of digits pixel tokens with next-token
+  targets), `loss`: torch's loss with the project's convention (docs/conventions.md: sum
+  over every non-batch coordinate, mean over the batch);
+* `ref_names` (the reference parameters: the torch parameters, then for eval-mode BatchNorm
+  the conv weights and biases with the BatchNorm folded in, named `fused:<conv>.weight`),
+  `ref_sizes`, `ref_values` and `ref_grads` (flat, concatenated in that order; the fused
+  ones' gradients come from torch.nn.utils.fusion's fused twin of the model);
+* `init_names`: the float initializers whose every element equals a reference parameter
+  element (matched by value: every value is a distinct random float), `init_index_<i>`:
+  for each element the index into the flat reference vector, so that the gradient of an
+  initializer, summed into the reference elements it holds (a copy of a tied weight, a
+  gate-reordered LSTM weight, a transposed Linear), is torch's gradient;
+* `frozen_names`: the float initializers that hold no parameter (constants, BatchNorm
+  running statistics, masks...), `unmatched_params`: torch parameters no initializer holds.
+
+`manifest.json` lists each fixture with its status ("ok", or the export error), opset,
+exporter and file sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import os
+import warnings
+
+import numpy as np
+
+try:
+    import torch
+    from torch import nn
+except ImportError as e:  # pragma: no cover
+    raise ImportError("kfac_compiler.models.real_exports needs torch (pip install -e '.[fixtures]')") from e
+
+import onnx
+from onnx import numpy_helper
+
+from kfac_compiler.models import real_data
+from kfac_compiler.models.real_data import SEQ, VOCAB
+
+BATCH = 8
+EXPORTERS = ("ts", "dynamo", "dynamo_noopt")
+
+
+# ------------------------------------------------------------------------------ families
+class _ResNet(nn.Module):
+    """torchvision's ResNet layout (conv1/bn1/relu/maxpool/layer1..4/avgpool/fc) with
+    BasicBlocks [1,1,1,1] of reduced widths."""
+
+    def __init__(self, widths=(8, 12, 16, 24), num_classes=10):
+        super().__init__()
+        from kfac_compiler.models.torch_exports import _BasicBlock
+
+        self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        inplanes, layers = widths[0], []
+        for i, w in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            down = None
+            if stride != 1 or inplanes != w:
+                down = nn.Sequential(nn.Conv2d(inplanes, w, 1, stride, bias=False), nn.BatchNorm2d(w))
+            layers.append(nn.Sequential(_BasicBlock(inplanes, w, stride, down)))
+            inplanes = w
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(widths[-1], num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _conv_bn(cin, cout, k=1, stride=1, groups=1, act=None):
+    layers = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+    if act is not None:
+        layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class _SE(nn.Module):
+    def __init__(self, c, r=4):
+        super().__init__()
+        self.fc1 = nn.Conv2d(c, max(c // r, 4), 1)
+        self.fc2 = nn.Conv2d(max(c // r, 4), c, 1)
+
+    def forward(self, x):
+        s = nn.functional.adaptive_avg_pool2d(x, 1)
+        return x * nn.functional.hardsigmoid(self.fc2(torch.relu(self.fc1(s))))
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, cin, cout, stride, expand, act, se):
+        super().__init__()
+        hid = cin * expand
+        self.use_res = stride == 1 and cin == cout
+        layers = [_conv_bn(cin, hid, 1, act=act), _conv_bn(hid, hid, 3, stride, groups=hid, act=act)]
+        if se:
+            layers.append(_SE(hid))
+        layers.append(_conv_bn(hid, cout, 1))
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return x + y if self.use_res else y
+
+
+class _MobileNet(nn.Module):
+    def __init__(self, v3: bool, num_classes=10):
+        super().__init__()
+        act = nn.Hardswish if v3 else nn.ReLU6
+        cfg = [(8, 8, 1), (8, 12, 2), (12, 12, 1), (12, 16, 2)]
+        self.features = nn.Sequential(
+            _conv_bn(3, 8, 3, 1, act=act),
+            *[_InvertedResidual(ci, co, s, 3, act, se=v3 and i % 2 == 1) for i, (ci, co, s) in enumerate(cfg)],
+            _conv_bn(16, 32, 1, act=act))
+        self.classifier = nn.Sequential(nn.Linear(32, 24), act(), nn.Linear(24, num_classes)) if v3 \
+            else nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model as tokens -> logits tensor."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input):  # noqa: A002 - the graph input's name
+        return self.model(input_ids=input, return_dict=False)[0]
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    return _Logits(GPT2LMHeadModel(cfg))
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, attn_implementation="eager",
+                     pad_token_id=VOCAB - 1)  # no token of the data: padding_idx zeroes that row's
+    # gradient in torch, which the ONNX graph cannot know
+    return _Logits(BertForMaskedLM(cfg))
+
+
+class _RNNLM(nn.Module):
+    def __init__(self, cell, vocab=VOCAB, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = cell(d, d, num_layers=2, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input):  # noqa: A002
+        return self.head(self.rnn(self.emb(input))[0])
+
+
+def _gpt():
+    from kfac_compiler.models.torch_exports import gpt
+
+    return gpt(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layer=2, n_head=2)
+
+
+FAMILIES = {
+    "resnet": (lambda: _ResNet(), "image"),
+    "mobilenet_v2": (lambda: _MobileNet(False), "image"),
+    "mobilenet_v3": (lambda: _MobileNet(True), "image"),
+    "gpt2": (_gpt2, "tokens"),
+    "bert": (_bert, "tokens"),
+    "gpt": (_gpt, "tokens"),
+    "lstm": (lambda: _RNNLM(nn.LSTM), "tokens"),
+    "gru": (lambda: _RNNLM(nn.GRU), "tokens"),
+}
+
+
+# ------------------------------------------------------------------------------ data
+batch = real_data.batch  # (input, targets) for "image" / "tokens" (models/real_data.py)
+
+
+def torch_loss(logits, targets):
+    """softmax cross-entropy over the last axis, summed over the non-batch axes, mean over N."""
+    lp = torch.log_softmax(logits, dim=-1)
+    return -lp.gather(-1, targets.unsqueeze(-1)).sum() / logits.shape[0]
+
+
+# ------------------------------------------------------------------------------ reference
+def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Redraw every parameter (and BatchNorm statistic) at random: weights keep their scale,
+    constants (zero biases, unit gains) get N(0, 0.1) noise around their value, running
+    variances are in [0.5, 1.5]. No two elements are equal afterwards."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            std = float(p.std()) if p.numel() > 1 and float(p.std()) > 0 else 0.0
+            p.add_(max(std, 0.1) * 0.5 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            if name.endswith("running_mean"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            elif name.endswith("running_var"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+        # float32 draws collide (tens of equal pairs among 1e5 values): nudge until distinct
+        params = list(module.parameters())
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            flat = np.concatenate([p.detach().numpy().ravel() for p in params])
+            _, first, counts = np.unique(flat, return_index=True, return_counts=True)
+            dup = np.setdiff1d(np.arange(flat.size), first)
+            if dup.size == 0:
+                break
+            flat[dup] *= 1 + 1e-4 * rng.standard_normal(dup.size).astype(np.float32)
+            off = 0
+            for p in params:
+                p.copy_(torch.from_numpy(flat[off:off + p.numel()].reshape(p.shape)))
+                off += p.numel()
+    return module
+
+
+def _fused_twin(module: nn.Module):
+    """{conv name: (weight, bias)} of a deep copy with every Conv2d+BatchNorm2d pair (BN
+    directly after the conv in a Sequential or as convN/bnN in a block) folded."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    twin = copy.deepcopy(module).eval()
+    fused = {}
+    mods = dict(twin.named_modules())
+    for name, m in list(twin.named_modules()):
+        if isinstance(m, nn.Sequential):
+            kids = list(m.named_children())
+            for (a, ca), (b, cb) in zip(kids, kids[1:]):
+                if isinstance(ca, nn.Conv2d) and isinstance(cb, nn.BatchNorm2d):
+                    setattr(m, a, fuse_conv_bn_eval(ca, cb))
+                    setattr(m, b, nn.Identity())
+                    fused[f"{name}.{a}" if name else a] = f"{name}.{b}" if name else b
+        for a, b in (("conv1", "bn1"), ("conv2", "bn2")):
+            ca, cb = getattr(m, a, None), getattr(m, b, None)
+            if isinstance(ca, nn.Conv2d) and isinstance(cb, nn.BatchNorm2d):
+                setattr(m, a, fuse_conv_bn_eval(ca, cb))
+                setattr(m, b, nn.Identity())
+                fused[f"{name}.{a}" if name else a] = f"{name}.{b}" if name else b
+    del mods
+    for p in twin.parameters():  # the folded bias of a bias-free conv comes without requires_grad
+        p.requires_grad_(True)
+    return twin, dict(sorted(fused.items()))
+
+
+def reference(module: nn.Module, x: np.ndarray, y: np.ndarray) -> dict:
+    """Loss, and the reference parameters with their gradients (module's, then the fused
+    twin's folded convs)."""
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    module.zero_grad()
+    loss = torch_loss(module(xt), yt)
+    loss.backward()
+    names, values, grads = [], [], []
+    for n, p in module.named_parameters():
+        names.append(n)
+        values.append(p.detach().numpy().ravel())
+        grads.append(p.grad.numpy().ravel())
+    if any(isinstance(m, nn.BatchNorm2d) for m in module.modules()):
+        twin, convs = _fused_twin(module)
+        twin.zero_grad()
+        tloss = torch_loss(twin(xt), yt)
+        assert abs(tloss.item() - loss.item()) < 1e-4 * (1 + abs(loss.item())), (tloss.item(), loss.item())
+        tparams = dict(twin.named_parameters())
+        tloss.backward()
+        ref_extra = [f"{c}|{bn}" for c, bn in convs.items()]
+        for c in convs:
+            for suffix in ("weight", "bias"):
+                p = tparams[f"{c}.{suffix}"]
+                names.append(f"fused:{c}.{suffix}")
+                values.append(p.detach().numpy().ravel())
+                grads.append(p.grad.numpy().ravel())
+    extra = {"fused_pairs": np.array(ref_extra)} if any(n.startswith("fused:") for n in names) else {}
+    return {**extra, "loss": np.float32(loss.item()), "ref_names": np.array(names),
+            "ref_sizes": np.array([v.size for v in values], np.int64),
+            "ref_values": np.concatenate(values).astype(np.float32),
+            "ref_grads": np.concatenate(grads).astype(np.float32)}
+
+
+def match_initializers(model: onnx.ModelProto, ref: dict) -> dict:
+    """Which float initializers hold reference parameter elements (all of theirs), by value."""
+    values = ref["ref_values"]
+    owner = np.repeat(np.arange(len(ref["ref_sizes"])), ref["ref_sizes"])
+    # exact matches against the torch parameters (distinct by construction); the fused
+    # twin's tensors are matched whole below (they may repeat a torch parameter's value)
+    is_torch = np.array([not str(n).startswith("fused:") for n in ref["ref_names"]])[owner]
+    order = np.flatnonzero(is_torch)[np.argsort(values[is_torch], kind="stable")]
+    sorted_vals = values[order]
+    out = {"init_names": [], "frozen_names": []}
+    covered = np.zeros(len(ref["ref_names"]), bool)
+    for t in model.graph.initializer:
+        arr = numpy_helper.to_array(t)
+        if arr.dtype != np.float32:
+            continue
+        flat = arr.ravel()
+        pos = np.searchsorted(sorted_vals, flat)
+        pos = np.clip(pos, 0, len(sorted_vals) - 1)
+        ok = flat.size > 0 and bool(np.all(sorted_vals[pos] == flat))
+        if ok:
+            # a unique match per element (values are distinct floats)
+            dup = np.searchsorted(sorted_vals, flat, side="right") - pos
+            ok = bool(np.all(dup == 1))
+        if not ok:
+            # folded by the exporter (BatchNorm into the conv): the fused twin's tensor of the
+            # same size, equal up to the rounding of the folding
+            off = np.concatenate([[0], np.cumsum(ref["ref_sizes"])])
+            for i, name in enumerate(ref["ref_names"]):
+                if str(name).startswith("fused:") and ref["ref_sizes"][i] == flat.size:
+                    want = values[off[i]:off[i + 1]]
+                    if np.allclose(flat, want, rtol=1e-4, atol=1e-6 * float(np.abs(want).max())):
+                        ok, idx = True, np.arange(off[i], off[i + 1])
+                        break
+        elif ok:
+            idx = order[pos]
+        if ok:
+            out[f"init_index_{len(out['init_names'])}"] = idx.astype(np.int32)
+            out["init_names"].append(t.name)
+            covered[np.unique(owner[idx])] = True
+        else:
+            out["frozen_names"].append(t.name)
+    # torch parameters no initializer holds (BatchNorm gains and shifts and bias-free convs
+    # that the exporter folded are held by a fused twin's tensor: listed in `fused_params`)
+    folded = set()
+    for pair in ref.get("fused_pairs", []):
+        conv, bn = str(pair).split("|")
+        if covered[list(ref["ref_names"]).index(f"fused:{conv}.weight")]:
+            folded |= {f"{conv}.weight", f"{conv}.bias", f"{bn}.weight", f"{bn}.bias"}
+    out["unmatched_params"] = [n for n, c in zip(ref["ref_names"], covered)
+                               if not c and not str(n).startswith("fused:") and str(n) not in folded]
+    out["fused_params"] = [n for n, c in zip(ref["ref_names"], covered) if c and str(n).startswith("fused:")]
+    out["init_names"] = np.array(out["init_names"], dtype=object).astype(str) if out["init_names"] else np.array([], "U1")
+    out["frozen_names"] = np.array(out["frozen_names"]).astype(str) if out["frozen_names"] else np.array([], "U1")
+    for key in ("unmatched_params", "fused_params"):
+        out[key] = np.array(out[key]).astype(str) if out[key] else np.array([], "U1")
+    return out
+
+
+# ------------------------------------------------------------------------------ export
+def export(module: nn.Module, x: np.ndarray, exporter: str) -> onnx.ModelProto:
+    """The ONNX model of `module` from `exporter` (EXPORTERS), dynamic batch N if possible."""
+    xt = torch.from_numpy(x)
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "ts":
+            torch.onnx.export(module, (xt,), buf, dynamo=False, input_names=["input"], output_names=["logits"],
+                              opset_version=17, dynamic_axes={"input": {0: "N"}, "logits": {0: "N"}},
+                              do_constant_folding=True)
+            return onnx.load_from_string(buf.getvalue())
+        optimize = exporter == "dynamo"
+        last = None
+        for dyn in (({0: torch.export.Dim("N", min=2)},), None):
+            try:
+                prog = torch.onnx.export(module, (xt,), dynamo=True, input_names=["input"], output_names=["logits"],
+                                         dynamic_shapes=dyn, optimize=optimize, verbose=False)
+                return _strip_traces(prog.model_proto)
+            except Exception as e:  # noqa: BLE001 - retried with a static batch
+                last = e
+        raise last
+
+
+def _strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop the dynamo exporter's per-node stack traces and FX node dumps (metadata_props
+    `pkg.torch.onnx.stack_trace`, `pkg.torch.onnx.fx_node`: two thirds of a small model's
+    bytes, and local paths); the namespace and class hierarchy entries are kept."""
+    drop = {"pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node"}
+    for node in model.graph.node:
+        keep = [(p.key, p.value) for p in node.metadata_props if p.key not in drop]
+        del node.metadata_props[:]
+        for k, v in keep:
+            node.metadata_props.add(key=k, value=v)
+    return model
+
+
+def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
+    os.makedirs(out, exist_ok=True)
+    manifest_path = os.path.join(out, "manifest.json")
+    manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else {}
+    for family, (make, kind) in FAMILIES.items():
+        if only and family not in only:
+            continue
+        torch.manual_seed(0)
+        try:
+            module = randomize(make().eval())
+        except ImportError as e:
+            for ex in exporters:
+                manifest[f"{family}-{ex}"] = {"family": family, "exporter": ex, "status": f"not generated: {e}"}
+            continue
+        x, y = batch(kind)
+        ref = reference(module, x, y)
+        for ex in exporters:
+            key = f"{family}-{ex}"
+            entry = {"family": family, "exporter": ex, "kind": kind}
+            try:
+                model = export(module, x, ex)
+            except Exception as e:  # noqa: BLE001 - recorded
+                entry["status"] = f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                manifest[key] = entry
+                print(key, entry["status"])
+                continue
+            match = match_initializers(model, ref)
+            onnx_path = os.path.join(out, key + ".onnx")
+            onnx.save(model, onnx_path)
+            np.savez_compressed(os.path.join(out, key + ".npz"), input=x, targets=y, **ref, **match)
+            opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None)
+            entry.update(status="ok", opset=opset, onnx_bytes=os.path.getsize(onnx_path),
+                         npz_bytes=os.path.getsize(os.path.join(out, key + ".npz")),
+                         params=int(sum(p.numel() for p in module.parameters())),
+                         initializers=len(model.graph.initializer), trainable=len(match["init_names"]),
+                         frozen=len(match["frozen_names"]), unmatched_params=[str(s) for s in match["unmatched_params"]],
+                         fused=len(match["fused_params"]),
+                         ops=sorted({n.op_type for n in model.graph.node}))
+            manifest[key] = entry
+            print(key, entry["onnx_bytes"], "bytes, opset", opset, "trainable", entry["trainable"], "frozen",
+                  entry["frozen"], "fused", entry["fused"], "unmatched", entry["unmatched_params"][:8])
+    with open(manifest_path, "w") as f:
+        json.dump(dict(sorted(manifest.items())), f, indent=1)
+    return manifest
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="tests/fixtures/real")
+    ap.add_argument("--only", nargs="*", help="families (default: all)")
+    ap.add_argument("--exporters", nargs="*", default=list(EXPORTERS))
+    args = ap.parse_args(argv)
+    generate(args.out, args.only, tuple(args.exporters))
+
+
+if __name__ == "__main__":
+    main()
