@@ -77,7 +77,8 @@ class CompileConfig:
     include / exclude: parameter names or regexes (full match) selecting the trainable
     parameters among the float initializers that reach the output; train: initializers to
     train although the constants rule freezes them (passes/trainable.py); untie: shared
-    parameters to split into one copy per consumer node (names, regexes or "all").
+    parameters to split into one copy per consumer node (names, regexes or "all"); retie:
+    train an exporter's copies of one parameter (equal values, or a matrix's transpose) as one.
     approximations: {layer kind or menu key: approximation}; layers: {layer name or regex:
     approximation}; links: [{"params": [...], "approximation": "diagonal"|"full", "name": ...}].
     """
@@ -88,6 +89,7 @@ class CompileConfig:
     exclude: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
     untie: list[str] = field(default_factory=list)
+    retie: bool = True
     approximations: dict[str, str] = field(default_factory=dict)
     layers: dict[str, str] = field(default_factory=dict)
     links: list[dict[str, Any]] = field(default_factory=list)
@@ -164,6 +166,8 @@ class CompileConfig:
         if self.include is not None:
             self.include = _str_list(self.include, "include", source)
             compile_patterns(self.include, "include")
+        if not isinstance(self.retie, bool):
+            raise bad("retie", f"expected true or false, got {self.retie!r}")
         for key in ("exclude", "train", "untie"):
             if key == "untie" and self.untie == "all":
                 self.untie = ["all"]

@@ -24,7 +24,7 @@ from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.trainable import split_trainable
-from kfac_compiler.passes.untie import report_shared, select_untie, shared_params, untie
+from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
@@ -139,6 +139,14 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
 
     plan_notes: list[str] = []
     split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
+    exporter_copies = find_copies(view, split.trainable) if cfg.retie else {}
+    if exporter_copies:
+        canon = retie(canon, exporter_copies)
+        view = GraphView(canon)
+        split = dataclasses.replace(split, trainable=[p for p in split.trainable if p not in exporter_copies])
+        plan_notes.append("re-tied (an exporter's copies of one parameter, trained as one; retie = false keeps "
+                          "them apart): " + "; ".join(f"{c} = {'Transpose(' + o + ')' if t else o}"
+                                                      for c, (o, t) in exporter_copies.items()))
     shared = shared_params(view, split.trainable)
     to_untie = select_untie(cfg.untie, shared)
     if to_untie:
@@ -173,6 +181,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         trainable=trainable,
         frozen=frozen,
         frozen_reasons=dict(split.reasons),
+        retied={c: {"of": o, "transposed": t} for c, (o, t) in exporter_copies.items()},
         layers=layers,
         factors=factors,
         estimator=dataclasses.replace(cfg.estimator),

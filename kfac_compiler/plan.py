@@ -140,6 +140,9 @@ class Plan:
     subgraph_info: dict[str, SubgraphInfo] = field(default_factory=dict)
     # frozen initializer -> why it is not trained (the constants rule, include/exclude, ...)
     frozen_reasons: dict[str, str] = field(default_factory=dict)
+    # an exporter's copy of a parameter (no initializer in the plan's model) -> the parameter
+    # it is computed from, and whether as its transpose (passes/untie.py, retie)
+    retied: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ lookups
@@ -263,6 +266,7 @@ class Plan:
             "trainable": list(self.trainable),
             "frozen": list(self.frozen),
             "frozen_reasons": {name: self.frozen_reason(name) for name in self.frozen},
+            "retied": {name: dict(v) for name, v in self.retied.items()},
             "layers": [self.layer_json(l) for l in self.layers],
             "estimator": dataclasses.asdict(self.estimator),
             "schedule": self.schedule.to_json(),
@@ -407,6 +411,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
             trainable=list(doc["trainable"]),
             frozen=list(doc["frozen"]),
             frozen_reasons=dict(doc.get("frozen_reasons", {})),
+            retied=dict(doc.get("retied", {})),
             layers=layers,
             factors=factors,
             estimator=EstimatorConfig(**doc.get("estimator", {})),

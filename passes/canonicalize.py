@@ -8,6 +8,7 @@
      collapsed (the output name is kept: the producer is renamed instead);
   4. Gemm with transA=1 is rewritten as Transpose + Gemm(transA=0), so that every
      fully connected layer has its input activations as a tensor of shape [batch, in];
+     SplitToSequence read only by SequenceAt at constant positions becomes Split;
   5. constant subgraphs (nodes whose inputs are all Constant-node outputs or NON-float
      initializers, e.g. shape arithmetic) are evaluated with onnx.reference and replaced
      by Constant nodes; float initializers are never folded (they may be parameters);
@@ -49,7 +50,9 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _name_nodes(m)
     _restrict(m, output)
     _rewrite_gemm_trans_a(m)
-    m = lower_recurrent(_infer(m, keep_going=True))
+    m = _infer(m, keep_going=True)
+    _split_sequences(m)
+    m = lower_recurrent(m)
     _collapse_noops(m, output)
     _fold_constants(m, output)
     _restrict(m, output)
@@ -127,6 +130,78 @@ def _rewrite_gemm_trans_a(m: onnx.ModelProto) -> None:
         new_nodes.append(node)
     del g.node[:]
     g.node.extend(new_nodes)
+
+
+def _const_ints(m: onnx.ModelProto, name: str) -> list[int] | None:
+    """The value of an integer initializer or Constant node output, else None."""
+    for t in m.graph.initializer:
+        if t.name == name:
+            return [int(v) for v in numpy_helper.to_array(t).ravel()]
+    for n in m.graph.node:
+        if n.op_type == "Constant" and name in n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    return [int(v) for v in numpy_helper.to_array(a.t).ravel()]
+                if a.name in ("value_int", "value_ints"):
+                    return [int(v) for v in np.atleast_1d(helper.get_attribute_value(a))]
+    return None
+
+
+def _rank0(m: onnx.ModelProto, name: str) -> bool | None:
+    for t in m.graph.initializer:
+        if t.name == name:
+            return len(t.dims) == 0
+    for n in m.graph.node:
+        if n.op_type == "Constant" and name in n.output:
+            return any(a.name == "value" and len(a.t.dims) == 0 or a.name == "value_int" for a in n.attribute)
+    return None
+
+
+def _static_dim(m: onnx.ModelProto, name: str, axis: int) -> int | None:
+    for vi in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output):
+        if vi.name == name and vi.type.tensor_type.HasField("shape"):
+            dims = vi.type.tensor_type.shape.dim
+            d = dims[axis % len(dims)] if dims else None
+            return int(d.dim_value) if d is not None and d.HasField("dim_value") else None
+    return None
+
+
+def _split_sequences(m: onnx.ModelProto) -> None:
+    """SplitToSequence(x, sizes) read only by SequenceAt at constant positions becomes
+    Split(x, sizes) (torch.split in torch.export graphs without the exporter's optimizer): no
+    sequence types on the gradient path."""
+    g = m.graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    drop, new_nodes = set(), []
+    for node in g.node:
+        if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            new_nodes.append(node)
+            continue
+        a = attrs_of(node)
+        axis = int(a.get("axis", 0))
+        sizes = _const_ints(m, node.input[1])
+        if sizes is not None and _rank0(m, node.input[1]):
+            dim = _static_dim(m, node.input[0], axis)  # a scalar: chunks of that size
+            sizes = None if dim is None else [min(sizes[0], dim - k) for k in range(0, dim, sizes[0])]
+        users = readers.get(node.output[0], [])
+        positions = [_const_ints(m, u.input[1]) if u.op_type == "SequenceAt" and len(u.input) > 1 else None
+                     for u in users]
+        if (sizes is None or len(sizes) < 2 or not a.get("keepdims", 1) or not users
+                or any(p is None or len(p) != 1 for p in positions)):
+            new_nodes.append(node)
+            continue
+        sizes_name = f"{node.name}/sizes"
+        g.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), sizes_name))
+        outs = [f"{node.output[0]}:{k}" for k in range(len(sizes))]
+        for u, (pos,) in zip(users, positions):
+            outs[pos % len(sizes)] = u.output[0]
+            drop.add(id(u))
+        new_nodes.append(helper.make_node("Split", [node.input[0], sizes_name], outs, name=node.name, axis=axis))
+    del g.node[:]
+    g.node.extend(n for n in new_nodes if id(n) not in drop)
 
 
 def _fresh(name: str, taken: set[str]) -> str:

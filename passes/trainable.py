@@ -12,7 +12,7 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
      inputs of ops without a gradient (comparisons, Shape, ArgMax, ...), a Where condition,
      or anything whose only path is a non-float tensor;
   3. it has one element, every node using it is elementwise arithmetic (Add, Mul, Div, Pow,
-     Max, Where, ...) and it is not a bias added to a MatMul / Gemm / Conv output: exporters
+     Max, Where, ...) or Expand (a zero initial state broadcast to the batch) and it is not a bias added to a MatMul / Gemm / Conv output: exporters
      lift Python scalars this way (a 1x1 weight, a bias of one unit or a PRelu slope stay
      parameters);
   4. it is a BatchNormalization running mean or variance.
@@ -46,7 +46,7 @@ SETTING_SLOTS: dict[str, tuple[int, ...]] = {
 }
 # Elementwise arithmetic: where exporters put the Python scalars they lift into initializers.
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Sum", "Mean", "Where", "Clip",
-                "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+                "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Expand"}
 _LINEAR_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 
 
@@ -77,13 +77,14 @@ def _learnable_slot(node: onnx.NodeProto, slot: int, opset: int) -> bool:
 
 
 def _learnable_tensors(view: GraphView, output: str) -> set[str]:
-    """Tensors on a path to `output` through learnable float slots only."""
+    """Tensors on a path to `output` through learnable float slots only (an unknown element
+    type, e.g. a sequence's, does not stop the path)."""
     learnable = {output}
     for node in reversed(view.nodes):  # nodes are in topological order
         if not any(o in learnable for o in node.output if o):
             continue
         for slot, name in enumerate(node.input):
-            if name and _learnable_slot(node, slot, view.opset) and view.dtypes.get(name, 1) in FLOAT_TYPES:
+            if name and _learnable_slot(node, slot, view.opset) and view.dtypes.get(name, 0) in (0, *FLOAT_TYPES):
                 learnable.add(name)
     return learnable
 

@@ -14,6 +14,11 @@ what the file says and makes it loud:
 
 The copies are ordinary initializers of the canonical model, so the trained model written by
 `Trainer.export` carries them as separate initializers.
+
+The opposite repair: exporters also split ONE tied parameter into two initializers (a tied
+embedding's table for the lookup and its transpose for the head). `find_copies` finds
+non-uniform initializers equal to another (or its transpose) and `retie` computes each copy
+from its original, so the tie is trained as one parameter (config `retie`, on by default).
 """
 from __future__ import annotations
 
@@ -116,4 +121,57 @@ def untie(model: onnx.ModelProto, shared: list[SharedParam], names: list[str]) -
     return m, copies
 
 
-__all__ = ["UNTIE_ALL", "SharedParam", "report_shared", "select_untie", "shared_params", "untie"]
+
+
+def find_copies(view: GraphView, params: list[str]) -> dict[str, tuple[str, bool]]:
+    """{copy: (original, transposed)}: trainable initializers whose values equal another's
+    (or, for matrices, its transpose) element for element. Exporters fold a tied weight's
+    Transpose into a second initializer (the TorchScript exporter's embedding + head,
+    torch.export's optimizer); random values equal by chance they are not. Uniform tensors
+    (all ones, all zeros) are left alone: equal values are no evidence there."""
+    seen: dict[tuple, str] = {}
+    copies: dict[str, tuple[str, bool]] = {}
+    for name in params:
+        value = view.array(name)
+        if value.size < 2 or np.all(value == value.flat[0]):
+            continue
+        key = (value.shape, value.dtype.str, value.tobytes())
+        if key in seen:
+            copies[name] = (seen[key], False)
+            continue
+        if value.ndim == 2:
+            t = np.ascontiguousarray(value.T)
+            original = seen.get((t.shape, t.dtype.str, t.tobytes()))
+            if original is not None:
+                copies[name] = (original, True)
+                continue
+        seen[key] = name
+    return copies
+
+
+def retie(model: onnx.ModelProto, copies: dict[str, tuple[str, bool]]) -> onnx.ModelProto:
+    """A copy of `model` where every copy is computed from its original (a Transpose node
+    producing the copy's name, or the original's name in its readers) and is no initializer."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    kept = [t for t in g.initializer if t.name not in copies]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    nodes = []
+    for name, (original, transposed) in copies.items():
+        if transposed:
+            nodes.append(onnx.helper.make_node("Transpose", [original], [name], name=f"{name}/retie", perm=[1, 0]))
+            t = next(t for t in model.graph.initializer if t.name == name)
+            g.value_info.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    for node in g.node:
+        for i, inp in enumerate(node.input):
+            if inp in copies and not copies[inp][1]:
+                node.input[i] = copies[inp][0]
+    nodes.extend(g.node)
+    del g.node[:]
+    g.node.extend(nodes)
+    return m
+
+
+__all__ = ["UNTIE_ALL", "SharedParam", "find_copies", "report_shared", "retie", "select_untie", "shared_params", "untie"]

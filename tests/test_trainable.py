@@ -156,3 +156,51 @@ def test_cli_train_and_untie(tmp_path, capsys):
     assert "frozen (5, not trained):" in out and "three" in kc.load_plan(tmp_path / "q").trainable
     assert main(["inspect", str(tmp_path / "q"), "--format", "json"]) == 0
     assert {f["name"] for f in json.loads(capsys.readouterr().out)["frozen"]} == set(EXPECTED_FROZEN) - {"three"}
+
+
+# ----------------------------------------------------------------------- retie
+def split_tie(extra_copy: bool = False) -> onnx.ModelProto:
+    """An embedding table and its transpose for the head, as the TorchScript exporter writes a
+    tied embedding + head; optionally an exact copy of a weight (torch.export's optimizer)."""
+    E = f32(7, 4)
+    nodes = [helper.make_node("Gather", ["emb.weight", "ids"], ["h"], name="lookup", axis=0),
+             helper.make_node("MatMul", ["h", "fc.weight"], ["a"], name="fc"),
+             helper.make_node("MatMul", ["a", "fc.copy" if extra_copy else "fc.weight"], ["b"], name="fc2"),
+             helper.make_node("MatMul", ["b", "head.weight"], ["y"], name="head")]
+    W = f32(4, 4)
+    inits = {"emb.weight": E, "fc.weight": W, "head.weight": np.ascontiguousarray(E.T), "ones": f32(4, value=1.0)}
+    if extra_copy:
+        inits["fc.copy"] = W.copy()
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 7])],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_retie_trains_an_exporters_copies_as_one_parameter(tmp_path):
+    plan = kc.compile(split_tie(extra_copy=True), loss="softmax_cross_entropy")
+    assert plan.retied == {"head.weight": {"of": "emb.weight", "transposed": True},
+                           "fc.copy": {"of": "fc.weight", "transposed": False}}
+    assert plan.trainable == ["emb.weight", "fc.weight"]
+    emb = plan.layer("emb")
+    assert emb.kind == "tied_embedding" and emb.num_uses == 2 and plan.layer("fc").num_uses == 2
+    trainer = Trainer(plan, optimizer="kfac")
+    ids = np.random.default_rng(0).integers(0, 7, 32)
+    for _ in range(3):
+        trainer.step({"ids": ids}, targets=ids)
+    exported = onnx.load(trainer.export(tmp_path / "t.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in exported.graph.initializer}
+    assert "head.weight" not in inits and any(n.op_type == "Transpose" and n.output[0] == "head.weight"
+                                              for n in exported.graph.node)
+    plan.save(tmp_path / "p")
+    assert kc.load_plan(tmp_path / "p").retied == plan.retied
+
+
+def test_retie_false_keeps_copies_apart_and_uniform_tensors_are_never_retied():
+    plan = kc.compile(split_tie(extra_copy=True), loss="softmax_cross_entropy", emit=False, retie=False)
+    assert plan.retied == {} and {"head.weight", "fc.copy"} <= set(plan.trainable)
+    nodes = [helper.make_node("Mul", ["x", "a"], ["h"]), helper.make_node("Mul", ["h", "b"], ["y"])]
+    m = model(nodes, {"a": f32(3, value=1.0), "b": f32(3, value=1.0)}, x_shape=("N", 3))
+    assert kc.compile(m, loss="squared_error", emit=False).retied == {}
+    with pytest.raises(ConfigError, match="retie: expected true or false"):
+        kc.compile(m, loss="squared_error", emit=False, retie="no")
