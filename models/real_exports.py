@@ -44,6 +44,10 @@ Per fixture `<family>-<exporter>.onnx` and `.npz`:
 * `frozen_names`: the float initializers that hold no parameter (constants, BatchNorm
   running statistics, masks...), `unmatched_params`: torch parameters no initializer holds.
 
+`<family>_init-<exporter>` (gpt2, resnet; `generate_default_init`): the same models at their
+own initialisation, where the exporters merge equal initializers (zero biases, unit gains);
+the .npz holds the batch, torch's loss and the trainable elements expected.
+
 `manifest.json` lists each fixture with its status ("ok", or the export error), opset,
 exporter and file sizes.
 """
@@ -413,6 +417,52 @@ def _strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+DEFAULT_INIT = ("gpt2", "resnet")  # also exported at their own initialisation: "<family>_init"
+
+
+def generate_default_init(out: str, family: str, exporters, manifest: dict) -> None:
+    """`family` at torch's / transformers' own initialisation (zero biases, unit LayerNorm and
+    BatchNorm gains, unit running variances): the exporters merge equal initializers into
+    one tensor. The .npz holds input, targets, loss and `expected_elements`: the trainable
+    elements of the random-weight twin's export by the same exporter (every torch parameter
+    its own tensor), which the compiler should train here too (merged tensors split again)."""
+    make, kind = FAMILIES[family]
+    torch.manual_seed(0)
+    module = make().eval()
+    x, y = batch(kind)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    with torch.no_grad():
+        loss = torch_loss(module(xt), yt)
+    for ex in exporters:
+        key, twin = f"{family}_init-{ex}", os.path.join(out, f"{family}-{ex}.npz")
+        entry = {"family": f"{family}_init", "twin": f"{family}-{ex}", "exporter": ex, "kind": kind, "default_init": True}
+        if not os.path.exists(twin):
+            entry["status"] = f"not generated: no random-weight twin {family}-{ex}"
+            manifest[key] = entry
+            continue
+        with np.load(twin) as d:
+            expected = int(sum(d[f"init_index_{i}"].size for i in range(len(d["init_names"]))))
+        try:
+            model = export(module, x, ex)
+        except Exception as e:  # noqa: BLE001 - recorded
+            entry["status"] = f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            manifest[key] = entry
+            continue
+        onnx_path = os.path.join(out, key + ".onnx")
+        onnx.save(model, onnx_path)
+        floats = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+        np.savez_compressed(os.path.join(out, key + ".npz"), input=x, targets=y, loss=np.float32(loss.item()),
+                            expected_elements=np.int64(expected))
+        opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None)
+        entry.update(status="ok", opset=opset, onnx_bytes=os.path.getsize(onnx_path),
+                     npz_bytes=os.path.getsize(os.path.join(out, key + ".npz")), expected_elements=expected,
+                     float_initializers=len(floats), float_elements=int(sum(np.prod(t.dims) for t in floats)),
+                     ops=sorted({n.op_type for n in model.graph.node}))
+        manifest[key] = entry
+        print(key, entry["onnx_bytes"], "bytes: float initializers", len(floats), "elements",
+              entry["float_elements"], "twin's trainable elements", expected)
+
+
 def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
     os.makedirs(out, exist_ok=True)
     manifest_path = os.path.join(out, "manifest.json")
@@ -454,6 +504,9 @@ def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
             manifest[key] = entry
             print(key, entry["onnx_bytes"], "bytes, opset", opset, "trainable", entry["trainable"], "frozen",
                   entry["frozen"], "fused", entry["fused"], "unmatched", entry["unmatched_params"][:8])
+    for family in DEFAULT_INIT:
+        if not only or family in only or f"{family}_init" in only:
+            generate_default_init(out, family, exporters, manifest)
     with open(manifest_path, "w") as f:
         json.dump(dict(sorted(manifest.items())), f, indent=1)
     return manifest
