@@ -24,7 +24,9 @@ parameter elements it holds):
 
 Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dynamo"
 (dynamo=True, the exporter's default opset, its optimizer on) and "dynamo_noopt"
-(optimize=False). The batch dimension is dynamic ("N") where the exporter accepts it. The
+(optimize=False); "dynamo23" (optimizer on, opset 23) for resnet, lstm and gpt2_sdpa (GPT-2 with
+transformers' SDPA attention, exported as opset 23's Attention op; also by "dynamo" at the
+default opset, where it is decomposed). The batch dimension is dynamic ("N") where the exporter accepts it. The
 dynamo exports lose their per-node stack traces (`_strip_traces`), nothing else.
 
 Per fixture `<family>-<exporter>.onnx` and `.npz`:
@@ -75,7 +77,11 @@ from kfac_compiler.models import real_data
 from kfac_compiler.models.real_data import SEQ, VOCAB
 
 BATCH = 8
-EXPORTERS = ("ts", "dynamo", "dynamo_noopt")
+EXPORTERS = ("ts", "dynamo", "dynamo_noopt", "dynamo23")
+# "dynamo23" (torch.export at opset 23: Attention for scaled_dot_product_attention) only for a
+# few families, and gpt2_sdpa (transformers' SDPA attention) only through torch.export
+FAMILY_EXPORTERS = {"gpt2_sdpa": ("dynamo", "dynamo23")}
+OPSET23_FAMILIES = ("resnet", "lstm", "gpt2_sdpa")
 
 
 # ------------------------------------------------------------------------------ families
@@ -171,11 +177,11 @@ class _Logits(nn.Module):
         return self.model(input_ids=input, return_dict=False)[0]
 
 
-def _gpt2():
+def _gpt2(attn: str = "eager"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn, bos_token_id=0, eos_token_id=0)
     return _Logits(GPT2LMHeadModel(cfg))
 
 
@@ -212,6 +218,7 @@ FAMILIES = {
     "mobilenet_v2": (lambda: _MobileNet(False), "image"),
     "mobilenet_v3": (lambda: _MobileNet(True), "image"),
     "gpt2": (_gpt2, "tokens"),
+    "gpt2_sdpa": (lambda: _gpt2("sdpa"), "tokens"),
     "bert": (_bert, "tokens"),
     "gpt": (_gpt, "tokens"),
     "lstm": (lambda: _RNNLM(nn.LSTM), "tokens"),
@@ -392,12 +399,13 @@ def export(module: nn.Module, x: np.ndarray, exporter: str) -> onnx.ModelProto:
                               opset_version=17, dynamic_axes={"input": {0: "N"}, "logits": {0: "N"}},
                               do_constant_folding=True)
             return onnx.load_from_string(buf.getvalue())
-        optimize = exporter == "dynamo"
+        optimize = exporter in ("dynamo", "dynamo23")
+        opset = {"dynamo23": 23}.get(exporter)
         last = None
         for dyn in (({0: torch.export.Dim("N", min=2)},), None):
             try:
                 prog = torch.onnx.export(module, (xt,), dynamo=True, input_names=["input"], output_names=["logits"],
-                                         dynamic_shapes=dyn, optimize=optimize, verbose=False)
+                                         dynamic_shapes=dyn, optimize=optimize, verbose=False, opset_version=opset)
                 return _strip_traces(prog.model_proto)
             except Exception as e:  # noqa: BLE001 - retried with a static batch
                 last = e
@@ -480,6 +488,8 @@ def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
         x, y = batch(kind)
         ref = reference(module, x, y)
         for ex in exporters:
+            if ex not in FAMILY_EXPORTERS.get(family, EXPORTERS) or (ex == "dynamo23" and family not in OPSET23_FAMILIES):
+                continue
             key = f"{family}-{ex}"
             entry = {"family": family, "exporter": ex, "kind": kind}
             try:
@@ -505,6 +515,7 @@ def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
             print(key, entry["onnx_bytes"], "bytes, opset", opset, "trainable", entry["trainable"], "frozen",
                   entry["frozen"], "fused", entry["fused"], "unmatched", entry["unmatched_params"][:8])
     for family in DEFAULT_INIT:
+        exporters = tuple(e for e in exporters if e != "dynamo23")
         if not only or family in only or f"{family}_init" in only:
             generate_default_init(out, family, exporters, manifest)
     with open(manifest_path, "w") as f:

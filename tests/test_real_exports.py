@@ -1,7 +1,7 @@
 """Real exports: models nobody here wrote (a torchvision-layout ResNet, MobileNet v2/v3 blocks,
-Hugging Face GPT-2 and BERT, the hand-written GPT, nn.LSTM and nn.GRU language models), from
-both torch exporters (TorchScript at opset 17; torch.export-based with and without its
-optimizer), compiled and checked against torch autograd. No torch needed: the fixtures
+Hugging Face GPT-2 (eager and SDPA attention) and BERT, the hand-written GPT, nn.LSTM and
+nn.GRU language models), from both torch exporters (TorchScript at opset 17; torch.export at
+its default opset 20 with and without its optimizer, and at opset 23 for a few), compiled and checked against torch autograd. No torch needed: the fixtures
 (tests/fixtures/real, made by `python -m kfac_compiler.models.real_exports`) hold the ONNX
 files and the torch reference values (models/real_exports.py documents the .npz keys).
 
@@ -75,6 +75,12 @@ XFAIL: dict[tuple[str, str], str] = {
     # the optimizer drops the folded all-zero conv biases altogether (180 elements): nothing
     # in the graph to train; only a compiler that adds biases back could pass this one
     ("resnet_init-dynamo", "merged"): "exporter's optimizer removed the zero folded conv biases (not in the graph)",
+    # opset 23 (torch.export with opset_version=23; SDPA as the Attention op)
+    ("*-dynamo23", "*"): "opset 23 (the loader accepts 13..22; Attention op)",
+    ("gpt2_sdpa-dynamo", "trainable"): "constants trained as parameters (val_* scalars and fills)",
+    ("gpt2_sdpa-dynamo", "blocks"): "constants trained as parameters (generic layers for val_*)",
+    ("gpt2_sdpa-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
+    ("gpt2_sdpa-dynamo", "train"): "constants trained as parameters (loss NaN after a few K-FAC steps)",
     # kc.compile's default subgraphs need gradients: what has no gradient rule does not compile
     ("lstm-*", "compile"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
     ("gru-*", "compile"): "ONNX GRU op (nn.GRU) has no gradient rule",
@@ -115,6 +121,12 @@ _RNN = [
 EXPECTED_BLOCKS: dict[str, list] = {
     "resnet": _IMAGE, "mobilenet_v2": _IMAGE, "mobilenet_v3": _IMAGE,
     "gpt2": [
+        (r".*\.wte\.weight", _TIED, None),
+        (r".*\.wpe\.weight", "embedding", "kron"),
+        (r".*\.ln_(1|2|f)\..*", "scale_and_shift", "full"),
+        (r".*\.(c_attn|c_proj|c_fc)\..*", "fully_connected", "kron"),
+    ],
+    "gpt2_sdpa": [
         (r".*\.wte\.weight", _TIED, None),
         (r".*\.wpe\.weight", "embedding", "kron"),
         (r".*\.ln_(1|2|f)\..*", "scale_and_shift", "full"),
