@@ -37,7 +37,7 @@ HELD_OUT = 256
 
 
 def one_line(e: BaseException) -> str:
-    msg = str(e).splitlines()[0] if str(e) else ""
+    msg = str(e).splitlines()[0].replace(str(ROOT) + os.sep, "") if str(e) else ""
     return f"{type(e).__name__}: {msg[:160]}"
 
 
