@@ -37,7 +37,7 @@ HELD_OUT = 256
 
 
 def one_line(e: BaseException) -> str:
-    msg = str(e).splitlines()[0] if str(e) else ""
+    msg = str(e).splitlines()[0].replace(str(ROOT) + os.sep, "") if str(e) else ""
     return f"{type(e).__name__}: {msg[:160]}"
 
 
@@ -58,8 +58,12 @@ def train(plan, optimizer: str, x, y, steps: int, bs: int):
 def bench(case: str, entry: dict, fixtures: Path, steps: int, bs: int) -> dict:
     row = {"fixture": case, "family": entry["family"], "exporter": entry["exporter"], "opset": entry.get("opset")}
     with np.load(fixtures / f"{case}.npz") as d:
-        held = [str(n) for n in d["init_names"]]
-        consts = {str(n) for n in d["frozen_names"]}
+        if "init_names" in d.files:
+            held = [str(n) for n in d["init_names"]]
+            consts = {str(n) for n in d["frozen_names"]}
+        else:  # a default-initialisation fixture: merged tensors, no per-tensor record
+            held, consts = None, set()
+            row["expected_elements"] = int(d["expected_elements"])
     t = time.perf_counter()
     try:
         with warnings.catch_warnings():
@@ -81,9 +85,13 @@ def bench(case: str, entry: dict, fixtures: Path, steps: int, bs: int) -> dict:
     row["layers"] = dict(Counter(layer.kind for layer in plan.layers))
     row["blocks"] = dict(Counter(f"{layer.kind}/{layer.approximation}" for layer in plan.layers))
     row["trainable"] = len(plan.trainable)
-    row["held"] = len(held)
-    row["missing"] = sorted(set(held) - set(plan.trainable))
-    row["constants_trained"] = sorted(set(plan.trainable) & consts) + sorted(set(plan.trainable) - set(held) - consts)
+    if held is not None:
+        row["held"] = len(held)
+        row["missing"] = sorted(set(held) - set(plan.trainable))
+        row["constants_trained"] = sorted(set(plan.trainable) & consts) + sorted(set(plan.trainable) - set(held) - consts)
+    else:
+        values = plan.parameter_values()
+        row["elements"] = int(sum(values[p].size for p in plan.trainable))
     row["frozen"] = list(plan.frozen)
     row["warnings"] = len(plan.notes)
     if row.get("frontend_only"):
@@ -122,10 +130,13 @@ def table(rows: list[dict], steps: int, bs: int) -> str:
         if r.get("compiles") != "yes" and not r.get("frontend_only"):
             out.append(f"| {r['fixture']} | {r.get('opset', '')} | {r.get('compiles', '')} |" + " |" * (len(head) - 3))
             continue
-        tr = f"{r['trainable']} / {r['held']}" + (f" (missing {len(r['missing'])})" if r["missing"] else "")
+        if "held" in r:
+            tr = f"{r['trainable']} / {r['held']}" + (f" (missing {len(r['missing'])})" if r["missing"] else "")
+        else:  # default initialisation: trainable elements against the random-weight twin's
+            tr = f"{r['trainable']} tensors, {r['elements']} / {r['expected_elements']} elements"
         compiles = "yes" if r["compiles"] == "yes" else "no (front end only): " + r["compiles"][:110]
         cells = [r["fixture"], str(r["opset"]), compiles, fmt_counts(r["layers"]), fmt_counts(r["blocks"]), tr,
-                 fmt_list(r["constants_trained"]), fmt_list(r["frozen"], 2), fmt_loss(r.get("loss0")),
+                 fmt_list(r["constants_trained"]) if "held" in r else "?", fmt_list(r["frozen"], 2), fmt_loss(r.get("loss0")),
                  fmt_loss(r.get("kfac")), fmt_loss(r.get("adam")),
                  f"{r['kfac_ms']:.1f}" if "kfac_ms" in r else "", f"{r['adam_ms']:.1f}" if "adam_ms" in r else ""]
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
@@ -165,7 +176,9 @@ def main(argv=None) -> int:
             f"{os.path.relpath(fixtures, ROOT)} (models/real_exports.py). Losses: mean over {HELD_OUT} held-out "
             f"examples (LMs: summed over 8 positions), after {args.steps} steps of batch {args.batch_size} with "
             "default settings (K-FAC: the Trainer's defaults; Adam: lr 1e-3). 'held': initializers holding torch "
-            "parameters (the fixture's record); 'constants trained': trained float initializers holding none.\n\n"
+            "parameters (the fixture's record); 'constants trained': trained float initializers holding none; "
+            "`<family>_init`: the model at its own initialisation (equal tensors merged by the exporter), "
+            "trainable elements against those of the random-weight twin's export.\n\n"
             + table(rows, args.steps, args.batch_size) + "\n")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

@@ -24,7 +24,9 @@ parameter elements it holds):
 
 Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dynamo"
 (dynamo=True, the exporter's default opset, its optimizer on) and "dynamo_noopt"
-(optimize=False). The batch dimension is dynamic ("N") where the exporter accepts it. The
+(optimize=False); "dynamo23" (optimizer on, opset 23) for resnet, lstm and gpt2_sdpa (GPT-2 with
+transformers' SDPA attention, exported as opset 23's Attention op; also by "dynamo" at the
+default opset, where it is decomposed). The batch dimension is dynamic ("N") where the exporter accepts it. The
 dynamo exports lose their per-node stack traces (`_strip_traces`), nothing else.
 
 Per fixture `<family>-<exporter>.onnx` and `.npz`:
@@ -43,6 +45,10 @@ Per fixture `<family>-<exporter>.onnx` and `.npz`:
   gate-reordered LSTM weight, a transposed Linear), is torch's gradient;
 * `frozen_names`: the float initializers that hold no parameter (constants, BatchNorm
   running statistics, masks...), `unmatched_params`: torch parameters no initializer holds.
+
+`<family>_init-<exporter>` (gpt2, resnet; `generate_default_init`): the same models at their
+own initialisation, where the exporters merge equal initializers (zero biases, unit gains);
+the .npz holds the batch, torch's loss and the trainable elements expected.
 
 `manifest.json` lists each fixture with its status ("ok", or the export error), opset,
 exporter and file sizes.
@@ -71,7 +77,11 @@ from kfac_compiler.models import real_data
 from kfac_compiler.models.real_data import SEQ, VOCAB
 
 BATCH = 8
-EXPORTERS = ("ts", "dynamo", "dynamo_noopt")
+EXPORTERS = ("ts", "dynamo", "dynamo_noopt", "dynamo23")
+# "dynamo23" (torch.export at opset 23: Attention for scaled_dot_product_attention) only for a
+# few families, and gpt2_sdpa (transformers' SDPA attention) only through torch.export
+FAMILY_EXPORTERS = {"gpt2_sdpa": ("dynamo", "dynamo23")}
+OPSET23_FAMILIES = ("resnet", "lstm", "gpt2_sdpa")
 
 
 # ------------------------------------------------------------------------------ families
@@ -167,11 +177,11 @@ class _Logits(nn.Module):
         return self.model(input_ids=input, return_dict=False)[0]
 
 
-def _gpt2():
+def _gpt2(attn: str = "eager"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn, bos_token_id=0, eos_token_id=0)
     return _Logits(GPT2LMHeadModel(cfg))
 
 
@@ -208,6 +218,7 @@ FAMILIES = {
     "mobilenet_v2": (lambda: _MobileNet(False), "image"),
     "mobilenet_v3": (lambda: _MobileNet(True), "image"),
     "gpt2": (_gpt2, "tokens"),
+    "gpt2_sdpa": (lambda: _gpt2("sdpa"), "tokens"),
     "bert": (_bert, "tokens"),
     "gpt": (_gpt, "tokens"),
     "lstm": (lambda: _RNNLM(nn.LSTM), "tokens"),
@@ -388,12 +399,13 @@ def export(module: nn.Module, x: np.ndarray, exporter: str) -> onnx.ModelProto:
                               opset_version=17, dynamic_axes={"input": {0: "N"}, "logits": {0: "N"}},
                               do_constant_folding=True)
             return onnx.load_from_string(buf.getvalue())
-        optimize = exporter == "dynamo"
+        optimize = exporter in ("dynamo", "dynamo23")
+        opset = {"dynamo23": 23}.get(exporter)
         last = None
         for dyn in (({0: torch.export.Dim("N", min=2)},), None):
             try:
                 prog = torch.onnx.export(module, (xt,), dynamo=True, input_names=["input"], output_names=["logits"],
-                                         dynamic_shapes=dyn, optimize=optimize, verbose=False)
+                                         dynamic_shapes=dyn, optimize=optimize, verbose=False, opset_version=opset)
                 return _strip_traces(prog.model_proto)
             except Exception as e:  # noqa: BLE001 - retried with a static batch
                 last = e
@@ -413,6 +425,52 @@ def _strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+DEFAULT_INIT = ("gpt2", "resnet")  # also exported at their own initialisation: "<family>_init"
+
+
+def generate_default_init(out: str, family: str, exporters, manifest: dict) -> None:
+    """`family` at torch's / transformers' own initialisation (zero biases, unit LayerNorm and
+    BatchNorm gains, unit running variances): the exporters merge equal initializers into
+    one tensor. The .npz holds input, targets, loss and `expected_elements`: the trainable
+    elements of the random-weight twin's export by the same exporter (every torch parameter
+    its own tensor), which the compiler should train here too (merged tensors split again)."""
+    make, kind = FAMILIES[family]
+    torch.manual_seed(0)
+    module = make().eval()
+    x, y = batch(kind)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    with torch.no_grad():
+        loss = torch_loss(module(xt), yt)
+    for ex in exporters:
+        key, twin = f"{family}_init-{ex}", os.path.join(out, f"{family}-{ex}.npz")
+        entry = {"family": f"{family}_init", "twin": f"{family}-{ex}", "exporter": ex, "kind": kind, "default_init": True}
+        if not os.path.exists(twin):
+            entry["status"] = f"not generated: no random-weight twin {family}-{ex}"
+            manifest[key] = entry
+            continue
+        with np.load(twin) as d:
+            expected = int(sum(d[f"init_index_{i}"].size for i in range(len(d["init_names"]))))
+        try:
+            model = export(module, x, ex)
+        except Exception as e:  # noqa: BLE001 - recorded
+            entry["status"] = f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            manifest[key] = entry
+            continue
+        onnx_path = os.path.join(out, key + ".onnx")
+        onnx.save(model, onnx_path)
+        floats = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+        np.savez_compressed(os.path.join(out, key + ".npz"), input=x, targets=y, loss=np.float32(loss.item()),
+                            expected_elements=np.int64(expected))
+        opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None)
+        entry.update(status="ok", opset=opset, onnx_bytes=os.path.getsize(onnx_path),
+                     npz_bytes=os.path.getsize(os.path.join(out, key + ".npz")), expected_elements=expected,
+                     float_initializers=len(floats), float_elements=int(sum(np.prod(t.dims) for t in floats)),
+                     ops=sorted({n.op_type for n in model.graph.node}))
+        manifest[key] = entry
+        print(key, entry["onnx_bytes"], "bytes: float initializers", len(floats), "elements",
+              entry["float_elements"], "twin's trainable elements", expected)
+
+
 def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
     os.makedirs(out, exist_ok=True)
     manifest_path = os.path.join(out, "manifest.json")
@@ -430,6 +488,8 @@ def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
         x, y = batch(kind)
         ref = reference(module, x, y)
         for ex in exporters:
+            if ex not in FAMILY_EXPORTERS.get(family, EXPORTERS) or (ex == "dynamo23" and family not in OPSET23_FAMILIES):
+                continue
             key = f"{family}-{ex}"
             entry = {"family": family, "exporter": ex, "kind": kind}
             try:
@@ -454,6 +514,10 @@ def generate(out: str, only=None, exporters=EXPORTERS) -> dict:
             manifest[key] = entry
             print(key, entry["onnx_bytes"], "bytes, opset", opset, "trainable", entry["trainable"], "frozen",
                   entry["frozen"], "fused", entry["fused"], "unmatched", entry["unmatched_params"][:8])
+    for family in DEFAULT_INIT:
+        exporters = tuple(e for e in exporters if e != "dynamo23")
+        if not only or family in only or f"{family}_init" in only:
+            generate_default_init(out, family, exporters, manifest)
     with open(manifest_path, "w") as f:
         json.dump(dict(sorted(manifest.items())), f, indent=1)
     return manifest

@@ -1,7 +1,7 @@
 """Real exports: models nobody here wrote (a torchvision-layout ResNet, MobileNet v2/v3 blocks,
-Hugging Face GPT-2 and BERT, the hand-written GPT, nn.LSTM and nn.GRU language models), from
-both torch exporters (TorchScript at opset 17; torch.export-based with and without its
-optimizer), compiled and checked against torch autograd. No torch needed: the fixtures
+Hugging Face GPT-2 (eager and SDPA attention) and BERT, the hand-written GPT, nn.LSTM and
+nn.GRU language models), from both torch exporters (TorchScript at opset 17; torch.export at
+its default opset 20 with and without its optimizer, and at opset 23 for a few), compiled and checked against torch autograd. No torch needed: the fixtures
 (tests/fixtures/real, made by `python -m kfac_compiler.models.real_exports`) hold the ONNX
 files and the torch reference values (models/real_exports.py documents the .npz keys).
 
@@ -17,6 +17,8 @@ Checks per fixture:
              gradient norm);
   blocks     each layer's kind and Fisher block is the one expected for the torch module
              (EXPECTED_BLOCKS; a tied embedding+head takes whatever the compiler gives);
+  merged     (the <family>_init fixtures: default initialisation) exporter-merged equal
+             initializers are trained as separate parameters;
   train      (slow) 20 default K-FAC steps on the fixture's batch lower its loss by 10%.
 
 XFAIL lists what fails today and why; remove an entry when its feature lands (the marks are
@@ -38,10 +40,12 @@ import kfac_compiler as kc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text()) if (FIXTURES / "manifest.json").exists() else {}
-CASES = sorted(k for k, v in MANIFEST.items() if v.get("status") == "ok")
+CASES = sorted(k for k, v in MANIFEST.items() if v.get("status") == "ok" and not v.get("default_init"))
+# the same models at their own initialisation (equal initializers merged by the exporters)
+INIT_CASES = sorted(k for k, v in MANIFEST.items() if v.get("status") == "ok" and v.get("default_init"))
 
 # (fixture glob, check) -> the missing feature. Checks: compile, trainable, tied, gradients,
-# blocks, train ("*" for every check).
+# blocks, train, merged ("*" for every check).
 XFAIL: dict[tuple[str, str], str] = {
     # constants stored as float initializers by the dynamo exporter's optimizer: Clip bounds
     # (max_val_cast/min_val_cast), attention scale and mask fill scalars (val_*), zeros
@@ -63,6 +67,20 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt2-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
     ("bert-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
     ("gpt-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
+    # equal initializers merged by the exporter at the models' own initialisation (zero biases,
+    # unit gains; the TorchScript exporter's BatchNorm folding makes every conv bias zero)
+    ("gpt2_init-ts", "merged"): "exporter-merged initializers (15 tensors hold 29)",
+    ("gpt2_init-dynamo", "merged"): "exporter-merged initializers (and constants trained)",
+    ("resnet_init-ts", "merged"): "exporter-merged initializers (folded zero conv biases)",
+    # the optimizer drops the folded all-zero conv biases altogether (180 elements): nothing
+    # in the graph to train; only a compiler that adds biases back could pass this one
+    ("resnet_init-dynamo", "merged"): "exporter's optimizer removed the zero folded conv biases (not in the graph)",
+    # opset 23 (torch.export with opset_version=23; SDPA as the Attention op)
+    ("*-dynamo23", "*"): "opset 23 (the loader accepts 13..22; Attention op)",
+    ("gpt2_sdpa-dynamo", "trainable"): "constants trained as parameters (val_* scalars and fills)",
+    ("gpt2_sdpa-dynamo", "blocks"): "constants trained as parameters (generic layers for val_*)",
+    ("gpt2_sdpa-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
+    ("gpt2_sdpa-dynamo", "train"): "constants trained as parameters (loss NaN after a few K-FAC steps)",
     # kc.compile's default subgraphs need gradients: what has no gradient rule does not compile
     ("lstm-*", "compile"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
     ("gru-*", "compile"): "ONNX GRU op (nn.GRU) has no gradient rule",
@@ -80,6 +98,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt-dynamo_noopt", "gradients"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
     ("gpt2-dynamo_noopt", "train"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
     ("gpt-dynamo_noopt", "train"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
+    ("gpt2_init-dynamo_noopt", "merged"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
     # trained constants (the attention mask fill / score scale among them): the loss goes NaN
     ("gpt2-dynamo", "train"): "constants trained as parameters (loss NaN after a few K-FAC steps)",
 }
@@ -102,6 +121,12 @@ _RNN = [
 EXPECTED_BLOCKS: dict[str, list] = {
     "resnet": _IMAGE, "mobilenet_v2": _IMAGE, "mobilenet_v3": _IMAGE,
     "gpt2": [
+        (r".*\.wte\.weight", _TIED, None),
+        (r".*\.wpe\.weight", "embedding", "kron"),
+        (r".*\.ln_(1|2|f)\..*", "scale_and_shift", "full"),
+        (r".*\.(c_attn|c_proj|c_fc)\..*", "fully_connected", "kron"),
+    ],
+    "gpt2_sdpa": [
         (r".*\.wte\.weight", _TIED, None),
         (r".*\.wpe\.weight", "embedding", "kron"),
         (r".*\.ln_(1|2|f)\..*", "scale_and_shift", "full"),
@@ -131,9 +156,9 @@ def _xfail(case: str, check: str) -> str | None:
     return None
 
 
-def cases(check: str) -> list:
+def cases(check: str, among: list | None = None) -> list:
     out = []
-    for case in CASES:
+    for case in CASES if among is None else among:
         reason = _xfail(case, check)
         marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
         out.append(pytest.param(case, marks=marks, id=case))
@@ -144,6 +169,8 @@ def cases(check: str) -> list:
 def fixture(case: str) -> dict:
     with np.load(FIXTURES / f"{case}.npz") as d:
         data = {k: d[k] for k in d.files}
+    if "ref_sizes" not in data:  # a default-initialisation fixture
+        return data
     sizes = data["ref_sizes"]
     data["owner"] = np.repeat(np.arange(len(sizes)), sizes)  # flat reference element -> parameter
     data["inits"] = {str(n): data[f"init_index_{i}"] for i, n in enumerate(data["init_names"])}
@@ -236,6 +263,22 @@ def test_blocks(case):
     # initializers that hold no torch parameter must not form layers at all
     extra = sorted({layer.name for layer in plan.layers if not set(layer.params) & set(fixture(case)["inits"])})
     assert not wrong and not extra, f"{case}: {'; '.join(wrong)}; layers of constants: {extra}"
+
+
+@pytest.mark.parametrize("case", cases("merged", INIT_CASES))
+def test_merged_initializers_are_separate_parameters(case):
+    """At the models' own initialisation the exporters write equal tensors (zero biases, unit
+    gains, BatchNorm-folded zero biases) as ONE initializer used by several layers; the
+    compiler must still train one parameter per torch parameter: as many trainable elements
+    as the random-weight twin's export has (and the same loss as torch)."""
+    d, plan = fixture(case), compiled(case)
+    values = plan.parameter_values()
+    n = int(sum(values[p].size for p in plan.trainable))
+    loss, _ = kc.gradients(plan, inputs={"input": d["input"]}, targets=d["targets"])
+    np.testing.assert_allclose(loss, d["loss"], rtol=1e-4, err_msg=case)
+    assert n == int(d["expected_elements"]), (
+        f"{case}: {n} trainable elements, torch's parameters have {int(d['expected_elements'])} "
+        f"({len(plan.trainable)} trainable initializers)")
 
 
 @pytest.mark.slow
