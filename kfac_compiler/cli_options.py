@@ -17,7 +17,8 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", action="append", default=None, metavar="PARAM", dest="train_params",
                    help="train these although the constants rule freezes them (name or regex; repeatable)")
     p.add_argument("--untie", action="append", default=None, metavar="PARAM",
-                   help="give each node using this shared parameter its own copy (name, regex or 'all'; repeatable)")
+                   help="give each node using this shared parameter its own copy (name, regex, 'uniform' for every "
+                        "shared parameter whose values are all equal, or 'all'; repeatable)")
 
 
 def apply_selection_args(cfg: "CompileConfig", args: argparse.Namespace) -> None:

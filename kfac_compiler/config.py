@@ -169,8 +169,8 @@ class CompileConfig:
         if not isinstance(self.retie, bool):
             raise bad("retie", f"expected true or false, got {self.retie!r}")
         for key in ("exclude", "train", "untie"):
-            if key == "untie" and self.untie == "all":
-                self.untie = ["all"]
+            if key == "untie" and self.untie in ("all", "uniform"):
+                self.untie = [self.untie]
             setattr(self, key, _str_list(getattr(self, key), key, source))
             compile_patterns(getattr(self, key), key)
         from kfac_compiler.blocks import APPROXIMATIONS

@@ -9,8 +9,13 @@ what the file says and makes it loud:
   * a shared parameter whose values are all equal (the signature of a merge) gets a warning
     naming it, its uses and the option that unties it;
   * any other shared parameter (an unrolled RNN's weights, a tied embedding) gets a plan note;
-  * `untie` (config; CLI --untie, repeatable; names, regexes or "all") gives every consumer
-    node after the first its own copy `<name>.untied<k>` (k = 1, 2, ... in graph order).
+  * `untie` (config; CLI --untie, repeatable; names, regexes, "uniform" for every shared
+    parameter whose values are all equal, or "all") gives every consumer node after the first
+    its own copy `<name>.untied<k>` (k = 1, 2, ... in graph order).
+
+Why keeping is the default even for uniform values: legitimate ties are uniform at
+initialisation too (an unrolled RNN's zero bias shared by its time steps, ALBERT's shared
+gains), and untying them silently would change the model; `--untie uniform` is one flag.
 
 The copies are ordinary initializers of the canonical model, so the trained model written by
 `Trainer.export` carries them as separate initializers.
@@ -34,6 +39,7 @@ from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import GraphView
 
 UNTIE_ALL = "all"
+UNTIE_UNIFORM = "uniform"  # the shared parameters whose values are all equal (likely merges)
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,8 @@ def report_shared(shared: list[SharedParam], untied: set[str], notes: list[str])
             warnings.warn(
                 f"parameter {s.name!r} is shared by {uses} and all its values are {s.uniform:g}, as when an exporter "
                 f"merges equal initializers of a freshly initialised model; training ties these uses: untie it "
-                f"with untie = [{s.name!r}] (CLI --untie {s.name}, or --untie all) if they are separate parameters",
+                f"with untie = [{s.name!r}] (CLI --untie {s.name}, or --untie uniform for every such merge) if they "
+                f"are separate parameters",
                 stacklevel=2,
             )
         else:
@@ -75,14 +82,16 @@ def report_shared(shared: list[SharedParam], untied: set[str], notes: list[str])
 
 
 def select_untie(spec: list[str] | str | None, shared: list[SharedParam]) -> list[str]:
-    """The shared parameters `spec` names ("all", names or regexes); an entry naming none is an error."""
+    """The shared parameters `spec` names ("all", "uniform", names or regexes); a name or regex
+    naming none is an error."""
     if not spec:
         return []
     names = [s.name for s in shared]
-    if spec == UNTIE_ALL or spec == [UNTIE_ALL]:
-        return names
     entries = [spec] if isinstance(spec, str) else list(spec)
-    chosen: list[str] = []
+    if UNTIE_ALL in entries:
+        return names
+    chosen: list[str] = [s.name for s in shared if s.uniform is not None] if UNTIE_UNIFORM in entries else []
+    entries = [e for e in entries if e != UNTIE_UNIFORM]
     for pattern, rx in zip(entries, compile_patterns(entries, "untie")):
         hits = [n for n in names if n == pattern or rx.fullmatch(n)]
         if not hits:
@@ -174,4 +183,4 @@ def retie(model: onnx.ModelProto, copies: dict[str, tuple[str, bool]]) -> onnx.M
     return m
 
 
-__all__ = ["UNTIE_ALL", "SharedParam", "find_copies", "report_shared", "retie", "select_untie", "shared_params", "untie"]
+__all__ = ["UNTIE_ALL", "UNTIE_UNIFORM", "SharedParam", "find_copies", "report_shared", "retie", "select_untie", "shared_params", "untie"]

@@ -21,7 +21,7 @@ MENU = {
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
-    "tied_embedding": ("kron_tied", "kron_tied_vocab_diag", "diagonal"),
+    "tied_embedding": ("kron_tied_vocab_diag", "kron_tied", "diagonal"),
     "generic": ("diagonal", "full"),
 }
 

@@ -21,8 +21,7 @@ Checks per fixture:
              initializers are trained as separate parameters;
   train      (slow) 20 default K-FAC steps on the fixture's batch lower its loss by 10%.
 
-XFAIL lists what fails today and why; remove an entry when its feature lands (the marks are
-not strict, so an xpass is reported, not failed).
+XFAIL lists what fails and why (the marks are not strict, so an xpass is reported, not failed).
 """
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from kfac_compiler.passes.recurrent import METADATA_KEY, fold_recurrent_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text()) if (FIXTURES / "manifest.json").exists() else {}
@@ -47,60 +47,21 @@ INIT_CASES = sorted(k for k, v in MANIFEST.items() if v.get("status") == "ok" an
 # (fixture glob, check) -> the missing feature. Checks: compile, trainable, tied, gradients,
 # blocks, train, merged ("*" for every check).
 XFAIL: dict[tuple[str, str], str] = {
-    # constants stored as float initializers by the dynamo exporter's optimizer: Clip bounds
-    # (max_val_cast/min_val_cast), attention scale and mask fill scalars (val_*), zeros
-    ("mobilenet_v2-dynamo", "trainable"): "constants trained as parameters (Clip bounds min_val_cast/max_val_cast)",
-    ("gpt2-dynamo", "trainable"): "constants trained as parameters (val_* scalars and fills)",
-    ("bert-dynamo", "trainable"): "constants trained as parameters (val_*, zeros)",
-    ("gpt-dynamo", "trainable"): "constants trained as parameters (val_* scalars)",
-    ("lstm-dynamo", "trainable"): "constants trained as parameters (the initial state val_1)",
-    ("gru-dynamo", "trainable"): "constants trained as parameters (the initial state val_1)",
-    ("mobilenet_v2-dynamo", "blocks"): "constants trained as parameters (generic layers for Clip bounds)",
-    ("gpt2-dynamo", "blocks"): "constants trained as parameters (generic layers for val_*)",
-    ("bert-dynamo", "blocks"): "constants trained as parameters (generic layers for val_*, zeros)",
-    ("gpt-dynamo", "blocks"): "constants trained as parameters (generic layers for val_*)",
-    # the TorchScript exporter writes a tied embedding + head as two initializers (the table
-    # for Gather and its transpose for the head's MatMul): trained untied
-    ("gpt2-ts", "tied"): "tied embedding+head exported as two initializers (copies not linked)",
-    ("bert-ts", "tied"): "tied embedding+head exported as two initializers (copies not linked)",
-    ("gpt-ts", "tied"): "tied embedding+head exported as two initializers (copies not linked)",
-    ("gpt2-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
-    ("bert-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
-    ("gpt-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
-    # equal initializers merged by the exporter at the models' own initialisation (zero biases,
-    # unit gains; the TorchScript exporter's BatchNorm folding makes every conv bias zero)
-    ("gpt2_init-ts", "merged"): "exporter-merged initializers (15 tensors hold 29)",
-    ("gpt2_init-dynamo", "merged"): "exporter-merged initializers (and constants trained)",
-    ("resnet_init-ts", "merged"): "exporter-merged initializers (folded zero conv biases)",
+    # torch.export (optimizer on) looks the positions up with a constant, batch-less index
+    # tensor: the embedding pattern needs per-example indices, so wpe is a generic layer
+    ("gpt2-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
+    ("gpt2_sdpa-dynamo*", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
+    ("gpt-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
+    ("bert-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
+    # torch.export without its optimizer builds W/R/B from torch's tensors with Concat at run
+    # time: the lowered weights are computed tensors, so they are generic layers
+    ("lstm-dynamo_noopt", "blocks"): "LSTM weights concatenated at run time (no initializer to match): generic",
+    ("gru-dynamo_noopt", "blocks"): "GRU weights concatenated at run time (no initializer to match): generic",
     # the optimizer drops the folded all-zero conv biases altogether (180 elements): nothing
     # in the graph to train; only a compiler that adds biases back could pass this one
     ("resnet_init-dynamo", "merged"): "exporter's optimizer removed the zero folded conv biases (not in the graph)",
-    # opset 23 (torch.export with opset_version=23; SDPA as the Attention op)
-    ("*-dynamo23", "*"): "opset 23 (the loader accepts 13..22; Attention op)",
-    ("gpt2_sdpa-dynamo", "trainable"): "constants trained as parameters (val_* scalars and fills)",
-    ("gpt2_sdpa-dynamo", "blocks"): "constants trained as parameters (generic layers for val_*)",
-    ("gpt2_sdpa-dynamo", "tied"): "tied embedding+head exported as two initializers (optimizer's transposed copy val_*)",
-    ("gpt2_sdpa-dynamo", "train"): "constants trained as parameters (loss NaN after a few K-FAC steps)",
-    # kc.compile's default subgraphs need gradients: what has no gradient rule does not compile
-    ("lstm-*", "compile"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
-    ("gru-*", "compile"): "ONNX GRU op (nn.GRU) has no gradient rule",
-    ("gpt2-dynamo_noopt", "compile"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    ("gpt-dynamo_noopt", "compile"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    # nn.LSTM / nn.GRU export as ONNX LSTM / GRU ops: no gradient rule, no pattern
-    ("lstm-*", "gradients"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
-    ("gru-*", "gradients"): "ONNX GRU op (nn.GRU) has no gradient rule",
-    ("lstm-*", "blocks"): "ONNX LSTM op (nn.LSTM): weights are generic, not fully_connected_multi kron_indep",
-    ("gru-*", "blocks"): "ONNX GRU op (nn.GRU): weights are generic, not fully_connected_multi kron_indep",
-    ("lstm-*", "train"): "ONNX LSTM op (nn.LSTM) has no gradient rule",
-    ("gru-*", "train"): "ONNX GRU op (nn.GRU) has no gradient rule",
-    # torch.export without the optimizer splits q/k/v with SplitToSequence (opset 20)
-    ("gpt2-dynamo_noopt", "gradients"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    ("gpt-dynamo_noopt", "gradients"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    ("gpt2-dynamo_noopt", "train"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    ("gpt-dynamo_noopt", "train"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    ("gpt2_init-dynamo_noopt", "merged"): "SplitToSequence (torch.split, dynamo without optimizer) has no gradient rule",
-    # trained constants (the attention mask fill / score scale among them): the loss goes NaN
-    ("gpt2-dynamo", "train"): "constants trained as parameters (loss NaN after a few K-FAC steps)",
+    # ... and GPT-2's zero linear biases (576 elements) become one scalar `zeros` literal
+    ("gpt2_init-dynamo", "merged"): "exporter's optimizer replaced the zero linear biases by one scalar literal",
 }
 
 _TIED = None  # any kind and block (recorded by benchmarks/bench_real_exports.py)
@@ -184,6 +145,16 @@ def compiled(case: str, emit: bool = False):
         return kc.compile(str(FIXTURES / f"{case}.onnx"), loss="softmax_cross_entropy", output="logits", emit=emit)
 
 
+def held_by(plan, init: str) -> list[str]:
+    """The trained parameters that hold a source initializer: itself; for an exporter's copy
+    the parameter it is retied to; for a fused recurrent op's W/R/B/P its lowered pieces."""
+    if init in plan.retied:
+        return [plan.retied[init]["of"]]
+    props = {p.key: p.value for p in plan.model.metadata_props}
+    pieces = json.loads(props.get(METADATA_KEY, "{}")).get(init)
+    return [p[0] for p in pieces] if pieces else [init]
+
+
 def _holders(case: str) -> dict[str, list[str]]:
     """torch parameter -> the trainable-to-be initializers holding its elements."""
     d = fixture(case)
@@ -206,7 +177,7 @@ def test_trainable_set(case):
     trained = set(plan.trainable)
     constants = sorted(trained & {str(n) for n in d["frozen_names"]})
     assert not constants, f"{case}: constants trained as parameters: {constants}"
-    want = set(d["inits"])
+    want = {h for i in d["inits"] for h in held_by(plan, i)}
     assert trained == want, f"{case}: extra {sorted(trained - want)}, missing {sorted(want - trained)}"
 
 
@@ -216,7 +187,7 @@ def test_tied_copies_are_one_parameter(case):
     layer_of = {p: layer.name for layer in plan.layers for p in layer.params}
     for param, inits in _holders(case).items():
         if len(inits) > 1:
-            layers = {layer_of.get(i) for i in inits}
+            layers = {layer_of.get(h) for i in inits for h in held_by(plan, i)}
             assert len(layers) == 1, f"{case}: {param} held by {inits}, trained in separate layers {sorted(map(str, layers))}"
 
 
@@ -225,12 +196,15 @@ def test_gradients_match_torch(case):
     d, plan = fixture(case), compiled(case)
     loss, grads = kc.gradients(plan, inputs={"input": d["input"]}, targets=d["targets"])
     np.testing.assert_allclose(loss, d["loss"], rtol=1e-4, err_msg=case)
+    grads = {**grads, **fold_recurrent_params(plan.model, grads)}  # lowered pieces -> W, R, B
     got = np.zeros_like(d["ref_grads"])
     held = np.zeros(got.shape, bool)
     for name, idx in d["inits"].items():
+        held[idx] = True
+        if name in plan.retied:  # computed from its original, whose gradient has both uses
+            continue
         assert name in grads, f"{case}: no gradient for {name}"
         np.add.at(got, idx, grads[name].ravel().astype(np.float32))
-        held[idx] = True
     want = d["ref_grads"]
     scale = float(np.linalg.norm(want[held]))
     bad = []
@@ -256,24 +230,34 @@ def test_blocks(case):
         if rule[1] is _TIED:
             continue
         for init in inits:
-            layer = layer_of.get(init)
-            got = (layer.kind, layer.approximation) if layer else None
-            if got != rule[1:]:
-                wrong.append(f"{param} ({init}): {got}, expected {rule[1:]}")
+            for holder in held_by(plan, init):
+                layer = layer_of.get(holder)
+                got = (layer.kind, layer.approximation) if layer else None
+                if got != rule[1:]:
+                    wrong.append(f"{param} ({holder}): {got}, expected {rule[1:]}")
     # initializers that hold no torch parameter must not form layers at all
-    extra = sorted({layer.name for layer in plan.layers if not set(layer.params) & set(fixture(case)["inits"])})
+    holding = {h for i in fixture(case)["inits"] for h in held_by(plan, i)}
+    extra = sorted({layer.name for layer in plan.layers if not set(layer.params) & holding})
     assert not wrong and not extra, f"{case}: {'; '.join(wrong)}; layers of constants: {extra}"
 
 
 @pytest.mark.parametrize("case", cases("merged", INIT_CASES))
 def test_merged_initializers_are_separate_parameters(case):
     """At the models' own initialisation the exporters write equal tensors (zero biases, unit
-    gains, BatchNorm-folded zero biases) as ONE initializer used by several layers; the
-    compiler must still train one parameter per torch parameter: as many trainable elements
-    as the random-weight twin's export has (and the same loss as torch)."""
-    d, plan = fixture(case), compiled(case)
+    gains, BatchNorm-folded zero biases) as ONE initializer used by several layers; with
+    untie="uniform" (the one flag the warning names) the compiler trains one parameter per
+    torch parameter: as many trainable elements as the random-weight twin's export has (and
+    the same loss as torch)."""
+    d = fixture(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = kc.compile(str(FIXTURES / f"{case}.onnx"), loss="softmax_cross_entropy", output="logits",
+                          emit=False, untie="uniform")
     values = plan.parameter_values()
+    # the twin's count includes an exporter's copy of a tied weight; here it is retied
+    copies = {c: tuple(t.dims) for t in plan.model.graph.initializer for c in [t.name]}
     n = int(sum(values[p].size for p in plan.trainable))
+    n += int(sum(np.prod(copies.get(v["of"], ())) for v in plan.retied.values()))
     loss, _ = kc.gradients(plan, inputs={"input": d["input"]}, targets=d["targets"])
     np.testing.assert_allclose(loss, d["loss"], rtol=1e-4, err_msg=case)
     assert n == int(d["expected_elements"]), (

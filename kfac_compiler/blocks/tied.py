@@ -322,7 +322,7 @@ class TiedEmbeddingKron(TiedKronBase):
     the sum of the lookup's and the head's K-FAC terms."""
 
     name = "kron_tied"
-    menu_rank = 0
+    menu_rank = 1
 
 
 @register_block
@@ -330,7 +330,7 @@ class TiedEmbeddingKronVocabDiag(TiedKronBase):
     """kron_tied with the vocabulary factor L kept diagonal (G_V's diagonal): O(V) memory."""
 
     name = "kron_tied_vocab_diag"
-    menu_rank = 1
+    menu_rank = 0
     vocab_diag = True
 
 
