@@ -86,12 +86,19 @@ def bench(case: str, entry: dict, fixtures: Path, steps: int, bs: int) -> dict:
     row["blocks"] = dict(Counter(f"{layer.kind}/{layer.approximation}" for layer in plan.layers))
     row["trainable"] = len(plan.trainable)
     if held is not None:
-        row["held"] = len(held)
-        row["missing"] = sorted(set(held) - set(plan.trainable))
-        row["constants_trained"] = sorted(set(plan.trainable) & consts) + sorted(set(plan.trainable) - set(held) - consts)
+        holding = {h for name in held for h in plan.holders(name)}  # retied copies, lowered pieces
+        row["held"] = len(holding)
+        row["missing"] = sorted(holding - set(plan.trainable))
+        row["constants_trained"] = sorted(set(plan.trainable) & consts) + sorted(set(plan.trainable) - holding - consts)
     else:
+        with warnings.catch_warnings():  # one flag unties the exporter's merges (docs/frontend.md)
+            warnings.simplefilter("ignore")
+            plan = kc.compile(str(fixtures / f"{case}.onnx"), loss="softmax_cross_entropy", output="logits",
+                              untie="uniform")
         values = plan.parameter_values()
-        row["elements"] = int(sum(values[p].size for p in plan.trainable))
+        shapes = plan.param_shapes
+        row["elements"] = int(sum(values[p].size for p in plan.trainable)) + int(
+            sum(np.prod(shapes[v["of"]]) for v in plan.retied.values()))  # the twin counts an exporter's copy
     row["frozen"] = list(plan.frozen)
     row["warnings"] = len(plan.notes)
     if row.get("frontend_only"):

@@ -208,6 +208,19 @@ class Plan:
     def view(self) -> GraphView:
         return GraphView(self.model)
 
+    def holders(self, initializer: str) -> list[str]:
+        """The initializers of the plan's model holding a SOURCE model initializer: itself, the
+        parameter an exporter's copy is retied to, or a fused recurrent op's lowered pieces."""
+        import json
+
+        from kfac_compiler.passes.recurrent import METADATA_KEY
+
+        if initializer in self.retied:
+            return [self.retied[initializer]["of"]]
+        props = {p.key: p.value for p in self.model.metadata_props}
+        pieces = json.loads(props.get(METADATA_KEY, "{}")).get(initializer)
+        return [p[0] for p in pieces] if pieces else [initializer]
+
     def frozen_reason(self, name: str) -> str:
         """Why the frozen initializer `name` is not trained."""
         return self.frozen_reasons.get(name, "frozen")

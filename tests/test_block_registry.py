@@ -21,7 +21,7 @@ MENU = {
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
-    "tied_embedding": ("kron_tied_vocab_diag", "kron_tied", "diagonal"),
+    "tied_embedding": ("diagonal", "kron_tied_vocab_diag", "kron_tied"),
     "generic": ("diagonal", "full"),
 }
 

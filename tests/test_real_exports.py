@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
-from kfac_compiler.passes.recurrent import METADATA_KEY, fold_recurrent_params
+from kfac_compiler.passes.recurrent import fold_recurrent_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text()) if (FIXTURES / "manifest.json").exists() else {}
@@ -146,13 +146,8 @@ def compiled(case: str, emit: bool = False):
 
 
 def held_by(plan, init: str) -> list[str]:
-    """The trained parameters that hold a source initializer: itself; for an exporter's copy
-    the parameter it is retied to; for a fused recurrent op's W/R/B/P its lowered pieces."""
-    if init in plan.retied:
-        return [plan.retied[init]["of"]]
-    props = {p.key: p.value for p in plan.model.metadata_props}
-    pieces = json.loads(props.get(METADATA_KEY, "{}")).get(init)
-    return [p[0] for p in pieces] if pieces else [init]
+    """The trained parameters that hold a source initializer (Plan.holders)."""
+    return plan.holders(init)
 
 
 def _holders(case: str) -> dict[str, list[str]]:
