@@ -245,6 +245,25 @@ def _embedding_pattern() -> Pattern:
 
 
 # ------------------------------------------------------------- scale and shift
+def trailing_axes_attrs(b: Binding, key: str, op: str) -> dict:
+    """scale_and_shift attrs of a normalization over the axes from `axis` on (LayerNormalization,
+    RMSNormalization): the scale varies along those axes."""
+    axis = int(b.attr(key, "axis", -1))
+    rank = b.view.rank(b.input())
+    if rank is not None:
+        axis = axis % rank
+        scale_axes = tuple(range(axis, rank))
+    elif axis < 0:
+        scale_axes = tuple(range(axis, 0))
+    else:
+        raise NoMatch(f"{op} {b.node(key).name!r}: input rank unknown")
+    return {
+        "normalization": {"op": op, "axis": axis, "epsilon": nice_float(b.attr(key, "epsilon", 1e-5))},
+        "scale_axes": scale_axes,
+        "scale_input": b.input(),
+    }
+
+
 def _ln_pattern(with_bias: bool) -> Pattern:
     nodes = [PNode("ln", "LayerNormalization"), PNode("scale", PARAM)]
     edges = [PEdge("scale", "ln", (1,))]
@@ -256,20 +275,7 @@ def _ln_pattern(with_bias: bool) -> Pattern:
         return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
 
     def attrs(b: Binding) -> dict:
-        axis = int(b.attr("ln", "axis", -1))
-        rank = b.view.rank(b.input())
-        if rank is not None:
-            axis = axis % rank
-            scale_axes = tuple(range(axis, rank))
-        elif axis < 0:
-            scale_axes = tuple(range(axis, 0))
-        else:
-            raise NoMatch(f"LayerNormalization {b.node('ln').name!r}: input rank unknown")
-        return {
-            "normalization": {"op": "LayerNormalization", "axis": axis, "epsilon": nice_float(b.attr("ln", "epsilon", 1e-5))},
-            "scale_axes": scale_axes,
-            "scale_input": b.input(),
-        }
+        return trailing_axes_attrs(b, "ln", "LayerNormalization")
 
     return Pattern(
         name="layer_norm" + ("" if with_bias else "_scale"),
@@ -492,26 +498,12 @@ def normalization_fallback_notes(view: GraphView, layers) -> list[str]:
     return notes
 
 
-# ------------------------------------------- opset 23+ and ConvTranspose (wt-ops)
+# ---------------------------------------------------- opset 23+ and ConvTranspose
 def _rms_norm_pattern() -> Pattern:
     """RMSNormalization(x, scale) (opset 23; scale only): scale_and_shift without shift."""
 
     def attrs(b: Binding) -> dict:
-        axis = int(b.attr("rms", "axis", -1))
-        rank = b.view.rank(b.input())
-        if rank is not None:
-            axis = axis % rank
-            scale_axes = tuple(range(axis, rank))
-        elif axis < 0:
-            scale_axes = tuple(range(axis, 0))
-        else:
-            raise NoMatch(f"RMSNormalization {b.node('rms').name!r}: input rank unknown")
-        return {
-            "normalization": {"op": "RMSNormalization", "axis": axis,
-                              "epsilon": nice_float(b.attr("rms", "epsilon", 1e-5))},
-            "scale_axes": scale_axes,
-            "scale_input": b.input(),
-        }
+        return trailing_axes_attrs(b, "rms", "RMSNormalization")
 
     return Pattern(
         name="rms_norm",
