@@ -264,31 +264,43 @@ def trailing_axes_attrs(b: Binding, key: str, op: str) -> dict:
     }
 
 
-def _ln_pattern(with_bias: bool) -> Pattern:
-    nodes = [PNode("ln", "LayerNormalization"), PNode("scale", PARAM)]
-    edges = [PEdge("scale", "ln", (1,))]
+def _normalization_pattern(name: str, op: str, with_bias: bool, attrs, node_where=None,
+                           scale_where=None, where=None) -> Pattern:
+    """Pattern `name`: scale_and_shift over a normalization op `n` with its scale (input 1)
+    and, with `with_bias`, a shift (input 2) of the scale's shape; `where` adds a whole-match
+    check."""
+    nodes = [PNode("n", op, where=node_where), PNode("scale", PARAM, where=scale_where)]
+    edges = [PEdge("scale", "n", (1,))]
     if with_bias:
-        nodes.append(PNode("B", PARAM))
-        edges.append(PEdge("B", "ln", (2,)))
+        nodes.append(PNode("B", PARAM, where=scale_where))
+        edges.append(PEdge("B", "n", (2,)))
 
-    def where(b: Binding) -> bool:
-        return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
-
-    def attrs(b: Binding) -> dict:
-        return trailing_axes_attrs(b, "ln", "LayerNormalization")
+    def check(b: Binding) -> bool:
+        if with_bias and tuple(b.view.shape(b.bias)) != tuple(b.view.shape(b.weight)):
+            return False
+        return where is None or where(b)
 
     return Pattern(
-        name="layer_norm" + ("" if with_bias else "_scale"),
+        name=name,
         kind="scale_and_shift",
         nodes=tuple(nodes),
         edges=tuple(edges),
         weight="scale",
         bias="B" if with_bias else None,
-        input=("ln", 0),
-        output="ln",
-        where=where,
+        input=("n", 0),
+        output="n",
+        where=check,
         attrs=attrs,
     )
+
+
+def _scale_only(with_bias: bool) -> str:
+    return "" if with_bias else "_scale"
+
+
+def _ln_pattern(with_bias: bool) -> Pattern:
+    return _normalization_pattern("layer_norm" + _scale_only(with_bias), "LayerNormalization", with_bias,
+                                  lambda b: trailing_axes_attrs(b, "n", "LayerNormalization"))
 
 
 def _bn_inference(node: onnx.NodeProto, view: GraphView) -> bool:
@@ -298,43 +310,25 @@ def _bn_inference(node: onnx.NodeProto, view: GraphView) -> bool:
 
 
 def _bn_pattern(with_bias: bool) -> Pattern:
-    nodes = [PNode("bn", "BatchNormalization", where=_bn_inference), PNode("scale", PARAM, where=param_rank(1))]
-    edges = [PEdge("scale", "bn", (1,))]
-    if with_bias:
-        nodes.append(PNode("B", PARAM, where=param_rank(1)))
-        edges.append(PEdge("B", "bn", (2,)))
-
-    def where(b: Binding) -> bool:
-        node = b.node("bn")
-        if len(node.input) < 5 or any(node.input[i] not in b.view.initializers for i in (3, 4)):
-            return False
-        return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
+    def where(b: Binding) -> bool:  # mean and var are initializers
+        node = b.node("n")
+        return len(node.input) >= 5 and all(node.input[i] in b.view.initializers for i in (3, 4))
 
     def attrs(b: Binding) -> dict:
-        node = b.node("bn")
+        node = b.node("n")
         return {
             "normalization": {
                 "op": "BatchNormalization",
                 "mean": node.input[3],
                 "var": node.input[4],
-                "epsilon": nice_float(b.attr("bn", "epsilon", 1e-5)),
+                "epsilon": nice_float(b.attr("n", "epsilon", 1e-5)),
             },
             "scale_axes": (1,),
             "scale_input": b.input(),
         }
 
-    return Pattern(
-        name="batch_norm" + ("" if with_bias else "_scale"),
-        kind="scale_and_shift",
-        nodes=tuple(nodes),
-        edges=tuple(edges),
-        weight="scale",
-        bias="B" if with_bias else None,
-        input=("bn", 0),
-        output="bn",
-        where=where,
-        attrs=attrs,
-    )
+    return _normalization_pattern("batch_norm" + _scale_only(with_bias), "BatchNormalization", with_bias, attrs,
+                                  node_where=_bn_inference, scale_where=param_rank(1), where=where)
 
 
 def running_outputs_used(node: onnx.NodeProto, view: GraphView) -> bool:
@@ -352,35 +346,18 @@ def _batch_stat_pattern(name: str, op: str, with_bias: bool, node_where=None, no
     BatchNormalization in training mode (batch statistics), InstanceNormalization,
     GroupNormalization. `norm(binding)` -> the attrs["normalization"] entries beyond op and
     epsilon."""
-    nodes = [PNode("n", op, where=node_where), PNode("scale", PARAM, where=param_rank(1))]
-    edges = [PEdge("scale", "n", (1,))]
-    if with_bias:
-        nodes.append(PNode("B", PARAM, where=param_rank(1)))
-        edges.append(PEdge("B", "n", (2,)))
 
     def where(b: Binding) -> bool:
         rank = b.view.rank(b.input())
-        if rank is not None and rank < 2:
-            return False
-        return not with_bias or tuple(b.view.shape(b.bias)) == tuple(b.view.shape(b.weight))
+        return rank is None or rank >= 2
 
     def attrs(b: Binding) -> dict:
         spec = {"op": op, "epsilon": nice_float(b.attr("n", "epsilon", 1e-5))}
         spec.update(norm(b) if norm else {})
         return {"normalization": spec, "scale_axes": (1,), "scale_input": b.input()}
 
-    return Pattern(
-        name=name + ("" if with_bias else "_scale"),
-        kind="scale_and_shift",
-        nodes=tuple(nodes),
-        edges=tuple(edges),
-        weight="scale",
-        bias="B" if with_bias else None,
-        input=("n", 0),
-        output="n",
-        where=where,
-        attrs=attrs,
-    )
+    return _normalization_pattern(name + _scale_only(with_bias), op, with_bias, attrs, node_where=node_where,
+                                  scale_where=param_rank(1), where=where)
 
 
 def _group_norm_spec(b: Binding) -> dict:
@@ -501,21 +478,8 @@ def normalization_fallback_notes(view: GraphView, layers) -> list[str]:
 # ---------------------------------------------------- opset 23+ and ConvTranspose
 def _rms_norm_pattern() -> Pattern:
     """RMSNormalization(x, scale) (opset 23; scale only): scale_and_shift without shift."""
-
-    def attrs(b: Binding) -> dict:
-        return trailing_axes_attrs(b, "rms", "RMSNormalization")
-
-    return Pattern(
-        name="rms_norm",
-        kind="scale_and_shift",
-        nodes=(PNode("rms", "RMSNormalization"), PNode("scale", PARAM)),
-        edges=(PEdge("scale", "rms", (1,)),),
-        weight="scale",
-        bias=None,
-        input=("rms", 0),
-        output="rms",
-        attrs=attrs,
-    )
+    return _normalization_pattern("rms_norm", "RMSNormalization", False,
+                                  lambda b: trailing_axes_attrs(b, "n", "RMSNormalization"))
 
 
 def _conv_transpose_pattern(nd: int, with_bias: bool) -> Pattern:
