@@ -31,23 +31,35 @@ from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 
 
+def read_kernel_geometry(block, op: str) -> tuple[int, ...]:
+    """Set the weight shape, kernel, nd, strides, pads, dilations, group and bias of a Conv or
+    ConvTranspose layer's block from its attrs (ONNX defaults where absent); returns the
+    weight shape."""
+    layer = block.layer
+    w = layer.weight
+    wshape = tuple(int(d) for d in block.param_shapes[w])
+    if len(wshape) < 3:
+        raise ConfigError(f"layer {layer.name!r}: {op} weight {w!r} has shape {wshape}")
+    a = layer.attrs
+    block.kernel = tuple(int(k) for k in (a.get("kernel_shape") or wshape[2:]))
+    nd = block.nd = len(block.kernel)
+    block.strides = tuple(int(s) for s in (a.get("strides") or [1] * nd))
+    block.pads = tuple(int(p) for p in (a.get("pads") or [0] * (2 * nd)))
+    block.dilations = tuple(int(d) for d in (a.get("dilations") or [1] * nd))
+    block.group = int(a.get("group") or 1)
+    block.wshape = wshape
+    block.bias_name = layer.bias
+    block.has_bias = block.bias_name is not None
+    return wshape
+
+
 class ConvMixin:
     """Conv attributes, identity-kernel patch extraction (ONNX) and a numpy im2col."""
 
     def _conv_setup(self) -> None:
-        layer, shapes = self.layer, self.param_shapes
-        w = layer.weight
-        wshape = tuple(int(d) for d in shapes[w])
-        if len(wshape) < 3:
-            raise ConfigError(f"layer {layer.name!r}: conv weight {w!r} has shape {wshape}")
+        layer = self.layer
         a = layer.attrs
-        self.kernel = tuple(int(k) for k in (a.get("kernel_shape") or wshape[2:]))
-        nd = len(self.kernel)
-        self.nd = nd
-        self.strides = tuple(int(s) for s in (a.get("strides") or [1] * nd))
-        self.pads = tuple(int(p) for p in (a.get("pads") or [0] * (2 * nd)))
-        self.dilations = tuple(int(d) for d in (a.get("dilations") or [1] * nd))
-        self.group = int(a.get("group") or 1)
+        wshape = read_kernel_geometry(self, "conv")
         self.auto_pad = a.get("auto_pad") or "NOTSET"
         if isinstance(self.auto_pad, bytes):
             self.auto_pad = self.auto_pad.decode()
@@ -57,9 +69,6 @@ class ConvMixin:
         self.C_in = self.Cg * self.group
         self.Co_g = self.C_out // self.group
         self.K = self.Cg * prod(self.kernel)
-        self.wshape = wshape
-        self.bias_name = layer.bias
-        self.has_bias = self.bias_name is not None
         self.nK = self.K + int(self.has_bias)
 
     def _bias_shape(self):

@@ -31,7 +31,7 @@ import numpy as np
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks._parts import Part
-from kfac_compiler.blocks.conv import ConvMixin
+from kfac_compiler.blocks.conv import ConvMixin, read_kernel_geometry
 from kfac_compiler.blocks.flat import FlatBlock
 from kfac_compiler.blocks.kron import KronBlock
 from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim, emit_gram, prod
@@ -58,19 +58,11 @@ class _AdjointConv(ConvMixin):
 
 class ConvTMixin:
     def _convt_setup(self) -> None:
-        layer, shapes = self.layer, self.param_shapes
-        w = layer.weight
-        wshape = tuple(int(d) for d in shapes[w])
-        if len(wshape) < 3:
-            raise ConfigError(f"layer {layer.name!r}: ConvTranspose weight {w!r} has shape {wshape}")
+        layer = self.layer
         a = layer.attrs
-        self.kernel = tuple(int(k) for k in (a.get("kernel_shape") or wshape[2:]))
-        nd = self.nd = len(self.kernel)
-        self.strides = tuple(int(s) for s in (a.get("strides") or [1] * nd))
-        self.pads = tuple(int(p) for p in (a.get("pads") or [0] * (2 * nd)))
-        self.dilations = tuple(int(d) for d in (a.get("dilations") or [1] * nd))
+        wshape = read_kernel_geometry(self, "ConvTranspose")
+        nd = self.nd
         self.output_padding = tuple(int(p) for p in (a.get("output_padding") or [0] * nd))
-        self.group = int(a.get("group") or 1)
         self.C_in, self.Co_g = wshape[0], wshape[1]
         if self.C_in % self.group:
             raise ConfigError(f"layer {layer.name!r}: C_in={self.C_in} not divisible by group={self.group}")
@@ -81,9 +73,6 @@ class ConvTMixin:
         self.Cg = self.C_in // self.group
         self.C_out = self.Co_g * self.group
         self.Kt = self.Co_g * prod(self.kernel)  # G side: (o, m)
-        self.wshape = wshape
-        self.bias_name = layer.bias
-        self.has_bias = self.bias_name is not None
         self.adj = _AdjointConv(self)
 
     def _positions(self) -> int:
