@@ -42,13 +42,14 @@ def _rank_or_fail(view, node, x):
     return r
 
 
-def _ln_axes(view, node):
+def trailing_axes(view, node):
+    """The axes from the node's `axis` attribute on (LayerNormalization, RMSNormalization)."""
     axis = int(attr(node, "axis", -1))
     r = view.rank(node.input[0])
     if axis < 0:
         return list(range(axis, 0)) if r is None else list(range(axis + r, r))
     if r is None:
-        raise unsupported(node, view, "with a non-negative axis needs the input rank")
+        raise unsupported(node, view, "with a non-negative axis needs the input rank (run shape inference)")
     return list(range(axis, r))
 
 
@@ -61,7 +62,7 @@ def _ln_vjp(b, view, node, gys, needs=None):
     res: list[str | None] = [None] * n_in
     if g is None and gm is None and gi is None:
         return res
-    axes = _ln_axes(view, node)
+    axes = trailing_axes(view, node)
     eps = float(attr(node, "epsilon", 1e-5))
     mean, inv, xhat = _stats(b, X, axes, eps)
     if need(needs, 0):
@@ -92,7 +93,7 @@ def _ln_jvp(b, view, node, ts):
     B = inp(node, 2)
     tX, tS = ts[0], ts[1]
     tB = ts[2] if len(ts) > 2 and B else None
-    axes = _ln_axes(view, node)
+    axes = trailing_axes(view, node)
     mean, inv, xhat = _stats(b, X, axes, float(attr(node, "epsilon", 1e-5)))
     terms = []
     if tX is not None:

@@ -6,22 +6,13 @@ precision (whatever stash_type)."""
 from __future__ import annotations
 
 from kfac_compiler.oprules import register
-from kfac_compiler.oprules._util import add_n, attr, c, need, unbroadcast, unsupported
-
-
-def _axes(view, node):
-    axis = int(attr(node, "axis", -1))
-    r = view.rank(node.input[0])
-    if axis < 0:
-        return list(range(axis, 0)) if r is None else list(range(axis + r, r))
-    if r is None:
-        raise unsupported(node, view, "with a non-negative axis needs the input rank (run shape inference)")
-    return list(range(axis, r))
+from kfac_compiler.oprules._util import add_n, attr, c, need, unbroadcast
+from kfac_compiler.oprules.normalization import trailing_axes
 
 
 def _stats(b, view, node):
     x = node.input[0]
-    axes = _axes(view, node)
+    axes = trailing_axes(view, node)
     eps = float(attr(node, "epsilon", 1e-5))
     ms = b.reduce_mean(b.mul(x, x), axes, keepdims=True)
     inv = b.div(c(b, 1.0), b.op("Sqrt", [b.add(ms, c(b, eps))]))
