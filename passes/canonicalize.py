@@ -132,76 +132,45 @@ def _rewrite_gemm_trans_a(m: onnx.ModelProto) -> None:
     g.node.extend(new_nodes)
 
 
-def _const_ints(m: onnx.ModelProto, name: str) -> list[int] | None:
-    """The value of an integer initializer or Constant node output, else None."""
-    for t in m.graph.initializer:
-        if t.name == name:
-            return [int(v) for v in numpy_helper.to_array(t).ravel()]
-    for n in m.graph.node:
-        if n.op_type == "Constant" and name in n.output:
-            for a in n.attribute:
-                if a.name == "value":
-                    return [int(v) for v in numpy_helper.to_array(a.t).ravel()]
-                if a.name in ("value_int", "value_ints"):
-                    return [int(v) for v in np.atleast_1d(helper.get_attribute_value(a))]
-    return None
-
-
-def _rank0(m: onnx.ModelProto, name: str) -> bool | None:
-    for t in m.graph.initializer:
-        if t.name == name:
-            return len(t.dims) == 0
-    for n in m.graph.node:
-        if n.op_type == "Constant" and name in n.output:
-            return any(a.name == "value" and len(a.t.dims) == 0 or a.name == "value_int" for a in n.attribute)
-    return None
-
-
-def _static_dim(m: onnx.ModelProto, name: str, axis: int) -> int | None:
-    for vi in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output):
-        if vi.name == name and vi.type.tensor_type.HasField("shape"):
-            dims = vi.type.tensor_type.shape.dim
-            d = dims[axis % len(dims)] if dims else None
-            return int(d.dim_value) if d is not None and d.HasField("dim_value") else None
-    return None
-
-
 def _split_sequences(m: onnx.ModelProto) -> None:
     """SplitToSequence(x, sizes) read only by SequenceAt at constant positions becomes
     Split(x, sizes) (torch.split in torch.export graphs without the exporter's optimizer): no
     sequence types on the gradient path."""
-    g = m.graph
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    view = GraphView(m)  # lookups of what exists before the rewrite (constants, shapes, readers)
+
+    def const_ints(name: str) -> np.ndarray | None:
+        value = view.constant_value(name)
+        return None if value is None else np.asarray(value).astype(np.int64)
+
     drop, new_nodes = set(), []
-    for node in g.node:
+    for node in view.nodes:
         if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             new_nodes.append(node)
             continue
         a = attrs_of(node)
         axis = int(a.get("axis", 0))
-        sizes = _const_ints(m, node.input[1])
-        if sizes is not None and _rank0(m, node.input[1]):
-            dim = _static_dim(m, node.input[0], axis)  # a scalar: chunks of that size
-            sizes = None if dim is None else [min(sizes[0], dim - k) for k in range(0, dim, sizes[0])]
-        users = readers.get(node.output[0], [])
-        positions = [_const_ints(m, u.input[1]) if u.op_type == "SequenceAt" and len(u.input) > 1 else None
+        sizes = const_ints(node.input[1])
+        if sizes is not None and sizes.ndim == 0:  # a scalar: chunks of that size
+            shape = view.shape(node.input[0])
+            dim = shape[axis] if shape is not None else None
+            chunk = int(sizes)
+            sizes = None if not isinstance(dim, int) else [min(chunk, dim - k) for k in range(0, dim, chunk)]
+        users = view.consumers.get(node.output[0], [])
+        positions = [const_ints(u.input[1]) if u.op_type == "SequenceAt" and len(u.input) > 1 else None
                      for u in users]
         if (sizes is None or len(sizes) < 2 or not a.get("keepdims", 1) or not users
-                or any(p is None or len(p) != 1 for p in positions)):
+                or any(p is None or p.size != 1 for p in positions)):
             new_nodes.append(node)
             continue
         sizes_name = f"{node.name}/sizes"
-        g.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), sizes_name))
+        m.graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), sizes_name))
         outs = [f"{node.output[0]}:{k}" for k in range(len(sizes))]
-        for u, (pos,) in zip(users, positions):
-            outs[pos % len(sizes)] = u.output[0]
+        for u, pos in zip(users, positions):
+            outs[int(pos.reshape(-1)[0]) % len(sizes)] = u.output[0]
             drop.add(id(u))
         new_nodes.append(helper.make_node("Split", [node.input[0], sizes_name], outs, name=node.name, axis=axis))
-    del g.node[:]
-    g.node.extend(n for n in new_nodes if id(n) not in drop)
+    del m.graph.node[:]
+    m.graph.node.extend(n for n in new_nodes if id(n) not in drop)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
