@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from kfac_compiler.builder import live
 from kfac_compiler.config import compile_patterns
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView
@@ -42,7 +43,7 @@ SETTING_SLOTS: dict[str, tuple[int, ...]] = {
     "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,), "Dropout": (1, 2), "Gather": (1,),
     "GatherElements": (1,), "GatherND": (1,), "ScatterND": (1,), "ScatterElements": (1,),
     "CumSum": (1,), "Trilu": (1,), "TopK": (1,), "OneHot": (0, 1, 2), "Range": (0, 1, 2),
-    "ConstantOfShape": (0,), "BatchNormalization": (3, 4), "LSTM": (4,), "GRU": (4,), "RNN": (4,),
+    "ConstantOfShape": (0,), "BatchNormalization": (3, 4),
 }
 # Elementwise arithmetic: where exporters put the Python scalars they lift into initializers.
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Sum", "Mean", "Where", "Clip",
@@ -132,8 +133,6 @@ def split_trainable(
     A bad regex, an include/exclude/train entry matching no initializer, or nothing left to
     train is a ConfigError.
     """
-    from kfac_compiler.builder import live
-
     view = view or GraphView(model)
     reach = live(view.nodes, [output])[1]
     candidates = [t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES and t.name in reach]
