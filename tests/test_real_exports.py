@@ -145,11 +145,6 @@ def compiled(case: str, emit: bool = False):
         return kc.compile(str(FIXTURES / f"{case}.onnx"), loss="softmax_cross_entropy", output="logits", emit=emit)
 
 
-def held_by(plan, init: str) -> list[str]:
-    """The trained parameters that hold a source initializer (Plan.holders)."""
-    return plan.holders(init)
-
-
 def _holders(case: str) -> dict[str, list[str]]:
     """torch parameter -> the trainable-to-be initializers holding its elements."""
     d = fixture(case)
@@ -172,7 +167,7 @@ def test_trainable_set(case):
     trained = set(plan.trainable)
     constants = sorted(trained & {str(n) for n in d["frozen_names"]})
     assert not constants, f"{case}: constants trained as parameters: {constants}"
-    want = {h for i in d["inits"] for h in held_by(plan, i)}
+    want = {h for i in d["inits"] for h in plan.holders(i)}
     assert trained == want, f"{case}: extra {sorted(trained - want)}, missing {sorted(want - trained)}"
 
 
@@ -182,7 +177,7 @@ def test_tied_copies_are_one_parameter(case):
     layer_of = {p: layer.name for layer in plan.layers for p in layer.params}
     for param, inits in _holders(case).items():
         if len(inits) > 1:
-            layers = {layer_of.get(h) for i in inits for h in held_by(plan, i)}
+            layers = {layer_of.get(h) for i in inits for h in plan.holders(i)}
             assert len(layers) == 1, f"{case}: {param} held by {inits}, trained in separate layers {sorted(map(str, layers))}"
 
 
@@ -225,13 +220,13 @@ def test_blocks(case):
         if rule[1] is _TIED:
             continue
         for init in inits:
-            for holder in held_by(plan, init):
+            for holder in plan.holders(init):
                 layer = layer_of.get(holder)
                 got = (layer.kind, layer.approximation) if layer else None
                 if got != rule[1:]:
                     wrong.append(f"{param} ({holder}): {got}, expected {rule[1:]}")
     # initializers that hold no torch parameter must not form layers at all
-    holding = {h for i in fixture(case)["inits"] for h in held_by(plan, i)}
+    holding = {h for i in fixture(case)["inits"] for h in plan.holders(i)}
     extra = sorted({layer.name for layer in plan.layers if not set(layer.params) & holding})
     assert not wrong and not extra, f"{case}: {'; '.join(wrong)}; layers of constants: {extra}"
 
