@@ -23,7 +23,7 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
-from kfac_compiler.passes.trainable import split_trainable
+from kfac_compiler.passes.trainable import TrainableSet, split_trainable
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
@@ -139,22 +139,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
 
     plan_notes: list[str] = []
     split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
-    exporter_copies = find_copies(view, split.trainable) if cfg.retie else {}
-    if exporter_copies:
-        canon = retie(canon, exporter_copies)
-        view = GraphView(canon)
-        split = dataclasses.replace(split, trainable=[p for p in split.trainable if p not in exporter_copies])
-        plan_notes.append("re-tied (an exporter's copies of one parameter, trained as one; retie = false keeps "
-                          "them apart): " + "; ".join(f"{c} = {'Transpose(' + o + ')' if t else o}"
-                                                      for c, (o, t) in exporter_copies.items()))
-    shared = shared_params(view, split.trainable)
-    to_untie = select_untie(cfg.untie, shared)
-    if to_untie:
-        canon, copies = untie(canon, shared, to_untie)
-        view = GraphView(canon)
-        split = dataclasses.replace(split, trainable=[c for p in split.trainable for c in [p] + copies.get(p, [])])
-        plan_notes.append("untied: " + "; ".join(f"{k} -> {', '.join([k] + v)}" for k, v in copies.items()))
-    report_shared(shared, set(to_untie), plan_notes)
+    canon, view, split, exporter_copies = _repair_ties(canon, view, split, cfg, plan_notes)
     if split.frozen:
         plan_notes.append(f"{len(split.frozen)} initializers frozen (not trained); inspect lists each with its reason")
     trainable, frozen = split.trainable, split.frozen
@@ -215,6 +200,34 @@ def _name_running_outputs(model: onnx.ModelProto) -> None:
                     name = f"{node.name}/{suffix}_{k}"
                 node.output[i] = name
                 taken.add(name)
+
+
+Copies = dict[str, tuple[str, bool]]  # an exporter's copy -> (the parameter, transposed)
+
+
+def _repair_ties(canon: onnx.ModelProto, view: GraphView, split: TrainableSet, cfg: CompileConfig,
+                 notes: list[str]) -> tuple[onnx.ModelProto, GraphView, TrainableSet, Copies]:
+    """Retie an exporter's copies of one parameter, untie what `untie` names, report the other
+    shared parameters (passes/untie.py); returns the model, its view, the trainable set and
+    the retied copies."""
+    exporter_copies = find_copies(view, split.trainable) if cfg.retie else {}
+    if exporter_copies:
+        canon = retie(canon, exporter_copies)
+        view = GraphView(canon)
+        split = dataclasses.replace(split, trainable=[p for p in split.trainable if p not in exporter_copies])
+        retied = "; ".join(f"{c} = {'Transpose(' + o + ')' if t else o}" for c, (o, t) in exporter_copies.items())
+        notes.append(f"re-tied (an exporter's copies of one parameter, trained as one; retie = false keeps them "
+                     f"apart): {retied}")
+    shared = shared_params(view, split.trainable)
+    to_untie = select_untie(cfg.untie, shared)
+    if to_untie:
+        canon, copies = untie(canon, shared, to_untie)
+        view = GraphView(canon)
+        trainable = [c for p in split.trainable for c in [p] + copies.get(p, [])]
+        split = dataclasses.replace(split, trainable=trainable)
+        notes.append("untied: " + "; ".join(f"{k} -> {', '.join([k] + v)}" for k, v in copies.items()))
+    report_shared(shared, set(to_untie), notes)
+    return canon, view, split, exporter_copies
 
 
 def _targets_spec(loss: Loss, output: dict[str, Any], from_input: str | None) -> TensorSpec:
