@@ -25,11 +25,16 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
 
     [inverse]
     method = "auto"           # auto|inverse_op|newton_schulz|cholesky|eigh
-    update_period = 10
+    update_period = 10        # default: chosen by the budget
     damping_split = "pi"      # pi|exact
 
     [stats]
-    update_period = 1
+    update_period = 1         # default: chosen by the budget
+
+    [budget]                  # cost-aware choice (passes/budget.py); overhead = 0: off
+    overhead = 1.0            # curvature work per step <= 1.0 x forward+backward FLOPs
+    batch_size = 32           # ... at this batch size
+    min_dim = 512             # narrower factors are never approximated
 
     [loss_options]            # the loss kind's own options (each loss class lists them)
     variance = 0.5            # squared_error; the old top-level key loss_variance still works
@@ -61,13 +66,25 @@ class EstimatorConfig:
 @dataclass
 class InverseConfig:
     method: str = "auto"  # schur on CPU and CUDA (linalg.concrete_method); failed blocks: host Cholesky
-    update_period: int = 10
+    update_period: int | None = None  # None: chosen by the budget (10 unless a refresh is dear)
     damping_split: str = "pi"
 
 
 @dataclass
 class StatsConfig:
-    update_period: int = 1
+    update_period: int | None = None  # None: chosen by the budget (1 unless statistics are dear)
+
+
+@dataclass
+class BudgetConfig:
+    """The cost-aware choice (passes/budget.py): the curvature work per step (preconditioning,
+    amortized statistics and inverses) at most `overhead` times the model's forward+backward
+    FLOPs at `batch_size`; factors narrower than `min_dim` are never approximated. overhead 0:
+    off (every layer keeps its menu default, periods 1 and 10)."""
+
+    overhead: float = 1.0
+    batch_size: int = 32
+    min_dim: int = 512
 
 
 @dataclass
@@ -98,6 +115,7 @@ class CompileConfig:
     damping: float = 1e-3
     inverse: InverseConfig = field(default_factory=InverseConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     # The options of the loss kind ({name: value}; the loss class declares and checks them).
     loss_options: dict[str, Any] = field(default_factory=dict)
     # Old spelling of squared_error's variance option (its LossOption.config_alias); kept so
@@ -111,7 +129,7 @@ class CompileConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a table/object at top level, got {type(data).__name__}")
         kwargs: dict[str, Any] = {}
-        nested = {"estimator": EstimatorConfig, "inverse": InverseConfig, "stats": StatsConfig}
+        nested = {"estimator": EstimatorConfig, "inverse": InverseConfig, "stats": StatsConfig, "budget": BudgetConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         for key, value in data.items():
             if key not in known:
@@ -202,8 +220,13 @@ class CompileConfig:
             raise bad("inverse.method", f"unknown method {inv.method!r}; choose one of {', '.join(INVERSE_METHODS)}")
         if inv.damping_split not in DAMPING_SPLITS:
             raise bad("inverse.damping_split", f"{inv.damping_split!r}; choose one of {', '.join(DAMPING_SPLITS)}")
-        _check_int(inv.update_period, "inverse.update_period", source)
-        _check_int(self.stats.update_period, "stats.update_period", source)
+        if inv.update_period is not None:
+            _check_int(inv.update_period, "inverse.update_period", source)
+        if self.stats.update_period is not None:
+            _check_int(self.stats.update_period, "stats.update_period", source)
+        _check_float(self.budget.overhead, "budget.overhead", source, 0.0, None)
+        _check_int(self.budget.batch_size, "budget.batch_size", source)
+        _check_int(self.budget.min_dim, "budget.min_dim", source)
         _check_float(self.ema_decay, "ema_decay", source, 0.0, 1.0, hi_open=True)
         _check_float(self.damping, "damping", source, 0.0, None)
         _check_float(self.loss_variance, "loss_variance", source, 0.0, None, lo_open=True)

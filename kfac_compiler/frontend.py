@@ -25,7 +25,8 @@ from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.trainable import TrainableSet, split_trainable
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
-from kfac_compiler.passes.choose_blocks import choose_blocks
+from kfac_compiler.passes.budget import BudgetResult, fit_budget
+from kfac_compiler.passes.choose_blocks import choose_blocks, pinned_layers
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
@@ -86,7 +87,7 @@ def apply_overrides(cfg: CompileConfig, overrides: dict[str, Any]) -> CompileCon
         return cfg
     data = cfg.to_dict()
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict) and key in ("estimator", "inverse", "stats"):
+        if isinstance(value, dict) and isinstance(data.get(key), dict) and key in ("estimator", "inverse", "stats", "budget"):
             data[key] = {**data[key], **value}
         else:
             data[key] = value
@@ -145,12 +146,16 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     trainable, frozen = split.trainable, split.frozen
     matches = match_layers(canon, trainable, view=view)
     layers = link_params(matches, trainable, cfg.links, view=view)
+    pinned = pinned_layers(layers, cfg)
     layers = choose_blocks(layers, cfg)
     for note in normalization_fallback_notes(view, layers):
         warnings.warn(note)
 
     layers = [_with_input_shape(layer, view) for layer in layers]
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}
+    budget = _fit_budget(layers, pinned, shapes, view, cfg)
+    layers = budget.layers
+    plan_notes.extend(budget.notes)
     factors: dict[str, list[FactorSpec] | None] = {}
     for layer in layers:
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
@@ -170,13 +175,36 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         layers=layers,
         factors=factors,
         estimator=dataclasses.replace(cfg.estimator),
-        schedule=Schedule(cfg.ema_decay, cfg.damping, dataclasses.replace(cfg.inverse), dataclasses.replace(cfg.stats)),
+        schedule=Schedule(cfg.ema_decay, cfg.damping,
+                          dataclasses.replace(cfg.inverse, update_period=budget.inverse_period),
+                          dataclasses.replace(cfg.stats, update_period=budget.stats_period)),
         dtype=cfg.dtype,
         source_path=source_path,
         source_sha256=source_hash,
         config=cfg.to_dict(),
         notes=plan_notes,
+        costs=budget.costs,
     )
+
+
+def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: GraphView, cfg: CompileConfig) -> BudgetResult:
+    """passes/budget.py on the chosen layers; layers whose block class is not available are
+    skipped (their factors are unknown)."""
+    from kfac_compiler.linalg import concrete_method
+
+    known = [l for l in layers if _block_available(l.approximation, l.kind)]
+
+    def make(layer: Layer):
+        return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view))
+
+    result = fit_budget(
+        known, make, pinned, overhead=cfg.budget.overhead, batch_size=cfg.budget.batch_size,
+        min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
+        method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
+    )
+    chosen = {l.name: l for l in result.layers}
+    result.layers = [chosen.get(l.name, l) for l in layers]
+    return result
 
 
 def _name_running_outputs(model: onnx.ModelProto) -> None:

@@ -143,6 +143,9 @@ class Plan:
     # an exporter's copy of a parameter (no initializer in the plan's model) -> the parameter
     # it is computed from, and whether as its transpose (passes/untie.py, retie)
     retied: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the cost-aware choice's prediction at its reference batch (passes/budget.py): totals in
+    # FLOPs per step / update / refresh, the chosen periods, and per layer its BlockCost
+    costs: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ lookups
@@ -280,6 +283,7 @@ class Plan:
             "frozen": list(self.frozen),
             "frozen_reasons": {name: self.frozen_reason(name) for name in self.frozen},
             "retied": {name: dict(v) for name, v in self.retied.items()},
+            "costs": _jsonable(self.costs),
             "layers": [self.layer_json(l) for l in self.layers],
             "estimator": dataclasses.asdict(self.estimator),
             "schedule": self.schedule.to_json(),
@@ -425,6 +429,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
             frozen=list(doc["frozen"]),
             frozen_reasons=dict(doc.get("frozen_reasons", {})),
             retied=dict(doc.get("retied", {})),
+            costs=dict(doc.get("costs", {})),
             layers=layers,
             factors=factors,
             estimator=EstimatorConfig(**doc.get("estimator", {})),

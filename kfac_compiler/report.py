@@ -61,6 +61,7 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
             "inverse_method": shown,
             "stats_flops_per_example": int(block.stats_flops(1)),
             "inverse_flops": int(block.inverse_flops(cpu_method)),
+            "apply_flops": int(block.apply_flops()),
         }
     return costs
 
@@ -110,6 +111,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "estimator": dataclasses.asdict(plan.estimator),
         "schedule": plan.schedule.to_json(),
         "frozen": [{"name": n, "reason": plan.frozen_reason(n)} for n in plan.frozen],
+        "costs": {k: v for k, v in plan.costs.items() if k != "layers"},
         "subgraphs": subgraph_summary(plan),
     }
 
@@ -141,12 +143,13 @@ def _factor_text(specs) -> str:
 
 def render_table(plan: Plan) -> str:
     shapes = plan.param_shapes
-    header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP")
+    header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP",
+              "precond FLOP")
     costs = block_costs(plan)
     rows = []
     tot_params = tot_uses = 0
     tot_bytes: int | None = 0
-    tot_flops = [0, 0]
+    tot_flops = [0, 0, 0]
     for layer in plan.layers:
         n = int(sum(math.prod(shapes[p]) for p in layer.params))
         specs = plan.factors.get(layer.name)
@@ -157,14 +160,16 @@ def render_table(plan: Plan) -> str:
         c = costs[layer.name]
         tot_flops[0] += c["stats_flops_per_example"]
         tot_flops[1] += c["inverse_flops"]
+        tot_flops[2] += c["apply_flops"]
         rows.append(
             (layer.name, layer.kind, f"{n:,}", str(layer.num_uses), layer.approximation or "?", _factor_text(specs),
-             human_bytes(nbytes), c["inverse_method"], f"{c['stats_flops_per_example']:,}", f"{c['inverse_flops']:,}")
+             human_bytes(nbytes), c["inverse_method"], f"{c['stats_flops_per_example']:,}", f"{c['inverse_flops']:,}",
+             f"{c['apply_flops']:,}")
         )
     totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes),
-              "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}")
+              "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}", f"{tot_flops[2]:,}")
     widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
-    right = {2, 3, 6, 8, 9}
+    right = {2, 3, 6, 8, 9, 10}
 
     def line(r):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -180,7 +185,9 @@ def render_table(plan: Plan) -> str:
         f"output:    {plan.output}   loss: {loss}",
         f"estimator: {plan.estimator.mode} x{plan.estimator.num_samples}   "
         f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
-        f"inverse {inv.method} every {inv.update_period} steps",
+        f"statistics every {plan.schedule.stats.update_period} steps   inverse {inv.method} every "
+        f"{inv.update_period} steps",
+        *_cost_lines(plan.costs),
         "",
     ]
     body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]
@@ -195,6 +202,23 @@ def render_table(plan: Plan) -> str:
             for s in subs
         ]
     return "\n".join(head + body) + "\n"
+
+
+def _cost_lines(costs: dict[str, Any]) -> list[str]:
+    """The cost-aware choice's prediction (passes/budget.py), per step at its reference batch."""
+    base = costs.get("forward_backward_flops")
+    if not base:
+        return []
+    s, r = costs["stats_period"], costs["inverse_period"]
+    stats, inv, apply = costs["stats_flops_per_update"], costs["inverse_flops_per_refresh"], costs["apply_flops"]
+    step = base + costs["qmodel_flops"] + costs["curvature_flops_per_step"]
+    return [
+        f"cost at batch {costs['batch_size']} (statistics on {costs['stats_batch_size']}; budget.overhead "
+        f"{costs['overhead_budget']:g}), in the model's forward+backward ({base / 1e9:.3g} GFLOP): preconditioning "
+        f"{apply / base:.2f}x, statistics {stats / base:.2f}x / {s} = {stats / s / base:.2f}x, inverses "
+        f"{inv / base:.2f}x / {r} = {inv / r / base:.2f}x: curvature {costs['overhead']:.2f}x; with the quadratic "
+        f"model a K-FAC step ~{step / base:.1f}x an SGD step in FLOPs",
+    ]
 
 
 # ---------------------------------------------------------------------------- dot

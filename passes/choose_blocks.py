@@ -64,9 +64,24 @@ def choose_blocks(layers: Iterable[Layer], config: CompileConfig | None = None) 
     return out
 
 
+def pinned_layers(layers: Iterable[Layer], config: CompileConfig | None = None) -> set[str]:
+    """Names of the layers whose approximation the user chose (precedence levels 1-4 above:
+    config layers, links, config approximations), before choose_blocks runs; the cost-aware
+    choice (passes/budget.py) leaves them alone."""
+    config = config or CompileConfig()
+    rxs = compile_patterns(list(config.layers), "layers")
+    out = set()
+    for layer in layers:
+        key = menu_key(layer.kind, layer.num_uses)
+        if (layer.approximation or key in config.approximations or layer.kind in config.approximations
+                or any(layer.name == pat or rx.fullmatch(layer.name) for pat, rx in zip(config.layers, rxs))):
+            out.add(layer.name)
+    return out
+
+
 def allowed_approximations(layer: Layer) -> tuple[str, ...]:
     """The menu for a layer (first entry = default)."""
     return APPROXIMATIONS[menu_key(layer.kind, layer.num_uses)]
 
 
-__all__ = ["allowed_approximations", "choose_blocks"]
+__all__ = ["allowed_approximations", "choose_blocks", "pinned_layers"]

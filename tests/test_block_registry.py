@@ -14,9 +14,10 @@ from kfac_compiler.passes.choose_blocks import choose_blocks
 
 MENU = {
     "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
-    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal"),
-    "conv": ("kron", "diagonal"),
-    "conv_multi": ("kron_indep", "diagonal"),
+    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "kron_in_diag", "kron_out_diag",
+                              "kron_both_diag"),
+    "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
+    "conv_multi": ("kron_indep", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
     "depthwise_conv": ("diagonal",),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
@@ -60,7 +61,8 @@ def test_a_registered_class_joins_the_menus_by_its_declaration(registry):
 
     fc = ("kron", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
     assert APPROXIMATIONS["fully_connected"] == fc
-    multi = ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "extra")
+    multi = ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "kron_in_diag", "extra", "kron_out_diag",
+             "kron_both_diag")
     assert APPROXIMATIONS["fully_connected_multi"] == multi
     cfg = CompileConfig.from_dict({"approximations": {"fully_connected_multi": "extra"}})
     (chosen,) = choose_blocks([layer("fully_connected", uses=2)], cfg)

@@ -272,6 +272,30 @@ def test_conv_kron_statistics(kw):
     assert tuple(blk.factor_specs()[0].shape) == A.shape
 
 
+@pytest.mark.parametrize("approx,a_diag,g_diag", [("kron_in_diag", 1, 0), ("kron_out_diag", 0, 1), ("kron_both_diag", 1, 1)])
+@pytest.mark.parametrize("kw", [dict(), dict(group=2, pads=(1, 1, 1, 1)), dict(uses=2, seeds=1, strides=(2, 1))])
+def test_conv_kron_diag_variants_keep_the_diagonals_of_the_kfc_factors(approx, a_diag, g_diag, kw):
+    layer, blk, inputs, cots = conv_case(approx=approx, **kw)
+    full = conv_case(**kw)[1]  # the same geometry with both factors full (checked above against loops)
+    ref = full.numpy_statistics(inputs, cots)
+    out = emitted_stats(blk, inputs, cots)
+
+    def diag(M):
+        return np.diagonal(M, axis1=-2, axis2=-1)
+
+    for name, d in (("A", a_diag), ("G", g_diag)):
+        want = diag(ref[name]) if d else ref[name]
+        assert_close(out[name], want, what=name)
+        assert_close(blk.numpy_statistics(inputs, cots)[name], want, 1e-10, 1e-10)
+        spec = {s.name: s for s in blk.factor_specs()}[name]
+        assert tuple(spec.shape) == want.shape
+    # the preconditioning's FLOPs by hand: G X A per group, X [C_out/g, K + 1]
+    g, nG, nA = blk.group, blk.Co_g, blk.nK
+    fa = nG * nA if a_diag else 2 * nG * nA * nA
+    fg = nG * nA if g_diag else 2 * nG * nG * nA
+    assert blk.apply_flops() == g * (fa + fg)
+
+
 def explicit_conv_weight_grads(x, d, attrs, group, bias, C_out):
     """Per-example gradients [N, C_out, K(+1)] from the conv definition (loops)."""
     P = explicit_patches(x, attrs, group, bias)  # [N, g, K+1, T]
@@ -457,6 +481,8 @@ def all_block_cases():
     cases.append(("conv-kron-group", lambda: conv(group=2)))
     cases.append(("conv-kron_indep", lambda: conv(approx="kron_indep", uses=2)))
     cases.append(("conv-diagonal", lambda: conv(approx="diagonal")))
+    cases.append(("conv-kron_in_diag", lambda: conv(approx="kron_in_diag")))
+    cases.append(("conv-kron_both_diag-group", lambda: conv(approx="kron_both_diag", group=2)))
     cases.append(("depthwise-diagonal", lambda: conv(approx="diagonal", kind="depthwise_conv", C_in=4, C_out=4, group=4)))
 
     def emb():
@@ -826,7 +852,7 @@ def test_series_reduces_to_indep_without_cross_moments():
 def test_registry_and_errors():
     layer, shapes, _, _ = fc_case()
     with pytest.raises(ConfigError):
-        make_block(Layer("l", "conv", ("W",), layer.uses, approximation="kron_in_diag"), {"W": (2, 2, 1, 1)})
+        make_block(Layer("l", "conv", ("W",), layer.uses, approximation="kron_series_1"), {"W": (2, 2, 1, 1)})
     with pytest.raises(ConfigError):
         make_block(layer, shapes, damping_mode="bogus")
     with pytest.raises(ConfigError):

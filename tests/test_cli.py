@@ -174,7 +174,7 @@ def test_config_toml_and_json(tmp_path):
     t.write_text('ema_decay = 0.9\n[estimator]\nmode = "empirical"\nnum_samples = 2\n[stats]\nupdate_period = 3\n')
     cfg = load_config(t)
     assert (cfg.ema_decay, cfg.estimator.mode, cfg.estimator.num_samples, cfg.stats.update_period) == (0.9, "empirical", 2, 3)
-    assert cfg.inverse.update_period == 10 and cfg.damping == 1e-3 and cfg.loss_variance == 1.0
+    assert cfg.inverse.update_period is None and cfg.damping == 1e-3 and cfg.loss_variance == 1.0
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"dtype": "float64", "inverse": {"damping_split": "exact"}}))
     cfg = load_config(j)

@@ -83,6 +83,12 @@ class PartsBlock(FisherBlock):
                 total += 4 * prod(p.shape)
         return total
 
+    def apply_flops(self) -> int:
+        total = 0
+        for p in self.parts():
+            total += 2 * p.n * p.n * prod(p.batch) if p.kind == "full" else prod(p.shape)
+        return total
+
     @property
     def inverse_kw(self) -> dict:
         return dict(self.options.get("inverse_options") or {})

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
+
 from kfac_compiler import linalg
 from kfac_compiler.blocks.registry import BLOCK_CLASSES, BLOCKS, block_class, register_block  # noqa: F401  (lived here)
 from kfac_compiler.blocks.gram import GramStatistic
@@ -86,6 +88,23 @@ class FisherBlock:
     def inverse_flops(self, method: str = linalg.DEFAULT_METHOD) -> int:
         """FLOPs of one inverse update by `method` (a concrete linalg method)."""
         raise NotImplementedError
+
+    def apply_flops(self) -> int:
+        """FLOPs of one preconditioning multiply by the inverse state: paid on every step, so
+        no schedule amortizes it (the cost-aware choice, passes/budget.py, reads it)."""
+        return 2 * self.param_elements()
+
+    def positions_per_example(self) -> int:
+        """Weight-sharing positions per example (conv output locations, tokens), summed over uses."""
+        return 1
+
+    def forward_flops(self, batch: int) -> int:
+        """FLOPs of the layer's own forward pass on `batch` examples (its backward costs about
+        twice that): the unit the cost-aware choice measures the curvature work in."""
+        return 2 * batch * self.positions_per_example() * self.param_elements()
+
+    def param_elements(self) -> int:
+        return sum(int(np.prod(s)) for s in self.param_shapes.values())
 
     # What the emitted graphs compute ---------------------------------------
     def emit_statistics(

@@ -13,6 +13,8 @@ one strided Slice per kernel offset instead (same tensor, exact in any dtype).
       A_j = 1/(N T) sum_{n,t} a~ a~^T   [K+1, K+1],  T = output locations (summed over uses)
       G_j = 1/N sum_{n,t} delta delta^T  [C_out/group, C_out/group]
       stored [K+1, K+1] / [C_out, C_out] when group == 1, else [group, ...]
+  kron_in_diag / kron_out_diag / kron_both_diag: the same with diag(A), diag(G) or both kept
+      (for inputs or outputs too wide for a full factor; chosen by passes/budget.py).
   diagonal (conv and depthwise_conv): per-example gradients g_n = delta_n patches_n^T
       ([N, C_out, T] x [N, T, K+1]), diag = 1/N sum_n g_n^2, stored [C_out, K+1].
 """
@@ -83,6 +85,9 @@ class ConvMixin:
                 continue
             total += prod(self._out_sizes(list(shp)[2:]))
         return max(total, 1)
+
+    def positions_per_example(self) -> int:
+        return self._out_positions()
 
     def _out_sizes(self, spatial):
         pads = self._np_pads(spatial)
@@ -202,31 +207,38 @@ class ConvKronBase(ConvMixin, KronBlock):
 
     def stats_flops(self, batch: int) -> int:
         cols = batch * self._out_positions()
-        return 2 * cols * self.group * (self.nA**2 + self.nG**2) + 2 * cols * self.group * self.K * self.K
+        fa = self.nA * (1 if self.a_diag else self.nA)
+        fg = self.nG * (1 if self.g_diag else self.nG)
+        return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * self.K
 
     def emit_statistics(self, b, inputs, cotangents):
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
         P = b.reshape(b.transpose(P, [1, 2, 0, 3]), [0, 0, -1])  # [g, nA, N sum T]
-        A = b.div(emit_gram(b, P, 3), emit_dim(b, P, 2))
+        A = b.reduce_sum(b.mul(P, P), [2]) if self.a_diag else emit_gram(b, P, 3)
+        A = b.div(A, emit_dim(b, P, 2))
         D = emit_concat(
             b,
             [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [0, 0, -1]) for ds in cotangents for d in ds],
             axis=2,
         )
-        G = b.div(emit_gram(b, D, 3), emit_dim(b, cotangents[0][0], 0))
+        G = b.reduce_sum(b.mul(D, D), [2]) if self.g_diag else emit_gram(b, D, 3)
+        G = b.div(G, emit_dim(b, cotangents[0][0], 0))
         if self.group == 1:
-            A, G = b.reshape(A, [self.nA, self.nA]), b.reshape(G, [self.nG, self.nG])
+            A = b.reshape(A, [self.nA] if self.a_diag else [self.nA, self.nA])
+            G = b.reshape(G, [self.nG] if self.g_diag else [self.nG, self.nG])
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents):
         P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)
         P = P.transpose(1, 2, 0, 3).reshape(self.group, self.nA, -1)
-        A = P @ P.transpose(0, 2, 1) / P.shape[2]
+        A = (P * P).sum(2) if self.a_diag else P @ P.transpose(0, 2, 1)
+        A = A / P.shape[2]
         D = np.concatenate(
             [self._np_delta(d).transpose(1, 2, 0, 3).reshape(self.group, self.nG, -1) for ds in cotangents for d in ds],
             axis=2,
         )
-        G = D @ D.transpose(0, 2, 1) / np.shape(cotangents[0][0])[0]
+        G = (D * D).sum(2) if self.g_diag else D @ D.transpose(0, 2, 1)
+        G = G / np.shape(cotangents[0][0])[0]
         if self.group == 1:
             A, G = A[0], G[0]
         return {"A": A, "G": G}
@@ -248,6 +260,38 @@ class ConvKronIndep(ConvKronBase):
     name = "kron_indep"
     uses = "multi"
     menu_rank = 0
+
+
+@register_block
+class ConvKronInDiag(ConvKronBase):
+    """KFC with the input factor A kept as its diagonal: for inputs so wide (C_in k^2 in the
+    thousands) that a full A costs more to multiply by every step than the layer's own forward
+    and backward (passes/budget.py chooses it then). Any use count."""
+
+    name = "kron_in_diag"
+    uses = "any"
+    menu_rank = 11
+    a_diag = True
+
+
+@register_block
+class ConvKronOutDiag(ConvKronBase):
+    name = "kron_out_diag"
+    uses = "any"
+    menu_rank = 12
+    g_diag = True
+
+
+@register_block
+class ConvKronBothDiag(ConvKronBase):
+    """Both factors diagonal: diag(A) (x) diag(G), a rank-one fit of the Fisher's diagonal
+    that costs no per-example gradients (the "diagonal" block materializes [N, C_out, K+1])."""
+
+    name = "kron_both_diag"
+    uses = "any"
+    menu_rank = 13
+    a_diag = True
+    g_diag = True
 
 
 @register_block

@@ -83,6 +83,9 @@ class ConvTMixin:
             total += prod(sp) if sp and all(isinstance(d, int) for d in sp) else 1
         return max(total, 1)
 
+    def positions_per_example(self) -> int:
+        return self._positions()
+
     # ---- ONNX
     def _emit_x(self, b, x):
         """[N, C_in, *in] -> [N, group, C_in/group, T]."""

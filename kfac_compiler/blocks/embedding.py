@@ -52,6 +52,9 @@ class EmbeddingKron(KronBlock):
             total += t
         return max(total, 1)
 
+    def forward_flops(self, batch: int) -> int:
+        return 2 * batch * self._positions() * self.dim  # a gather (and a scatter-add backward)
+
     def stats_flops(self, batch: int) -> int:
         rows = batch * self._positions()
         return 2 * rows * self.dim * self.dim + 2 * rows

@@ -66,6 +66,9 @@ class FullyConnectedMixin:
             total += prod(d if isinstance(d, int) and d > 0 else 1 for d in list(shp)[1:-1])
         return max(total, 1)
 
+    def positions_per_example(self) -> int:
+        return self._positions()
+
     # ---- ONNX
     def _emit_rows(self, b, x):
         """[N, ..., in] -> a~ rows [N*T, in(+1)]."""
@@ -152,7 +155,7 @@ class FullyConnectedKronIndep(FullyConnectedKronBase):
 @register_block
 class FullyConnectedKronInDiag(FullyConnectedKronBase):
     name = "kron_in_diag"
-    uses = "single"
+    uses = "any"
     menu_rank = 11
     a_diag = True
 
@@ -160,7 +163,7 @@ class FullyConnectedKronInDiag(FullyConnectedKronBase):
 @register_block
 class FullyConnectedKronOutDiag(FullyConnectedKronBase):
     name = "kron_out_diag"
-    uses = "single"
+    uses = "any"
     menu_rank = 12
     g_diag = True
 
@@ -168,7 +171,7 @@ class FullyConnectedKronOutDiag(FullyConnectedKronBase):
 @register_block
 class FullyConnectedKronBothDiag(FullyConnectedKronBase):
     name = "kron_both_diag"
-    uses = "single"
+    uses = "any"
     menu_rank = 13
     a_diag = True
     g_diag = True

@@ -65,6 +65,12 @@ class KronBlock(PartsBlock):
             return prod(self.batch or (1,)) * 10 * (self.nA**3 + self.nG**3)
         return super().inverse_flops(method)
 
+    def apply_flops(self) -> int:
+        """G X A on X [nG, nA] per group: a full A costs 2 nG nA^2, a full G 2 nG^2 nA."""
+        fa = 2 * self.nG * self.nA**2 if not self.a_diag else self.nG * self.nA
+        fg = 2 * self.nG**2 * self.nA if not self.g_diag else self.nG * self.nA
+        return prod(self.batch or (1,)) * (fa + fg)
+
     # ---- damping: the pi split
     def _emit_damped(self, b, factors, damping):
         A, G = factors["A"], factors["G"]

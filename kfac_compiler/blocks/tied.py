@@ -119,6 +119,11 @@ class TiedMixin:
             total += prod(d if isinstance(d, int) and d > 0 else 1 for d in dims)
         return max(total, 1)
 
+    def forward_flops(self, batch: int) -> int:
+        """The lookups' gathers and the heads' [rows, D] x [D, V] products."""
+        lookups, heads = self._rows_per_example(self.lookups), self._rows_per_example(self.heads)
+        return 2 * batch * (lookups * self.dim + heads * self.dim * self.vocab)
+
     # ---- ONNX pieces
     def _emit_indices(self, b, inputs):
         return emit_concat(b, [b.reshape(inputs[u], [-1]) for u in self.lookups], axis=0)

@@ -1,0 +1,199 @@
+"""Pass 5: cost-aware choice, so that K-FAC on a real-sized model costs a bounded multiple of
+its forward and backward pass.
+
+Every block knows its work (blocks/base.py): `apply_flops` (the preconditioning multiply,
+paid on every step), `stats_flops(m)` (one statistics update on m examples) and
+`inverse_flops(method)` (one refresh), and its layer's `forward_flops(N)`. At the reference
+batch N (config `budget.batch_size`, statistics on m = min(64, N) examples) the model's
+forward + backward costs `base = 3 sum forward_flops(N)` and the curvature work per step is
+
+    work = sum apply + (sum stats(m) + sampled backward) / stats_period + sum inverse / inverse_period.
+
+`budget.overhead` (B, default 1) bounds work / base in three shares, so that no single kind of
+work is starved to pay for another:
+  1. preconditioning (cannot be amortized): while sum apply > B/2 base, the full factor
+     at least `budget.min_dim` wide whose diagonal saves the most apply FLOPs is kept as its
+     diagonal (kron -> kron_in_diag / kron_out_diag -> kron_both_diag);
+  2. statistics: the smallest period in STATS_PERIODS with sum stats / period <= B/4 base;
+  3. inverses: the smallest period in INVERSE_PERIODS with sum inverse / period <= B/4 base.
+Factors narrower than `budget.min_dim` (512) are never approximated, and the periods keep their
+defaults (1, 10) while every factor is that narrow: on such models a step's time goes to
+per-node costs, not FLOPs, and full K-FAC every step wins (the digits zoo, docs/runtime.md).
+A choice the user made (config `layers`, `approximations`, links, explicit periods) is kept.
+Every change is recorded as a plan note and the predicted costs in `plan.costs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from kfac_compiler.blocks.base import FisherBlock
+from kfac_compiler.ir import Layer
+
+STATS_PERIODS = (1, 2, 5, 10, 20, 50)
+INVERSE_PERIODS = (10, 20, 50, 100, 200)
+STATS_BATCH = 64  # the K-FAC default stats_batch_size (optimizers/kfac/settings.py)
+DEFAULT_PERIODS = (1, 10)  # statistics, inverses: the schedule while everything is small
+
+# one diagonal step down per factor: approximation -> {factor: approximation without it full}
+DIAGONAL_STEPS: dict[str, dict[str, str]] = {
+    "kron": {"A": "kron_in_diag", "G": "kron_out_diag"},
+    "kron_indep": {"A": "kron_in_diag", "G": "kron_out_diag"},
+    "kron_in_diag": {"G": "kron_both_diag"},
+    "kron_out_diag": {"A": "kron_both_diag"},
+}
+
+
+@dataclass
+class BlockCost:
+    """One block's work at the reference batch, in FLOPs (apply: per step; stats: per update;
+    inverse: per refresh) and its factors' bytes."""
+
+    forward: int
+    apply: int
+    stats: int
+    inverse: int
+    factor_bytes: int
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class BudgetResult:
+    layers: list[Layer]
+    stats_period: int
+    inverse_period: int
+    costs: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def block_cost(block: FisherBlock, batch: int, method: str) -> BlockCost:
+    m = min(STATS_BATCH, batch)
+    nbytes = sum(4 * _elements(s.shape) for s in block.factor_specs())
+    return BlockCost(int(block.forward_flops(batch)), int(block.apply_flops()), int(block.stats_flops(m)),
+                     int(block.inverse_flops(method)), int(nbytes))
+
+
+def _elements(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _widths(block: FisherBlock) -> list[int]:
+    """The widths of a block's factors (the last axis of each, full or diagonal)."""
+    return [int(s.shape[-1]) for s in block.factor_specs() if s.shape]
+
+
+def _full_factors(block: FisherBlock) -> dict[str, int]:
+    """{"A"/"G": width} of a Kronecker block's full factors."""
+    out = {}
+    for key, diag, n in (("A", "a_diag", "nA"), ("G", "g_diag", "nG")):
+        if hasattr(block, n) and not getattr(block, diag, True):
+            out[key] = int(getattr(block, n))
+    return out
+
+
+def fit_budget(
+    layers: list[Layer],
+    make: Callable[[Layer], FisherBlock],
+    pinned: set[str],
+    *,
+    overhead: float,
+    batch_size: int,
+    min_dim: int,
+    stats_period: int | None,
+    inverse_period: int | None,
+    method: str,
+    allowed: Callable[[Layer, str], bool],
+) -> BudgetResult:
+    """Approximations and periods within the budget (module docstring). `make` builds a
+    layer's block, `pinned` names the layers whose approximation the user chose, `allowed`
+    says whether an approximation is on a layer's menu; a period given (not None) is kept."""
+    layers = list(layers)
+    blocks = {l.name: make(l) for l in layers}
+    costs = {n: block_cost(b, batch_size, method) for n, b in blocks.items()}
+    base = 3 * sum(c.forward for c in costs.values())
+    big = any(n >= min_dim for b in blocks.values() for n in _widths(b))
+    notes: list[str] = []
+    on = overhead > 0 and base > 0
+    index = {l.name: i for i, l in enumerate(layers)}
+
+    # 1. preconditioning: diagonalize the widest-saving full factors above min_dim
+    while on and sum(c.apply for c in costs.values()) > overhead / 2 * base:
+        best = None
+        for l in layers:
+            if l.name in pinned:
+                continue
+            for factor, n in _full_factors(blocks[l.name]).items():
+                target = DIAGONAL_STEPS.get(l.approximation or "", {}).get(factor)
+                if n < min_dim or target is None or not allowed(l, target):
+                    continue
+                saving = costs[l.name].apply - make(dataclasses.replace(l, approximation=target)).apply_flops()
+                if best is None or saving > best[0]:
+                    best = (saving, l, factor, target, n)
+        if best is None:
+            break
+        _, layer, factor, target, n = best
+        new = dataclasses.replace(layer, approximation=target)
+        layers[index[layer.name]] = new
+        blocks[layer.name] = make(new)
+        old_apply = costs[layer.name].apply
+        costs[layer.name] = block_cost(blocks[layer.name], batch_size, method)
+        notes.append(
+            f"layer {layer.name!r}: {factor} ({n} wide) kept as its diagonal ({layer.approximation} -> {target}): "
+            f"the full factor's preconditioning costs {old_apply / base:.2f}x the model's forward+backward at batch "
+            f"{batch_size} (budget.overhead {overhead:g}; pin it with config layers to keep it full)"
+        )
+
+    # a statistics update also runs the sampled backward pass: about twice a forward on m examples
+    m = min(STATS_BATCH, batch_size)
+    sampled_backward = 2 * sum(b.forward_flops(m) for b in blocks.values())
+    stats_total = sum(c.stats for c in costs.values()) + sampled_backward
+    inverse_total = sum(c.inverse for c in costs.values())
+    chosen_s, chosen_r = DEFAULT_PERIODS
+    if on and big:
+        chosen_s = _smallest(STATS_PERIODS, stats_total, overhead / 4 * base)
+        chosen_r = _smallest(INVERSE_PERIODS, inverse_total, overhead / 4 * base)
+    s = stats_period if stats_period is not None else chosen_s
+    r = inverse_period if inverse_period is not None else chosen_r
+    for what, given, chosen, default in (("stats.update_period", stats_period, s, DEFAULT_PERIODS[0]),
+                                         ("inverse.update_period", inverse_period, r, DEFAULT_PERIODS[1])):
+        if given is None and chosen != default:
+            notes.append(f"{what} = {chosen} (default {default}) to keep the amortized curvature work within "
+                         f"budget.overhead {overhead:g} at batch {batch_size}; set it in the config to override")
+    apply_total = sum(c.apply for c in costs.values())
+    work = apply_total + stats_total / s + inverse_total / r
+    summary = {
+        "batch_size": batch_size,
+        "stats_batch_size": min(STATS_BATCH, batch_size),
+        "overhead_budget": overhead,
+        "min_dim": min_dim,
+        "forward_backward_flops": base,
+        "apply_flops": apply_total,
+        "stats_flops_per_update": stats_total,
+        "sampled_backward_flops": sampled_backward,
+        "qmodel_flops": 2 * sampled_backward,  # two forward-mode JVPs on the same m examples
+        "inverse_flops_per_refresh": inverse_total,
+        "stats_period": s,
+        "inverse_period": r,
+        "curvature_flops_per_step": work,
+        "overhead": work / base if base else None,
+        "factor_bytes": sum(c.factor_bytes for c in costs.values()),
+        "layers": {n: c.to_json() for n, c in costs.items()},
+    }
+    return BudgetResult(layers, s, r, summary, notes)
+
+
+def _smallest(periods: tuple[int, ...], total: int, allowance: float) -> int:
+    for p in periods:
+        if total / p <= allowance:
+            return p
+    return periods[-1]
+
+
+__all__ = ["BlockCost", "BudgetResult", "DIAGONAL_STEPS", "INVERSE_PERIODS", "STATS_PERIODS", "block_cost",
+           "fit_budget"]
