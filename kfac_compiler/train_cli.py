@@ -103,16 +103,19 @@ def _knobs(args) -> dict[str, Any]:
 
 
 def compile_config(args) -> "CompileConfig | None":
-    """The compile options of the command line (--config and the selection options), or None."""
-    from kfac_compiler.config import load_config
+    """The compile options of the command line (--config and the selection options; the cost-aware
+    choice's reference batch is --batch-size unless the config sets it), or None for a plan."""
+    from kfac_compiler.config import BudgetConfig, load_config
 
     given = [args.config, args.include, args.exclude, args.train_params, args.untie]
-    if all(g is None for g in given):
-        return None
     if args.model and os.path.isdir(args.model):
-        raise ConfigError(f"{args.model!r} is a compiled plan: --config, --include, --exclude, --train and --untie "
-                          "apply when compiling; pass the .onnx file instead")
+        if any(g is not None for g in given):
+            raise ConfigError(f"{args.model!r} is a compiled plan: --config, --include, --exclude, --train and --untie "
+                              "apply when compiling; pass the .onnx file instead")
+        return None
     cfg = load_config(args.config)
+    if cfg.budget.batch_size == BudgetConfig.batch_size:
+        cfg.budget.batch_size = args.batch_size
     apply_selection_args(cfg, args)
     cfg.validate("command line")
     return cfg
