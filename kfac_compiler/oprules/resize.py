@@ -13,7 +13,6 @@ extrapolation_value (tf_crop_and_resize) is a constant offset: no gradient.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kfac_compiler.oprules import register
