@@ -1,13 +1,16 @@
 """Convolutions (Conv 1-d/2-d/3-d; weight [C_out, C_in/group, *kernel]).
 
-Patches: a Conv with a constant identity kernel E [group*K, C_in/group, *kernel] (E[j K +
-c k + m, c, m] = 1, K = C_in/group * prod(kernel)) and the layer's own strides, pads,
-dilations and group turns the input [N, C_in, *spatial] into the patch tensor
-[N, group*K, *out] whose channel j*K + (c, m) is input channel j*C_in/group + c at kernel
-offset m: the receptive field ordered like the flattened weight (C_in/group, *kernel).
-Zero padding shows up as zeros in the patches; the bias coordinate (1) is appended last.
-Float64 graphs (ORT's CPU Conv has no double kernel) or option patches="slices" use Pad +
-one strided Slice per kernel offset instead (same tensor, exact in any dtype).
+Patches: a depthwise Conv (group = C_in) with a one-hot kernel E [C_in kk, 1, *kernel]
+(E[c kk + m, 0, m] = 1, kk = prod(kernel), tiled at run time from a [kk, 1, *kernel]
+constant) and the layer's own strides, pads, dilations turns the input [N, C_in, *spatial]
+into the patch tensor [N, C_in kk, *out]; with K = C_in/group * kk its channel j*K + c kk + m
+is input channel j*C_in/group + c at kernel offset m: per group the receptive field ordered
+like the flattened weight (C_in/group, *kernel). Zero padding shows up as zeros in the
+patches; the bias coordinate (1) is appended last. Float64 graphs (ORT's CPU Conv has no
+double kernel) or option patches="slices" use Pad + one strided Slice per kernel offset
+instead (same tensor, exact in any dtype). Nothing stored grows with the width (a dense
+identity kernel [group K, C_in/group, *kernel] was 85 MB for a 512-channel 3x3 conv and
+C_in times the FLOPs; benchmarks/bench_patches.py, docs/conventions.md).
 
   kron / kron_indep (KFC, Grosse & Martens 2016), per group j (block diagonal over groups):
       A_j = 1/(N T) sum_{n,t} a~ a~^T   [K+1, K+1],  T = output locations (summed over uses)
@@ -56,7 +59,7 @@ def read_kernel_geometry(block, op: str) -> tuple[int, ...]:
 
 
 class ConvMixin:
-    """Conv attributes, identity-kernel patch extraction (ONNX) and a numpy im2col."""
+    """Conv attributes, patch extraction (ONNX) and a numpy im2col."""
 
     def _conv_setup(self) -> None:
         layer = self.layer
@@ -110,22 +113,14 @@ class ConvMixin:
             ends.append(big if self.auto_pad == "SAME_UPPER" else small)
         return begins + ends
 
-    def identity_kernel(self) -> np.ndarray:
-        """E [group*K, C_in/group, *kernel] with E[j K + c k + m, c, m] = 1."""
-        kk = prod(self.kernel)
-        E = np.zeros((self.group, self.Cg, kk, self.Cg, kk))
-        for c in range(self.Cg):
-            for m in range(kk):
-                E[:, c, m, c, m] = 1.0
-        return E.reshape(self.group * self.K, self.Cg, *self.kernel)
-
     # ---- ONNX
     def _emit_patches(self, b, x):
         """[N, C_in, *spatial] -> a~ [N, group, K(+1), T]."""
-        if b.float_type == TensorProto.DOUBLE or self.options.get("patches") == "slices":
+        how = self.options.get("patches")
+        if b.float_type == TensorProto.DOUBLE or how == "slices":
             p = self._emit_patches_slices(b, x)  # ORT's CPU Conv has no float64 kernel
         else:
-            p = self._emit_patches_conv(b, x)
+            p = self._emit_patches_depthwise(b, x)
         p = b.reshape(p, [0, self.group, self.K, -1])
         return emit_append_const(b, p, 4, 2, 1.0) if self.has_bias else p
 
@@ -154,10 +149,14 @@ class ConvMixin:
             cols.append(b.unsqueeze(sl, [2]))
         return cols[0] if len(cols) == 1 else b.op("Concat", cols, axis=2)
 
-    def _emit_patches_conv(self, b, x):
-        """Conv with the identity kernel: [N, group*K, *out]."""
-        E = b.const(self.identity_kernel(), hint="identity_kernel")
-        kw = dict(kernel_shape=list(self.kernel), strides=list(self.strides), dilations=list(self.dilations), group=self.group)
+    def _emit_patches_depthwise(self, b, x):
+        """Depthwise Conv (group = C_in) with a one-hot kernel [C_in kk, 1, *kernel] tiled at
+        run time from [kk, 1, *kernel]: [N, C_in kk, *out], channel c kk + m = input channel c
+        at kernel offset m (c = j C_in/group + c', so the order is j K + c' kk + m)."""
+        kk, C_in = prod(self.kernel), self.Cg * self.group
+        one_hot = b.const(np.eye(kk).reshape(kk, 1, *self.kernel), hint="one_hot_kernel")
+        E = b.op("Tile", [one_hot, b.ints([C_in] + [1] * (self.nd + 1))], hint="patch_kernel")
+        kw = dict(kernel_shape=list(self.kernel), strides=list(self.strides), dilations=list(self.dilations), group=C_in)
         if self.auto_pad in ("NOTSET", ""):
             kw["pads"] = list(self.pads)
         else:
