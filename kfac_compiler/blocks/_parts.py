@@ -115,9 +115,9 @@ class PartsBlock(FisherBlock):
 
     # ---- inverse
     def _fallback(self, b: GraphBuilder, p: Part) -> str:
-        if p.kind == "diag":
-            return b.const(np.ones(p.shape), hint="ones")
-        return b.const(np.broadcast_to(np.eye(p.n), p.shape), hint="eye")
+        if p.kind == "diag":  # built at run time: nothing width-sized stored in the graph
+            return b.op("Expand", [b.const(np.ones(1)), b.ints(list(p.shape))], hint="ones")
+        return b.op("Expand", [linalg.emit_eye(b, p.n), b.ints(list(p.shape))], hint="eye")
 
     def _inverse_requests(self, b, factors, damping, previous):
         damped = self._emit_damped(b, factors, damping)
