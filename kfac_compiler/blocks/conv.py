@@ -208,7 +208,8 @@ class ConvKronBase(ConvMixin, KronBlock):
         cols = batch * self._out_positions()
         fa = self.nA * (1 if self.a_diag else self.nA)
         fg = self.nG * (1 if self.g_diag else self.nG)
-        return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * self.K
+        # + the patches: a depthwise conv with prod(kernel) one-hot taps per output channel
+        return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * prod(self.kernel)
 
     def emit_statistics(self, b, inputs, cotangents):
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
