@@ -173,14 +173,16 @@ def _kept_where_failed(X: np.ndarray, ok: np.ndarray, previous: np.ndarray | Non
     return np.where(ok[..., None, None], X, fallback), ok
 
 
-def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None,
+                               blas_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of SPD M ([..., n, n]) by LAPACK potrf + potrs against the identity, in M's
     precision (float32 stays float32: potrf succeeding certifies the matrix positive definite
     and is backward stable, so no residual check is needed). potrs' two triangular solves
     with n right-hand sides (2n^3 flops) run faster than potri's triangular inverse and
     product (n^3 flops, but a slower kernel) at the factor sizes here. The solution is
     symmetric only to rounding, so it is symmetrized. ok = potrf
-    succeeded and the result is finite; where not ok the result is `previous` or the identity."""
+    succeeded and the result is finite; where not ok the result is `previous` or the identity.
+    `blas_threads`: LAPACK's threads (one_blas_thread explains why one is the default)."""
     from scipy.linalg import lapack
 
     M = np.asarray(M)
@@ -192,7 +194,7 @@ def np_cholesky_inverse_batch(M: np.ndarray, previous: np.ndarray | None = None)
     X = np.empty_like(flat)
     ok = np.zeros(flat.shape[0], dtype=bool)
     half_identity = 0.5 * np.eye(n, dtype=M.dtype)
-    with np.errstate(all="ignore"), one_blas_thread():
+    with np.errstate(all="ignore"), one_blas_thread(blas_threads):
         for i, m in enumerate(flat):
             # m.T is m (symmetric) in Fortran order: LAPACK reads it without a transposing copy
             c, info = potrf(m.T, lower=1, clean=0)
@@ -226,14 +228,15 @@ def prepare_host_inverses() -> None:
 
 
 @contextlib.contextmanager
-def one_blas_thread():
-    """Run BLAS/LAPACK (OpenBLAS, MKL) on the calling thread only. Worker threads would
-    busy-wait for ~0.1 s after each call and steal the cores ONNX Runtime's pool is spinning
-    on (on 2 cores the K-FAC step took 2x longer). Re-entrant: an inverse refresh enters it
-    once for all its blocks, and the nested entries cost nothing."""
+def one_blas_thread(threads: int = 1):
+    """Run BLAS/LAPACK (OpenBLAS, MKL) on the calling thread only (or on `threads`). Worker
+    threads would busy-wait for ~0.1 s after each call and steal the cores ONNX Runtime's
+    pool is spinning on (on 2 cores the K-FAC step took 2x longer). Re-entrant: an inverse
+    refresh enters it once for all its blocks, and the nested entries cost nothing (the
+    outermost limit holds)."""
     global _blas_limit_depth
     ctl = _blas_controller() if _blas_limit_depth == 0 else None
-    limiter = ctl.limit(limits=1, user_api="blas") if ctl is not None else None
+    limiter = ctl.limit(limits=int(threads), user_api="blas") if ctl is not None else None
     _blas_limit_depth += 1
     try:
         yield

@@ -65,7 +65,7 @@ def flops_inverse(n: int, method: str = DEFAULT_METHOD, iterations: int = NS_ITE
     if method == "eigh":
         return 10 * n**3
     if method == "cholesky":
-        return n**3  # n^3/3 factor + triangular inverse + product
+        return 7 * n**3 // 3  # potrf n^3/3 + potrs against the identity (two triangular solves, 2 n^3)
     if method == "schur":
         return 4 * n**3 // 3 + 4 * n**2  # MatMuls n^3 + 2 (n/2)^3 + ..., the probe
     return 4 * n**3  # LU inverse (2 n^3) + residual MatMul (2 n^3)
