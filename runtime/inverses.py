@@ -2,10 +2,14 @@
 covers, the blocks' numpy twins on the host for the rest (host methods such as "cholesky" or
 "eigh", exact damping, the RNN series blocks), and host Cholesky for every emitted block
 whose inverse failed its check (linalg.FALLBACK_METHOD: "schur" beyond its accuracy bound,
-a singular matrix for "inverse_op"). Shared by Trainer and Curvature."""
+a singular matrix for "inverse_op"). Shared by Trainer and Curvature.
+
+The blocks may be split into groups, each with its own `inverse_update(layers=...)` program,
+so that a caller can refresh one group at a time (K-FAC spreads a big refresh over the steps
+of its period: optimizers/kfac/refresh.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -13,47 +17,95 @@ from kfac_compiler import contract as C
 from kfac_compiler import linalg
 from kfac_compiler.contract import plan_blocks
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.program import Program
+from kfac_compiler.runtime.program import ContractError, Program
 from kfac_compiler.runtime.state import StateStore
 
 
 class InverseRefresher:
-    """Knows which inverse slots `reader` (a step or precondition program) needs that
-    `emitted` (inverse_update) does not write, and recomputes all of them on demand."""
+    """Knows which inverse slots `reader` (a step or precondition program) needs, which of
+    them the emitted programs write, and recomputes all of them (or one group's) on demand.
 
-    def __init__(self, plan: Plan, emitted: Program, reader: Program, method: str) -> None:
-        self.plan, self.emitted, self.method = plan, emitted, method
+    `emitted`: one inverse_update program, or one per group of `groups` (lists of layer
+    names that partition the layers `reader` needs inverses of; program j writes only
+    layers of group j, the group's other layers are refreshed on the host)."""
+
+    def __init__(self, plan: Plan, emitted: Program | Sequence[Program], reader: Program, method: str,
+                 groups: Sequence[Sequence[str]] | None = None) -> None:
+        self.plan, self.method = plan, method
+        self.programs = [emitted] if isinstance(emitted, Program) else list(emitted)
         # A failed block keeps its inverse in the store (it is not written), so the previous
         # inverse is downloaded only for a warm start (saves ~1 MB of copies per refresh)
         self.warm = linalg.concrete_method(method) in linalg.WARM_STARTED_METHODS
-        written = set(emitted.written_slots)
+        needed = C.layer_slots(reader.state_inputs, C.INVERSE)
+        if groups is None:
+            groups = [list(needed)]
+        self.groups = [list(g) for g in groups]
+        self._check_groups(needed)
         self.host_layers: dict[str, list[str]] = {}
         self.emitted_layers: dict[str, list[str]] = {}
-        for layer, slots in C.layer_slots(reader.state_inputs, C.INVERSE).items():
-            for slot in slots.values():
-                group = self.emitted_layers if slot in written else self.host_layers
-                group.setdefault(layer, []).append(slot)
+        self._group_host: list[list[str]] = []
+        self._group_emitted: list[list[str]] = []
+        for group, prog in zip(self.groups, self.programs):
+            written = set(prog.written_slots)
+            host, emitted_here = [], []
+            for layer in group:
+                slots = list(needed[layer].values())
+                if all(s in written for s in slots):
+                    self.emitted_layers[layer] = slots
+                    emitted_here.append(layer)
+                else:
+                    self.host_layers[layer] = slots
+                    host.append(layer)
+            self._group_host.append(host)
+            self._group_emitted.append(emitted_here)
         self.blocks = plan_blocks(plan, list(self.host_layers)) if self.host_layers else {}
         if self.host_layers:
             linalg.prepare_host_inverses()  # one-time imports and library scans: not in a step
         self.fallbacks: list[str] = []  # the emitted blocks the last refresh redid on the host
 
-    def __call__(self, store: StateStore, damping: float) -> bool:
-        """Refresh every inverse for `damping`; False if a block failed (it keeps its previous
-        inverse). An emitted block that failed is redone by host Cholesky first."""
-        ok = True
+    def _check_groups(self, needed: dict[str, dict[str, str]]) -> None:
+        """The groups partition the layers the reader needs; program j writes group j only."""
+        seen = [layer for g in self.groups for layer in g]
+        if sorted(seen) != sorted(needed) or len(self.groups) != len(self.programs):
+            raise ContractError("inverse refresh groups must partition the layers the reader needs, "
+                                "with one inverse_update program per group")
+        for group, prog in zip(self.groups, self.programs):
+            mine = {s for layer in group for s in needed[layer].values()}
+            stray = sorted(set(prog.written_slots) - mine)
+            if stray:
+                raise ContractError(f"inverse_update program writes {stray[0]!r} outside its group")
+
+    @property
+    def emitted(self) -> Program:
+        """The inverse_update program when there is one group (the whole refresh)."""
+        if len(self.programs) != 1:
+            raise AttributeError("the refresh has several groups: see .programs")
+        return self.programs[0]
+
+    def __call__(self, store: StateStore, damping: float, group: int | None = None) -> bool:
+        """Refresh every inverse (or group `group`'s) for `damping`; False if a block failed
+        (it keeps its previous inverse). An emitted block that failed is redone by host
+        Cholesky first."""
         self.fallbacks = []
-        if self.emitted.written_slots:  # nothing to run when every block is on the host
-            out = self.emitted.run(store, hp={C.DAMPING: float(damping)})
+        ok = True
+        for j in range(len(self.groups)) if group is None else [group]:
+            ok = self._refresh_group(store, damping, j) and ok
+        return ok
+
+    def _refresh_group(self, store: StateStore, damping: float, j: int) -> bool:
+        ok = True
+        prog, host, fallbacks = self.programs[j], self._group_host[j], []
+        if prog.written_slots:  # nothing to run when every block of the group is on the host
+            out = prog.run(store, hp={C.DAMPING: float(damping)})
             if out.get(C.INVERSE_OK, 1.0) < 0.5:
-                self.fallbacks = [layer for layer in self.emitted_layers
-                                  if out.get(C.inverse_ok(layer), 0.0) < 0.5]
-        if not (self.host_layers or self.fallbacks):
+                fallbacks = [layer for layer in self._group_emitted[j] if out.get(C.inverse_ok(layer), 0.0) < 0.5]
+        self.fallbacks += fallbacks
+        if not (host or fallbacks):
             return ok
         with linalg.one_blas_thread():  # one thread-limit switch for all blocks
-            for layer, slots in self.host_layers.items():
-                ok = self._refresh_host_block(store, damping, layer, slots, self.method) and ok
-            for layer in self.fallbacks:
+            for layer in host:
+                ok = self._refresh_host_block(store, damping, layer, self.host_layers[layer], self.method) and ok
+            for layer in fallbacks:
                 slots = self.emitted_layers[layer]
                 ok = self._refresh_host_block(store, damping, layer, slots, linalg.FALLBACK_METHOD) and ok
         return ok

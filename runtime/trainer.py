@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -129,10 +129,12 @@ class Trainer:
         shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
         return {n: np.zeros(shape, np.float32) for n in missing}
 
-    def inverse_refresher(self, emitted: Program, reader: Program, method: str) -> InverseRefresher:
-        """Refreshes the inverse slots `reader` uses: `emitted` (an inverse_update program) for
-        the blocks it writes, the blocks' numpy twins on the host for the rest."""
-        return InverseRefresher(self.plan, emitted, reader, method)
+    def inverse_refresher(self, emitted: Program | Sequence[Program], reader: Program, method: str,
+                          groups: Sequence[Sequence[str]] | None = None) -> InverseRefresher:
+        """Refreshes the inverse slots `reader` uses: `emitted` (an inverse_update program, or
+        one per group of layers `groups`) for the blocks it writes, the blocks' numpy twins on
+        the host for the rest."""
+        return InverseRefresher(self.plan, emitted, reader, method, groups)
 
     # ------------------------------------------------------------------ steps
     def _prepare(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, np.ndarray]:

@@ -37,6 +37,9 @@ def batch(x, y, s, bs=64):
 KNOBS = {
     "kfac": dict(inv_update_period=2, damping_adaptation_interval=2, cov_update_period=1),
     "kfac-stats-every-2": dict(inv_update_period=2, damping_adaptation_interval=2, cov_update_period=2),
+    # three refresh groups over a period of 4: groups 1, 2 refreshed after steps 1, 2, none
+    # after step 3 (the first after the checkpoint), group 0 after 4, group 1 after 5
+    "kfac-spread-refresh": dict(inv_update_period=4, inverse_groups=3, damping_adaptation_interval=2),
     "adam": dict(learning_rate=3e-3),
     "sgd": dict(learning_rate=0.05),
 }
@@ -64,6 +67,10 @@ def test_resume_is_bit_for_bit(mlp, tmp_path, name):
     sa, sb = straight.state(), resumed.state()
     assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
     assert [m["loss"] for m in m_straight[3:]] == [m["loss"] for m in m_resumed]
+    if "inverse_groups" in KNOBS[name]:  # the refresh phase continues where it stopped
+        groups = [m["inverse_group"] for m in m_resumed]
+        assert groups[1:] == [0.0, 1.0] and np.isnan(groups[0])
+        assert groups[1:] == [m["inverse_group"] for m in m_straight[4:]]
     assert straight.host_state() == resumed.host_state()  # damping, moving-average weight, counters
     assert straight.rng.bit_generator.state == resumed.rng.bit_generator.state
 

@@ -11,6 +11,7 @@ from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.emission import WEIGHTS, Emission
 from kfac_compiler.backend.registry import subgraph
 from kfac_compiler.blocks._parts import emit_statistic
+from kfac_compiler.errors import PlanError
 
 FLOAT = TensorProto.FLOAT
 
@@ -60,12 +61,21 @@ def update_statistics(em: Emission, mode: str | None = None, num_samples: int | 
 
 
 @subgraph("inverse_update")
-def inverse_update(em: Emission, method: str | None = None) -> None:
+def inverse_update(em: Emission, method: str | None = None, layers: tuple[str, ...] | None = None) -> None:
+    """The damped inverses of every emitted block, or (`layers`, a tuple of layer names) of
+    those blocks only: a refresh spread over several steps runs one such program per group
+    of blocks (optimizers/kfac/refresh.py)."""
     b = em.b
     method = linalg.concrete_method(method or em.parts.inverse_method)  # "auto" emits inverse_op
     damping = em.hp(C.DAMPING)
+    if layers is not None:
+        unknown = sorted(set(layers) - {layer.name for layer in em.parts.layers})
+        if unknown:
+            raise PlanError(f"inverse_update: the plan has no layer {unknown[0]!r}")
     oks = []
     for layer in em.parts.layers:
+        if layers is not None and layer.name not in layers:
+            continue
         block = em.blocks[layer.name]
         if block.inverse_is_host(method):
             continue

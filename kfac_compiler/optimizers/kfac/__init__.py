@@ -10,7 +10,9 @@ One step k (docs/runtime.md):
   * the first step runs `update_statistics` and `inverse_update` (+ host-side blocks) before
     it, and then the step without statistics (`with_stats=False`, or hp/update_stats = 0),
     so it is preconditioned by its own batch;
-  * after step k with k % inv_update_period == 0 the damped inverses are refreshed;
+  * after step k with k % inv_update_period == 0 the damped inverses are refreshed; with
+    several refresh groups (inverse_groups, refresh.py) group j after the steps k with
+    k % inv_update_period == (j * inv_update_period) // groups;
   * a step whose loss, update or (when computed) loss after the update is not finite is
     discarded (the runtime does not flip the state buffers); the host multiplies the damping
     by damping_rejection_factor (10) and reports `rejected: 1`;
@@ -26,10 +28,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler import contract as C
+from kfac_compiler.contract import plan_blocks
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers.base import Optimizer, register_optimizer
 from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
 from kfac_compiler.optimizers.kfac import graph as G
+from kfac_compiler.optimizers.kfac import refresh as R
 from kfac_compiler.optimizers.kfac.graph import STAGES, emit_kfac_step
 
 __all__ = ["STAGES", "Kfac", "KfacConfig", "ema_coefficient", "emit_kfac_step", "lm_adapt", "reduction_ratio"]
@@ -106,8 +110,22 @@ class Kfac(Optimizer):
         # an emitted refresh runs between two runs of the step session, whose spinning
         # workers hold the other cores: on the CPU it gets one thread
         threads = 1 if tr.device.name == "cpu" else None
-        emitted = tr.program("inverse_update", threads=threads, method=self.inverse_method)
-        self.refresher = tr.inverse_refresher(emitted, step, self.inverse_method)
+        method = self.inverse_method
+        groups = self.refresh_groups(step)
+        if len(groups) == 1:
+            emitted = [tr.program("inverse_update", threads=threads, method=method)]
+        else:  # one small program per group (refresh.py); the options tuple keys its memo
+            emitted = [tr.program("inverse_update", threads=threads, method=method, layers=tuple(g)) for g in groups]
+        self.refresher = tr.inverse_refresher(emitted, step, method, groups)
+
+    def refresh_groups(self, step) -> list[list[str]]:
+        """The groups of layers whose inverses are refreshed after different steps
+        (refresh.py): balanced by the blocks' predicted inverse FLOPs for this method."""
+        layers = list(C.layer_slots(step.state_inputs, C.INVERSE))
+        blocks = plan_blocks(self.trainer.plan, layers)
+        costs = {layer: float(blocks[layer].inverse_flops(self.inverse_method)) for layer in layers}
+        count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
+        return R.balanced_groups(costs, count) if count > 1 else [layers]
 
     # ------------------------------------------------------------------ steps
     def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
@@ -122,11 +140,16 @@ class Kfac(Optimizer):
             self.ema_weight = w_new
         return out, ok
 
-    def refresh_inverses(self) -> float:
-        """Recompute every damped inverse from the current factors; returns inverse_ok."""
-        ok = self.refresher(self.trainer.store, self.damping + self.config.l2_reg)
+    def refresh_inverses(self, group: int | None = None) -> float:
+        """Recompute every damped inverse (or those of refresher group `group`) from the
+        current factors; returns inverse_ok."""
+        ok = self.refresher(self.trainer.store, self.damping + self.config.l2_reg, group)
         self.inverses_ready = True
         return 1.0 if ok else 0.0
+
+    def due_group(self, step: int) -> int | None:
+        """The refresher group whose inverses are refreshed after step `step`, None if none."""
+        return R.due_group(step, self.config.inv_update_period, len(self.refresher.groups))
 
     def burn_in(self, data: dict[str, Any]) -> dict[str, float]:
         """A statistics-only step (no parameter update): the factors absorb the batch."""
@@ -197,6 +220,7 @@ class Kfac(Optimizer):
             "rejected": 0.0,
             "stats": 1.0 if (stats or first) else 0.0,
             "inverse": 1.0 if first else 0.0,
+            "inverse_group": -1.0 if first else float("nan"),  # -1: every group
             "inverse_ok": inverse_ok,
             "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first else float("nan"),
         }
@@ -220,11 +244,14 @@ class Kfac(Optimizer):
                 self.ema_weight = w_new
             if adapt:
                 self.damping = lm_adapt(damping, metrics["rho"], cfg)
-        if not first and k % cfg.inv_update_period == 0:
+        group = None if first else self.due_group(k)
+        if group is not None:
             # refreshed right after the step, from factors that include this batch, with the
-            # damping just adapted; used from the next step on (one session switch per period)
+            # damping just adapted; used from the next step on (one session switch per period
+            # and group)
             metrics["inverse"] = 1.0
-            metrics["inverse_ok"] = self.refresh_inverses()
+            metrics["inverse_group"] = float(group)
+            metrics["inverse_ok"] = self.refresh_inverses(group)
             metrics["inverse_fallbacks"] = float(len(self.refresher.fallbacks))
         return metrics
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler.contract import ESTIMATION_MODES
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers.kfac.refresh import check_groups
 from kfac_compiler.optimizers.settings import (
     OptimizerConfig,
     check_int,
@@ -31,7 +32,8 @@ class KfacConfig(OptimizerConfig):
     every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
-    update is scaled by their ratio; None: off.
+    update is scaled by their ratio; None: off. inverse_groups: "auto" or k >= 1 groups of
+    blocks whose inverses are refreshed after different steps of the period (refresh.py).
     """
 
     name: ClassVar[str] = "kfac"
@@ -53,6 +55,7 @@ class KfacConfig(OptimizerConfig):
     mode: str | None = None
     num_samples: int | None = None
     inverse_method: str | None = None
+    inverse_groups: int | str = "auto"  # refresh the blocks in groups, one per step (refresh.py)
     stats_batch_size: int | None = 64
     qmodel_batch_size: int | None = 64
     max_momentum: float = 1.0
@@ -118,6 +121,7 @@ class KfacConfig(OptimizerConfig):
         check_int("cov_update_period", self.cov_update_period, 1)
         check_int("inv_update_period", self.inv_update_period, 1)
         check_int("burn_in_steps", self.burn_in_steps, 0)
+        check_groups(self.inverse_groups)
         check_int("num_samples", self.num_samples, 1)
         check_positive("max_momentum", self.max_momentum)
         if self.max_predicted_decrease is not None:

@@ -1,0 +1,77 @@
+"""Which blocks' inverses K-FAC refreshes after which step.
+
+A refresh of every block at once costs what its largest factors cost: on ResNet-18 (conv A
+factors up to 4609 wide, ~470 GFLOP by `schur`) about 5 s on one core, after a step of 1 s.
+So the blocks can be partitioned into groups balanced by predicted cost (the blocks'
+`inverse_flops`), and one group is refreshed after each of a few steps spread over the
+period: group j after step k when k % period == (j * period) // groups. Every block is still
+refreshed once per inv_update_period steps, the first step refreshes all of them, and the
+schedule is a function of the step count, so a checkpoint (which stores the step count and
+the knobs) resumes it where it stopped.
+
+"auto" (the default): one group (every block after every period-th step, as before) while
+the whole refresh is cheap, SPREAD_FLOPS or less; beyond that as few groups as reach the
+smallest possible largest group, max(largest block, SPREAD_FLOPS), at most one per step of
+the period (docs/runtime.md, "Spread refreshes").
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from kfac_compiler.errors import ConfigError
+
+# A refresh up to this many FLOPs runs at once: ~10 ms of schur on one core of the reference
+# machine (~100 GFLOP/s), where a group's own overhead (a session switch and the next step's
+# slower start, ~0.3 ms measured on the zoo) would be a noticeable part of it. The zoo's
+# refreshes are 0.01-0.1 GFLOP; ResNet-18's ~470.
+SPREAD_FLOPS = 1e9
+AUTO = "auto"
+
+
+def check_groups(value: int | str) -> int | str:
+    """The knob's value: "auto" or an int >= 1."""
+    if value == AUTO:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"inverse_groups must be 'auto' or an integer >= 1, got {value!r}")
+    return value
+
+
+def group_count(costs: Mapping[str, float], period: int, groups: int | str = AUTO) -> int:
+    """How many groups the blocks with these refresh costs are split into: the knob when it
+    is a number (at most one group per block and per step of the period), else "auto"."""
+    cap = max(1, min(int(period), len(costs)))
+    if groups != AUTO:
+        return min(int(groups), cap)
+    total = float(sum(costs.values()))
+    if total <= SPREAD_FLOPS:
+        return 1
+    floor = max(max(costs.values()), SPREAD_FLOPS)
+    return min(cap, math.ceil(total / floor))
+
+
+def balanced_groups(costs: Mapping[str, float], count: int) -> list[list[str]]:
+    """`count` groups of the layers, balanced by cost: longest processing time first (each
+    block, dearest first, joins the cheapest group so far; ties go to the lower index), so
+    the dearest group costs at most 4/3 of the optimum. Within a group the layers keep their
+    order in `costs`. Deterministic: a resumed run gets the same groups."""
+    order = {layer: i for i, layer in enumerate(costs)}
+    loads = [0.0] * count
+    members: list[list[str]] = [[] for _ in range(count)]
+    for layer in sorted(costs, key=lambda l: (-costs[l], order[l])):
+        j = min(range(count), key=lambda i: (loads[i], i))
+        loads[j] += float(costs[layer])
+        members[j].append(layer)
+    return [sorted(m, key=order.__getitem__) for m in members if m]
+
+
+def due_group(step: int, period: int, count: int) -> int | None:
+    """The group refreshed after step `step` (None: no refresh): group j after the steps k
+    with k % period == (j * period) // count, so group 0 keeps the steps a single refresh
+    had (k % period == 0)."""
+    phase = step % period
+    for j in range(count):
+        if (j * period) // count == phase:
+            return j
+    return None
