@@ -12,7 +12,7 @@ One step k (docs/runtime.md):
     so it is preconditioned by its own batch;
   * after step k with k % inv_update_period == 0 the damped inverses are refreshed; with
     several refresh groups (inverse_groups, refresh.py) group j after the steps k with
-    k % inv_update_period == (j * inv_update_period) // groups;
+    k % inv_update_period == j;
   * a step whose loss, update or (when computed) loss after the update is not finite is
     discarded (the runtime does not flip the state buffers); the host multiplies the damping
     by damping_rejection_factor (10) and reports `rejected: 1`;
