@@ -23,6 +23,7 @@ from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
 from kfac_compiler.contract import SlotSpec, SubgraphInfo
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import GraphView
+from kfac_compiler.oprules.conv import lower_forward
 from kfac_compiler.passes.autodiff import jvp
 
 FLOAT = TensorProto.FLOAT
@@ -163,11 +164,26 @@ class Emission:
             name,
             self.inputs,
             self.outputs,
-            base_nodes=self.parts.model.graph.node,
+            base_nodes=self._lowered_forward(params),
             base_initializers=base_inits,
             extra_opsets=self.parts.model.opset_import,
         )
         return model, self.info
+
+    def _lowered_forward(self, params: set[str]) -> list[onnx.NodeProto]:
+        """The forward nodes, with each Conv whose weight is a parameter (a runtime input:
+        ONNX Runtime's fast NCHWc kernels need constant weights) lowered where that pays
+        (oprules.conv.lower_forward)."""
+        out: list[onnx.NodeProto] = []
+        for node in self.parts.model.graph.node:
+            if node.op_type == "Conv" and node.domain in ("", "ai.onnx") and node.input[1] in params:
+                mark = len(self.b.nodes)
+                if lower_forward(self.b, self.view, node):
+                    out += self.b.nodes[mark:]
+                    del self.b.nodes[mark:]
+                    continue
+            out.append(node)
+        return out
 
     # ------------------------------------------------------------ pieces
     @property

@@ -1,17 +1,24 @@
 """Conv and ConvTranspose, with the spatial geometry they share with pooling (`Geom`: pads
-resolved, auto_pad included) and the ConvTranspose adjoint of a strided correlation
-(`conv_t_to`, also AveragePool's vjp).
+resolved, auto_pad included), the ConvTranspose adjoint of a strided correlation
+(`conv_t_to`, also AveragePool's vjp), and the Gather forms of a group-1 Conv with static
+spatial sizes (`gather_table`, `GatherConvGrads`, `lower_forward`).
 
 Lowerings (see docs/autodiff.md):
-- Conv input grad: for stride 1 a Conv of the cotangent with the flipped, channel-transposed
-  kernel; otherwise ConvTranspose of the cotangent with the same weight, with explicit pads
-  and output_padding chosen so the result has the input's spatial size (dynamic sizes:
-  ConvTranspose without pads, then Pad/Slice).
-- Conv weight grad: im2col by strided slices of the padded input, then one Gemm (a batched
-  MatMul over groups); without a static kernel/weight shape, a Conv whose batch and channel
-  axes are swapped (the input X becomes [C_in/G, G*N, *S], the cotangent [C_out, N, *S_out]
-  acts as the weight, strides and dilations trade places; the result is cropped to the
-  kernel and transposed).
+- Conv, group 1, static sizes (the batch may be dynamic): the cotangent made channels-last
+  once ([N, P_out, M]); weight grad: im2col patches as ONE Gather of the input's
+  channels-last rows (a zero row for padding) and one Gemm; input grad at stride 1: the
+  cotangent's rows gathered by the adjoint table and one MatMul with the weight. Kernel
+  offsets that only ever meet padding are left out (zero weight gradient there).
+- Otherwise: input grad for stride 1 a Conv of the cotangent with the flipped,
+  channel-transposed kernel, else ConvTranspose of the cotangent with the same weight, with
+  explicit pads and output_padding chosen so the result has the input's spatial size
+  (dynamic sizes: ConvTranspose without pads, then Pad/Slice). Weight grad: im2col by strided
+  slices of the padded input, then one Gemm (a batched MatMul over groups), or without a
+  static kernel/weight shape a Conv whose batch and channel axes are swapped (the input X
+  becomes [C_in/G, G*N, *S], the cotangent [C_out, N, *S_out] acts as the weight, strides and
+  dilations trade places; the result is cropped to the kernel and transposed).
+- Forward (training subgraphs, backend/emission.py): a Conv whose weight is a parameter
+  and whose output is small runs as the weight gradient's Gather patches times the weight.
 - ConvTranspose: the mirror image (input grad a Conv, weight grad the swapped Conv).
 """
 from __future__ import annotations
@@ -119,6 +126,163 @@ def conv_t_to(b, view, g: str, w: str, geo: Geom, x_like: str, so: list | None, 
     pads = b.op("Concat", [b.ints([0] * (2 + nd + 2)), need_end], axis=0)
     padded = b.op("Pad", [full, pads])
     return b.op("Slice", [padded, pb, b.add(sizes, pb), b.ints(spatial_axes(nd))])
+
+
+# Gather im2col: a conv's patches as one Gather of channels-last rows. ORT's Conv with a
+# weight that is not an initializer runs MLAS's NCHW im2col + GEMM per image, 3x slower than
+# its NCHWc path on small images, and strided Slices of NCHW tensors copy runs of a few floats;
+# a Gather of [N, P+1, C] rows copies C floats per index. The table maps (position, kernel
+# offset) to a row, the extra row P holding zeros (padding, or no contribution).
+GATHER_TABLE_MAX = 1 << 22  # entries of a gather table (int64): above it, the Slice/Conv forms
+GATHER_FORMS = True  # False: the Slice/Conv/ConvTranspose forms only (A/B: bench_conv.py --ab)
+
+
+def _axis_taps(n_pos: int, n_src: int, k: int, s: int, d: int, pb: int, adjoint: bool) -> np.ndarray:
+    """[n_pos, k] source index along one axis, -1 where there is none. Forward (im2col of the
+    input): source = pos*s + kk*d - pb. Adjoint (input positions of the transposed conv):
+    source = (pos + pb - kk*d) / s where that is an integer."""
+    pos = np.arange(n_pos)[:, None]
+    kk = np.arange(k)[None, :]
+    if adjoint:
+        num = pos + pb - kk * d
+        src = np.where(num % s == 0, num // s, -1)
+    else:
+        src = pos * s + kk * d - pb
+    return np.where((src >= 0) & (src < n_src), src, -1)
+
+
+def gather_table(n_pos: list[int], n_src: list[int], geo: Geom, adjoint: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """([prod(n_pos), L] int64: for each position and kernel offset the row of the flattened
+    source, or prod(n_src) (the zero row) where there is none; the box of kernel offsets
+    [lo, hi) per axis that meet the source at all, L its size: the others contribute nothing)."""
+    taps = [_axis_taps(n_pos[i], n_src[i], geo.k[i], geo.s[i], geo.d[i], geo.pb[i], adjoint) for i in range(geo.nd)]
+    box = []
+    for t in taps:
+        live = np.flatnonzero((t >= 0).any(axis=0))
+        box.append((int(live[0]), int(live[-1]) + 1) if live.size else (0, 1))
+    taps = [t[:, lo:hi] for t, (lo, hi) in zip(taps, box)]
+    nd = geo.nd
+    idx = np.zeros([1] * (2 * nd), np.int64)
+    valid = np.ones([1] * (2 * nd), bool)
+    for i, t in enumerate(taps):  # axes: positions (nd), then offsets (nd)
+        shp = [1] * (2 * nd)
+        shp[i], shp[nd + i] = t.shape
+        t = t.reshape(shp)
+        idx = idx * n_src[i] + np.maximum(t, 0)
+        valid = valid & (t >= 0)
+    zero_row = int(np.prod(n_src))
+    return np.where(valid, idx, zero_row).reshape(int(np.prod(n_pos)), -1), box
+
+
+def _channels_last(b, t: str, ch: int, n: int) -> str:
+    """[N, ch, *S] (prod(S) = n) -> [N, n, ch]. Transposes here move one axis (or are 2-D):
+    ORT's fast paths; a general permutation of a weight-sized tensor cost ~10 ms on ResNet's."""
+    return b.transpose(b.reshape(t, [0, ch, n]), [0, 2, 1])
+
+
+def _zero_row(b, rows: str) -> str:
+    """[N, n, ch] -> [N, n + 1, ch], row n zero (where the tables point for padding)."""
+    return b.op("Pad", [rows, b.ints([0, 0, 0, 0, 1, 0])])
+
+
+def _gather_ok(geo: Geom, so, ws, group: int) -> bool:
+    """The gather forms apply: group 1 and every size static (the batch may be dynamic)."""
+    return (GATHER_FORMS and group == 1 and geo.k is not None and geo.S_static and ws is not None and so is not None
+            and all(isinstance(v, int) for v in so)
+            and int(np.prod(so)) * int(np.prod(geo.k)) <= GATHER_TABLE_MAX
+            and int(np.prod(geo.S)) * int(np.prod(geo.k)) <= GATHER_TABLE_MAX)
+
+
+def _rows_pay(ch: int, geo: Geom, so: list[int]) -> bool:
+    """Gathering rows of `ch` floats beats strided Slices of NCHW rows (runs of the output
+    width at stride 1) once the rows are as long, or 8 floats: a 1-channel input (the first
+    conv of a grey-scale net) stays on Slices, 0.26 against 0.44 ms (8x8 images, batch 128)."""
+    run = so[-1] if geo.s[-1] == 1 and geo.d[-1] == 1 else 1
+    return ch >= min(8, run)
+
+
+class GatherConvGrads:
+    """Weight and input cotangents of a group-1 Conv from channels-last Gather patches; the
+    cotangent is made channels-last once ([N, P_out, M]) for both."""
+
+    def __init__(self, b, g: str, geo: Geom, so: list[int], M: int):
+        self.b, self.geo, self.so, self.M = b, geo, list(so), M
+        self.P = int(np.prod(so))
+        self.g_last = _channels_last(b, g, M, self.P)
+
+    def weight(self, X: str, C: int) -> str:
+        """dW[m, c, kk] = sum over (n, p) of g[n, m, p] x_pad[n, c, p*s + kk*d]: one Gemm of the
+        cotangent rows [N*P, M] with the patches [N*P, L*C]."""
+        b, geo, nd = self.b, self.geo, self.geo.nd
+        table, box = gather_table(self.so, geo.S, geo, adjoint=False)
+        L = table.shape[1]
+        P_in = int(np.prod(geo.S))
+        x_rows = _zero_row(b, _channels_last(b, X, C, P_in))
+        pt = b.op("Gather", [x_rows, b.const(table, hint="im2col")], axis=1)  # [N, P, L, C]
+        dw = b.op("Gemm", [b.reshape(self.g_last, [-1, self.M]), b.reshape(pt, [-1, L * C])], transA=1)
+        span = [hi - lo for lo, hi in box]
+        dw = b.reshape(b.transpose(b.reshape(dw, [self.M, L, C]), [0, 2, 1]), [self.M, C] + span)
+        if span != geo.k:  # offsets that only ever meet padding: zero gradient
+            pads = [0, 0] + [lo for lo, _ in box] + [0, 0] + [k - hi for k, (_, hi) in zip(geo.k, box)]
+            dw = b.op("Pad", [dw, b.ints(pads)])
+        return dw
+
+    def input(self, W: str, C: int) -> str:
+        """dx[n, c, i] = sum over (kk, m) of g[n, m, o(i, kk)] W[m, c, kk] (o: the output position
+        whose window puts offset kk on i, if any): one MatMul of gathered cotangent rows."""
+        b, geo, nd = self.b, self.geo, self.geo.nd
+        table, box = gather_table(geo.S, self.so, geo, adjoint=True)
+        L = table.shape[1]
+        P_in = int(np.prod(geo.S))
+        pg = b.op("Gather", [_zero_row(b, self.g_last), b.const(table, hint="col2im")], axis=1)  # [N, P_in, L, M]
+        w = _box_weight(b, W, geo, box)
+        wr = b.reshape(b.transpose(b.reshape(w, [self.M * C, L]), [1, 0]), [L * self.M, C])
+        dx = b.matmul(b.reshape(pg, [-1, L * self.M]), wr)  # [N*P_in, C]
+        dx = b.transpose(b.reshape(dx, [-1, P_in, C]), [0, 2, 1])
+        return b.reshape(dx, [-1, C] + list(geo.S))
+
+
+def _forward_pays(geo: Geom, so: list[int], C: int) -> bool:
+    """Lower a forward Conv to Gather + Gemm where ORT's own kernel (runtime weights: per-image
+    im2col and a GEMM as wide as the image) is slow: small outputs (<= 64 positions), rows of
+    >= 8 channels, kernels larger than 1. Measured (one thread, batch 128/32): 4x4 images
+    0.46 -> 0.22 ms, ResNet-18's 2x2 layer 8.8 -> 1.7 ms; 8x8 images about even; ORT's
+    1x1 and few-channel convs faster."""
+    return C >= 8 and int(np.prod(so)) <= 64 and int(np.prod(geo.k)) > 1
+
+
+def lower_forward(b, view, node) -> bool:
+    """Emit `node` (a Conv whose weight is a runtime input) as channels-last Gather patches
+    times the weight in one Gemm (the bias as Gemm's C), writing node's output; False (and
+    nothing emitted) where the form does not apply or does not pay. The patches are the
+    weight gradient's (same nodes, same constants: ONNX Runtime's CSE keeps one copy)."""
+    X, W = node.input[0], node.input[1]
+    geo = Geom(view, node, X, W)
+    ws = static_shape(view, W)
+    so = geo.out_size()
+    group = int(attr(node, "group", 1))
+    if not _gather_ok(geo, so, ws, group) or not _forward_pays(geo, so, ws[1]):
+        return False
+    M, C = ws[0], ws[1]
+    table, box = gather_table(so, geo.S, geo, adjoint=False)
+    L, P, nd = table.shape[1], int(np.prod(so)), geo.nd
+    x_rows = _zero_row(b, _channels_last(b, X, C, int(np.prod(geo.S))))
+    pt = b.op("Gather", [x_rows, b.const(table, hint="im2col")], axis=1)  # [N, P, L, C]
+    w = _box_weight(b, W, geo, box)
+    wr = b.reshape(b.transpose(b.reshape(w, [M, C, L]), [0, 2, 1]), [M, L * C])
+    gemm_in = [b.reshape(pt, [-1, L * C]), wr] + ([node.input[2]] if inp(node, 2) else [])
+    y = b.op("Gemm", gemm_in, transB=1)  # [N*P, M]
+    y = b.transpose(b.reshape(y, [-1, P, M]), [0, 2, 1])
+    b.op("Reshape", [y, b.ints([-1, M] + list(so))], outputs=[node.output[0]])
+    return True
+
+
+def _box_weight(b, W: str, geo: Geom, box) -> str:
+    """W restricted to the kernel offsets in `box` (those that meet the input at all)."""
+    if all(hi - lo == k for k, (lo, hi) in zip(geo.k, box)):
+        return W
+    return b.op("Slice", [W, b.ints([lo for lo, _ in box]), b.ints([hi for _, hi in box]),
+                          b.ints(spatial_axes(geo.nd))])
 
 
 def _conv_input_grad(b, view, g: str, W: str, geo: Geom, X: str, so, group: int) -> str:
@@ -233,9 +397,16 @@ def _conv_vjp(b, view, node, gys, needs=None):
     res: list[str | None] = [None] * n_in
     so = static_shape(view, Y)
     so = list(so[2:]) if so is not None else geo.out_size()
+    ws = static_shape(view, W)
+    gat = GatherConvGrads(b, g, geo, so, ws[0]) if _gather_ok(geo, so, ws, group) else None
     if need(needs, 0):
-        res[0] = _conv_input_grad(b, view, g, W, geo, X, so, group)
-    if need(needs, 1):
+        if gat is not None and all(v == 1 for v in geo.s):  # strided: 1/s of the gathered rows live
+            res[0] = gat.input(W, ws[1])
+        else:
+            res[0] = _conv_input_grad(b, view, g, W, geo, X, so, group)
+    if need(needs, 1) and gat is not None and _rows_pay(ws[1], geo, so):
+        res[1] = gat.weight(X, ws[1])
+    elif need(needs, 1):
         kstat = None
         if geo.S_static and so is not None:
             kstat = [(geo.S[i] + geo.pb[i] + geo.pe[i] - ((so[i] - 1) * geo.s[i] + 1)) // geo.d[i] + 1
