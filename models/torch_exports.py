@@ -1,7 +1,7 @@
 """Real-sized models exported from PyTorch, for the GPU tests and benchmarks (optional: needs
 torch; nothing in kfac_compiler imports this module).
 
-    from kfac_compiler.models.torch_exports import resnet18, gpt, export, digits_images, digits_sequences
+    from kfac_compiler.models.torch_exports import resnet18, mobilenet_v2, gpt, export, digits_images, digits_sequences
     net = resnet18()                               # torchvision's ResNet-18 (10 classes)
     export(net, "resnet18.onnx", digits_images(8)[0]["input"])
     plan = kfac_compiler.compile("resnet18.onnx", loss="softmax_cross_entropy", output="logits")
@@ -11,18 +11,21 @@ torch; nothing in kfac_compiler imports this module).
   BatchNormalization is a scale-and-shift layer over fixed running statistics, which
   `export` folds into the convolutions (the exporter's constant folding): what the compiler
   sees is 20 convolutions with biases and the dense head, 11.2M parameters.
+* `mobilenet_v2`: torchvision.models.mobilenet_v2 when installed, else a module-for-module twin
+  (inverted residuals with depthwise convolutions and ReLU6; 2.2M parameters at 10 classes).
 * `gpt`: a GPT-2-style causal language model (token and position embeddings, pre-LN blocks of
   multi-head causal self-attention and a GELU MLP, a final LayerNorm, the output head tied to
   the token embedding).
 * data from scikit-learn's digits: 32x32 RGB images (`digits_images`, the 8x8 digits scaled up
   by pixel repetition and copied to three channels) and pixel-intensity token sequences
-  (`digits_sequences`: the 64 pixels of an image, values 0..16, as next-token targets).
+  (`digits_sequences`: the 64 pixels of an image, values 0..16, as next-token targets; with
+  `vocab=50257` spelled with 17 fixed random tokens of a GPT-2-sized vocabulary).
 
 Parameters initialised to a constant (zero biases, unit LayerNorm and BatchNorm gains) get
 noise of 1e-3 before the export: the exporters merge equal initializers into one tensor, which
 the compiler would then train as one shared parameter (see `_distinct`).
 
-Both exports use the TorchScript exporter (`dynamo=False`) at opset 17, with a dynamic batch
+The exports use the TorchScript exporter (`dynamo=False`) at opset 17, with a dynamic batch
 dimension named N.
 """
 from __future__ import annotations
@@ -117,6 +120,79 @@ def resnet18(num_classes: int = 10, seed: int = 0) -> nn.Module:
     return _distinct(tv_resnet18(num_classes=num_classes), seed)
 
 
+# ------------------------------------------------------------------------------ MobileNetV2
+def _make_divisible(v: float, divisor: int = 8) -> int:
+    """torchvision's channel rounding (never down by more than 10%)."""
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < 0.9 * v else new_v
+
+
+class _ConvBNReLU6(nn.Sequential):
+    """torchvision's Conv2dNormActivation(..., activation_layer=nn.ReLU6): conv, bn, relu6."""
+
+    def __init__(self, inp: int, oup: int, kernel_size: int = 3, stride: int = 1, groups: int = 1):
+        super().__init__(nn.Conv2d(inp, oup, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
+                         nn.BatchNorm2d(oup), nn.ReLU6(inplace=True))
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, inp: int, oup: int, stride: int, expand_ratio: int):
+        super().__init__()
+        hidden = int(round(inp * expand_ratio))
+        self.use_res_connect = stride == 1 and inp == oup
+        layers: list[nn.Module] = [] if expand_ratio == 1 else [_ConvBNReLU6(inp, hidden, kernel_size=1)]
+        layers += [_ConvBNReLU6(hidden, hidden, stride=stride, groups=hidden),
+                   nn.Conv2d(hidden, oup, 1, 1, 0, bias=False), nn.BatchNorm2d(oup)]
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return x + self.conv(x) if self.use_res_connect else self.conv(x)
+
+
+class _MobileNetV2(nn.Module):
+    """torchvision.models.mobilenet_v2's layers, names and initialisation (width 1.0)."""
+
+    SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+               (6, 320, 1, 1))  # expansion t, channels c, repeats n, first stride s
+
+    def __init__(self, num_classes: int = 10, dropout: float = 0.2):
+        super().__init__()
+        inp, last = _make_divisible(32), _make_divisible(1280)
+        features: list[nn.Module] = [_ConvBNReLU6(3, inp, stride=2)]
+        for t, c, n, s in self.SETTING:
+            out = _make_divisible(c)
+            for i in range(n):
+                features.append(_InvertedResidual(inp, out, s if i == 0 else 1, t))
+                inp = out
+        features.append(_ConvBNReLU6(inp, last, kernel_size=1))
+        self.features = nn.Sequential(*features)
+        self.classifier = nn.Sequential(nn.Dropout(p=dropout), nn.Linear(last, num_classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def mobilenet_v2(num_classes: int = 10, seed: int = 0) -> nn.Module:
+    """MobileNetV2 with `num_classes` outputs (torchvision's when installed, else the twin):
+    2.2M parameters at 10 classes, 3.5M at ImageNet's 1000."""
+    torch.manual_seed(seed)
+    try:
+        from torchvision.models import mobilenet_v2 as tv_mobilenet_v2
+    except ImportError:
+        return _distinct(_MobileNetV2(num_classes), seed)
+    return _distinct(tv_mobilenet_v2(num_classes=num_classes), seed)
+
+
 # ------------------------------------------------------------------------------ GPT
 class _Block(nn.Module):
     def __init__(self, d_model: int, n_head: int, seq_len: int):
@@ -195,10 +271,24 @@ def digits_images(n: int | None = None, seed: int = 0, size: int = 32) -> tuple[
     return {"input": np.ascontiguousarray(np.broadcast_to(x[:, None], (len(x), 3, size, size)))}, labels
 
 
-def digits_sequences(n: int | None = None, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def digits_sequences(n: int | None = None, seed: int = 0, vocab: int = MAX_PIXEL + 1
+                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """({"input": [n,64] int64 tokens}, [n,64] int64 next tokens): an image's pixels (0..16)
-    in reading order; the target of position t is pixel t+1, the last one's is 0."""
+    in reading order; the target of position t is pixel t+1, the last one's is 0. With a
+    larger `vocab`, the 17 pixel values are mapped into 0..vocab-1 by a fixed random injection
+    (`vocab_injection`), so that a large-vocabulary LM gets a learnable task: the same
+    sequences, spelled with 17 of its tokens."""
     pixels, _ = digits(n, seed)  # the zoo's selection, scaled to [0, 1]
     tokens = np.rint(pixels * MAX_PIXEL).astype(np.int64)
     targets = np.concatenate([tokens[:, 1:], np.zeros((len(tokens), 1), np.int64)], axis=1)
+    if vocab != MAX_PIXEL + 1:
+        spell = vocab_injection(vocab)
+        tokens, targets = spell[tokens], spell[targets]
     return {"input": tokens}, targets
+
+
+def vocab_injection(vocab: int) -> np.ndarray:
+    """[17] distinct token ids in 0..vocab-1 (pixel value -> token), the same for every call."""
+    if vocab < MAX_PIXEL + 1:
+        raise ValueError(f"vocab must be at least {MAX_PIXEL + 1} (the pixel values), got {vocab}")
+    return np.random.default_rng(0).choice(vocab, MAX_PIXEL + 1, replace=False).astype(np.int64)
