@@ -2,7 +2,8 @@
 torch's Adam and kfac-pytorch on the same device.
 
     python benchmarks/bench_gpu.py [--device cuda] [--models resnet18,gpt] [--batch 128]
-                                   [--steps 30] [--target-steps 300] [--peers] [--json out.json]
+                                   [--steps 30] [--target-steps 300] [--peers] [--kfac-pytorch DIR]
+                                   [--json out.json]
 
 Models (kfac_compiler.models.torch_exports, so torch is needed): torchvision's ResNet-18 on
 the digits as 32x32 RGB images, and a GPT-2-style causal LM (4 layers, width 256) on the
@@ -36,12 +37,14 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kfac_compiler as kc  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime.data import batch_indices  # noqa: E402
 from kfac_compiler.runtime.device import PROFILE_ENV, get_device  # noqa: E402
 from kfac_compiler.runtime.ort_profile import read_profile  # noqa: E402
+from torch_peers import full_loss_torch, kfac_pytorch_path, torch_setup, torch_step  # noqa: E402
 
 EVAL_EVERY = 10
 
@@ -125,45 +128,6 @@ def residency(plan, x, y, bs, device, steps=6):
 
 
 # ------------------------------------------------------------------------------ torch peers
-def torch_setup(net, device, optimizer, bs, periods):
-    import torch
-
-    dev = torch.device("cuda" if device == "cuda" else "cpu")
-    net = net.to(dev)
-    net.train()
-    for m in net.modules():  # BatchNorm on its running statistics, as in the export
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            m.eval()
-    pre = None
-    if optimizer == "adam":
-        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    else:
-        from kfac.preconditioner import KFACPreconditioner
-
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        pre = KFACPreconditioner(net, factor_update_steps=periods[0], inv_update_steps=periods[1], lr=0.1,
-                                 damping=0.003)
-    return net, opt, pre, dev
-
-
-def torch_loss(out, t):
-    import torch
-
-    if out.dim() == 3:  # LM: summed over positions, mean over the batch (our convention)
-        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1), reduction="sum") / out.shape[0]
-    return torch.nn.functional.cross_entropy(out, t)
-
-
-def torch_step(net, opt, pre, xb, yb):
-    opt.zero_grad(set_to_none=True)
-    loss = torch_loss(net(xb), yb)
-    loss.backward()
-    if pre is not None:
-        pre.step()
-    opt.step()
-    return loss
-
-
 def time_torch(net, opt, pre, dev, x, y, bs, steps, warmup=3):
     import torch
 
@@ -181,18 +145,6 @@ def time_torch(net, opt, pre, dev, x, y, bs, steps, warmup=3):
         if k >= warmup:
             walls.append(time.perf_counter() - t0)
     return walls
-
-
-def full_loss_torch(net, dev, x, y):
-    import torch
-
-    with torch.no_grad():
-        total = 0.0
-        for s in range(0, len(y), 512):
-            xb = torch.from_numpy(x[s:s + 512]).to(dev)
-            yb = torch.from_numpy(y[s:s + 512]).to(dev)
-            total += float(torch_loss(net(xb), yb)) * len(yb)
-    return total / len(y)
 
 
 # ------------------------------------------------------------------------------ to target
@@ -253,9 +205,12 @@ def bench_model(name, args, workdir):
                   f"Memcpy per run {sess['copies']}", flush=True)
 
     peers = ("adam", "kfac") if args.peers else ()
+    if "kfac" in peers and not kfac_pytorch_path(args.kfac_pytorch):
+        print("kfac-pytorch: skipped (no --kfac-pytorch PATH or $KFAC_PYTORCH with its `kfac` package)", flush=True)
+        peers = ("adam",)
     for opt in peers:
         try:
-            tnet, topt, pre, dev = torch_setup(copy.deepcopy(net), args.device, opt, bs, periods)
+            tnet, topt, pre, dev = torch_setup(copy.deepcopy(net), args.device, opt, periods, kfac_path=args.kfac_pytorch)
             walls = time_torch(tnet, topt, pre, dev, x, y, bs, args.steps)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             res[f"torch_{opt}"] = {"error": f"{type(e).__name__}: {e}"}
@@ -297,7 +252,7 @@ def bench_model(name, args, workdir):
             import torch
 
             label = "kfac-pytorch" if opt == "kfac" else "torch adam"
-            tnet, topt, pre, dev = torch_setup(copy.deepcopy(net), args.device, opt, bs, periods)
+            tnet, topt, pre, dev = torch_setup(copy.deepcopy(net), args.device, opt, periods, kfac_path=args.kfac_pytorch)
             xt, yt = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
 
             def tstep(idx, tnet=tnet, topt=topt, pre=pre, dev=dev, xt=xt, yt=yt):
@@ -339,6 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per optimizer")
     ap.add_argument("--target-steps", type=int, default=300, help="Adam's steps for the target (0: skip)")
     ap.add_argument("--peers", action="store_true", help="also torch's Adam and kfac-pytorch")
+    ap.add_argument("--kfac-pytorch", help="directory holding kfac-pytorch's `kfac` package (default: $KFAC_PYTORCH)")
     ap.add_argument("--residency", action="store_true", help="profile the bytes a K-FAC step moves")
     ap.add_argument("--kfac-variant", action="append",
                     help="also K-FAC with these knobs, e.g. inv_update_period=50 (repeatable)")
