@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from kfac_compiler.oprules.check import convert_float_type, one_node_model, run_ort
-from kfac_compiler.oprules.conv import Geom, gather_table
+from kfac_compiler.oprules.conv import NOMINAL_BATCH, Geom, gather_table
 from kfac_compiler.passes.autodiff import gradient_model
 
 
@@ -30,6 +30,10 @@ GEOMS = [  # (x shape, w shape, attributes)
     ((2, 8, 2, 3), (8, 8, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
     ((3, 8, 7), (8, 8, 3), {"pads": [1, 2], "strides": [2]}),
     ((1, 8, 3, 4, 3), (8, 8, 2, 3, 2), {"pads": [1, 0, 1, 0, 1, 1], "strides": [1, 2, 1]}),
+    # patch-major (NOMINAL_BATCH * output positions < output channels), whole kernel
+    ((2, 8, 1, 1), (40, 8, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((2, 8, 2, 3), (200, 8, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((2, 8, 4, 4), (136, 8, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
 ]
 
 
@@ -52,6 +56,11 @@ def test_gather_tables_against_loops(xs, ws, attrs):
     fwd, box = gather_table(so, geo.S, geo, adjoint=False)
     adj, box_adj = gather_table(geo.S, so, geo, adjoint=True)
     assert box == box_adj
+    full, whole = gather_table(so, geo.S, geo, adjoint=False, full=True)
+    assert whole == [(0, k) for k in geo.k]
+    for (o, kk), i in taps.items():
+        assert full[np.ravel_multi_index(o, so), np.ravel_multi_index(kk, geo.k)] == (
+            int(np.prod(geo.S)) if i is None else i)
     offsets = list(product(*[range(lo, hi) for lo, hi in box]))
     assert fwd.shape == (int(np.prod(so)), len(offsets)) and adj.shape == (int(np.prod(geo.S)), len(offsets))
     zero_in, zero_out = int(np.prod(geo.S)), int(np.prod(so))
@@ -98,7 +107,9 @@ def test_gather_cotangents_against_numpy(xs, ws, attrs, symbolic):
     gm = gradient_model(m32, out, [], extra_wrt=["x", "w"])
     ops = collections.Counter(n.op_type for n in gm.graph.node)
     geo = _geom(xs, ws, attrs)
-    assert ops["Gather"] == (2 if all(v == 1 for v in geo.s) else 1)  # the forms under test ran
+    assert ops["Gather"] == 2 and ops["ConvTranspose"] == 0  # the forms under test ran
+    patch_major = NOMINAL_BATCH * int(np.prod(geo.out_size())) < ws[0]
+    assert patch_major == (ws[0] > 16)  # both layouts are covered
     f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
     y = run_ort(m32, f32, [out])[out]
     g = rng.standard_normal(y.shape)

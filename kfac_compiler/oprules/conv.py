@@ -1,7 +1,7 @@
 """Conv and ConvTranspose, with the spatial geometry they share with pooling (`Geom`: pads
 resolved, auto_pad included), the ConvTranspose adjoint of a strided correlation
 (`conv_t_to`, also AveragePool's vjp), and the Gather forms of a group-1 Conv with static
-spatial sizes (`gather_table`, `GatherConvGrads`, `lower_forward`).
+spatial sizes (`gather_table`, `GatherConv`, `lower_forward`).
 
 Lowerings (see docs/autodiff.md):
 - Conv, group 1, static sizes (the batch may be dynamic): the cotangent made channels-last
@@ -129,10 +129,11 @@ def conv_t_to(b, view, g: str, w: str, geo: Geom, x_like: str, so: list | None, 
 
 
 # Gather im2col: a conv's patches as one Gather of channels-last rows. ORT's Conv with a
-# weight that is not an initializer runs MLAS's NCHW im2col + GEMM per image, 3x slower than
-# its NCHWc path on small images, and strided Slices of NCHW tensors copy runs of a few floats;
-# a Gather of [N, P+1, C] rows copies C floats per index. The table maps (position, kernel
-# offset) to a row, the extra row P holding zeros (padding, or no contribution).
+# weight that is not an initializer runs its generic NCHW kernel (an im2col and a GEMM per
+# image, as wide as the image), and strided Slices of NCHW tensors copy runs of a few floats;
+# a Gather of [N, P+1, C] rows copies C contiguous floats per index. The tables map (position,
+# kernel offset) to a row, row P holding zeros (padding, or no contribution). Measurements:
+# docs/autodiff.md.
 GATHER_TABLE_MAX = 1 << 22  # entries of a gather table (int64): above it, the Slice/Conv forms
 GATHER_FORMS = True  # False: the Slice/Conv/ConvTranspose forms only (A/B: bench_conv.py --ab)
 
@@ -151,15 +152,17 @@ def _axis_taps(n_pos: int, n_src: int, k: int, s: int, d: int, pb: int, adjoint:
     return np.where((src >= 0) & (src < n_src), src, -1)
 
 
-def gather_table(n_pos: list[int], n_src: list[int], geo: Geom, adjoint: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+def gather_table(n_pos: list[int], n_src: list[int], geo: Geom, adjoint: bool,
+                 full: bool = False) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """([prod(n_pos), L] int64: for each position and kernel offset the row of the flattened
     source, or prod(n_src) (the zero row) where there is none; the box of kernel offsets
-    [lo, hi) per axis that meet the source at all, L its size: the others contribute nothing)."""
+    [lo, hi) per axis that meet the source at all, L its size: the others contribute nothing.
+    `full`: every offset (the box is the whole kernel)."""
     taps = [_axis_taps(n_pos[i], n_src[i], geo.k[i], geo.s[i], geo.d[i], geo.pb[i], adjoint) for i in range(geo.nd)]
     box = []
     for t in taps:
         live = np.flatnonzero((t >= 0).any(axis=0))
-        box.append((int(live[0]), int(live[-1]) + 1) if live.size else (0, 1))
+        box.append((0, t.shape[1]) if full else (int(live[0]), int(live[-1]) + 1) if live.size else (0, 1))
     taps = [t[:, lo:hi] for t, (lo, hi) in zip(taps, box)]
     nd = geo.nd
     idx = np.zeros([1] * (2 * nd), np.int64)
@@ -175,8 +178,8 @@ def gather_table(n_pos: list[int], n_src: list[int], geo: Geom, adjoint: bool) -
 
 
 def _channels_last(b, t: str, ch: int, n: int) -> str:
-    """[N, ch, *S] (prod(S) = n) -> [N, n, ch]. Transposes here move one axis (or are 2-D):
-    ORT's fast paths; a general permutation of a weight-sized tensor cost ~10 ms on ResNet's."""
+    """[N, ch, *S] (prod(S) = n) -> [N, n, ch]. Every Transpose of these forms moves one axis
+    or is 2-D, ORT's block-copy paths; its general permutation copies element by element."""
     return b.transpose(b.reshape(t, [0, ch, n]), [0, 2, 1])
 
 
@@ -195,85 +198,145 @@ def _gather_ok(geo: Geom, so, ws, group: int) -> bool:
 
 def _rows_pay(ch: int, geo: Geom, so: list[int]) -> bool:
     """Gathering rows of `ch` floats beats strided Slices of NCHW rows (runs of the output
-    width at stride 1) once the rows are as long, or 8 floats: a 1-channel input (the first
-    conv of a grey-scale net) stays on Slices, 0.26 against 0.44 ms (8x8 images, batch 128)."""
+    width at stride 1) once the rows are as long, or 8 floats: Gather copies one row per
+    index, so a 1-channel input (the first conv of a grey-scale net) stays on Slices."""
     run = so[-1] if geo.s[-1] == 1 and geo.d[-1] == 1 else 1
     return ch >= min(8, run)
 
 
-class GatherConvGrads:
-    """Weight and input cotangents of a group-1 Conv from channels-last Gather patches; the
-    cotangent is made channels-last once ([N, P_out, M]) for both."""
+NOMINAL_BATCH = 32  # the batch at which GatherConv weighs activation- against weight-sized copies
 
-    def __init__(self, b, g: str, geo: Geom, so: list[int], M: int):
-        self.b, self.geo, self.so, self.M = b, geo, list(so), M
-        self.P = int(np.prod(so))
-        self.g_last = _channels_last(b, g, M, self.P)
 
-    def weight(self, X: str, C: int) -> str:
+class GatherConv:
+    """A group-1 Conv with static sizes in the Gather forms: patches [N, P, L, C] of the
+    input's channels-last rows, and the cotangent's rows gathered by the adjoint table.
+
+    Two layouts, by which copies are smaller. Weight-major (most convs: many positions per
+    image): the patches stay offset-major and the weight is rearranged to match ([M, L, C]
+    for the forward, [L*M, C] for the input cotangent; dW comes out [M, L, C]); offsets that
+    only meet padding are left out (a Slice of W, a Pad of dW). Patch-major (few positions,
+    many output channels, NOMINAL_BATCH * P_out < M: ResNet's last stages): the patches and
+    the gathered cotangent are transposed to channel-major instead, over the whole kernel, so
+    that the weight is used and produced in its own layout (only the input cotangent needs
+    a one-axis transpose of W): a weight-sized Slice/Pad/Transpose costs more there than
+    the zero rows' extra GEMM work."""
+
+    def __init__(self, b, geo: Geom, so: list[int], ws):
+        self.b, self.geo, self.so = b, geo, list(so)
+        self.M, self.C = int(ws[0]), int(ws[1])
+        self.P, self.P_in = int(np.prod(so)), int(np.prod(geo.S))
+        self.K = int(np.prod(geo.k))
+        self.patch_major = NOMINAL_BATCH * self.P < self.M
+        self._g_last = None
+
+    def _span(self, box) -> list[int]:
+        return [hi - lo for lo, hi in box]
+
+    def patches(self, X: str) -> tuple[str, list]:
+        """[N*P, L*C] (weight-major) or [N*P, C*K] (patch-major) and the offsets' box; the
+        same nodes and constants each time (ONNX Runtime's CSE merges the copies)."""
+        b, C = self.b, self.C
+        table, box = gather_table(self.so, self.geo.S, self.geo, adjoint=False, full=self.patch_major)
+        pt = b.op("Gather", [_zero_row(b, _channels_last(b, X, C, self.P_in)), b.const(table, hint="im2col")],
+                  axis=1)  # [N, P, L, C]
+        if self.patch_major:
+            pt = b.transpose(pt, [0, 1, 3, 2])
+        return b.reshape(pt, [-1, table.shape[1] * C]), box
+
+    def _weight_rows(self, W: str, box) -> str:
+        """W as the right operand of patches @ W^T: [M, L*C] or [M, C*K] (W itself)."""
+        b, M, C = self.b, self.M, self.C
+        if self.patch_major:
+            return b.reshape(W, [M, C * self.K])
+        L = int(np.prod(self._span(box)))
+        return b.reshape(b.transpose(b.reshape(_box_weight(b, W, self.geo, box), [M, C, L]), [0, 2, 1]), [M, L * C])
+
+    def forward(self, X: str, W: str, B: str | None, Y: str) -> None:
+        """Y = patches @ W^T (+ B as Gemm's C), back to [N, M, *S_out]."""
+        b, M = self.b, self.M
+        pt, box = self.patches(X)
+        y = b.op("Gemm", [pt, self._weight_rows(W, box)] + ([B] if B else []), transB=1)  # [N*P, M]
+        y = b.transpose(b.reshape(y, [-1, self.P, M]), [0, 2, 1])
+        b.op("Reshape", [y, b.ints([-1, M] + self.so)], outputs=[Y])
+
+    def g_last(self, g: str) -> str:
+        if self._g_last is None:
+            self._g_last = _channels_last(self.b, g, self.M, self.P)
+        return self._g_last
+
+    def weight(self, X: str, g: str) -> str:
         """dW[m, c, kk] = sum over (n, p) of g[n, m, p] x_pad[n, c, p*s + kk*d]: one Gemm of the
-        cotangent rows [N*P, M] with the patches [N*P, L*C]."""
-        b, geo, nd = self.b, self.geo, self.geo.nd
-        table, box = gather_table(self.so, geo.S, geo, adjoint=False)
-        L = table.shape[1]
-        P_in = int(np.prod(geo.S))
-        x_rows = _zero_row(b, _channels_last(b, X, C, P_in))
-        pt = b.op("Gather", [x_rows, b.const(table, hint="im2col")], axis=1)  # [N, P, L, C]
-        dw = b.op("Gemm", [b.reshape(self.g_last, [-1, self.M]), b.reshape(pt, [-1, L * C])], transA=1)
-        span = [hi - lo for lo, hi in box]
-        dw = b.reshape(b.transpose(b.reshape(dw, [self.M, L, C]), [0, 2, 1]), [self.M, C] + span)
+        cotangent rows [N*P, M] with the patches."""
+        b, geo, M, C = self.b, self.geo, self.M, self.C
+        pt, box = self.patches(X)
+        dw = b.op("Gemm", [b.reshape(self.g_last(g), [-1, M]), pt], transA=1)  # [M, L*C] or [M, C*K]
+        if self.patch_major:
+            return b.reshape(dw, [M, C] + list(geo.k))
+        span = self._span(box)
+        dw = b.reshape(b.transpose(b.reshape(dw, [M, int(np.prod(span)), C]), [0, 2, 1]), [M, C] + span)
         if span != geo.k:  # offsets that only ever meet padding: zero gradient
             pads = [0, 0] + [lo for lo, _ in box] + [0, 0] + [k - hi for k, (_, hi) in zip(geo.k, box)]
             dw = b.op("Pad", [dw, b.ints(pads)])
         return dw
 
-    def input(self, W: str, C: int) -> str:
-        """dx[n, c, i] = sum over (kk, m) of g[n, m, o(i, kk)] W[m, c, kk] (o: the output position
-        whose window puts offset kk on i, if any): one MatMul of gathered cotangent rows."""
-        b, geo, nd = self.b, self.geo, self.geo.nd
+    def input(self, W: str, g: str) -> str:
+        """dx[n, c, i] = sum over (kk, m) of g[n, m, o(i, kk)] W[m, c, kk], o(i, kk) the output
+        position whose window puts offset kk on i (if any). Stride 1, weight-major: the
+        cotangent's rows gathered by the adjoint table, one MatMul with W as [L*M, C].
+        Otherwise col2im: the columns Z[n, o, kk, c] = sum_m g[n, m, o] W[m, c, kk] in one
+        GEMM, gathered per input position and summed over the offsets."""
+        b, geo, M, C = self.b, self.geo, self.M, self.C
+        if self.patch_major or any(v != 1 for v in geo.s):
+            return self._col2im(W, g)
         table, box = gather_table(geo.S, self.so, geo, adjoint=True)
         L = table.shape[1]
-        P_in = int(np.prod(geo.S))
-        pg = b.op("Gather", [_zero_row(b, self.g_last), b.const(table, hint="col2im")], axis=1)  # [N, P_in, L, M]
-        w = _box_weight(b, W, geo, box)
-        wr = b.reshape(b.transpose(b.reshape(w, [self.M * C, L]), [1, 0]), [L * self.M, C])
-        dx = b.matmul(b.reshape(pg, [-1, L * self.M]), wr)  # [N*P_in, C]
-        dx = b.transpose(b.reshape(dx, [-1, P_in, C]), [0, 2, 1])
-        return b.reshape(dx, [-1, C] + list(geo.S))
+        pg = b.op("Gather", [_zero_row(b, self.g_last(g)), b.const(table, hint="col2im")], axis=1)  # [N, P_in, L, M]
+        w = b.reshape(_box_weight(b, W, geo, box), [M * C, L])
+        dx = b.matmul(b.reshape(pg, [-1, L * M]), b.reshape(b.transpose(w, [1, 0]), [L * M, C]))  # [N*P_in, C]
+        return self._to_nchw(dx)
+
+    def _col2im(self, W: str, g: str) -> str:
+        b, geo, M, C = self.b, self.geo, self.M, self.C
+        table, box = gather_table(geo.S, self.so, geo, adjoint=True, full=self.patch_major)
+        span = self._span(box)
+        L = int(np.prod(span))
+        # columns [N, P_out * L, C]: weight-major through the forward's W rows ([M, L*C]),
+        # patch-major through W itself ([M, C*K]) and a transpose of the (smaller) columns
+        z = b.matmul(b.reshape(self.g_last(g), [-1, M]), self._weight_rows(W, box))
+        if self.patch_major:
+            z = b.transpose(b.reshape(z, [-1, self.P, C, L]), [0, 1, 3, 2])
+        z = _zero_row(b, b.reshape(z, [-1, self.P * L, C]))
+        # table: (input position, offset) -> column row o * L + offset, or the zero row
+        col = np.arange(L)[None, :]
+        rows = np.where(table < self.P, table * L + col, self.P * L)
+        cols = b.op("Gather", [z, b.const(rows, hint="col2im")], axis=1)  # [N, P_in, L, C]
+        return self._to_nchw(b.reduce_sum(cols, [2]))
+
+    def _to_nchw(self, dx: str) -> str:
+        """[N*P_in, C] or [N, P_in, C] -> [N, C, *S]."""
+        b, C = self.b, self.C
+        dx = b.transpose(b.reshape(dx, [-1, self.P_in, C]), [0, 2, 1])
+        return b.reshape(dx, [-1, C] + list(self.geo.S))
 
 
 def _forward_pays(geo: Geom, so: list[int], C: int) -> bool:
-    """Lower a forward Conv to Gather + Gemm where ORT's own kernel (runtime weights: per-image
-    im2col and a GEMM as wide as the image) is slow: small outputs (<= 64 positions), rows of
-    >= 8 channels, kernels larger than 1. Measured (one thread, batch 128/32): 4x4 images
-    0.46 -> 0.22 ms, ResNet-18's 2x2 layer 8.8 -> 1.7 ms; 8x8 images about even; ORT's
-    1x1 and few-channel convs faster."""
+    """Lower a forward Conv to Gather + Gemm where ORT's own kernel (runtime weight: a GEMM per
+    image, as wide as the image) is slow: small outputs (<= 64 positions), rows of >= 8
+    channels, kernels larger than 1 (a 1x1 Conv is already one GEMM per image)."""
     return C >= 8 and int(np.prod(so)) <= 64 and int(np.prod(geo.k)) > 1
 
 
 def lower_forward(b, view, node) -> bool:
-    """Emit `node` (a Conv whose weight is a runtime input) as channels-last Gather patches
-    times the weight in one Gemm (the bias as Gemm's C), writing node's output; False (and
-    nothing emitted) where the form does not apply or does not pay. The patches are the
-    weight gradient's (same nodes, same constants: ONNX Runtime's CSE keeps one copy)."""
+    """Emit `node` (a Conv whose weight is a runtime input) in the Gather form (GatherConv),
+    writing node's output; False (and nothing emitted) where the form does not apply or does
+    not pay. Its patches are the weight gradient's (ONNX Runtime's CSE keeps one copy)."""
     X, W = node.input[0], node.input[1]
     geo = Geom(view, node, X, W)
     ws = static_shape(view, W)
     so = geo.out_size()
-    group = int(attr(node, "group", 1))
-    if not _gather_ok(geo, so, ws, group) or not _forward_pays(geo, so, ws[1]):
+    if not _gather_ok(geo, so, ws, int(attr(node, "group", 1))) or not _forward_pays(geo, so, ws[1]):
         return False
-    M, C = ws[0], ws[1]
-    table, box = gather_table(so, geo.S, geo, adjoint=False)
-    L, P, nd = table.shape[1], int(np.prod(so)), geo.nd
-    x_rows = _zero_row(b, _channels_last(b, X, C, int(np.prod(geo.S))))
-    pt = b.op("Gather", [x_rows, b.const(table, hint="im2col")], axis=1)  # [N, P, L, C]
-    w = _box_weight(b, W, geo, box)
-    wr = b.reshape(b.transpose(b.reshape(w, [M, C, L]), [0, 2, 1]), [M, L * C])
-    gemm_in = [b.reshape(pt, [-1, L * C]), wr] + ([node.input[2]] if inp(node, 2) else [])
-    y = b.op("Gemm", gemm_in, transB=1)  # [N*P, M]
-    y = b.transpose(b.reshape(y, [-1, P, M]), [0, 2, 1])
-    b.op("Reshape", [y, b.ints([-1, M] + list(so))], outputs=[node.output[0]])
+    GatherConv(b, geo, so, ws).forward(X, W, inp(node, 2), node.output[0])
     return True
 
 
@@ -398,14 +461,14 @@ def _conv_vjp(b, view, node, gys, needs=None):
     so = static_shape(view, Y)
     so = list(so[2:]) if so is not None else geo.out_size()
     ws = static_shape(view, W)
-    gat = GatherConvGrads(b, g, geo, so, ws[0]) if _gather_ok(geo, so, ws, group) else None
+    gat = GatherConv(b, geo, so, ws) if _gather_ok(geo, so, ws, group) else None
     if need(needs, 0):
-        if gat is not None and all(v == 1 for v in geo.s):  # strided: 1/s of the gathered rows live
-            res[0] = gat.input(W, ws[1])
+        if gat is not None:
+            res[0] = gat.input(W, g)
         else:
             res[0] = _conv_input_grad(b, view, g, W, geo, X, so, group)
     if need(needs, 1) and gat is not None and _rows_pay(ws[1], geo, so):
-        res[1] = gat.weight(X, ws[1])
+        res[1] = gat.weight(X, g)
     elif need(needs, 1):
         kstat = None
         if geo.S_static and so is not None:
