@@ -187,11 +187,35 @@ def device_from_providers(providers: Sequence) -> Device:
     return Device("cpu", tuple(providers))
 
 
+@functools.lru_cache(maxsize=1)
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (ONNX Runtime's default pool
+    size; hyper-threads do not add GEMM throughput)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id") as f:
+                cores.add((f.read().strip(), core))
+        except OSError:
+            cores.add(("cpu", str(c)))
+    return max(1, len(cores))
+
+
 def session_options(threads: int | None = None, spin: bool = True) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        so.intra_op_num_threads = int(threads)
+    # Always an explicit thread count: ONNX Runtime's default pool (intra_op_num_threads 0)
+    # pins each worker to one core, and a spinning worker pinned to the core where the
+    # caller's thread (or another process) runs halves that thread's share of it for as long
+    # as the scheduler leaves it there, often the whole run. An explicit count leaves the
+    # placement to the scheduler.
+    so.intra_op_num_threads = int(threads) if threads else physical_cores()
     if not spin:
         # A trainer runs several sessions in turn, each with its own intra-op pool whose idle
         # workers spin for a while after a run, stealing the cores from the next session's

@@ -3,6 +3,8 @@ docs/runtime_contract.md, with real ONNX Runtime sessions."""
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 
 import numpy as np
 import onnx
@@ -81,6 +83,32 @@ def test_cuda_request_is_checked():
         with pytest.raises(DeviceError) as e:
             resolve_device("cuda")
         assert "\n" not in str(e.value) and "cuda" in str(e.value)
+
+
+def _thread_cpus() -> dict[str, str]:
+    out = {}
+    for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
+        with open(f"{task}/status") as f:
+            out[task] = next(ln.split()[-1] for ln in f if ln.startswith("Cpus_allowed_list"))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux's /proc and 2+ CPUs")
+def test_sessions_do_not_pin_their_workers():
+    """A default session's intra-op pool is sized explicitly (physical cores): ONNX Runtime's
+    own default pool pins each worker to one core, which the scheduler then cannot move off a
+    busy core."""
+    allowed = _thread_cpus()[f"/proc/{os.getpid()}/task/{os.getpid()}"]
+    m, _ = counter_graph()
+    x = np.ones((64, 2), np.float32)
+    sess = make_session(m, "cpu", name="sgd_step")  # a spinning step session, default threads
+    sess.run(None, {"counter": np.zeros(3, np.float32), "acc": np.zeros((), np.float32), "x": x,
+                    "hp/step": np.ones((), np.float32)})
+    assert set(_thread_cpus().values()) == {allowed}
+    from kfac_compiler.runtime.device import physical_cores
+
+    assert sess.get_session_options().intra_op_num_threads == physical_cores()
 
 
 def test_state_store_double_buffering():
