@@ -137,8 +137,8 @@ def test_lowered_forward_steps_match_torch():
     assert [n.input[1] for n in step.graph.node if n.op_type == "Conv"] == ["conv1.weight"]  # conv2 lowered
     assert sum(n.op_type == "Gather" for n in step.graph.node) == 3  # conv2: patches (shared), dx rows
     weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
-    net = torch.nn.ModuleDict({"conv1": torch.nn.Conv2d(1, 8, 3, padding=1), "conv2": torch.nn.Conv2d(8, 16, 3, padding=1),
-                               "fc": torch.nn.Linear(16, 10)})
+    net = torch.nn.ModuleDict({"conv1": torch.nn.Conv2d(1, 8, 3, padding=1),
+                               "conv2": torch.nn.Conv2d(8, 16, 3, padding=1), "fc": torch.nn.Linear(16, 10)})
     net.load_state_dict(weights)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     tr = Trainer(plan, optimizer="sgd", device="cpu", seed=0, learning_rate=0.1, momentum=0.9)
@@ -148,7 +148,8 @@ def test_lowered_forward_steps_match_torch():
         ours = tr.step({"input": xb}, yb)["loss"]
         opt.zero_grad()
         h = torch.max_pool2d(torch.relu(net["conv1"](torch.from_numpy(xb))), 2)
-        loss = torch.nn.functional.cross_entropy(net["fc"](torch.relu(net["conv2"](h)).mean((2, 3))), torch.from_numpy(yb))
+        logits = net["fc"](torch.relu(net["conv2"](h)).mean((2, 3)))
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(yb))
         loss.backward()
         opt.step()
         assert ours == pytest.approx(loss.item(), rel=1e-5)
