@@ -273,3 +273,28 @@ def test_trace_mean_and_pi_batched():
     bad = G.copy()
     bad[1, 0, 0] = np.nan
     np.testing.assert_allclose(linalg.np_pi(A, bad)[1], 1.0)
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+def test_diagonal_and_shift_diagonal_without_an_identity(batch):
+    """diag(M) and M + v I (scalar v, or one per matrix) are numpy's, and the graph holds no
+    n x n constant."""
+    n = 6
+    M = RNG.standard_normal((*batch, n, n))
+    v = np.asarray(RNG.standard_normal(batch))
+    feeds = {"M": M, "s": np.asarray(0.25), "v": v}
+
+    def build(b):
+        return {"diag": linalg.emit_diagonal(b, "M", n), "scalar": linalg.emit_shift_diagonal(b, "M", n, "s"),
+                "batched": linalg.emit_add_diagonal(b, "M", n, "v", batched=True),
+                "trace": linalg.emit_trace_mean(b, "M", n)}
+
+    out = run_graph(build, feeds, float_type=TensorProto.DOUBLE)
+    eye = np.eye(n)
+    np.testing.assert_array_equal(out["diag"], np.diagonal(M, axis1=-2, axis2=-1))
+    np.testing.assert_array_equal(out["scalar"], M + 0.25 * eye)
+    np.testing.assert_array_equal(out["batched"], M + v[..., None, None] * eye)
+    np.testing.assert_allclose(out["trace"], np.trace(M, axis1=-2, axis2=-1) / n, rtol=1e-14)
+    b = GraphBuilder(17, taken=feeds.keys(), float_type=TensorProto.DOUBLE)
+    build(b)
+    assert max(int(np.prod(t.dims)) for t in b.initializers) <= 2  # scalars and shape vectors

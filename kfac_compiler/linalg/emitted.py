@@ -34,11 +34,35 @@ def emit_eye(b: GraphBuilder, n: int) -> str:
     return b.op("EyeLike", [zeros], hint=f"eye{n}")
 
 
+def _emit_flat_diagonal(b: GraphBuilder, M: str, n: int) -> tuple[str, str, str]:
+    """(M as [B, n n], its diagonal [B, n] (every (n+1)-th entry: a strided Slice), the
+    diagonal's flat positions [n]). No n x n identity is made: ONNX Runtime folds a
+    constant-only eye into a constant of every session that uses it (85 MB for n = 4609)."""
+    flat = b.reshape(M, [-1, n * n])
+    d = b.op("Slice", [flat, b.ints([0]), b.ints([n * n]), b.ints([1]), b.ints([n + 1])], hint="diagonal")
+    at = b.op("Range", [b.const(0, np.int64), b.const(n * n, np.int64), b.const(n + 1, np.int64)], hint="diagonal_at")
+    return flat, d, at
+
+
+def emit_diagonal(b: GraphBuilder, M: str, n: int) -> str:
+    """diag(M) [..., n] of M [..., n, n]."""
+    _, d, _ = _emit_flat_diagonal(b, M, n)
+    return b.reshape(d, b.shape(M, 0, -1))
+
+
+def emit_shift_diagonal(b: GraphBuilder, M: str, n: int, v: str) -> str:
+    """M + v I for M [..., n, n] and v broadcastable to the diagonal [..., n] (e.g. a scalar,
+    or [..., 1]): the diagonal is gathered, shifted and scattered back into a copy of M."""
+    flat, d, at = _emit_flat_diagonal(b, M, n)
+    shifted = b.reshape(b.add(b.reshape(d, b.shape(M, 0, -1)), v), [-1, n])
+    at = b.op("Expand", [b.unsqueeze(at, [0]), b.op("Shape", [d])])
+    out = b.op("ScatterElements", [flat, at, shifted], axis=1, hint="diagonal_shifted")
+    return b.reshape(out, b.shape(M))
+
+
 def emit_trace_mean(b: GraphBuilder, M: str, n: int, diag: bool = False) -> str:
     """tr(M)/n over the last axis/axes: a tensor of M's batch shape (scalar for one matrix)."""
-    if diag:
-        return b.reduce_mean(M, [-1])
-    return b.scale(b.reduce_sum(b.mul(M, emit_eye(b, n)), [-2, -1]), 1.0 / n)
+    return b.reduce_mean(M if diag else emit_diagonal(b, M, n), [-1])
 
 
 def emit_pi(b: GraphBuilder, A: str, nA: int, G: str, nG: int, a_diag=False, g_diag=False) -> str:
@@ -64,8 +88,7 @@ def emit_add_diagonal(b: GraphBuilder, M: str, n: int, d: str, diag: bool = Fals
     """M + d I; d a scalar, or (batched) a tensor of M's batch shape [g]."""
     if diag:
         return b.add(M, b.unsqueeze(d, [-1]) if batched else d)
-    dd = b.unsqueeze(d, [-1, -2]) if batched else d
-    return b.add(M, b.mul(dd, emit_eye(b, n)))
+    return emit_shift_diagonal(b, M, n, b.unsqueeze(d, [-1]) if batched else d)
 
 
 def emit_all(b: GraphBuilder, flags: Sequence[str]) -> str:
@@ -86,7 +109,7 @@ def emit_finite(b: GraphBuilder, x: str, axes: Sequence[int] | None = None) -> s
 
 def emit_residual_ok(b: GraphBuilder, M: str, X: str, n: int, tol: float = RESIDUAL_TOL) -> str:
     """||M X - I||_F / sqrt(n) <= tol per matrix (False for NaN/Inf anywhere)."""
-    R = b.sub(b.matmul(M, X), emit_eye(b, n))
+    R = emit_shift_diagonal(b, b.matmul(M, X), n, b.const(-1.0))
     r = b.reduce("ReduceSumSquare", R, [-2, -1], keepdims=False)
     return b.op("LessOrEqual", [r, b.const(tol * tol * n)])
 
