@@ -236,10 +236,22 @@ PROFILE_ENV = "KFAC_ORT_PROFILE"
 
 # Subgraphs that run at every training step keep their intra-op workers spinning between runs.
 SPINNING_SUBGRAPHS = ("kfac_step", "sgd_step", "adam_step")
-# Subgraphs whose sessions return their memory after each run (no CPU arena): a refresh
-# spread over groups has one inverse_update session per group, and each arena would keep
-# its group's peak (ResNet-18, 4 groups: +0.5 GB); no measurable cost on the zoo's refresh
-SESSIONS_WITHOUT_ARENA = ("inverse_update",)
+# Memory (CPU): only the sessions that run every step keep ONNX Runtime's CPU arena; every
+# other session (statistics-only steps, inverse refreshes, evaluation, Curvature's products)
+# returns its intermediates after each run, since an arena keeps each session's peak for good
+# and those peaks add up across sessions (ResNet-18, full factors: update_statistics +0.47 GB,
+# inverse_update +0.8 GB, held for the whole run). No CPU session uses ORT's memory pattern:
+# with the arena, the pattern's one planned block came on top of the chunks the first run had
+# left in it, doubling the step's arena (kfac_step +1.3 GB instead of +0.63); step times
+# with and without were within the machine's noise (docs/runtime.md, "Memory").
+ARENA_SUBGRAPHS = SPINNING_SUBGRAPHS
+
+
+def memory_options(options: ort.SessionOptions, device: Device, name: str) -> None:
+    """Set the CPU arena and memory pattern of subgraph `name`'s session (see ARENA_SUBGRAPHS)."""
+    options.enable_cpu_mem_arena = name in ARENA_SUBGRAPHS
+    if device.name == "cpu":
+        options.enable_mem_pattern = False
 
 
 def make_session(model: "onnx.ModelProto | bytes", device: "str | Device", name: str = "subgraph",
@@ -249,8 +261,7 @@ def make_session(model: "onnx.ModelProto | bytes", device: "str | Device", name:
     data = model if isinstance(model, bytes) else model.SerializeToString()
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
     options = session_options(threads, spin=name in SPINNING_SUBGRAPHS)
-    if name in SESSIONS_WITHOUT_ARENA:
-        options.enable_cpu_mem_arena = False
+    memory_options(options, dev, name)
     sess = ort.InferenceSession(data, options, providers=list(dev.providers))
     if dev.name == "cuda" and CUDA_EP not in sess.get_providers():
         raise DeviceError(f"subgraph {name!r}: ONNX Runtime fell back to CPU although CUDA was requested")
