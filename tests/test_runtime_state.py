@@ -249,3 +249,14 @@ def test_program_on_cuda_matches_cpu():
         outs.append((st.to_numpy("counter"), st.to_numpy("acc")))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_cpu_arena_only_for_every_step_sessions():
+    """The sessions that run every step keep ORT's CPU arena; the others (statistics-only steps,
+    refreshes, evaluation) return their memory after each run; no CPU session plans a memory
+    pattern (it doubled the step's arena)."""
+    m, _ = counter_graph()
+    for name, arena in [("kfac_step", True), ("adam_step", True), ("sgd_step", True), ("update_statistics", False),
+                        ("inverse_update", False), ("loss", False), ("multiply", False)]:
+        so = make_session(m, "cpu", name=name).get_session_options()
+        assert (so.enable_cpu_mem_arena, so.enable_mem_pattern) == (arena, False), name
