@@ -60,6 +60,16 @@ def test_group_count():
             R.check_groups(bad)
 
 
+def test_refresh_threads_by_factor_width():
+    from kfac_compiler.ir import FactorSpec
+
+    assert R.refresh_threads(R.MULTI_THREAD_WIDTH - 1, "cpu") == 1
+    assert R.refresh_threads(R.MULTI_THREAD_WIDTH, "cpu") is None  # the trainer's (ORT's default)
+    assert R.refresh_threads(10, "cuda") is None
+    specs = [FactorSpec("A_Q", (4, 4609, 4609)), FactorSpec("D_inv", (512, 9000)), FactorSpec("G_inv", (512,))]
+    assert R.widest_factor(specs) == 4609 and R.widest_factor(specs[1:]) == 0
+
+
 def test_due_group_refreshes_each_group_once_per_period():
     for period, count in ((10, 4), (10, 10), (4, 3), (5, 1), (1, 1)):
         due = [R.due_group(k, period, count) for k in range(3 * period)]
@@ -164,5 +174,6 @@ def test_auto_keeps_the_zoo_refresh_in_one_group(mlp):
     tr = Trainer(plan, optimizer="kfac", seed=0)
     assert tr.policy.config.inverse_groups == "auto"
     assert tr.policy.refresher.groups == [["fc1", "fc2", "fc3"]] and len(tr.policy.refresher.programs) == 1
+    assert tr.policy.refresher.programs[0].session.get_session_options().intra_op_num_threads == 1
     with pytest.raises(ConfigError, match="inverse_groups"):
         Trainer(plan, optimizer="kfac", inverse_groups=0)

@@ -107,25 +107,22 @@ class Kfac(Optimizer):
         if not self.stats_conditional:
             self.step_program(first=True)
         self.statistics_program()
-        # an emitted refresh runs between two runs of the step session, whose spinning
-        # workers hold the other cores: on the CPU it gets one thread
-        threads = 1 if tr.device.name == "cpu" else None
         method = self.inverse_method
-        groups = self.refresh_groups(step)
-        if len(groups) == 1:
-            emitted = [tr.program("inverse_update", threads=threads, method=method)]
-        else:  # one small program per group (refresh.py); the options tuple keys its memo
-            emitted = [tr.program("inverse_update", threads=threads, method=method, layers=tuple(g)) for g in groups]
-        self.refresher = tr.inverse_refresher(emitted, step, method, groups)
-
-    def refresh_groups(self, step) -> list[list[str]]:
-        """The groups of layers whose inverses are refreshed after different steps
-        (refresh.py): balanced by the blocks' predicted inverse FLOPs for this method."""
         layers = list(C.layer_slots(step.state_inputs, C.INVERSE))
-        blocks = plan_blocks(self.trainer.plan, layers)
-        costs = {layer: float(blocks[layer].inverse_flops(self.inverse_method)) for layer in layers}
+        blocks = plan_blocks(tr.plan, layers)
+        costs = {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}
         count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
-        return R.balanced_groups(costs, count) if count > 1 else [layers]
+        groups = R.balanced_groups(costs, count) if count > 1 else [layers]
+        emitted = []
+        for g in groups:
+            # an emitted refresh runs between two runs of the step session, whose spinning
+            # workers hold the other cores: on the CPU one without wide factors gets one thread
+            width = max((R.widest_factor(blocks[layer].inverse_specs()) for layer in g), default=0)
+            threads = R.refresh_threads(width, tr.device.name)
+            # one program per group; the options tuple keys tr.program's memo
+            subset = tuple(g) if len(groups) > 1 else None
+            emitted.append(tr.program("inverse_update", threads=threads, method=method, layers=subset))
+        self.refresher = tr.inverse_refresher(emitted, step, method, groups)
 
     # ------------------------------------------------------------------ steps
     def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:

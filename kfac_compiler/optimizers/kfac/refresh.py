@@ -26,6 +26,13 @@ from kfac_compiler.errors import ConfigError
 # slower start, ~0.3 ms measured on the zoo) would be a noticeable part of it. The zoo's
 # refreshes are 0.01-0.1 GFLOP; ResNet-18's ~470.
 SPREAD_FLOPS = 1e9
+# On the CPU a refresh program with a factor at least this wide runs on ONNX Runtime's
+# default thread pool (no spinning), a narrower one on one thread. schur on two threads
+# against one (benchmarks/bench_inverse_scale.py, quiet machine): 0.91-1.06x up to n = 1153,
+# 0.58x at 2305, 0.51x at 4609; the zoo's refresh (~1300 small nodes) lost on two
+# non-spinning threads (1.4-1.8x: a wake-up per node). In the trainer, right after a step,
+# ResNet-18's 4609-wide groups took 0.64x the time on two threads.
+MULTI_THREAD_WIDTH = 2048
 AUTO = "auto"
 
 
@@ -36,6 +43,17 @@ def check_groups(value: int | str) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"inverse_groups must be 'auto' or an integer >= 1, got {value!r}")
     return value
+
+
+def refresh_threads(width: int, device: str) -> int | None:
+    """Intra-op threads of a refresh program whose widest factor has `width` rows: 1 on the
+    CPU below MULTI_THREAD_WIDTH, else None (the trainer's setting, ORT's default pool)."""
+    return 1 if device == "cpu" and width < MULTI_THREAD_WIDTH else None
+
+
+def widest_factor(specs) -> int:
+    """Rows of the widest square matrix among a block's inverse_specs() (0 when none)."""
+    return max((int(s.shape[-1]) for s in specs if len(s.shape) >= 2 and s.shape[-1] == s.shape[-2]), default=0)
 
 
 def group_count(costs: Mapping[str, float], period: int, groups: int | str = AUTO) -> int:
