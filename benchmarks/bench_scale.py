@@ -191,7 +191,7 @@ def prepare(name: str, args, workdir: str) -> dict:
     np.savez(data, x=x, y=y, batches=batches, eval_idx=np.arange(min(n_eval, len(y))))
     params = sum(p.numel() for p in net.parameters())
     return {"onnx": onnx_path, "state": state, "data": data, "batch": bs, "params": int(params),
-            "n_eval": int(min(n_eval, len(y)))}
+            "n_eval": int(min(n_eval, len(y))), "kfac_pytorch_skip": MODELS[name].kfac_pytorch_skip(net)}
 
 
 def bench_model(name: str, args, workdir: str) -> dict:
@@ -235,11 +235,11 @@ def bench_model(name: str, args, workdir: str) -> dict:
         specs["torch_adam"] = {**peer, "optimizer": "adam"}
         if kfac_path:
             specs["kfac_pytorch"] = {**peer, "optimizer": "kfac", "kfac_pytorch": kfac_path,
-                                     "skip": list(MODELS[name].kfac_pytorch_skip)}
+                                     "skip": prep["kfac_pytorch_skip"]}
         else:
             res["cells"]["kfac_pytorch"] = {"error": "skipped: no --kfac-pytorch DIR (or $KFAC_PYTORCH)"}
-    if MODELS[name].kfac_pytorch_skip and "kfac_pytorch" in specs:
-        res["kfac_pytorch_skip"] = list(MODELS[name].kfac_pytorch_skip)
+    if prep["kfac_pytorch_skip"] and "kfac_pytorch" in specs:
+        res["kfac_pytorch_skip"] = prep["kfac_pytorch_skip"]
 
     workers: dict[str, Worker] = {}
 
@@ -425,7 +425,9 @@ def markdown(res: dict) -> str:
     elif tgt:
         out.append(f"Time to target: {tgt['error']}.")
     if res.get("kfac_pytorch_skip"):
-        out.append(f"kfac-pytorch skips {', '.join(res['kfac_pytorch_skip'])} (trained by its SGD only).")
+        names = [p.strip("^$").replace("\\", "") for p in res["kfac_pytorch_skip"]]  # the anchored, escaped names
+        out.append(f"kfac-pytorch skips {len(names)} layer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}):"
+                   " trained by its SGD only.")
     k = cells.get("ours_kfac", {})
     if "mean_over_adam" in k:
         checks = [("mean K-FAC step / Adam's", k["mean_over_adam"], TARGET_RATIOS["step"]),
