@@ -32,7 +32,8 @@ vocabulary on the digits' pixel sequences at batch 8. For each model:
 A model or optimizer that fails (an error, a worker killed above `--max-rss-gb`, a timeout)
 gets its one-line error in its cell; the run goes on. Figures come from one run on one
 machine; the 1-minute load average at the end of each model is printed with it.
-`--quick` (a smoke run of the LM unless --models says otherwise) takes ~2 minutes.
+`--quick` (a smoke run of the LM unless --models says otherwise) took 2.2-3.5 minutes on the
+loaded 2-core VM.
 """
 from __future__ import annotations
 
