@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--knob", action="append", default=[], help="K-FAC option KEY=VALUE")
     args = ap.parse_args(argv)
-    knobs = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.knob)}
+    knobs = {k: _number(v) for k, v in (kv.split("=", 1) for kv in args.knob)}
     inputs, y = te.digits_images()
     x, bs = inputs["input"], args.batch
     work = tempfile.mkdtemp()
@@ -65,6 +65,13 @@ def main(argv=None) -> None:
     for o in ("adam", "sgd"):
         print(f"K-FAC / {o}: mean {np.mean(walls['kfac']) / np.mean(walls[o]):.2f}x, "
               f"median {np.median(walls['kfac']) / np.median(walls[o]):.2f}x")
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 if __name__ == "__main__":

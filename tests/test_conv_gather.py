@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from kfac_compiler.oprules.check import convert_float_type, one_node_model, run_ort
 from kfac_compiler.oprules.conv import NOMINAL_BATCH, Geom, gather_table
-from kfac_compiler.passes.autodiff import gradient_model
+from kfac_compiler.passes.autodiff import gradient_model, jvp_model
 
 
 def _geom(xs, ws, attrs) -> Geom:
@@ -155,3 +155,41 @@ def test_lowered_forward_steps_match_torch():
         assert ours == pytest.approx(loss.item(), rel=1e-5)
     for name, value in tr.parameters().items():
         np.testing.assert_allclose(value, net.state_dict()[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _numpy_conv(x, w, geo):
+    """y[n, m, o] = sum_{c, kk} w[m, c, kk] x_pad[n, c, o*s + kk*d] by loops."""
+    xp = np.pad(x, [(0, 0), (0, 0)] + list(zip(geo.pb, geo.pe)))
+    so = geo.out_size()
+    y = np.zeros((x.shape[0], w.shape[0], *so))
+    for o in product(*map(range, so)):
+        for kk in product(*map(range, geo.k)):
+            at = (slice(None), slice(None)) + tuple(o[a] * geo.s[a] + kk[a] * geo.d[a] for a in range(geo.nd))
+            y[(slice(None), slice(None)) + o] += xp[at] @ w[(slice(None), slice(None)) + kk].T
+    return y
+
+
+@pytest.mark.parametrize("wrt", [("x", "w", "b"), ("w", "b"), ("x",)], ids=["all", "params", "input"])
+@pytest.mark.parametrize("xs,ws,attrs", GEOMS)
+def test_gather_tangents_against_numpy(xs, ws, attrs, wrt):
+    """The quadratic model's JVPs: dY = conv(tX, W) + conv(X, tW) + tB by Gather + Gemm."""
+    rng = np.random.default_rng(4)
+    vals = {"x": rng.standard_normal(xs), "w": rng.standard_normal(ws), "b": rng.standard_normal(ws[0])}
+    model, feeds = one_node_model("Conv", list(vals.items()), attrs)
+    m32 = convert_float_type(model, TensorProto.FLOAT)
+    out = m32.graph.output[0].name
+    jm = jvp_model(m32, out, list(wrt))
+    ops = collections.Counter(n.op_type for n in jm.graph.node)
+    assert ops["Conv"] == 1 and ops["Gather"] == ("x" in wrt) + ("w" in wrt)  # the model's Conv; tangents via patches
+    tans = {p: rng.standard_normal(vals[p].shape) for p in wrt}
+    geo = _geom(xs, ws, attrs)
+    want = np.zeros((xs[0], ws[0], *geo.out_size()))
+    if "x" in tans:
+        want += _numpy_conv(tans["x"], vals["w"], geo)
+    if "w" in tans:
+        want += _numpy_conv(vals["x"], tans["w"], geo)
+    if "b" in tans:
+        want += tans["b"].reshape([1, -1] + [1] * geo.nd)
+    f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
+    got = run_ort(jm, {**f32, **{f"tangent/{p}": t.astype(np.float32) for p, t in tans.items()}})[f"jvp/{out}"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

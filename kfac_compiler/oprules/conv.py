@@ -251,13 +251,20 @@ class GatherConv:
         L = int(np.prod(self._span(box)))
         return b.reshape(b.transpose(b.reshape(_box_weight(b, W, self.geo, box), [M, C, L]), [0, 2, 1]), [M, L * C])
 
+    def rows(self, X: str, W: str, C: str | None = None) -> str:
+        """patches(X) @ W^T (+ C, Gemm's addend: a bias [M] or earlier rows): [N*P, M]."""
+        pt, box = self.patches(X)
+        return self.b.op("Gemm", [pt, self._weight_rows(W, box)] + ([C] if C else []), transB=1)
+
+    def to_output(self, rows: str, Y: str | None = None) -> str:
+        """[N*P, M] rows -> [N, M, *S_out] (written to Y when given)."""
+        b, M = self.b, self.M
+        y = b.transpose(b.reshape(rows, [-1, self.P, M]), [0, 2, 1])
+        return b.op("Reshape", [y, b.ints([-1, M] + self.so)], outputs=[Y] if Y else None)
+
     def forward(self, X: str, W: str, B: str | None, Y: str) -> None:
         """Y = patches @ W^T (+ B as Gemm's C), back to [N, M, *S_out]."""
-        b, M = self.b, self.M
-        pt, box = self.patches(X)
-        y = b.op("Gemm", [pt, self._weight_rows(W, box)] + ([B] if B else []), transB=1)  # [N*P, M]
-        y = b.transpose(b.reshape(y, [-1, self.P, M]), [0, 2, 1])
-        b.op("Reshape", [y, b.ints([-1, M] + self.so)], outputs=[Y])
+        self.to_output(self.rows(X, W, B), Y)
 
     def g_last(self, g: str) -> str:
         if self._g_last is None:
@@ -489,12 +496,37 @@ def _bias_b(b, t: str, nd: int) -> str:
     return b.reshape(t, [-1] + [1] * nd)
 
 
+def _jvp_gather(b, view, node) -> GatherConv | None:
+    """The Gather form for a Conv's tangent where the backward uses it: group 1, static
+    sizes, rows that pay. Tangent weights are runtime tensors, and ORT's Conv with a runtime
+    weight is its slow per-image kernel (the quadratic model's JVPs were 44% of ResNet-18's
+    K-FAC step)."""
+    if node.op_type != "Conv":
+        return None
+    X, W = node.input[0], node.input[1]
+    geo = Geom(view, node, X, W)
+    ws = static_shape(view, W)
+    so = static_shape(view, node.output[0])
+    so = list(so[2:]) if so is not None else geo.out_size()
+    if not _gather_ok(geo, so, ws, int(attr(node, "group", 1))) or not _rows_pay(ws[1], geo, so):
+        return None
+    return GatherConv(b, geo, so, ws)
+
+
 @_conv_vjp.defjvp
 def _conv_jvp(b, view, node, ts):
     X = node.input[0]
     Y = node.output[0]
     tX, tW = ts[0], ts[1]
     tB = ts[2] if len(ts) > 2 else None
+    gat = _jvp_gather(b, view, node) if (tX is not None or tW is not None) else None
+    if gat is not None:
+        # dY = patches(X) tW^T + tB + patches(tX) W^T, chained through Gemm's addend;
+        # patches(X) are the backward's (one copy after ORT's CSE)
+        rows = gat.rows(X, tW, tB) if tW is not None else tB
+        if tX is not None:
+            rows = gat.rows(tX, node.input[1], rows)
+        return [gat.to_output(rows)]
     terms = []
     if tX is not None:
         terms.append(reapply(b, node, {0: tX, 2: None})[0])
