@@ -33,7 +33,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
 
     [budget]                  # cost-aware choice (passes/budget.py); overhead = 0: off
     overhead = 1.0            # curvature work per step <= 1.0 x forward+backward FLOPs
-    batch_size = 32           # ... at this batch size
+    batch_size = 32           # ... at this batch size (default: train's --batch-size, else 32)
     min_dim = 512             # narrower factors are never approximated
 
     [loss_options]            # the loss kind's own options (each loss class lists them)
@@ -79,11 +79,13 @@ class StatsConfig:
 class BudgetConfig:
     """The cost-aware choice (passes/budget.py): the curvature work per step (preconditioning,
     amortized statistics and inverses) at most `overhead` times the model's forward+backward
-    FLOPs at `batch_size`; factors narrower than `min_dim` are never approximated. overhead 0:
-    off (every layer keeps its menu default, periods 1 and 10)."""
+    FLOPs at `batch_size` (None: the training batch where the caller knows it, `kfac-compiler
+    train --batch-size`, else passes/budget.py's REFERENCE_BATCH 32); factors narrower than
+    `min_dim` are never approximated. overhead 0: off (every layer keeps its menu default,
+    periods 1 and 10)."""
 
     overhead: float = 1.0
-    batch_size: int = 32
+    batch_size: int | None = None
     min_dim: int = 512
 
 
@@ -225,7 +227,8 @@ class CompileConfig:
         if self.stats.update_period is not None:
             _check_int(self.stats.update_period, "stats.update_period", source)
         _check_float(self.budget.overhead, "budget.overhead", source, 0.0, None)
-        _check_int(self.budget.batch_size, "budget.batch_size", source)
+        if self.budget.batch_size is not None:
+            _check_int(self.budget.batch_size, "budget.batch_size", source)
         _check_int(self.budget.min_dim, "budget.min_dim", source)
         _check_float(self.ema_decay, "ema_decay", source, 0.0, 1.0, hi_open=True)
         _check_float(self.damping, "damping", source, 0.0, None)

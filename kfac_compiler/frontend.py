@@ -25,7 +25,7 @@ from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.trainable import TrainableSet, split_trainable
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
-from kfac_compiler.passes.budget import BudgetResult, fit_budget
+from kfac_compiler.passes.budget import REFERENCE_BATCH, BudgetResult, fit_budget
 from kfac_compiler.passes.choose_blocks import choose_blocks, pinned_layers
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
@@ -198,7 +198,8 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
         return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view))
 
     result = fit_budget(
-        known, make, pinned, overhead=cfg.budget.overhead, batch_size=cfg.budget.batch_size,
+        known, make, pinned, overhead=cfg.budget.overhead,
+        batch_size=cfg.budget.batch_size or REFERENCE_BATCH,
         min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
         method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
     )

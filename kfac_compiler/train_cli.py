@@ -105,7 +105,7 @@ def _knobs(args) -> dict[str, Any]:
 def compile_config(args) -> "CompileConfig | None":
     """The compile options of the command line (--config and the selection options; the cost-aware
     choice's reference batch is --batch-size unless the config sets it), or None for a plan."""
-    from kfac_compiler.config import BudgetConfig, load_config
+    from kfac_compiler.config import load_config
 
     given = [args.config, args.include, args.exclude, args.train_params, args.untie]
     if args.model and os.path.isdir(args.model):
@@ -114,7 +114,7 @@ def compile_config(args) -> "CompileConfig | None":
                               "apply when compiling; pass the .onnx file instead")
         return None
     cfg = load_config(args.config)
-    if cfg.budget.batch_size == BudgetConfig.batch_size:
+    if cfg.budget.batch_size is None:
         cfg.budget.batch_size = args.batch_size
     apply_selection_args(cfg, args)
     cfg.validate("command line")

@@ -4,7 +4,7 @@ its forward and backward pass.
 Every block knows its work (blocks/base.py): `apply_flops` (the preconditioning multiply,
 paid on every step), `stats_flops(m)` (one statistics update on m examples) and
 `inverse_flops(method)` (one refresh), and its layer's `forward_flops(N)`. At the reference
-batch N (config `budget.batch_size`, statistics on m = min(64, N) examples) the model's
+batch N (config `budget.batch_size`, default REFERENCE_BATCH or train's --batch-size; statistics on m = min(64, N) examples) the model's
 forward + backward costs `base = 3 sum forward_flops(N)` and the curvature work per step is
 
     work = sum apply + (sum stats(m) + sampled backward) / stats_period + sum inverse / inverse_period.
@@ -33,6 +33,7 @@ from kfac_compiler.ir import Layer
 
 STATS_PERIODS = (1, 2, 5, 10, 20, 50)
 INVERSE_PERIODS = (10, 20, 50, 100, 200)
+REFERENCE_BATCH = 32  # budget.batch_size when neither the config nor `train --batch-size` gives one
 STATS_BATCH = 64  # the K-FAC default stats_batch_size (optimizers/kfac/settings.py)
 DEFAULT_PERIODS = (1, 10)  # statistics, inverses: the schedule while everything is small
 
@@ -195,5 +196,5 @@ def _smallest(periods: tuple[int, ...], total: int, allowance: float) -> int:
     return periods[-1]
 
 
-__all__ = ["BlockCost", "BudgetResult", "DIAGONAL_STEPS", "INVERSE_PERIODS", "STATS_PERIODS", "block_cost",
+__all__ = ["BlockCost", "BudgetResult", "DIAGONAL_STEPS", "INVERSE_PERIODS", "REFERENCE_BATCH", "STATS_PERIODS", "block_cost",
            "fit_budget"]

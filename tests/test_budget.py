@@ -73,6 +73,20 @@ def test_a_larger_reference_batch_keeps_the_factor_full():
     assert plan.costs["apply_flops"] <= plan.costs["forward_backward_flops"] / 2
 
 
+def test_train_uses_its_batch_size_unless_the_config_sets_one(tmp_path):
+    from kfac_compiler.cli import build_parser
+    from kfac_compiler.train_cli import compile_config
+
+    cfg_file = tmp_path / "budget.toml"
+    cfg_file.write_text("[budget]\nbatch_size = 32\n")
+    args = build_parser().parse_args(["train", "m.onnx", "--batch-size", "256"])
+    assert compile_config(args).budget.batch_size == 256
+    args = build_parser().parse_args(["train", "m.onnx", "--batch-size", "256", "--config", str(cfg_file)])
+    assert compile_config(args).budget.batch_size == 32  # even when it equals the API's reference batch
+    plan = kc.compile(wide_conv_model(), loss="softmax_cross_entropy", emit=False)
+    assert plan.costs["batch_size"] == 32  # the API's reference batch
+
+
 def test_user_choices_and_periods_are_kept_and_zero_overhead_is_off():
     pinned = kc.compile(wide_conv_model(), loss="softmax_cross_entropy", emit=False,
                         layers={"conv.*": "kron"}, stats={"update_period": 3}, inverse={"update_period": 7})
