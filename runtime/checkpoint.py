@@ -1,7 +1,8 @@
 """Checkpoints: one .npz file holding everything a run needs to continue bit-for-bit.
 
-Layout (numpy .npz, written atomically: a temporary file in the same directory, fsync, then
-os.replace, so a crash never leaves a truncated checkpoint under the final name):
+Layout (numpy .npz, written atomically: a temporary file `.<name>.kfac-tmp-<pid>` in the same
+directory, fsync, then os.replace, so a crash never leaves a truncated checkpoint under the
+final name; the next run writing that name removes the temp file a dead writer left):
 
     __meta__      uint8 array: UTF-8 JSON (see below)
     slot_00000    the value of state slot meta["slots"][0] (parameters, velocity/<p>,
@@ -10,7 +11,7 @@ os.replace, so a crash never leaves a truncated checkpoint under the final name)
 meta = {"format": "kfac_compiler.checkpoint", "version": 1,
         "plan": {"schema_version", "fingerprint", "layers", "params"},
         "optimizer": "kfac", "knobs": {...resolved optimizer config...}, "seed": 0,
-        "host": {"step_count", "applied_steps", + the optimizer's host state (K-FAC:
+        "host": {"step_count", "applied_steps", "batch_size", + the optimizer's host state (K-FAC:
                  "burn_in_count", "ema_weight", "damping", "inverses_ready")},
         "rng": numpy bit_generator.state, "slots": [...], "device": "cpu", "created": ...}
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kfac_compiler.atomic import write_file
 from kfac_compiler.errors import CheckpointError
 from kfac_compiler.plan import Plan
 
@@ -43,29 +44,16 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 def _atomic(path: str, write) -> None:
-    """Write via a temp file in the target's folder + os.replace: the old file survives any
-    failure. An unwritable path is a one-line CheckpointError."""
+    """Write via a temp file of ours in the target's folder + os.replace
+    (kfac_compiler.atomic.write_file): the old file survives any failure. An unwritable path
+    is a one-line CheckpointError."""
     path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CheckpointError(f"cannot write {path!r}: it is a directory; give a file path")
     try:
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+        write_file(path, write)
     except OSError as e:
-        raise CheckpointError(f"cannot write {path!r}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        raise CheckpointError(f"cannot write {path!r}: {e.strerror or e}") from None
 
 
 # --------------------------------------------------------------------------- fingerprint
