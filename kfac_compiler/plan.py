@@ -2,9 +2,10 @@
 
 A plan directory holds plan.json (schema below, docs/frontend.md), model.onnx (the canonical
 model) and one <name>.onnx per emitted subgraph. `Plan.save(dir)` is atomic: it writes a
-temporary directory next to the target and renames it into place; it refuses to replace a
-directory that is not a plan (no plan.json and not empty). `load_plan(dir)` refuses another
-schema version and a plan whose source model file changed since compiling.
+temporary directory next to the target and swaps it into place, carrying over the files of the
+folder that are not the plan's; it refuses a non-empty directory that is not a plan (no
+plan.json) unless asked. `load_plan(dir)` refuses another schema version and a plan whose
+source model file changed since compiling.
 """
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -302,48 +300,72 @@ class Plan:
                 "writes": writes, "info": _jsonable(info.to_json())}
 
     # -------------------------------------------------------------- save
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the plan directory atomically; returns its absolute path."""
-        path = os.path.abspath(os.fspath(path))
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> str:
+        """Write the plan folder atomically (kfac_compiler.atomic.replace_folder: a kill at any
+        moment leaves the old plan or the new one); returns its absolute path. Re-saving a plan
+        replaces only the plan's own files, the others in its folder stay. A non-empty folder
+        that is not a plan is refused unless `overwrite`: the plan's files are then written into
+        it one by one (each atomically, plan.json last), replacing those of the same names; the
+        plan's source model is never replaced."""
+        from kfac_compiler.atomic import remove_stale, replace_folder, write_file
+
+        target = os.path.abspath(os.fspath(path))
         for name in self.subgraphs:
             if not _SUBGRAPH_NAME.match(name) or name in ("model", "plan"):
                 raise PlanError(f"subgraph name {name!r} cannot be a file name in a plan directory")
-        if os.path.exists(path):
-            if not os.path.isdir(path):
-                raise PlanError(f"cannot save the plan to {path!r}: it is a file")
-            if not os.path.isfile(os.path.join(path, PLAN_FILE)) and os.listdir(path):
-                raise PlanError(
-                    f"refusing to overwrite {path!r}: it is a non-empty directory that is not a plan (no {PLAN_FILE})"
-                )
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+        files = [PLAN_FILE, MODEL_FILE, *(f"{name}.onnx" for name in self.subgraphs)]
+        real = os.path.realpath(target)
+        if os.path.exists(real):
+            if not os.path.isdir(real):
+                raise PlanError(f"cannot save the plan to {target!r}: it is a file")
+            if not os.path.isfile(os.path.join(real, PLAN_FILE)) and os.listdir(real) and not overwrite:
+                raise PlanError(f"refusing to overwrite {target!r}: it is a non-empty directory that is not a plan "
+                                f"(no {PLAN_FILE}); give an empty or new folder, or pass overwrite=True (--force)")
+        if self.source_path and os.path.isfile(self.source_path):
+            src = os.path.realpath(self.source_path)
+            if any(os.path.realpath(os.path.join(real, f)) == src for f in files):
+                raise PlanError(f"saving the plan to {target!r} would overwrite its source model {self.source_path!r}; "
+                                "save it to another folder")
+        doc = self.to_json()
+
+        def fill_one(file: str, out) -> None:
+            if file == PLAN_FILE:
+                out.write((json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+            elif file == MODEL_FILE:
+                out.write(self.model.SerializeToString())
+            else:
+                out.write(self.subgraphs[file[:-len(".onnx")]].SerializeToString())
+
+        def fill(tmp: str) -> None:  # plan.json last
+            for f in files[1:] + files[:1]:
+                with open(os.path.join(tmp, f), "wb") as out:
+                    fill_one(f, out)
+                    out.flush()
+                    os.fsync(out.fileno())
+
         try:
-            onnx.save(self.model, os.path.join(tmp, MODEL_FILE))
-            for name, sub in self.subgraphs.items():
-                onnx.save(sub, os.path.join(tmp, f"{name}.onnx"))
-            doc = self.to_json()
-            with open(os.path.join(tmp, PLAN_FILE), "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-            old = None
-            if os.path.exists(path):
-                old = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
-                os.rename(path, old)
-            try:
-                os.rename(tmp, path)
-            except OSError:
-                if old is not None:
-                    os.rename(old, path)
-                raise
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            if os.path.isdir(real) and not os.path.isfile(os.path.join(real, PLAN_FILE)) and os.listdir(real):
+                # overwrite: the folder is the user's, not swapped; plan.json last makes it a plan
+                for f in files[1:] + files[:1]:
+                    remove_stale(os.path.join(real, f))
+                    write_file(os.path.join(real, f), lambda out, f=f: fill_one(f, out))
+            else:
+                replace_folder(real, fill, set(files) | _own_files(real))
         except OSError as e:
-            raise PlanError(f"cannot save the plan to {path!r}: {e.strerror or e}") from None
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-        return path
+            raise PlanError(f"cannot save the plan to {target!r}: {e.strerror or e}") from None
+        return target
+
+
+def _own_files(folder: str) -> set[str]:
+    """The files the plan in `folder` (if any) consists of, by its plan.json."""
+    try:
+        with open(os.path.join(folder, PLAN_FILE), encoding="utf-8") as f:
+            doc = json.load(f)
+        own = {PLAN_FILE, MODEL_FILE, os.path.basename(str(doc.get("model", MODEL_FILE)))}
+        own |= {os.path.basename(str(e.get("file", f"{n}.onnx"))) for n, e in doc.get("subgraphs", {}).items()}
+        return own
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        return set()
 
 
 def factor_json(s: FactorSpec) -> dict[str, Any]:
