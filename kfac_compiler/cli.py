@@ -2,11 +2,12 @@
 
     kfac-compiler compile MODEL --loss KIND [--output NAME] [--config FILE]
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
-                  [--untie P|all ...] [--frontend-only] -o PLAN_DIR
+                  [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]
     kfac-compiler inspect PLAN_DIR [--format table|json|dot]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
-command lines); warnings are printed as `warning: <message>`.
+command lines); warnings are printed as `warning: <message>`. A Ctrl-C outside a training
+loop's steps (those stop at a step boundary, train_cli) prints `interrupted`, exit code 130.
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--approx", action="append", default=[], metavar="KEY=APPROX",
                    help="approximation for a layer kind (e.g. conv=diagonal) or a layer name/regex; repeatable")
     add_selection_args(c)
-    c.add_argument("-o", "--out", required=True, metavar="PLAN_DIR", help="the plan directory to write")
+    c.add_argument("-o", "--out", required=True, metavar="PLAN_DIR",
+                   help="the plan directory to write (re-saving a plan replaces only the plan's files in it)")
+    c.add_argument("--force", action="store_true",
+                   help="write into PLAN_DIR although it is a non-empty folder that is not a plan")
     c.add_argument("--frontend-only", action="store_true",
                    help="stop after the front end: layers, blocks and factor sizes, no training subgraphs")
     c.add_argument("-q", "--quiet", action="store_true", help="do not print the layer table")
@@ -71,6 +75,16 @@ def _run_train(args) -> int:
 
 # ------------------------------------------------------------------- commands
 def _run_compile(args) -> int:
+    """Check and lock the plan folder first: a bad -o fails before the compile, not after."""
+    from kfac_compiler.locks import locked
+    from kfac_compiler.outputs import Output, check_outputs
+
+    check_outputs([Output("-o", args.out, folder=True)], [("MODEL", args.model), ("--config", args.config)])
+    with locked([("-o", args.out)]):
+        return _compile(args)
+
+
+def _compile(args) -> int:
     from kfac_compiler.config import load_config
     from kfac_compiler.frontend import compile_frontend
     from kfac_compiler.report import render_table
@@ -94,7 +108,7 @@ def _run_compile(args) -> int:
         import kfac_compiler
 
         plan = kfac_compiler.compile(args.model, loss=args.loss, output=args.output, config=cfg)
-    path = plan.save(args.out)
+    path = plan.save(args.out, overwrite=args.force)
     if not args.quiet:
         sys.stdout.write(render_table(plan))
     subgraphs = f" with subgraphs {', '.join(plan.subgraphs)}" if plan.subgraphs else ""
@@ -134,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KfacError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # outside a training loop's steps (those stop at a step boundary)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -46,3 +46,8 @@ class DivergedError(KfacError):
     """Training ended with a non-finite loss (what was asked for is still written)."""
 
     exit_code = 1
+
+
+class OutputError(KfacError):
+    """An output cannot or must not be written: unwritable, the same file as another output or
+    an input, no room on its disk, or being written by another run."""

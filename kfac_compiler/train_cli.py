@@ -29,6 +29,7 @@ from kfac_compiler.optimizers import OPTIMIZERS
 if TYPE_CHECKING:
     from kfac_compiler.config import CompileConfig
     from kfac_compiler.models import ZooEntry
+    from kfac_compiler.outputs import Output
     from kfac_compiler.plan import Plan
 
 DEFAULT_MODEL = "mlp_classifier"
@@ -52,8 +53,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     add_selection_args(t)
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
-    t.add_argument("--batch-size", type=int, default=128, help="examples per step (default 128)")
-    t.add_argument("--seed", type=int, default=0, help="batch order, estimator noise and zoo init (default 0)")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="examples per step (default 128; on --resume the checkpoint's)")
+    t.add_argument("--seed", type=int, default=None,
+                   help="batch order, estimator noise and zoo init (default 0; on --resume the checkpoint's)")
     t.add_argument("--learning-rate", type=float, default=None,
                    help="fixed learning rate (K-FAC default: adaptive via the quadratic model)")
     t.add_argument("--momentum", type=float, default=None)
@@ -270,29 +273,60 @@ def _plot(path: str, steps: list[float], losses: list[float], title: str) -> Non
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    from kfac_compiler.atomic import write_file
+
+    try:
+        write_file(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------- command
 def run_train(args) -> int:
-    from kfac_compiler.runtime.data import batch_indices
-    from kfac_compiler.runtime.trainer import Trainer
+    """Check every output, lock them, train; Ctrl-C stops at a step boundary (exit 130)."""
+    from kfac_compiler.locks import locked
+    from kfac_compiler.outputs import check_outputs
+    from kfac_compiler.resume import settle
 
     if args.steps < 0:
         raise ConfigError(f"--steps must be >= 0, got {args.steps}")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.checkpoint_every < 0:
         raise ConfigError("--checkpoint-every must be >= 0")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    meta = None
+    if args.resume:
+        from kfac_compiler.runtime.checkpoint import read_meta
+
+        meta = read_meta(args.resume)
+    settle(args, meta)  # --seed and --batch-size: given, the checkpoint's or the defaults
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     _check_plot(args.plot)
-    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
-        if path and os.path.isdir(path):
-            raise ConfigError(f"{flag} {path!r} is a directory; give a file path")
+    outputs = _outputs(args)
+    model = args.model if args.model and os.path.exists(args.model) else None
+    data = args.data if args.data != "digits" else None
+    check_outputs(outputs, [("MODEL", model), ("--data", data), ("--config", args.config), ("--resume", args.resume)],
+                  may_equal=[("--checkpoint", "--resume")])
+    with locked([(o.option, o.path) for o in outputs]):
+        return _train(args, outputs)
+
+
+def _outputs(args) -> list["Output"]:
+    from kfac_compiler.outputs import Output
+
+    return [Output(opt, path) for opt, path in (("--save", args.save), ("--checkpoint", args.checkpoint),
+                                                ("--metrics", args.metrics), ("--plot", args.plot)) if path]
+
+
+def _train(args, outputs: list["Output"]) -> int:
+    from kfac_compiler.errors import KfacError, OutputError
+    from kfac_compiler.interrupt import EXIT_CODE, StopOnInterrupt
+    from kfac_compiler.outputs import check_space
+    from kfac_compiler.resume import continue_metrics
+    from kfac_compiler.runtime.data import batch_indices
+    from kfac_compiler.runtime.trainer import Trainer
+
     plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
     inputs, targets = load_data(plan, entry, args.data, args.seed)
     n = targets.shape[0]
@@ -303,13 +337,16 @@ def run_train(args) -> int:
                                             ("threads", args.threads)) if v is not None})
         trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device, batch_size=min(args.batch_size, n),
                                           **overrides)
-        if args.optimizer and trainer.optimizer != args.optimizer:
-            raise ConfigError(f"--resume {args.resume!r} was written by optimizer {trainer.optimizer!r}, not {args.optimizer!r}")
     else:
         trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device, learning_rate=args.learning_rate,
                           momentum=args.momentum, seed=args.seed, threads=args.threads,
                           batch_size=min(args.batch_size, n), **knobs)
     done = trainer.step_count + trainer.burn_in_count
+    sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16), "--save": plan.model.ByteSize() + (1 << 16),
+             "--metrics": 512 * max(args.steps - done, 0), "--plot": 1 << 18}
+    check_space([(o, sizes[o.option]) for o in outputs])
+    if args.resume:
+        continue_metrics(args.metrics, done, CSV_COLUMNS)
     name = args.model or DEFAULT_MODEL
     quiet = args.quiet or not sys.stderr.isatty()
     if not args.quiet:
@@ -320,44 +357,93 @@ def run_train(args) -> int:
     steps_seen, losses = [], []
     t0 = time.perf_counter()
     rejected = 0
-    try:
-        for s in range(done, args.steps):
-            idx = batch_indices(n, args.batch_size, s, args.seed)
-            batch = {k: v[idx] for k, v in inputs.items()}
-            m = trainer.step(batch, targets[idx])
-            m["step"] = float(s)
-            rejected += int(m.get("rejected", 0.0))
-            writer.write(m)
-            steps_seen.append(s)
-            losses.append(m["loss"])
-            progress.update(s + 1, m["loss"], force=(s + 1 == args.steps))
-            if args.checkpoint and args.checkpoint_every and (s + 1) % args.checkpoint_every == 0:
-                trainer.save_checkpoint(args.checkpoint)
-    finally:
-        progress.close()
-        writer.close()
-    elapsed = time.perf_counter() - t0
-    if args.checkpoint:
-        trainer.save_checkpoint(args.checkpoint)
-    final = trainer.evaluate(inputs, targets, batch_size=1024)
-    if args.save:
-        trainer.export(args.save)
-    if args.plot and losses:
-        _plot(args.plot, steps_seen, losses, f"{os.path.basename(str(name))} ({trainer.optimizer})")
-    parts = [f"final train loss {final['loss']:.6f}"]
-    parts += [f"{name} {value:.4f}" for name, value in final.items() if name != "loss"]
-    parts.append(f"({args.steps} steps, {elapsed:.1f} s")
-    if rejected:
-        parts[-1] += f", {rejected} rejected"
-    parts[-1] += ")"
-    print(" ".join(parts))
-    for label, path in (("metrics", args.metrics), ("plot", args.plot), ("model", args.save), ("checkpoint", args.checkpoint)):
-        if path:
-            print(f"{label} written to {path}")
+    stopped = None  # (option, failure) that ended the loop early: a metrics row or periodic checkpoint not written
+    with StopOnInterrupt() as interrupt:
+        try:
+            for s in range(done, args.steps):
+                idx = batch_indices(n, args.batch_size, s, args.seed)
+                batch = {k: v[idx] for k, v in inputs.items()}
+                m = trainer.step(batch, targets[idx])
+                m["step"] = float(s)
+                rejected += int(m.get("rejected", 0.0))
+                try:
+                    writer.write(m)
+                except OSError as e:  # a full disk: stop, and write what else was asked
+                    stopped = ("--metrics", _failure("--metrics", args.metrics, e))
+                    break
+                steps_seen.append(s)
+                losses.append(m["loss"])
+                progress.update(s + 1, m["loss"], force=(s + 1 == args.steps))
+                if args.checkpoint and args.checkpoint_every and (s + 1) % args.checkpoint_every == 0:
+                    try:
+                        trainer.save_checkpoint(args.checkpoint)
+                    except (KfacError, OSError) as e:
+                        stopped = ("--checkpoint", _failure("--checkpoint", args.checkpoint, e))
+                        break
+                if interrupt.requested:
+                    break
+        finally:
+            progress.close()
+            writer.close()
+        elapsed = time.perf_counter() - t0
+        last = trainer.step_count + trainer.burn_in_count
+        title = f"{os.path.basename(str(name))} ({trainer.optimizer})"
+        written, failed = _write_outputs(args, trainer, title, steps_seen, losses, metrics_ok=stopped is None
+                                         or stopped[0] != "--metrics")
+        final = None if interrupt.requested else trainer.evaluate(inputs, targets, batch_size=1024)
+    if final is not None:
+        parts = [f"final train loss {final['loss']:.6f}"]
+        parts += [f"{k} {value:.4f}" for k, value in final.items() if k != "loss"]
+        parts.append(f"({last} steps, {elapsed:.1f} s")
+        if rejected:
+            parts[-1] += f", {rejected} rejected"
+        parts[-1] += ")"
+        print(" ".join(parts))
+    for label, path in written:
+        print(f"{label} written to {path}")
+    if stopped or failed:
+        kept = ", ".join(f"{label} {path!r}" for label, path in written) or "nothing"
+        why = "; ".join(failed or [stopped[1]])
+        raise OutputError((f"stopped at step {last}: " if stopped else "") + f"{why} (written: {kept})")
+    if interrupt.requested:
+        where = (f"checkpoint written to {args.checkpoint}" if args.checkpoint
+                 else "no --checkpoint was given, so it cannot be resumed")
+        print(f"interrupted at step {last}; {where}", file=sys.stderr)
+        return EXIT_CODE
     if not math.isfinite(final["loss"]):
         raise DivergedError(f"training ended with a non-finite loss ({final['loss']}): lower the learning rate, "
                             "raise --damping, or check the data and the model's constants (kfac-compiler inspect)")
     return 0
+
+
+def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True
+                   ) -> tuple[list[tuple[str, str]], list[str]]:
+    """Write the checkpoint, the model and the plot asked for, each even when another fails
+    (a full disk must not cost the others): ([(label, path) written], [failure lines])."""
+    from kfac_compiler.errors import KfacError
+
+    written, failed = [], []
+    if args.metrics and metrics_ok:
+        written.append(("metrics", args.metrics))  # row by row during the run
+    jobs = (("checkpoint", "--checkpoint", args.checkpoint, trainer.save_checkpoint),
+            ("model", "--save", args.save, trainer.export),
+            ("plot", "--plot", args.plot if losses else None, lambda p: _plot(p, steps, losses, title)))
+    for label, option, path, write in jobs:
+        if not path:
+            continue
+        try:
+            write(path)
+            written.append((label, path))
+        except (KfacError, OSError) as e:
+            failed.append(_failure(option, path, e))
+    return written, failed
+
+
+def _failure(option: str, path: str, e: BaseException) -> str:
+    """`--checkpoint: cannot write 'x': No space left on device` (a KfacError names the path)."""
+    if isinstance(e, OSError):
+        return f"{option}: cannot write {path!r}: {e.strerror or e}"
+    return f"{option}: {' '.join(str(e).split())}"
 
 
 def main(argv=None) -> int:
@@ -376,6 +462,9 @@ def main(argv=None) -> int:
     except KfacError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

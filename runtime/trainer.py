@@ -256,24 +256,38 @@ class Trainer:
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, plan: Plan, device: str = "cpu", batch_size: int | None = None,
                         **overrides: Any) -> "Trainer":
-        """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`."""
+        """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`;
+        `overrides` (knobs) apply from the restored step on (a given damping replaces the
+        adapted one); a seed other than the checkpoint's is refused."""
         from kfac_compiler.runtime.checkpoint import read_meta
+
+        from kfac_compiler.optimizers import ALIASES
 
         meta = read_meta(path)
         knobs = dict(meta.get("knobs", {}))
+        seed = meta.get("seed", 0)
+        if "seed" in overrides and overrides["seed"] != seed:
+            # the random stream is restored from the checkpoint: another seed could not apply
+            raise ConfigError(f"seed {overrides['seed']!r} differs from the seed {seed!r} of checkpoint "
+                              f"{os.fspath(path)!r}; resume with the checkpoint's seed")
+        overrides = {k: v for k, v in overrides.items() if k != "seed"}
         knobs.update(overrides)
         threads = knobs.pop("threads", None)
-        seed = knobs.pop("seed", meta.get("seed", 0))
+        knobs.pop("seed", None)
         try:
             trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
                           batch_size=batch_size, **knobs)
         except KeyError as e:
             raise CheckpointError(f"checkpoint {os.fspath(path)!r} lacks {e}") from None
         trainer.restore(path)
+        trainer.policy.resumed({ALIASES.get(k, k) for k in overrides})
         return trainer
 
     def host_state(self) -> dict[str, Any]:
-        return {"step_count": self.step_count, "applied_steps": self.applied_steps, **self.policy.host_state()}
+        """Host counters for checkpoints; batch_size (the last batch's rows) lets a resumed
+        command line default to the batch size the run used."""
+        return {"step_count": self.step_count, "applied_steps": self.applied_steps, "batch_size": self.batch_size,
+                **self.policy.host_state()}
 
     def set_host_state(self, st: Mapping[str, Any]) -> None:
         self.step_count = int(st["step_count"])

@@ -24,7 +24,7 @@ optimizers without the compiler's internals.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Mapping
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
@@ -68,6 +68,11 @@ class Optimizer:
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state() (keys another optimizer wrote are ignored)."""
+
+    def resumed(self, knobs: Collection[str]) -> None:
+        """After a checkpoint's host state was restored: honour the `knobs` (canonical names)
+        given anew on resuming whose value the host state holds a copy of (K-FAC's damping), so
+        that the new value applies from this step on instead of being shadowed."""
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {}

@@ -284,3 +284,7 @@ class Kfac(Optimizer):
         self.unchecked_update = bool(state.get("unchecked_update", False))  # older checkpoints lack it
         self.inverses_ready = bool(state["inverses_ready"])
         self.damping = float(state["damping"])
+
+    def resumed(self, knobs) -> None:
+        if "damping" in knobs:  # the adapted damping restarts from the value given
+            self.damping = float(self.config.damping)
