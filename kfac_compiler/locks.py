@@ -73,6 +73,7 @@ def acquire(option: str, path: str | os.PathLike) -> str:
                           f"on {holder.get('host')!r}); wait for it, or give another path (its lock: {lock!r})")
     _held.add(lock)
     remove_stale(path)
+    remove_stale(lock)
     return lock
 
 

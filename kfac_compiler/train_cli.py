@@ -342,9 +342,11 @@ def _train(args, outputs: list["Output"]) -> int:
                           momentum=args.momentum, seed=args.seed, threads=args.threads,
                           batch_size=min(args.batch_size, n), **knobs)
     done = trainer.step_count + trainer.burn_in_count
+    # room for what is written whole at the end (the metrics file grows row by row: a full disk
+    # there stops the run at that step, the other outputs still written)
     sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16), "--save": plan.model.ByteSize() + (1 << 16),
-             "--metrics": 512 * max(args.steps - done, 0), "--plot": 1 << 18}
-    check_space([(o, sizes[o.option]) for o in outputs])
+             "--plot": 1 << 18}
+    check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
     if args.resume:
         continue_metrics(args.metrics, done, CSV_COLUMNS)
     name = args.model or DEFAULT_MODEL
@@ -384,7 +386,10 @@ def _train(args, outputs: list["Output"]) -> int:
                     break
         finally:
             progress.close()
-            writer.close()
+            try:
+                writer.close()
+            except OSError as e:  # the rows a full disk refused are flushed again on closing
+                stopped = stopped or ("--metrics", _failure("--metrics", args.metrics, e))
         elapsed = time.perf_counter() - t0
         last = trainer.step_count + trainer.burn_in_count
         title = f"{os.path.basename(str(name))} ({trainer.optimizer})"

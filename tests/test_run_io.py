@@ -205,6 +205,22 @@ def test_disk_full_at_the_end_still_writes_the_other_outputs(tmp_path, capsys):
         assert sorted(os.listdir(small)) == ["filler"]
 
 
+def test_disk_full_on_the_metrics_file_stops_the_run_and_writes_the_rest(tmp_path, capsys):
+    small = tmp_path / "small"
+    with tmpfs(small, "size=16k") as mounted:
+        if not mounted:
+            pytest.skip("needs root to mount a small tmpfs")
+        metrics, model, ck = small / "m.csv", tmp_path / "s.onnx", tmp_path / "c.ckpt"
+        code, out, err = run(["train", "--steps", "100000", "-q", "--metrics", str(metrics), "--save", str(model),
+                              "--checkpoint", str(ck)], capsys)
+        assert code == 2
+        k = read_meta(ck)["host"]["step_count"]
+        assert error_line(err) == (f"error: stopped at step {k}: --metrics: cannot write '{metrics}': No space left on "
+                                   f"device (written: checkpoint '{ck}', model '{model}')")
+        onnx.checker.check_model(onnx.load(str(model)))
+        assert ours(small) == [] and ours(tmp_path) == []
+
+
 # --------------------------------------------------------------------------- plan folders
 def _compiled(tmp_path, capsys, out, *extra):
     model = tmp_path / "m.onnx"
