@@ -79,7 +79,10 @@ def _run_compile(args) -> int:
     from kfac_compiler.locks import locked
     from kfac_compiler.outputs import Output, check_outputs
 
+    from kfac_compiler.plan import check_plan_target
+
     check_outputs([Output("-o", args.out, folder=True)], [("MODEL", args.model), ("--config", args.config)])
+    check_plan_target(args.out, overwrite=args.force)
     with locked([("-o", args.out)]):
         return _compile(args)
 

@@ -315,12 +315,7 @@ class Plan:
                 raise PlanError(f"subgraph name {name!r} cannot be a file name in a plan directory")
         files = [PLAN_FILE, MODEL_FILE, *(f"{name}.onnx" for name in self.subgraphs)]
         real = os.path.realpath(target)
-        if os.path.exists(real):
-            if not os.path.isdir(real):
-                raise PlanError(f"cannot save the plan to {target!r}: it is a file")
-            if not os.path.isfile(os.path.join(real, PLAN_FILE)) and os.listdir(real) and not overwrite:
-                raise PlanError(f"refusing to overwrite {target!r}: it is a non-empty directory that is not a plan "
-                                f"(no {PLAN_FILE}); give an empty or new folder, or pass overwrite=True (--force)")
+        check_plan_target(target, overwrite)
         if self.source_path and os.path.isfile(self.source_path):
             src = os.path.realpath(self.source_path)
             if any(os.path.realpath(os.path.join(real, f)) == src for f in files):
@@ -354,6 +349,19 @@ class Plan:
         except OSError as e:
             raise PlanError(f"cannot save the plan to {target!r}: {e.strerror or e}") from None
         return target
+
+
+def check_plan_target(path: str | os.PathLike, overwrite: bool = False) -> None:
+    """PlanError unless `path` may receive a plan: new, an empty folder, a plan folder, or with
+    `overwrite` any folder (the command line checks this before compiling)."""
+    target = os.path.abspath(os.fspath(path))
+    real = os.path.realpath(target)
+    if os.path.exists(real):
+        if not os.path.isdir(real):
+            raise PlanError(f"cannot save the plan to {target!r}: it is a file")
+        if not os.path.isfile(os.path.join(real, PLAN_FILE)) and os.listdir(real) and not overwrite:
+            raise PlanError(f"refusing to overwrite {target!r}: it is a non-empty directory that is not a plan "
+                            f"(no {PLAN_FILE}); give an empty or new folder, or pass overwrite=True (--force)")
 
 
 def _own_files(folder: str) -> set[str]:

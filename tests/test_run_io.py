@@ -344,6 +344,21 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
     assert ck.exists() and ours(tmp_path) == []
 
 
+def test_locks_of_another_host_or_unreadable_are_never_taken_over(tmp_path, capsys):
+    ck = tmp_path / "c.ckpt"
+    lock = tmp_path / ".c.ckpt.kfac-lock"
+    lock.write_text(json.dumps({"pid": dead_pid(), "host": "another-host"}))
+    code, out, err = run(["train", *FAST, "--checkpoint", str(ck)], capsys)
+    assert code == 2 and error_line(err).startswith(
+        f"error: --checkpoint '{ck}' is being written by another run (process ") and "'another-host'" in err
+    lock.write_text("garbage")
+    code, out, err = run(["train", *FAST, "--checkpoint", str(ck)], capsys)
+    assert code == 2 and error_line(err) == (
+        f"error: --checkpoint '{ck}' is locked by '{lock}', which is not a lock file of ours or is unreadable; "
+        "delete it if no other run writes there")
+    assert lock.read_text() == "garbage" and not ck.exists()
+
+
 KILL_CHECKPOINT = r"""
 import os, signal, sys
 import numpy as np
