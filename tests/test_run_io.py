@@ -296,7 +296,8 @@ plan.save(sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("point", ["writing", "before_swap", "after_swap", "between_renames"])
+@pytest.mark.parametrize("point", [pytest.param("writing", marks=pytest.mark.slow), "before_swap",
+                                   pytest.param("after_swap", marks=pytest.mark.slow), "between_renames"])
 def test_kill_during_plan_save(tmp_path, capsys, point):
     plan = tmp_path / "plan"
     assert _compiled(tmp_path, capsys, plan)[0] == 0
@@ -450,21 +451,21 @@ def test_ctrl_c_to_a_training_process(tmp_path, signals):
 
 
 # --------------------------------------------------------------------------- resume
-def test_resume_continues_metrics_without_repeating_steps(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["m.csv", pytest.param("m.jsonl", marks=pytest.mark.slow)])
+def test_resume_continues_metrics_without_repeating_steps(tmp_path, capsys, name):
     """A run killed after its last checkpoint wrote metrics rows past it: resuming replaces
     them, every step has one row."""
-    for name in ("m.csv", "m.jsonl"):
-        m, ck2, ck4 = tmp_path / name, tmp_path / "c2", tmp_path / "c4"
-        common = ["--batch-size", "64", "-q", "--metrics", str(m)]
-        assert run(["train", *common, "--steps", "2", "--checkpoint", str(ck2)], capsys)[0] == 0
-        assert run(["train", *common, "--steps", "4", "--resume", str(ck2), "--checkpoint", str(ck4)], capsys)[0] == 0
-        assert rows(m) == [0, 1, 2, 3]
-        first = open_text(m).splitlines()
-        assert run(["train", *common, "--steps", "5", "--resume", str(ck2), "--checkpoint", str(ck2)], capsys)[0] == 0
-        again = open_text(m).splitlines()
-        assert rows(m) == [0, 1, 2, 3, 4]
-        key = (lambda l: l.split(",")[:3]) if name.endswith(".csv") else (lambda l: json.loads(l)["loss"])
-        assert [key(l) for l in again[:len(first)]] == [key(l) for l in first]  # bit-for-bit: the same rows again
+    m, ck2, ck4 = tmp_path / name, tmp_path / "c2", tmp_path / "c4"
+    common = ["--batch-size", "64", "-q", "--metrics", str(m)]
+    assert run(["train", *common, "--steps", "2", "--checkpoint", str(ck2)], capsys)[0] == 0
+    assert run(["train", *common, "--steps", "4", "--resume", str(ck2), "--checkpoint", str(ck4)], capsys)[0] == 0
+    assert rows(m) == [0, 1, 2, 3]
+    first = open_text(m).splitlines()
+    assert run(["train", *common, "--steps", "5", "--resume", str(ck2), "--checkpoint", str(ck2)], capsys)[0] == 0
+    again = open_text(m).splitlines()
+    assert rows(m) == [0, 1, 2, 3, 4]
+    key = (lambda l: l.split(",")[:3]) if name.endswith(".csv") else (lambda l: json.loads(l)["loss"])
+    assert [key(l) for l in again[:len(first)]] == [key(l) for l in first]  # bit-for-bit: the same rows again
     (tmp_path / "bad.csv").write_text("not,a,metrics,file\n")
     code, out, err = run(["train", "--steps", "5", "-q", "--metrics", str(tmp_path / "bad.csv"), "--resume", str(ck2)],
                          capsys)
