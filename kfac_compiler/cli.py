@@ -6,7 +6,9 @@
     kfac-compiler inspect PLAN_DIR [--format table|json|dot]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
-command lines); warnings are printed as `warning: <message>`.
+command lines; options are never abbreviated); warnings are printed as `warning: <message>`.
+An OSError no boundary converted is printed as one line naming its file (exit code 2); any
+other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import warnings
 from typing import Sequence
 
 from kfac_compiler.cli_options import add_selection_args, apply_selection_args
-from kfac_compiler.errors import ConfigError, KfacError
+from kfac_compiler.errors import ConfigError, KfacError, os_reason
 from kfac_compiler.losses import losses_help
 
 
@@ -25,6 +27,13 @@ class _UsageError(KfacError):
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (`--learning-rat` is an error, not --learning-rate: a prefix
+    that is unique today silently changes meaning when an option is added); errors raise."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # argparse would print usage and sys.exit(2)
         raise _UsageError(f"{message} (see '{self.prog} --help')")
 
@@ -134,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KfacError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # last resort: the boundaries convert the OSErrors they expect
+        where = f"{e.filename!r}: " if e.filename else ""
+        print(f"error: {where}{os_reason(e, writing=None)}", file=sys.stderr)
+        return KfacError.exit_code
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_n
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t = subparsers.add_parser(
-        "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime",
+        "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime", allow_abbrev=False,
         description="Train a zoo model, an .onnx file (compiled on the fly) or a plan directory.",
     )
     t.add_argument("model", metavar="MODEL", nargs="?", default=None,
@@ -60,7 +60,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--damping", type=float, default=None, help="K-FAC initial damping")
     t.add_argument("--l2", type=float, default=None, help="weight decay coefficient")
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="any optimizer option, e.g. inv_update_period=10 (repeatable)")
+                   help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "
+                        "booleans: true/false, 1/0, yes/no, on/off)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
@@ -74,27 +75,43 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- helpers
-def _parse_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
+# options with a flag of their own: as a --knob they would be a second, conflicting spelling
+# (seed and threads are not even optimizer options), so the flag is the one place to set them
+FLAG_KNOBS = {"seed": "--seed", "threads": "--threads", "batch_size": "--batch-size", "device": "--device",
+              "optimizer": "--optimizer", "learning_rate": "--learning-rate", "momentum": "--momentum",
+              "damping": "--damping", "l2_reg": "--l2"}
+
+
+def _optimizer_name(args) -> str:
+    """The optimizer the knobs are for: --optimizer, else the resumed checkpoint's, else kfac."""
+    if args.optimizer:
+        return args.optimizer
+    if args.resume:
+        from kfac_compiler.runtime.checkpoint import read_meta
+
+        return read_meta(args.resume)["optimizer"]
+    return "kfac"
 
 
 def _knobs(args) -> dict[str, Any]:
+    """The optimizer options of the command line, each --knob parsed by the option's declared
+    type (`adapt_damping=no` is False; a typo or a NaN is a one-line ConfigError)."""
+    from kfac_compiler.optimizers import optimizer_class
+    from kfac_compiler.optimizers.settings import ALIASES
+
+    config = optimizer_class(_optimizer_name(args)).Config
     knobs: dict[str, Any] = {}
     for item in args.knob:
         key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
         if not sep or not key:
             raise ConfigError(f"--knob {item!r}: expected KEY=VALUE (e.g. inv_update_period=10)")
-        knobs[key.strip().replace("-", "_")] = _parse_value(value.strip())
+        flag = FLAG_KNOBS.get(ALIASES.get(key, key))
+        if flag:
+            raise ConfigError(f"--knob {key}: use {flag} instead (it has its own flag)")
+        if key in knobs:
+            raise ConfigError(f"--knob {key} given twice")
+        knobs[key] = config.parse_option(key, value)[1]
     if args.damping is not None:
         knobs["damping"] = args.damping
     if args.l2 is not None:
@@ -364,7 +381,7 @@ def main(argv=None) -> int:
     """Standalone entry point (python -m kfac_compiler.train_cli ...)."""
     from kfac_compiler.errors import KfacError
 
-    p = argparse.ArgumentParser(prog="kfac-compiler")
+    p = argparse.ArgumentParser(prog="kfac-compiler", allow_abbrev=False)
     sub = p.add_subparsers(dest="command")
     add_train_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
