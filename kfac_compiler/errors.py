@@ -77,7 +77,7 @@ def os_reason(e: OSError, writing: bool | None) -> str:
         return f"permission denied{fix}"
     if e.errno == errno.ENOENT:
         return {True: "its directory does not exist", False: "it does not exist", None: "no such file or directory"}[writing]
-    return _REASONS.get(e.errno, e.strerror or type(e).__name__)
+    return _REASONS.get(e.errno, e.strerror or str(e) or type(e).__name__)
 
 
 @contextmanager

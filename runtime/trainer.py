@@ -28,6 +28,7 @@ import onnx
 from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
 from kfac_compiler.optimizers import make_config, optimizer_class
+from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.data import BatchChecker, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
@@ -64,8 +65,8 @@ class Trainer:
         self.optimizer = optimizer
         self.config = make_config(optimizer, plan, **knobs)
         self.device = get_device(device)
-        self.threads = threads
-        self.seed = int(seed)
+        self.threads = None if threads is None else _check_threads(threads)
+        self.seed = check_int(seed, "seed", low=0)
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device)
         self.params = list(plan.trainable)
@@ -79,7 +80,7 @@ class Trainer:
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
-        self.batch_size = int(batch_size or 0)
+        self.batch_size = 0 if batch_size is None else check_int(batch_size, "batch_size", low=0)
         for p, value in plan.parameter_values().items():
             self.store.add(p, value)
         self.policy = optimizer_class(optimizer)(self)
@@ -238,7 +239,7 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import atomic_write_bytes
 
         path = os.fspath(path)
-        atomic_write_bytes(path, self.exported_model().SerializeToString())
+        atomic_write_bytes(path, self.exported_model().SerializeToString(), what="the trained model")
         return path
 
     # ------------------------------------------------------------------ checkpoints
@@ -259,16 +260,20 @@ class Trainer:
         """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`."""
         from kfac_compiler.runtime.checkpoint import read_meta
 
-        meta = read_meta(path)
-        knobs = dict(meta.get("knobs", {}))
-        knobs.update(overrides)
-        threads = knobs.pop("threads", None)
-        seed = knobs.pop("seed", meta.get("seed", 0))
-        try:
-            trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
-                          batch_size=batch_size, **knobs)
-        except KeyError as e:
-            raise CheckpointError(f"checkpoint {os.fspath(path)!r} lacks {e}") from None
+        meta = read_meta(path)  # checked: check_meta
+        stored = dict(meta["knobs"])
+        threads = stored.pop("threads", None)
+        try:  # the stored options alone, so that an error in them names the checkpoint
+            make_config(meta["optimizer"], plan, **stored)
+            if threads is not None:
+                threads = _check_threads(threads)
+        except ConfigError as e:
+            raise CheckpointError(f"checkpoint {os.fspath(path)!r}: knobs: {e}") from None
+        knobs = {**stored, **overrides}
+        threads = knobs.pop("threads", threads)
+        seed = knobs.pop("seed", meta["seed"])
+        trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
+                      batch_size=batch_size, **knobs)
         trainer.restore(path)
         return trainer
 
@@ -285,3 +290,6 @@ class Trainer:
         return (f"Trainer(optimizer={self.optimizer!r}, device={self.device.name!r}, params={len(self.params)}, "
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
 
+
+def _check_threads(threads: Any) -> int:
+    return check_int(threads, "threads", low=1)
