@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from kfac_compiler.cli_options import add_selection_args, apply_selection_args
-from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError
+from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError, OutputError, os_errors
 from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
 
@@ -164,11 +164,12 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
 
 
 def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    from kfac_compiler.runtime.data import digits_for, input_spec, load_npz, output_spec, validate_dataset
+    from kfac_compiler.runtime.data import digits_for, index_bounds, input_spec, load_npz, output_spec, validate_dataset
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
     loss = plan.loss.build()
     out = output_spec(plan.model, plan.output)
+    bounds = index_bounds(plan.model)
     if data == "digits":
         if entry is not None:
             inputs, targets = entry.make_data(None, seed=0)
@@ -178,14 +179,14 @@ def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> t
     elif data.endswith(".npz") or os.path.isfile(data):
         inputs, targets = load_npz(data)
         source = data
-        checked = validate_dataset(specs, loss, inputs, targets, out, source=source)
+        checked = validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
         extra = [k for k in inputs if k not in specs]
         if extra:
             raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, plus 'targets')")
         return checked
     else:
         raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")
-    return validate_dataset(specs, loss, inputs, targets, out, source=source)
+    return validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
 
 
 class MetricsWriter:
@@ -212,17 +213,20 @@ class MetricsWriter:
     def write(self, m: dict[str, Any]) -> None:
         if self.f is None:
             return
-        if self.csv is not None:
-            row = {k: _fmt(m.get(k)) for k in CSV_COLUMNS}
-            self.csv.writerow(row)
-        else:
-            self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                     for k, v in m.items()}) + "\n")
-        self.f.flush()
+        with os_errors(OutputError, "the metrics file", self.path, writing=True):
+            if self.csv is not None:
+                row = {k: _fmt(m.get(k)) for k in CSV_COLUMNS}
+                self.csv.writerow(row)
+            else:
+                self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                         for k, v in m.items()}) + "\n")
+            self.f.flush()
 
     def close(self) -> None:
         if self.f is not None:
-            self.f.close()
+            f, self.f = self.f, None
+            with os_errors(OutputError, "the metrics file", self.path, writing=True):
+                f.close()
 
 
 def _fmt(v: Any) -> str:
@@ -288,9 +292,12 @@ def _plot(path: str, steps: list[float], losses: list[float], title: str) -> Non
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with os_errors(OutputError, "the plot", path, writing=True):
+            os.makedirs(d, exist_ok=True)
+            fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------- command

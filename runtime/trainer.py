@@ -165,7 +165,7 @@ class Trainer:
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss and the loss's metrics (Loss.metrics, e.g. softmax cross-entropy's
         accuracy) at the current parameters."""
-        if batch_size is not None and int(batch_size) < 1:
+        if batch_size is not None and check_int(batch_size, "evaluate: batch_size") < 1:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._check_batch(inputs, targets)
         prog = self.program("loss")
