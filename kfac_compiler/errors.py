@@ -64,6 +64,7 @@ _REASONS = {
     errno.EROFS: "the file system is read-only: choose another location",
     errno.EISDIR: "it is a directory: give a file path",
     errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EEXIST: "a part of the path is a file, not a directory",  # os.makedirs(exist_ok=True) over a file
     errno.ENAMETOOLONG: "the path is too long",
     errno.EMFILE: "too many open files",
 }

@@ -12,6 +12,8 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 from kfac_compiler.errors import ConfigError
 
 TRUE_WORDS = ("true", "1", "yes", "on")
@@ -49,7 +51,7 @@ def parse_float(text: str, name: str) -> float:
 
 def check_bool(value: Any, name: str) -> bool:
     """An API boolean: True/False (numpy's too) or the integers 0 and 1; never truthiness."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     if isinstance(value, numbers.Integral) and int(value) in (0, 1):
         return bool(value)

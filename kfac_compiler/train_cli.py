@@ -317,10 +317,10 @@ def run_train(args) -> int:
     for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
         if path and os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r} is a directory; give a file path")
+    knobs = _knobs(args)  # before compiling: a bad --knob fails fast
     plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
     inputs, targets = load_data(plan, entry, args.data, args.seed)
     n = targets.shape[0]
-    knobs = _knobs(args)
     if args.resume:
         overrides = dict(knobs)
         overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),

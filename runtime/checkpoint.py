@@ -141,6 +141,8 @@ _READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, EOFError, OSError)
 
 def _open(path: str | os.PathLike):
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory; give the checkpoint file")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     try:
@@ -234,15 +236,15 @@ def _check_host(trainer: "Trainer", host: dict[str, Any], path: str) -> None:
             continue
         v = host[key]
         if isinstance(mine, bool):
-            ok = isinstance(v, bool)
+            ok, what = isinstance(v, bool), "true or false"
         elif isinstance(mine, int):
-            ok = _count(v)
+            ok, what = _count(v), "an integer >= 0"
         elif isinstance(mine, float):
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"
         else:
-            ok = True
+            ok, what = True, ""
         if not ok:
-            raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{key}' must be like {mine!r}, got {v!r}")
+            raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{key}' must be {what}, got {v!r}")
 
 
 def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:

@@ -292,6 +292,8 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    if os.path.isdir(path):
+        raise DataError(f"data file {path!r} is a directory; give an .npz file")
     if not os.path.isfile(path):
         raise DataError(f"data file {path!r} does not exist")
     try:
