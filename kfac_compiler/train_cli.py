@@ -36,6 +36,17 @@ CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_n
                "qmodel_change", "update_scale", "rho", "rejected", "burn_in", "step_time")
 
 
+def _finite(text: str) -> float:
+    """argparse type of the float flags: a finite number (float() would take 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t = subparsers.add_parser(
         "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime", allow_abbrev=False,
@@ -54,11 +65,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=128, help="examples per step (default 128)")
     t.add_argument("--seed", type=int, default=0, help="batch order, estimator noise and zoo init (default 0)")
-    t.add_argument("--learning-rate", type=float, default=None,
+    t.add_argument("--learning-rate", type=_finite, default=None,
                    help="fixed learning rate (K-FAC default: adaptive via the quadratic model)")
-    t.add_argument("--momentum", type=float, default=None)
-    t.add_argument("--damping", type=float, default=None, help="K-FAC initial damping")
-    t.add_argument("--l2", type=float, default=None, help="weight decay coefficient")
+    t.add_argument("--momentum", type=_finite, default=None)
+    t.add_argument("--damping", type=_finite, default=None, help="K-FAC initial damping")
+    t.add_argument("--l2", type=_finite, default=None, help="weight decay coefficient")
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "
                         "booleans: true/false, 1/0, yes/no, on/off)")

@@ -101,7 +101,8 @@ class Curvature:
         per-example loss weights or mask (the output factors G become sum_n w_n ...)."""
         mode = mode or self.mode
         self._check_mode(mode)
-        prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples,
+        num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
+        prog = self.program("statistics", mode=mode, num_samples=num_samples,
                             weighted=weights is not None)
         data = self._check_batch(inputs, targets, weights)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))

@@ -178,31 +178,12 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Los
     conv: dict[str, np.ndarray] = {}
     n = None
     for name, (dims, et) in input_specs.items():
-        a = np.asarray(inputs[name])
-        if a.dtype == object or a.dtype.kind not in "biuf":
-            raise DataError(f"{source}: array {name!r} has dtype {a.dtype}; expected numbers")
-        if et in _INT_TYPES and a.dtype.kind == "f":
-            if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-                raise DataError(f"{source}: array {name!r} must hold integers (the model input is integer-typed)")
-        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-            bad = int(np.sum(~np.isfinite(a)))
-            raise DataError(f"{source}: array {name!r} contains {bad} NaN/Inf value(s)")
-        if a.ndim != len(dims) or any(_static(d) and a.shape[i] != d for i, d in enumerate(dims)):
-            raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}")
+        a = convert_input(name, dims, et, inputs[name], source, (index_bounds or {}).get(name))
         if n is None:
             n = a.shape[0]
         elif a.shape[0] != n:
             raise DataError(f"{source}: array {name!r} has {a.shape[0]} rows, other inputs {n}")
-        dtype = np.float32 if et in _FLOAT_TYPES else (np.int64 if et == TensorProto.INT64 else
-                                                        onnx.helper.tensor_dtype_to_np_dtype(et))
-        check_range(a, dtype, f"{source}: array {name!r}")
-        bound = (index_bounds or {}).get(name)
-        if bound is not None and a.size:
-            bad = a[(a < 0) | (a >= bound)]
-            if bad.size:
-                raise DataError(f"{source}: array {name!r} holds token id {bad.flat[0].item()}; the embedding it indexes "
-                                f"has {bound} rows (ids 0..{bound - 1})")
-        conv[name] = a.astype(dtype, copy=False)
+        conv[name] = a
     if not n:
         raise DataError(f"{source}: the dataset is empty")
     y = np.asarray(targets)
@@ -214,6 +195,32 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Los
         raise DataError(f"{source}: 'targets' contains {int(np.sum(~np.isfinite(y)))} NaN/Inf value(s)")
     check_range(y, onnx.helper.tensor_dtype_to_np_dtype(loss.target_type()), f"{source}: 'targets'")
     return conv, loss.check_targets(y, out_spec[0] if out_spec else None, source)
+
+
+def convert_input(name: str, dims: list[Any], et: int, value: Any, source: str, bound: int | None = None) -> np.ndarray:
+    """`value` as model input `name` (dims, ONNX elem type `et`), checked: numbers, integers
+    for an integer input, no NaN/Inf, the shape, values its dtype can hold, token ids in
+    [0, bound) for an embedding's input; converted to the input's dtype."""
+    a = as_array(value, f"{source}: array {name!r}")
+    if a.dtype == object or a.dtype.kind not in "biuf":
+        raise DataError(f"{source}: array {name!r} has dtype {a.dtype}; expected numbers")
+    if et in _INT_TYPES and a.dtype.kind == "f":
+        if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
+            raise DataError(f"{source}: array {name!r} must hold integers (the model input is integer-typed)")
+    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+        bad = int(np.sum(~np.isfinite(a)))
+        raise DataError(f"{source}: array {name!r} contains {bad} NaN/Inf value(s)")
+    if a.ndim != len(dims) or a.ndim == 0 or any(_static(d) and a.shape[i] != d for i, d in enumerate(dims)):
+        raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}")
+    dtype = np.float32 if et in _FLOAT_TYPES else (np.int64 if et == TensorProto.INT64 else
+                                                    onnx.helper.tensor_dtype_to_np_dtype(et))
+    check_range(a, dtype, f"{source}: array {name!r}")
+    if bound is not None and a.size:
+        bad = a[(a < 0) | (a >= bound)]
+        if bad.size:
+            raise DataError(f"{source}: array {name!r} holds token id {bad.flat[0].item()}; the embedding it indexes "
+                            f"has {bound} rows (ids 0..{bound - 1})")
+    return a.astype(dtype, copy=False)
 
 
 def as_array(value: Any, what: str) -> np.ndarray:

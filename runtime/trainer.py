@@ -30,7 +30,7 @@ from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanEr
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.data import BatchChecker, draw_noise, noise_shape
+from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program, cached_program
@@ -193,14 +193,17 @@ class Trainer:
         import onnxruntime as ort
 
         specs = self._check_batch.input_specs
+        if not isinstance(inputs, Mapping):
+            raise DataError(f"predict: inputs must be a dict keyed by the model inputs {list(specs)}")
         missing = [n for n in specs if n not in inputs]
         unknown = [n for n in inputs if n not in specs]
         if missing or unknown:
             raise DataError(f"predict: inputs must be exactly the model's {list(specs)} "
                             f"(missing {missing}, unknown {unknown})")
+        bounds = self._check_batch.index_bounds
+        feeds = {k: convert_input(k, *specs[k], v, "predict", bounds.get(k)) for k, v in inputs.items()}
         sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
-        out_name = self.plan.output
-        return sess.run([out_name], {k: np.asarray(v) for k, v in inputs.items()})[0]
+        return sess.run([self.plan.output], feeds)[0]
 
     # ------------------------------------------------------------------ parameters
     def parameters(self) -> dict[str, np.ndarray]:

@@ -85,6 +85,14 @@ def test_bad_knobs_are_one_line_errors_before_compiling(tmp_path, knob, message,
     assert not metrics.exists()
 
 
+@pytest.mark.parametrize("flag, value", [("--learning-rate", "nan"), ("--damping", "inf"), ("--l2", "-inf"),
+                                         ("--momentum", "fast")])
+def test_float_flags_must_be_finite_numbers(flag, value, capsys):
+    code, line = cli(["train", f"{flag}={value}"], capsys)
+    kind = "a number" if value == "fast" else "a finite number"
+    assert code == 2 and line.startswith(f"error: argument {flag}: {value!r} is not {kind}")
+
+
 def test_a_knob_given_twice_is_refused(capsys):
     code, line = cli(["train", "--knob", "inv_update_period=5", "--knob", "inv_update_period=6"], capsys)
     assert code == 2 and line == "error: --knob inv_update_period given twice"
@@ -145,6 +153,15 @@ def test_float64_and_lists_are_converted_with_a_range_check(mlp, sgd):
         sgd.step({"input": [[0.0] * 64, [0.0] * 3]}, y[:2])
     with pytest.raises(ConfigError, match=r"^evaluate: batch_size must be an integer, got 'a'$"):
         sgd.evaluate({"input": x}, y, batch_size="a")
+
+
+def test_predict_converts_and_checks_its_inputs(mlp, sgd):
+    _, x, _ = mlp
+    assert np.array_equal(sgd.predict({"input": x.astype(np.float64)}), sgd.predict({"input": x}))
+    with pytest.raises(DataError, match=r"^predict: array 'input' has shape \[64, 3\]; the model expects \['N', 64\]$"):
+        sgd.predict({"input": x[:, :3]})
+    with pytest.raises(DataError, match=r"^predict: array 'input' contains 1 NaN/Inf value\(s\)$"):
+        sgd.predict({"input": np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan, x)})
 
 
 def test_set_parameters_refuses_nan_and_checks_before_writing(sgd):
