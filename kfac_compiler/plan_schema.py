@@ -165,10 +165,20 @@ def check_plan(plan: "Plan", plan_json: str) -> None:
     owner: dict[str, str] = {}
     names = set()
     trainable = set(plan.trainable)
+    tensors = {o.name for o in g.output} | {o for n in g.node for o in n.output if o}
+    values = tensors | {i.name for i in g.input} | inits
+    nodes = {n.name for n in g.node}
     for i, layer in enumerate(plan.layers):
         if layer.name in names:
             fail(f"layers[{i}].name", f"layer {layer.name!r} appears twice")
         names.add(layer.name)
+        for j, use in enumerate(layer.uses):
+            for key, tensor in (("input", use.input), ("output", use.output)):
+                if tensor not in values:
+                    fail(f"layers[{i}].uses[{j}].{key}", f"the model has no tensor named {tensor!r}")
+            unknown = [n for n in use.nodes if n not in nodes]
+            if unknown:
+                fail(f"layers[{i}].uses[{j}].nodes", f"the model has no node named {unknown[0]!r}")
         for p in layer.params:
             if p not in trainable:
                 fail(f"layers[{i}].params", f"{p!r} is not a trainable parameter of the plan")
@@ -178,7 +188,6 @@ def check_plan(plan: "Plan", plan_json: str) -> None:
     unowned = [p for p in plan.trainable if p not in owner]
     if unowned:
         fail("layers", f"trainable parameter {unowned[0]!r} is in no layer")
-    tensors = {o.name for o in g.output} | {o for n in g.node for o in n.output if o}
     if plan.output not in tensors:
         fail("output", f"the model has no tensor named {plan.output!r}")
     data_inputs = [vi.name for vi in plan.data_inputs]
