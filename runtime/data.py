@@ -235,7 +235,7 @@ def check_range(a: np.ndarray, dtype: Any, what: str) -> None:
     """DataError where converting `a` to `dtype` would not keep its values: a float64 beyond
     float32's range would become inf, an integer beyond the type's range would wrap."""
     dtype = np.dtype(dtype)
-    if not a.size or a.dtype.kind not in "iuf" or dtype.kind not in "iuf":
+    if not a.size or a.dtype.kind not in "iuf" or dtype.kind not in "iuf" or np.can_cast(a.dtype, dtype, "safe"):
         return
     info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
     lo, hi = a.min(), a.max()
