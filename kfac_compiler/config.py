@@ -146,6 +146,8 @@ class CompileConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "CompileConfig":
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path!r} is a directory; give a TOML or JSON file")
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
         ext = os.path.splitext(path)[1].lower()

@@ -324,6 +324,9 @@ def test_metrics_on_a_full_device_is_one_line(tmp_path, capsys):
 
 
 def test_config_file_that_is_unreadable_is_one_line(base, tmp_path, capsys):
+    assert main(["compile", base[0], "--loss", "softmax_cross_entropy", "--config", str(tmp_path), "-o",
+                 str(tmp_path / "p")]) == 2
+    assert one_error_line(capsys) == f"error: config file {str(tmp_path)!r} is a directory; give a TOML or JSON file"
     cfg = tmp_path / "c.toml"
     cfg.write_bytes(b"damping = \xff\n")
     with pytest.raises(ConfigError, match=r"^config file .*c\.toml' is not valid TOML: "):
