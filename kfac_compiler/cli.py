@@ -6,8 +6,10 @@
     kfac-compiler inspect PLAN_DIR [--format table|json|dot]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
-command lines); warnings are printed as `warning: <message>`. A Ctrl-C outside a training
-loop's steps (those stop at a step boundary, train_cli) prints `interrupted`, exit code 130.
+command lines; options are never abbreviated); warnings are printed as `warning: <message>`.
+An OSError no boundary converted is printed as one line naming its file (exit code 2); any
+other exception is a bug and keeps its traceback. A Ctrl-C outside a training loop's steps
+(those stop at a step boundary, train_cli) prints `interrupted`, exit code 130.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import warnings
 from typing import Sequence
 
 from kfac_compiler.cli_options import add_selection_args, apply_selection_args
-from kfac_compiler.errors import ConfigError, KfacError
+from kfac_compiler.errors import ConfigError, KfacError, os_reason
 from kfac_compiler.losses import losses_help
 
 
@@ -26,6 +28,13 @@ class _UsageError(KfacError):
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (`--learning-rat` is an error, not --learning-rate: a prefix
+    that is unique today silently changes meaning when an option is added); errors raise."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # argparse would print usage and sys.exit(2)
         raise _UsageError(f"{message} (see '{self.prog} --help')")
 
@@ -154,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside a training loop's steps (those stop at a step boundary)
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # last resort: the boundaries convert the OSErrors they expect
+        where = f"{e.filename!r}: " if e.filename else ""
+        print(f"error: {where}{os_reason(e, writing=None)}", file=sys.stderr)
+        return KfacError.exit_code
 
 
 if __name__ == "__main__":

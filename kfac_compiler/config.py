@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kfac_compiler.errors import ConfigError
+from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
 from kfac_compiler.contract import ESTIMATION_MODES as ESTIMATOR_MODES
@@ -147,18 +148,21 @@ class CompileConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "CompileConfig":
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path!r} is a directory; give a TOML or JSON file")
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
         ext = os.path.splitext(path)[1].lower()
         try:
-            if ext == ".json":
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            else:
-                import tomllib
+            with os_errors(ConfigError, "config file", path, writing=False):
+                if ext == ".json":
+                    with open(path, encoding="utf-8") as f:
+                        data = json.load(f)
+                else:
+                    import tomllib
 
-                with open(path, "rb") as f:
-                    data = tomllib.load(f)
+                    with open(path, "rb") as f:
+                        data = tomllib.load(f)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, TOMLDecodeError
             kind = "JSON" if ext == ".json" else "TOML"
             raise ConfigError(f"config file {path!r} is not valid {kind}: {_one_line(e)}") from None
@@ -317,8 +321,8 @@ def _check_int(value, key: str, source: str) -> None:
 
 
 def _check_float(value, key, source, lo, hi, lo_open=False, hi_open=False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: {key}: expected a finite number, got {value!r}")
     ok = (value > lo if lo_open else value >= lo) if lo is not None else True
     if hi is not None:
         ok = ok and (value < hi if hi_open else value <= hi)

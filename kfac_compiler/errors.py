@@ -7,6 +7,11 @@ anything else escaping is a bug in kfac_compiler.
 """
 from __future__ import annotations
 
+import errno
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
 
 class KfacError(Exception):
     """Base class: a one-line, actionable message for the user."""
@@ -51,3 +56,39 @@ class DivergedError(KfacError):
 class OutputError(KfacError):
     """An output cannot or must not be written: unwritable, the same file as another output or
     an input, no room on its disk, or being written by another run."""
+
+
+# ------------------------------------------------------------------ OSError -> one line
+_REASONS = {
+    errno.ENOSPC: "the disk is full: free space or choose another location",
+    errno.EDQUOT: "the disk quota is exceeded: free space or choose another location",
+    errno.EROFS: "the file system is read-only: choose another location",
+    errno.EISDIR: "it is a directory: give a file path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EEXIST: "a part of the path is a file, not a directory",  # os.makedirs(exist_ok=True) over a file
+    errno.ENAMETOOLONG: "the path is too long",
+    errno.EMFILE: "too many open files",
+}
+
+
+def os_reason(e: OSError, writing: bool | None) -> str:
+    """What an OSError means for the user, with what to do (the errno, not the bare strerror);
+    `writing` None: the operation is not known."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        fix = {True: ": make it writable or choose another path", False: ": make it readable", None: ""}[writing]
+        return f"permission denied{fix}"
+    if e.errno == errno.ENOENT:
+        return {True: "its directory does not exist", False: "it does not exist", None: "no such file or directory"}[writing]
+    return _REASONS.get(e.errno, e.strerror or str(e) or type(e).__name__)
+
+
+@contextmanager
+def os_errors(error: type[KfacError], what: str, path: "str | os.PathLike", writing: bool) -> Iterator[None]:
+    """Turn an OSError inside the block into `error`: one line naming `what` and `path`, why
+    it failed and what to do. Used where the file is known (plans, checkpoints, data, outputs),
+    so that the CLI's last-resort OSError handler stays a last resort."""
+    try:
+        yield
+    except OSError as e:
+        verb = "write" if writing else "read"
+        raise error(f"cannot {verb} {what} {os.fspath(path)!r}: {os_reason(e, writing)}") from None

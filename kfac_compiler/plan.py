@@ -14,19 +14,21 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import helper
 
 from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
 from kfac_compiler.contract import TARGETS, SubgraphInfo
-from kfac_compiler.errors import PlanError
+from kfac_compiler.errors import PlanError, os_errors, os_reason
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
+from kfac_compiler.onnx_files import inside, outside_locations
+from kfac_compiler.plan_schema import SUBGRAPH_NAME, check_document, check_plan
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
 MODEL_FILE = "model.onnx"
-_SUBGRAPH_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 # ------------------------------------------------------------------------------ plan sections
@@ -311,7 +312,7 @@ class Plan:
 
         target = os.path.abspath(os.fspath(path))
         for name in self.subgraphs:
-            if not _SUBGRAPH_NAME.match(name) or name in ("model", "plan"):
+            if not SUBGRAPH_NAME.match(name) or name in ("model", "plan"):
                 raise PlanError(f"subgraph name {name!r} cannot be a file name in a plan directory")
         files = [PLAN_FILE, MODEL_FILE, *(f"{name}.onnx" for name in self.subgraphs)]
         real = os.path.realpath(target)
@@ -347,7 +348,7 @@ class Plan:
             else:
                 replace_folder(real, fill, set(files) | _own_files(real))
         except OSError as e:
-            raise PlanError(f"cannot save the plan to {target!r}: {e.strerror or e}") from None
+            raise PlanError(f"cannot write the plan to {target!r}: {os_reason(e, writing=True)}") from None
         return target
 
 
@@ -389,7 +390,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
-    """Read a plan directory; PlanError if missing, of another schema version or stale."""
+    """Read a plan directory; PlanError if missing, unreadable, not of plan.json's schema
+    (plan_schema.py), naming a file outside the directory, of another schema version or stale."""
     if not isinstance(path, (str, os.PathLike)):
         raise PlanError(f"load_plan expects a plan directory path, got {type(path).__name__}")
     path = os.fspath(path)
@@ -399,7 +401,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
     if not os.path.isfile(pj):
         raise PlanError(f"{path!r} is not a plan directory (no {PLAN_FILE})")
     try:
-        with open(pj, encoding="utf-8") as f:
+        with os_errors(PlanError, "the plan file", pj, writing=False), open(pj, encoding="utf-8") as f:
             doc = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise PlanError(f"{pj!r} is not valid JSON ({' '.join(str(e).split())})") from None
@@ -409,79 +411,98 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
             f"plan {path!r} has schema version {version!r}; this kfac_compiler reads version {SCHEMA_VERSION}: "
             "recompile the model"
         )
-    try:
-        source = doc["source"]
-        src_path, src_hash = source.get("path"), source.get("sha256", "")
-        if check_source and src_path and os.path.isfile(src_path):
+    check_document(doc, pj)
+    source = doc["source"]
+    src_path, src_hash = source.get("path"), source.get("sha256", "")
+    if check_source and src_path and os.path.isfile(src_path):
+        with os_errors(PlanError, "the plan's source model", src_path, writing=False):
             now = file_sha256(src_path)
-            if now != src_hash:
-                raise PlanError(
-                    f"plan {path!r} is stale: its source model {src_path!r} changed since it was compiled "
-                    f"(sha256 {src_hash[:12]} then, {now[:12]} now); recompile"
-                )
-        model_file = os.path.join(path, doc.get("model", MODEL_FILE))
-        if not os.path.isfile(model_file):
-            raise PlanError(f"plan {path!r} is incomplete: {os.path.basename(model_file)!r} is missing")
-        model = _load_onnx(model_file, path)
-        layers, factors = [], {}
-        for ld in doc["layers"]:
-            layer = Layer(
-                name=ld["name"],
-                kind=ld["kind"],
-                params=tuple(ld["params"]),
-                uses=tuple(LayerUse(tuple(u["nodes"]), u["input"], u["output"]) for u in ld["uses"]),
-                attrs=_tuples(ld.get("attrs", {})),
-                approximation=ld.get("approximation"),
-                pattern=ld.get("pattern", ""),
-                notes=tuple(ld.get("notes", ())),
+        if now != src_hash:
+            raise PlanError(
+                f"plan {path!r} is stale: its source model {src_path!r} changed since it was compiled "
+                f"(sha256 {src_hash[:12]} then, {now[:12]} now); recompile"
             )
-            layers.append(layer)
-            fs = ld.get("factors")
-            factors[layer.name] = (
-                None
-                if fs is None
-                else [FactorSpec(f["name"], tuple(f["shape"]), f.get("dtype", "float32"), f.get("role", "")) for f in fs]
-            )
-        subgraphs, info = {}, {}
-        for name, entry in doc.get("subgraphs", {}).items():
-            file = os.path.join(path, entry.get("file", f"{name}.onnx"))
-            if not os.path.isfile(file):
-                raise PlanError(f"plan {path!r} is incomplete: subgraph file {os.path.basename(file)!r} is missing")
-            subgraphs[name] = _load_onnx(file, path)
-            info[name] = SubgraphInfo.from_json(entry.get("info", {}))
-        return Plan(
-            model=model,
-            output=doc["output"],
-            loss=LossSpec.from_json(doc["loss"]),
-            inputs=[TensorSpec.from_json(i) for i in doc["inputs"]],
-            targets=TensorSpec.from_json(doc["targets"]),
-            trainable=list(doc["trainable"]),
-            frozen=list(doc["frozen"]),
-            frozen_reasons=dict(doc.get("frozen_reasons", {})),
-            retied=dict(doc.get("retied", {})),
-            costs=dict(doc.get("costs", {})),
-            layers=layers,
-            factors=factors,
-            estimator=EstimatorConfig(**doc.get("estimator", {})),
-            schedule=Schedule.from_json(doc.get("schedule", {})),
-            dtype=doc.get("dtype", "float32"),
-            source_path=src_path,
-            source_sha256=src_hash,
-            config=doc.get("config", {}),
-            notes=list(doc.get("notes", [])),
-            subgraphs=subgraphs,
-            subgraph_info=info,
-            schema_version=version,
+    model = _load_onnx(_plan_file(path, pj, "model", doc.get("model", MODEL_FILE)), path)
+    layers, factors = [], {}
+    for ld in doc["layers"]:
+        layer = Layer(
+            name=ld["name"],
+            kind=ld["kind"],
+            params=tuple(ld["params"]),
+            uses=tuple(LayerUse(tuple(u["nodes"]), u["input"], u["output"]) for u in ld["uses"]),
+            attrs=_tuples(ld.get("attrs", {})),
+            approximation=ld.get("approximation"),
+            pattern=ld.get("pattern", ""),
+            notes=tuple(ld.get("notes", ())),
         )
-    except (KeyError, TypeError, AttributeError) as e:
-        raise PlanError(f"{pj!r} is malformed (missing or bad entry {e}); recompile") from None
+        layers.append(layer)
+        fs = ld.get("factors")
+        factors[layer.name] = (
+            None
+            if fs is None
+            else [FactorSpec(f["name"], tuple(f["shape"]), f.get("dtype", "float32"), f.get("role", "")) for f in fs]
+        )
+    subgraphs, info = {}, {}
+    for name, entry in doc.get("subgraphs", {}).items():
+        file = _plan_file(path, pj, f"subgraphs.{name}.file", entry.get("file", f"{name}.onnx"))
+        subgraphs[name] = _load_onnx(file, path)
+        try:
+            info[name] = SubgraphInfo.from_json(entry.get("info", {}))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"{pj!r}: subgraphs.{name}.info is malformed ({type(e).__name__}: {e}); recompile") from None
+    estimator, schedule = doc.get("estimator", {}), doc.get("schedule", {})
+    plan = Plan(
+        model=model,
+        output=doc["output"],
+        loss=LossSpec.from_json(doc["loss"]),
+        inputs=[TensorSpec.from_json(i) for i in doc["inputs"]],
+        targets=TensorSpec.from_json(doc["targets"]),
+        trainable=list(doc["trainable"]),
+        frozen=list(doc["frozen"]),
+        frozen_reasons=dict(doc.get("frozen_reasons", {})),
+        retied=dict(doc.get("retied", {})),
+        costs=dict(doc.get("costs", {})),
+        layers=layers,
+        factors=factors,
+        estimator=EstimatorConfig(**estimator),
+        schedule=Schedule.from_json(schedule),
+        dtype=doc.get("dtype", "float32"),
+        source_path=src_path,
+        source_sha256=src_hash,
+        config=doc.get("config", {}),
+        notes=list(doc.get("notes", [])),
+        subgraphs=subgraphs,
+        subgraph_info=info,
+        schema_version=version,
+    )
+    check_plan(plan, pj)
+    return plan
+
+
+def _plan_file(plan_dir: str, pj: str, key: str, name: str) -> str:
+    """The file plan.json names under `key`: inside the plan directory, and present."""
+    file = inside(plan_dir, name)
+    if file is None:
+        raise PlanError(f"{pj!r}: {key}: {name!r} is not a file inside the plan directory; recompile the model")
+    if not os.path.isfile(file):
+        raise PlanError(f"plan {plan_dir!r} is incomplete: {name!r} is missing")
+    return file
 
 
 def _load_onnx(file: str, plan_dir: str) -> onnx.ModelProto:
+    """An ONNX file of the plan, its external data (if any) read from the plan directory only."""
     try:
-        return onnx.load(file)
-    except Exception as e:  # DecodeError and friends
-        raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} is unreadable ({type(e).__name__})") from None
+        with os_errors(PlanError, f"plan {plan_dir!r}: file", file, writing=False):
+            model = onnx.load(file, load_external_data=False)
+            outside = outside_locations(model, os.path.dirname(file))
+            if outside:
+                raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} names external data {outside[0]!r} "
+                                "outside the plan directory; recompile the model")
+            onnx.load_external_data_for_model(model, os.path.dirname(file))
+            return model
+    except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError, onnx.checker.ValidationError) as e:
+        raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} is unreadable ({type(e).__name__}); "
+                        "recompile the model") from None
 
 
 def value_spec(vi: onnx.ValueInfoProto) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from kfac_compiler.cli_options import add_selection_args, apply_selection_args
-from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError
+from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError, OutputError, os_errors, os_reason
 from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
 
@@ -37,9 +37,20 @@ CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_n
                "qmodel_change", "update_scale", "rho", "rejected", "burn_in", "step_time")
 
 
+def _finite(text: str) -> float:
+    """argparse type of the float flags: a finite number (float() would take 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t = subparsers.add_parser(
-        "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime",
+        "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime", allow_abbrev=False,
         description="Train a zoo model, an .onnx file (compiled on the fly) or a plan directory.",
     )
     t.add_argument("model", metavar="MODEL", nargs="?", default=None,
@@ -57,13 +68,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="examples per step (default 128; on --resume the checkpoint's)")
     t.add_argument("--seed", type=int, default=None,
                    help="batch order, estimator noise and zoo init (default 0; on --resume the checkpoint's)")
-    t.add_argument("--learning-rate", type=float, default=None,
+    t.add_argument("--learning-rate", type=_finite, default=None,
                    help="fixed learning rate (K-FAC default: adaptive via the quadratic model)")
-    t.add_argument("--momentum", type=float, default=None)
-    t.add_argument("--damping", type=float, default=None, help="K-FAC initial damping")
-    t.add_argument("--l2", type=float, default=None, help="weight decay coefficient")
+    t.add_argument("--momentum", type=_finite, default=None)
+    t.add_argument("--damping", type=_finite, default=None, help="K-FAC initial damping")
+    t.add_argument("--l2", type=_finite, default=None, help="weight decay coefficient")
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="any optimizer option, e.g. inv_update_period=10 (repeatable)")
+                   help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "
+                        "booleans: true/false, 1/0, yes/no, on/off)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
@@ -77,27 +89,43 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- helpers
-def _parse_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
+# options with a flag of their own: as a --knob they would be a second, conflicting spelling
+# (seed and threads are not even optimizer options), so the flag is the one place to set them
+FLAG_KNOBS = {"seed": "--seed", "threads": "--threads", "batch_size": "--batch-size", "device": "--device",
+              "optimizer": "--optimizer", "learning_rate": "--learning-rate", "momentum": "--momentum",
+              "damping": "--damping", "l2_reg": "--l2"}
+
+
+def _optimizer_name(args) -> str:
+    """The optimizer the knobs are for: --optimizer, else the resumed checkpoint's, else kfac."""
+    if args.optimizer:
+        return args.optimizer
+    if args.resume:
+        from kfac_compiler.runtime.checkpoint import read_meta
+
+        return read_meta(args.resume)["optimizer"]
+    return "kfac"
 
 
 def _knobs(args) -> dict[str, Any]:
+    """The optimizer options of the command line, each --knob parsed by the option's declared
+    type (`adapt_damping=no` is False; a typo or a NaN is a one-line ConfigError)."""
+    from kfac_compiler.optimizers import optimizer_class
+    from kfac_compiler.optimizers.settings import ALIASES
+
+    config = optimizer_class(_optimizer_name(args)).Config
     knobs: dict[str, Any] = {}
     for item in args.knob:
         key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
         if not sep or not key:
             raise ConfigError(f"--knob {item!r}: expected KEY=VALUE (e.g. inv_update_period=10)")
-        knobs[key.strip().replace("-", "_")] = _parse_value(value.strip())
+        flag = FLAG_KNOBS.get(ALIASES.get(key, key))
+        if flag:
+            raise ConfigError(f"--knob {key}: use {flag} instead (it has its own flag)")
+        if key in knobs:
+            raise ConfigError(f"--knob {key} given twice")
+        knobs[key] = config.parse_option(key, value)[1]
     if args.damping is not None:
         knobs["damping"] = args.damping
     if args.l2 is not None:
@@ -150,11 +178,12 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
 
 
 def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    from kfac_compiler.runtime.data import digits_for, input_spec, load_npz, output_spec, validate_dataset
+    from kfac_compiler.runtime.data import digits_for, index_bounds, input_spec, load_npz, output_spec, validate_dataset
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
     loss = plan.loss.build()
     out = output_spec(plan.model, plan.output)
+    bounds = index_bounds(plan.model)
     if data == "digits":
         if entry is not None:
             inputs, targets = entry.make_data(None, seed=0)
@@ -164,14 +193,14 @@ def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> t
     elif data.endswith(".npz") or os.path.isfile(data):
         inputs, targets = load_npz(data)
         source = data
-        checked = validate_dataset(specs, loss, inputs, targets, out, source=source)
+        checked = validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
         extra = [k for k in inputs if k not in specs]
         if extra:
             raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, plus 'targets')")
         return checked
     else:
         raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")
-    return validate_dataset(specs, loss, inputs, targets, out, source=source)
+    return validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
 
 
 class MetricsWriter:
@@ -198,6 +227,8 @@ class MetricsWriter:
     def write(self, m: dict[str, Any]) -> None:
         if self.f is None:
             return
+        # an OSError (a full disk) reaches the training loop, which stops there and still
+        # writes the other outputs (_train)
         if self.csv is not None:
             row = {k: _fmt(m.get(k)) for k in CSV_COLUMNS}
             self.csv.writerow(row)
@@ -208,7 +239,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.f is not None:
-            self.f.close()
+            f, self.f = self.f, None
+            f.close()
 
 
 def _fmt(v: Any) -> str:
@@ -276,7 +308,8 @@ def _plot(path: str, steps: list[float], losses: list[float], title: str) -> Non
     from kfac_compiler.atomic import write_file
 
     try:
-        write_file(path, lambda f: fig.savefig(f, format="png", dpi=100))
+        with os_errors(OutputError, "the plot", path, writing=True):
+            write_file(path, lambda f: fig.savefig(f, format="png", dpi=100))
     finally:
         plt.close(fig)
 
@@ -327,10 +360,10 @@ def _train(args, outputs: list["Output"]) -> int:
     from kfac_compiler.runtime.data import batch_indices
     from kfac_compiler.runtime.trainer import Trainer
 
+    knobs = _knobs(args)  # before compiling: a bad --knob fails fast
     plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
     inputs, targets = load_data(plan, entry, args.data, args.seed)
     n = targets.shape[0]
-    knobs = _knobs(args)
     if args.resume:
         overrides = dict(knobs)
         overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
@@ -447,7 +480,7 @@ def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[flo
 def _failure(option: str, path: str, e: BaseException) -> str:
     """`--checkpoint: cannot write 'x': No space left on device` (a KfacError names the path)."""
     if isinstance(e, OSError):
-        return f"{option}: cannot write {path!r}: {e.strerror or e}"
+        return f"{option}: cannot write {path!r}: {os_reason(e, writing=True)}"
     return f"{option}: {' '.join(str(e).split())}"
 
 
@@ -455,7 +488,7 @@ def main(argv=None) -> int:
     """Standalone entry point (python -m kfac_compiler.train_cli ...)."""
     from kfac_compiler.errors import KfacError
 
-    p = argparse.ArgumentParser(prog="kfac-compiler")
+    p = argparse.ArgumentParser(prog="kfac-compiler", allow_abbrev=False)
     sub = p.add_subparsers(dest="command")
     add_train_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -2,7 +2,7 @@
 
 `load_model(path, output)` returns the ModelProto (external data loaded) or raises a
 one-line ModelError naming the file and the problem: missing file, not ONNX / truncated,
-unsupported opset, missing external-data file, no float initializers, unknown output.
+unsupported opset, missing external-data file or one outside the model's folder, no float initializers, unknown output.
 `validate_model(model, output, source)` runs the same checks on an in-memory model.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ import os
 
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto
 
 from kfac_compiler.builder import MAX_OPSET, MIN_OPSET
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, default_opset
+from kfac_compiler.onnx_files import external_locations, outside_locations
 
 _MAX_LISTED = 12
 
@@ -35,14 +35,20 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
         raise ModelError(f"cannot read model file {path!r}: {e.strerror or e}") from None
     _check_looks_like_onnx(model, path)
     base = os.path.dirname(os.path.abspath(path))
+    outside = outside_locations(model, base)
+    if outside:
+        raise ModelError(
+            f"{path!r}: external data file {outside[0]!r} lies outside the model's folder {base!r}; "
+            "move it next to the model and name it relative to the model's folder"
+        )
     missing = sorted(
-        {loc for loc in _external_locations(model) if not os.path.isfile(os.path.join(base, loc))}
+        {loc for loc in external_locations(model) if not os.path.isfile(os.path.join(base, loc))}
     )
     if missing:
         raise ModelError(
             f"{path!r}: external data file {missing[0]!r} is missing (expected next to the model in {base!r})"
         )
-    if any(True for _ in _external_locations(model)):
+    if any(True for _ in external_locations(model)):
         try:
             onnx.external_data_helper.load_external_data_for_model(model, base)
         except (OSError, ValueError, RuntimeError) as e:
@@ -122,14 +128,6 @@ def _check_looks_like_onnx(model: onnx.ModelProto, source: str) -> None:
         raise ModelError(f"{source!r} is not an ONNX model (empty or not a ModelProto)")
     if len(model.graph.node) == 0:
         raise ModelError(f"{source!r} has an empty graph (no nodes)")
-
-
-def _external_locations(model: onnx.ModelProto):
-    for t in onnx.external_data_helper._get_all_tensors(model):
-        if t.HasField("data_location") and t.data_location == TensorProto.EXTERNAL:
-            for entry in t.external_data:
-                if entry.key == "location":
-                    yield entry.value
 
 
 def _listing(names: list[str]) -> str:

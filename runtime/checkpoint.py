@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
+import zipfile
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kfac_compiler.atomic import write_file
-from kfac_compiler.errors import CheckpointError
+from kfac_compiler.errors import CheckpointError, KfacError, OutputError, os_errors
 from kfac_compiler.plan import Plan
 
 if TYPE_CHECKING:
@@ -39,21 +42,19 @@ VERSION = 1
 
 
 # --------------------------------------------------------------------------- atomic files
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    _atomic(path, lambda f: f.write(data))
+def atomic_write_bytes(path: str, data: bytes, error: type[KfacError] = OutputError, what: str = "the file") -> None:
+    _atomic(path, lambda f: f.write(data), error, what)
 
 
-def _atomic(path: str, write) -> None:
+def _atomic(path: str, write, error: type[KfacError] = CheckpointError, what: str = "the checkpoint") -> None:
     """Write via a temp file of ours in the target's folder + os.replace
     (kfac_compiler.atomic.write_file): the old file survives any failure. An unwritable path
-    is a one-line CheckpointError."""
+    or a full disk is a one-line `error` naming `what`."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise CheckpointError(f"cannot write {path!r}: it is a directory; give a file path")
-    try:
+        raise error(f"cannot write {what} {path!r}: it is a directory; give a file path")
+    with os_errors(error, what, path, writing=True):
         write_file(path, write)
-    except OSError as e:
-        raise CheckpointError(f"cannot write {path!r}: {e.strerror or e}") from None
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -121,14 +122,36 @@ def _json_default(o):
     raise TypeError(type(o).__name__)
 
 
+# what reading a damaged .npz raises: a flipped byte fails the member's CRC (BadZipFile), a
+# truncated file has no central directory, a damaged .npy header is a ValueError
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, EOFError, OSError)
+
+
 def _open(path: str | os.PathLike):
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is a directory; give the checkpoint file")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     try:
-        return np.load(path, allow_pickle=False)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path!r} is not readable ({type(e).__name__}: {e})") from None
+        with os_errors(CheckpointError, "checkpoint", path, writing=False):
+            return np.load(path, allow_pickle=False)
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"checkpoint {path!r} is not readable ({_one_line(e)}); use an earlier copy") from None
+
+
+def _read(z, key: str, path: str) -> np.ndarray:
+    """Entry `key` of the open checkpoint (its CRC checked by zipfile as it is read)."""
+    try:
+        return z[key]
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: entry {key!r} ({_one_line(e)}); "
+                              "use an earlier copy") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text[:200]
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -140,23 +163,86 @@ def _meta(z, path: str) -> dict[str, Any]:
     if "__meta__" not in z.files:
         raise CheckpointError(f"{path!r} is not a kfac_compiler checkpoint (no __meta__ entry)")
     try:
-        meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path!r} has corrupt metadata ({e})") from None
-    if meta.get("format") != FORMAT:
+        meta = json.loads(bytes(_read(z, "__meta__", path)).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path!r} has corrupt metadata ({_one_line(e)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not a kfac_compiler checkpoint")
-    if int(meta.get("version", 0)) > VERSION:
-        raise CheckpointError(f"checkpoint {path!r} has format version {meta.get('version')}; this kfac_compiler reads <= {VERSION}")
+    version = meta.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise CheckpointError(f"checkpoint {path!r} has format version {version}; this kfac_compiler reads <= {VERSION}")
+    check_meta(meta, path)
     return meta
 
 
+# the metadata's layout (docs/runtime.md, "Checkpoints"): key -> (what it must be, check)
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+_META = {
+    "version": ("an integer >= 1", lambda v: _count(v) and v >= 1),
+    "plan": ("an object with a 'fingerprint'", lambda v: isinstance(v, dict) and isinstance(v.get("fingerprint"), str)),
+    "optimizer": ("an optimizer name", lambda v: isinstance(v, str)),
+    "knobs": ("an object of optimizer options", lambda v: isinstance(v, dict)),
+    "seed": ("an integer >= 0", _count),
+    "host": ("an object", lambda v: isinstance(v, dict)),
+    "rng": ("an object (a numpy bit generator's state)", lambda v: isinstance(v, dict)),
+    "slots": ("a list of distinct slot names",
+              lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v) and len(set(v)) == len(v)),
+}
+_HOST = {"step_count": "an integer >= 0", "applied_steps": "an integer >= 0"}
+
+
+def check_meta(meta: dict[str, Any], path: str) -> None:
+    """The metadata has the layout save_checkpoint writes (hand-edited or damaged metadata is
+    a one-line CheckpointError naming the entry, not a KeyError or a wrong resumed run)."""
+    from kfac_compiler.optimizers import OPTIMIZERS
+
+    for key, (what, ok) in _META.items():
+        if key not in meta:
+            raise CheckpointError(f"checkpoint {path!r}: metadata entry {key!r} is missing; use an earlier copy")
+        if not ok(meta[key]):
+            raise CheckpointError(f"checkpoint {path!r}: metadata entry {key!r} must be {what}, got {meta[key]!r}"[:300])
+    if meta["optimizer"] not in OPTIMIZERS:
+        raise CheckpointError(f"checkpoint {path!r} was written by optimizer {meta['optimizer']!r}, which is not "
+                              f"registered here (optimizers: {', '.join(OPTIMIZERS)})")
+    host = meta["host"]
+    for key, what in _HOST.items():
+        if not _count(host.get(key)):
+            raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{key}' must be {what}, got {host.get(key)!r}")
+    if host["applied_steps"] > host["step_count"]:
+        raise CheckpointError(f"checkpoint {path!r}: host.applied_steps {host['applied_steps']} exceeds host.step_count "
+                              f"{host['step_count']}")
+
+
+def _check_host(trainer: "Trainer", host: dict[str, Any], path: str) -> None:
+    """Each host entry has the type of the trainer's own (an int stays an int, a float a
+    finite number, a bool a bool): the optimizer's set_host_state then converts and checks."""
+    for key, mine in trainer.host_state().items():
+        if key not in host:
+            continue
+        v = host[key]
+        if isinstance(mine, bool):
+            ok, what = isinstance(v, bool), "true or false"
+        elif isinstance(mine, int):
+            ok, what = _count(v), "an integer >= 0"
+        elif isinstance(mine, float):
+            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"
+        else:
+            ok, what = True, ""
+        if not ok:
+            raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{key}' must be {what}, got {v!r}")
+
+
 def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
-    """Load every state slot, the host counters, the damping and the RNG state into `trainer`."""
+    """Load every state slot, the host counters, the damping and the RNG state into `trainer`.
+    Everything is checked before anything is changed: a bad checkpoint leaves `trainer` as it was."""
     path = os.fspath(path)
     with _open(path) as z:
         meta = _meta(z, path)
         mine = plan_fingerprint(trainer.plan)
-        theirs = meta.get("plan", {})
+        theirs = meta["plan"]
         if theirs.get("fingerprint") != mine["fingerprint"]:
             diff = ""
             if theirs.get("params") != mine["params"]:
@@ -168,32 +254,47 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
             elif theirs.get("source") != mine["source"]:
                 diff = " (compiled from a different source model)"
             raise CheckpointError(f"checkpoint {path!r} belongs to another plan{diff}; load it with the plan it was saved from")
-        if meta.get("optimizer") != trainer.optimizer:
+        if meta["optimizer"] != trainer.optimizer:
             raise CheckpointError(
-                f"checkpoint {path!r} was written by optimizer {meta.get('optimizer')!r}, this trainer uses {trainer.optimizer!r}"
+                f"checkpoint {path!r} was written by optimizer {meta['optimizer']!r}, this trainer uses {trainer.optimizer!r}"
             )
-        slots = meta["slots"]
         values = {}
-        for i, s in enumerate(slots):
+        for i, s in enumerate(meta["slots"]):
             key = f"slot_{i:05d}"
             if key not in z.files:
                 raise CheckpointError(f"checkpoint {path!r} is missing state slot {s!r}")
-            values[s] = z[key]
+            values[s] = _read(z, key, path)
     missing = [s for s in trainer.store.slots() if s not in values]
     if missing:
         raise CheckpointError(f"checkpoint {path!r} lacks state slot {missing[0]!r} that this trainer uses")
     for s, v in values.items():
+        if v.dtype.kind != "f" and v.dtype.kind not in "iub":
+            raise CheckpointError(f"checkpoint {path!r}: slot {s!r} has dtype {v.dtype}; expected numbers")
         if s in trainer.store:
-            shape, _ = trainer.store.spec(s)
-            if tuple(v.shape) != tuple(shape):
-                raise CheckpointError(f"checkpoint {path!r}: slot {s!r} has shape {list(v.shape)}, expected {list(shape)}")
-            trainer.store.set(s, v)
-        else:
-            trainer.store.add(s, v)
-    trainer.set_host_state(meta["host"])
+            shape, dtype = trainer.store.spec(s)
+            if tuple(v.shape) != tuple(shape) or v.dtype != dtype:
+                raise CheckpointError(f"checkpoint {path!r}: slot {s!r} is {v.dtype} {list(v.shape)}, expected "
+                                      f"{dtype} {list(shape)}")
+        if v.dtype.kind == "f" and not np.all(np.isfinite(v)):
+            raise CheckpointError(f"checkpoint {path!r}: slot {s!r} holds NaN or infinite values; use an earlier copy")
     rng = np.random.default_rng()
     try:
         rng.bit_generator.state = meta["rng"]
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path!r}: unusable RNG state ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: unusable RNG state ({_one_line(e)})") from None
+    _check_host(trainer, meta["host"], path)
+    before = trainer.host_state()
+    try:
+        trainer.set_host_state(meta["host"])
+    except KeyError as e:
+        trainer.set_host_state(before)
+        raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{e.args[0]}' is missing") from None
+    except (TypeError, ValueError) as e:
+        trainer.set_host_state(before)
+        raise CheckpointError(f"checkpoint {path!r}: unusable host state ({_one_line(e)})") from None
+    for s, v in values.items():
+        if s in trainer.store:
+            trainer.store.set(s, v)
+        else:
+            trainer.store.add(s, v)
     trainer.rng = rng

@@ -26,7 +26,8 @@ from kfac_compiler.contract import ESTIMATION_MODES, plan_blocks
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.data import BatchChecker, draw_noise
+from kfac_compiler.parsing import check_float, check_int
+from kfac_compiler.runtime.data import BatchChecker, draw_noise, parameter_vectors
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.optimizers import ema_coefficient
@@ -52,13 +53,15 @@ class Curvature:
                  threads: int | None = None) -> None:
         self.plan = plan
         self.device = get_device(device)
-        self.threads = threads
+        self.threads = None if threads is None else check_int(threads, "threads", low=1)
         self.mode = mode or plan.estimator.mode
-        self.num_samples = int(num_samples or plan.estimator.num_samples)
-        self.ema_decay = float(ema_decay if ema_decay is not None else plan.schedule.ema_decay)
+        self.num_samples = check_int(num_samples or plan.estimator.num_samples, "num_samples", low=1)
+        self.ema_decay = check_float(ema_decay if ema_decay is not None else plan.schedule.ema_decay, "ema_decay")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
         self.inverse_method = concrete_method(inverse_method or plan.inverse.method, self.device.name)
         self._check_mode(self.mode)
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(check_int(seed, "seed", low=0))
         self.store = StateStore(self.device)
         self.params = list(plan.trainable)
         for p, v in plan.parameter_values().items():
@@ -98,7 +101,8 @@ class Curvature:
         per-example loss weights or mask (the output factors G become sum_n w_n ...)."""
         mode = mode or self.mode
         self._check_mode(mode)
-        prog = self.program("statistics", mode=mode, num_samples=num_samples or self.num_samples,
+        num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
+        prog = self.program("statistics", mode=mode, num_samples=num_samples,
                             weighted=weights is not None)
         data = self._check_batch(inputs, targets, weights)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
@@ -132,8 +136,7 @@ class Curvature:
     def update_inverses(self, damping: float) -> bool:
         """Recompute the damped inverses of the moving averages; False if a block failed (it
         keeps its previous inverse)."""
-        if not (isinstance(damping, (int, float)) and damping > 0):
-            raise ConfigError(f"damping must be a positive number, got {damping!r}")
+        damping = check_float(damping, "damping", positive=True)
         if self._inverses is None:
             self._inverses = InverseRefresher(self.plan, self.program("inverse_update", method=self.inverse_method),
                                               self.program("precondition"), self.inverse_method)
@@ -145,11 +148,9 @@ class Curvature:
         """(F + damping)^-1 g with the inverses of the last update_inverses()."""
         if self.damping is None:
             raise ConfigError("call update_inverses(damping) before precondition()")
+        vectors = parameter_vectors(self._shapes(self.params), grads, "precondition")
         prog = self.program("precondition")
-        missing = [p for p in self.params if p not in grads]
-        if missing:
-            raise ConfigError(f"precondition: no vector for parameter {missing[0]!r}")
-        data = {C.vec(p): np.asarray(grads[p], np.float32) for p in self.params}
+        data = {C.vec(p): v for p, v in vectors.items()}
         out = prog.run(self.store, data, results=True)
         return {p: out[C.precond(p)] for p in self.params}
 
@@ -165,34 +166,50 @@ class Curvature:
             raise ConfigError(f"unknown layer {layer!r}; the plan's layers are {list(blocks)}")
         return blocks[layer]
 
+    def _shapes(self, params) -> dict[str, tuple[int, ...]]:
+        return {p: self.store.spec(p)[0] for p in params}
+
+    def _layer_vectors(self, layer: str, vectors: Any, what: str) -> dict[str, np.ndarray]:
+        return parameter_vectors(self._shapes(self._block(layer).layer.params), vectors, f"{what}({layer!r})")
+
+    def _damping(self, damping: float | None) -> float:
+        """The damping a product uses: `damping`, else the last update_inverses'; 0 before it."""
+        if damping is None:
+            return float(self.damping or 0.0)
+        d = check_float(damping, "damping")
+        if d < 0:
+            raise ConfigError(f"damping must be >= 0, got {damping!r}")
+        return d
+
     def multiply(self, layer: str, vectors: Mapping[str, np.ndarray], damping: float | None = None) -> dict[str, np.ndarray]:
         """(F_layer + damping) v with the layer's moving-average factors (numpy twin)."""
-        d = self.damping if damping is None else damping
-        return self._block(layer).numpy_multiply(dict(vectors), self.factors().get(layer, {}), float(d or 0.0))
+        v = self._layer_vectors(layer, vectors, "multiply")
+        return self._block(layer).numpy_multiply(v, self.factors().get(layer, {}), self._damping(damping))
 
     def multiply_all(self, vectors: Mapping[str, np.ndarray], damping: float | None = None,
                      exp: int = 1) -> dict[str, np.ndarray]:
         """(F + damping)^exp v for every parameter (integer exp), in the `multiply` subgraph
         on the device, from the moving-average factors."""
-        d = self.damping if damping is None else damping
-        prog = self.program("multiply", exp=int(exp))
-        out = prog.run(self.store, {C.vec(p): np.asarray(v, np.float32) for p, v in vectors.items()},
-                       hp={C.DAMPING: float(d or 0.0)}, results=True)
+        v = parameter_vectors(self._shapes(self.params), vectors, "multiply_all")
+        d = self._damping(damping)
+        prog = self.program("multiply", exp=check_int(exp, "exp"))
+        out = prog.run(self.store, {C.vec(p): a for p, a in v.items()}, hp={C.DAMPING: d}, results=True)
         return {p: out[C.product(p)] for p in self.params}
 
     def multiply_matpower(self, layer: str, vectors: Mapping[str, np.ndarray], exp: float,
                           damping: float | None = None) -> dict[str, np.ndarray]:
         """(F_layer + damping)^exp v for any real exp (TF K-FAC's exps), via the block's
         host-side eigendecomposition (numpy twin)."""
-        d = self.damping if damping is None else damping
-        return self._block(layer).numpy_multiply_matpower(dict(vectors), self.factors().get(layer, {}),
-                                                          float(d or 0.0), float(exp))
+        v = self._layer_vectors(layer, vectors, "multiply_matpower")
+        return self._block(layer).numpy_multiply_matpower(v, self.factors().get(layer, {}), self._damping(damping),
+                                                          check_float(exp, "exp"))
 
     def multiply_inverse(self, layer: str, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """(F_layer + damping)^-1 v with the layer's current inverse state (numpy twin)."""
         if self.damping is None:
             raise ConfigError("call update_inverses(damping) before multiply_inverse()")
-        return self._block(layer).numpy_multiply_inverse(dict(vectors), self.inverses().get(layer, {}))
+        v = self._layer_vectors(layer, vectors, "multiply_inverse")
+        return self._block(layer).numpy_multiply_inverse(v, self.inverses().get(layer, {}))
 
 
 # --------------------------------------------------------------------------- gradients()

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -20,7 +22,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import DataError
+from kfac_compiler.errors import DataError, os_errors
 from kfac_compiler.losses import Loss
 
 if TYPE_CHECKING:
@@ -58,7 +60,7 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
     for name, (dims, _) in input_specs.items():
         if name not in inputs:
             raise DataError(f"input {name!r} is missing (the model's inputs: {list(input_specs)})")
-        a = np.asarray(inputs[name])
+        a = as_array(inputs[name], f"input {name!r}")
         if a.ndim != len(dims):
             raise DataError(f"input {name!r} has shape {list(a.shape)}; the model expects rank {len(dims)} ({dims})")
         for i, d in enumerate(dims):
@@ -73,7 +75,7 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
     extra = [k for k in inputs if k not in input_specs]
     if extra:
         raise DataError(f"unknown input {extra[0]!r}; the model's inputs are {list(input_specs)}")
-    y = np.asarray(targets)
+    y = as_array(targets, "targets")
     if y.ndim == 0 or (batch is not None and y.shape[0] != batch):
         raise DataError(f"targets have shape {list(y.shape)}; expected a batch of {batch} rows")
     if y.shape[0] == 0:
@@ -90,11 +92,13 @@ class BatchChecker:
         self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
         self.loss = loss if loss is not None else plan.loss.build()
         self.out_spec = output_spec(plan.model, plan.output)
+        self.index_bounds = index_bounds(plan.model)
 
     def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
         data = prepare_batch(self.input_specs, inputs, targets)
         y = data.pop(C.TARGETS)
-        conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch")
+        conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch",
+                                   index_bounds=self.index_bounds)
         return add_weights({**conv, C.TARGETS: y}, weights)
 
 
@@ -102,7 +106,10 @@ def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarr
     """data plus "example_weights": per-example loss weights or a 0/1 mask, one per row (DataError)."""
     if weights is None:
         return data
-    w = np.asarray(weights, dtype=np.float32)
+    w = as_array(weights, "weights")
+    if w.dtype.kind not in "biuf":
+        raise DataError(f"weights have dtype {w.dtype}; expected numbers")
+    w = w.astype(np.float32)
     n = data[C.TARGETS].shape[0]
     if w.shape != (n,):
         raise DataError(f"weights have shape {list(w.shape)}; expected one weight per example ({n})")
@@ -159,33 +166,24 @@ def output_spec(model: onnx.ModelProto, output: str) -> tuple[list[Any], int] | 
 
 def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Loss,
                      inputs: Mapping[str, np.ndarray], targets: np.ndarray,
-                     out_spec: tuple[list[Any], int] | None = None, source: str = "data") -> tuple[dict, np.ndarray]:
+                     out_spec: tuple[list[Any], int] | None = None, source: str = "data",
+                     index_bounds: Mapping[str, int] | None = None) -> tuple[dict, np.ndarray]:
     """Thorough checks before training; returns the arrays converted to the model's dtypes
-    (the targets checked and converted by the loss)."""
+    (the targets checked and converted by the loss). Values the conversion cannot hold (a
+    float64 beyond float32's range) and token ids outside an embedding's rows
+    (`index_bounds`, see index_bounds()) are DataErrors naming the array and the value."""
     missing = [n for n in input_specs if n not in inputs]
     if missing:
         raise DataError(f"{source}: no array named {missing[0]!r} (the model's inputs: {list(input_specs)}, plus 'targets')")
     conv: dict[str, np.ndarray] = {}
     n = None
     for name, (dims, et) in input_specs.items():
-        a = np.asarray(inputs[name])
-        if a.dtype == object or a.dtype.kind not in "biuf":
-            raise DataError(f"{source}: array {name!r} has dtype {a.dtype}; expected numbers")
-        if et in _INT_TYPES and a.dtype.kind == "f":
-            if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-                raise DataError(f"{source}: array {name!r} must hold integers (the model input is integer-typed)")
-        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-            bad = int(np.sum(~np.isfinite(a)))
-            raise DataError(f"{source}: array {name!r} contains {bad} NaN/Inf value(s)")
-        if a.ndim != len(dims) or any(_static(d) and a.shape[i] != d for i, d in enumerate(dims)):
-            raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}")
+        a = convert_input(name, dims, et, inputs[name], source, (index_bounds or {}).get(name))
         if n is None:
             n = a.shape[0]
         elif a.shape[0] != n:
             raise DataError(f"{source}: array {name!r} has {a.shape[0]} rows, other inputs {n}")
-        dtype = np.float32 if et in _FLOAT_TYPES else (np.int64 if et == TensorProto.INT64 else
-                                                        onnx.helper.tensor_dtype_to_np_dtype(et))
-        conv[name] = a.astype(dtype, copy=False)
+        conv[name] = a
     if not n:
         raise DataError(f"{source}: the dataset is empty")
     y = np.asarray(targets)
@@ -195,17 +193,125 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Los
         raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; expected {n} rows like the inputs")
     if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
         raise DataError(f"{source}: 'targets' contains {int(np.sum(~np.isfinite(y)))} NaN/Inf value(s)")
+    check_range(y, onnx.helper.tensor_dtype_to_np_dtype(loss.target_type()), f"{source}: 'targets'")
     return conv, loss.check_targets(y, out_spec[0] if out_spec else None, source)
 
 
+def convert_input(name: str, dims: list[Any], et: int, value: Any, source: str, bound: int | None = None) -> np.ndarray:
+    """`value` as model input `name` (dims, ONNX elem type `et`), checked: numbers, integers
+    for an integer input, no NaN/Inf, the shape, values its dtype can hold, token ids in
+    [0, bound) for an embedding's input; converted to the input's dtype."""
+    a = as_array(value, f"{source}: array {name!r}")
+    if a.dtype == object or a.dtype.kind not in "biuf":
+        raise DataError(f"{source}: array {name!r} has dtype {a.dtype}; expected numbers")
+    if et in _INT_TYPES and a.dtype.kind == "f":
+        if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
+            raise DataError(f"{source}: array {name!r} must hold integers (the model input is integer-typed)")
+    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+        bad = int(np.sum(~np.isfinite(a)))
+        raise DataError(f"{source}: array {name!r} contains {bad} NaN/Inf value(s)")
+    if a.ndim != len(dims) or a.ndim == 0 or any(_static(d) and a.shape[i] != d for i, d in enumerate(dims)):
+        raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}")
+    dtype = np.float32 if et in _FLOAT_TYPES else (np.int64 if et == TensorProto.INT64 else
+                                                    onnx.helper.tensor_dtype_to_np_dtype(et))
+    check_range(a, dtype, f"{source}: array {name!r}")
+    if bound is not None and a.size:
+        bad = a[(a < 0) | (a >= bound)]
+        if bad.size:
+            raise DataError(f"{source}: array {name!r} holds token id {bad.flat[0].item()}; the embedding it indexes "
+                            f"has {bound} rows (ids 0..{bound - 1})")
+    return a.astype(dtype, copy=False)
+
+
+def as_array(value: Any, what: str) -> np.ndarray:
+    """np.asarray(value), one-line DataError where it is no rectangular array (ragged lists)."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise DataError(f"{what} is not a rectangular array of numbers ({str(e).split('.')[0].strip()})") from None
+
+
+def check_range(a: np.ndarray, dtype: Any, what: str) -> None:
+    """DataError where converting `a` to `dtype` would not keep its values: a float64 beyond
+    float32's range would become inf, an integer beyond the type's range would wrap."""
+    dtype = np.dtype(dtype)
+    if not a.size or a.dtype.kind not in "iuf" or dtype.kind not in "iuf" or np.can_cast(a.dtype, dtype, "safe"):
+        return
+    info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+    lo, hi = a.min(), a.max()
+    if (a.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi))):
+        return  # NaN/Inf: the callers' own checks name them
+    if lo < info.min or hi > info.max:
+        worst = hi if hi > info.max else lo
+        raise DataError(f"{what} holds {worst:g}, beyond {dtype.name}'s range [{info.min:g}, {info.max:g}]; "
+                        "rescale the data")
+
+
+def parameter_vectors(shapes: Mapping[str, Any], vectors: Any, what: str) -> dict[str, np.ndarray]:
+    """float32 copies of one vector per parameter of `shapes` (a gradient, a direction),
+    checked: exactly these parameters, numbers, each parameter's shape, within float32's range."""
+    if not isinstance(vectors, Mapping):
+        raise DataError(f"{what}: expected a dict {{parameter name: array}}, got {type(vectors).__name__}")
+    unknown = [p for p in vectors if p not in shapes]
+    if unknown:
+        raise DataError(f"{what}: {unknown[0]!r} is not one of the parameters {list(shapes)}"[:300])
+    missing = [p for p in shapes if p not in vectors]
+    if missing:
+        raise DataError(f"{what}: no vector for parameter {missing[0]!r}")
+    out = {}
+    for p, shape in shapes.items():
+        a = as_array(vectors[p], f"{what}: the vector for {p!r}")
+        if a.dtype.kind not in "biuf":
+            raise DataError(f"{what}: the vector for {p!r} has dtype {a.dtype}; expected numbers")
+        if tuple(a.shape) != tuple(shape):
+            raise DataError(f"{what}: the vector for {p!r} has shape {list(a.shape)}; expected {list(shape)}")
+        check_range(a, np.float32, f"{what}: the vector for {p!r}")
+        out[p] = a.astype(np.float32)
+    return out
+
+
+# ops an embedding's token ids may pass on their way from the input to the Gather
+_INDEX_PASSING = ("Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
+    """{data input: rows} for the model's integer inputs that index an initializer with Gather
+    (an embedding's token ids): ids must lie in [0, rows). The smallest table wins."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    data = {vi.name for vi in g.input if vi.name not in inits and vi.type.tensor_type.elem_type in _INT_TYPES}
+    producer = {o: n for n in g.node for o in n.output if o}
+    bounds: dict[str, int] = {}
+    for node in g.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[0] not in inits:
+            continue
+        source = node.input[1]
+        while source not in data and source in producer and producer[source].op_type in _INDEX_PASSING:
+            source = producer[source].input[0]
+        if source not in data:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        dims = inits[node.input[0]].dims
+        if -len(dims) <= axis < len(dims):
+            rows = int(dims[axis])
+            bounds[source] = min(rows, bounds.get(source, rows))
+    return bounds
+
+
 def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    if os.path.isdir(path):
+        raise DataError(f"data file {path!r} is a directory; give an .npz file")
     if not os.path.isfile(path):
         raise DataError(f"data file {path!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except Exception as e:  # noqa: BLE001
-        raise DataError(f"data file {path!r} is not a readable .npz ({type(e).__name__}: {e})") from None
+        with os_errors(DataError, "data file", path, writing=False):
+            z = np.load(path, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):
+                raise DataError(f"data file {path!r} is a single .npy array, not an .npz of named arrays")
+            with z:
+                arrays = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, zlib.error, ValueError, EOFError) as e:  # not an npz, truncated, CRC, pickled
+        raise DataError(f"data file {path!r} is not a readable .npz ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
     if "targets" not in arrays:  # the .npz file's key (docs/runtime.md, "kfac-compiler train")
         raise DataError(f"data file {path!r} has no array named 'targets' (it has {sorted(arrays)})")
     y = arrays.pop("targets")

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from kfac_compiler.errors import DeviceError
+from kfac_compiler.parsing import parse_bool
 
 DEVICES = ("cpu", "cuda", "auto")
 CUDA_EP = "CUDAExecutionProvider"
@@ -44,7 +45,7 @@ def _probe_model() -> onnx.ModelProto:
 @functools.lru_cache(maxsize=1)
 def cuda_status() -> tuple[bool, str]:
     """(works, reason). Cached: the probe creates one real CUDA session per process."""
-    if os.environ.get("KFAC_DISABLE_CUDA"):
+    if os.environ.get("KFAC_DISABLE_CUDA", "").strip() and parse_bool(os.environ["KFAC_DISABLE_CUDA"], "KFAC_DISABLE_CUDA"):
         return False, "KFAC_DISABLE_CUDA is set"
     if CUDA_EP not in ort.get_available_providers():
         return False, f"this onnxruntime build has no {CUDA_EP} (install onnxruntime-gpu)"

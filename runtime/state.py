@@ -138,20 +138,33 @@ class StateStore:
         self.current(slot).update_inplace(a)
 
     def set_parameters(self, params: Iterable[str], values: Mapping[str, Any]) -> None:
-        """Overwrite trainable parameters from host arrays, checked (one-line ConfigError)."""
-        from kfac_compiler.errors import ConfigError
+        """Overwrite trainable parameters from host arrays, all checked before any is written:
+        a wrong name or shape is a one-line ConfigError, NaN/Inf or a value beyond the slot's
+        dtype a DataError naming the parameter."""
+        from kfac_compiler.errors import ConfigError, DataError
+        from kfac_compiler.runtime.data import check_range
 
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"set_parameters expects a dict {{parameter name: array}}, got {type(values).__name__}")
         known = set(params)
+        checked = {}
         for p, v in values.items():
             if p not in known:
                 raise ConfigError(f"{p!r} is not a trainable parameter of the plan")
-            shape = self._spec[p][0]
+            shape, dtype = self._spec[p]
             try:
-                a = np.asarray(v, dtype=np.float32)
+                a = np.asarray(v)
             except (TypeError, ValueError):
-                raise ConfigError(f"parameter {p!r}: expected numbers, got {type(v).__name__}") from None
+                a = np.asarray(None)
+            if a.dtype.kind not in "biuf":
+                raise ConfigError(f"parameter {p!r}: expected numbers, got {type(v).__name__}")
             if tuple(a.shape) != tuple(shape):
                 raise ConfigError(f"parameter {p!r} has shape {list(shape)}; got {list(a.shape)}")
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise DataError(f"parameter {p!r} holds {int(np.sum(~np.isfinite(a)))} NaN/Inf value(s)")
+            check_range(a, dtype, f"parameter {p!r}")
+            checked[p] = a.astype(dtype)
+        for p, a in checked.items():
             self.set(p, a)
 
     def state_dict(self, slots: Iterable[str] | None = None) -> dict[str, np.ndarray]:

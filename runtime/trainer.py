@@ -28,8 +28,9 @@ import onnx
 from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
 from kfac_compiler.optimizers import make_config, optimizer_class
+from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.data import BatchChecker, draw_noise, noise_shape
+from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program, cached_program
@@ -64,8 +65,8 @@ class Trainer:
         self.optimizer = optimizer
         self.config = make_config(optimizer, plan, **knobs)
         self.device = get_device(device)
-        self.threads = threads
-        self.seed = int(seed)
+        self.threads = None if threads is None else _check_threads(threads)
+        self.seed = check_int(seed, "seed", low=0)
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device)
         self.params = list(plan.trainable)
@@ -79,7 +80,7 @@ class Trainer:
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
-        self.batch_size = int(batch_size or 0)
+        self.batch_size = 0 if batch_size is None else check_int(batch_size, "batch_size", low=0)
         for p, value in plan.parameter_values().items():
             self.store.add(p, value)
         self.policy = optimizer_class(optimizer)(self)
@@ -164,7 +165,7 @@ class Trainer:
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss and the loss's metrics (Loss.metrics, e.g. softmax cross-entropy's
         accuracy) at the current parameters."""
-        if batch_size is not None and int(batch_size) < 1:
+        if batch_size is not None and check_int(batch_size, "evaluate: batch_size") < 1:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._check_batch(inputs, targets)
         prog = self.program("loss")
@@ -192,14 +193,17 @@ class Trainer:
         import onnxruntime as ort
 
         specs = self._check_batch.input_specs
+        if not isinstance(inputs, Mapping):
+            raise DataError(f"predict: inputs must be a dict keyed by the model inputs {list(specs)}")
         missing = [n for n in specs if n not in inputs]
         unknown = [n for n in inputs if n not in specs]
         if missing or unknown:
             raise DataError(f"predict: inputs must be exactly the model's {list(specs)} "
                             f"(missing {missing}, unknown {unknown})")
+        bounds = self._check_batch.index_bounds
+        feeds = {k: convert_input(k, *specs[k], v, "predict", bounds.get(k)) for k, v in inputs.items()}
         sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
-        out_name = self.plan.output
-        return sess.run([out_name], {k: np.asarray(v) for k, v in inputs.items()})[0]
+        return sess.run([self.plan.output], feeds)[0]
 
     # ------------------------------------------------------------------ parameters
     def parameters(self) -> dict[str, np.ndarray]:
@@ -238,7 +242,7 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import atomic_write_bytes
 
         path = os.fspath(path)
-        atomic_write_bytes(path, self.exported_model().SerializeToString())
+        atomic_write_bytes(path, self.exported_model().SerializeToString(), what="the trained model")
         return path
 
     # ------------------------------------------------------------------ checkpoints
@@ -263,22 +267,26 @@ class Trainer:
 
         from kfac_compiler.optimizers import ALIASES
 
-        meta = read_meta(path)
-        knobs = dict(meta.get("knobs", {}))
-        seed = meta.get("seed", 0)
+        meta = read_meta(path)  # checked: check_meta
+        stored = dict(meta["knobs"])
+        threads = stored.pop("threads", None)
+        try:  # the stored options alone, so that an error in them names the checkpoint
+            make_config(meta["optimizer"], plan, **stored)
+            if threads is not None:
+                threads = _check_threads(threads)
+        except ConfigError as e:
+            raise CheckpointError(f"checkpoint {os.fspath(path)!r}: knobs: {e}") from None
+        seed = meta["seed"]
         if "seed" in overrides and overrides["seed"] != seed:
             # the random stream is restored from the checkpoint: another seed could not apply
             raise ConfigError(f"seed {overrides['seed']!r} differs from the seed {seed!r} of checkpoint "
                               f"{os.fspath(path)!r}; resume with the checkpoint's seed")
         overrides = {k: v for k, v in overrides.items() if k != "seed"}
-        knobs.update(overrides)
-        threads = knobs.pop("threads", None)
+        knobs = {**stored, **overrides}
+        threads = knobs.pop("threads", threads)
         knobs.pop("seed", None)
-        try:
-            trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
-                          batch_size=batch_size, **knobs)
-        except KeyError as e:
-            raise CheckpointError(f"checkpoint {os.fspath(path)!r} lacks {e}") from None
+        trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
+                      batch_size=batch_size, **knobs)
         trainer.restore(path)
         trainer.policy.resumed({ALIASES.get(k, k) for k in overrides})
         return trainer
@@ -299,3 +307,6 @@ class Trainer:
         return (f"Trainer(optimizer={self.optimizer!r}, device={self.device.name!r}, params={len(self.params)}, "
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
 
+
+def _check_threads(threads: Any) -> int:
+    return check_int(threads, "threads", low=1)

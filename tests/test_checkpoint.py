@@ -139,7 +139,7 @@ def test_checkpoint_writes_are_atomic(mlp, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(np, "savez", boom)
-    with pytest.raises(CheckpointError, match="cannot write .*c.npz.*: disk full"):
+    with pytest.raises(CheckpointError, match=r"^cannot write the checkpoint '.*c\.npz': disk full$"):
         tr.save_checkpoint(path)
     monkeypatch.undo()
     assert path.read_bytes() == good  # the previous checkpoint is intact

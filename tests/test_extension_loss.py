@@ -167,7 +167,7 @@ def test_train_command_makes_digits_counts_and_prints_the_metric(poisson, tmp_pa
     from kfac_compiler.cli import main
 
     path = save_model("digits_autoencoder", tmp_path / "ae.onnx")
-    code = main(["train", path, "--loss", "poisson", "--steps", "3", "--knob", "damping=1.0", "-q"])
+    code = main(["train", path, "--loss", "poisson", "--steps", "3", "--damping", "1.0", "-q"])
     out = capsys.readouterr().out
     assert code == 0
     m = re.search(r"final train loss ([\d.]+) mean_absolute_error ([\d.]+) \(3 steps", out)

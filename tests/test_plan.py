@@ -156,7 +156,7 @@ def test_load_errors(tmp_path, compiled):
     doc = json.load(open(os.path.join(out, "plan.json")))
     del doc["layers"]
     json.dump(doc, open(os.path.join(out, "plan.json"), "w"))
-    with pytest.raises(PlanError, match="malformed"):
+    with pytest.raises(PlanError, match=r"plan\.json': layers: missing; recompile the model$"):
         load_plan(out)
 
 

@@ -199,7 +199,8 @@ def test_disk_full_at_the_end_still_writes_the_other_outputs(tmp_path, capsys):
                               "--checkpoint", str(ck)], capsys)
         assert code == 2
         line = error_line(err)
-        assert line == (f"error: --checkpoint: cannot write '{ck}': No space left on device (written: "
+        assert line == (f"error: --checkpoint: cannot write the checkpoint '{ck}': the disk is full: free space "
+                        "or choose another location (written: "
                         f"metrics '{metrics}', model '{model}')"), line
         onnx.checker.check_model(onnx.load(str(model)))
         assert sorted(os.listdir(small)) == ["filler"]
@@ -215,8 +216,8 @@ def test_disk_full_on_the_metrics_file_stops_the_run_and_writes_the_rest(tmp_pat
                               "--checkpoint", str(ck)], capsys)
         assert code == 2
         k = read_meta(ck)["host"]["step_count"]
-        assert error_line(err) == (f"error: stopped at step {k}: --metrics: cannot write '{metrics}': No space left on "
-                                   f"device (written: checkpoint '{ck}', model '{model}')")
+        assert error_line(err) == (f"error: stopped at step {k}: --metrics: cannot write '{metrics}': the disk is full: "
+                                   f"free space or choose another location (written: checkpoint '{ck}', model '{model}')")
         onnx.checker.check_model(onnx.load(str(model)))
         assert ours(small) == [] and ours(tmp_path) == []
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kfac_compiler import parsing
 from kfac_compiler.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,21 +44,92 @@ class OptimizerConfig:
 
     @classmethod
     def from_knobs(cls, plan: "Plan | None" = None, **knobs: Any) -> "OptimizerConfig":
-        fields = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in knobs.items():
-            key2 = ALIASES.get(key, key)
-            if key2 not in fields:
-                raise ConfigError(
-                    f"optimizer {cls.name!r} has no option {key!r} (options: {', '.join(sorted(fields))})"
-                )
+            key2 = cls.option_name(key)
             if key2 in kwargs:
                 raise ConfigError(f"optimizer option {key2!r} given twice (as {key!r} and an alias)")
-            kwargs[key2] = value
+            kwargs[key2] = cls.check_type(key2, value)
         cfg = cls(**kwargs)
         cfg.resolve(plan)
         cfg.validate()
         return cfg
+
+    @classmethod
+    def option_name(cls, key: str) -> str:
+        """The field a knob name (or its kfac-jax / TF K-FAC alias) sets; ConfigError if none."""
+        key2 = ALIASES.get(key, key)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if key2 not in fields:
+            raise ConfigError(f"optimizer {cls.name!r} has no option {key!r} (options: {', '.join(sorted(fields))})")
+        return key2
+
+    @classmethod
+    def option_types(cls, name: str) -> tuple[type, ...]:
+        """The types field `name` is declared with (`float | None` -> (float, NoneType)); ()
+        where the declaration is not a plain type or a union of them."""
+        try:
+            hint = typing.get_type_hints(cls).get(name)
+        except (NameError, TypeError, AttributeError):  # a plugin's annotation we cannot resolve
+            return ()
+        if isinstance(hint, type):
+            return (hint,)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            args = typing.get_args(hint)
+            return args if all(isinstance(a, type) for a in args) else ()
+        return ()
+
+    @classmethod
+    def check_type(cls, name: str, value: Any) -> Any:
+        """`value` for option `name` as its declared type, strictly: a bool option takes
+        True/False or 0/1 (never a string's truthiness), a number a finite int or float (a
+        float option), a str option a string; None only where the option allows it."""
+        kinds = cls.option_types(name)
+        if not kinds:
+            return value  # a plugin's own type: its validate() checks it
+        where = f"optimizer option {name!r}"
+        if value is None:
+            if type(None) in kinds:
+                return None
+            raise ConfigError(f"{where} cannot be None")
+        if bool in kinds:
+            return parsing.check_bool(value, where)
+        if int in kinds and not isinstance(value, bool) and isinstance(value, numbers.Integral):
+            return int(value)
+        if float in kinds and not isinstance(value, (bool, str)) and isinstance(value, numbers.Real):
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"{where} must be a finite number, got {value!r}")
+            return float(value)
+        if str in kinds and isinstance(value, str):
+            return value
+        expected = " or ".join({bool: "True/False", int: "an integer", float: "a number", str: "a string",
+                                type(None): "None"}.get(k, k.__name__) for k in kinds)
+        raise ConfigError(f"{where} must be {expected}, got {value!r}")
+
+    @classmethod
+    def parse_option(cls, key: str, text: str) -> tuple[str, Any]:
+        """(field name, value) of a knob given as text (the command line's --knob KEY=VALUE),
+        parsed by the option's declared type: 'no' is False for a bool option, 'none' is None
+        where allowed, numbers must be finite."""
+        name = cls.option_name(key)
+        kinds = cls.option_types(name)
+        where = f"--knob {key}"
+        low = text.strip().lower()
+        if type(None) in kinds and low in ("none", "null"):
+            return name, None
+        if bool in kinds:
+            return name, parsing.parse_bool(text, where)
+        if int in kinds:
+            try:
+                return name, int(text.strip())
+            except ValueError:
+                if float not in kinds and str not in kinds:
+                    raise ConfigError(f"{where}: {text!r} is not an integer") from None
+        if float in kinds:
+            return name, parsing.parse_float(text, where)
+        if str in kinds or not kinds:
+            return name, text.strip()
+        raise ConfigError(f"{where}: cannot parse {text!r}")
 
     def resolve(self, plan: "Plan | None") -> None:
         """Fill defaults that depend on the plan or on other knobs."""

@@ -23,6 +23,7 @@ One step k (docs/runtime.md):
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -279,11 +280,17 @@ class Kfac(Optimizer):
                 "unchecked_update": self.unchecked_update}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
-        self.burn_in_count = int(state["burn_in_count"])
-        self.ema_weight = float(state["ema_weight"])
+        """Restore host_state(); ValueError for values no run produces (a checkpoint names it)."""
+        burn_in, ema_weight, damping = int(state["burn_in_count"]), float(state["ema_weight"]), float(state["damping"])
+        if burn_in < 0:
+            raise ValueError(f"host.burn_in_count must be >= 0, got {burn_in}")
+        if not 0.0 <= ema_weight <= 1.0:
+            raise ValueError(f"host.ema_weight must be in [0, 1], got {ema_weight}")
+        if not (math.isfinite(damping) and damping > 0):
+            raise ValueError(f"host.damping must be a finite number > 0, got {damping}")
+        self.burn_in_count, self.ema_weight, self.damping = burn_in, ema_weight, damping
         self.unchecked_update = bool(state.get("unchecked_update", False))  # older checkpoints lack it
         self.inverses_ready = bool(state["inverses_ready"])
-        self.damping = float(state["damping"])
 
     def resumed(self, knobs) -> None:
         if "damping" in knobs:  # the adapted damping restarts from the value given

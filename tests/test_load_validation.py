@@ -1,0 +1,332 @@
+"""What is read back from files is validated at the boundary: plan.json against its schema
+with every file it names confined to the plan directory, ONNX external data confined to the
+model's folder, checkpoints (metadata, entries' CRCs, slot values), and OSErrors turned into
+one line naming the file and what to do. A bad file is one line, never a traceback, and a
+failed restore changes nothing."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import external_data_helper
+
+import kfac_compiler as kc
+from kfac_compiler.cli import main
+from kfac_compiler.errors import CheckpointError, ConfigError, ModelError, PlanError
+from kfac_compiler.models import ZOO, save_model
+from kfac_compiler.plan import load_plan
+from kfac_compiler.runtime import Trainer
+from kfac_compiler.runtime.checkpoint import read_meta
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(model path, plan directory, plan) of the digits classifier."""
+    d = tmp_path_factory.mktemp("base")
+    model = save_model("mlp_classifier", d / "mlp.onnx")
+    plan = kc.compile(model, loss="softmax_cross_entropy", emit=False)
+    return str(model), plan.save(d / "plan"), plan
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- plans
+def edited(base, tmp_path, edit) -> tuple[str, str]:
+    """A copy of the plan directory with plan.json edited by `edit(doc)`; (dir, plan.json)."""
+    d = str(tmp_path / "edited")
+    shutil.copytree(base[1], d)
+    pj = os.path.join(d, "plan.json")
+    doc = json.load(open(pj))
+    edit(doc)
+    json.dump(doc, open(pj, "w"))
+    return d, pj
+
+
+PLAN_EDITS = {
+    "unknown parameter in a layer": (lambda d: d["layers"][0]["params"].append("ghost.weight"),
+                                     "layers[0].params: 'ghost.weight' is not a trainable parameter of the plan"),
+    "parameter in two layers": (lambda d: d["layers"][2]["params"].append("fc1.bias"),
+                                "layers[2].params: 'fc1.bias' is already a parameter of layer 'fc1'"),
+    "parameter in no layer": (lambda d: d["layers"].pop(2), "layers: trainable parameter 'fc3.weight' is in no layer"),
+    "no layers": (lambda d: d.update(layers=[]), "layers: expected a non-empty list, got []"),
+    "layers an object": (lambda d: d.update(layers={}), "layers: expected a non-empty list, got {}"),
+    "loss a string": (lambda d: d.update(loss="softmax_cross_entropy"),
+                      "loss: expected an object, got 'softmax_cross_entropy'"),
+    "unknown loss": (lambda d: d["loss"].update(kind="hinge"), "loss: unknown loss 'hinge'"),
+    "output does not exist": (lambda d: d.update(output="probs"), "output: the model has no tensor named 'probs'"),
+    "trainable a string": (lambda d: d.update(trainable="fc1.weight"), "trainable: expected a list, got 'fc1.weight'"),
+    "trainable not an initializer": (lambda d: d["trainable"].append("ghost"),
+                                     "trainable[6]: 'ghost' is not an initializer of the plan's model"),
+    "use without its input": (lambda d: d["layers"][1]["uses"][0].pop("input"), "layers[1].uses[0].input: missing"),
+    "use of an unknown tensor": (lambda d: d["layers"][0]["uses"][0].update(input="pixels"),
+                                 "layers[0].uses[0].input: the model has no tensor named 'pixels'"),
+    "use of an unknown node": (lambda d: d["layers"][1]["uses"][0].update(nodes=["fc2/MatMul"]),
+                               "layers[1].uses[0].nodes: the model has no node named 'fc2/MatMul'"),
+    "unknown key in a layer": (lambda d: d["layers"][0].update(param=["x"]), "layers[0].param: unknown entry"),
+    "damping a string": (lambda d: d["schedule"].update(damping="1e-3"),
+                         "schedule.damping: expected a finite number, got '1e-3'"),
+    "damping NaN": (lambda d: d["schedule"].update(damping=float("nan")),
+                    "schedule.damping: expected a finite number, got nan"),
+    "unknown estimator mode": (lambda d: d["estimator"].update(mode="fisher"), "estimator.mode: 'fisher' is not one of"),
+    "factor shape a string": (lambda d: d["layers"][0]["factors"][0].update(shape="65x65"),
+                              "layers[0].factors[0].shape: expected a list, got '65x65'"),
+    "unknown input": (lambda d: d["inputs"][0].update(name="pixels"), "inputs: ['pixels'] are not the model's data inputs"),
+    "model outside the folder": (lambda d: d.update(model="../mlp.onnx"),
+                                 "model: '../mlp.onnx' is not a file inside the plan directory"),
+    "model an absolute path": (lambda d: d.update(model="/etc/hostname"),
+                               "model: '/etc/hostname' is not a file inside the plan directory"),
+    "model the folder itself": (lambda d: d.update(model="."), "model: '.' is not a file inside the plan directory"),
+    "subgraph outside the folder": (lambda d: d.update(subgraphs={"kfac_step": {"file": "../../x.onnx"}}),
+                                    "subgraphs.kfac_step.file: '../../x.onnx' is not a file inside the plan directory"),
+    "subgraph name a path": (lambda d: d.update(subgraphs={"../x": {}}), "subgraphs.../x: not a subgraph name"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_EDITS))
+def test_hand_edited_plans_are_one_line_plan_errors(base, tmp_path, case, capsys):
+    edit, message = PLAN_EDITS[case]
+    d, pj = edited(base, tmp_path, edit)
+    with pytest.raises(PlanError) as e:
+        load_plan(d)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{pj!r}: {message}") and text.endswith("; recompile the model"), text
+    assert main(["inspect", d]) == 2
+    assert one_error_line(capsys) == f"error: {text}"
+
+
+def test_plan_files_are_confined_through_symlinks(base, tmp_path):
+    d, pj = edited(base, tmp_path, lambda doc: doc.update(model="link.onnx"))
+    os.symlink(base[0], os.path.join(d, "link.onnx"))  # inside by name, outside in fact
+    with pytest.raises(PlanError, match=r"model: 'link.onnx' is not a file inside the plan directory"):
+        load_plan(d)
+
+
+def with_external_data(model_path: str, folder, location: str) -> str:
+    """`model_path` re-saved in `folder` with its weights in external data at `location`."""
+    m = onnx.load(model_path)
+    external_data_helper.convert_model_to_external_data(m, location="w.bin", size_threshold=0)
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, "model.onnx")
+    onnx.save(m, out)
+    m = onnx.load(out, load_external_data=False)
+    for t in m.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save(m, out)
+    return out
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_external_data_outside_the_models_folder_is_refused(base, tmp_path, where, capsys):
+    outside = tmp_path / "w.bin"
+    location = "../w.bin" if where == "parent" else str(outside)
+    model = with_external_data(base[0], tmp_path / "m", location)
+    os.replace(tmp_path / "m" / "w.bin", outside)  # the data really is there
+    with pytest.raises(ModelError) as e:
+        kc.compile(model, loss="softmax_cross_entropy", emit=False)
+    assert str(e.value) == (f"{model!r}: external data file {location!r} lies outside the model's folder "
+                            f"{str(tmp_path / 'm')!r}; move it next to the model and name it relative to the model's folder")
+    assert main(["compile", model, "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "p"), "-q"]) == 2
+    assert one_error_line(capsys) == f"error: {e.value}"
+    assert not (tmp_path / "p").exists()
+
+
+def test_plan_model_external_data_outside_the_plan_is_refused(base, tmp_path):
+    d = str(tmp_path / "plan")
+    shutil.copytree(base[1], d)
+    with_external_data(os.path.join(d, "model.onnx"), d, "../w.bin")
+    os.replace(os.path.join(d, "w.bin"), tmp_path / "w.bin")
+    with pytest.raises(PlanError, match=r"'model.onnx' names external data '../w.bin' outside the plan directory"):
+        load_plan(d)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def trained(base, tmp_path_factory):
+    """A K-FAC trainer two steps in, and its checkpoint."""
+    plan = base[2]
+    x, y = ZOO["mlp_classifier"].make_data(64, seed=0)
+    tr = Trainer(plan, optimizer="kfac", batch_size=64)
+    tr.step({"input": x["input"]}, y)
+    tr.step({"input": x["input"]}, y)
+    path = tr.save_checkpoint(tmp_path_factory.mktemp("ck") / "run.ckpt")
+    return tr, path
+
+
+def rewritten(path: str, out, edit) -> str:
+    """The checkpoint at `path` with its metadata (and arrays) changed by edit(meta, arrays)."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(bytes(arrays["__meta__"]).decode())
+    edit(meta, arrays)
+    arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    with open(out, "wb") as f:  # (np.savez would add .npz to the name)
+        np.savez(f, **arrays)
+    return str(out)
+
+
+def _slot(meta, name):
+    return f"slot_{meta['slots'].index(name):05d}"
+
+
+META_EDITS = {
+    "step_count a string": (lambda m, a: m["host"].update(step_count="2"),
+                            "metadata entry 'host.step_count' must be an integer >= 0, got '2'"),
+    "negative step": (lambda m, a: m["host"].update(step_count=-3),
+                      "metadata entry 'host.step_count' must be an integer >= 0, got -3"),
+    "applied beyond taken": (lambda m, a: m["host"].update(applied_steps=9),
+                             "host.applied_steps 9 exceeds host.step_count 2"),
+    "host missing": (lambda m, a: m.pop("host"), "metadata entry 'host' is missing"),
+    "unknown optimizer": (lambda m, a: m.update(optimizer="lion"),
+                          "was written by optimizer 'lion', which is not registered here"),
+    "knobs a list": (lambda m, a: m.update(knobs=[]), "metadata entry 'knobs' must be an object of optimizer options"),
+    "slots a string": (lambda m, a: m.update(slots="params"), "metadata entry 'slots' must be a list of distinct slot names"),
+    "seed negative": (lambda m, a: m.update(seed=-1), "metadata entry 'seed' must be an integer >= 0, got -1"),
+    "plan without fingerprint": (lambda m, a: m["plan"].pop("fingerprint"), "metadata entry 'plan' must be an object"),
+}
+
+
+@pytest.mark.parametrize("case", list(META_EDITS))
+def test_hand_edited_checkpoint_metadata_is_one_line(trained, tmp_path, case, capsys):
+    tr, path = trained
+    edit, message = META_EDITS[case]
+    bad = rewritten(path, tmp_path / "bad.ckpt", edit)
+    with pytest.raises(CheckpointError) as e:
+        read_meta(bad)
+    assert "\n" not in str(e.value) and message in str(e.value) and repr(bad) in str(e.value), str(e.value)
+    assert main(["train", "--resume", bad, "--steps", "3"]) == 2
+    assert one_error_line(capsys) == f"error: {e.value}"
+
+
+RESTORE_EDITS = {
+    "damping negative": (lambda m, a: m["host"].update(damping=-1.0),
+                         "unusable host state (ValueError: host.damping must be a finite number > 0, got -1.0)"),
+    "damping a string": (lambda m, a: m["host"].update(damping="0.01"),
+                         "metadata entry 'host.damping' must be a finite number, got '0.01'"),
+    "damping missing": (lambda m, a: m["host"].pop("damping"), "metadata entry 'host.damping' is missing"),
+    "ema_weight above 1": (lambda m, a: m["host"].update(ema_weight=3.0), "host.ema_weight must be in [0, 1], got 3.0"),
+    "inverses_ready a number": (lambda m, a: m["host"].update(inverses_ready=1),
+                                "metadata entry 'host.inverses_ready' must be true or false, got 1"),
+    "NaN in a parameter": (lambda m, a: a[_slot(m, "fc2.bias")].__setitem__(0, np.nan),
+                           "slot 'fc2.bias' holds NaN or infinite values"),
+    "parameter of another dtype": (lambda m, a: a.update({_slot(m, "fc2.bias"): a[_slot(m, "fc2.bias")].astype(np.float64)}),
+                                   "slot 'fc2.bias' is float64 [128], expected float32 [128]"),
+    "rng state garbage": (lambda m, a: m.update(rng={"bit_generator": "nope"}), "unusable RNG state"),
+    "stored knob of the wrong type": (lambda m, a: m["knobs"].update(adapt_damping="no"),
+                                      "knobs: optimizer option 'adapt_damping' must be True or False, got 'no'"),
+    "stored knob unknown": (lambda m, a: m["knobs"].update(bogus=1), "knobs: optimizer 'kfac' has no option 'bogus'"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESTORE_EDITS))
+def test_bad_checkpoint_contents_change_nothing(trained, tmp_path, case):
+    tr, path = trained
+    edit, message = RESTORE_EDITS[case]
+    bad = rewritten(path, tmp_path / "bad.ckpt", edit)
+    before, host = tr.state(), tr.host_state()
+    with pytest.raises(CheckpointError) as e:
+        if case.startswith("stored knob"):
+            Trainer.load_checkpoint(bad, tr.plan)
+        else:
+            tr.restore(bad)
+    assert "\n" not in str(e.value) and message in str(e.value) and repr(bad) in str(e.value), str(e.value)
+    assert tr.host_state() == host
+    after = tr.state()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_flipped_and_truncated_checkpoints(trained, tmp_path):
+    """Every flipped byte is a one-line CheckpointError or restores exactly the saved state
+    (a byte the format does not read, e.g. a timestamp); every truncation is an error."""
+    tr, path = trained
+    raw = open(path, "rb").read()
+    saved, host = tr.state(), tr.host_state()
+    with np.load(path) as z:  # a byte inside the first parameter's values: the CRC catches it
+        offset = raw.index(z["slot_00000"].tobytes()[:64]) + 100
+    positions = [offset] + list(np.random.default_rng(0).integers(0, len(raw), 24))
+    errors = 0
+    for i in positions:
+        flipped = bytearray(raw)
+        flipped[i] ^= 0x04
+        bad = tmp_path / "flipped.ckpt"
+        bad.write_bytes(bytes(flipped))
+        try:
+            tr.restore(bad)
+        except CheckpointError as e:
+            errors += 1
+            assert "\n" not in str(e) and repr(str(bad)) in str(e)
+            if i == offset:
+                assert str(e).endswith("is corrupt: entry 'slot_00000' (BadZipFile: Bad CRC-32 for file "
+                                       "'slot_00000.npy'); use an earlier copy")
+        else:
+            assert i != offset
+        now = tr.state()
+        assert tr.host_state() == host and all(np.array_equal(saved[k], now[k]) for k in saved), i
+    assert errors >= len(positions) // 2
+    for n in (0, 10, len(raw) // 3, len(raw) - 22, len(raw) - 1):
+        bad = tmp_path / "short.ckpt"
+        bad.write_bytes(raw[:n])
+        with pytest.raises(CheckpointError, match=r"is not readable \(|is corrupt: entry"):
+            tr.restore(bad)
+
+
+# ----------------------------------------------------------------------------- OS errors
+def test_compile_into_a_path_under_a_file_is_one_line(base, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    out = blocker / "plan"
+    assert main(["compile", base[0], "--loss", "softmax_cross_entropy", "-o", str(out), "-q"]) == 2
+    assert one_error_line(capsys) == f"error: -o {str(out)!r}: {str(blocker)!r} is a file, not a folder"
+    assert blocker.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_compile_into_a_read_only_folder_is_one_line(base, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert main(["compile", base[0], "--loss", "softmax_cross_entropy", "-o", str(ro / "plan"), "-q"]) == 2
+        assert one_error_line(capsys).endswith("permission denied: make it writable or choose another path")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_checkpoint_under_a_file_is_one_line(trained, tmp_path):
+    tr, _ = trained
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(CheckpointError) as e:
+        tr.save_checkpoint(tmp_path / "file" / "c.ckpt")
+    assert str(e.value) == (f"cannot write the checkpoint {str(tmp_path / 'file' / 'c.ckpt')!r}: "
+                            "a part of the path is a file, not a directory")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_metrics_on_a_full_device_is_one_line(tmp_path, capsys):
+    """/dev/full fails every write with ENOSPC, as a full disk does."""
+    metrics = tmp_path / "m.csv"
+    os.symlink("/dev/full", metrics)
+    assert main(["train", "--steps", "2", "--metrics", str(metrics), "-q", "--optimizer", "sgd"]) == 2
+    assert one_error_line(capsys) == (f"error: stopped at step 1: --metrics: cannot write {str(metrics)!r}: "
+                                      "the disk is full: free space or choose another location (written: nothing)")
+
+
+def test_config_file_that_is_unreadable_is_one_line(base, tmp_path, capsys):
+    assert main(["compile", base[0], "--loss", "softmax_cross_entropy", "--config", str(tmp_path), "-o",
+                 str(tmp_path / "p")]) == 2
+    assert one_error_line(capsys) == f"error: config file {str(tmp_path)!r} is a directory; give a TOML or JSON file"
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"damping = \xff\n")
+    with pytest.raises(ConfigError, match=r"^config file .*c\.toml' is not valid TOML: "):
+        kc.compile(base[0], loss="softmax_cross_entropy", config=str(cfg), emit=False)
