@@ -118,6 +118,9 @@ def test_kill_9_during_checkpoint_writes_last_checkpoint_resumes_bit_for_bit(che
     assert sum(bool(k.temp_after_kill) for k in killed[:KILLS_AT_EVENTS]) >= KILLS_AT_EVENTS // 2
     bad = [(k.label, k.step, k.next_run or k.differs) for k in checkpoint_kills if k.next_run or k.differs]
     assert not bad, bad
+    print(f"{len(killed)} kills, {sum(bool(k.temp_after_kill) for k in killed)} mid-write, "
+          f"{sum(bool(k.strays_after_next_run) for k in killed)} with a temp file left after the next run, "
+          f"checkpoints resumed at steps {sorted({k.step for k in killed})}")
 
 
 @pytest.mark.slow
