@@ -17,7 +17,7 @@ import warnings
 from typing import Iterator, Sequence
 
 from kfac_compiler.atomic import pid_alive, remove_stale, temp_path
-from kfac_compiler.errors import OutputError
+from kfac_compiler.errors import OutputError, os_reason
 
 LOCK_TAG = ".kfac-lock"
 _held: set[str] = set()  # lock files this process holds
@@ -58,7 +58,7 @@ def acquire(option: str, path: str | os.PathLike) -> str:
                 break
         except OSError as e:
             raise OutputError(f"{option} {os.fspath(path)!r}: cannot create its lock file {lock!r} "
-                              f"({e.strerror or e})") from None
+                              f"({os_reason(e, writing=True)})") from None
         holder = _holder(lock)
         if holder is None:
             raise OutputError(f"{option} {os.fspath(path)!r} is locked by {lock!r}, which is not a lock file of ours "
@@ -78,22 +78,24 @@ def acquire(option: str, path: str | os.PathLike) -> str:
 
 
 def _create(lock: str, tmp: str, content: str) -> bool:
-    """Create `lock` holding `content` in one step; False if it exists."""
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(content)
+    """Create `lock` holding `content` in one step; False if it exists. The temp file goes
+    whatever happens (on a full disk its write fails)."""
     try:
-        os.link(tmp, lock)
-        return True
-    except FileExistsError:
-        return False
-    except OSError:  # no hard links here: exclusive create, then write
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(content)
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.link(tmp, lock)
+            return True
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(content)
-        return True
+        except OSError:  # no hard links here: exclusive create, then write
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(content)
+            return True
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

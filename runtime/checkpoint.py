@@ -24,6 +24,7 @@ import json
 import math
 import os
 import time
+import tokenize
 import zipfile
 import zlib
 from typing import TYPE_CHECKING, Any
@@ -123,8 +124,9 @@ def _json_default(o):
 
 
 # what reading a damaged .npz raises: a flipped byte fails the member's CRC (BadZipFile), a
-# truncated file has no central directory, a damaged .npy header is a ValueError
-_READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, EOFError, OSError)
+# truncated file has no central directory, a damaged .npy header is a ValueError, or a
+# SyntaxError / TokenError from the header's literal_eval (a flip inside its dict)
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, EOFError, OSError, SyntaxError, tokenize.TokenError)
 
 
 def _open(path: str | os.PathLike):

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo, request_subgraph
 from kfac_compiler.plan import Plan
+from kfac_compiler.errors import PlanError
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
 
@@ -225,6 +226,18 @@ def _model_value(plan: Plan, slot: str) -> np.ndarray:
     raise ContractError(f"state slot {slot!r} (init 'model') is not an initializer of the plan's model")
 
 
+def _check_state_shapes(prog: "Program", info: SubgraphInfo) -> None:
+    """ValueError where a state slot's declared shape disagrees with the graph input it feeds
+    (static dimensions only): ONNX Runtime would refuse the first run."""
+    dims = {i.name: i.shape for i in prog.session.get_inputs()}
+    for slot in prog.state_inputs:
+        spec, shape = info.state_specs.get(slot), dims.get(slot)
+        if spec is None or shape is None:
+            continue
+        if len(shape) != len(spec.shape) or any(isinstance(d, int) and d != int(s) for d, s in zip(shape, spec.shape)):
+            raise ValueError(f"state slot {slot!r} is declared {list(spec.shape)} but the graph takes {list(shape)}")
+
+
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, **options: Any) -> "Program":
     """The Program for subgraph `name` with `options`, created on first use (cached in
@@ -233,10 +246,18 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
     prog = programs.get(key)
     if prog is None:
         model, info = request_subgraph(plan, name, **options)
-        prog = Program(model, info, device, name=name, threads=threads)
-        for slot, spec in info.state_specs.items():
-            if slot not in store:
-                store.add(slot, _model_value(plan, slot) if spec.init == "model" else init_value(spec))
+        try:
+            prog = Program(model, info, device, name=name, threads=threads)
+            _check_state_shapes(prog, info)
+            for slot, spec in info.state_specs.items():
+                if slot not in store:
+                    store.add(slot, _model_value(plan, slot) if spec.init == "model" else init_value(spec))
+        except (ContractError, ValueError) as e:
+            if plan.subgraphs.get(name) is not model:
+                raise  # emitted just now: a compiler bug
+            why = " ".join(str(e).split())
+            raise PlanError(f"the plan's subgraph {name!r} disagrees with its entry in plan.json "
+                            f"({why[:160]}{'...' if len(why) > 160 else ''}); recompile the plan") from None
         for slot in prog.state_inputs + prog.written_slots:
             if slot not in store:
                 raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")

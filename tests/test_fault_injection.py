@@ -27,8 +27,6 @@ from faults.fuzz import KINDS, fuzz
 from faults.harness import (ASSETS, Judge, cli_command, metrics_rows, read_checkpoint, run_cli, run_subprocess,
                             same_checkpoint_state, strays_in, subprocess_env)
 
-XFAIL_IO = pytest.mark.xfail(strict=True, reason="issue 24 (io): temp files of killed runs are not cleaned yet")
-
 
 # =========================================================================== kill -9 during checkpoint writes
 CKPT_STEPS = 40
@@ -124,7 +122,6 @@ def test_kill_9_during_checkpoint_writes_last_checkpoint_resumes_bit_for_bit(che
 
 
 @pytest.mark.slow
-@XFAIL_IO
 def test_kill_9_during_checkpoint_writes_no_temp_file_survives_the_next_run(checkpoint_kills):
     bad = [(k.label, k.strays_after_next_run) for k in checkpoint_kills if k.strays_after_next_run]
     assert not bad, bad
@@ -180,7 +177,6 @@ def test_kill_9_during_a_plan_write_leaves_no_plan_or_a_whole_one(plan_kills):
 
 
 @pytest.mark.slow
-@XFAIL_IO
 def test_kill_9_during_a_plan_write_no_temp_survives_the_next_compile(plan_kills):
     bad = [(label, strays) for label, _, _, _, strays in plan_kills if strays]
     assert not bad, bad
@@ -188,7 +184,6 @@ def test_kill_9_during_a_plan_write_no_temp_survives_the_next_compile(plan_kills
 
 # =========================================================================== Ctrl-C during a checkpoint write
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 24 (io): Ctrl-C is a KeyboardInterrupt traceback")
 def test_ctrl_c_during_a_checkpoint_write_stops_cleanly(tmp_path):
     """SIGINT arrives while the 3rd checkpoint is being written (its fsync): exit 130, one line,
     the checkpoint whole and matching the metrics rows, no temp file left."""
@@ -210,15 +205,10 @@ FAST_N = {"checkpoint byte flips": 8, "checkpoint truncations": 6, "checkpoint m
 SLOW_N = {"checkpoint byte flips": 300, "checkpoint truncations": 60, "checkpoint metadata edits": 1000,
           "checkpoint slot edits": 100, "plan.json edits": 150, "plan.json flips and truncations": 100,
           "plan model.onnx flips and truncations": 100, "data files": 1000}
-# not clean at f12188d (before issue 24's fixes); the lead removes a kind when its test XPASSes
-KNOWN_UNCLEAN_FAST = {"checkpoint byte flips", "checkpoint metadata edits", "checkpoint slot edits"}
-KNOWN_UNCLEAN_SLOW = KNOWN_UNCLEAN_FAST | {"plan.json edits", "plan.json flips and truncations", "data files"}
 
 
-def _fuzz_param(kind: str, known: set[str], slow: bool):
+def _fuzz_param(kind: str, slow: bool):
     marks = [pytest.mark.slow] if slow else []
-    if kind in known:
-        marks.append(pytest.mark.xfail(strict=True, reason="issue 24 (errors): not fixed on this branch yet"))
     return pytest.param(kind, id=kind.replace(" ", "-").replace(".", "-"), marks=marks)
 
 
@@ -229,12 +219,12 @@ def _assert_fuzz_clean(kind: str, n: int, quick: bool) -> None:
     assert not bad, f"{len(bad)} of {len(results)} {kind} not clean:\n" + "\n".join(bad[:15])
 
 
-@pytest.mark.parametrize("kind", [_fuzz_param(k, KNOWN_UNCLEAN_FAST, False) for k in KINDS])
+@pytest.mark.parametrize("kind", [_fuzz_param(k, False) for k in KINDS])
 def test_fuzz_quick(kind):
     _assert_fuzz_clean(kind, FAST_N[kind], quick=True)
 
 
-@pytest.mark.parametrize("kind", [_fuzz_param(k, KNOWN_UNCLEAN_SLOW, True) for k in KINDS])
+@pytest.mark.parametrize("kind", [_fuzz_param(k, True) for k in KINDS])
 def test_fuzz(kind):
     _assert_fuzz_clean(kind, SLOW_N[kind], quick=False)
 

@@ -175,6 +175,7 @@ def plan_schedule(plan: "Plan | None") -> dict[str, Any]:
     if plan is None:
         return {}
     sched = plan.schedule
-    return {"mode": plan.estimator.mode, "num_samples": plan.estimator.num_samples,
-            "inverse_method": sched.inverse.method, "inv_update_period": sched.inverse.update_period,
-            "cov_update_period": sched.stats.update_period, "damping": sched.damping, "ema_decay": sched.ema_decay}
+    values = {"mode": plan.estimator.mode, "num_samples": plan.estimator.num_samples,
+              "inverse_method": sched.inverse.method, "inv_update_period": sched.inverse.update_period,
+              "cov_update_period": sched.stats.update_period, "damping": sched.damping, "ema_decay": sched.ema_decay}
+    return {k: v for k, v in values.items() if v is not None}  # unset in the plan: the optimizer's default
