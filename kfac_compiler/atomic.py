@@ -85,8 +85,9 @@ def remove_stale(path: str | os.PathLike) -> list[str]:
 def write_file(path: str | os.PathLike, write: Callable[[object], object]) -> str:
     """Write `path` atomically: `write(f)` fills a temp file of ours (fsynced), which then
     replaces `path`; any failure removes the temp file and leaves `path` as it was. OSError
-    propagates (callers turn it into their one-line error)."""
-    path = os.path.abspath(os.fspath(path))
+    propagates (callers turn it into their one-line error). A symlink is written through: its
+    target is replaced, the link stays."""
+    path = os.path.realpath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = temp_path(path)
     fd = _create(tmp)

@@ -92,3 +92,15 @@ def os_errors(error: type[KfacError], what: str, path: "str | os.PathLike", writ
     except OSError as e:
         verb = "write" if writing else "read"
         raise error(f"cannot {verb} {what} {os.fspath(path)!r}: {os_reason(e, writing)}") from None
+
+
+def npz_reason(e: BaseException) -> str:
+    """Why numpy could not read a file as an .npz, in one line. numpy's own text for a file
+    that is not an array file suggests loading it with allow_pickle, which must never be done
+    with a file one did not write: say what the file is not instead."""
+    text = " ".join(str(e).split())
+    if isinstance(e, ValueError) and "allow_pickle" in text:
+        if text.startswith("Object arrays"):
+            return "it holds object (pickled) arrays, which are never loaded: save plain numeric arrays"
+        return "it is not an .npz file"
+    return f"{type(e).__name__}: {text[:160]}"

@@ -5,11 +5,14 @@ writes an output it holds `.<name>.kfac-lock` next to it: JSON {"pid", "host"}, 
 complete in one step (a hard link of a written temp file, or O_CREAT|O_EXCL where the file
 system has no hard links). A second run is refused with one line naming the holder. A lock
 whose process is no longer running on this host (a kill -9) is taken over with a warning; a
-lock from another host is never taken over (its pid means nothing here).
+lock from another host is never taken over (its pid means nothing here). Takeovers of one
+stale lock are serialized by an flock on it, and each checks that the path still names that
+file before removing it: of several runs starting at once, one gets the lock.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -24,7 +27,7 @@ _held: set[str] = set()  # lock files this process holds
 
 
 def lock_path(path: str | os.PathLike) -> str:
-    d, base = os.path.split(os.path.abspath(os.fspath(path)))
+    d, base = os.path.split(os.path.realpath(os.fspath(path)))  # a symlink and its target: one lock
     return os.path.join(d, f".{base}{LOCK_TAG}")
 
 
@@ -63,18 +66,46 @@ def acquire(option: str, path: str | os.PathLike) -> str:
         if holder is None:
             raise OutputError(f"{option} {os.fspath(path)!r} is locked by {lock!r}, which is not a lock file of ours "
                               "or is unreadable; delete it if no other run writes there")
-        if attempt == 0 and _stale(holder, lock):
+        if attempt == 0 and _stale(holder, lock) and _take_over(lock, holder):
             warnings.warn(f"{option} {os.fspath(path)!r}: taking over the lock of process {holder['pid']}, "
                           "which is no longer running")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
             continue
         raise OutputError(f"{option} {os.fspath(path)!r} is being written by another run (process {holder['pid']} "
                           f"on {holder.get('host')!r}); wait for it, or give another path (its lock: {lock!r})")
     _held.add(lock)
-    remove_stale(path)
+    remove_stale(os.path.realpath(os.fspath(path)))
     remove_stale(lock)
     return lock
+
+
+def _take_over(lock: str, holder: dict) -> bool:
+    """Remove the stale `lock` of `holder` unless another run is taking it over (False then):
+    an flock on the lock file serializes the takeovers, and the file is removed only if the
+    path still names it and it still names `holder`."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # gone already: the next attempt creates it, or finds the new holder
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            if os.fstat(fd).st_ino != os.stat(lock).st_ino:
+                return True  # replaced meanwhile: the next attempt judges the new one
+        except FileNotFoundError:
+            return True
+        with os.fdopen(os.dup(fd), encoding="utf-8") as f:
+            try:
+                still = json.load(f) == holder
+            except (ValueError, UnicodeDecodeError):
+                still = False
+        if still:
+            os.unlink(lock)
+        return still
+    finally:
+        os.close(fd)
 
 
 def _create(lock: str, tmp: str, content: str) -> bool:

@@ -62,6 +62,9 @@ def _check_target(o: Output) -> None:
             raise OutputError(f"{o.option} {path!r} names a folder; give a file path")
         if os.path.isdir(path):
             raise OutputError(f"{o.option} {path!r} is a folder; give a file path")
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise OutputError(f"{o.option} {path!r} is not a regular file (a device, pipe or socket); "
+                              "give a file path")
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise OutputError(f"{o.option} {path!r} is read-only; make it writable or give another path")
     where = _existing_folder(o)
@@ -80,7 +83,7 @@ def _check_target(o: Output) -> None:
 def _existing_folder(o: Output) -> str:
     """The folder the output's file (or a plan folder's temp sibling) will be created in, or
     its nearest existing ancestor (the missing ones are created then)."""
-    d = os.path.dirname(os.path.abspath(o.path))
+    d = os.path.dirname(os.path.realpath(o.path))  # a symlink's target is what gets written
     while not os.path.exists(d):
         d = os.path.dirname(d)
     if not os.path.isdir(d):

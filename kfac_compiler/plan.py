@@ -340,7 +340,7 @@ class Plan:
                     os.fsync(out.fileno())
 
         try:
-            if os.path.isdir(real) and not os.path.isfile(os.path.join(real, PLAN_FILE)) and os.listdir(real):
+            if os.path.isdir(real) and _plan_doc(real) is None and os.listdir(real):
                 # overwrite: the folder is the user's, not swapped; plan.json last makes it a plan
                 for f in files[1:] + files[:1]:
                     remove_stale(os.path.join(real, f))
@@ -360,20 +360,34 @@ def check_plan_target(path: str | os.PathLike, overwrite: bool = False) -> None:
     if os.path.exists(real):
         if not os.path.isdir(real):
             raise PlanError(f"cannot save the plan to {target!r}: it is a file")
-        if not os.path.isfile(os.path.join(real, PLAN_FILE)) and os.listdir(real) and not overwrite:
+        if _plan_doc(real) is None and os.listdir(real) and not overwrite:
             raise PlanError(f"refusing to overwrite {target!r}: it is a non-empty directory that is not a plan "
-                            f"(no {PLAN_FILE}); give an empty or new folder, or pass overwrite=True (--force)")
+                            f"(no {PLAN_FILE} of ours); give an empty or new folder, or pass overwrite=True (--force)")
+
+
+def _plan_doc(folder: str) -> dict | None:
+    """The folder's plan.json if it is one of ours (schema_version, source, layers), else None:
+    another tool's plan.json does not make the folder ours to swap or clean."""
+    try:
+        with open(os.path.join(folder, PLAN_FILE), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    ours = (isinstance(doc, dict) and isinstance(doc.get("schema_version"), int)
+            and isinstance(doc.get("source"), dict) and isinstance(doc.get("layers"), list))
+    return doc if ours else None
 
 
 def _own_files(folder: str) -> set[str]:
     """The files the plan in `folder` (if any) consists of, by its plan.json."""
+    doc = _plan_doc(folder)
+    if doc is None:
+        return set()
     try:
-        with open(os.path.join(folder, PLAN_FILE), encoding="utf-8") as f:
-            doc = json.load(f)
         own = {PLAN_FILE, MODEL_FILE, os.path.basename(str(doc.get("model", MODEL_FILE)))}
         own |= {os.path.basename(str(e.get("file", f"{n}.onnx"))) for n, e in doc.get("subgraphs", {}).items()}
         return own
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
+    except (AttributeError, TypeError):
         return set()
 
 

@@ -218,7 +218,7 @@ class MetricsWriter:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.f = open(path, mode, newline="", encoding="utf-8")
         except OSError as e:
-            raise ConfigError(f"--metrics {path!r}: cannot write it ({e.strerror})") from None
+            raise ConfigError(f"--metrics {path!r}: cannot write it ({os_reason(e, writing=True)})") from None
         if ext == ".csv":
             self.csv = csv.DictWriter(self.f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
             if mode == "w":
@@ -404,7 +404,7 @@ def _train(args, outputs: list["Output"]) -> int:
                 try:
                     writer.write(m)
                 except OSError as e:  # a full disk: stop, and write what else was asked
-                    stopped = ("--metrics", _failure("--metrics", args.metrics, e))
+                    stopped = ("--metrics", _failure("--metrics", args.metrics, e) + f" (step {s}'s row is missing)")
                     break
                 steps_seen.append(s)
                 losses.append(m["loss"])

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_compiler.atomic import write_file
-from kfac_compiler.errors import CheckpointError, KfacError, OutputError, os_errors
+from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, os_errors
 from kfac_compiler.plan import Plan
 
 if TYPE_CHECKING:
@@ -133,13 +133,15 @@ def _open(path: str | os.PathLike):
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} is a directory; give the checkpoint file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r} is not a regular file (a device, pipe or socket)")
     try:
         with os_errors(CheckpointError, "checkpoint", path, writing=False):
             return np.load(path, allow_pickle=False)
     except _READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {path!r} is not readable ({_one_line(e)}); use an earlier copy") from None
+        raise CheckpointError(f"checkpoint {path!r} is not readable ({npz_reason(e)}); use an earlier copy") from None
 
 
 def _read(z, key: str, path: str) -> np.ndarray:

@@ -22,7 +22,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import DataError, os_errors
+from kfac_compiler.errors import DataError, npz_reason, os_errors
 from kfac_compiler.losses import Loss
 
 if TYPE_CHECKING:
@@ -311,7 +311,7 @@ def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
             with z:
                 arrays = {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, zlib.error, ValueError, EOFError) as e:  # not an npz, truncated, CRC, pickled
-        raise DataError(f"data file {path!r} is not a readable .npz ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+        raise DataError(f"data file {path!r} is not a readable .npz ({npz_reason(e)})") from None
     if "targets" not in arrays:  # the .npz file's key (docs/runtime.md, "kfac-compiler train")
         raise DataError(f"data file {path!r} has no array named 'targets' (it has {sorted(arrays)})")
     y = arrays.pop("targets")

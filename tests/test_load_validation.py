@@ -313,13 +313,14 @@ def test_checkpoint_under_a_file_is_one_line(trained, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_metrics_on_a_full_device_is_one_line(tmp_path, capsys):
-    """/dev/full fails every write with ENOSPC, as a full disk does."""
+def test_metrics_on_a_device_is_refused_before_training(tmp_path, capsys):
+    """A link to /dev/full (every write fails with ENOSPC) is a device, not a file: refused up
+    front (a full disk during the run: tests/test_run_io.py)."""
     metrics = tmp_path / "m.csv"
     os.symlink("/dev/full", metrics)
     assert main(["train", "--steps", "2", "--metrics", str(metrics), "-q", "--optimizer", "sgd"]) == 2
-    assert one_error_line(capsys) == (f"error: stopped at step 1: --metrics: cannot write {str(metrics)!r}: "
-                                      "the disk is full: free space or choose another location (written: nothing)")
+    assert one_error_line(capsys) == (f"error: --metrics {str(metrics)!r} is not a regular file (a device, pipe or "
+                                      "socket); give a file path")
 
 
 def test_config_file_that_is_unreadable_is_one_line(base, tmp_path, capsys):
