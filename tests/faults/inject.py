@@ -22,6 +22,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 from unittest import mock
 
+from faults.hooked import HookedFile
+
 Populate = Callable[[str], None]
 
 
@@ -156,33 +158,6 @@ class _Budget:
         self.left -= n
 
 
-class _FaultyFile:
-    """A writable file object whose writes draw on a _Budget (ENOSPC when it runs out)."""
-
-    def __init__(self, f: Any, path: str, budget: _Budget) -> None:
-        self._f, self._path, self._budget = f, path, budget
-
-    def write(self, data: Any) -> int:
-        self._budget.take(len(data), self._path)
-        return self._f.write(data)
-
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
-
-    def __enter__(self) -> "_FaultyFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._f)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
 @contextmanager
 def inject_errors(root: str, code: int, budget: int | None = None) -> Iterator[None]:
     """Make writes under `root` fail with OSError(`code`), at the lowest Python functions:
@@ -210,7 +185,7 @@ def inject_errors(root: str, code: int, budget: int | None = None) -> Iterator[N
             if code == errno.EROFS:
                 refuse(file)
             path = _fd_path(file) if isinstance(file, int) else os.fspath(file)
-            return _FaultyFile(real_open(file, mode, *a, **k), path, pool)
+            return HookedFile(real_open(file, mode, *a, **k), lambda n, path=path: pool.take(n, path))
         return real_open(file, mode, *a, **k)
 
     def p_os_open(path: Any, flags: int, *a: Any, **k: Any) -> int:

@@ -23,6 +23,8 @@ import signal
 import sys
 from typing import Any, Callable
 
+from faults.hooked import HookedFile
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -58,33 +60,6 @@ class Events:
             os.kill(os.getpid(), self.sig)
 
 
-class _CountedFile:
-    """A file opened for writing whose write() calls are events."""
-
-    def __init__(self, f: Any, path: str, events: Events) -> None:
-        self._f, self._path, self._events = f, path, events
-
-    def write(self, data: Any) -> int:
-        self._events.event("write", self._path)
-        return self._f.write(data)
-
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
-
-    def __enter__(self) -> "_CountedFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
-
-    def __iter__(self) -> Any:
-        return iter(self._f)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
 def install(ev: Events) -> None:
     """Patch the write functions (for the rest of this process)."""
     real_open = io.open
@@ -96,7 +71,7 @@ def install(ev: Events) -> None:
         if path is None:
             return real_open(file, mode, *a, **k)
         ev.event("open", path)
-        return _CountedFile(real_open(file, mode, *a, **k), path, ev)
+        return HookedFile(real_open(file, mode, *a, **k), lambda n, path=path: ev.event("write", path))
 
     def p_os_open(path: Any, flags: int, *a: Any, **k: Any) -> int:
         p = ev.under(path) if flags & _WRITE_FLAGS else None
