@@ -87,7 +87,6 @@ def _run_compile(args) -> int:
     """Check and lock the plan folder first: a bad -o fails before the compile, not after."""
     from kfac_compiler.locks import locked
     from kfac_compiler.outputs import Output, check_outputs
-
     from kfac_compiler.plan import check_plan_target
 
     check_outputs([Output("-o", args.out, folder=True)], [("MODEL", args.model), ("--config", args.config)])
@@ -161,8 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # outside a training loop's steps (those stop at a step boundary)
+        from kfac_compiler.interrupt import EXIT_CODE
+
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_CODE
     except OSError as e:  # last resort: the boundaries convert the OSErrors they expect
         where = f"{e.filename!r}: " if e.filename else ""
         print(f"error: {where}{os_reason(e, writing=None)}", file=sys.stderr)

@@ -94,6 +94,12 @@ def os_errors(error: type[KfacError], what: str, path: "str | os.PathLike", writ
         raise error(f"cannot {verb} {what} {os.fspath(path)!r}: {os_reason(e, writing)}") from None
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as `Type: message` on one line, at most `limit` characters (for the
+    cause inside a one-line error)."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:limit]
+
+
 def npz_reason(e: BaseException) -> str:
     """Why numpy could not read a file as an .npz, in one line. numpy's own text for a file
     that is not an array file suggests loading it with allow_pickle, which must never be done
@@ -103,4 +109,4 @@ def npz_reason(e: BaseException) -> str:
         if text.startswith("Object arrays"):
             return "it holds object (pickled) arrays, which are never loaded: save plain numeric arrays"
         return "it is not an .npz file"
-    return f"{type(e).__name__}: {text[:160]}"
+    return one_line(e)

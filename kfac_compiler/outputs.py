@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from kfac_compiler.atomic import temp_path
-from kfac_compiler.errors import OutputError
+from kfac_compiler.errors import OutputError, os_reason
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _check_target(o: Output) -> None:
     except FileExistsError:
         pass  # a temp file of this very process: the folder is writable
     except OSError as e:
-        raise OutputError(f"{o.option} {path!r}: cannot write in {where!r} ({e.strerror or e}); "
+        raise OutputError(f"{o.option} {path!r}: cannot write in {where!r} ({os_reason(e, writing=True)}); "
                           "give a path in a writable folder") from None
 
 

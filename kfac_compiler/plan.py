@@ -23,7 +23,7 @@ from onnx import helper
 
 from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
 from kfac_compiler.contract import TARGETS, SubgraphInfo
-from kfac_compiler.errors import PlanError, os_errors, os_reason
+from kfac_compiler.errors import PlanError, one_line, os_errors, os_reason
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
@@ -463,7 +463,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
         try:
             info[name] = SubgraphInfo.from_json(entry.get("info", {}))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanError(f"{pj!r}: subgraphs.{name}.info is malformed ({type(e).__name__}: {e}); recompile") from None
+            raise PlanError(f"{pj!r}: subgraphs.{name}.info is malformed ({one_line(e)}); recompile") from None
     estimator, schedule = doc.get("estimator", {}), doc.get("schedule", {})
     plan = Plan(
         model=model,

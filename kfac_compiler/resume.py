@@ -27,7 +27,7 @@ import os
 from typing import Any, Sequence
 
 from kfac_compiler.atomic import write_file
-from kfac_compiler.errors import ConfigError
+from kfac_compiler.errors import ConfigError, os_reason
 
 DEFAULT_SEED = 0
 DEFAULT_BATCH_SIZE = 128
@@ -40,8 +40,8 @@ def resumed_step(meta: dict[str, Any]) -> int:
 
 
 def settle(args: Any, meta: dict[str, Any] | None) -> None:
-    """Fill --seed and --batch-size (None: not given) from the checkpoint `meta` or the
-    defaults; refuse what cannot change on resuming."""
+    """Fill --seed, --batch-size and (on resuming) --optimizer (None: not given) from the
+    checkpoint `meta` or the defaults; refuse what cannot change on resuming."""
     if meta is None:
         args.seed = DEFAULT_SEED if args.seed is None else args.seed
         args.batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
@@ -58,6 +58,7 @@ def settle(args: Any, meta: dict[str, Any] | None) -> None:
     if args.optimizer and meta.get("optimizer") != args.optimizer:
         raise ConfigError(f"{where} was written by optimizer {meta.get('optimizer')!r}, not {args.optimizer!r}; "
                           "drop --optimizer to resume")
+    args.optimizer = meta["optimizer"]  # check_meta: a registered optimizer
     done = resumed_step(meta)
     if args.steps < done:
         raise ConfigError(f"--steps {args.steps} is below step {done} of {where}; --steps is the total number of "
@@ -72,8 +73,10 @@ def continue_metrics(path: str | None, step: int, columns: Sequence[str]) -> Non
     try:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--metrics {path!r}: cannot read it to continue it ({getattr(e, 'strerror', None) or e})") from None
+    except OSError as e:
+        raise ConfigError(f"--metrics {path!r}: cannot read it to continue it ({os_reason(e, writing=False)})") from None
+    except UnicodeDecodeError:
+        raise _bad(path, "not UTF-8 text") from None
     if os.path.splitext(path)[1].lower() == ".csv":
         kept = _csv_rows(path, text, step, columns)
     else:
@@ -82,7 +85,7 @@ def continue_metrics(path: str | None, step: int, columns: Sequence[str]) -> Non
         try:
             write_file(path, lambda f: f.write(kept.encode("utf-8")))
         except OSError as e:
-            raise ConfigError(f"--metrics {path!r}: cannot rewrite it ({e.strerror or e})") from None
+            raise ConfigError(f"--metrics {path!r}: cannot rewrite it ({os_reason(e, writing=True)})") from None
 
 
 def _bad(path: str, what: str) -> ConfigError:

@@ -96,24 +96,13 @@ FLAG_KNOBS = {"seed": "--seed", "threads": "--threads", "batch_size": "--batch-s
               "damping": "--damping", "l2_reg": "--l2"}
 
 
-def _optimizer_name(args) -> str:
-    """The optimizer the knobs are for: --optimizer, else the resumed checkpoint's, else kfac."""
-    if args.optimizer:
-        return args.optimizer
-    if args.resume:
-        from kfac_compiler.runtime.checkpoint import read_meta
-
-        return read_meta(args.resume)["optimizer"]
-    return "kfac"
-
-
 def _knobs(args) -> dict[str, Any]:
     """The optimizer options of the command line, each --knob parsed by the option's declared
     type (`adapt_damping=no` is False; a typo or a NaN is a one-line ConfigError)."""
     from kfac_compiler.optimizers import optimizer_class
     from kfac_compiler.optimizers.settings import ALIASES
 
-    config = optimizer_class(_optimizer_name(args)).Config
+    config = optimizer_class(args.optimizer or "kfac").Config  # on --resume the checkpoint's (resume.settle)
     knobs: dict[str, Any] = {}
     for item in args.knob:
         key, sep, value = item.partition("=")
@@ -332,7 +321,7 @@ def run_train(args) -> int:
         from kfac_compiler.runtime.checkpoint import read_meta
 
         meta = read_meta(args.resume)
-    settle(args, meta)  # --seed and --batch-size: given, the checkpoint's or the defaults
+    settle(args, meta)  # --seed, --batch-size and --optimizer: given, the checkpoint's or the defaults
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     _check_plot(args.plot)
@@ -353,7 +342,7 @@ def _outputs(args) -> list["Output"]:
 
 
 def _train(args, outputs: list["Output"]) -> int:
-    from kfac_compiler.errors import KfacError, OutputError
+    from kfac_compiler.errors import KfacError
     from kfac_compiler.interrupt import EXIT_CODE, StopOnInterrupt
     from kfac_compiler.outputs import check_space
     from kfac_compiler.resume import continue_metrics
@@ -485,24 +474,14 @@ def _failure(option: str, path: str, e: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    """Standalone entry point (python -m kfac_compiler.train_cli ...)."""
-    from kfac_compiler.errors import KfacError
+    """Standalone entry point (python -m kfac_compiler.train_cli ...): `kfac-compiler train`,
+    with the command line's error handling (kfac_compiler.cli.main)."""
+    from kfac_compiler.cli import main as cli_main
 
-    p = argparse.ArgumentParser(prog="kfac-compiler", allow_abbrev=False)
-    sub = p.add_subparsers(dest="command")
-    add_train_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "train":
         argv = ["train", *argv]
-    args = p.parse_args(argv)
-    try:
-        return run_train(args)
-    except KfacError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_compiler.atomic import write_file
-from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, os_errors
+from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
 from kfac_compiler.plan import Plan
 
 if TYPE_CHECKING:
@@ -149,13 +149,8 @@ def _read(z, key: str, path: str) -> np.ndarray:
     try:
         return z[key]
     except _READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {path!r} is corrupt: entry {key!r} ({_one_line(e)}); "
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: entry {key!r} ({npz_reason(e)}); "
                               "use an earlier copy") from None
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text[:200]
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -169,7 +164,7 @@ def _meta(z, path: str) -> dict[str, Any]:
     try:
         meta = json.loads(bytes(_read(z, "__meta__", path)).decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path!r} has corrupt metadata ({_one_line(e)})") from None
+        raise CheckpointError(f"checkpoint {path!r} has corrupt metadata ({one_line(e)})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not a kfac_compiler checkpoint")
     version = meta.get("version")
@@ -285,7 +280,7 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     try:
         rng.bit_generator.state = meta["rng"]
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path!r}: unusable RNG state ({_one_line(e)})") from None
+        raise CheckpointError(f"checkpoint {path!r}: unusable RNG state ({one_line(e)})") from None
     _check_host(trainer, meta["host"], path)
     before = trainer.host_state()
     try:
@@ -295,7 +290,7 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
         raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{e.args[0]}' is missing") from None
     except (TypeError, ValueError) as e:
         trainer.set_host_state(before)
-        raise CheckpointError(f"checkpoint {path!r}: unusable host state ({_one_line(e)})") from None
+        raise CheckpointError(f"checkpoint {path!r}: unusable host state ({one_line(e)})") from None
     for s, v in values.items():
         if s in trainer.store:
             trainer.store.set(s, v)

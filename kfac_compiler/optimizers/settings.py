@@ -119,12 +119,13 @@ class OptimizerConfig:
             return name, None
         if bool in kinds:
             return name, parsing.parse_bool(text, where)
+        if int in kinds and float not in kinds and str not in kinds:
+            return name, parsing.parse_int(text, where)
         if int in kinds:
             try:
                 return name, int(text.strip())
             except ValueError:
-                if float not in kinds and str not in kinds:
-                    raise ConfigError(f"{where}: {text!r} is not an integer") from None
+                pass  # a float or a string then
         if float in kinds:
             return name, parsing.parse_float(text, where)
         if str in kinds or not kinds:
