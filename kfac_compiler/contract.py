@@ -244,6 +244,9 @@ class SubgraphInfo:
     state_specs: dict[str, SlotSpec] = field(default_factory=dict)
     noise: NoiseSpec = field(default_factory=NoiseSpec)
     options: dict[str, Any] = field(default_factory=dict)
+    # the reduction points a data-parallel run cuts the graph at, in order: point -> {reduced
+    # tensor: the local tensor (a mean over this process's examples) it stands for}
+    reductions: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -263,6 +266,7 @@ class SubgraphInfo:
             state_specs=specs,
             noise=NoiseSpec(**noise_doc) if noise_doc else NoiseSpec(),
             options=dict(doc.get("options", {})),
+            reductions={point: dict(pairs) for point, pairs in (doc.get("reductions") or {}).items()},
         )
 
 

@@ -140,6 +140,14 @@ def draw_noise(rng: np.random.Generator, info: SubgraphInfo, data_inputs: list[s
     return out
 
 
+def noise_batch_axis(info: SubgraphInfo) -> int:
+    """The axis of the noise inputs that runs over the batch's examples (noise_shape's "N")."""
+    for i, d in enumerate(info.noise.shape):
+        if not _static(d) and (i == 0 or d == "N"):
+            return i
+    return 0
+
+
 def noise_shape(info: SubgraphInfo, targets: np.ndarray, name: str = "subgraph") -> list[int]:
     """The concrete shape of each noise/<s> input of a subgraph for a batch with `targets`:
     "N" (or the first dim) is the batch size; other symbolic dims are read off the targets."""

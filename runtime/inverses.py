@@ -9,7 +9,7 @@ so that a caller can refresh one group at a time (K-FAC spreads a big refresh ov
 of its period: optimizers/kfac/refresh.py)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -29,14 +29,17 @@ class InverseRefresher:
     names that partition the layers `reader` needs inverses of; program j writes only
     layers of group j, the group's other layers are refreshed on the host)."""
 
-    def __init__(self, plan: Plan, emitted: Program | Sequence[Program], reader: Program, method: str,
-                 groups: Sequence[Sequence[str]] | None = None) -> None:
+    def __init__(self, plan: Plan, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
+                 groups: Sequence[Sequence[str]] | None = None, layers: Collection[str] | None = None) -> None:
         self.plan, self.method = plan, method
+        # None: a group without an emitted program (no block of it is this refresher's)
         self.programs = [emitted] if isinstance(emitted, Program) else list(emitted)
         # A failed block keeps its inverse in the store (it is not written), so the previous
         # inverse is downloaded only for a warm start (saves ~1 MB of copies per refresh)
         self.warm = linalg.concrete_method(method) in linalg.WARM_STARTED_METHODS
         needed = C.layer_slots(reader.state_inputs, C.INVERSE)
+        if layers is not None:  # a data-parallel rank refreshes the blocks it owns
+            needed = {layer: slots for layer, slots in needed.items() if layer in layers}
         if groups is None:
             groups = [list(needed)]
         self.groups = [list(g) for g in groups]
@@ -46,7 +49,7 @@ class InverseRefresher:
         self._group_host: list[list[str]] = []
         self._group_emitted: list[list[str]] = []
         for group, prog in zip(self.groups, self.programs):
-            written = set(prog.written_slots)
+            written = set(prog.written_slots) if prog is not None else set()
             host, emitted_here = [], []
             for layer in group:
                 slots = list(needed[layer].values())
@@ -71,7 +74,7 @@ class InverseRefresher:
                                 "with one inverse_update program per group")
         for group, prog in zip(self.groups, self.programs):
             mine = {s for layer in group for s in needed[layer].values()}
-            stray = sorted(set(prog.written_slots) - mine)
+            stray = sorted(set(prog.written_slots if prog is not None else ()) - mine)
             if stray:
                 raise ContractError(f"inverse_update program writes {stray[0]!r} outside its group")
 
@@ -95,7 +98,7 @@ class InverseRefresher:
     def _refresh_group(self, store: StateStore, damping: float, j: int) -> bool:
         ok = True
         prog, host, fallbacks = self.programs[j], self._group_host[j], []
-        if prog.written_slots:  # nothing to run when every block of the group is on the host
+        if prog is not None and prog.written_slots:  # nothing to run when every block of the group is on the host
             out = prog.run(store, hp={C.DAMPING: float(damping)})
             if out.get(C.INVERSE_OK, 1.0) < 0.5:
                 fallbacks = [layer for layer in self._group_emitted[j] if out.get(C.inverse_ok(layer), 0.0) < 0.5]

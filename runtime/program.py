@@ -14,7 +14,7 @@ device->host traffic of a steady-state step is a handful of 4-byte copies.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -53,7 +53,7 @@ class Program:
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
     def __init__(self, model: "onnx.ModelProto | bytes", info: SubgraphInfo, device="cpu",
-                 name: str | None = None, threads: int | None = None) -> None:
+                 name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
         self.device = _as_device(device)
         self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
         self.info = info
@@ -64,6 +64,10 @@ class Program:
         self.state_outputs = dict(info.state_outputs)
         self.metrics = list(info.metrics)
         self.results = list(info.results)
+        self.carried = list(carried)  # inputs the caller binds on every run (a stage's, runtime/stages.py)
+        # a data-parallel run's agreement on metric/finite (every rank flips its state or none
+        # does): the minimum over the ranks; None in one process
+        self.agree: Callable[[float], float] | None = None
         self._check_contract()
         self.input_dtypes = {i.name: _ORT_TYPES.get(i.type) for i in self.session.get_inputs()}
         self._metric_bufs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
@@ -93,7 +97,7 @@ class Program:
     def _check_contract(self) -> None:
         ins = [i.name for i in self.session.get_inputs()]
         outs = [o.name for o in self.session.get_outputs()]
-        known_in = set(self.data_inputs) | set(self.hp_inputs) | set(self.state_inputs)
+        known_in = set(self.data_inputs) | set(self.hp_inputs) | set(self.state_inputs) | set(self.carried)
         known_out = set(self.state_outputs) | set(self.metrics) | set(self.results)
         missing = [n for n in ins if n not in known_in]
         extra = [n for n in known_in if n not in ins]
@@ -125,10 +129,13 @@ class Program:
 
     def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
             hp: Mapping[str, float] | None = None, results: bool | list[str] = False,
-            channel: str = "train") -> dict[str, Any]:
+            channel: str = "train", carried: Mapping[str, ort.OrtValue] | None = None,
+            keep: Sequence[str] = (), flip: bool = True) -> dict[str, Any]:
         """Run once. `data`: arrays to write into the data inputs first (others must already be
         in the store's `channel`); `hp`: scalars to set first; `results`: True for every
-        result, or a list of names."""
+        result, or a list of names. A stage of a cut step (runtime/staged.py) passes the
+        tensors earlier stages made (`carried`), asks for results as device OrtValues without
+        a copy (`keep`), and flips the state itself after the last stage (flip=False)."""
         if data:
             for name, arr in data.items():
                 if name in self.input_dtypes:
@@ -172,31 +179,40 @@ class Program:
                 b.bind_output(m, "cpu")
         for r in want:
             b.bind_output(r, "cpu")
+        for name, value in (carried or {}).items():
+            b.bind_ortvalue_input(name, value)
+        for r in keep:
+            b.bind_output(r, self.device.ort_device, self.device.device_id)
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         dt = time.perf_counter() - t0
         self.last_seconds = dt
         self.session_seconds += dt
         self.runs += 1
-        if want or len(self._scalar_metrics) < len(self.metrics):
-            out = self._collect(b, want)
+        if want or keep or len(self._scalar_metrics) < len(self.metrics):
+            out = self._collect(b, want, tuple(keep))
         else:  # the steady-state step: every metric a pre-bound host scalar
             out = {m: float(buf.item()) for m, buf in self._scalar_metrics}
+        if self.agree is not None and C.FINITE in out:
+            out[C.FINITE] = self.agree(out[C.FINITE])
         # A rejected step (metric/finite == 0: NaN/Inf loss or update) wrote its outputs into
         # the spare buffers only; not flipping them keeps every state slot as it was.
-        if out.get(C.FINITE, 1.0) != 0.0:
+        if flip and out.get(C.FINITE, 1.0) != 0.0:
             store.flip_all(self._written)
         return out
 
-    def _collect(self, b: ort.IOBinding, want: tuple[str, ...]) -> dict[str, Any]:
-        """Metrics (host floats, or arrays when not scalar) and the requested results, as host copies."""
+    def _collect(self, b: ort.IOBinding, want: tuple[str, ...], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Metrics (host floats, or arrays when not scalar) and the requested results, as host
+        copies; the `keep` results as the run's OrtValues."""
         out: dict[str, Any] = {}
         dynamic = self._dynamic_metrics + list(want)
         fetched = {}
-        if dynamic:
-            names = list(self.state_outputs) + self.metrics + list(want)
+        if dynamic or keep:
+            names = list(self.state_outputs) + self.metrics + list(want) + list(keep)
             for name, v in zip(names, b.get_outputs()):
-                if name in dynamic:
+                if name in keep:
+                    out[name] = v
+                elif name in dynamic:
                     fetched[name] = np.array(v.numpy(), copy=True)
         for m in self.metrics:
             pre = self._metric_bufs.get(m)
@@ -229,7 +245,8 @@ def _model_value(plan: Plan, slot: str) -> np.ndarray:
 def _check_state_shapes(prog: "Program", info: SubgraphInfo) -> None:
     """ValueError where a state slot's declared shape disagrees with the graph input it feeds
     (static dimensions only): ONNX Runtime would refuse the first run."""
-    dims = {i.name: i.shape for i in prog.session.get_inputs()}
+    sessions = [p.session for p in getattr(prog, "programs", [prog])]  # a StagedProgram's stages
+    dims = {i.name: i.shape for session in sessions for i in session.get_inputs()}
     for slot in prog.state_inputs:
         spec, shape = info.state_specs.get(slot), dims.get(slot)
         if spec is None or shape is None:
@@ -239,15 +256,28 @@ def _check_state_shapes(prog: "Program", info: SubgraphInfo) -> None:
 
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
-                   name: str, **options: Any) -> "Program":
+                   name: str, comm: Any = None, **options: Any) -> "Program":
     """The Program for subgraph `name` with `options`, created on first use (cached in
-    `programs`), with every state slot it declares initialized in `store`."""
+    `programs`), with every state slot it declares initialized in `store`. With `comm` (a
+    data-parallel run's Communicator) a step with reduction points runs in stages
+    (runtime/staged.py) and a program that writes state flips it only where every rank's
+    run was finite."""
     key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
     prog = programs.get(key)
     if prog is None:
         model, info = request_subgraph(plan, name, **options)
         try:
-            prog = Program(model, info, device, name=name, threads=threads)
+            if comm is not None and not info.reductions and set(info.state_outputs.values()) & set(plan.trainable):
+                raise PlanError(f"subgraph {name!r} updates the parameters but marks no reduction points, so a "
+                                "data-parallel run cannot average its gradients; recompile the plan")
+            if comm is not None and info.reductions:
+                from kfac_compiler.runtime.staged import StagedProgram
+
+                prog = StagedProgram(model, info, device, comm, name=name, threads=threads)
+            else:
+                prog = Program(model, info, device, name=name, threads=threads)
+                if comm is not None and C.FINITE in prog.metrics and prog.written_slots:
+                    prog.agree = comm.minimum
             _check_state_shapes(prog, info)
             for slot, spec in info.state_specs.items():
                 if slot not in store:

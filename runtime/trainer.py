@@ -26,12 +26,14 @@ import numpy as np
 import onnx
 
 from kfac_compiler import contract as C
-from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
+from kfac_compiler.errors import CheckpointError, ConfigError, DataError, KfacError, PlanError
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
+from kfac_compiler.runtime.comm import as_communicator
+from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_batch_axis, noise_shape
 from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, inverse_owners, mean_factors
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
@@ -45,11 +47,18 @@ class Trainer:
     docs/runtime.md. `threads` sets ONNX Runtime's intra-op thread count (default: all cores).
     `batch_size` (optional): the training batch size, so that every session the steps use is
     built here and not during the first step (any batch size still works).
+
+    `comm`: the ranks of a data-parallel run ("auto": MPI.COMM_WORLD when launched under an
+    MPI launcher with more than one rank; None: one process; or an mpi4py communicator).
+    Every rank passes the same global batch to `step` and takes its own equal share of the
+    rows; the step averages what STAGES lists over the ranks, so every rank takes the same
+    step. Saving a checkpoint is collective and rank 0 writes it (docs/distributed.md).
     """
 
     def __init__(self, plan: "Plan | str | os.PathLike", optimizer: str = "kfac", device: str = "cpu",
                  learning_rate: float | None = None, momentum: float | None = None, seed: int = 0,
-                 threads: int | None = None, batch_size: int | None = None, **knobs: Any) -> None:
+                 threads: int | None = None, batch_size: int | None = None, comm: Any = "auto",
+                 **knobs: Any) -> None:
         if isinstance(plan, (str, os.PathLike)):
             from kfac_compiler.plan import load_plan
 
@@ -65,7 +74,11 @@ class Trainer:
         self.optimizer = optimizer
         self.config = make_config(optimizer, plan, **knobs)
         self.device = get_device(device)
+        self.comm = as_communicator(comm)
+        self.rank, self.ranks = (self.comm.rank, self.comm.size) if self.comm else (0, 1)
         self.threads = None if threads is None else _check_threads(threads)
+        if self.threads is None and self.comm is not None and self.device.name == "cpu":
+            self.threads = cpu_share(self.comm)  # ranks on one machine share its cores
         self.seed = check_int(seed, "seed", low=0)
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device)
@@ -80,7 +93,7 @@ class Trainer:
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
-        self.batch_size = 0 if batch_size is None else check_int(batch_size, "batch_size", low=0)
+        self.batch_size = 0 if batch_size is None else check_int(batch_size, "batch_size", low=0) // self.ranks
         for p, value in plan.parameter_values().items():
             self.store.add(p, value)
         self.policy = optimizer_class(optimizer)(self)
@@ -102,7 +115,7 @@ class Trainer:
         """The Program for subgraph `name` (created on first use; its state slots initialized);
         `threads` overrides the trainer's intra-op thread count for this session."""
         return cached_program(self._programs, self.store, self.plan, self.device, threads or self.threads, name,
-                              **options)
+                              comm=self.comm, **options)
 
     def programs(self) -> dict[str, Program]:
         out = {}
@@ -117,8 +130,15 @@ class Trainer:
     # ------------------------------------------------------------------ services for optimizers
     def draw_noise(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The noise inputs of `prog` (a sampled estimator's) for this batch, from the trainer's
-        random stream (checkpointed, so a resumed run draws what an uninterrupted one would)."""
-        return draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name)
+        random stream (checkpointed, so a resumed run draws what an uninterrupted one would).
+        In a data-parallel run every rank draws the global batch's noise and keeps its rows,
+        so that the ranks sample what one process would."""
+        targets = data[C.TARGETS]
+        if self.comm is None:
+            return draw_noise(self.rng, prog.info, prog.data_inputs, targets, prog.name)
+        whole = np.broadcast_to(targets[:1], (targets.shape[0] * self.ranks, *targets.shape[1:]))
+        noise = draw_noise(self.rng, prog.info, prog.data_inputs, whole, prog.name)
+        return {n: self._share(v, noise_batch_axis(prog.info)) for n, v in noise.items()}
 
     def noise_placeholders(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Buffers for the noise inputs of a run that does not read them (a step whose `If`
@@ -130,25 +150,58 @@ class Trainer:
         shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
         return {n: np.zeros(shape, np.float32) for n in missing}
 
-    def inverse_refresher(self, emitted: Program | Sequence[Program], reader: Program, method: str,
-                          groups: Sequence[Sequence[str]] | None = None) -> InverseRefresher:
+    def inverse_owners(self, costs: Mapping[str, float]) -> dict[str, int]:
+        """The rank that computes each block's inverse (refresh cost `costs`), balanced by
+        cost; every block is rank 0's in one process."""
+        return inverse_owners(costs, self.ranks)
+
+    def inverse_refresher(self, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
+                          groups: Sequence[Sequence[str]] | None = None,
+                          owners: Mapping[str, int] | None = None) -> "InverseRefresher | SharedRefresher":
         """Refreshes the inverse slots `reader` uses: `emitted` (an inverse_update program, or
         one per group of layers `groups`) for the blocks it writes, the blocks' numpy twins on
-        the host for the rest."""
-        return InverseRefresher(self.plan, emitted, reader, method, groups)
+        the host for the rest. In a data-parallel run the programs cover this rank's blocks
+        (`owners`; None where a group has none) and the refresh shares the work."""
+        if self.comm is None:
+            return InverseRefresher(self.plan, emitted, reader, method, groups)
+        return SharedRefresher(self.plan, emitted, reader, method, groups, owners, self.comm)
 
     # ------------------------------------------------------------------ steps
     def _prepare(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
         """The checked batch; sets the current batch's weighting and rows."""
         data = self._check_batch(inputs, targets, weights)
+        if self.comm is not None:
+            n = int(data[C.TARGETS].shape[0])
+            if n % self.ranks:
+                raise DataError(f"a batch of {n} rows does not split evenly over {self.ranks} ranks; use a batch size "
+                                f"divisible by {self.ranks}")
+            data = {k: self._share(v) for k, v in data.items()}
         self.weighted = weights is not None
         self.batch_size = int(data[C.TARGETS].shape[0])
+        return data
+
+    def _share(self, array: np.ndarray, axis: int = 0) -> np.ndarray:
+        """This rank's equal share of the rows of a global batch's array along `axis`."""
+        rows = array.shape[axis] // self.ranks
+        return np.take(array, np.arange(self.rank * rows, (self.rank + 1) * rows), axis=axis)
+
+    def _agreed(self, prepare, *args: Any) -> dict[str, np.ndarray]:
+        """prepare(*args), where in a data-parallel run every rank raises the first failing
+        rank's error (its message names the rank) instead of leaving the others waiting."""
+        if self.comm is None:
+            return prepare(*args)
+        data, error = None, None
+        try:
+            data = prepare(*args)
+        except KfacError as e:
+            error = e
+        self.comm.agree(error)
         return data
 
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
         """One optimizer step on a batch; returns host-float metrics. `weights`: optional
         per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
-        data = self._prepare(inputs, targets, weights)
+        data = self._agreed(self._prepare, inputs, targets, weights)
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         metrics = self.policy.step(data)
@@ -159,7 +212,7 @@ class Trainer:
 
     def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
         """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""
-        return self.policy.burn_in(self._prepare(inputs, targets))
+        return self.policy.burn_in(self._agreed(self._prepare, inputs, targets))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
@@ -242,14 +295,31 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import atomic_write_bytes
 
         path = os.fspath(path)
-        atomic_write_bytes(path, self.exported_model().SerializeToString(), what="the trained model")
+        if self.rank == 0:  # every rank holds the same parameters
+            atomic_write_bytes(path, self.exported_model().SerializeToString(), what="the trained model")
         return path
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         from kfac_compiler.runtime.checkpoint import save_checkpoint
 
+        if self.comm is not None:  # collective: the moving averages are the ranks' mean
+            self.reduce_moving_averages()
+            if self.rank != 0:
+                return os.fspath(path)
         return save_checkpoint(self, path)
+
+    def reduce_moving_averages(self, layers: Sequence[str] | None = None) -> None:
+        """Replace every factor slot (of `layers`, or all) by its mean over the ranks. Each rank
+        keeps the moving average of its own examples' statistics; the average is linear in
+        them, so the mean of the ranks' averages is the moving average of the whole batches'
+        statistics, exactly. Collective; nothing to do in one process."""
+        if self.comm is not None:
+            mean_factors(self.store, self.comm, layers)
+
+    def mean_over_ranks(self, value: float) -> float:
+        """A host scalar's mean over the ranks (itself in one process)."""
+        return value if self.comm is None else float(self.comm.mean([np.float32(value)], "scalars")[0])
 
     def restore(self, path: str | os.PathLike) -> "Trainer":
         from kfac_compiler.runtime.checkpoint import restore_checkpoint
@@ -294,7 +364,8 @@ class Trainer:
     def host_state(self) -> dict[str, Any]:
         """Host counters for checkpoints; batch_size (the last batch's rows) lets a resumed
         command line default to the batch size the run used."""
-        return {"step_count": self.step_count, "applied_steps": self.applied_steps, "batch_size": self.batch_size,
+        return {"step_count": self.step_count, "applied_steps": self.applied_steps,
+                "batch_size": self.batch_size * self.ranks,
                 **self.policy.host_state()}
 
     def set_host_state(self, st: Mapping[str, Any]) -> None:

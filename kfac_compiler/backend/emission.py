@@ -7,6 +7,7 @@ returns it with its SubgraphInfo (docs/runtime_contract.md).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
@@ -123,12 +124,14 @@ class Emission:
         through Identity nodes (each Identity to an output is a copy in ONNX Runtime)."""
         producer = {o: n for n in self.b.nodes for o in n.output}
         outputs = {vi.name for vi in self.outputs}
+        # a reduction point's Identity stays: a data-parallel run cuts the graph there
+        markers = {r for pairs in self.info.reductions.values() for r in pairs}
         rename: dict[str, str] = {}
         keep = []
         for node in self.b.nodes:
             src = node.input[0] if node.op_type == "Identity" else None
             if (src is not None and node.output[0] in outputs and src in producer
-                    and src not in outputs and src not in rename):
+                    and src not in outputs and src not in rename and src not in markers):
                 rename[src] = node.output[0]
                 continue
             keep.append(node)
@@ -168,6 +171,13 @@ class Emission:
             base_initializers=base_inits,
             extra_opsets=self.parts.model.opset_import,
         )
+        made = {o for n in model.graph.node for o in n.output}
+        for point, pairs in list(self.info.reductions.items()):  # less the points no output reads
+            kept = {r: local for r, local in pairs.items() if r in made}
+            if kept:
+                self.info.reductions[point] = kept
+            else:
+                del self.info.reductions[point]
         return model, self.info
 
     def _lowered_forward(self, params: set[str]) -> list[onnx.NodeProto]:
@@ -209,11 +219,27 @@ class Emission:
         return self._weights
 
     def reduce_mean(self, point: str, values: T) -> T:
-        """A reduction point: `values` (tensor names, GramStatistics, or dataclasses, dicts,
-        lists of them) are means over this process's examples, which a data-parallel step
-        replaces here by their means over all ranks. In one process they are the values
-        themselves; `reductions` records each point, so the stages' boundaries are explicit
-        in the emitted step (kfac_compiler/optimizers/kfac/graph.py, STAGES)."""
+        """A reduction point: `values` (tensor names, or dataclasses, dicts, lists of them)
+        are means over this process's examples, which a data-parallel step replaces here by
+        their means over all ranks. Each tensor passes through an Identity whose output the
+        later nodes read; `info.reductions[point]` maps those outputs to the local tensors, so
+        the runtime can cut the graph there (runtime/stages.py) while one process runs it
+        fused. `reductions` records each point in order (optimizers/kfac/graph.py, STAGES)."""
+        self.reductions.append((point, values))
+        pairs = self.info.reductions.setdefault(point, {})
+
+        def mark(tensor: str) -> str:
+            reduced = self.b.op("Identity", [tensor], hint="reduced")
+            pairs[reduced] = tensor
+            return reduced
+
+        return _map_tensors(values, mark)
+
+    def reduce_through_state(self, point: str, values: T) -> T:
+        """A reduction point whose values only feed moving averages of state slots (the factor
+        statistics): the average is linear in them, so a data-parallel run averages the slots
+        over the ranks where they are read (before an inverse refresh or a checkpoint) and
+        the step itself has no cut here. Recorded in `reductions` like reduce_mean."""
         self.reductions.append((point, values))
         return values
 
@@ -297,3 +323,18 @@ def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
         for out in g.output:  # a branch may pass an outer tensor through
             if out.name in rename:
                 out.name = rename[out.name]
+
+
+def _map_tensors(values: Any, fn) -> Any:
+    """`values` with every tensor name (str) replaced by fn(name): through dicts, lists,
+    tuples and dataclasses, keeping their types."""
+    if isinstance(values, str):
+        return fn(values)
+    if isinstance(values, dict):
+        return {k: _map_tensors(v, fn) for k, v in values.items()}
+    if isinstance(values, (list, tuple)):
+        return type(values)(_map_tensors(v, fn) for v in values)
+    if dataclasses.is_dataclass(values) and not isinstance(values, type):
+        return dataclasses.replace(values, **{f.name: _map_tensors(getattr(values, f.name), fn)
+                                              for f in dataclasses.fields(values) if f.init})
+    raise TypeError(f"reduce_mean: cannot reduce a {type(values).__name__}")

@@ -93,7 +93,7 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     b = em.b
     coeff = em.hp(C.EMA_COEFF)
     keep = b.sub(b.const(1.0), coeff)
-    stats = em.reduce_mean(C.FACTOR_STATISTICS_POINT, batch_statistics(em, fwd, mode, num_samples, cots))
+    stats = em.reduce_through_state(C.FACTOR_STATISTICS_POINT, batch_statistics(em, fwd, mode, num_samples, cots))
     updates, ok = [], []
     for layer in em.parts.layers:
         specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import regularized, register_optimizer
+from kfac_compiler.optimizers.base import mean_loss_and_grads, regularized, register_optimizer
 from kfac_compiler.optimizers.settings import OptimizerConfig, check_positive, check_unit
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
 
@@ -48,7 +48,7 @@ class AdamConfig(OptimizerConfig):
 def emit_adam_step(em: "Emission", l2: bool = False) -> None:
     """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t)."""
     b = em.b
-    loss, _, raw, _ = em.loss_and_grads()
+    loss, raw, _ = mean_loss_and_grads(em)
     grads = regularized(em, raw, l2)
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
     one = b.const(1.0)

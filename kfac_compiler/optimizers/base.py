@@ -24,7 +24,7 @@ optimizers without the compiler's internals.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Mapping, Sequence
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
@@ -113,6 +113,18 @@ def emitters() -> dict[str, Emitter]:
 
 
 # --------------------------------------------------------------------------- emission helpers
+# the reduction points every step has (Emission.reduce_mean): a data-parallel run averages the
+# batch's loss and gradients over the ranks there
+LOSS_POINT, GRADIENTS_POINT = "loss", "gradients"
+
+
+def mean_loss_and_grads(em: "Emission", extra_wrt: Sequence[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The batch's loss and gradients through their reduction points (means over every
+    rank's examples in a data-parallel run), and the cotangents of `extra_wrt` (local)."""
+    loss, _, grads, cots = em.loss_and_grads(list(extra_wrt))
+    return em.reduce_mean(LOSS_POINT, loss), em.reduce_mean(GRADIENTS_POINT, grads), cots
+
+
 def regularized(em: "Emission", grads: dict[str, str], l2: bool) -> dict[str, str]:
     """g + l2 * theta (only emitted when the optimizer uses weight decay)."""
     if not l2:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import regularized, register_optimizer
+from kfac_compiler.optimizers.base import mean_loss_and_grads, regularized, register_optimizer
 from kfac_compiler.optimizers.settings import OptimizerConfig, check_unit
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
 
@@ -35,7 +35,7 @@ class SgdConfig(OptimizerConfig):
 def emit_sgd_step(em: "Emission", l2: bool = False) -> None:
     """Heavy-ball SGD: v = momentum v - lr g; theta += v."""
     b = em.b
-    loss, _, raw, _ = em.loss_and_grads()
+    loss, raw, _ = mean_loss_and_grads(em)
     grads = regularized(em, raw, l2)
     lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
     steps = {}

@@ -62,8 +62,12 @@ class Kfac(Optimizer):
     # ------------------------------------------------------------------ sessions
     def _sub_batch(self, m: int | None) -> int | None:
         """m when the current batch is larger, else None: slicing a batch that is not larger
-        would only add a second forward pass."""
-        return m if m is not None and self.trainer.batch_size > m else None
+        would only add a second forward pass. In a data-parallel run m is the global
+        sub-batch: each rank takes ceil(m / ranks) of its rows."""
+        if m is None:
+            return None
+        m = -(-int(m) // self.trainer.ranks)
+        return m if self.trainer.batch_size > m else None
 
     def stats_batch(self) -> int | None:
         return self._sub_batch(self.config.stats_batch_size)
@@ -114,16 +118,21 @@ class Kfac(Optimizer):
         costs = {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}
         count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
         groups = R.balanced_groups(costs, count) if count > 1 else [layers]
+        owners = tr.inverse_owners(costs)  # data-parallel: each block's inverse on one rank
         emitted = []
         for g in groups:
+            g = [layer for layer in g if owners[layer] == tr.rank]
+            if not g:
+                emitted.append(None)
+                continue
             # an emitted refresh runs between two runs of the step session, whose spinning
             # workers hold the other cores: on the CPU one without wide factors gets one thread
             width = max((R.widest_factor(blocks[layer].inverse_specs()) for layer in g), default=0)
             threads = R.refresh_threads(width, tr.device.name)
             # one program per group; the options tuple keys tr.program's memo
-            subset = tuple(g) if len(groups) > 1 else None
+            subset = tuple(g) if len(g) < len(layers) else None
             emitted.append(tr.program("inverse_update", threads=threads, method=method, layers=subset))
-        self.refresher = tr.inverse_refresher(emitted, step, method, groups)
+        self.refresher = tr.inverse_refresher(emitted, step, method, groups, owners)
 
     # ------------------------------------------------------------------ steps
     def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
@@ -263,7 +272,7 @@ class Kfac(Optimizer):
         for p, (theta, v) in kept.items():
             store.set(p, theta - v)
             store.set(C.velocity(p), np.zeros_like(v))
-        loss = tr.program("loss").run(store, data, results=False, channel="eval")[C.LOSS]
+        loss = tr.mean_over_ranks(tr.program("loss").run(store, data, results=False, channel="eval")[C.LOSS])
         if not np.isfinite(loss):
             for p, (theta, v) in kept.items():
                 store.set(p, theta)

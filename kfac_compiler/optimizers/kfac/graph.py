@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import Gram, regularized
+from kfac_compiler.optimizers.base import GRADIENTS_POINT, LOSS_POINT, Gram, mean_loss_and_grads, regularized
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -58,8 +58,7 @@ class Stage:
     reduces: tuple[str, ...]
 
 
-LOSS_POINT, GRADIENTS_POINT, MODEL_POINT, LOSS_AFTER_POINT = (
-    "loss", "gradients", "quadratic model terms", "loss after the update")
+MODEL_POINT, LOSS_AFTER_POINT = "quadratic model terms", "loss after the update"
 STAGES = (
     Stage("local", "loss, gradients and this batch's factor statistics",
           (LOSS_POINT, GRADIENTS_POINT, C.FACTOR_STATISTICS_POINT)),
@@ -136,9 +135,7 @@ def local_stage(em: "Emission", with_stats: bool, stats_if: bool, mode: str, num
     this batch's statistics on its first stats_batch examples (inside an If on
     hp/update_stats with stats_if)."""
     reuse = with_stats and mode == "empirical" and stats_batch is None
-    loss, _, raw_grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
-    loss = em.reduce_mean(LOSS_POINT, loss)
-    raw_grads = em.reduce_mean(GRADIENTS_POINT, raw_grads)
+    loss, raw_grads, cots = mean_loss_and_grads(em, em.layer_cotangent_targets() if reuse else [])
     grads = regularized(em, raw_grads, l2)
     ok_terms = [loss]
     if with_stats:

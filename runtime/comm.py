@@ -1,0 +1,144 @@
+"""The ranks of a data-parallel run: an MPI communicator and the few collectives training needs.
+
+    comm = world()              # None in one process; MPI.COMM_WORLD's ranks under mpirun
+    comm.mean([g1, g2], "gradients")   # one packed float32 all-reduce, means over the ranks
+    comm.agree(error)           # every rank raises the first failing rank's error, or none does
+
+mpi4py (with an MPI that pip installs: `pip install 'kfac_compiler[mpi]'`) is imported only
+when a run is launched under MPI with more than one rank or a communicator is passed. Every
+collective counts its payload bytes by kind (`sent`), for the benchmarks and `--verbose`.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from kfac_compiler.errors import ConfigError, KfacError
+
+# environment variables a launcher sets to the number of ranks (Open MPI, MPICH/Hydra, PMIx)
+SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+INSTALL_HINT = "pip install 'kfac_compiler[mpi]' (mpi4py and Open MPI from PyPI)"
+
+
+class RankError(KfacError):
+    """Another rank of a data-parallel run failed; the message names it."""
+
+
+def launched_ranks() -> int:
+    """The number of ranks the MPI launcher started this process among (1 when not under one)."""
+    for var in SIZE_VARIABLES:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def mpi():
+    """The mpi4py.MPI module, or a one-line ConfigError saying how to install it."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError(f"data-parallel training needs mpi4py: {INSTALL_HINT}") from None
+    return MPI
+
+
+class Communicator:
+    """A data-parallel run's ranks (an mpi4py communicator) and its collectives: means of
+    float arrays, scalar minima and sums, broadcasts from an owner, and agreement on errors."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.rank = int(comm.Get_rank())
+        self.size = int(comm.Get_size())
+        self.sent: dict[str, int] = defaultdict(int)  # payload bytes per rank, by kind
+        self.calls: dict[str, int] = defaultdict(int)
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def mean(self, arrays: Sequence[np.ndarray], kind: str | Sequence[str]) -> list[np.ndarray]:
+        """Every array's mean over the ranks (float32), in one all-reduce of their packed
+        concatenation; `kind` names what they are for the byte counts (one per array, or one
+        for all)."""
+        arrays = [np.asarray(a, np.float32) for a in arrays]
+        if not arrays:
+            return []
+        buf = np.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1).copy()
+        self.comm.Allreduce(mpi().IN_PLACE, buf, op=mpi().SUM)
+        buf /= np.float32(self.size)
+        kinds = [kind] * len(arrays) if isinstance(kind, str) else list(kind)
+        for k in dict.fromkeys(kinds):
+            self._count(k, sum(a.nbytes for a, ak in zip(arrays, kinds) if ak == k))
+        out, start = [], 0
+        for a in arrays:
+            out.append(buf[start:start + a.size].reshape(a.shape))
+            start += a.size
+        return out
+
+    def minimum(self, value: float, kind: str = "flags") -> float:
+        self._count(kind, 8)
+        return float(self.comm.allreduce(float(value), op=mpi().MIN))
+
+    def total(self, value: float, kind: str = "flags") -> float:
+        self._count(kind, 8)
+        return float(self.comm.allreduce(float(value), op=mpi().SUM))
+
+    def broadcast(self, arrays: Sequence[np.ndarray], root: int, kind: str) -> list[np.ndarray]:
+        """`arrays` as the rank `root` holds them (every rank passes arrays of the same shapes),
+        in one broadcast of their packed concatenation."""
+        arrays = [np.asarray(a, np.float32) for a in arrays]
+        if not arrays:
+            return []
+        buf = np.concatenate([a.reshape(-1) for a in arrays])
+        self.comm.Bcast(buf, root=root)
+        self._count(kind, buf.nbytes)
+        out, start = [], 0
+        for a in arrays:
+            out.append(buf[start:start + a.size].reshape(a.shape))
+            start += a.size
+        return out
+
+    def agree(self, error: BaseException | None = None, stop: bool = False) -> bool:
+        """Every rank's outcome of a local step (an error, a stop request): the first failing
+        rank's error is raised on every rank, its message led by `rank r:`; otherwise whether
+        any rank asked to stop. One small all-gather."""
+        report = None if error is None else (type(error), str(error))
+        outcomes = self.comm.allgather((report, bool(stop)))
+        self._count("flags", 8)
+        for rank, (failed, _) in enumerate(outcomes):
+            if failed is not None:
+                cls, message = failed
+                if not (isinstance(cls, type) and issubclass(cls, KfacError)):
+                    cls = RankError
+                raise cls(f"rank {rank}: {message}")
+        return any(s for _, s in outcomes)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+def as_communicator(comm: Any = "auto") -> Communicator | None:
+    """The Trainer's `comm` argument resolved: "auto" is MPI.COMM_WORLD when launched under an
+    MPI launcher with more than one rank (else None, one process); None is one process; a
+    Communicator or an mpi4py communicator is used as given (None when it has one rank)."""
+    if comm is None:
+        return None
+    if isinstance(comm, str):
+        if comm != "auto":
+            raise ConfigError(f"comm must be 'auto', None or an mpi4py communicator, got {comm!r}")
+        if launched_ranks() <= 1:
+            return None
+        comm = mpi().COMM_WORLD
+    if not isinstance(comm, Communicator):
+        if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
+            raise ConfigError(f"comm must be 'auto', None or an mpi4py communicator, got {type(comm).__name__}")
+        comm = Communicator(comm)
+    return comm if comm.size > 1 else None

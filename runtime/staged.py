@@ -1,0 +1,100 @@
+"""StagedProgram: a step cut at its reduction points (runtime/stages.py), run stage by stage
+with the ranks' all-reduces in between; a drop-in for Program in a data-parallel run.
+
+    stage 0 -> mean over ranks of its locals (loss, gradients) -> stage 1 -> mean (the
+    quadratic model's terms) -> stage 2 -> mean (the loss after the update) -> stage 3
+
+Tensors a stage hands to a later one stay device OrtValues; only the reduced values travel
+through the host. The state is flipped after the last stage, when every rank agrees that the
+step is finite (metric/finite's minimum over the ranks), so a rejected step is rejected on
+every rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from kfac_compiler import contract as C
+from kfac_compiler.contract import SubgraphInfo
+from kfac_compiler.runtime.comm import Communicator
+from kfac_compiler.runtime.program import Program, _as_device
+from kfac_compiler.runtime.stages import Stage, split_stages
+from kfac_compiler.runtime.state import StateStore
+
+
+class StagedProgram:
+    """The Program interface (run, info, inputs, written slots, timings) over the stages of
+    one step graph."""
+
+    def __init__(self, model: onnx.ModelProto, info: SubgraphInfo, device, comm: Communicator,
+                 name: str | None = None, threads: int | None = None) -> None:
+        self.device = _as_device(device)
+        self.name = name or model.graph.name
+        self.info = info
+        self.comm = comm
+        self.stages: list[Stage] = split_stages(model, info)
+        self.programs = [Program(s.model, s.info, self.device, name=f"{self.name}/stage{k}", threads=threads,
+                                 carried=s.carried_in) for k, s in enumerate(self.stages)]
+        self.data_inputs = list(info.data_inputs)
+        self.hp_inputs = list(info.hp_inputs)
+        self.state_inputs = list(info.state_inputs)
+        self.state_outputs = dict(info.state_outputs)
+        self.metrics = list(info.metrics)
+        self.results: list[str] = []
+        self.input_dtypes: dict[str, Any] = {}
+        for prog in self.programs:
+            self.input_dtypes.update(prog.input_dtypes)
+        self._written = tuple(self.state_outputs.values())
+        # what each reduced tensor is, for the byte counts: its reduction point's name
+        self._kinds = {r: point for point, pairs in info.reductions.items() for r in pairs}
+        self.runs = 0
+        self.session_seconds = 0.0
+        self.last_seconds = 0.0
+
+    @property
+    def written_slots(self) -> list[str]:
+        return list(self._written)
+
+    @property
+    def session(self):
+        return self.programs[0].session
+
+    def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
+            hp: Mapping[str, float] | None = None, results: bool | list[str] = False,
+            channel: str = "train") -> dict[str, Any]:
+        if results:
+            raise ValueError(f"subgraph {self.name!r} runs in stages and returns metrics only")
+        if hp:
+            for name, v in hp.items():
+                store.set_hp(name, v)
+        if data:  # every stage reads the store's buffers: each input written once
+            for name, arr in data.items():
+                if name in self.input_dtypes:
+                    store.write_data(name, arr, self.input_dtypes[name], channel)
+        values: dict[str, ort.OrtValue] = {}
+        out: dict[str, Any] = {}
+        seconds = 0.0
+        for stage, prog in zip(self.stages, self.programs):
+            got = prog.run(store, channel=channel, carried={n: values[n] for n in stage.carried_in},
+                           keep=stage.info.results, flip=False)
+            seconds += prog.last_seconds
+            out.update({m: got[m] for m in prog.metrics})
+            values.update({n: got[n] for n in stage.carried_out})
+            if stage.reduce_after:
+                reduced = list(stage.reduce_after)
+                means = self.comm.mean([got[stage.reduce_after[r]].numpy() for r in reduced],
+                                       [self._kinds[r] for r in reduced])
+                for r, mean in zip(reduced, means):
+                    values[r] = ort.OrtValue.ortvalue_from_numpy(mean, self.device.ort_device,
+                                                                  self.device.device_id)
+        if C.FINITE in out:  # every rank takes the same decision
+            out[C.FINITE] = self.comm.minimum(out[C.FINITE])
+        if out.get(C.FINITE, 1.0) != 0.0:
+            store.flip_all(self._written)
+        self.last_seconds = seconds
+        self.session_seconds += seconds
+        self.runs += 1
+        return out

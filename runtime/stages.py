@@ -1,0 +1,172 @@
+"""Cutting a step graph at its reduction points into stages, for data-parallel runs.
+
+An emitted step marks each value a data-parallel run averages over the ranks with an Identity
+(`Emission.reduce_mean`): `info.reductions[point]` maps the Identity's output (the reduced
+tensor the later nodes read) to its input (this rank's local mean). One process runs the
+graph fused; `split_stages` cuts it so that the host can all-reduce in between:
+
+    stage 0   every node that needs no reduced tensor (loss, gradients, factor statistics)
+      -- all-reduce the locals whose reduced tensors stage 1 reads
+    stage 1   every node that needs a reduced tensor of cut 0 at most (preconditioning, the
+              quadratic model's terms) ... and so on.
+
+A node goes to the earliest stage its inputs allow (a reduced tensor is available one stage
+after its local); constants (nodes fed only by initializers and constants) are copied into
+every stage that reads them. A tensor one stage makes and a later one reads is `carried`: an
+output of the first and an input of the second, handed over as the same OrtValue (no copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from kfac_compiler.builder import node_reads
+from kfac_compiler.contract import SubgraphInfo
+
+
+class StageError(RuntimeError):
+    """A step graph that cannot be cut at its reduction points (a compiler bug)."""
+
+
+@dataclass
+class Stage:
+    """One stage: its model and info (the step's inputs and outputs it has), the tensors it
+    reads from earlier stages or all-reductions (`carried_in`), the tensors it hands on
+    (`carried_out`), and the reduction cut after it: reduced tensor -> local tensor."""
+
+    model: onnx.ModelProto
+    info: SubgraphInfo
+    carried_in: list[str] = field(default_factory=list)
+    carried_out: list[str] = field(default_factory=list)
+    reduce_after: dict[str, str] = field(default_factory=dict)
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    return [n for n in node_reads(node) if n]
+
+
+def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
+    """The stages of `model` (a fused step with `info.reductions`); one stage when it has no
+    reduction point."""
+    graph = model.graph
+    reduced = {r: local for pairs in info.reductions.values() for r, local in pairs.items()}
+    initializers = {t.name: t for t in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    stage_of: dict[str, int] = {}   # tensor -> the stage that makes it (graph inputs: absent)
+    constant: set[str] = set()      # tensors fed by initializers and constants only
+    markers, placed = {}, []        # reduced tensor -> local; [(node, stage or None: constant)]
+    for node in graph.node:
+        if node.op_type == "Identity" and len(node.output) == 1 and node.output[0] in reduced:
+            local = node.input[0]
+            if node.output[0] in markers or reduced[node.output[0]] != local:
+                raise StageError(f"reduction marker {node.output[0]!r} disagrees with info.reductions")
+            markers[node.output[0]] = local
+            stage_of[node.output[0]] = stage_of.get(local, 0) + 1
+            continue
+        reads = _reads(node)
+        if all(n in initializers or n in constant for n in reads) and node.op_type != "If":
+            constant.update(node.output)
+            placed.append((node, None))
+            continue
+        s = max((stage_of[n] for n in reads if n in stage_of), default=0)
+        for o in node.output:
+            stage_of[o] = s
+        placed.append((node, s))
+    missing = sorted(set(reduced) - set(markers))
+    if missing:
+        raise StageError(f"reduced tensor {missing[0]!r} has no Identity marker in the graph")
+    count = 1 + max((stage_of[r] for r in markers), default=0)
+    # the cut after stage k: the locals made in stage k at the latest whose reduced tensors
+    # stage k + 1 reads (a local made earlier is carried to stage k)
+    cuts: list[dict[str, str]] = [{} for _ in range(count)]
+    for r, local in markers.items():
+        cuts[stage_of[r] - 1][r] = local
+    outputs = {o.name: o for o in graph.output}
+    types = _tensor_types(model)
+    # what each stage reads, and which tensors cross a stage boundary
+    reads_in: list[set[str]] = [set() for _ in range(count)]
+    for node, s in placed:
+        if s is not None:
+            reads_in[s].update(_reads(node))
+    for k, cut in enumerate(cuts):
+        reads_in[k].update(cut.values())  # the host reads the locals after stage k
+    for name in outputs:
+        if name in stage_of:
+            reads_in[stage_of[name]].add(name)
+    stages = []
+    for s in range(count):
+        nodes = _with_constants([n for n, t in placed if t == s], [n for n, t in placed if t is None],
+                                reads_in[s] | {n for node, t in placed if t == s for n in _reads(node)})
+        made = {o for n in nodes for o in n.output}
+        carried_in = sorted(n for n in reads_in[s] if n not in made and n in stage_of and n not in inputs)
+        later = set().union(*reads_in[s + 1:]) if s + 1 < count else set()
+        carried_out = sorted(n for n in made if n in later and stage_of.get(n) == s)
+        stage_outputs = [n for n in outputs if n in made and stage_of.get(n) == s]
+        stages.append(_stage(model, info, s, nodes, carried_in, carried_out, stage_outputs,
+                             cuts[s], inputs, initializers, types))
+    return stages
+
+
+def _with_constants(nodes: list[onnx.NodeProto], constants: list[onnx.NodeProto],
+                    wanted: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` preceded by the constant nodes they (transitively) read."""
+    need = set(wanted)
+    for node in nodes:
+        need.update(_reads(node))
+    keep = []
+    for node in reversed(constants):
+        if any(o in need for o in node.output):
+            keep.append(node)
+            need.update(_reads(node))
+    return list(reversed(keep)) + nodes
+
+
+def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every typed tensor of the graph (shape inference), for the stages' new inputs and
+    outputs."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception as e:  # noqa: BLE001 - onnx raises several types for one cause
+        raise StageError(f"shape inference of the step failed: {e}") from None
+    g = inferred.graph
+    return {v.name: v.type for v in list(g.input) + list(g.output) + list(g.value_info)}
+
+
+def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    t = types.get(name)
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.elem_type:
+        raise StageError(f"cannot type tensor {name!r}, which crosses a stage boundary")
+    vi = onnx.ValueInfoProto()
+    vi.name = name
+    vi.type.CopyFrom(t)
+    return vi
+
+
+def _stage(model: onnx.ModelProto, info: SubgraphInfo, s: int, nodes: list[onnx.NodeProto], carried_in: list[str],
+           carried_out: list[str], stage_outputs: list[str], cut: dict[str, str], inputs: set[str],
+           initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto]) -> Stage:
+    read = {n for node in nodes for n in _reads(node)}
+    graph_inputs = [i for i in model.graph.input if i.name in read]
+    # the host reads the locals of the cut after this stage (those made here or carried in)
+    hand_on = list(dict.fromkeys(carried_out + [l for l in cut.values() if l not in stage_outputs]))
+    g = helper.make_graph(
+        nodes, f"{model.graph.name}/stage{s}",
+        graph_inputs + [_value_info(n, types) for n in carried_in],
+        [o for o in model.graph.output if o.name in stage_outputs] + [_value_info(n, types) for n in hand_on],
+        [initializers[n] for n in sorted(read & set(initializers))],
+    )
+    m = helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    m.functions.extend(model.functions)
+    names = {i.name for i in graph_inputs}
+    stage_info = SubgraphInfo(
+        data_inputs=[n for n in info.data_inputs if n in names],
+        hp_inputs=[n for n in info.hp_inputs if n in names],
+        state_inputs=[n for n in info.state_inputs if n in names],
+        state_outputs={o: slot for o, slot in info.state_outputs.items() if o in stage_outputs},
+        metrics=[m_ for m_ in info.metrics if m_ in stage_outputs],
+        results=[r for r in info.results if r in stage_outputs] + hand_on,
+        state_specs=info.state_specs, noise=info.noise, options=info.options,
+    )
+    return Stage(m, stage_info, carried_in, hand_on, cut)
