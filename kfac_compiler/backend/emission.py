@@ -228,10 +228,13 @@ class Emission:
         self.reductions.append((point, values))
         pairs = self.info.reductions.setdefault(point, {})
 
-        def mark(tensor: str) -> str:
-            reduced = self.b.op("Identity", [tensor], hint="reduced")
-            pairs[reduced] = tensor
-            return reduced
+        marked = {local: reduced for reduced, local in pairs.items()}
+
+        def mark(tensor: str) -> str:  # a tensor met twice (b1 is whole_b1 on the whole batch) once
+            if tensor not in marked:
+                marked[tensor] = self.b.op("Identity", [tensor], hint="reduced")
+                pairs[marked[tensor]] = tensor
+            return marked[tensor]
 
         return _map_tensors(values, mark)
 

@@ -1,0 +1,48 @@
+"""A training run for the data-parallel tests: `python tests/mpi_worker.py OUT CONFIG_JSON` on
+every rank (under mpirun) writes OUT/rank<r>.json with its losses, parameters, communication
+bytes and inverse owners; `train(config, comm=None)` is the same run in one process.
+
+CONFIG: model (a zoo name), optimizer, steps, batch (global), knobs (dict), seed."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def train(config: dict, comm="auto") -> dict:
+    import kfac_compiler as kc
+    from kfac_compiler import contract as C
+    from kfac_compiler.models import ZOO
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.data import batch_indices
+
+    entry = ZOO[config["model"]]
+    plan = kc.compile(entry.build(seed=0), loss=entry.loss, output=entry.output_name)
+    batch = int(config["batch"])
+    trainer = Trainer(plan, optimizer=config.get("optimizer", "kfac"), seed=int(config.get("seed", 0)),
+                      batch_size=batch, comm=comm, **config.get("knobs", {}))
+    inputs, targets = entry.make_data(n=256)
+    losses, metrics = [], []
+    for step in range(int(config["steps"])):
+        idx = batch_indices(256, batch, step, 0)
+        m = trainer.step({k: v[idx] for k, v in inputs.items()}, targets[idx])
+        losses.append(m["loss"])
+        metrics.append({k: m[k] for k in ("damping", "rejected", "learning_rate", "momentum") if k in m})
+    refresher = getattr(trainer.policy, "refresher", None)
+    owned = sorted({C.parse_slot(s).owner for p in (refresher.programs if refresher else []) if p is not None
+                    for s in p.written_slots})
+    return {"rank": trainer.rank, "ranks": trainer.ranks, "losses": losses, "metrics": metrics,
+            "params": {p: v.tolist() for p, v in trainer.parameters().items()},
+            "sent": dict(trainer.comm.sent) if trainer.comm else {},
+            "owners": getattr(refresher, "owners", None), "owned": owned,
+            "threads": trainer.threads}
+
+
+if __name__ == "__main__":
+    out, config = sys.argv[1], json.loads(sys.argv[2])
+    result = train(config)
+    with open(os.path.join(out, f"rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f)

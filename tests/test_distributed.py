@@ -1,0 +1,110 @@
+"""Data-parallel K-FAC on MPI ranks (loopback): the same global batches and seed give the
+one-process run's losses and parameters, every rank ends with identical parameters, the
+inverse work is split by cost, and the bytes sent are what the schedule says
+(docs/distributed.md). Runs under tests/mpi_util.py's mpirun; skipped without the mpi extra."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler import contract as C
+from kfac_compiler.contract import plan_blocks
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime.device import physical_cores
+from kfac_compiler.runtime.distributed import inverse_owners
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mpi_util import require_mpi, run_ranks  # noqa: E402
+from mpi_worker import train  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "mpi_worker.py")
+pytestmark = pytest.mark.mpi
+
+
+def on_ranks(ranks: int, config: dict, tmp_path) -> list[dict]:
+    require_mpi()
+    proc = run_ranks(ranks, [sys.executable, WORKER, str(tmp_path), json.dumps(config)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(ranks)]
+
+
+def assert_same_run(ranks: list[dict], single: dict, rtol: float) -> None:
+    """Every rank has bitwise the same parameters; losses and parameters match one process."""
+    first = ranks[0]
+    for other in ranks[1:]:
+        assert other["losses"] == first["losses"]
+        for p, v in first["params"].items():
+            assert np.array_equal(np.asarray(other["params"][p]), np.asarray(v)), p
+    np.testing.assert_allclose(first["losses"], single["losses"], rtol=rtol)
+    for p, v in single["params"].items():
+        np.testing.assert_allclose(first["params"][p], v, rtol=rtol, atol=rtol * np.abs(v).max(), err_msg=p)
+    assert [m["rejected"] for m in first["metrics"]] == [m["rejected"] for m in single["metrics"]]
+
+
+KFAC = {"model": "mlp_classifier", "optimizer": "kfac", "steps": 8, "batch": 64, "seed": 0,
+        "knobs": {"inv_update_period": 3, "cov_update_period": 2, "inverse_groups": 2}}
+
+
+def test_two_ranks_take_the_one_process_steps_and_share_the_inverse_work(tmp_path):
+    """K-FAC with the quadratic model, damping adaptation, sampled Fisher targets, statistics
+    every other step and inverses in two refresh groups: two ranks match one process."""
+    ranks = on_ranks(2, KFAC, tmp_path)
+    single = train(KFAC, comm=None)
+    assert_same_run(ranks, single, rtol=2e-4)
+    # each block's inverse is computed on one rank: the owners partition the blocks, by cost
+    owners = ranks[0]["owners"]
+    assert sorted(ranks[0]["owned"] + ranks[1]["owned"]) == sorted(owners)
+    assert all(owners[layer] == r["rank"] for r in ranks for layer in r["owned"])
+    assert {0, 1} == set(owners.values())
+    assert ranks[0]["threads"] == ranks[1]["threads"] == max(1, physical_cores() // 2)  # the cores shared
+
+
+def test_bytes_sent_follow_the_schedule(tmp_path):
+    """Per rank: the gradients and the loss every step (4 bytes a value); every factor and
+    every inverse once per refresh, here at the first step and after steps 3 and 6
+    (inv_update_period 3, one refresh group), not on each statistics step."""
+    config = {**KFAC, "knobs": {"inv_update_period": 3, "cov_update_period": 1, "inverse_groups": 1}}
+    ranks = on_ranks(2, config, tmp_path)
+    e = ZOO[config["model"]]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    n_params = sum(int(np.prod(np.shape(v))) for v in ranks[0]["params"].values())
+    steps = config["steps"]
+    layers = list(ranks[0]["owners"])
+    blocks = plan_blocks(plan, layers)
+    factor_bytes = sum(4 * int(np.prod(s.shape)) for layer in layers for s in blocks[layer].factor_specs())
+    inverse_bytes = sum(4 * int(np.prod(s.shape)) for layer in layers for s in blocks[layer].inverse_specs())
+    for rank in ranks:
+        sent = rank["sent"]
+        assert sent["gradients"] == 4 * n_params * steps
+        assert sent["loss"] == 4 * steps
+        assert sent["factors"] == 3 * factor_bytes
+        assert sent["inverses"] == 3 * inverse_bytes
+        assert sent["quadratic model terms"] == 4 * 5 * steps  # c11, c12, c22, b1, b2 (the whole batch's)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(KFAC, id="kfac_mlp"),
+    pytest.param({"model": "small_cnn", "optimizer": "kfac", "steps": 5, "batch": 32, "seed": 0, "knobs": {}},
+                 id="kfac_cnn", marks=pytest.mark.slow),
+    pytest.param({"model": "mlp_classifier", "optimizer": "adam", "steps": 5, "batch": 64, "seed": 0, "knobs": {}},
+                 id="adam", marks=pytest.mark.slow),
+])
+def test_four_ranks_take_the_one_process_steps(tmp_path, config):
+    ranks = on_ranks(4, config, tmp_path)
+    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    if config["optimizer"] == "kfac":
+        owners = ranks[0]["owners"]
+        assert sorted(l for r in ranks for l in r["owned"]) == sorted(owners)
+
+
+def test_owners_balance_the_refresh_cost():
+    """Longest processing time first, by hand: 9 -> rank 0, 7 -> 1, 6 -> 2, 5 -> 2 (load 11),
+    5 -> 1 (12), 4 -> 0 (13); the dearest rank carries 13 of the optimum 12 (<= 4/3)."""
+    costs = {"a": 9.0, "b": 7.0, "c": 6.0, "d": 5.0, "e": 5.0, "f": 4.0}
+    assert inverse_owners(costs, 3) == {"a": 0, "f": 0, "b": 1, "e": 1, "c": 2, "d": 2}
+    assert inverse_owners(costs, 1) == {layer: 0 for layer in costs}

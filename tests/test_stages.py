@@ -1,0 +1,117 @@
+"""A step cut at its reduction points (runtime/stages.py) computes what the fused step does:
+run stage by stage in one process, with each reduced tensor fed the local value (the mean over
+one rank), every metric and state output equals the fused graph's."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler import contract as C
+from kfac_compiler.contract import request_subgraph
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Trainer
+from kfac_compiler.runtime.data import draw_noise
+from kfac_compiler.runtime.stages import StageError, split_stages
+
+
+def _feeds(model: onnx.ModelProto, trainer: Trainer, data: dict, hp: dict) -> dict:
+    """Every graph input: the trainer's state, the batch, the hyper-parameters."""
+    feeds = {}
+    for vi in model.graph.input:
+        n = vi.name
+        if n in data:
+            feeds[n] = data[n]
+        elif n in hp:
+            feeds[n] = np.float32(hp[n])
+        elif n in trainer.store:
+            feeds[n] = trainer.store.to_numpy(n)
+        else:
+            raise KeyError(n)
+    return feeds
+
+
+def _run(model: onnx.ModelProto, feeds: dict, names: list[str]) -> dict:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in sess.get_inputs()}
+    feeds = {k: np.asarray(v) for k, v in feeds.items() if k in wanted}
+    return {n: np.asarray(v) for n, v in zip(names, sess.run(names, feeds))}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A classifier 3 K-FAC steps in (velocity, factors and inverses non-trivial) and a batch."""
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    tr = Trainer(plan, seed=0, batch_size=32, comm=None)
+    x, y = e.make_data(n=32)
+    for _ in range(3):
+        tr.step(x, y)
+    return plan, tr, {**x, C.TARGETS: y}
+
+
+@pytest.mark.parametrize("options", [
+    dict(with_stats=True, stats_if=True, qmodel=True, loss_after=True),
+    dict(with_stats=True, qmodel=False, loss_after=False, l2=True),
+    dict(with_stats=True, qmodel=True, loss_after=True, stats_batch=16, qmodel_batch=16),
+], ids=["qmodel+stats_if+loss_after", "fixed_lr+l2", "sub_batches"])
+def test_stages_compute_what_the_fused_step_computes(trained, options):
+    plan, tr, data = trained
+    model, info = request_subgraph(plan, "kfac_step", **options)
+    hp = {n: 1.0 for n in info.hp_inputs}
+    hp.update({C.DAMPING: 0.1, C.hp("max_momentum"): 0.9, C.hp("max_predicted_decrease"): 0.0, C.L2: 1e-3,
+               C.EMA_COEFF: 0.2, C.LEARNING_RATE: 0.05, C.MOMENTUM: 0.5, C.hp("norm_constraint"): 0.0})
+    noise = draw_noise(np.random.default_rng(0), info, info.data_inputs, data[C.TARGETS])
+    feeds = _feeds(model, tr, {**data, **noise}, hp)
+    outputs = [o.name for o in model.graph.output]
+    fused = _run(model, feeds, outputs)
+
+    stages = split_stages(model, info)
+    assert len(stages) >= 2 and not stages[-1].reduce_after
+    values, staged = dict(feeds), {}
+    for stage in stages:
+        names = [o.name for o in stage.model.graph.output]
+        got = _run(stage.model, values, names)
+        values.update(got)
+        staged.update(got)
+        for reduced, local in stage.reduce_after.items():  # one rank: the mean is the local value
+            values[reduced] = got[local]
+    assert set(outputs) <= set(staged)
+    for name in outputs:
+        np.testing.assert_allclose(staged[name], fused[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    # every output comes from exactly one stage, and the stages read only what earlier ones made
+    made = [o.name for s in stages for o in s.model.graph.output if o.name in outputs]
+    assert sorted(made) == sorted(outputs)
+
+
+def test_the_cuts_follow_the_data_dependencies(trained):
+    """Loss and gradients are reduced after stage 0; the quadratic model's terms along P need
+    the reduced gradients (after stage 1), those along the velocity alone do not; the loss after
+    the update needs (alpha, mu) from the reduced model (after stage 2); the rejection test and
+    metric/finite read the reduced loss after (stage 3)."""
+    plan, _, _ = trained
+    model, info = request_subgraph(plan, "kfac_step", with_stats=True, qmodel=True, loss_after=True)
+    stages = split_stages(model, info)
+    assert len(stages) == 4
+    point = {r: p for p, pairs in info.reductions.items() for r in pairs}
+    cut = [sorted({point[r] for r in s.reduce_after}) for s in stages]
+    assert cut[0][:2] == ["gradients", "loss"] and cut[1] == ["quadratic model terms"]
+    assert cut[2] == ["loss after the update"] and cut[3] == []
+    assert C.FINITE in stages[3].info.metrics
+    assert all(C.new(p) in stages[2].info.state_outputs for p in plan.trainable)
+    assert len(info.reductions["gradients"]) == len(plan.trainable)
+
+
+def test_a_marker_missing_from_the_graph_is_a_stage_error(trained):
+    plan, _, _ = trained
+    model, info = request_subgraph(plan, "kfac_step", with_stats=True, qmodel=False, loss_after=False)
+    bad = onnx.ModelProto()
+    bad.CopyFrom(model)
+    reduced = next(iter(info.reductions["loss"]))
+    for node in bad.graph.node:
+        if list(node.output) == [reduced]:
+            node.op_type = "Neg"  # no longer an Identity marker
+    with pytest.raises(StageError, match="no Identity marker"):
+        split_stages(bad, info)
