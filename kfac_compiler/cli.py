@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show a plan's layers, blocks and factor sizes")
     i.add_argument("plan", metavar="PLAN_DIR")
     i.add_argument("--format", default="table", choices=("table", "json", "dot"))
+    i.add_argument("--ranks", type=int, default=None, metavar="P",
+                   help="also show how P data-parallel ranks share the inverse work (docs/distributed.md)")
 
     _add_train_parser(sub)
     return p
@@ -131,8 +133,10 @@ def _run_inspect(args) -> int:
     from kfac_compiler.report import render
     from kfac_compiler.plan import load_plan
 
+    if args.ranks is not None and args.ranks < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {args.ranks}")
     plan = load_plan(args.plan)
-    sys.stdout.write(render(plan, args.format))
+    sys.stdout.write(render(plan, args.format, args.ranks))
     return 0
 
 

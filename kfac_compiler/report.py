@@ -26,11 +26,13 @@ KIND_COLORS = {
 }
 
 
-def render(plan: Plan, fmt: str = "table") -> str:
+def render(plan: Plan, fmt: str = "table", ranks: int | None = None) -> str:
+    """The plan in `fmt`; with `ranks`, also how a data-parallel run on that many ranks
+    shares the inverse work (table and json)."""
     if fmt == "table":
-        return render_table(plan)
+        return render_table(plan) + ("" if ranks is None else _rank_lines(plan, ranks))
     if fmt == "json":
-        return render_json(plan)
+        return render_json(plan, ranks)
     if fmt == "dot":
         return render_dot(plan)
     raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -116,8 +118,39 @@ def summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-def render_json(plan: Plan) -> str:
-    return json.dumps(summary(plan), indent=1)
+def rank_assignment(plan: Plan, ranks: int) -> list[dict[str, Any]]:
+    """Per rank of a data-parallel run: the blocks whose inverses it computes and broadcasts,
+    their refresh FLOPs and inverse bytes. The runtime's assignment (refresh.inverse_owners
+    on the blocks' refresh costs, in the plan's layer order), by the CPU's method."""
+    from kfac_compiler.optimizers.kfac.refresh import inverse_owners
+
+    costs = block_costs(plan)
+    layers = [layer.name for layer in plan.layers if plan.blocks[layer.name].inverse_specs()]
+    owners = inverse_owners({name: float(costs[name]["inverse_flops"]) for name in layers}, ranks)
+    out = []
+    for rank in range(ranks):
+        mine = [name for name in layers if owners[name] == rank]
+        out.append({"rank": rank, "blocks": mine,
+                    "inverse_flops": sum(costs[name]["inverse_flops"] for name in mine),
+                    "inverse_bytes": sum(sp.nbytes for name in mine for sp in plan.blocks[name].inverse_specs())})
+    return out
+
+
+def _rank_lines(plan: Plan, ranks: int) -> str:
+    rows = rank_assignment(plan, ranks)
+    lines = ["", f"inverses on {ranks} ranks (each computed by one rank and broadcast to the others; "
+                 "docs/distributed.md):"]
+    for r in rows:
+        lines.append(f"  rank {r['rank']}: {len(r['blocks'])} blocks, {r['inverse_flops'] / 1e9:.3g} GFLOP, "
+                     f"broadcasts {human_bytes(r['inverse_bytes'])}: {', '.join(r['blocks']) or '-'}")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(plan: Plan, ranks: int | None = None) -> str:
+    doc = summary(plan)
+    if ranks is not None:
+        doc["ranks"] = rank_assignment(plan, ranks)
+    return json.dumps(doc, indent=1)
 
 
 # -------------------------------------------------------------------------- table

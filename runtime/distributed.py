@@ -16,22 +16,12 @@ from typing import Collection, Mapping, Sequence
 import numpy as np
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.kfac.refresh import balanced_groups
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.comm import Communicator, mpi
 from kfac_compiler.runtime.device import physical_cores
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program
 from kfac_compiler.runtime.state import StateStore
-
-
-def inverse_owners(costs: Mapping[str, float], ranks: int) -> dict[str, int]:
-    """layer -> the rank that computes its inverse: the blocks balanced over the ranks by
-    refresh cost (longest processing time first, refresh.balanced_groups). Deterministic, so
-    every rank computes the same assignment."""
-    if ranks <= 1:
-        return {layer: 0 for layer in costs}
-    return {layer: rank for rank, group in enumerate(balanced_groups(costs, ranks)) for layer in group}
 
 
 def cpu_share(comm: Communicator) -> int:

@@ -33,7 +33,7 @@ from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.comm import as_communicator
 from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_batch_axis, noise_shape
 from kfac_compiler.runtime.device import get_device
-from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, inverse_owners, mean_factors
+from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, mean_factors
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
@@ -149,11 +149,6 @@ class Trainer:
             return {}
         shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
         return {n: np.zeros(shape, np.float32) for n in missing}
-
-    def inverse_owners(self, costs: Mapping[str, float]) -> dict[str, int]:
-        """The rank that computes each block's inverse (refresh cost `costs`), balanced by
-        cost; every block is rank 0's in one process."""
-        return inverse_owners(costs, self.ranks)
 
     def inverse_refresher(self, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
                           groups: Sequence[Sequence[str]] | None = None,

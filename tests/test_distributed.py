@@ -15,8 +15,9 @@ import kfac_compiler as kc
 from kfac_compiler import contract as C
 from kfac_compiler.contract import plan_blocks
 from kfac_compiler.models import ZOO
+from kfac_compiler.report import rank_assignment
 from kfac_compiler.runtime.device import physical_cores
-from kfac_compiler.runtime.distributed import inverse_owners
+from kfac_compiler.optimizers.kfac.refresh import inverse_owners
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mpi_util import require_mpi, run_ranks  # noqa: E402
@@ -61,6 +62,10 @@ def test_two_ranks_take_the_one_process_steps_and_share_the_inverse_work(tmp_pat
     assert sorted(ranks[0]["owned"] + ranks[1]["owned"]) == sorted(owners)
     assert all(owners[layer] == r["rank"] for r in ranks for layer in r["owned"])
     assert {0, 1} == set(owners.values())
+    # and `inspect --ranks 2` reports the assignment the run used
+    e = ZOO[KFAC["model"]]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    assert {layer: r["rank"] for r in rank_assignment(plan, 2) for layer in r["blocks"]} == owners
     assert ranks[0]["threads"] == ranks[1]["threads"] == max(1, physical_cores() // 2)  # the cores shared
 
 

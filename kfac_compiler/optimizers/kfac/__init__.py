@@ -113,12 +113,13 @@ class Kfac(Optimizer):
             self.step_program(first=True)
         self.statistics_program()
         method = self.inverse_method
-        layers = list(C.layer_slots(step.state_inputs, C.INVERSE))
+        slots = C.layer_slots(step.state_inputs, C.INVERSE)
+        layers = [layer.name for layer in tr.plan.layers if layer.name in slots]  # the plan's order, as inspect
         blocks = plan_blocks(tr.plan, layers)
         costs = {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}
         count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
         groups = R.balanced_groups(costs, count) if count > 1 else [layers]
-        owners = tr.inverse_owners(costs)  # data-parallel: each block's inverse on one rank
+        owners = R.inverse_owners(costs, tr.ranks)  # data-parallel: each block's inverse on one rank
         emitted = []
         for g in groups:
             g = [layer for layer in g if owners[layer] == tr.rank]

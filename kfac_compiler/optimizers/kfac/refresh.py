@@ -84,6 +84,15 @@ def balanced_groups(costs: Mapping[str, float], count: int) -> list[list[str]]:
     return [sorted(m, key=order.__getitem__) for m in members if m]
 
 
+def inverse_owners(costs: Mapping[str, float], ranks: int) -> dict[str, int]:
+    """layer -> the rank of a data-parallel run that computes its inverse: the blocks balanced
+    over the ranks by refresh cost (balanced_groups), every block rank 0's in one process.
+    Deterministic, so every rank (and `inspect --ranks`) computes the same assignment."""
+    if ranks <= 1:
+        return {layer: 0 for layer in costs}
+    return {layer: rank for rank, group in enumerate(balanced_groups(costs, ranks)) for layer in group}
+
+
 def due_group(step: int, period: int, count: int) -> int | None:
     """The group refreshed after step `step` (None: no refresh): group j after the steps k
     with k % period == j (count <= period), so group 0 keeps the steps a single refresh had
