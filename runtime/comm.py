@@ -11,6 +11,7 @@ collective counts its payload bytes by kind (`sent`), for the benchmarks and `--
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -55,10 +56,18 @@ class Communicator:
         self.size = int(comm.Get_size())
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes per rank, by kind
         self.calls: dict[str, int] = defaultdict(int)
+        self.seconds = 0.0  # wall time in collectives (waiting for the slowest rank included)
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    def _timed(self, call, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.sent[kind] += int(nbytes)
@@ -72,7 +81,7 @@ class Communicator:
         if not arrays:
             return []
         buf = np.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1).copy()
-        self.comm.Allreduce(mpi().IN_PLACE, buf, op=mpi().SUM)
+        self._timed(self.comm.Allreduce, mpi().IN_PLACE, buf, op=mpi().SUM)
         buf /= np.float32(self.size)
         kinds = [kind] * len(arrays) if isinstance(kind, str) else list(kind)
         for k in dict.fromkeys(kinds):
@@ -85,11 +94,11 @@ class Communicator:
 
     def minimum(self, value: float, kind: str = "flags") -> float:
         self._count(kind, 8)
-        return float(self.comm.allreduce(float(value), op=mpi().MIN))
+        return float(self._timed(self.comm.allreduce, float(value), op=mpi().MIN))
 
     def total(self, value: float, kind: str = "flags") -> float:
         self._count(kind, 8)
-        return float(self.comm.allreduce(float(value), op=mpi().SUM))
+        return float(self._timed(self.comm.allreduce, float(value), op=mpi().SUM))
 
     def broadcast(self, arrays: Sequence[np.ndarray], root: int, kind: str) -> list[np.ndarray]:
         """`arrays` as the rank `root` holds them (every rank passes arrays of the same shapes),
@@ -98,7 +107,7 @@ class Communicator:
         if not arrays:
             return []
         buf = np.concatenate([a.reshape(-1) for a in arrays])
-        self.comm.Bcast(buf, root=root)
+        self._timed(self.comm.Bcast, buf, root=root)
         self._count(kind, buf.nbytes)
         out, start = [], 0
         for a in arrays:
@@ -111,7 +120,7 @@ class Communicator:
         rank's error is raised on every rank, its message led by `rank r:`; otherwise whether
         any rank asked to stop. One small all-gather."""
         report = None if error is None else (type(error), str(error))
-        outcomes = self.comm.allgather((report, bool(stop)))
+        outcomes = self.gather((report, bool(stop)))
         self._count("flags", 8)
         for rank, (failed, _) in enumerate(outcomes):
             if failed is not None:
@@ -121,14 +130,19 @@ class Communicator:
                 raise cls(f"rank {rank}: {message}")
         return any(s for _, s in outcomes)
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (a small picklable object), in rank order."""
+        return self._timed(self.comm.allgather, value)
+
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._timed(self.comm.Barrier)
 
 
 def as_communicator(comm: Any = "auto") -> Communicator | None:
     """The Trainer's `comm` argument resolved: "auto" is MPI.COMM_WORLD when launched under an
     MPI launcher with more than one rank (else None, one process); None is one process; a
-    Communicator or an mpi4py communicator is used as given (None when it has one rank)."""
+    Communicator or an mpi4py communicator is used as given (one rank too: the step then
+    runs in stages, as benchmarks/bench_mpi.py measures)."""
     if comm is None:
         return None
     if isinstance(comm, str):
@@ -137,8 +151,10 @@ def as_communicator(comm: Any = "auto") -> Communicator | None:
         if launched_ranks() <= 1:
             return None
         comm = mpi().COMM_WORLD
+        if comm.Get_size() <= 1:
+            return None
     if not isinstance(comm, Communicator):
         if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
             raise ConfigError(f"comm must be 'auto', None or an mpi4py communicator, got {type(comm).__name__}")
         comm = Communicator(comm)
-    return comm if comm.size > 1 else None
+    return comm

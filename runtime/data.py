@@ -120,8 +120,10 @@ def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarr
 
 
 def draw_noise(rng: np.random.Generator, info: SubgraphInfo, data_inputs: list[str],
-               targets: np.ndarray, name: str = "subgraph") -> dict[str, np.ndarray]:
-    """The noise/<s> inputs of a subgraph (per info.noise), drawn from `rng`.
+               targets: np.ndarray, name: str = "subgraph", shares: int = 1) -> dict[str, np.ndarray]:
+    """The noise/<s> inputs of a subgraph (per info.noise), drawn from `rng`; with `shares`,
+    the noise of that many such batches stacked along the batch axis (a data-parallel run's
+    global batch, of which each rank keeps its share).
 
     Uniform noise is clipped into [1e-7, 1 - 1e-7] (inverse-CDF sampling never sees 0 or 1);
     shapes as in noise_shape.
@@ -131,6 +133,7 @@ def draw_noise(rng: np.random.Generator, info: SubgraphInfo, data_inputs: list[s
     if not spec.count or not names:
         return {}
     shape = noise_shape(info, targets, name)
+    shape[0] *= shares  # the batch (or sub-batch) axis
     out = {}
     for n in names:
         if spec.distribution == "normal":
@@ -138,14 +141,6 @@ def draw_noise(rng: np.random.Generator, info: SubgraphInfo, data_inputs: list[s
         else:
             out[n] = np.clip(rng.random(shape, dtype=np.float32), NOISE_EPS, np.float32(1) - NOISE_EPS)
     return out
-
-
-def noise_batch_axis(info: SubgraphInfo) -> int:
-    """The axis of the noise inputs that runs over the batch's examples (noise_shape's "N")."""
-    for i, d in enumerate(info.noise.shape):
-        if not _static(d) and (i == 0 or d == "N"):
-            return i
-    return 0
 
 
 def noise_shape(info: SubgraphInfo, targets: np.ndarray, name: str = "subgraph") -> list[int]:

@@ -69,7 +69,7 @@ class SharedRefresher:
             ok = self.local(store, damping, j) and ok
             fallbacks += self.local.fallbacks
             self._broadcast(store, layers)
-        self.fallbacks = [name for names in self.comm.comm.allgather(fallbacks) for name in names]
+        self.fallbacks = [name for names in self.comm.gather(fallbacks) for name in names]
         return self.comm.minimum(1.0 if ok else 0.0) > 0.5
 
     def _broadcast(self, store: StateStore, layers: Sequence[str]) -> None:

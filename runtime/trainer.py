@@ -31,7 +31,7 @@ from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.comm import as_communicator
-from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_batch_axis, noise_shape
+from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, mean_factors
 from kfac_compiler.runtime.inverses import InverseRefresher
@@ -133,12 +133,10 @@ class Trainer:
         random stream (checkpointed, so a resumed run draws what an uninterrupted one would).
         In a data-parallel run every rank draws the global batch's noise and keeps its rows,
         so that the ranks sample what one process would."""
-        targets = data[C.TARGETS]
+        noise = draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name, shares=self.ranks)
         if self.comm is None:
-            return draw_noise(self.rng, prog.info, prog.data_inputs, targets, prog.name)
-        whole = np.broadcast_to(targets[:1], (targets.shape[0] * self.ranks, *targets.shape[1:]))
-        noise = draw_noise(self.rng, prog.info, prog.data_inputs, whole, prog.name)
-        return {n: self._share(v, noise_batch_axis(prog.info)) for n, v in noise.items()}
+            return noise
+        return {n: self._share(v) for n, v in noise.items()}
 
     def noise_placeholders(self, prog: Program, data: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Buffers for the noise inputs of a run that does not read them (a step whose `If`
@@ -175,10 +173,10 @@ class Trainer:
         self.batch_size = int(data[C.TARGETS].shape[0])
         return data
 
-    def _share(self, array: np.ndarray, axis: int = 0) -> np.ndarray:
-        """This rank's equal share of the rows of a global batch's array along `axis`."""
-        rows = array.shape[axis] // self.ranks
-        return np.take(array, np.arange(self.rank * rows, (self.rank + 1) * rows), axis=axis)
+    def _share(self, array: np.ndarray) -> np.ndarray:
+        """This rank's equal share of the rows of a global batch's array."""
+        rows = array.shape[0] // self.ranks
+        return array[self.rank * rows:(self.rank + 1) * rows]
 
     def _agreed(self, prepare, *args: Any) -> dict[str, np.ndarray]:
         """prepare(*args), where in a data-parallel run every rank raises the first failing

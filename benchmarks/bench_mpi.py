@@ -1,0 +1,173 @@
+"""Data-parallel K-FAC on this machine: step time against the number of ranks, and the bytes
+each rank sends per step by kind, measured (runtime/comm.py counts them).
+
+    python benchmarks/bench_mpi.py [--models mlp_classifier small_cnn resnet18] [--ranks 1 2 4]
+                                   [--steps 30] [--out benchmarks/results]
+
+For each model (compiled once into a plan folder under /tmp) and each P the same global batch
+trains under `mpirun -n P` (P = 1: one process, the fused step; "1 staged": one rank with a
+communicator, the step cut into its stages, which is the staging's own cost). Reported: the
+median step time of the timed steps (the first `--warmup` steps, which build sessions and run
+the first refresh, are left out), the time in collectives, and the bytes per step by kind.
+Ranks on one machine share its cores (threads per rank = cores / P), so on a 2-core machine
+this measures the overheads of the data-parallel step, not a speed-up: docs/distributed.md
+models many GPUs. Writes <out>/<date>-mpi-scaling.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BATCH = {"mlp_classifier": 256, "small_cnn": 128, "resnet18": 32}
+
+
+def plan_dir(model: str, cache: str) -> str:
+    """The model's plan folder (compiled on first use)."""
+    import kfac_compiler as kc
+
+    path = os.path.join(cache, f"{model}.plan")
+    if os.path.exists(os.path.join(path, "plan.json")):
+        return path
+    if model == "resnet18":
+        from kfac_compiler.models import torch_exports as te
+
+        onnx_path = os.path.join(cache, "resnet18.onnx")
+        te.export(te.resnet18(), onnx_path, te.digits_images(8)[0]["input"])
+        plan = kc.compile(onnx_path, loss="softmax_cross_entropy")
+    else:
+        from kfac_compiler.models import ZOO
+
+        e = ZOO[model]
+        plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    plan.save(path)
+    return path
+
+
+def data_for(model: str, n: int):
+    if model == "resnet18":
+        from kfac_compiler.models import torch_exports as te
+
+        return te.digits_images(n)
+    from kfac_compiler.models import ZOO
+
+    return ZOO[model].make_data(n=n)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank's run: --steps steps at the global batch; rank 0 prints a JSON line."""
+    from kfac_compiler.plan import load_plan
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.comm import Communicator, mpi
+    from kfac_compiler.runtime.data import batch_indices
+
+    comm = "auto"
+    if args.staged_one:
+        comm = Communicator(mpi().COMM_WORLD)
+    plan = load_plan(args.plan)
+    batch = BATCH[args.model]
+    inputs, targets = data_for(args.model, 4 * batch)
+    trainer = Trainer(plan, seed=0, batch_size=batch, comm=comm)
+    n = targets.shape[0]
+    times, comm_s = [], []
+    sent0 = None
+    for step in range(args.steps):
+        idx = batch_indices(n, batch, step, 0)
+        c0 = trainer.comm.seconds if trainer.comm else 0.0
+        t0 = time.perf_counter()
+        trainer.step({k: v[idx] for k, v in inputs.items()}, targets[idx])
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            comm_s.append((trainer.comm.seconds if trainer.comm else 0.0) - c0)
+        if step + 1 == args.warmup and trainer.comm:
+            sent0 = dict(trainer.comm.sent)
+    if trainer.rank == 0:
+        timed = args.steps - args.warmup
+        sent = {}
+        if trainer.comm:
+            sent = {k: (v - (sent0 or {}).get(k, 0)) / timed for k, v in trainer.comm.sent.items()}
+        print(json.dumps({"model": args.model, "ranks": trainer.ranks, "staged": trainer.comm is not None,
+                          "threads": trainer.threads, "batch": batch, "median_step_s": float(np.median(times)),
+                          "median_comm_s": float(np.median(comm_s)), "bytes_per_step": sent,
+                          "parameters": int(sum(v.size for v in trainer.parameters().values()))}))
+
+
+def launch(model: str, plan: str, ranks: int, staged_one: bool, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--plan", plan,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if staged_one:
+        cmd.append("--staged-one")
+    if ranks > 1 or staged_one:
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        from mpi_util import rank_command
+
+        cmd = rank_command(ranks, cmd)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"{model} on {ranks} ranks failed:\n{out.stderr[-2000:]}")
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def render(rows: list[dict]) -> str:
+    kinds = sorted({k for r in rows for k in r["bytes_per_step"]})
+    head = ["model", "ranks", "threads/rank", "batch (global)", "median step", "vs 1 process", "in collectives",
+            *[f"{k} B/step" for k in kinds]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = {r["model"]: r["median_step_s"] for r in rows if r["ranks"] == 1 and not r["staged"]}
+    for r in rows:
+        label = f"{r['ranks']}" + (" staged" if r["ranks"] == 1 and r["staged"] else "")
+        cells = [r["model"], label, str(r["threads"]), str(r["batch"]), f"{1e3 * r['median_step_s']:.1f} ms",
+                 f"{r['median_step_s'] / base[r['model']]:.2f}x", f"{1e3 * r['median_comm_s']:.1f} ms",
+                 *[f"{r['bytes_per_step'].get(k, 0):,.0f}" for k in kinds]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["mlp_classifier", "small_cnn", "resnet18"])
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "kfac-bench-mpi"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--staged-one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    os.makedirs(args.cache, exist_ok=True)
+    rows = []
+    for model in args.models:
+        plan = plan_dir(model, args.cache)
+        for ranks in args.ranks:
+            rows.append(launch(model, plan, ranks, False, args))
+            print(json.dumps(rows[-1]), flush=True)
+            if ranks == 1:
+                rows.append(launch(model, plan, 1, True, args))
+                print(json.dumps(rows[-1]), flush=True)
+    stamp = datetime.date.today().isoformat()
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{stamp}-mpi-scaling")
+    with open(base + ".json", "w") as f:
+        json.dump({"command": " ".join(sys.argv), "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+    table = render(rows)
+    with open(base + ".md", "w") as f:
+        f.write(f"# Data-parallel K-FAC on this machine ({stamp})\n\n`python {' '.join(sys.argv)}` on "
+                f"{os.cpu_count()} cores, Open MPI on loopback; medians of the timed steps.\n\n{table}")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
