@@ -113,3 +113,16 @@ def test_owners_balance_the_refresh_cost():
     costs = {"a": 9.0, "b": 7.0, "c": 6.0, "d": 5.0, "e": 5.0, "f": 4.0}
     assert inverse_owners(costs, 3) == {"a": 0, "f": 0, "b": 1, "e": 1, "c": 2, "d": 2}
     assert inverse_owners(costs, 1) == {layer: 0 for layer in costs}
+
+
+@pytest.mark.slow
+def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
+    """Batch 256 on two ranks: statistics and the quadratic model on a 64-example sub-batch,
+    32 of each rank's rows (other examples than one process's first 64, so only the
+    agreement between the ranks and the training itself are asserted)."""
+    config = {"model": "mlp_classifier", "optimizer": "kfac", "steps": 8, "batch": 256, "seed": 0, "knobs": {}}
+    ranks = on_ranks(2, config, tmp_path)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    for p, v in ranks[0]["params"].items():
+        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
+    assert ranks[0]["losses"][-1] < 0.5 * ranks[0]["losses"][0]
