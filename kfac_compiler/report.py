@@ -143,6 +143,10 @@ def _rank_lines(plan: Plan, ranks: int) -> str:
     for r in rows:
         lines.append(f"  rank {r['rank']}: {len(r['blocks'])} blocks, {r['inverse_flops'] / 1e9:.3g} GFLOP, "
                      f"broadcasts {human_bytes(r['inverse_bytes'])}: {', '.join(r['blocks']) or '-'}")
+    generic = [layer.name for layer in plan.layers if layer.kind == "generic" and plan.factors.get(layer.name)]
+    if generic and ranks > 1:
+        lines.append(f"  note: the generic blocks ({', '.join(generic)}) are estimated on each rank's rows: "
+                     "their factors are not one process's (docs/distributed.md)")
     return "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,7 @@ import onnxruntime as ort
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.runtime.comm import Communicator
-from kfac_compiler.runtime.program import Program, _as_device
+from kfac_compiler.runtime.program import ContractError, Program, _as_device
 from kfac_compiler.runtime.stages import Stage, split_stages
 from kfac_compiler.runtime.state import StateStore
 
@@ -36,6 +36,11 @@ class StagedProgram:
         self.info = info
         self.comm = comm
         self.stages: list[Stage] = split_stages(model, info)
+        for k, stage in enumerate(self.stages[1:], 1):  # a rank's own factor averages feed no update
+            local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR]
+            if local:
+                raise ContractError(f"subgraph {self.name!r}: stage {k} reads factor slot {local[0]!r}, which "
+                                    "holds this rank's moving average until it is averaged over the ranks")
         self.programs = [Program(s.model, s.info, self.device, name=f"{self.name}/stage{k}", threads=threads,
                                  carried=s.carried_in) for k, s in enumerate(self.stages)]
         self.data_inputs = list(info.data_inputs)

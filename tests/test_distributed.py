@@ -126,3 +126,22 @@ def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
     for p, v in ranks[0]["params"].items():
         assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
     assert ranks[0]["losses"][-1] < 0.5 * ranks[0]["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["transformer_block", "unrolled_rnn"])
+def test_generic_layers_are_estimated_per_rank(tmp_path, model):
+    """A generic-fallback block (a parameter without per-example structure: the transformer's
+    broadcast position embedding, the RNN's merged bias) is estimated from one pseudo-example
+    per batch, u = sum_n g_n / sqrt(N), and u u^T is not linear in the batch: each rank's factor
+    is its own rows' estimate, their mean an estimate of the same expectation but not one
+    process's number (docs/distributed.md). The ranks still agree bitwise, and the shared
+    first step, preconditioned by its own batch before any such difference, matches."""
+    config = {"model": model, "optimizer": "kfac", "steps": 6, "batch": 32, "seed": 0, "knobs": {}}
+    ranks = on_ranks(2, config, tmp_path)
+    single = train(config, comm=None)
+    for p, v in ranks[0]["params"].items():
+        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
