@@ -273,3 +273,28 @@ def test_resume_on_another_number_of_ranks_is_allowed_with_a_note(tmp_path):
     assert read_meta(ckpt)["ranks"] == 4
     straight = one_process(tmp_path, "--steps", "6", "--batch-size", "64")
     assert_same_run(rows(tmp_path / "m.csv"), straight[3:], rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_rank_0_failing_to_write_a_checkpoint_stops_every_rank_at_that_step(tmp_path):
+    """A full disk when rank 0 writes the periodic checkpoint at step 4 (the others have moved
+    on): every rank stops there, the metrics stay, one line names rank 0."""
+    script = tmp_path / "full_disk.py"
+    script.write_text("""\
+import errno, sys
+import kfac_compiler.runtime.checkpoint as checkpoint
+from kfac_compiler.train_cli import main
+
+def full(trainer, path):
+    raise OSError(errno.ENOSPC, "No space left on device")
+checkpoint.save_checkpoint = full
+sys.exit(main(sys.argv[1:]))
+""")
+    metrics, ckpt = tmp_path / "m.csv", tmp_path / "run.ckpt"
+    out = run_ranks(2, [sys.executable, str(script), "train", "--steps", "8", "--batch-size", "64", "-q",
+                        "--metrics", str(metrics), "--checkpoint", str(ckpt), "--checkpoint-every", "4"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert ours(out.stderr) == [f"error: rank 0: stopped at step 4: --checkpoint: cannot write {str(ckpt)!r}: "
+                                f"the disk is full: free space or choose another location (written: metrics {str(metrics)!r})"]
+    assert out.stdout == f"metrics written to {metrics}\n"
+    assert [r["step"] for r in rows(metrics)] == ["0", "1", "2", "3"] and not ckpt.exists()
