@@ -305,9 +305,30 @@ def _plot(path: str, steps: list[float], losses: list[float], title: str) -> Non
 
 # --------------------------------------------------------------------------- command
 def run_train(args) -> int:
-    """Check every output, lock them, train; Ctrl-C stops at a step boundary (exit 130)."""
+    """Check every output, lock them, train; Ctrl-C stops at a step boundary (exit 130).
+    Under mpirun every rank runs this, rank 0 alone prints and writes (kfac_compiler.ranks)."""
+    from kfac_compiler.ranks import on_ranks, world
+
+    comm = world()
+    return on_ranks(comm, lambda: _run(args, comm))
+
+
+def _run(args, comm) -> int:
+    from contextlib import ExitStack
+
+    from kfac_compiler.ranks import agreed
+
+    with ExitStack() as held:  # rank 0's output locks, held to the end of the run
+        outputs = agreed(comm, lambda: _check(args, comm, held))
+        return _train(args, outputs, comm)
+
+
+def _check(args, comm, held) -> list["Output"]:
+    """Everything before compiling: the options, the checkpoint's meta and (rank 0) the
+    outputs, checked and locked. No collective: a rank that fails here is agreed on."""
     from kfac_compiler.locks import locked
     from kfac_compiler.outputs import check_outputs
+    from kfac_compiler.ranks import is_root
     from kfac_compiler.resume import settle
 
     if args.steps < 0:
@@ -324,14 +345,32 @@ def run_train(args) -> int:
     settle(args, meta)  # --seed, --batch-size and --optimizer: given, the checkpoint's or the defaults
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    _check_plot(args.plot)
+    if comm is not None:
+        _check_ranks(args, meta, comm.size)
     outputs = _outputs(args)
-    model = args.model if args.model and os.path.exists(args.model) else None
-    data = args.data if args.data != "digits" else None
-    check_outputs(outputs, [("MODEL", model), ("--data", data), ("--config", args.config), ("--resume", args.resume)],
-                  may_equal=[("--checkpoint", "--resume")])
-    with locked([(o.option, o.path) for o in outputs]):
-        return _train(args, outputs)
+    if is_root(comm):
+        _check_plot(args.plot)
+        model = args.model if args.model and os.path.exists(args.model) else None
+        data = args.data if args.data != "digits" else None
+        check_outputs(outputs, [("MODEL", model), ("--data", data), ("--config", args.config),
+                                ("--resume", args.resume)], may_equal=[("--checkpoint", "--resume")])
+        held.enter_context(locked([(o.option, o.path) for o in outputs]))
+    return outputs
+
+
+def _check_ranks(args, meta: dict[str, Any] | None, ranks: int) -> None:
+    """The global batch splits evenly over the ranks; a checkpoint of another number of ranks
+    resumes with a note (its factors are the ranks' mean: the same run up to rounding)."""
+    if args.batch_size % ranks:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split evenly over {ranks} ranks; "
+                          f"use a multiple of {ranks}")
+    theirs = int((meta or {}).get("ranks", 1))
+    if meta is not None and theirs != ranks:
+        import warnings
+
+        warnings.warn(f"checkpoint {args.resume!r} was written by {theirs} rank{'s' * (theirs != 1)}, resuming on "
+                      f"{ranks}: the same run up to float rounding (the batches, noise and factors do not depend "
+                      "on the number of ranks)")
 
 
 def _outputs(args) -> list["Output"]:
@@ -341,48 +380,78 @@ def _outputs(args) -> list["Output"]:
                                                 ("--metrics", args.metrics), ("--plot", args.plot)) if path]
 
 
-def _train(args, outputs: list["Output"]) -> int:
-    from kfac_compiler.errors import KfacError
-    from kfac_compiler.interrupt import EXIT_CODE, StopOnInterrupt
+def _build(args, outputs: list["Output"], comm):
+    """(plan, zoo entry, inputs, targets, trainer): every rank builds the same; rank 0 checks
+    its outputs' disks and continues a resumed metrics file."""
     from kfac_compiler.outputs import check_space
+    from kfac_compiler.ranks import agreed, is_root
     from kfac_compiler.resume import continue_metrics
-    from kfac_compiler.runtime.data import batch_indices
     from kfac_compiler.runtime.trainer import Trainer
 
-    knobs = _knobs(args)  # before compiling: a bad --knob fails fast
-    plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
-    inputs, targets = load_data(plan, entry, args.data, args.seed)
+    def load():
+        knobs = _knobs(args)  # before compiling: a bad --knob fails fast
+        plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
+        inputs, targets = load_data(plan, entry, args.data, args.seed)
+        if comm is not None and min(args.batch_size, targets.shape[0]) % comm.size:
+            raise DataError(f"the data's {targets.shape[0]} examples make a batch of {targets.shape[0]} rows, which "
+                            f"does not split evenly over {comm.size} ranks; use a --batch-size divisible by {comm.size}")
+        return knobs, plan, entry, inputs, targets
+
+    knobs, plan, entry, inputs, targets = agreed(comm, load)
     n = targets.shape[0]
-    if args.resume:
-        overrides = dict(knobs)
-        overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
-                                            ("threads", args.threads)) if v is not None})
-        trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device, batch_size=min(args.batch_size, n),
-                                          **overrides)
-    else:
-        trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device, learning_rate=args.learning_rate,
-                          momentum=args.momentum, seed=args.seed, threads=args.threads,
-                          batch_size=min(args.batch_size, n), **knobs)
+
+    def start() -> "Trainer":  # Trainer() enters a collective only after its option checks
+        if args.resume:
+            overrides = dict(knobs)
+            overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
+                                                ("threads", args.threads)) if v is not None})
+            trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device,
+                                              batch_size=min(args.batch_size, n), comm=comm, **overrides)
+        else:
+            trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device,
+                              learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
+                              threads=args.threads, batch_size=min(args.batch_size, n), comm=comm, **knobs)
+        if is_root(comm):
+            # room for what is written whole at the end (the metrics file grows row by row: a full
+            # disk there stops the run at that step, the other outputs still written)
+            sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16),
+                     "--save": plan.model.ByteSize() + (1 << 16), "--plot": 1 << 18}
+            check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
+            if args.resume:
+                continue_metrics(args.metrics, trainer.step_count + trainer.burn_in_count, CSV_COLUMNS)
+        return trainer
+
+    return plan, entry, inputs, targets, agreed(comm, start)
+
+
+def _train(args, outputs: list["Output"], comm) -> int:
+    import signal
+
+    from kfac_compiler.errors import KfacError
+    from kfac_compiler.interrupt import StopOnInterrupt
+    from kfac_compiler.ranks import is_root, stop_together
+    from kfac_compiler.runtime.data import batch_indices
+
+    root = is_root(comm)
+    plan, entry, inputs, targets, trainer = _build(args, outputs, comm)
+    n = targets.shape[0]
     done = trainer.step_count + trainer.burn_in_count
-    # room for what is written whole at the end (the metrics file grows row by row: a full disk
-    # there stops the run at that step, the other outputs still written)
-    sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16), "--save": plan.model.ByteSize() + (1 << 16),
-             "--plot": 1 << 18}
-    check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
-    if args.resume:
-        continue_metrics(args.metrics, done, CSV_COLUMNS)
     name = args.model or DEFAULT_MODEL
-    quiet = args.quiet or not sys.stderr.isatty()
-    if not args.quiet:
+    quiet = args.quiet or not sys.stderr.isatty() or not root
+    if not args.quiet and root:
+        batch = min(args.batch_size, n)
+        split = f"{comm.size} ranks, batch {batch} ({batch // comm.size} per rank)" if comm else f"batch {batch}"
         print(f"training {os.path.basename(str(name))} with {trainer.optimizer} on {trainer.device.name}: "
-              f"{n} examples, batch {min(args.batch_size, n)}, steps {done}..{args.steps}", file=sys.stderr)
-    writer = MetricsWriter(args.metrics, append=bool(args.resume))
+              f"{n} examples, {split}, steps {done}..{args.steps}", file=sys.stderr)
+    writer = MetricsWriter(args.metrics if root else None, append=bool(args.resume))
     progress = Progress(args.steps, enabled=not quiet)
     steps_seen, losses = [], []
     t0 = time.perf_counter()
     rejected = 0
     stopped = None  # (option, failure) that ended the loop early: a metrics row or periodic checkpoint not written
-    with StopOnInterrupt() as interrupt:
+    interrupted = False
+    signals = (signal.SIGINT,) if comm is None else (signal.SIGINT, signal.SIGUSR1)  # mpirun forwards SIGUSR1
+    with StopOnInterrupt(signals) as interrupt:
         try:
             for s in range(done, args.steps):
                 idx = batch_indices(n, args.batch_size, s, args.seed)
@@ -392,20 +461,22 @@ def _train(args, outputs: list["Output"]) -> int:
                 rejected += int(m.get("rejected", 0.0))
                 try:
                     writer.write(m)
+                    steps_seen.append(s)
+                    losses.append(m["loss"])
                 except OSError as e:  # a full disk: stop, and write what else was asked
                     stopped = ("--metrics", _failure("--metrics", args.metrics, e) + f" (step {s}'s row is missing)")
-                    break
-                steps_seen.append(s)
-                losses.append(m["loss"])
                 progress.update(s + 1, m["loss"], force=(s + 1 == args.steps))
+                # every rank stops at the same step: on an interrupt any rank got, or rank 0's failure
+                if stop_together(comm, interrupt.requested or stopped is not None):
+                    interrupted = stopped is None
+                    break
                 if args.checkpoint and args.checkpoint_every and (s + 1) % args.checkpoint_every == 0:
                     try:
-                        trainer.save_checkpoint(args.checkpoint)
+                        trainer.save_checkpoint(args.checkpoint)  # collective; rank 0 writes
                     except (KfacError, OSError) as e:
                         stopped = ("--checkpoint", _failure("--checkpoint", args.checkpoint, e))
+                    if stop_together(comm, stopped is not None):
                         break
-                if interrupt.requested:
-                    break
         finally:
             progress.close()
             try:
@@ -415,38 +486,60 @@ def _train(args, outputs: list["Output"]) -> int:
         elapsed = time.perf_counter() - t0
         last = trainer.step_count + trainer.burn_in_count
         title = f"{os.path.basename(str(name))} ({trainer.optimizer})"
-        written, failed = _write_outputs(args, trainer, title, steps_seen, losses, metrics_ok=stopped is None
-                                         or stopped[0] != "--metrics")
-        final = None if interrupt.requested else trainer.evaluate(inputs, targets, batch_size=1024)
-    if final is not None:
-        parts = [f"final train loss {final['loss']:.6f}"]
-        parts += [f"{k} {value:.4f}" for k, value in final.items() if k != "loss"]
-        parts.append(f"({last} steps, {elapsed:.1f} s")
-        if rejected:
-            parts[-1] += f", {rejected} rejected"
-        parts[-1] += ")"
-        print(" ".join(parts))
-    for label, path in written:
-        print(f"{label} written to {path}")
-    if stopped or failed:
-        kept = ", ".join(f"{label} {path!r}" for label, path in written) or "nothing"
-        why = "; ".join(failed or [stopped[1]])
-        raise OutputError((f"stopped at step {last}: " if stopped else "") + f"{why} (written: {kept})")
-    if interrupt.requested:
-        where = (f"checkpoint written to {args.checkpoint}" if args.checkpoint
-                 else "no --checkpoint was given, so it cannot be resumed")
-        print(f"interrupted at step {last}; {where}", file=sys.stderr)
-        return EXIT_CODE
-    if not math.isfinite(final["loss"]):
-        raise DivergedError(f"training ended with a non-finite loss ({final['loss']}): lower the learning rate, "
-                            "raise --damping, or check the data and the model's constants (kfac-compiler inspect)")
-    return 0
+        written, failed = _write_outputs(args, trainer, title, steps_seen, losses if root else [],
+                                         metrics_ok=stopped is None or stopped[0] != "--metrics")
+        final = None if interrupted or not root else trainer.evaluate(inputs, targets, batch_size=1024)
+    return _finish(args, comm, trainer, final, written, failed, stopped, interrupted,
+                   (last, last - done, elapsed, rejected))
+
+
+def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, counts) -> int:
+    """Rank 0 prints the summary and decides the outcome; every rank ends with it (an error
+    raised on every rank, or the exit code)."""
+    from kfac_compiler.interrupt import EXIT_CODE
+    from kfac_compiler.ranks import is_root, traffic
+
+    last, run, elapsed, rejected = counts
+    error, code = None, 0
+    if is_root(comm):
+        if final is not None:
+            parts = [f"final train loss {final['loss']:.6f}"]
+            parts += [f"{k} {value:.4f}" for k, value in final.items() if k != "loss"]
+            parts.append(f"({last} steps, {elapsed:.1f} s")
+            if rejected:
+                parts[-1] += f", {rejected} rejected"
+            parts[-1] += ")"
+            print(" ".join(parts))
+        if comm is not None and run:
+            print(f"sent per step by each of {comm.size} ranks (mean of {run} steps): {traffic(trainer.comm.sent, run)}")
+        for label, path in written:
+            print(f"{label} written to {path}")
+        if stopped or failed:
+            kept = ", ".join(f"{label} {path!r}" for label, path in written) or "nothing"
+            why = "; ".join(failed or [stopped[1]])
+            error = OutputError((f"stopped at step {last}: " if stopped else "") + f"{why} (written: {kept})")
+        elif interrupted:
+            where = (f"checkpoint written to {args.checkpoint}" if args.checkpoint
+                     else "no --checkpoint was given, so it cannot be resumed")
+            print(f"interrupted at step {last}; {where}", file=sys.stderr)
+            code = EXIT_CODE
+        elif not math.isfinite(final["loss"]):
+            error = DivergedError(f"training ended with a non-finite loss ({final['loss']}): lower the learning rate, "
+                                  "raise --damping, or check the data and the model's constants (kfac-compiler inspect)")
+    if comm is None:
+        if error is not None:
+            raise error
+        return code
+    sys.stdout.flush()
+    return EXIT_CODE if comm.agree(error, stop=code == EXIT_CODE) else code  # rank 0's error raised everywhere
 
 
 def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True
                    ) -> tuple[list[tuple[str, str]], list[str]]:
     """Write the checkpoint, the model and the plot asked for, each even when another fails
-    (a full disk must not cost the others): ([(label, path) written], [failure lines])."""
+    (a full disk must not cost the others): ([(label, path) written], [failure lines]).
+    Under MPI every rank calls this (a checkpoint is collective); rank 0 writes, and the
+    others pass no `losses` (no plot)."""
     from kfac_compiler.errors import KfacError
 
     written, failed = [], []

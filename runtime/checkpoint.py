@@ -13,7 +13,7 @@ meta = {"format": "kfac_compiler.checkpoint", "version": 1,
         "optimizer": "kfac", "knobs": {...resolved optimizer config...}, "seed": 0,
         "host": {"step_count", "applied_steps", "batch_size", + the optimizer's host state (K-FAC:
                  "burn_in_count", "ema_weight", "damping", "inverses_ready")},
-        "rng": numpy bit_generator.state, "slots": [...], "device": "cpu", "created": ...}
+        "rng": numpy bit_generator.state, "slots": [...], "device": "cpu", "ranks": 1, "created": ...}
 
 Loading a checkpoint of another plan (different fingerprint) raises CheckpointError.
 """
@@ -106,6 +106,7 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> str:
         "rng": trainer.rng.bit_generator.state,
         "slots": slots,
         "device": trainer.device.name,
+        "ranks": trainer.ranks,  # a data-parallel run's; its factors are the ranks' mean
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     if trainer.threads:

@@ -127,7 +127,9 @@ class Communicator:
                 cls, message = failed
                 if not (isinstance(cls, type) and issubclass(cls, KfacError)):
                     cls = RankError
-                raise cls(f"rank {rank}: {message}")
+                error = cls(f"rank {rank}: {message}")
+                error.agreed = True  # raised on every rank: a command prints it once (kfac_compiler.ranks)
+                raise error
         return any(s for _, s in outcomes)
 
     def gather(self, value: Any) -> list[Any]:

@@ -1,0 +1,301 @@
+"""`mpirun -n P kfac-compiler train`: rank 0 alone prints and writes, the run equals the
+one-process run, and an error on one rank stops every rank with one line naming it.
+
+Every test runs real ranks under the MPI extra's mpirun on loopback (tests/mpi_util.py) and
+is skipped, with the install command, without it.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpi_util import rank_command, run_ranks
+
+from kfac_compiler.cli import main
+from kfac_compiler.locks import lock_path
+from kfac_compiler.runtime.checkpoint import read_meta
+
+pytestmark = pytest.mark.mpi
+TRAIN = [sys.executable, "-m", "kfac_compiler.train_cli"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a rank that fails where the others wait in a collective: Trainer.step raises on rank 1 at step 2
+INJECT = """\
+import sys
+from kfac_compiler.errors import DataError
+from kfac_compiler.runtime.trainer import Trainer
+from kfac_compiler.train_cli import main
+
+real = Trainer.step
+def step(self, *args, **kwargs):
+    if self.rank == 1 and self.step_count == 2:
+        raise {error}
+    return real(self, *args, **kwargs)
+Trainer.step = step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def ours(stderr: str) -> list[str]:
+    """stderr's lines without mpirun's reports (blocks between lines of dashes)."""
+    lines, inside = [], False
+    for line in stderr.splitlines():
+        if line.startswith("-----"):
+            inside = not inside
+        elif not inside and line.strip(" \t\x00"):  # mpirun's abort report may leave a NUL
+            lines.append(line)
+    return lines
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in ours(stderr) if line.startswith("error:")]
+
+
+def rows(path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def one_process(tmp_path, *argv: str) -> list[dict[str, str]]:
+    metrics = tmp_path / "one.csv"
+    assert main(["train", *argv, "--metrics", str(metrics), "-q"]) == 0
+    return rows(metrics)
+
+
+def assert_same_run(a: list[dict[str, str]], b: list[dict[str, str]], rtol: float = 1e-4) -> None:
+    """The same steps with the same metrics up to float32 rounding (the ranks sum in another
+    order; K-FAC's adaptive damping and step scale amplify it over the steps)."""
+    assert [int(float(r["step"])) for r in a] == [int(float(r["step"])) for r in b]
+    for key in ("loss", "damping", "update_norm"):
+        np.testing.assert_allclose([float(r[key]) for r in a], [float(r[key]) for r in b], rtol=rtol, err_msg=key)
+
+
+def params(path) -> list[np.ndarray]:
+    meta = read_meta(path)
+    with np.load(path) as z:
+        return [z[f"slot_{i:05d}"] for i, s in enumerate(meta["slots"]) if s in meta["plan"]["params"]]
+
+
+# --------------------------------------------------------------------------- runs
+def test_two_ranks_train_like_one_process_and_rank_0_alone_writes(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    metrics, ckpt, model = d / "m.csv", d / "run.ckpt", d / "trained.onnx"
+    out = run_ranks(2, [*TRAIN, "--steps", "6", "--batch-size", "64", "--metrics", str(metrics),
+                        "--checkpoint", str(ckpt), "--save", str(model)], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert ours(out.stderr) == ["training mlp_classifier with kfac on cpu: 1797 examples, 2 ranks, batch 64 "
+                                "(32 per rank), steps 0..6"]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 5 and lines[0].startswith("final train loss ") and "(6 steps" in lines[0]
+    assert lines[1].startswith("sent per step by each of 2 ranks (mean of 6 steps): gradients ")
+    assert lines[2:] == [f"metrics written to {metrics}", f"checkpoint written to {ckpt}", f"model written to {model}"]
+    assert sorted(os.listdir(d)) == ["m.csv", "run.ckpt", "trained.onnx"]  # no locks, no temp files left
+    assert read_meta(ckpt)["ranks"] == 2
+    assert_same_run(rows(metrics), one_process(tmp_path, "--steps", "6", "--batch-size", "64"))
+
+
+@pytest.mark.slow
+def test_four_ranks_train_like_one_process(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    out = run_ranks(4, [*TRAIN, "--steps", "5", "--batch-size", "64", "--metrics", str(metrics), "-q"])
+    assert out.returncode == 0, out.stderr
+    assert ours(out.stderr) == [] and out.stdout.count("final train loss") == 1
+    four = [{k: str(v) for k, v in json.loads(line).items()} for line in open(metrics)]
+    assert_same_run(four, one_process(tmp_path, "--steps", "5", "--batch-size", "64"), rtol=1e-3)
+
+
+def test_batch_that_does_not_split_is_refused_once(tmp_path):
+    out = run_ranks(2, [*TRAIN, "--steps", "2", "--batch-size", "63", "--metrics", str(tmp_path / "m.csv")])
+    assert out.returncode == 2 and out.stdout == ""
+    assert errors(out.stderr) == ["error: rank 0: --batch-size 63 does not split evenly over 2 ranks; "
+                                  "use a multiple of 2"]
+    assert ours(out.stderr) == errors(out.stderr) and not os.listdir(tmp_path)
+
+
+# --------------------------------------------------------------------------- errors
+def test_output_lock_only_rank_0_sees_stops_every_rank(tmp_path):
+    save = str(tmp_path / "trained.onnx")
+    lock = lock_path(save)
+    with open(lock, "w") as f:  # another live run (this test's process) holds --save
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    out = run_ranks(2, [*TRAIN, "--steps", "2", "--batch-size", "64", "--save", save])
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert ours(out.stderr) == [
+        f"error: rank 0: --save {save!r} is being written by another run (process {os.getpid()} on "
+        f"{socket.gethostname()!r}); wait for it, or give another path (its lock: {lock!r})"]
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(lock)]
+
+
+def test_a_bug_on_one_rank_aborts_every_rank(tmp_path):
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT.format(error='RuntimeError("injected failure")'))
+    metrics = tmp_path / "m.csv"
+    out = run_ranks(2, [sys.executable, str(script), "train", "--steps", "6", "--batch-size", "64",
+                        "--metrics", str(metrics), "-q"], env={"PYTHONPATH": ROOT})
+    assert out.returncode == 2 and out.stdout == ""
+    assert errors(out.stderr) == ["error: rank 1: RuntimeError: injected failure"]
+    assert "Traceback" in out.stderr  # a bug keeps its traceback
+    assert "MPI_ABORT was invoked on rank 1" in out.stderr  # mpirun's report: it stopped rank 0
+    assert [r["step"] for r in rows(metrics)] == ["0", "1"]  # rank 0 wrote the steps before
+
+
+@pytest.mark.slow
+def test_a_kfac_error_on_one_rank_aborts_with_one_line(tmp_path):
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT.format(error='DataError("batch 2 is unreadable here")'))
+    out = run_ranks(2, [sys.executable, str(script), "train", "--steps", "6", "--batch-size", "64", "-q"],
+                    env={"PYTHONPATH": ROOT})
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert ours(out.stderr) == ["error: rank 1: batch 2 is unreadable here"]
+    assert "MPI_ABORT was invoked on rank 1" in out.stderr
+
+
+@pytest.mark.slow
+def test_bad_rows_on_one_rank_are_agreed_and_raised_on_every_rank(tmp_path):
+    """The API: rank 1 alone reads a batch with a NaN (a damaged read there); every rank raises
+    rank 1's DataError, none steps."""
+    script = tmp_path / "bad_rows.py"
+    script.write_text("""\
+import numpy as np
+import kfac_compiler as kc
+from kfac_compiler.errors import DataError
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Trainer
+
+entry = ZOO["mlp_classifier"]
+plan = kc.compile(entry.build(seed=0), loss=entry.loss, output=entry.output_name, emit=False)
+x, y = entry.make_data(64, seed=0)
+trainer = Trainer(plan, batch_size=64)
+trainer.step(x, y)
+if trainer.rank == 1:
+    x["input"][40, 3] = np.nan
+try:
+    trainer.step(x, y)
+except DataError as e:
+    print(f"rank {trainer.rank} raised: {e} | steps {trainer.step_count}", flush=True)
+""")
+    out = run_ranks(2, [sys.executable, str(script)], env={"PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    lines = sorted(out.stdout.splitlines())
+    assert len(lines) == 2 and lines[0].startswith("rank 0 raised: rank 1: ") and lines[1].startswith("rank 1 raised: rank 1: ")
+    assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1] == (
+        "rank 1: batch: array 'input' contains 1 NaN/Inf value(s) | steps 1")
+
+
+# --------------------------------------------------------------------------- interrupt, resume
+def _interrupted_run(tmp_path, send) -> tuple[subprocess.CompletedProcess, str, str]:
+    metrics, ckpt = str(tmp_path / "m.csv"), str(tmp_path / "run.ckpt")
+    proc = subprocess.Popen(rank_command(2, [*TRAIN, "--steps", "100000", "--batch-size", "64", "--metrics", metrics,
+                                             "--checkpoint", ckpt]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1"))
+    try:
+        deadline = time.monotonic() + 180
+        while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) > 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        send(proc)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), metrics, ckpt
+
+
+def _rank_pid(mpirun_pid: int, rank: int) -> int:
+    """The pid of `rank` among mpirun's children (read off their environment)."""
+    for pid in subprocess.run(["pgrep", "-P", str(mpirun_pid)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    raise AssertionError(f"no rank {rank} under mpirun {mpirun_pid}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGUSR1 to mpirun", "SIGINT to rank 1 alone"])
+def test_interrupt_stops_every_rank_at_one_step(tmp_path, how):
+    if how == "SIGUSR1 to mpirun":
+        send = lambda proc: os.kill(proc.pid, signal.SIGUSR1)  # noqa: E731 (mpirun forwards it)
+    else:
+        if not os.path.isdir("/proc"):
+            pytest.skip("finding a rank's pid reads /proc")
+        send = lambda proc: os.kill(_rank_pid(proc.pid, 1), signal.SIGINT)  # noqa: E731
+    out, metrics, ckpt = _interrupted_run(tmp_path, send)
+    assert out.returncode == 130
+    steps = [int(r["step"]) for r in rows(metrics)]
+    last = len(steps)
+    assert steps == list(range(last))
+    assert [line for line in ours(out.stderr) if not line.startswith("training ")] == [
+        f"interrupted at step {last}; checkpoint written to {ckpt}"]
+    assert read_meta(ckpt)["host"]["step_count"] == last  # the step every rank stopped at
+
+
+@pytest.mark.slow
+def test_resume_on_two_ranks_continues_the_straight_run(tmp_path):
+    common = ["--batch-size", "64", "-q"]
+    straight, half = tmp_path / "straight.ckpt", tmp_path / "half.ckpt"
+    a = run_ranks(2, [*TRAIN, "--steps", "6", "--checkpoint", str(straight), "--checkpoint-every", "3",
+                      "--metrics", str(tmp_path / "straight.csv"), *common])
+    assert a.returncode == 0, a.stderr
+    b = run_ranks(2, [*TRAIN, "--steps", "3", "--checkpoint", str(half), "--metrics", str(tmp_path / "half.csv"),
+                      *common])
+    assert b.returncode == 0, b.stderr
+    c = run_ranks(2, [*TRAIN, "--steps", "6", "--resume", str(half), "--checkpoint", str(half),
+                      "--metrics", str(tmp_path / "half.csv"), *common])
+    assert c.returncode == 0, c.stderr
+    assert ours(c.stderr) == []  # the same number of ranks: no note
+    assert_same_run(rows(tmp_path / "half.csv"), rows(tmp_path / "straight.csv"))
+    for p, q in zip(params(half), params(straight)):
+        np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-7)
+    assert read_meta(half)["host"]["step_count"] == 6
+
+
+@pytest.mark.slow
+def test_resume_on_another_number_of_ranks_is_allowed_with_a_note(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    b = run_ranks(2, [*TRAIN, "--steps", "3", "--batch-size", "64", "--checkpoint", str(ckpt), "-q"])
+    assert b.returncode == 0, b.stderr
+    c = run_ranks(4, [*TRAIN, "--steps", "6", "--resume", str(ckpt), "--checkpoint", str(ckpt),
+                      "--metrics", str(tmp_path / "m.csv"), "-q"])
+    assert c.returncode == 0, c.stderr
+    assert ours(c.stderr) == [f"warning: checkpoint {str(ckpt)!r} was written by 2 ranks, resuming on 4: the same run "
+                              "up to float rounding (the batches, noise and factors do not depend on the number of "
+                              "ranks)"]
+    assert read_meta(ckpt)["ranks"] == 4
+    straight = one_process(tmp_path, "--steps", "6", "--batch-size", "64")
+    assert_same_run(rows(tmp_path / "m.csv"), straight[3:], rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_rank_0_failing_to_write_a_checkpoint_stops_every_rank_at_that_step(tmp_path):
+    """A full disk when rank 0 writes the periodic checkpoint at step 4 (the others have moved
+    on): every rank stops there, the metrics stay, one line names rank 0."""
+    script = tmp_path / "full_disk.py"
+    script.write_text("""\
+import errno, sys
+import kfac_compiler.runtime.checkpoint as checkpoint
+from kfac_compiler.train_cli import main
+
+def full(trainer, path):
+    raise OSError(errno.ENOSPC, "No space left on device")
+checkpoint.save_checkpoint = full
+sys.exit(main(sys.argv[1:]))
+""")
+    metrics, ckpt = tmp_path / "m.csv", tmp_path / "run.ckpt"
+    out = run_ranks(2, [sys.executable, str(script), "train", "--steps", "8", "--batch-size", "64", "-q",
+                        "--metrics", str(metrics), "--checkpoint", str(ckpt), "--checkpoint-every", "4"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert ours(out.stderr) == [f"error: rank 0: stopped at step 4: --checkpoint: cannot write {str(ckpt)!r}: "
+                                f"the disk is full: free space or choose another location (written: metrics {str(metrics)!r})"]
+    lines = out.stdout.splitlines()  # as in one process: the summary of the steps taken, what was written
+    assert len(lines) == 3 and "(4 steps" in lines[0] and lines[2] == f"metrics written to {metrics}"
+    assert [r["step"] for r in rows(metrics)] == ["0", "1", "2", "3"] and not ckpt.exists()
