@@ -95,13 +95,8 @@ def abort(comm: Communicator, line: str, code: int) -> None:
 
 
 def traffic(sent: Mapping[str, int], steps: int) -> str:
-    """`gradients 33.9 kB, loss 4 B, ...`: bytes each rank sent per step, by kind."""
+    """`gradients 33.1 KiB, loss 4 B, ...`: bytes each rank sent per step, by kind."""
+    from kfac_compiler.report import human_bytes
+
     per = sorted(((kind, total / max(steps, 1)) for kind, total in sent.items() if total), key=lambda kv: -kv[1])
-    return ", ".join(f"{kind} {_size(n)}" for kind, n in per) or "nothing"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
+    return ", ".join(f"{kind} {human_bytes(round(n))}" for kind, n in per) or "nothing"

@@ -248,9 +248,15 @@ SPINNING_SUBGRAPHS = ("kfac_step", "sgd_step", "adam_step")
 ARENA_SUBGRAPHS = SPINNING_SUBGRAPHS
 
 
+def every_step(name: str, subgraphs: Sequence[str]) -> bool:
+    """Whether session `name` is one of `subgraphs` or a stage of one ("kfac_step/stage1": a
+    data-parallel step cut at its reduction points, runtime/staged.py)."""
+    return name.split("/", 1)[0] in subgraphs
+
+
 def memory_options(options: ort.SessionOptions, device: Device, name: str) -> None:
     """Set the CPU arena and memory pattern of subgraph `name`'s session (see ARENA_SUBGRAPHS)."""
-    options.enable_cpu_mem_arena = name in ARENA_SUBGRAPHS
+    options.enable_cpu_mem_arena = every_step(name, ARENA_SUBGRAPHS)
     if device.name == "cpu":
         options.enable_mem_pattern = False
 
@@ -261,6 +267,7 @@ def make_session(model: "onnx.ModelProto | bytes", device: "str | Device", name:
     dev = get_device(device)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
+    # a stage of a step (every_step) does not spin: the next stage's session runs right after it
     options = session_options(threads, spin=name in SPINNING_SUBGRAPHS)
     memory_options(options, dev, name)
     sess = ort.InferenceSession(data, options, providers=list(dev.providers))
