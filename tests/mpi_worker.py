@@ -9,7 +9,6 @@ import json
 import os
 import sys
 
-import numpy as np
 
 
 def train(config: dict, comm="auto") -> dict:
