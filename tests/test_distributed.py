@@ -51,37 +51,31 @@ KFAC = {"model": "mlp_classifier", "optimizer": "kfac", "steps": 8, "batch": 64,
 
 
 def test_two_ranks_take_the_one_process_steps_and_share_the_inverse_work(tmp_path):
-    """K-FAC with the quadratic model, damping adaptation, sampled Fisher targets, statistics
-    every other step and inverses in two refresh groups: two ranks match one process."""
-    ranks = on_ranks(2, KFAC, tmp_path)
-    single = train(KFAC, comm=None)
+    """K-FAC with the quadratic model, damping adaptation, sampled Fisher targets and
+    statistics every other step: two ranks match one process; each block's inverse is
+    computed on one rank; and each rank sends, per step, the gradients and the loss (4 bytes a
+    value), and every factor and inverse once per refresh: at the first step and after steps
+    3 and 6 (inv_update_period 3), not on each statistics step."""
+    config = {**KFAC, "knobs": {"inv_update_period": 3, "cov_update_period": 2, "inverse_groups": 1}}
+    ranks = on_ranks(2, config, tmp_path)
+    single = train(config, comm=None)
     assert_same_run(ranks, single, rtol=2e-4)
     # each block's inverse is computed on one rank: the owners partition the blocks, by cost
     owners = ranks[0]["owners"]
     assert sorted(ranks[0]["owned"] + ranks[1]["owned"]) == sorted(owners)
     assert all(owners[layer] == r["rank"] for r in ranks for layer in r["owned"])
     assert {0, 1} == set(owners.values())
-    # and `inspect --ranks 2` reports the assignment the run used
-    e = ZOO[KFAC["model"]]
-    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
-    assert {layer: r["rank"] for r in rank_assignment(plan, 2) for layer in r["blocks"]} == owners
     assert ranks[0]["threads"] == ranks[1]["threads"] == max(1, physical_cores() // 2)  # the cores shared
-
-
-def test_bytes_sent_follow_the_schedule(tmp_path):
-    """Per rank: the gradients and the loss every step (4 bytes a value); every factor and
-    every inverse once per refresh, here at the first step and after steps 3 and 6
-    (inv_update_period 3, one refresh group), not on each statistics step."""
-    config = {**KFAC, "knobs": {"inv_update_period": 3, "cov_update_period": 1, "inverse_groups": 1}}
-    ranks = on_ranks(2, config, tmp_path)
+    # and `inspect --ranks 2` reports the assignment the run used
     e = ZOO[config["model"]]
     plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    assert {layer: r["rank"] for r in rank_assignment(plan, 2) for layer in r["blocks"]} == owners
+    # the bytes each rank sent, by kind
     n_params = sum(int(np.prod(np.shape(v))) for v in ranks[0]["params"].values())
     steps = config["steps"]
-    layers = list(ranks[0]["owners"])
-    blocks = plan_blocks(plan, layers)
-    factor_bytes = sum(4 * int(np.prod(s.shape)) for layer in layers for s in blocks[layer].factor_specs())
-    inverse_bytes = sum(4 * int(np.prod(s.shape)) for layer in layers for s in blocks[layer].inverse_specs())
+    blocks = plan_blocks(plan, list(owners))
+    factor_bytes = sum(4 * int(np.prod(s.shape)) for layer in owners for s in blocks[layer].factor_specs())
+    inverse_bytes = sum(4 * int(np.prod(s.shape)) for layer in owners for s in blocks[layer].inverse_specs())
     for rank in ranks:
         sent = rank["sent"]
         assert sent["gradients"] == 4 * n_params * steps
@@ -92,7 +86,7 @@ def test_bytes_sent_follow_the_schedule(tmp_path):
 
 
 @pytest.mark.parametrize("config", [
-    pytest.param(KFAC, id="kfac_mlp"),
+    pytest.param(KFAC, id="kfac_mlp_two_refresh_groups", marks=pytest.mark.slow),
     pytest.param({"model": "small_cnn", "optimizer": "kfac", "steps": 5, "batch": 32, "seed": 0, "knobs": {}},
                  id="kfac_cnn", marks=pytest.mark.slow),
     pytest.param({"model": "mlp_classifier", "optimizer": "adam", "steps": 5, "batch": 64, "seed": 0, "knobs": {}},
