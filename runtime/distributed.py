@@ -45,14 +45,17 @@ class SharedRefresher:
     owner broadcasts its blocks' inverses. Same call and attributes as InverseRefresher."""
 
     def __init__(self, plan: Plan, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
-                 groups: Sequence[Sequence[str]] | None, owners: Mapping[str, int], comm: Communicator) -> None:
+                 groups: Sequence[Sequence[str]] | None, owners: Mapping[str, int] | None, comm: Communicator) -> None:
         self.comm = comm
         self.slots = C.layer_slots(reader.state_inputs, C.INVERSE)
         self.groups = [list(g) for g in groups] if groups is not None else [list(self.slots)]
-        self.owners = dict(owners)
+        # without an assignment (an optimizer plugin that makes none) rank 0 refreshes every block
+        self.owners = dict(owners) if owners is not None else {layer: 0 for layer in self.slots}
         mine = {layer for layer in self.slots if self.owners[layer] == comm.rank}
         local_groups = [[layer for layer in g if layer in mine] for g in self.groups]
-        self.local = InverseRefresher(plan, emitted, reader, method, local_groups, layers=mine)
+        programs = [emitted] if isinstance(emitted, Program) else list(emitted)
+        programs = [p if g else None for p, g in zip(programs, local_groups)]  # groups this rank owns none of
+        self.local = InverseRefresher(plan, programs, reader, method, local_groups, layers=mine)
         self.fallbacks: list[str] = []
 
     @property

@@ -115,6 +115,7 @@ class Kfac(Optimizer):
         method = self.inverse_method
         slots = C.layer_slots(step.state_inputs, C.INVERSE)
         layers = [layer.name for layer in tr.plan.layers if layer.name in slots]  # the plan's order, as inspect
+        layers += [layer for layer in slots if layer not in layers]
         blocks = plan_blocks(tr.plan, layers)
         costs = {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}
         count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
