@@ -6,7 +6,7 @@ writes, and how an error on one rank stops all of them without a hang.
 
 * Rank 0 alone prints and writes the outputs; the other ranks print nothing on success
   (their warnings are dropped: every rank would print the same ones).
-* An error at an agreement point (`agreed(comm, setup)`, the Trainer's data checks, the
+* An error at an agreement point (runtime.comm's `agreed(comm, setup)`, the Trainer's data checks, the
   final outcome) is raised on every rank with its message led by `rank r:` (the rank that
   saw it); rank 0 prints it, every rank exits with its code.
 * Anything else (an error only one rank sees while the others wait in a collective, a bug)
@@ -19,15 +19,12 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kfac_compiler.errors import KfacError, one_line
 
 if TYPE_CHECKING:
     from kfac_compiler.runtime.comm import Communicator
-
-T = TypeVar("T")
-
 
 def world() -> Communicator | None:
     """MPI.COMM_WORLD's ranks when launched under mpirun with more than one rank, else None."""
@@ -38,22 +35,6 @@ def world() -> Communicator | None:
 
 def is_root(comm: Communicator | None) -> bool:
     return comm is None or comm.is_root
-
-
-def agreed(comm: Communicator | None, work: Callable[[], T]) -> T:
-    """work(), where a KfacError on any rank is raised on every rank (led by `rank r:`).
-    `work` must not enter a collective: a rank that failed before it would leave the others
-    waiting there."""
-    error = None
-    try:
-        result = work()
-    except KfacError as e:
-        if comm is None:
-            raise
-        error = e
-    if comm is not None:
-        comm.agree(error)
-    return result
 
 
 def stop_together(comm: Communicator | None, stop: bool) -> bool:

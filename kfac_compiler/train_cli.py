@@ -316,7 +316,7 @@ def run_train(args) -> int:
 def _run(args, comm) -> int:
     from contextlib import ExitStack
 
-    from kfac_compiler.ranks import agreed
+    from kfac_compiler.runtime.comm import agreed
 
     with ExitStack() as held:  # rank 0's output locks, held to the end of the run
         outputs = agreed(comm, lambda: _check(args, comm, held))
@@ -384,7 +384,8 @@ def _build(args, outputs: list["Output"], comm):
     """(plan, zoo entry, inputs, targets, trainer): every rank builds the same; rank 0 checks
     its outputs' disks and continues a resumed metrics file."""
     from kfac_compiler.outputs import check_space
-    from kfac_compiler.ranks import agreed, is_root
+    from kfac_compiler.ranks import is_root
+    from kfac_compiler.runtime.comm import agreed
     from kfac_compiler.resume import continue_metrics
     from kfac_compiler.runtime.trainer import Trainer
 

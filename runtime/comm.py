@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from kfac_compiler.errors import ConfigError, KfacError
 
 # environment variables a launcher sets to the number of ranks (Open MPI, MPICH/Hydra, PMIx)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+T = TypeVar("T")
 INSTALL_HINT = "pip install 'kfac_compiler[mpi]' (mpi4py and Open MPI from PyPI)"
 
 
@@ -55,7 +56,6 @@ class Communicator:
         self.rank = int(comm.Get_rank())
         self.size = int(comm.Get_size())
         self.sent: dict[str, int] = defaultdict(int)  # payload bytes per rank, by kind
-        self.calls: dict[str, int] = defaultdict(int)
         self.seconds = 0.0  # wall time in collectives (waiting for the slowest rank included)
 
     @property
@@ -71,7 +71,6 @@ class Communicator:
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.sent[kind] += int(nbytes)
-        self.calls[kind] += 1
 
     def mean(self, arrays: Sequence[np.ndarray], kind: str | Sequence[str]) -> list[np.ndarray]:
         """Every array's mean over the ranks (float32), in one all-reduce of their packed
@@ -80,25 +79,17 @@ class Communicator:
         arrays = [np.asarray(a, np.float32) for a in arrays]
         if not arrays:
             return []
-        buf = np.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1).copy()
+        buf = _packed(arrays)
         self._timed(self.comm.Allreduce, mpi().IN_PLACE, buf, op=mpi().SUM)
         buf /= np.float32(self.size)
         kinds = [kind] * len(arrays) if isinstance(kind, str) else list(kind)
         for k in dict.fromkeys(kinds):
             self._count(k, sum(a.nbytes for a, ak in zip(arrays, kinds) if ak == k))
-        out, start = [], 0
-        for a in arrays:
-            out.append(buf[start:start + a.size].reshape(a.shape))
-            start += a.size
-        return out
+        return _unpacked(buf, arrays)
 
     def minimum(self, value: float, kind: str = "flags") -> float:
         self._count(kind, 8)
         return float(self._timed(self.comm.allreduce, float(value), op=mpi().MIN))
-
-    def total(self, value: float, kind: str = "flags") -> float:
-        self._count(kind, 8)
-        return float(self._timed(self.comm.allreduce, float(value), op=mpi().SUM))
 
     def broadcast(self, arrays: Sequence[np.ndarray], root: int, kind: str) -> list[np.ndarray]:
         """`arrays` as the rank `root` holds them (every rank passes arrays of the same shapes),
@@ -106,14 +97,10 @@ class Communicator:
         arrays = [np.asarray(a, np.float32) for a in arrays]
         if not arrays:
             return []
-        buf = np.concatenate([a.reshape(-1) for a in arrays])
+        buf = _packed(arrays)
         self._timed(self.comm.Bcast, buf, root=root)
         self._count(kind, buf.nbytes)
-        out, start = [], 0
-        for a in arrays:
-            out.append(buf[start:start + a.size].reshape(a.shape))
-            start += a.size
-        return out
+        return _unpacked(buf, arrays)
 
     def agree(self, error: BaseException | None = None, stop: bool = False) -> bool:
         """Every rank's outcome of a local step (an error, a stop request): the first failing
@@ -136,8 +123,32 @@ class Communicator:
         """Every rank's `value` (a small picklable object), in rank order."""
         return self._timed(self.comm.allgather, value)
 
-    def barrier(self) -> None:
-        self._timed(self.comm.Barrier)
+
+def _packed(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """One contiguous float32 buffer of the arrays, flattened in order (a copy: the
+    collectives work in place)."""
+    return np.concatenate([a.reshape(-1) for a in arrays])
+
+
+def _unpacked(buf: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Views of `buf` shaped like the arrays `like`, in order (_packed's inverse)."""
+    ends = np.cumsum([a.size for a in like])
+    return [part.reshape(a.shape) for part, a in zip(np.split(buf, ends[:-1]), like)]
+
+
+def agreed(comm: Communicator | None, work: Callable[[], T]) -> T:
+    """work(), where in a data-parallel run a KfacError on any rank is raised on every rank
+    (Communicator.agree: led by `rank r:`) instead of leaving the others waiting. `work` must
+    not enter a collective: a rank that failed before it would leave the others waiting there."""
+    if comm is None:
+        return work()
+    result, error = None, None
+    try:
+        result = work()
+    except KfacError as e:
+        error = e
+    comm.agree(error)
+    return result
 
 
 def as_communicator(comm: Any = "auto") -> Communicator | None:

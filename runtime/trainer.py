@@ -26,11 +26,11 @@ import numpy as np
 import onnx
 
 from kfac_compiler import contract as C
-from kfac_compiler.errors import CheckpointError, ConfigError, DataError, KfacError, PlanError
+from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.comm import as_communicator
+from kfac_compiler.runtime.comm import agreed, as_communicator
 from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, mean_factors
@@ -178,23 +178,10 @@ class Trainer:
         rows = array.shape[0] // self.ranks
         return array[self.rank * rows:(self.rank + 1) * rows]
 
-    def _agreed(self, prepare, *args: Any) -> dict[str, np.ndarray]:
-        """prepare(*args), where in a data-parallel run every rank raises the first failing
-        rank's error (its message names the rank) instead of leaving the others waiting."""
-        if self.comm is None:
-            return prepare(*args)
-        data, error = None, None
-        try:
-            data = prepare(*args)
-        except KfacError as e:
-            error = e
-        self.comm.agree(error)
-        return data
-
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
         """One optimizer step on a batch; returns host-float metrics. `weights`: optional
         per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
-        data = self._agreed(self._prepare, inputs, targets, weights)
+        data = agreed(self.comm, lambda: self._prepare(inputs, targets, weights))
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         metrics = self.policy.step(data)
@@ -205,7 +192,7 @@ class Trainer:
 
     def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
         """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""
-        return self.policy.burn_in(self._agreed(self._prepare, inputs, targets))
+        return self.policy.burn_in(agreed(self.comm, lambda: self._prepare(inputs, targets)))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
