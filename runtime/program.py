@@ -136,13 +136,7 @@ class Program:
         result, or a list of names. A stage of a cut step (runtime/staged.py) passes the
         tensors earlier stages made (`carried`), asks for results as device OrtValues without
         a copy (`keep`), and flips the state itself after the last stage (flip=False)."""
-        if data:
-            for name, arr in data.items():
-                if name in self.input_dtypes:
-                    store.write_data(name, arr, self.input_dtypes[name], channel)
-        if hp:
-            for name, v in hp.items():
-                store.set_hp(name, v)
+        write_inputs(store, data, hp, self.input_dtypes, channel)
         if results is True:
             want = tuple(self.results)
         else:
@@ -221,6 +215,17 @@ class Program:
         for r in want:
             out[r] = fetched[r]
         return out
+
+
+def write_inputs(store: StateStore, data: Mapping[str, np.ndarray] | None, hp: Mapping[str, float] | None,
+                 dtypes: Mapping[str, Any], channel: str) -> None:
+    """Write a run's batch arrays (those named in `dtypes`, the inputs the run has, in their
+    dtypes) into the store's `channel` and its hyper-parameters into the store's scalars."""
+    for name, arr in (data or {}).items():
+        if name in dtypes:
+            store.write_data(name, arr, dtypes[name], channel)
+    for name, v in (hp or {}).items():
+        store.set_hp(name, v)
 
 
 def _bind(bound: dict, how: Callable[[str, ort.OrtValue], None], name: str, value: ort.OrtValue) -> None:

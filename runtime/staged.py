@@ -20,7 +20,7 @@ import onnxruntime as ort
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.runtime.comm import Communicator
-from kfac_compiler.runtime.program import ContractError, Program, _as_device
+from kfac_compiler.runtime.program import ContractError, Program, _as_device, write_inputs
 from kfac_compiler.runtime.stages import Stage, split_stages
 from kfac_compiler.runtime.state import StateStore
 
@@ -72,13 +72,7 @@ class StagedProgram:
             channel: str = "train") -> dict[str, Any]:
         if results:
             raise ValueError(f"subgraph {self.name!r} runs in stages and returns metrics only")
-        if hp:
-            for name, v in hp.items():
-                store.set_hp(name, v)
-        if data:  # every stage reads the store's buffers: each input written once
-            for name, arr in data.items():
-                if name in self.input_dtypes:
-                    store.write_data(name, arr, self.input_dtypes[name], channel)
+        write_inputs(store, data, hp, self.input_dtypes, channel)  # once: every stage reads the store
         values: dict[str, ort.OrtValue] = {}
         out: dict[str, Any] = {}
         seconds = 0.0

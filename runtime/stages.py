@@ -56,7 +56,7 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     inputs = {i.name for i in graph.input}
     stage_of: dict[str, int] = {}   # tensor -> the stage that makes it (graph inputs: absent)
     constant: set[str] = set()      # tensors fed by initializers and constants only
-    markers, placed = {}, []        # reduced tensor -> local; [(node, stage or None: constant)]
+    markers, placed = {}, []        # reduced tensor -> local; [(node, stage or None: constant, its reads)]
     for node in graph.node:
         if node.op_type == "Identity" and len(node.output) == 1 and node.output[0] in reduced:
             local = node.input[0]
@@ -68,12 +68,12 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
         reads = _reads(node)
         if all(n in initializers or n in constant for n in reads) and node.op_type != "If":
             constant.update(node.output)
-            placed.append((node, None))
+            placed.append((node, None, reads))
             continue
         s = max((stage_of[n] for n in reads if n in stage_of), default=0)
         for o in node.output:
             stage_of[o] = s
-        placed.append((node, s))
+        placed.append((node, s, reads))
     missing = sorted(set(reduced) - set(markers))
     if missing:
         raise StageError(f"reduced tensor {missing[0]!r} has no Identity marker in the graph")
@@ -87,9 +87,9 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     types = _tensor_types(model)
     # what each stage reads, and which tensors cross a stage boundary
     reads_in: list[set[str]] = [set() for _ in range(count)]
-    for node, s in placed:
+    for _, s, reads in placed:
         if s is not None:
-            reads_in[s].update(_reads(node))
+            reads_in[s].update(reads)
     for k, cut in enumerate(cuts):
         reads_in[k].update(cut.values())  # the host reads the locals after stage k
     for name in outputs:
@@ -97,8 +97,8 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
             reads_in[stage_of[name]].add(name)
     stages = []
     for s in range(count):
-        nodes = _with_constants([n for n, t in placed if t == s], [n for n, t in placed if t is None],
-                                reads_in[s] | {n for node, t in placed if t == s for n in _reads(node)})
+        nodes = _with_constants([n for n, t, _ in placed if t == s], [(n, r) for n, t, r in placed if t is None],
+                                reads_in[s])
         made = {o for n in nodes for o in n.output}
         carried_in = sorted(n for n in reads_in[s] if n not in made and n in stage_of and n not in inputs)
         later = set().union(*reads_in[s + 1:]) if s + 1 < count else set()
@@ -109,17 +109,16 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     return stages
 
 
-def _with_constants(nodes: list[onnx.NodeProto], constants: list[onnx.NodeProto],
+def _with_constants(nodes: list[onnx.NodeProto], constants: list[tuple[onnx.NodeProto, list[str]]],
                     wanted: set[str]) -> list[onnx.NodeProto]:
-    """`nodes` preceded by the constant nodes they (transitively) read."""
+    """`nodes` preceded by the constant nodes (with what each reads) that `wanted`, what the
+    stage reads, (transitively) needs."""
     need = set(wanted)
-    for node in nodes:
-        need.update(_reads(node))
     keep = []
-    for node in reversed(constants):
+    for node, reads in reversed(constants):
         if any(o in need for o in node.output):
             keep.append(node)
-            need.update(_reads(node))
+            need.update(reads)
     return list(reversed(keep)) + nodes
 
 
