@@ -248,76 +248,12 @@ def model_rows(name: str, comm: PlanComm, batch: int, ranks: int, links: Sequenc
 
 
 # ------------------------------------------------------------------------- the models
-def _resnet50(num_classes: int = 1000, seed: int = 0):
-    """torchvision's ResNet-50 (v1.5: stride on the 3x3 conv), module for module, without
-    torchvision: bottlenecks [3, 4, 6, 3] of widths 64..512 (x4 out), 25.6M parameters."""
-    import torch
-    from torch import nn
-
-    from kfac_compiler.models.torch_exports import _distinct
-
-    class Bottleneck(nn.Module):
-        expansion = 4
-
-        def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
-            super().__init__()
-            self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(planes)
-            self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(planes)
-            self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
-            self.bn3 = nn.BatchNorm2d(planes * 4)
-            self.relu = nn.ReLU(inplace=True)
-            self.downsample = downsample
-
-        def forward(self, x):
-            identity = x if self.downsample is None else self.downsample(x)
-            out = self.relu(self.bn1(self.conv1(x)))
-            out = self.relu(self.bn2(self.conv2(out)))
-            return self.relu(self.bn3(self.conv3(out)) + identity)
-
-    class ResNet50(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inplanes = 64
-            self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-            self.bn1 = nn.BatchNorm2d(64)
-            self.relu = nn.ReLU(inplace=True)
-            self.maxpool = nn.MaxPool2d(3, 2, 1)
-            self.layer1 = self._layer(64, 3, 1)
-            self.layer2 = self._layer(128, 4, 2)
-            self.layer3 = self._layer(256, 6, 2)
-            self.layer4 = self._layer(512, 3, 2)
-            self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-            self.fc = nn.Linear(2048, num_classes)
-            for m in self.modules():
-                if isinstance(m, nn.Conv2d):
-                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-        def _layer(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
-            down = None
-            if stride != 1 or self.inplanes != planes * 4:
-                down = nn.Sequential(nn.Conv2d(self.inplanes, planes * 4, 1, stride, bias=False), nn.BatchNorm2d(planes * 4))
-            layers = [Bottleneck(self.inplanes, planes, stride, down)]
-            self.inplanes = planes * 4
-            layers += [Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]
-            return nn.Sequential(*layers)
-
-        def forward(self, x):
-            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-            return self.fc(torch.flatten(self.avgpool(x), 1))
-
-    torch.manual_seed(seed)
-    return _distinct(ResNet50(), seed)
-
-
 def _export_resnet50(path: str) -> None:
     import numpy as np
 
     from kfac_compiler.models import torch_exports as te
 
-    te.export(_resnet50(), path, np.zeros((1, 3, 224, 224), np.float32))
+    te.export(te.resnet50(), path, np.zeros((1, 3, 224, 224), np.float32))
 
 
 def _export_gpt2_small(path: str) -> None:

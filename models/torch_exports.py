@@ -57,7 +57,7 @@ def _distinct(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
-# ------------------------------------------------------------------------------ ResNet-18
+# ------------------------------------------------------------------------------ ResNet-18 and -50
 class _BasicBlock(nn.Module):
     expansion = 1
 
@@ -76,32 +76,56 @@ class _BasicBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
-class _ResNet18(nn.Module):
-    """torchvision.models.resnet18's layers, names and initialisation."""
+class _Bottleneck(nn.Module):
+    expansion = 4
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)  # v1.5: the stride here
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self.relu(self.bn3(self.conv3(out)) + identity)
+
+
+class _ResNet(nn.Module):
+    """torchvision.models.ResNet's layers, names and initialisation: `block` (_BasicBlock or
+    _Bottleneck) repeated `layers` times in the four stages."""
+
+    def __init__(self, block: type, layers: tuple[int, int, int, int], num_classes: int = 10):
         super().__init__()
         self.inplanes = 64
         self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, 2, 1)
-        self.layer1 = self._layer(64, 1)
-        self.layer2 = self._layer(128, 2)
-        self.layer3 = self._layer(256, 2)
-        self.layer4 = self._layer(512, 2)
+        self.layer1 = self._layer(block, 64, layers[0], 1)
+        self.layer2 = self._layer(block, 128, layers[1], 2)
+        self.layer3 = self._layer(block, 256, layers[2], 2)
+        self.layer4 = self._layer(block, 512, layers[3], 2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(512 * block.expansion, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
-    def _layer(self, planes: int, stride: int) -> nn.Sequential:
+    def _layer(self, block: type, planes: int, count: int, stride: int) -> nn.Sequential:
+        out = planes * block.expansion
         down = None
-        if stride != 1 or self.inplanes != planes:
-            down = nn.Sequential(nn.Conv2d(self.inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
-        blocks = [_BasicBlock(self.inplanes, planes, stride, down), _BasicBlock(planes, planes)]
-        self.inplanes = planes
+        if stride != 1 or self.inplanes != out:
+            down = nn.Sequential(nn.Conv2d(self.inplanes, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+        blocks = [block(self.inplanes, planes, stride, down)]
+        self.inplanes = out
+        blocks += [block(out, planes) for _ in range(1, count)]
         return nn.Sequential(*blocks)
 
     def forward(self, x):
@@ -116,8 +140,15 @@ def resnet18(num_classes: int = 10, seed: int = 0) -> nn.Module:
     try:
         from torchvision.models import resnet18 as tv_resnet18
     except ImportError:
-        return _distinct(_ResNet18(num_classes), seed)
+        return _distinct(_ResNet(_BasicBlock, (2, 2, 2, 2), num_classes), seed)
     return _distinct(tv_resnet18(num_classes=num_classes), seed)
+
+
+def resnet50(num_classes: int = 1000, seed: int = 0) -> nn.Module:
+    """ResNet-50 (v1.5) with `num_classes` outputs: torchvision's layers without torchvision
+    (bottlenecks [3, 4, 6, 3], 25.6M parameters at 1000 classes)."""
+    torch.manual_seed(seed)
+    return _distinct(_ResNet(_Bottleneck, (3, 4, 6, 3), num_classes), seed)
 
 
 # ------------------------------------------------------------------------------ MobileNetV2
