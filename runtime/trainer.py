@@ -289,13 +289,13 @@ class Trainer:
                 return os.fspath(path)
         return save_checkpoint(self, path)
 
-    def reduce_moving_averages(self, layers: Sequence[str] | None = None) -> None:
-        """Replace every factor slot (of `layers`, or all) by its mean over the ranks. Each rank
+    def reduce_moving_averages(self) -> None:
+        """Replace every factor slot by its mean over the ranks. Each rank
         keeps the moving average of its own examples' statistics; the average is linear in
         them, so the mean of the ranks' averages is the moving average of the whole batches'
         statistics, exactly. Collective; nothing to do in one process."""
         if self.comm is not None:
-            mean_factors(self.store, self.comm, layers)
+            mean_factors(self.store, self.comm)
 
     def mean_over_ranks(self, value: float) -> float:
         """A host scalar's mean over the ranks (itself in one process)."""
