@@ -34,7 +34,6 @@ import numpy as np
 import scipy.linalg
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks.base import FisherBlock
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
 from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim
 from kfac_compiler.blocks.registry import register_block
@@ -42,6 +41,7 @@ from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
 PSI_MAX = 0.99
+DENSE_MAX = 2048  # non-integer powers: a dense eigh of the layer's [n, n] F, n = (in+1) out
 NEUMANN_DOUBLINGS = 10  # emitted (I - Psi)^-1 ~ prod_{k<m} (I + Psi^(2^k)): 2^m terms
 
 
@@ -201,30 +201,79 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
             state = dict(previous) if previous is not None else self._fallback_state()
         return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, bool(ok)
 
-    # ---- the power hook: F^-1 by the host state (numpy_inverse), F itself from the factors;
-    # no other power (numpy_matpower: the inverse state only, as the contract's default)
-    host_matpowers = False
-    numpy_matpower = FisherBlock.numpy_matpower
+    # ---- the power hook. A state is the inverse state (numpy_inverse: K_A, K_G, D_inv(,
+    # A_psi, G_psi)) or a numpy_matpower state: for an integer exp the inverse state with
+    # "power" (applied |exp| times: F^-1 for exp < 0, F for exp > 0, solved from it on the
+    # host), for any other real exp "F_pow", the dense power of the layer's F (DENSE_MAX).
+    host_matpowers = True
+
+    def numpy_matpower(self, factors, damping, exp):
+        if exp == -1:
+            return self.numpy_inverse(factors, damping)
+        if float(exp) == int(exp):
+            state, ok = self.numpy_inverse(factors, damping)
+            return {**state, "power": np.asarray(float(exp))}, ok
+        return self._np_dense_power(factors, damping, float(exp))
+
+    def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
+        if state is None:
+            if exp != 1:
+                return self.numpy_multiply_matpower(vectors, factors, damping, exp)
+            return self.view.np_from(self._np_forward(self.view.np_to(vectors), self._state(factors, damping)))
+        X = self.view.np_to(vectors).astype(np.float64)
+        if "F_pow" in state:
+            return self.view.np_from((np.asarray(state["F_pow"], np.float64) @ X.reshape(-1)).reshape(X.shape))
+        k = self._repeats(exp if exp is not None else float(np.asarray(state.get("power", -1))))
+        st = {key: np.asarray(v, np.float64) for key, v in state.items() if key != "power"}
+        for _ in range(abs(k)):
+            X = self._np_inverse_apply(X, st) if k < 0 else self._np_forward(X, st)
+        return self.view.np_from(X)
 
     def emit_power(self, b, vectors, exp, *, factors=None, damping=None, state=None):
         if state is not None:
-            return self._emit_state_product(b, vectors, state)
-        if exp != 1:
+            if "F_pow" in state:
+                X = self.view.emit_to(b, vectors)
+                Y = b.matmul(state["F_pow"], b.reshape(X, [-1, 1]))
+                return self.view.emit_from(b, b.reshape(Y, [self.nG, self.nA]))
+            if exp is None and "power" in state:
+                raise ConfigError(
+                    f"layer {self.layer.name!r}: {self.name}: an integer-power state applies its power "
+                    "|exp| times: pass exp to emit_power"
+                )
+            k = self._repeats(-1 if exp is None else exp)
+            if k > 0:
+                raise ConfigError(
+                    f"layer {self.layer.name!r}: {self.name} power {exp} in ONNX is from the factors "
+                    "(emit_multiply_matpower), not from the inverse state"
+                )
+            X = self.view.emit_to(b, vectors)
+            for _ in range(-k):
+                X = self._emit_inverse_apply(b, X, state)
+            return self.view.emit_from(b, X)
+        k = self._repeats(exp)
+        if k < 0:
             raise ConfigError(
-                f"layer {self.layer.name!r}: {self.name} power {exp}: use numpy_inverse + emit_multiply_inverse"
+                f"layer {self.layer.name!r}: {self.name} power {exp} needs eigendecompositions: use the "
+                "host (numpy_matpower) or the inverse state (emit_power with state=)"
             )
-        return self._emit_fisher_product(b, vectors, factors, damping)
-
-    def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
-        if state is not None:
-            return self._np_state_product(vectors, state)
-        if exp != 1:
-            return self.numpy_multiply_matpower(vectors, factors, damping, exp)
-        return self._np_fisher_product(vectors, factors, damping)
-
-    # ---- multiply by the inverse (state from numpy_inverse)
-    def _emit_state_product(self, b, vectors, st):
         X = self.view.emit_to(b, vectors)
+        if k:
+            mats = self._emit_fisher_mats(b, factors, damping)
+            for _ in range(k):
+                X = self._emit_forward(b, X, mats)
+        return self.view.emit_from(b, X)
+
+    def _repeats(self, exp) -> int:
+        """An integer exp as an int; a ConfigError naming the host way for any other."""
+        if float(exp) != int(exp):
+            raise ConfigError(
+                f"layer {self.layer.name!r}: {self.name} power {exp} is not an integer: it needs a dense "
+                "eigendecomposition of the layer's F (numpy_matpower, host)"
+            )
+        return int(exp)
+
+    # ---- multiply by the inverse (state from numpy_inverse), on the matrix X [out, in+1]
+    def _emit_inverse_apply(self, b, X, st):
         if self.option == 2:
             X = b.sub(X, b.matmul(b.matmul(st["G_psi"], X), b.transpose(st["A_psi"], [1, 0])))
         Y = b.matmul(b.matmul(b.transpose(st["G_K"], [1, 0]), X), st["A_K"])
@@ -232,23 +281,20 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         Y = b.matmul(b.matmul(st["G_K"], Y), b.transpose(st["A_K"], [1, 0]))
         if self.option == 2:
             Y = b.sub(Y, b.matmul(b.matmul(b.transpose(st["G_psi"], [1, 0]), Y), st["A_psi"]))
-        return self.view.emit_from(b, Y)
+        return Y
 
-    def _np_state_product(self, vectors, st):
-        st = {k: np.asarray(v, np.float64) for k, v in st.items()}
-        X = self.view.np_to(vectors).astype(np.float64)
+    def _np_inverse_apply(self, X, st):
         if self.option == 2:
             X = X - st["G_psi"] @ X @ st["A_psi"].T
         Y = (st["G_K"].T @ X @ st["A_K"]) * st["D_inv"]
         Y = st["G_K"] @ Y @ st["A_K"].T
         if self.option == 2:
             Y = Y - st["G_psi"].T @ Y @ st["A_psi"]
-        return self.view.np_from(Y)
+        return Y
 
-    # ---- multiply by F (numpy: exact, same clipping as the inverse)
-    def _np_fisher_product(self, vectors, factors, damping):
-        st = self._state(factors, damping)
-        X = self.view.np_to(vectors).astype(np.float64)
+    # ---- multiply by F (numpy: exact, from the same clipped state as the inverse)
+    def _np_forward(self, X, st):
+        X = np.asarray(X, np.float64)
         Ka_inv, Kg_inv = np.linalg.inv(st["A_K"]), np.linalg.inv(st["G_K"])
         if self.option == 2:
             X = _solve_stein(X, st["A_psi"].T, st["G_psi"].T)  # (I - Psi^T)^-1
@@ -256,10 +302,33 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         Y = Kg_inv.T @ Z @ Ka_inv
         if self.option == 2:
             Y = _solve_stein(Y, st["A_psi"], st["G_psi"])  # (I - Psi)^-1
-        return self.view.np_from(Y)
+        return Y
+
+    # ---- any real power on the host: the dense F^-1 [n, n] (n = (in+1) out, row-major vec of
+    # X [out, in+1], where vec(L X R) = (L (x) R^T) vec(X)), one eigh, F^p = U s^-p U^T
+    def _np_dense_power(self, factors, damping, exp):
+        n = self.nA * self.nG
+        if n > DENSE_MAX:
+            raise ConfigError(
+                f"layer {self.layer.name!r}: {self.name} power {exp} needs a dense eigendecomposition of "
+                f"its {n} x {n} Fisher (at most {DENSE_MAX}); use an integer power"
+            )
+        st, ok = self.numpy_inverse(factors, damping)
+        st = {k: np.asarray(v, np.float64) for k, v in st.items()}
+        Finv = np.kron(st["G_K"], st["A_K"]) @ (st["D_inv"].reshape(-1)[:, None] * np.kron(st["G_K"].T, st["A_K"].T))
+        if self.option == 2:
+            Ipsi = np.eye(n) - np.kron(st["G_psi"], st["A_psi"])
+            Finv = Ipsi.T @ Finv @ Ipsi
+        s, U = np.linalg.eigh(linalg.np_symmetrized(Finv))
+        ok = ok and bool(np.all(s > 0) and np.isfinite(s).all())
+        with np.errstate(all="ignore"):
+            P = (U * np.where(s > 0, s, 1.0) ** -exp) @ U.T
+        dtype = np.result_type(*[np.asarray(v).dtype for v in factors.values()])
+        return {"F_pow": np.asarray(P, dtype)}, ok
 
     # ---- multiply by F in ONNX (no eigenvalue clipping; option 2 truncated at 2^m terms)
-    def _emit_fisher_product(self, b, vectors, factors, damping):
+    def _emit_fisher_mats(self, b, factors, damping) -> dict:
+        """The matrices F is applied with (built once however often it is applied)."""
         d = self._emit_damped(b, factors, damping)
         Ad, Gd = d["A"], d["G"]
         A1, G1 = factors["A_1"], factors["G_1"]
@@ -267,29 +336,38 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
             A1, G1 = linalg.emit_symmetrized(b, A1), linalg.emit_symmetrized(b, G1)
         Pa = b.matmul(A1, b.op("Inverse", [Ad], domain="com.microsoft"))
         Pg = b.matmul(G1, b.op("Inverse", [Gd], domain="com.microsoft"))
-        X = self.view.emit_to(b, vectors)
+        mats = {"Ad": Ad, "Gd": Gd, "Pa": Pa, "Pg": Pg}
+        if self.option == 2:
+            mats["Sg"] = b.matmul(b.matmul(Pg, Gd), b.transpose(Pg, [1, 0]))
+            mats["Sa"] = b.matmul(b.matmul(Pa, Ad), b.transpose(Pa, [1, 0]))
+            pows = [(Pa, Pg)]  # (Psi_A^(2^k), Psi_G^(2^k)), k < doublings
+            for _ in range(self.doublings - 1):
+                pows.append((b.matmul(pows[-1][0], pows[-1][0]), b.matmul(pows[-1][1], pows[-1][1])))
+            mats["pows"] = pows
+        return mats
+
+    def _emit_forward(self, b, X, mats):
+        """F X for the matrix X [out, in+1]."""
+        Ad, Gd, Pa, Pg = mats["Ad"], mats["Gd"], mats["Pa"], mats["Pg"]
         if self.option == 1:
             Y = b.matmul(b.matmul(Gd, X), Ad)
             terms = [b.scale(Y, 1.0)]
             for dd in range(1, self.R):
                 Y = b.matmul(b.matmul(Pg, Y), b.transpose(Pa, [1, 0]))
                 terms.append(b.scale(Y, 2.0 * (self.R - dd) / self.R))
-            return self.view.emit_from(b, emit_add_all(b, terms))
+            return emit_add_all(b, terms)
         # option 2: (I - Psi)^-1 S (I - Psi^T)^-1 v
-        X = self._emit_neumann(b, X, b.transpose(Pa, [1, 0]), b.transpose(Pg, [1, 0]))
+        T = lambda m: b.transpose(m, [1, 0])  # noqa: E731
+        X = self._emit_neumann(b, X, [(T(pa), T(pg)) for pa, pg in mats["pows"]])
         Y = b.matmul(b.matmul(Gd, X), Ad)
-        Sg = b.matmul(b.matmul(Pg, Gd), b.transpose(Pg, [1, 0]))
-        Sa = b.matmul(b.matmul(Pa, Ad), b.transpose(Pa, [1, 0]))
-        Y = b.sub(Y, b.matmul(b.matmul(Sg, X), Sa))
-        Y = self._emit_neumann(b, Y, Pa, Pg)
-        return self.view.emit_from(b, Y)
+        Y = b.sub(Y, b.matmul(b.matmul(mats["Sg"], X), mats["Sa"]))
+        return self._emit_neumann(b, Y, mats["pows"])
 
-    def _emit_neumann(self, b, X, PA, PG):
-        """(I - PA (x) PG)^-1 vec(X) ~ prod_{k<m} (I + PA^(2^k) (x) PG^(2^k)) vec(X)."""
-        for k in range(self.doublings):
+    def _emit_neumann(self, b, X, pows):
+        """(I - PA (x) PG)^-1 vec(X) ~ prod_{k<m} (I + PA^(2^k) (x) PG^(2^k)) vec(X), given the
+        powers (PA^(2^k), PG^(2^k))."""
+        for PA, PG in pows:
             X = b.add(X, b.matmul(b.matmul(PG, X), b.transpose(PA, [1, 0])))
-            if k < self.doublings - 1:
-                PA, PG = b.matmul(PA, PA), b.matmul(PG, PG)
         return X
 
 
