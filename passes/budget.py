@@ -13,7 +13,8 @@ forward + backward costs `base = 3 sum forward_flops(N)` and the curvature work 
 work is starved to pay for another:
   1. preconditioning (cannot be amortized): while sum apply > B/2 base, the full factor
      at least `budget.min_dim` wide whose diagonal saves the most apply FLOPs is kept as its
-     diagonal (kron -> kron_in_diag / kron_out_diag -> kron_both_diag);
+     diagonal (kron -> kron_in_diag / kron_out_diag -> kron_both_diag; kron_indep ->
+     kron_indep_in_diag / kron_indep_out_diag -> kron_indep_both_diag);
   2. statistics: the smallest period in STATS_PERIODS with sum stats / period <= B/4 base;
   3. inverses: the smallest period in INVERSE_PERIODS with sum inverse / period <= B/4 base.
 Factors narrower than `budget.min_dim` (512) are never approximated, and the periods keep their
@@ -40,9 +41,11 @@ DEFAULT_PERIODS = (1, 10)  # statistics, inverses: the schedule while everything
 # one diagonal step down per factor: approximation -> {factor: approximation without it full}
 DIAGONAL_STEPS: dict[str, dict[str, str]] = {
     "kron": {"A": "kron_in_diag", "G": "kron_out_diag"},
-    "kron_indep": {"A": "kron_in_diag", "G": "kron_out_diag"},
+    "kron_indep": {"A": "kron_indep_in_diag", "G": "kron_indep_out_diag"},
     "kron_in_diag": {"G": "kron_both_diag"},
     "kron_out_diag": {"A": "kron_both_diag"},
+    "kron_indep_in_diag": {"G": "kron_indep_both_diag"},
+    "kron_indep_out_diag": {"A": "kron_indep_both_diag"},
 }
 
 

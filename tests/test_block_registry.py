@@ -14,11 +14,12 @@ from kfac_compiler.passes.choose_blocks import choose_blocks
 
 MENU = {
     "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
-    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "kron_in_diag", "kron_out_diag",
-                              "kron_both_diag"),
+    "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "kron_indep_in_diag", "kron_indep_out_diag",
+                              "kron_indep_both_diag", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
     "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
-    "conv_multi": ("kron_indep", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
-    "depthwise_conv": ("diagonal",),
+    "conv_multi": ("kron_indep", "kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag", "diagonal",
+                   "kron_in_diag", "kron_out_diag", "kron_both_diag"),
+    "depthwise_conv": ("diagonal", "kron"),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
@@ -61,8 +62,8 @@ def test_a_registered_class_joins_the_menus_by_its_declaration(registry):
 
     fc = ("kron", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
     assert APPROXIMATIONS["fully_connected"] == fc
-    multi = ("kron_indep", "kron_series_1", "kron_series_2", "diagonal", "kron_in_diag", "extra", "kron_out_diag",
-             "kron_both_diag")
+    multi = ("kron_indep", "kron_series_1", "kron_series_2", "kron_indep_in_diag", "kron_indep_out_diag",
+             "kron_indep_both_diag", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
     assert APPROXIMATIONS["fully_connected_multi"] == multi
     cfg = CompileConfig.from_dict({"approximations": {"fully_connected_multi": "extra"}})
     (chosen,) = choose_blocks([layer("fully_connected", uses=2)], cfg)
@@ -81,8 +82,8 @@ def test_a_multi_only_class_creates_the_kinds_multi_menu_and_rank_zero_is_the_de
         uses = "multi"
         menu_rank = 0
 
-    assert APPROXIMATIONS["depthwise_conv"] == ("diagonal",)
-    assert APPROXIMATIONS["depthwise_conv_multi"] == ("depthwise_multi", "diagonal")
+    assert APPROXIMATIONS["depthwise_conv"] == ("diagonal", "kron")
+    assert APPROXIMATIONS["depthwise_conv_multi"] == ("depthwise_multi", "diagonal", "kron")
     assert list(APPROXIMATIONS).index("depthwise_conv_multi") == list(APPROXIMATIONS).index("depthwise_conv") + 1
     assert menu_key("depthwise_conv", 2) == "depthwise_conv_multi"
     (chosen,) = choose_blocks([layer("depthwise_conv", uses=2)])

@@ -245,6 +245,7 @@ CONV_CASES = [
     dict(k=(3,), spatial=(7,), strides=(2,), pads=(1, 1), bias=False),
     dict(k=(2, 2, 2), spatial=(3, 4, 3), C_in=2, C_out=3, N=2),
     dict(uses=2, approx="kron_indep", seeds=1),
+    dict(kind="depthwise_conv", C_in=3, C_out=6, group=3, pads=(1, 1, 1, 1)),  # per-channel factors
 ]
 
 
@@ -472,6 +473,8 @@ def all_block_cases():
     cases.append(("fc-kron_series_1", lambda: fc_case(approx="kron_series_1", uses=4, lead=(2,))))
     cases.append(("fc-kron_series_2", lambda: fc_case(approx="kron_series_2", uses=4, lead=(2,))))
     cases.append(("fc-diagonal-multi", lambda: fc_case(approx="diagonal", uses=3)))
+    cases.append(("fc-kron_indep_in_diag", lambda: fc_case(approx="kron_indep_in_diag", uses=3)))
+    cases.append(("fc-kron_indep_out_diag", lambda: fc_case(approx="kron_indep_out_diag", uses=2)))
 
     def conv(**kw):
         layer, blk, inputs, cots = conv_case(**kw)
@@ -484,6 +487,9 @@ def all_block_cases():
     cases.append(("conv-kron_in_diag", lambda: conv(approx="kron_in_diag")))
     cases.append(("conv-kron_both_diag-group", lambda: conv(approx="kron_both_diag", group=2)))
     cases.append(("depthwise-diagonal", lambda: conv(approx="diagonal", kind="depthwise_conv", C_in=4, C_out=4, group=4)))
+    cases.append(("depthwise-kron", lambda: conv(approx="kron", kind="depthwise_conv", C_in=3, C_out=6, group=3)))
+    cases.append(("conv-kron_indep_both_diag", lambda: conv(approx="kron_indep_both_diag", uses=2)))
+    cases.append(("conv-kron_indep_in_diag", lambda: conv(approx="kron_indep_in_diag", uses=2, group=2)))
 
     def emb():
         layer = make_layer("embedding", ("E",), 1, "kron", vocab=6, dim=3)

@@ -18,6 +18,9 @@ C_in times the FLOPs; benchmarks/bench_patches.py, docs/conventions.md).
       stored [K+1, K+1] / [C_out, C_out] when group == 1, else [group, ...]
   kron_in_diag / kron_out_diag / kron_both_diag: the same with diag(A), diag(G) or both kept
       (for inputs or outputs too wide for a full factor; chosen by passes/budget.py).
+  kron (depthwise_conv): the same per group = per input channel c: A_c [kk+1, kk+1],
+      G_c [mult, mult] (TF K-FAC's DepthwiseConvKFCBasicFB embeds the filter in a dense conv
+      and keeps A over all channels, [C_in kk, C_in kk]; not offered: (C_in kk)^3 a refresh).
   diagonal (conv and depthwise_conv): per-example gradients g_n = delta_n patches_n^T
       ([N, C_out, T] x [N, T, K+1]), diag = 1/N sum_n g_n^2, stored [C_out, K+1].
 """
@@ -292,6 +295,41 @@ class ConvKronBothDiag(ConvKronBase):
     menu_rank = 13
     a_diag = True
     g_diag = True
+
+
+# kron_indep with diagonal factors under TF K-FAC's multi-use names (see fully_connected.py)
+@register_block
+class ConvKronIndepInDiag(ConvKronInDiag):
+    name = "kron_indep_in_diag"
+    uses = "multi"
+    menu_rank = 3
+
+
+@register_block
+class ConvKronIndepOutDiag(ConvKronOutDiag):
+    name = "kron_indep_out_diag"
+    uses = "multi"
+    menu_rank = 4
+
+
+@register_block
+class ConvKronIndepBothDiag(ConvKronBothDiag):
+    name = "kron_indep_both_diag"
+    uses = "multi"
+    menu_rank = 5
+
+
+@register_block
+class DepthwiseConvKron(ConvKronBase):
+    """KFC per input channel of a depthwise conv (group = C_in, C_out = multiplier C_in):
+    A_c [kk+1, kk+1] over channel c's patches, G_c [mult, mult] over its outputs, stored
+    [C_in, ...]: the grouped conv's "kron", exact for one example at one position. Listed
+    after "diagonal", which stays the default (as TF K-FAC's register_depthwise_conv2d)."""
+
+    name = "kron"
+    layer_kinds = ("depthwise_conv",)
+    uses = "any"  # depthwise_conv has no multi-use menu: uses are pooled (as kron_indep)
+    menu_rank = 11
 
 
 @register_block

@@ -8,6 +8,8 @@ of those axes). Multi-use layers (R = len(layer.uses) > 1) pool their uses.
   kron_in_diag        diag(A) kept   ([in+1])
   kron_out_diag       diag(G) kept   ([out])
   kron_both_diag      both diagonals
+  kron_indep_in_diag, kron_indep_out_diag, kron_indep_both_diag: TF K-FAC's names for the
+                      last three on multi-use layers (kron_indep with diagonal factors)
   diagonal            diag F = 1/N sum_n (sum_{t,r} delta a~^T)^2   [out, in+1]
 
 a~ = (alpha * a, beta): attrs alpha (Gemm alpha) scales the input, beta (Gemm beta, default 1)
@@ -175,6 +177,30 @@ class FullyConnectedKronBothDiag(FullyConnectedKronBase):
     menu_rank = 13
     a_diag = True
     g_diag = True
+
+
+# TF K-FAC's names on the multi-use menu (FullyConnectedMultiIndepFB with
+# diagonal_approx_for_input / _output): kron_indep with a diagonal factor. The same class as
+# kron_*_diag (pooled factors, one diagonal), which stays on the menu under its own name.
+@register_block
+class FullyConnectedKronIndepInDiag(FullyConnectedKronInDiag):
+    name = "kron_indep_in_diag"
+    uses = "multi"
+    menu_rank = 3
+
+
+@register_block
+class FullyConnectedKronIndepOutDiag(FullyConnectedKronOutDiag):
+    name = "kron_indep_out_diag"
+    uses = "multi"
+    menu_rank = 4
+
+
+@register_block
+class FullyConnectedKronIndepBothDiag(FullyConnectedKronBothDiag):
+    name = "kron_indep_both_diag"
+    uses = "multi"
+    menu_rank = 5
 
 
 @register_block

@@ -1,0 +1,223 @@
+"""TF K-FAC's remaining block variants: the depthwise conv Kronecker block (per channel),
+kron_indep with diagonal factors, and any matrix power of the RNN series blocks; each against
+an independent truth (brute-force Fisher, dense numpy algebra)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kfac_compiler as kc
+from kfac_compiler.blocks import APPROXIMATIONS, make_block, series
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.losses import make_loss
+from passes.budget import DIAGONAL_STEPS
+from test_blocks import _vec_feeds, conv_case, dense_series_fisher, emitted_stats, f32, fc_case, run_graph
+from test_fisher_bruteforce import _statistics
+
+C, MULT, K = 2, 2, 3  # input channels, channel multiplier, kernel size
+
+
+# ------------------------------------------------------------------------- depthwise kron
+def _tiny_depthwise(seed: int = 0):
+    """input [N, C, 3, 3] -> depthwise Conv 3x3 (C MULT outputs, bias) -> [N, C MULT] logits:
+    one output position (T = 1)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(C * MULT, 1, K, K)).astype(np.float32)
+    b = (0.5 * rng.normal(size=C * MULT)).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["input", "dw.weight", "dw.bias"], ["y"], name="dw", group=C, kernel_shape=[K, K]),
+        helper.make_node("Flatten", ["y"], ["logits"], name="flat"),
+    ]
+    inits = [numpy_helper.from_array(w, "dw.weight"), numpy_helper.from_array(b, "dw.bias")]
+    graph = helper.make_graph(nodes, "tiny_dw", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", C, K, K])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", C * MULT])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model, w.astype(np.float64), b.astype(np.float64)
+
+
+def _dw_logits(w, b, x):
+    """numpy forward of the tiny depthwise conv for one example x [C, K, K]."""
+    return np.array([(w[o, 0] * x[o // MULT]).sum() + b[o] for o in range(C * MULT)])
+
+
+def _channel_fisher(w, b, x, c, eps=1e-6):
+    """Exact Fisher of channel c's matrix [W_c | b_c] ([MULT, K K + 1], row-major) for one
+    example: J^T F_z J with J by central differences."""
+    mat = np.concatenate([w[c * MULT:(c + 1) * MULT, 0].reshape(MULT, -1), b[c * MULT:(c + 1) * MULT, None]], 1)
+    cols = []
+    for idx in np.ndindex(*mat.shape):
+        out = []
+        for sign in (1, -1):
+            m = mat.copy()
+            m[idx] += sign * eps
+            w2, b2 = w.copy(), b.copy()
+            w2[c * MULT:(c + 1) * MULT, 0] = m[:, :-1].reshape(MULT, K, K)
+            b2[c * MULT:(c + 1) * MULT] = m[:, -1]
+            out.append(_dw_logits(w2, b2, x))
+        cols.append((out[0] - out[1]) / (2 * eps))
+    J = np.stack(cols, 1)
+    return J.T @ make_loss("softmax_cross_entropy").np_fisher(_dw_logits(w, b, x)) @ J
+
+
+def test_depthwise_kron_is_the_exact_fisher_of_each_channel_for_one_example():
+    model, w, b = _tiny_depthwise()
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, layers={"dw": "kron"})
+    (layer,) = plan.layers
+    assert (layer.kind, layer.approximation) == ("depthwise_conv", "kron")
+    x = np.random.default_rng(3).normal(size=(1, C, K, K))
+    stats = _statistics(plan, x, np.array([1]), "exact")
+    A, G = stats["stat/dw/A"], stats["stat/dw/G"]
+    assert A.shape == (C, K * K + 1, K * K + 1) and G.shape == (C, MULT, MULT)
+    for c in range(C):
+        np.testing.assert_allclose(np.kron(G[c], A[c]), _channel_fisher(w, b, x[0], c), rtol=1e-4, atol=1e-6)
+
+
+def test_depthwise_kron_factors_are_per_channel_moments():
+    """A_c, G_c from a hand loop over channels, positions and seeds (stride 2, padding)."""
+    layer, blk, inputs, cots = conv_case(kind="depthwise_conv", C_in=2, C_out=6, group=2, spatial=(5, 4),
+                                         strides=(2, 1), pads=(1, 0, 1, 1), N=2)
+    out = emitted_stats(blk, inputs, cots)
+    x = np.pad(np.asarray(inputs[0], np.float64), [(0, 0), (0, 0), (1, 1), (0, 1)])
+    ds = [np.asarray(d, np.float64) for d in cots[0]]
+    N, _, Ho, Wo = ds[0].shape
+    mult = 3
+    for c in range(2):
+        A, G = 0.0, 0.0
+        for n in range(N):
+            for i in range(Ho):
+                for j in range(Wo):
+                    a = np.append(x[n, c, 2 * i:2 * i + 3, j:j + 3].reshape(-1), 1.0)
+                    A = A + np.outer(a, a) / (N * Ho * Wo)
+                    for d in ds:
+                        g = d[n, c * mult:(c + 1) * mult, i, j]
+                        G = G + np.outer(g, g) / N
+        np.testing.assert_allclose(out["A"][c], A, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out["G"][c], G, rtol=1e-4, atol=1e-5)
+
+
+def test_depthwise_cnn_trains_with_kron():
+    from kfac_compiler.models import data, get_model
+    from kfac_compiler.runtime import Trainer
+
+    assert APPROXIMATIONS["depthwise_conv"] == ("diagonal", "kron")  # the default stays diagonal
+    plan = kc.compile(get_model("depthwise_cnn"), loss="softmax_cross_entropy", emit=False, layers={"dwconv": "kron"})
+    assert {s.name: tuple(s.shape) for s in plan.factors["dwconv"]} == {"A": (8, 10, 10), "G": (8, 1, 1)}
+    x, y = data.make_image_classification(256, seed=0)
+    tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=64, seed=0)
+    batches = [slice(i * 64, (i + 1) * 64) for i in range(4)]
+    losses = [float(tr.step({"input": x["input"][batches[i % 4]]}, y[batches[i % 4]])["loss"]) for i in range(12)]
+    assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0]
+
+
+# ------------------------------------------------------------------------- kron_indep with diagonal factors
+def test_kron_indep_diag_names_are_on_the_multi_use_menus_and_the_budget_steps_stay_on_them():
+    for key in ("fully_connected_multi", "conv_multi"):
+        menu = APPROXIMATIONS[key]
+        assert {"kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag"} <= set(menu)
+        assert "kron_indep_in_diag" not in APPROXIMATIONS[key.replace("_multi", "")]
+        for src, steps in DIAGONAL_STEPS.items():
+            if src in menu and src.startswith("kron_indep"):
+                assert all(t in menu and t.startswith("kron_indep") for t in steps.values())
+
+
+@pytest.mark.parametrize("kind", ["fully_connected", "conv"])
+@pytest.mark.parametrize("approx,a_diag,g_diag", [("kron_indep_in_diag", 1, 0), ("kron_indep_out_diag", 0, 1),
+                                                  ("kron_indep_both_diag", 1, 1)])
+def test_kron_indep_diag_factors_are_diagonals_of_kron_indep_and_products_match_numpy(kind, approx, a_diag, g_diag):
+    if kind == "fully_connected":
+        layer, shapes, inputs, cots = fc_case(approx=approx, uses=3, lead=(2,))
+        full = make_block(fc_case(approx="kron_indep", uses=3)[0], shapes)
+    else:
+        layer, blk0, inputs, cots = conv_case(approx=approx, uses=2, C_in=3, C_out=4)
+        shapes = blk0.param_shapes
+        full = make_block(conv_case(approx="kron_indep", uses=2, C_in=3, C_out=4)[0], shapes)
+    blk = make_block(layer, shapes)
+    got, ref = emitted_stats(blk, inputs, cots), full.numpy_statistics(inputs, cots)
+    A = np.diag(ref["A"]) if a_diag else ref["A"]
+    G = np.diag(ref["G"]) if g_diag else ref["G"]
+    np.testing.assert_allclose(got["A"], A, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["G"], G, rtol=1e-4, atol=1e-5)
+    # (F + damping) v and its inverse, densely: pi split on the diagonalized factors
+    lam = 0.03
+    f = blk.numpy_statistics(inputs, cots)
+    Ad, Gd = (np.diag(f["A"]) if a_diag else f["A"]), (np.diag(f["G"]) if g_diag else f["G"])
+    pi = np.sqrt((np.trace(Ad) / len(Ad)) / (np.trace(Gd) / len(Gd)))
+    Ad, Gd = Ad + pi * np.sqrt(lam) * np.eye(len(Ad)), Gd + np.sqrt(lam) / pi * np.eye(len(Gd))
+    F = np.kron(Gd, Ad)  # on the row-major vec of [W | b] (rows outputs)
+    v = _vec_feeds(shapes)
+    x = blk.view.np_to(v).reshape(-1)
+    feeds = {**v, "f_A": f32(f["A"]), "f_G": f32(f["G"]), "lam": f32(lam)}
+    out = run_graph(lambda b: blk.emit_multiply(b, {p: p for p in v}, {"A": "f_A", "G": "f_G"}, "lam"), feeds)
+    np.testing.assert_allclose(blk.view.np_to(out).reshape(-1), F @ x, rtol=1e-4, atol=1e-5 * np.abs(F @ x).max())
+    st, ok = blk.numpy_inverse(f, lam)
+    assert ok
+    got_inv = blk.view.np_to(blk.numpy_multiply_inverse(v, st)).reshape(-1)
+    np.testing.assert_allclose(got_inv, np.linalg.solve(F, x), rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------- series: any power
+def _series_case(option):
+    R = 3
+    layer, shapes, inputs, cots = fc_case(approx=f"kron_series_{option}", uses=R, lead=(2,), n_in=3, n_out=2, N=6)
+    for u in range(1, R):  # correlated uses: the cross moments matter
+        inputs[u] = f32(0.7 * inputs[u - 1] + 0.3 * inputs[u])
+        cots[u] = [f32(0.5 * cots[u - 1][s] + 0.5 * cots[u][s]) for s in range(len(cots[u]))]
+    blk = make_block(layer, shapes)
+    return blk, shapes, blk.numpy_statistics(inputs, cots)
+
+
+@pytest.mark.parametrize("option", [1, 2])
+def test_series_powers_equal_the_dense_power_of_the_dense_fisher(option):
+    blk, shapes, f = _series_case(option)
+    lam = 0.05
+    F = dense_series_fisher(blk, f, lam)  # column-major vec of [W | b]
+    s, U = np.linalg.eigh(F)
+    v = _vec_feeds(shapes)
+    x = blk.view.np_to(v).reshape(-1, order="F")
+
+    def vec(out):
+        return blk.view.np_to(out).reshape(-1, order="F")
+
+    def power(e):
+        return (U * s**e) @ U.T @ x
+
+    for e in (2, -2, 0.5, -0.5, 3, 0):  # host: repeated F / F^-1, or the dense eigh
+        np.testing.assert_allclose(vec(blk.numpy_multiply_matpower(v, f, lam, e)), power(e), rtol=1e-7, atol=1e-9)
+    # a matpower state used on its own holds its power (integer: "power" says how often)
+    st2, ok = blk.numpy_matpower(f, lam, -2)
+    assert ok and float(st2["power"]) == -2
+    np.testing.assert_allclose(vec(blk.numpy_multiply_state(v, st2)), power(-2), rtol=1e-7, atol=1e-9)
+    # ONNX: F^2 from the factors, F^-2 by the inverse state twice, F^0.5 by the dense state
+    feeds = {**v, **{f"f_{k}": f32(a) for k, a in f.items()}, "lam": f32(lam)}
+    inv, _ = blk.numpy_inverse(f, lam)
+    half, ok = blk.numpy_matpower(f, lam, 0.5)
+    assert ok and half["F_pow"].shape == (blk.nA * blk.nG,) * 2
+    feeds.update({f"s_{k}": f32(a) for k, a in inv.items()})
+    feeds["F_pow"] = f32(half["F_pow"])
+    names = {p: p for p in v}
+    got = run_graph(lambda b: {
+        **{f"two_{p}": t for p, t in blk.emit_multiply_matpower(b, names, {k: f"f_{k}" for k in f}, "lam", 2).items()},
+        **{f"mtwo_{p}": t for p, t in blk.emit_power(b, names, -2, state={k: f"s_{k}" for k in inv}).items()},
+        **{f"half_{p}": t for p, t in blk.emit_multiply_state(b, names, {"F_pow": "F_pow"}).items()},
+    }, feeds)
+    for tag, e in (("two", 2), ("mtwo", -2), ("half", 0.5)):
+        want = power(e)
+        np.testing.assert_allclose(vec({p: got[f"{tag}_{p}"] for p in v}), want, rtol=1e-3,
+                                   atol=1e-4 * np.abs(want).max(), err_msg=tag)
+
+
+def test_series_powers_the_graph_cannot_hold_are_one_line_config_errors(monkeypatch):
+    from kfac_compiler.builder import GraphBuilder
+
+    blk, shapes, f = _series_case(1)
+    names = {p: p for p in shapes}
+    with pytest.raises(ConfigError, match="layer 'layer'.*power -2 needs eigendecompositions"):
+        blk.emit_multiply_matpower(GraphBuilder(17), names, {k: k for k in f}, "lam", -2)
+    with pytest.raises(ConfigError, match="power 0.5 is not an integer"):
+        blk.emit_multiply_matpower(GraphBuilder(17), names, {k: k for k in f}, "lam", 0.5)
+    monkeypatch.setattr(series, "DENSE_MAX", blk.nA * blk.nG - 1)
+    with pytest.raises(ConfigError) as e:
+        blk.numpy_matpower(f, 0.05, 0.5)
+    assert "dense eigendecomposition" in str(e.value) and "\n" not in str(e.value)
