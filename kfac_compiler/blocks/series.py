@@ -27,6 +27,11 @@ Option 2 ("kron_series_2", R -> infinity, no symmetry needed):
   (A_1 A^-1 A_1^T) k = mu A k (likewise G): S = K^-T diag(1 - mu_A (x) mu_G) K^-1 with
   mu_A, mu_G clipped to [0, 1] and their products to at most psi_max^2; state K_A, K_G, D_inv = 1/(1 - mu), A_psi = Psi_A, G_psi = Psi_G.
 The eigendecompositions run on the host (numpy/scipy eigh): inverse_is_host() is True.
+
+Powers: F is not diagonal in an orthogonal Kronecker basis (K is A-orthonormal, not
+orthogonal), so an integer power applies F or F^-1 repeatedly (ONNX: F^k from the factors,
+F^-k from the inverse state; host: both from the inverse state), and any other real power is
+host-only, from one dense eigh of the layer's F^-1 [n, n] (n = (in+1) out <= DENSE_MAX).
 """
 from __future__ import annotations
 
