@@ -221,3 +221,35 @@ def test_series_powers_the_graph_cannot_hold_are_one_line_config_errors(monkeypa
     with pytest.raises(ConfigError) as e:
         blk.numpy_matpower(f, 0.05, 0.5)
     assert "dense eigendecomposition" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_series_powers_through_the_curvature_api_on_the_unrolled_rnn():
+    """The device's `multiply` subgraph at exp 2 (F twice, ONNX) equals the host's F^2, and the
+    host's F^0.5 applied twice equals F, for both recurrent weights of the zoo RNN."""
+    import warnings
+
+    from kfac_compiler.models import get_entry, get_model
+    from kfac_compiler.runtime import Curvature
+
+    entry = get_entry("unrolled_rnn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = kc.compile(get_model("unrolled_rnn"), loss=entry.loss, emit=False,
+                          approximations={"fully_connected_multi": "kron_series_1"})
+    series_layers = [l.name for l in plan.layers if l.approximation == "kron_series_1"]
+    assert series_layers == ["rnn.W_x", "rnn.W_h"]
+    x, y = entry.make_data(64, seed=0)
+    curv = Curvature(plan)
+    curv.update(x, y)
+    rng = np.random.default_rng(0)
+    v = {p: rng.normal(size=s).astype(np.float32) for p, s in plan.param_shapes.items() if p in plan.trainable}
+    dev2 = curv.multiply_all(v, damping=0.1, exp=2)
+    for name in series_layers:
+        mine = {p: v[p] for p in plan.layer(name).params}
+        sq = curv.multiply_matpower(name, mine, 2, damping=0.1)
+        half = curv.multiply_matpower(name, curv.multiply_matpower(name, mine, 0.5, damping=0.1), 0.5, damping=0.1)
+        one = curv.multiply(name, mine, damping=0.1)
+        for p in mine:
+            np.testing.assert_allclose(dev2[p], sq[p], rtol=1e-4, atol=1e-5 * np.abs(sq[p]).max())
+            np.testing.assert_allclose(half[p], one[p], rtol=1e-5, atol=1e-6 * np.abs(one[p]).max())
