@@ -12,10 +12,18 @@ from kfac_compiler.blocks import APPROXIMATIONS, make_block, series
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.losses import make_loss
 from passes.budget import DIAGONAL_STEPS
+import test_blocks
 from test_blocks import _vec_feeds, conv_case, dense_series_fisher, emitted_stats, f32, fc_case, run_graph
 from test_fisher_bruteforce import _statistics
 
 C, MULT, K = 2, 2, 3  # input channels, channel multiplier, kernel size
+
+
+@pytest.fixture(autouse=True)
+def _own_rng(monkeypatch):
+    """test_blocks' case builders draw from its module RNG: give them one of our own, so that
+    test_blocks' own tests see the draws they always saw whatever runs first."""
+    monkeypatch.setattr(test_blocks, "RNG", np.random.default_rng(26))
 
 
 # ------------------------------------------------------------------------- depthwise kron
