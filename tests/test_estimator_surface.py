@@ -92,6 +92,27 @@ def test_emitted_powers_equal_eigh_powers_of_the_dense_block(approx, scale_shift
             assert err < 2e-4, (exp, layer, err)
 
 
+def test_a_square_root_beyond_float32_falls_back_to_the_host():
+    """fc1's A made ill-conditioned (eigenvalues 1 .. 1e-12, damping 1e-14; fc2 fails too, its softmax G being singular): the emitted root
+    fails its probe check, the graph gives NaN for that layer and multiply_all redoes it on
+    the host; the result still equals the dense block's eigh power."""
+    from kfac_compiler import contract as C
+
+    curv, damping = _curvature(), 1e-14
+    n = IN + 1
+    Q, _ = np.linalg.qr(np.random.default_rng(7).normal(size=(n, n)))
+    curv.store.set(C.factor("fc1", "A"), ((Q * np.logspace(0, -12, n)) @ Q.T).astype(np.float32))
+    v = _random(curv)
+    raw = curv.program("multiply", exp=-0.5).run(curv.store, {C.vec(p): a for p, a in v.items()},
+                                                  hp={C.DAMPING: damping}, results=True)
+    assert np.isnan(raw[C.product("fc1.weight")]).all()
+    got = curv.multiply_all(v, damping=damping, exp=-0.5)
+    M, params = _dense(curv, "fc1", damping)
+    s, U = np.linalg.eigh((M + M.T) / 2)
+    want = (U * s ** -0.5) @ U.T @ _flat(v, params)
+    assert np.abs(_flat(got, params) - want).max() / np.abs(want).max() < 1e-3
+
+
 def test_other_powers_name_the_host_way():
     curv = _curvature()
     with pytest.raises(ConfigError, match="multiply_matpower"):
@@ -152,9 +173,11 @@ def test_params_stats_is_the_empirical_gradient():
         np.testing.assert_array_equal(stats[p], grads[p])
 
 
-def test_precon_power_half_first_step_is_the_numpy_inverse_square_root():
-    """precon_power=-0.5 with a fixed learning rate and no momentum: the first update is
-    -lr (F + damping)^-1/2 g, F the damped Kronecker blocks of the first batch's factors."""
+@pytest.mark.parametrize("power", [-0.5, -0.75])
+def test_precon_power_first_step_is_the_numpy_matrix_power(power):
+    """precon_power with a fixed learning rate and no momentum: the first update is
+    -lr (F + damping)^p g, F the damped Kronecker blocks of the first batch's factors
+    (-1/2: the emitted power_update; -3/4: host eigh, numpy_power_state)."""
     e = ZOO["mlp_classifier"]
     plan = kc.compile(e.build(seed=0, hidden=(16,)), loss=e.loss, output="logits", emit=False)
     inputs, y = e.make_data(None, seed=0)
@@ -165,8 +188,8 @@ def test_precon_power_half_first_step_is_the_numpy_inverse_square_root():
     _, g = curv.gradients(batch, yb)
     want = {}
     for layer, block in curv.blocks().items():
-        want.update(curv.multiply_matpower(layer, {p: g[p] for p in block.layer.params}, -0.5, damping))
-    tr = Trainer(plan, optimizer="kfac", precon_power=-0.5, learning_rate=lr, momentum=0.0, damping=damping,
+        want.update(curv.multiply_matpower(layer, {p: g[p] for p in block.layer.params}, power, damping))
+    tr = Trainer(plan, optimizer="kfac", precon_power=power, learning_rate=lr, momentum=0.0, damping=damping,
                  min_damping=1e-4, adapt_damping=False, mode="exact", stats_batch_size=None)
     before = {p: tr.store.to_numpy(p) for p in tr.params}
     losses = [tr.step(batch, yb)["loss"]]
