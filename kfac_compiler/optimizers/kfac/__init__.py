@@ -312,3 +312,5 @@ class Kfac(Optimizer):
     def resumed(self, knobs) -> None:
         if "damping" in knobs:  # the adapted damping restarts from the value given
             self.damping = float(self.config.damping)
+        if "precon_power" in knobs:  # the inverse slots hold the checkpoint's power: refresh first
+            self.inverses_ready = False
