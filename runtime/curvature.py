@@ -13,6 +13,13 @@
 
 The parameters default to the plan's model initializers; `set_parameters` changes them (e.g.
 to your own training loop's current weights).
+
+TF K-FAC's estimator surface (docs/runtime.md, "The lower-level API"): multiply_matpower /
+multiply_all (exps), compute_cholesky / compute_cholesky_inverse with multiply_cholesky /
+multiply_cholesky_inverse, compute_params_stats. Safeguards: a batch whose statistics are
+not finite is skipped (`report["skipped_updates"]`), a block whose inverse fails keeps its
+previous one (`report["failed_blocks"]`), the damping is floored relative to the factors'
+scale (`damping_floor`), and precondition refuses non-finite gradients and results.
 """
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ import numpy as np
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import ESTIMATION_MODES, plan_blocks
-from kfac_compiler.errors import ConfigError
+from kfac_compiler import linalg
+from kfac_compiler.errors import ConfigError, DataError, DivergedError
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.plan import Plan
 from kfac_compiler.parsing import check_float, check_int
@@ -50,8 +58,14 @@ class Curvature:
 
     def __init__(self, plan: Plan, device: str = "cpu", mode: str | None = None, num_samples: int | None = None,
                  ema_decay: float | None = None, inverse_method: str | None = None, seed: int = 0,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, damping_floor: float = 1e-6) -> None:
         self.plan = plan
+        # update_inverses uses max(damping, damping_floor * s), s the largest block scale
+        # (block_scales): every damped Kronecker factor keeps its smallest eigenvalue at least
+        # sqrt(damping_floor) times its mean one (cond <= n / sqrt(damping_floor)); 0 turns it off
+        self.damping_floor = check_float(damping_floor, "damping_floor")
+        if self.damping_floor < 0:
+            raise ConfigError(f"damping_floor must be >= 0, got {damping_floor!r}")
         self.device = get_device(device)
         self.threads = None if threads is None else check_int(threads, "threads", low=1)
         self.mode = mode or plan.estimator.mode
@@ -73,6 +87,10 @@ class Curvature:
         self._inverses: InverseRefresher | None = None
         self._check_batch = BatchChecker(plan)
         self.input_specs = self._check_batch.input_specs
+        self._cholesky: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # kind -> layer -> {part: L}
+        # what the safeguards did: skipped updates, blocks that kept their state, damping used
+        self.report: dict[str, Any] = {"skipped_updates": 0, "last_update_ok": None, "failed_blocks": [],
+                                       "damping_used": None, "damping_floored": False}
 
     @staticmethod
     def _check_mode(mode: str) -> None:
@@ -117,8 +135,12 @@ class Curvature:
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
         out = prog.run(self.store, data, hp={C.EMA_COEFF: coeff})
-        if out.get(C.FINITE, 1.0) > 0.5:
+        ok = out.get(C.FINITE, 1.0) > 0.5  # not ok: the graph kept the averages (state not flipped)
+        if ok:
             self.ema_weight = w
+        else:
+            self.report["skipped_updates"] += 1
+        self.report["last_update_ok"] = bool(ok)
         return out[C.LOSS]
 
     def factors(self) -> dict[str, dict[str, np.ndarray]]:
@@ -133,26 +155,66 @@ class Curvature:
         return {layer: {item: self.store.to_numpy(s) for item, s in slots.items()}
                 for layer, slots in C.layer_slots(self.store.slots(), kind).items()}
 
+    def block_scales(self) -> dict[str, float]:
+        """Each block's curvature scale: the mean eigenvalue of its undamped approximation
+        (Kronecker: (tr A / dim A)(tr G / dim G); diagonal: the mean; full: tr / dim), the
+        largest over conv groups; blocks with non-finite factors are left out."""
+        factors = {layer: {f: self.store.read_only(s) for f, s in slots.items()}
+                   for layer, slots in C.layer_slots(self.store.slots(), C.FACTOR).items()}
+        out = {}
+        for layer, block in self.blocks().items():
+            parts = block.parts() if hasattr(block, "parts") else []
+            if not parts or layer not in factors:
+                continue
+            scale = 1.0
+            for part in parts:
+                scale = scale * linalg.np_trace_mean(factors[layer][part.name], diag=part.kind == "diag")
+            scale = np.max(scale)
+            if np.isfinite(scale):
+                out[layer] = float(scale)
+        return out
+
+    def floored_damping(self, damping: float) -> float:
+        """max(damping, damping_floor * the largest block scale) (see __init__)."""
+        scales = self.block_scales() if self.damping_floor > 0 else {}
+        return max(float(damping), self.damping_floor * max(scales.values(), default=0.0))
+
     def update_inverses(self, damping: float) -> bool:
-        """Recompute the damped inverses of the moving averages; False if a block failed (it
-        keeps its previous inverse)."""
+        """Recompute the damped inverses of the moving averages with the floored damping
+        (`report["damping_used"]`); False if a block failed: it keeps its previous inverse and
+        `report["failed_blocks"]` names it."""
         damping = check_float(damping, "damping", positive=True)
         if self._inverses is None:
             self._inverses = InverseRefresher(self.plan, self.program("inverse_update", method=self.inverse_method),
                                               self.program("precondition"), self.inverse_method)
-        ok = self._inverses(self.store, float(damping))
-        self.damping = float(damping)
+        used = self.floored_damping(damping)
+        ok = self._inverses(self.store, used)
+        self.damping = used
+        self.report.update(failed_blocks=list(self._inverses.failed), damping_used=used,
+                           damping_floored=used > float(damping))
         return ok
 
     def precondition(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """(F + damping)^-1 g with the inverses of the last update_inverses()."""
         if self.damping is None:
             raise ConfigError("call update_inverses(damping) before precondition()")
-        vectors = parameter_vectors(self._shapes(self.params), grads, "precondition")
+        vectors = _finite(parameter_vectors(self._shapes(self.params), grads, "precondition"), "precondition")
         prog = self.program("precondition")
         data = {C.vec(p): v for p, v in vectors.items()}
         out = prog.run(self.store, data, results=True)
-        return {p: out[C.precond(p)] for p in self.params}
+        result = {p: out[C.precond(p)] for p in self.params}
+        self._check_result(result, "precondition")
+        return result
+
+    def _check_result(self, vectors: Mapping[str, np.ndarray], what: str) -> None:
+        """DivergedError naming the first layer whose product is not finite."""
+        for layer, block in self.blocks().items():
+            for p in block.layer.params:
+                if p in vectors and not np.all(np.isfinite(vectors[p])):
+                    raise DivergedError(
+                        f"{what}: the product of layer {layer!r} is not finite (its factors or state overflow "
+                        "float32): raise the damping or lower the learning rate"
+                    )
 
     # ---------------------------------------------------------------- per block (host)
     def blocks(self) -> dict[str, Any]:
@@ -187,14 +249,28 @@ class Curvature:
         return self._block(layer).numpy_multiply(v, self.factors().get(layer, {}), self._damping(damping))
 
     def multiply_all(self, vectors: Mapping[str, np.ndarray], damping: float | None = None,
-                     exp: int = 1) -> dict[str, np.ndarray]:
-        """(F + damping)^exp v for every parameter (integer exp), in the `multiply` subgraph
-        on the device, from the moving-average factors."""
+                     exp: float = 1) -> dict[str, np.ndarray]:
+        """(F + damping)^exp v for every parameter, in the `multiply` subgraph on the device,
+        from the moving-average factors: integer and half-integer exps (TF K-FAC's exps;
+        -1/2, 1/2, -3/2 by an emitted matrix square root). A layer whose emitted square root
+        failed its check is redone on the host (multiply_matpower); other exps: ConfigError
+        naming multiply_matpower."""
+        exp = check_float(exp, "exp")
+        if not linalg.is_half_integer(exp):
+            raise ConfigError(f"multiply_all: exp {exp:g} is neither an integer nor a half-integer; "
+                              "use multiply_matpower(layer, vectors, exp) (host eigendecomposition)")
         v = parameter_vectors(self._shapes(self.params), vectors, "multiply_all")
         d = self._damping(damping)
-        prog = self.program("multiply", exp=check_int(exp, "exp"))
+        prog = self.program("multiply", exp=int(exp) if exp.is_integer() else exp)
         out = prog.run(self.store, {C.vec(p): a for p, a in v.items()}, hp={C.DAMPING: d}, results=True)
-        return {p: out[C.product(p)] for p in self.params}
+        result = {p: out[C.product(p)] for p in self.params}
+        if not exp.is_integer():  # the host fallback for a square root beyond its accuracy bound
+            for layer, block in self.blocks().items():
+                mine = block.layer.params
+                if not all(np.all(np.isfinite(result[p])) for p in mine):
+                    host = self.multiply_matpower(layer, {p: v[p] for p in mine}, exp, d)
+                    result.update({p: np.asarray(host[p], np.float32) for p in mine})
+        return result
 
     def multiply_matpower(self, layer: str, vectors: Mapping[str, np.ndarray], exp: float,
                           damping: float | None = None) -> dict[str, np.ndarray]:
@@ -204,12 +280,76 @@ class Curvature:
         return self._block(layer).numpy_multiply_matpower(v, self.factors().get(layer, {}), self._damping(damping),
                                                           check_float(exp, "exp"))
 
+    # ---------------------------------------------------------------- Cholesky (TF K-FAC's names)
+    def compute_cholesky(self, damping: float | None = None) -> None:
+        """L with F + damping = L L^T per block, from the moving averages (host, float64):
+        a Kronecker block's L = L_A (x) L_G of its pi-split damped factors, a diagonal
+        block's sqrt(diag + damping), a full block's numpy Cholesky. For
+        multiply_cholesky."""
+        self._cholesky["L"] = self._cholesky_parts(damping, inverse=False)
+
+    def compute_cholesky_inverse(self, damping: float | None = None) -> None:
+        """L^-1 per block (see compute_cholesky), for multiply_cholesky_inverse."""
+        self._cholesky["L_inv"] = self._cholesky_parts(damping, inverse=True)
+
+    def _cholesky_parts(self, damping: float | None, inverse: bool) -> dict[str, dict[str, np.ndarray]]:
+        d = self._damping(damping)
+        factors = self.factors()
+        out = {}
+        for layer, block in self.blocks().items():
+            if not hasattr(block, "np_cholesky_parts"):
+                raise ConfigError(f"layer {layer!r}: the {block.name!r} block has no Cholesky factor; "
+                                  "use multiply_matpower(layer, v, 0.5) for a symmetric square root")
+            out[layer] = block.np_cholesky_parts(factors.get(layer, {}), d, inverse)
+        return out
+
+    def multiply_cholesky(self, vectors: Mapping[str, np.ndarray], transpose: bool = False) -> dict[str, np.ndarray]:
+        """L v (L^T v with transpose) for every parameter, L from compute_cholesky."""
+        return self._multiply_cholesky("L", vectors, transpose, "multiply_cholesky")
+
+    def multiply_cholesky_inverse(self, vectors: Mapping[str, np.ndarray],
+                                  transpose: bool = False) -> dict[str, np.ndarray]:
+        """L^-1 v (L^-T v with transpose; L^-T L^-1 = (F + damping)^-1), from
+        compute_cholesky_inverse."""
+        return self._multiply_cholesky("L_inv", vectors, transpose, "multiply_cholesky_inverse")
+
+    def _multiply_cholesky(self, kind: str, vectors, transpose: bool, what: str) -> dict[str, np.ndarray]:
+        if kind not in self._cholesky:
+            call = "compute_cholesky" if kind == "L" else "compute_cholesky_inverse"
+            raise ConfigError(f"call {call}() before {what}()")
+        v = _finite(parameter_vectors(self._shapes(self.params), vectors, what), what)
+        out: dict[str, np.ndarray] = {}
+        for layer, block in self.blocks().items():
+            mine = {p: v[p] for p in block.layer.params}
+            out.update(block.np_multiply_cholesky(mine, self._cholesky[kind][layer], bool(transpose)))
+        return out
+
+    def compute_params_stats(self, inputs: Mapping[str, Any], targets: Any,
+                             weights: Any = None) -> dict[str, np.ndarray]:
+        """TF K-FAC's params_stats: the first-order version of the Fisher statistics, the
+        parameters' mean gradient at the estimator's targets (TF: 'When estimation_mode is
+        empirical, this will correspond to the standard parameter gradient on the loss').
+        Defined here for mode "empirical"; the sampled modes raise ConfigError."""
+        if self.mode != "empirical":
+            raise ConfigError(f"compute_params_stats: defined for mode 'empirical' (the batch gradient); this "
+                              f"Curvature estimates with mode {self.mode!r}")
+        return self.gradients(inputs, targets, weights)[1]
+
     def multiply_inverse(self, layer: str, vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """(F_layer + damping)^-1 v with the layer's current inverse state (numpy twin)."""
         if self.damping is None:
             raise ConfigError("call update_inverses(damping) before multiply_inverse()")
         v = self._layer_vectors(layer, vectors, "multiply_inverse")
         return self._block(layer).numpy_multiply_inverse(v, self.inverses().get(layer, {}))
+
+
+def _finite(vectors: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
+    """`vectors`, or DataError naming the first parameter whose vector holds NaN/Inf."""
+    for p, a in vectors.items():
+        if not np.all(np.isfinite(a)):
+            raise DataError(f"{what}: the vector for {p!r} holds {int(np.sum(~np.isfinite(a)))} NaN/Inf value(s) "
+                            "(a diverged loss? lower the learning rate)")
+    return vectors
 
 
 # --------------------------------------------------------------------------- gradients()

@@ -45,7 +45,8 @@ class SharedRefresher:
     owner broadcasts its blocks' inverses. Same call and attributes as InverseRefresher."""
 
     def __init__(self, plan: Plan, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
-                 groups: Sequence[Sequence[str]] | None, owners: Mapping[str, int] | None, comm: Communicator) -> None:
+                 groups: Sequence[Sequence[str]] | None, owners: Mapping[str, int] | None, comm: Communicator,
+                 power: float = -1.0) -> None:
         self.comm = comm
         self.slots = C.layer_slots(reader.state_inputs, C.INVERSE)
         self.groups = [list(g) for g in groups] if groups is not None else [list(self.slots)]
@@ -55,7 +56,7 @@ class SharedRefresher:
         local_groups = [[layer for layer in g if layer in mine] for g in self.groups]
         programs = [emitted] if isinstance(emitted, Program) else list(emitted)
         programs = [p if g else None for p, g in zip(programs, local_groups)]  # groups this rank owns none of
-        self.local = InverseRefresher(plan, programs, reader, method, local_groups, layers=mine)
+        self.local = InverseRefresher(plan, programs, reader, method, local_groups, layers=mine, power=power)
         self.fallbacks: list[str] = []
 
     @property

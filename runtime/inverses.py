@@ -30,8 +30,11 @@ class InverseRefresher:
     layers of group j, the group's other layers are refreshed on the host)."""
 
     def __init__(self, plan: Plan, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
-                 groups: Sequence[Sequence[str]] | None = None, layers: Collection[str] | None = None) -> None:
-        self.plan, self.method = plan, method
+                 groups: Sequence[Sequence[str]] | None = None, layers: Collection[str] | None = None,
+                 power: float = -1.0) -> None:
+        # power != -1 (K-FAC's precon_power): the slots hold (F + damping)^power's state, the
+        # emitted programs are power_update ones, the host computes numpy_power_state
+        self.plan, self.method, self.power = plan, method, float(power)
         # None: a group without an emitted program (no block of it is this refresher's)
         self.programs = [emitted] if isinstance(emitted, Program) else list(emitted)
         # A failed block keeps its inverse in the store (it is not written), so the previous
@@ -65,6 +68,7 @@ class InverseRefresher:
         if self.host_layers:
             linalg.prepare_host_inverses()  # one-time imports and library scans: not in a step
         self.fallbacks: list[str] = []  # the emitted blocks the last refresh redid on the host
+        self.failed: list[str] = []  # the blocks the last refresh could not update (they kept their state)
 
     def _check_groups(self, needed: dict[str, dict[str, str]]) -> None:
         """The groups partition the layers the reader needs; program j writes group j only."""
@@ -89,7 +93,7 @@ class InverseRefresher:
         """Refresh every inverse (or group `group`'s) for `damping`; False if a block failed
         (it keeps its previous inverse). An emitted block that failed is redone by host
         Cholesky first."""
-        self.fallbacks = []
+        self.fallbacks, self.failed = [], []
         ok = True
         for j in range(len(self.groups)) if group is None else [group]:
             ok = self._refresh_group(store, damping, j) and ok
@@ -110,7 +114,8 @@ class InverseRefresher:
                 ok = self._refresh_host_block(store, damping, layer, self.host_layers[layer], self.method) and ok
             for layer in fallbacks:
                 slots = self.emitted_layers[layer]
-                ok = self._refresh_host_block(store, damping, layer, slots, linalg.FALLBACK_METHOD) and ok
+                fallback = linalg.FALLBACK_METHOD if self.power == -1 else "eigh"
+                ok = self._refresh_host_block(store, damping, layer, slots, fallback) and ok
         return ok
 
     def _block(self, layer: str) -> Any:
@@ -126,8 +131,10 @@ class InverseRefresher:
         items = {C.parse_slot(s).item: s for s in slots}
         warm = self.warm and method == self.method
         previous = {i: store.to_numpy(s) for i, s in items.items()} if warm else None
-        state, block_ok = self._block(layer).numpy_inverse(factors, float(damping), method=method,
-                                                           previous=previous)
+        state, block_ok = self._block(layer).numpy_power_state(factors, float(damping), self.power, method=method,
+                                                               previous=previous)
+        if not block_ok:
+            self.failed.append(layer)
         if block_ok:
             for i, slot in items.items():
                 store.set(slot, np.asarray(state[i]))

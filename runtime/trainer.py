@@ -150,14 +150,16 @@ class Trainer:
 
     def inverse_refresher(self, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
                           groups: Sequence[Sequence[str]] | None = None,
-                          owners: Mapping[str, int] | None = None) -> "InverseRefresher | SharedRefresher":
+                          owners: Mapping[str, int] | None = None,
+                          power: float = -1.0) -> "InverseRefresher | SharedRefresher":
         """Refreshes the inverse slots `reader` uses: `emitted` (an inverse_update program, or
         one per group of layers `groups`) for the blocks it writes, the blocks' numpy twins on
         the host for the rest. In a data-parallel run the programs cover this rank's blocks
-        (`owners`; None where a group has none) and the refresh shares the work."""
+        (`owners`; None where a group has none) and the refresh shares the work. `power`:
+        the slots hold (F + damping)^power's state (power_update programs for power != -1)."""
         if self.comm is None:
-            return InverseRefresher(self.plan, emitted, reader, method, groups)
-        return SharedRefresher(self.plan, emitted, reader, method, groups, owners, self.comm)
+            return InverseRefresher(self.plan, emitted, reader, method, groups, power=power)
+        return SharedRefresher(self.plan, emitted, reader, method, groups, owners, self.comm, power=power)
 
     # ------------------------------------------------------------------ steps
     def _prepare(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, np.ndarray]:

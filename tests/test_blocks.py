@@ -736,8 +736,13 @@ def test_fractional_matpower_host_state():
     ref = blk.numpy_multiply_state(v, state)
     for p in v:
         assert_close(out[p], ref[p], 1e-4, 1e-5)
+    # half-integer powers are emitted (the coupled Newton-Schulz square root); others are host-only
+    fed = {**v, "A": f32(f["A"]), "G": f32(f["G"]), "lam": f32(0.1)}
+    out = run_graph(lambda b: blk.emit_multiply_matpower(b, {p: p for p in v}, {"A": "A", "G": "G"}, "lam", -0.5), fed)
+    for p in v:
+        assert_close(out[p], ref[p], 1e-4, 1e-5)
     with pytest.raises(ConfigError):
-        run_graph(lambda b: blk.emit_multiply_matpower(b, {p: p for p in v}, {"A": "A", "G": "G"}, "lam", 0.5), {**v, "A": f32(f["A"]), "G": f32(f["G"]), "lam": f32(0.1)})
+        run_graph(lambda b: blk.emit_multiply_matpower(b, {p: p for p in v}, {"A": "A", "G": "G"}, "lam", 0.25), fed)
 
 
 def test_batched_inverses_across_blocks_match_single():

@@ -65,8 +65,22 @@ def inverse_update(em: Emission, method: str | None = None, layers: tuple[str, .
     """The damped inverses of every emitted block, or (`layers`, a tuple of layer names) of
     those blocks only: a refresh spread over several steps runs one such program per group
     of blocks (optimizers/kfac/refresh.py)."""
+    _emit_block_states(em, linalg.concrete_method(method or em.parts.inverse_method), layers, -1)
+
+
+@subgraph("power_update")
+def power_update(em: Emission, power: float = -0.5, method: str | None = None,
+                 layers: tuple[str, ...] | None = None) -> None:
+    """inverse_update for a preconditioner power other than -1 (K-FAC's precon_power): the
+    inverse slots of every block that emits (F + damping)^power (integer and half-integer
+    powers, blocks.PartsBlock.emit_power_state) hold that power's state; the runtime computes
+    the other blocks' on the host (numpy_power_state)."""
+    _emit_block_states(em, linalg.concrete_method(method or em.parts.inverse_method), layers, float(power))
+
+
+def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None, power: float) -> None:
+    """The inverse slots' state of (F + damping)^power for the blocks that emit it."""
     b = em.b
-    method = linalg.concrete_method(method or em.parts.inverse_method)  # "auto" emits inverse_op
     damping = em.hp(C.DAMPING)
     if layers is not None:
         unknown = sorted(set(layers) - {layer.name for layer in em.parts.layers})
@@ -77,7 +91,7 @@ def inverse_update(em: Emission, method: str | None = None, layers: tuple[str, .
         if layers is not None and layer.name not in layers:
             continue
         block = em.blocks[layer.name]
-        if block.inverse_is_host(method):
+        if block.inverse_is_host(method) if power == -1 else not block.emits_power(power, method):
             continue
         factors = {
             s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()
@@ -86,7 +100,8 @@ def inverse_update(em: Emission, method: str | None = None, layers: tuple[str, .
             s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, inverse_init(s)) for s in block.inverse_specs()
         }
         # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
-        new = block.emit_inverse(b, factors, damping, method, previous=previous)
+        new = (block.emit_inverse(b, factors, damping, method, previous=previous) if power == -1
+               else block.emit_power_state(b, factors, damping, power, method, previous))
         oks.append(b.cast(new.ok, FLOAT))
         em.metric(C.inverse_ok(layer.name), oks[-1])  # the runtime redoes failed blocks on the host
         for s in block.inverse_specs():
@@ -104,10 +119,11 @@ def precondition(em: Emission) -> None:
 
 
 @subgraph("multiply")
-def multiply(em: Emission, exp: int = 1) -> None:
+def multiply(em: Emission, exp: float = 1) -> None:
     """(F + damping)^exp v for every block, from the moving-average factors: the block
-    multiply for exp = 1, an integer matrix power otherwise (fractional powers need
-    eigendecompositions: Curvature.multiply_matpower does them on the host)."""
+    multiply for exp = 1, an integer or half-integer matrix power otherwise (a product whose
+    emitted square root failed its check is NaN; other powers need eigendecompositions:
+    Curvature.multiply_matpower does them on the host)."""
     damping = em.hp(C.DAMPING)
     vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
     for layer in em.parts.layers:
@@ -117,6 +133,6 @@ def multiply(em: Emission, exp: int = 1) -> None:
         if exp == 1:
             out = block.emit_multiply(em.b, mine, factors, damping)
         else:
-            out = block.emit_multiply_matpower(em.b, mine, factors, damping, int(exp))
+            out = block.emit_multiply_matpower(em.b, mine, factors, damping, exp)
         for p in layer.params:
             em.result(C.product(p), out[p])

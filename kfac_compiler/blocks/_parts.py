@@ -128,13 +128,13 @@ class PartsBlock(FisherBlock):
                 reqs.append((p.name, linalg.InverseRequest(damped[p.name], p.n, p.batch, prev)))
         return damped, reqs
 
-    def _inverse_finish(self, b, damped, results: dict, previous) -> dict[str, str]:
+    def _inverse_finish(self, b, damped, results: dict, previous, exp: float = -1) -> dict[str, str]:
         new, oks = {}, []
         for p in self.parts():
             if p.kind == "full":
                 X, ok = results[p.name]
             else:
-                X = b.op("Reciprocal", [damped[p.name]])
+                X = b.op("Reciprocal", [damped[p.name]]) if exp == -1 else b.op("Pow", [damped[p.name], b.const(float(exp))])
                 ok = b.op("And", [linalg.emit_finite(b, X), b.op("Greater", [b.reduce("ReduceMin", damped[p.name], None), b.const(0.0)])])
             new[p.name] = X
             oks.append(ok)
@@ -156,6 +156,19 @@ class PartsBlock(FisherBlock):
         damped, reqs = self._inverse_requests(b, factors, damping, previous)
         res = linalg.emit_inverse_batch(b, [r for _, r in reqs], method, **self.inverse_kw)
         return self._inverse_finish(b, damped, {name: x for (name, _), x in zip(reqs, res)}, previous)
+
+    def emits_power(self, exp, method):
+        return not self.inverse_is_host(method) and linalg.is_half_integer(exp)
+
+    def emit_power_state(self, b, factors, damping, exp, method, previous=None):
+        """Integer and half-integer powers of the damped parts in ONNX (linalg.emit_matpower),
+        guarded like the inverse: a failed block keeps `previous`."""
+        if exp == -1 or not self.emits_power(exp, method):
+            return super().emit_power_state(b, factors, damping, exp, method, previous)
+        damped = self._emit_damped(b, factors, damping)
+        results = {p.name: linalg.emit_matpower(b, damped[p.name], p.n, exp, linalg.concrete_method(method))
+                   for p in self.parts() if p.kind == "full"}
+        return self._inverse_finish(b, damped, results, previous, exp)
 
     def _np_inverse_requests(self, factors, damping, previous):
         damped = self._np_damped(factors, damping)
@@ -206,10 +219,10 @@ class PartsBlock(FisherBlock):
     def emit_power(self, b, vectors, exp, *, factors=None, damping=None, state=None):
         if state is not None:
             return self._emit_apply(b, vectors, {p.name: state[self._state_key(p, state)] for p in self.parts()})
-        if exp != int(exp):
+        if not linalg.is_half_integer(exp):
             raise ConfigError(
-                f"layer {self.layer.name!r}: matrix power {exp} needs eigendecompositions: use "
-                "numpy_matpower (host) and emit_multiply_state"
+                f"layer {self.layer.name!r}: matrix power {exp:g} needs eigendecompositions: use "
+                "numpy_matpower (host) and emit_multiply_state (Curvature.multiply_matpower)"
             )
         damped = self._emit_damped(b, factors, damping)
         if exp == 1:
@@ -218,8 +231,11 @@ class PartsBlock(FisherBlock):
         for p in self.parts():  # integer powers in ONNX (the Inverse op for negative ones)
             if p.kind == "diag":
                 mats[p.name] = b.op("Pow", [damped[p.name], b.const(float(exp))])
-            else:
+            elif float(exp).is_integer():
                 mats[p.name] = linalg.emit_matpower_int(b, damped[p.name], p.n, int(exp))[0]
+            else:  # half-integer: a square root that fails its check gives NaN, never a wrong product
+                P, ok = linalg.emit_matpower(b, damped[p.name], p.n, exp)
+                mats[p.name] = b.op("Where", [ok, P, b.const(np.nan)])
         return self._emit_apply(b, vectors, mats)
 
     def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
@@ -229,6 +245,37 @@ class PartsBlock(FisherBlock):
         if exp != 1:
             return self.numpy_multiply_matpower(vectors, factors, damping, exp)
         return self._np_apply(vectors, self._np_damped(factors, damping))
+
+    # ---- Cholesky factors (TF K-FAC's compute_cholesky / multiply_cholesky): F + damping
+    # ~ the product of the damped parts, so L is the product of the parts' Cholesky factors
+    # (a diagonal part's sqrt). _np_apply multiplies the parts named here from the right
+    # (X @ M = (M^T (x) I) vec X), so they are passed transposed.
+    cholesky_right_parts: tuple[str, ...] = ()
+
+    def np_cholesky_parts(self, factors: dict, damping: float, inverse: bool = False) -> dict:
+        """{part: L (or L^-1)} of the damped parts, float64 (numpy Cholesky)."""
+        out = {}
+        for p, M in self._np_damped(factors, damping).items():
+            part = next(q for q in self.parts() if q.name == p)
+            M = np.asarray(M, np.float64)
+            if part.kind == "diag":
+                out[p] = M ** (-0.5 if inverse else 0.5)
+            else:
+                try:
+                    out[p] = linalg.np_cholesky_inverse(M) if inverse else linalg.np_cholesky(M)
+                except np.linalg.LinAlgError:
+                    raise ConfigError(f"layer {self.layer.name!r}: factor {p} + damping is not positive definite; "
+                                      "raise the damping") from None
+        return out
+
+    def np_multiply_cholesky(self, vectors: dict, parts: dict, transpose: bool = False) -> dict:
+        """L v (L^T v) with L the product of `parts` (np_cholesky_parts)."""
+        mats = {}
+        for p, M in parts.items():
+            flip = transpose != (p in self.cholesky_right_parts)
+            mats[p] = np.swapaxes(M, -1, -2) if flip and M.ndim >= 2 and M.shape[-1] == M.shape[-2] and \
+                next(q for q in self.parts() if q.name == p).kind == "full" else M
+        return self._np_apply(vectors, mats)
 
     def numpy_matpower(self, factors, damping, exp):
         damped = self._np_damped(factors, damping)

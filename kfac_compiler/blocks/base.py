@@ -214,6 +214,41 @@ class FisherBlock:
         numpy_matpower, then emit_multiply_state with that state)."""
         return self.emit_power(b, vectors, exp, factors=factors, damping=damping)
 
+    # The preconditioner's state for a power other than -1 (kfac-jax's precon_power) ----------
+    def check_power(self, exp: float) -> None:
+        """ConfigError naming the layer when the block has no state for (F + damping)^exp."""
+        if exp != -1 and not self.host_matpowers:
+            raise ConfigError(
+                f"layer {self.layer.name!r}: the {self.name!r} block has no matrix power {exp:g} "
+                "(precon_power); use precon_power=-1 or another approximation for this layer"
+            )
+
+    def emits_power(self, exp: float, method: str) -> bool:
+        """True when emit_power_state emits the state for `exp` (else numpy_power_state)."""
+        return exp == -1 and not self.inverse_is_host(method)
+
+    def emit_power_state(self, b: GraphBuilder, factors: dict[str, str], damping: str, exp: float,
+                         method: str, previous: dict[str, str] | None = None) -> "InverseState":
+        """The state keyed like inverse_specs() that emit_multiply_inverse turns into
+        (F + damping)^exp v; exp = -1 is emit_inverse."""
+        if exp == -1:
+            return self.emit_inverse(b, factors, damping, method, previous)
+        raise ConfigError(f"layer {self.layer.name!r}: matrix power {exp:g} of {self.name!r} is host-side "
+                          "(numpy_power_state)")
+
+    def numpy_power_state(self, factors: dict, damping: float, exp: float, method: str = "eigh",
+                          previous: dict | None = None) -> tuple[dict, bool]:
+        """numpy twin of emit_power_state: numpy_inverse for -1, else numpy_matpower's state
+        under the inverse slots' names; not ok => previous (or numpy_inverse's fallback)."""
+        if exp == -1:
+            return self.numpy_inverse(factors, damping, method, previous)
+        self.check_power(exp)
+        state, ok = self.numpy_matpower(factors, damping, exp)
+        state = {(k[:-4] + "_inv" if k.endswith("_pow") else k): v for k, v in state.items()}
+        if not ok:
+            return (dict(previous) if previous is not None else self.numpy_inverse(factors, damping, method)[0]), False
+        return state, True
+
     # numpy twins (host-side inverse methods, tests); arrays keyed like the emit_* methods
     def numpy_statistics(self, inputs: list, cotangents: list[list]) -> dict:
         raise NotImplementedError

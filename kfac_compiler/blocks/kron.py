@@ -28,6 +28,7 @@ class KronBlock(PartsBlock):
 
     a_diag: bool = False
     g_diag: bool = False
+    cholesky_right_parts = ("A",)  # vec(X) -> vec(G X A): A from the right
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -193,6 +194,12 @@ class KronBlock(PartsBlock):
             A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
             return self.view.np_from(G @ X @ A + float(damping) * X)
         return super().numpy_power(vectors, exp, factors=factors, damping=damping, state=state)
+
+    def np_cholesky_parts(self, factors, damping, inverse=False):
+        if self.damping_mode == "exact":
+            raise ConfigError(f"layer {self.layer.name!r}: exact damping has no Kronecker Cholesky factor; "
+                              "use damping_mode 'pi'")
+        return super().np_cholesky_parts(factors, damping, inverse)
 
     def numpy_matpower(self, factors, damping, exp):
         if self.damping_mode == "exact":

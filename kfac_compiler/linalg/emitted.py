@@ -20,6 +20,8 @@ from kfac_compiler.linalg.methods import (
     RESIDUAL_TOL,
     SCHUR_LEAF,
     SCHUR_TOL,
+    SQRT_ITERATIONS,
+    SQRT_TOL,
     concrete_method,
     probe_vector,
 )
@@ -319,3 +321,53 @@ def emit_matpower_int(b: GraphBuilder, M: str, n: int, exp: int, method: str = D
         P = b.matmul(P, base)
     fin = emit_finite(b, P, [-2, -1])
     return P, fin if ok is None else b.op("And", [ok, fin])
+
+
+def is_half_integer(exp: float) -> bool:
+    """True for the powers the emitted graphs take: integers and k/2."""
+    return float(2 * exp).is_integer()
+
+
+def emit_sqrt_pair(b: GraphBuilder, M: str, n: int, iterations: int = SQRT_ITERATIONS) -> tuple[str, str, str]:
+    """(M^1/2, M^-1/2, ok per matrix) of SPD M [..., n, n] by the coupled Newton-Schulz
+    iteration (Higham, Functions of Matrices, 6.3): with c = ||M||_F (so the spectrum of
+    Y_0 = M / c lies in (0, 1]) and Z_0 = I, T = (3I - Z Y)/2, Y <- Y T, Z <- T Z; Y -> (M/c)^1/2
+    and Z -> (M/c)^-1/2, all MatMuls (the GPU's strength) and stable in float32. ok: every
+    value finite and the probe residual ||Z M Z v - v|| <= SQRT_TOL (a block that fails is
+    recomputed on the host by eigh, like a failed inverse)."""
+    eye = emit_eye(b, n)
+    three_halves = b.scale(eye, 1.5)
+    c = b.op("Sqrt", [b.reduce("ReduceSumSquare", M, [-2, -1], keepdims=True)])
+    c = b.op("Max", [c, b.const(np.finfo(np.float32).tiny)])
+    Y, Z = b.div(M, c), None
+    for _ in range(iterations):
+        T = b.sub(three_halves, b.scale(Y if Z is None else b.matmul(Z, Y), 0.5))
+        Y, Z = b.matmul(Y, T), (T if Z is None else b.matmul(T, Z))
+    root = b.op("Sqrt", [c])
+    Y, Z = b.mul(Y, root), b.div(Z, root)
+    v = b.const(probe_vector(n), hint="probe")
+    r = b.sub(b.matmul(Z, b.matmul(M, b.matmul(Z, v))), v)
+    ok = b.op("LessOrEqual", [b.reduce("ReduceSumSquare", r, [-2, -1], keepdims=False), b.const(SQRT_TOL ** 2)])
+    ok = b.op("And", [ok, b.op("And", [emit_finite(b, Y, [-2, -1]), emit_finite(b, Z, [-2, -1])])])
+    return Y, Z, ok
+
+
+def emit_matpower(b: GraphBuilder, M: str, n: int, exp: float, method: str = DEFAULT_METHOD) -> tuple[str, str]:
+    """M^exp of SPD M [..., n, n] for an integer or half-integer exp in ONNX; returns (P, ok).
+    Integers: emit_matpower_int; k/2 with k odd: (M^(+-1/2))^|k| from emit_sqrt_pair (no
+    inverse needed for negative powers). Other exps need an eigendecomposition: ConfigError
+    naming the host way."""
+    if not is_half_integer(exp):
+        raise ConfigError(
+            f"matrix power {exp:g} is neither an integer nor a half-integer: compute it on the host "
+            "(numpy_matpower, Curvature.multiply_matpower)"
+        )
+    if float(exp).is_integer():
+        return emit_matpower_int(b, M, n, int(exp), method)
+    k = int(round(2 * exp))
+    Y, Z, ok = emit_sqrt_pair(b, M, n)
+    base = Y if k > 0 else Z
+    P = base
+    for _ in range(abs(k) - 1):
+        P = b.matmul(P, base)
+    return P, b.op("And", [ok, emit_finite(b, P, [-2, -1])])

@@ -117,6 +117,9 @@ class Kfac(Optimizer):
         layers = [layer.name for layer in tr.plan.layers if layer.name in slots]  # the plan's order, as inspect
         layers += [layer for layer in slots if layer not in layers]
         blocks = plan_blocks(tr.plan, layers)
+        power = float(self.config.precon_power)
+        for layer in layers:  # a block without that power: one line at construction, not at the first refresh
+            blocks[layer].check_power(power)
         costs = {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}
         count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
         groups = R.balanced_groups(costs, count) if count > 1 else [layers]
@@ -133,8 +136,11 @@ class Kfac(Optimizer):
             threads = R.refresh_threads(width, tr.device.name)
             # one program per group; the options tuple keys tr.program's memo
             subset = tuple(g) if len(g) < len(layers) else None
-            emitted.append(tr.program("inverse_update", threads=threads, method=method, layers=subset))
-        self.refresher = tr.inverse_refresher(emitted, step, method, groups, owners)
+            if power == -1:
+                emitted.append(tr.program("inverse_update", threads=threads, method=method, layers=subset))
+            else:
+                emitted.append(tr.program("power_update", threads=threads, power=power, method=method, layers=subset))
+        self.refresher = tr.inverse_refresher(emitted, step, method, groups, owners, power=power)
 
     # ------------------------------------------------------------------ steps
     def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
@@ -306,3 +312,5 @@ class Kfac(Optimizer):
     def resumed(self, knobs) -> None:
         if "damping" in knobs:  # the adapted damping restarts from the value given
             self.damping = float(self.config.damping)
+        if "precon_power" in knobs:  # the inverse slots hold the checkpoint's power: refresh first
+            self.inverses_ready = False

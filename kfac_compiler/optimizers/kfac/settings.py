@@ -61,6 +61,7 @@ class KfacConfig(OptimizerConfig):
     max_momentum: float = 1.0
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
+    precon_power: float = -1.0  # kfac-jax's name: the step preconditions with (F + damping)^precon_power
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
@@ -129,6 +130,9 @@ class KfacConfig(OptimizerConfig):
         for name in ("stats_batch_size", "qmodel_batch_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
+        if not (isinstance(self.precon_power, (int, float)) and not isinstance(self.precon_power, bool)
+                and math.isfinite(self.precon_power) and self.precon_power < 0):
+            raise ConfigError(f"precon_power must be a negative number (kfac-jax's default -1), got {self.precon_power!r}")
         if self.mode not in ESTIMATION_MODES:
             raise ConfigError(f"unknown estimation mode {self.mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
 

@@ -1,0 +1,258 @@
+"""TF K-FAC's estimator surface on real ONNX Runtime sessions: emitted matrix powers (any
+integer or half-integer exp), Cholesky products, params_stats, K-FAC's precon_power and the
+lower-level API's safeguards. The truths are dense numpy matrices: the block's damped
+curvature assembled column by column from its products with unit vectors, raised to a power
+by numpy eigh or factored by numpy Cholesky."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kfac_compiler as kc
+from kfac_compiler.errors import ConfigError, DataError
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Curvature, Trainer
+
+IN, HID, OUT, N = 3, 4, 3, 12
+
+
+def _two_layer(scale_shift: bool = False):
+    """tanh MLP 3-4-3; with scale_shift the hidden activation is h * s + t (a full block)."""
+    rng = np.random.default_rng(0)
+    w1, b1 = rng.normal(size=(HID, IN)), rng.normal(size=HID) * 0.5
+    w2, b2 = rng.normal(size=(OUT, HID)), rng.normal(size=OUT) * 0.5
+    nodes = [helper.make_node("Gemm", ["input", "fc1.weight", "fc1.bias"], ["h"], transB=1),
+             helper.make_node("Tanh", ["h"], ["a"])]
+    inits = [("fc1.weight", w1), ("fc1.bias", b1), ("fc2.weight", w2), ("fc2.bias", b2)]
+    last = "a"
+    if scale_shift:
+        nodes += [helper.make_node("Mul", ["a", "ss.scale"], ["as"]), helper.make_node("Add", ["as", "ss.shift"], ["ab"])]
+        inits += [("ss.scale", 1 + 0.1 * rng.normal(size=HID)), ("ss.shift", 0.1 * rng.normal(size=HID))]
+        last = "ab"
+    nodes.append(helper.make_node("Gemm", [last, "fc2.weight", "fc2.bias"], ["logits"], transB=1))
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", IN])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", OUT])],
+                              [numpy_helper.from_array(v.astype(np.float32), n) for n, v in inits])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _curvature(approx: str = "kron", scale_shift: bool = False, **kw) -> Curvature:
+    plan = kc.compile(_two_layer(scale_shift), loss="softmax_cross_entropy", output="logits", emit=False,
+                      config={"approximations": {"fully_connected": approx}})
+    curv = Curvature(plan, mode="exact", **kw)
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        curv.update({"input": rng.normal(size=(N, IN)).astype(np.float32)}, rng.integers(0, OUT, N))
+    return curv
+
+
+def _dense(curv: Curvature, layer: str, damping: float) -> tuple[np.ndarray, list[str]]:
+    """The layer's damped curvature F + damping as a dense matrix over its parameters
+    flattened in order, from the host product (exp = 1) with every unit vector."""
+    params = curv.blocks()[layer].layer.params
+    shapes = {p: curv.parameters()[p].shape for p in params}
+    sizes = [int(np.prod(s)) for s in shapes.values()]
+    cols = []
+    for j in range(sum(sizes)):
+        e = np.zeros(sum(sizes))
+        e[j] = 1.0
+        parts = dict(zip(params, np.split(e, np.cumsum(sizes)[:-1])))
+        out = curv.multiply(layer, {p: parts[p].reshape(shapes[p]) for p in params}, damping)
+        cols.append(np.concatenate([np.asarray(out[p], np.float64).ravel() for p in params]))
+    return np.stack(cols, axis=1), list(params)
+
+
+def _flat(vectors, params):
+    return np.concatenate([np.asarray(vectors[p], np.float64).ravel() for p in params])
+
+
+def _random(curv, seed=2):
+    rng = np.random.default_rng(seed)
+    return {p: rng.normal(size=a.shape).astype(np.float32) for p, a in curv.parameters().items()}
+
+
+@pytest.mark.parametrize("approx,scale_shift", [("kron", False), ("diagonal", False), ("kron", True)])
+def test_emitted_powers_equal_eigh_powers_of_the_dense_block(approx, scale_shift):
+    """-1/2, 1/2, -3/2 (the emitted square root) and 2 (MatMuls) in the `multiply` subgraph
+    equal numpy eigh powers of the dense damped block, for Kronecker, diagonal and full blocks."""
+    curv, damping = _curvature(approx, scale_shift), 1e-2
+    v = _random(curv)
+    dense = {layer: _dense(curv, layer, damping) for layer in curv.blocks()}
+    kinds = {type(b).__name__ for b in curv.blocks().values()}
+    assert ("ScaleShiftFull" in kinds) == scale_shift
+    for exp in (-0.5, 0.5, -1.5, 2):
+        got = curv.multiply_all(v, damping=damping, exp=exp)
+        for layer, (M, params) in dense.items():
+            s, U = np.linalg.eigh((M + M.T) / 2)
+            want = (U * s ** exp) @ U.T @ _flat(v, params)
+            err = np.abs(_flat(got, params) - want).max() / np.abs(want).max()
+            assert err < 2e-4, (exp, layer, err)
+
+
+def test_a_square_root_beyond_float32_falls_back_to_the_host():
+    """fc1's A made ill-conditioned (eigenvalues 1 .. 1e-12, damping 1e-14; fc2 fails too, its softmax G being singular): the emitted root
+    fails its probe check, the graph gives NaN for that layer and multiply_all redoes it on
+    the host; the result still equals the dense block's eigh power."""
+    from kfac_compiler import contract as C
+
+    curv, damping = _curvature(), 1e-14
+    n = IN + 1
+    Q, _ = np.linalg.qr(np.random.default_rng(7).normal(size=(n, n)))
+    curv.store.set(C.factor("fc1", "A"), ((Q * np.logspace(0, -12, n)) @ Q.T).astype(np.float32))
+    v = _random(curv)
+    raw = curv.program("multiply", exp=-0.5).run(curv.store, {C.vec(p): a for p, a in v.items()},
+                                                  hp={C.DAMPING: damping}, results=True)
+    assert np.isnan(raw[C.product("fc1.weight")]).all()
+    got = curv.multiply_all(v, damping=damping, exp=-0.5)
+    M, params = _dense(curv, "fc1", damping)
+    s, U = np.linalg.eigh((M + M.T) / 2)
+    want = (U * s ** -0.5) @ U.T @ _flat(v, params)
+    assert np.abs(_flat(got, params) - want).max() / np.abs(want).max() < 1e-3
+
+
+def test_other_powers_name_the_host_way():
+    curv = _curvature()
+    with pytest.raises(ConfigError, match="multiply_matpower"):
+        curv.multiply_all(_random(curv), damping=1e-2, exp=0.25)
+
+
+@pytest.mark.parametrize("approx", ["kron", "diagonal"])
+def test_cholesky_products_equal_numpy_cholesky(approx):
+    """multiply_cholesky(_inverse) with and without transpose against numpy's Cholesky of the
+    dense damped block; a Kronecker block's L is kron(L_A, L_G) of its damped factors (vec
+    column-major), so L L^T v = (F + damping) v."""
+    curv, damping = _curvature(approx), 3e-2
+    curv.compute_cholesky(damping)
+    curv.compute_cholesky_inverse(damping)
+    v = _random(curv)
+    outs = {(k, t): f(v, transpose=t) for k, f in (("L", curv.multiply_cholesky), ("Li", curv.multiply_cholesky_inverse))
+            for t in (False, True)}
+    for layer, block in curv.blocks().items():
+        M, params = _dense(curv, layer, damping)
+        x = _flat(v, params)
+        if approx == "kron":  # the dense operator's own Cholesky factor in our vec order
+            parts = block.np_cholesky_parts(curv.factors()[layer], damping)
+            L_A, L_G = parts["A"], parts["G"]
+            np.testing.assert_allclose(np.kron(L_A @ L_A.T, L_G @ L_G.T), np.kron(*[block._np_damped(
+                curv.factors()[layer], damping)[k] for k in ("A", "G")]), rtol=1e-5, atol=1e-8)
+            # the view: params (W [out, in], b [out]) <-> X [out, in+1]; vec column-major
+            L = np.kron(L_A, L_G)
+            perm = np.array([c * OUT + r if layer == "fc2" else c * HID + r
+                             for r, c in _param_order(layer)])
+            L = L[np.ix_(perm, perm)]
+        else:
+            L = np.linalg.cholesky(M)
+        want = {("L", False): L @ x, ("L", True): L.T @ x,
+                ("Li", False): np.linalg.solve(L, x), ("Li", True): np.linalg.solve(L.T, x)}
+        for key, w in want.items():
+            np.testing.assert_allclose(_flat(outs[key], params), w, rtol=2e-4, atol=1e-5 * np.abs(w).max())
+        # L L^T v = (F + damping) v
+        LLt = curv.multiply_cholesky(curv.multiply_cholesky(v, transpose=True))
+        np.testing.assert_allclose(_flat(LLt, params), M @ x, rtol=1e-4, atol=1e-5 * np.abs(M @ x).max())
+
+
+def _param_order(layer):
+    """(row, col) of X = [W | b] for each flattened parameter entry (W row-major, then b)."""
+    n_out, n_in = (HID, IN) if layer == "fc1" else (OUT, HID)
+    return [(r, c) for r in range(n_out) for c in range(n_in)] + [(r, n_in) for r in range(n_out)]
+
+
+def test_params_stats_is_the_empirical_gradient():
+    curv = _curvature()
+    rng = np.random.default_rng(5)
+    x, y = {"input": rng.normal(size=(N, IN)).astype(np.float32)}, rng.integers(0, OUT, N)
+    with pytest.raises(ConfigError, match="empirical"):
+        curv.compute_params_stats(x, y)
+    emp = Curvature(curv.plan, mode="empirical")
+    stats = emp.compute_params_stats(x, y)
+    _, grads = emp.gradients(x, y)
+    for p in grads:
+        np.testing.assert_array_equal(stats[p], grads[p])
+
+
+@pytest.mark.parametrize("power", [-0.5, -0.75])
+def test_precon_power_first_step_is_the_numpy_matrix_power(power):
+    """precon_power with a fixed learning rate and no momentum: the first update is
+    -lr (F + damping)^p g, F the damped Kronecker blocks of the first batch's factors
+    (-1/2: the emitted power_update; -3/4: host eigh, numpy_power_state)."""
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0, hidden=(16,)), loss=e.loss, output="logits", emit=False)
+    inputs, y = e.make_data(None, seed=0)
+    batch, yb = {"input": inputs["input"][:32]}, y[:32]
+    lr, damping = 0.05, 1e-2
+    curv = Curvature(plan, mode="exact")
+    curv.update(batch, yb)
+    _, g = curv.gradients(batch, yb)
+    want = {}
+    for layer, block in curv.blocks().items():
+        want.update(curv.multiply_matpower(layer, {p: g[p] for p in block.layer.params}, power, damping))
+    tr = Trainer(plan, optimizer="kfac", precon_power=power, learning_rate=lr, momentum=0.0, damping=damping,
+                 min_damping=1e-4, adapt_damping=False, mode="exact", stats_batch_size=None)
+    before = {p: tr.store.to_numpy(p) for p in tr.params}
+    losses = [tr.step(batch, yb)["loss"]]
+    for p in tr.params:
+        step = before[p] - tr.store.to_numpy(p)
+        np.testing.assert_allclose(step, lr * want[p], rtol=2e-3, atol=2e-4 * np.abs(lr * want[p]).max())
+    losses += [tr.step(batch, yb)["loss"] for _ in range(3)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_precon_power_is_refused_by_a_block_without_it():
+    e = ZOO["unrolled_rnn"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,
+                      config={"approximations": {"fully_connected_multi": "kron_series_1"}})
+    with pytest.raises(ConfigError, match="precon_power"):
+        Trainer(plan, optimizer="kfac", precon_power=-0.5)
+    with pytest.raises(ConfigError, match="precon_power"):
+        Trainer(plan, optimizer="kfac", precon_power=0.5)
+
+
+def _foreign_loop(curv, x, y, lr, steps, damping=1e-2):
+    """The issue's loop: numpy gradients, update, update_inverses, precondition, params -= lr P."""
+    params, oks = curv.parameters(), []
+    for s in range(steps):
+        idx = np.random.default_rng([0, s]).choice(len(y), 64, replace=False)
+        xb, yb = {"input": x[idx]}, y[idx]
+        _, g = curv.gradients(xb, yb)
+        curv.update(xb, yb)
+        oks.append(curv.update_inverses(damping))
+        P = curv.precondition(g)
+        params = {p: params[p] - lr * P[p] for p in params}
+        curv.set_parameters(params)
+    return oks
+
+
+def test_foreign_loop_with_damping_1e2_stays_finite_with_the_floor_and_stops_cleanly_without():
+    """Reproduced (issue 26): a numpy loop at damping 1e-2 and lr 3 overshoots (nothing checks
+    the step's quadratic model, as K-FAC's Trainer does), the logits and so the factors grow
+    to ~1e12, damping 1e-2 no longer keeps them invertible in float32 (refreshes fail from
+    step 3 on) and the next steps overflow into NaN. With the damping floor (default 1e-6
+    times the largest block scale) the damping grows with the factors, every refresh
+    succeeds and the loop stays finite; without it (damping_floor=0) the failed refresh is
+    named in the report and the loop stops at the first NaN gradient with a one-line
+    DataError from precondition, before NaN reaches the parameters."""
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False)
+    inputs, y = e.make_data(None, seed=0)
+    floored = Curvature(plan)
+    assert all(_foreign_loop(floored, inputs["input"], y, 3.0, 12))
+    assert np.isfinite(np.concatenate([a.ravel() for a in floored.parameters().values()])).all()
+    assert floored.report["damping_floored"] and floored.report["damping_used"] > 10.0
+    bare = Curvature(plan, damping_floor=0.0)
+    with pytest.raises(DataError, match="precondition: the vector for .* NaN/Inf"):
+        _foreign_loop(bare, inputs["input"], y, 3.0, 12)
+    assert bare.report["failed_blocks"] and bare.report["damping_used"] == 1e-2
+    assert np.isfinite(np.concatenate([a.ravel() for a in bare.parameters().values()])).all()
+
+
+def test_a_sane_foreign_loop_is_unchanged_by_the_floor():
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False)
+    inputs, y = e.make_data(None, seed=0)
+    curv = Curvature(plan)
+    assert all(_foreign_loop(curv, inputs["input"], y, 0.1, 3))
+    assert curv.report["damping_used"] == 1e-2 and not curv.report["damping_floored"]
+    assert curv.report["skipped_updates"] == 0 and curv.report["last_update_ok"] is True
