@@ -212,6 +212,16 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
     # host), for any other real exp "F_pow", the dense power of the layer's F (DENSE_MAX).
     host_matpowers = True
 
+    def check_power(self, exp: float) -> None:
+        """A preconditioner state must fit the inverse slots (K_A, K_G, D_inv, ...): only -1
+        does; other powers are products (Curvature.multiply_matpower), not a precon_power."""
+        if exp != -1:
+            raise ConfigError(
+                f"layer {self.layer.name!r}: the {self.name!r} block has no precon_power {exp:g} state "
+                "(its powers are host products: Curvature.multiply_matpower); use precon_power=-1 or "
+                "another approximation for this layer"
+            )
+
     def numpy_matpower(self, factors, damping, exp):
         if exp == -1:
             return self.numpy_inverse(factors, damping)
