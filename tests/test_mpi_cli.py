@@ -45,11 +45,14 @@ sys.exit(main(sys.argv[1:]))
 
 
 def ours(stderr: str) -> list[str]:
-    """stderr's lines without mpirun's reports (blocks between lines of dashes)."""
+    """stderr's lines without mpirun's reports (blocks between lines of dashes) and the Open
+    MPI runtime's own "[host:pid] PMIX ERROR: ..." lines (seen on a loaded machine)."""
     lines, inside = [], False
     for line in stderr.splitlines():
         if line.startswith("-----"):
             inside = not inside
+        elif "] PMIX ERROR:" in line and line.startswith("["):
+            continue
         elif not inside and line.strip(" \t\x00"):  # mpirun's abort report may leave a NUL
             lines.append(line)
     return lines
