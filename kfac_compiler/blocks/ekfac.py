@@ -45,7 +45,6 @@ from kfac_compiler.blocks.conv import ConvKronBase
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
 from kfac_compiler.blocks.ops import emit_concat, emit_dim
 from kfac_compiler.blocks.registry import register_block
-from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
 
@@ -59,10 +58,9 @@ class EkfacMixin:
     state_statistics = ("S",)
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
-        mode = options.pop("damping_mode", "exact")
-        if mode != "exact":
-            raise ConfigError(f"layer {layer.name!r}: ekfac damps its eigenvalues exactly (damping_mode 'exact'), "
-                              f"not {mode!r}")
+        # the plan's damping split (pi or exact, for the Kronecker blocks) does not apply: EKFAC
+        # damps its own eigenvalues, S + damping
+        options.pop("damping_mode", None)
         super().__init__(layer, param_shapes, input_shapes, damping_mode="exact", **options)
 
     # ---- plan records
