@@ -28,6 +28,10 @@ State and schedule:
                       factors' long average holds of the new basis' second moments (exact
                       when the gradients' covariance is Kronecker).
 
+From the factors alone (emit_multiply, numpy_matpower: Curvature.multiply) the block is the
+curvature a refresh would give, K-FAC's A (x) G + damping with exact damping; from its state,
+any real power (S + damping)^p in the eigenbasis (an elementwise Pow).
+
 Statistic: the inputs and output gradients are projected first (a' = U_A^T a~,
 d' = U_G^T delta), then g'_n = sum_t d'_nt a'_nt^T: one matmul (D'^2)^T (A'^2) / N for a
 single-use fully connected layer with one position per example, a batched matmul otherwise.
