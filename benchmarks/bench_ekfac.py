@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                 f"{fmt(med['kron']['step_ms'])} / {fmt(med['ekfac']['step_ms'])} | {reached} |")
         lines.append(line)
         print(line, flush=True)
-    lines += ["", "Per seed (Adam lr, target loss; steps to it and final loss for K-FAC, EKFAC):", ""]
+    lines += ["", "Per seed (Adam lr, target loss; steps to it and final loss for K-FAC, EKFAC, K-FAC with exact damping):", ""]
     for name, per in runs.items():
         for r in per:
             lines.append(f"- {name} seed {r['seed']}: Adam lr {r['adam_lr']:g}, target {r['target']:.4g}; K-FAC "
