@@ -87,12 +87,14 @@ def main(argv=None) -> int:
         reached = ", ".join(f"{sum(r[a]['steps'] is not None for r in per)}/{len(per)}" for a in CONFIGS)
         line = (f"| {name} | {fmt(med['kron']['steps'], 'g')} | {fmt(med['ekfac']['steps'], 'g')} | "
                 f"{fmt(med['kron_exact']['steps'], 'g')} | {fmt(med['kron']['seconds'])} | "
-                f"{fmt(med['ekfac']['seconds'])} | {fmt(ratio('ekfac', 'kron'))}x | {fmt(ratio('ekfac', 'kron_exact'))}x | "
+                f"{fmt(med['ekfac']['seconds'])} | {fmt(ratio('ekfac', 'kron'))}x | "
+                f"{fmt(ratio('ekfac', 'kron_exact'))}x | "
                 f"{fmt(over['kron'])}x | {fmt(over['ekfac'])}x | "
                 f"{fmt(med['kron']['step_ms'])} / {fmt(med['ekfac']['step_ms'])} | {reached} |")
         lines.append(line)
         print(line, flush=True)
-    lines += ["", "Per seed (Adam lr, target loss; steps to it and final loss for K-FAC, EKFAC, K-FAC with exact damping):", ""]
+    lines += ["", "Per seed (Adam lr, target loss; steps to it and final loss for K-FAC, EKFAC, "
+                  "K-FAC with exact damping):", ""]
     for name, per in runs.items():
         for r in per:
             lines.append(f"- {name} seed {r['seed']}: Adam lr {r['adam_lr']:g}, target {r['target']:.4g}; K-FAC "
