@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
+from kfac_compiler.errors import PlanError
 from kfac_compiler.runtime.comm import Communicator
 from kfac_compiler.runtime.program import ContractError, Program, _as_device, write_inputs
 from kfac_compiler.runtime.stages import Stage, split_stages
@@ -35,6 +36,12 @@ class StagedProgram:
         self.name = name or model.graph.name
         self.info = info
         self.comm = comm
+        for slot in info.state_outputs.values():  # ekfac's S: a per-step average every rank's update reads
+            parsed = C.parse_slot(slot)
+            if parsed.kind == C.INVERSE:
+                raise PlanError(f"layer {parsed.owner!r}: its block re-estimates inverse state {parsed.item!r} in "
+                                "every step (ekfac), which a data-parallel run cannot keep equal on the ranks; "
+                                "choose another approximation for it or train in one process")
         self.stages: list[Stage] = split_stages(model, info)
         for k, stage in enumerate(self.stages[1:], 1):  # a rank's own factor averages feed no update
             local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR]

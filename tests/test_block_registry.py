@@ -1,5 +1,5 @@
 """The block menu is derived from the registered classes: pinned to the menu the front end
-offers (the tied_embedding row added with blocks/tied.py), and a class registered later (with its `uses` and `menu_rank`) shows up
+offers (the tied_embedding row added with blocks/tied.py, ekfac with blocks/ekfac.py), and a class registered later (with its `uses` and `menu_rank`) shows up
 in it, in config validation and in the block choice."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from kfac_compiler.ir import Layer, LayerUse
 from kfac_compiler.passes.choose_blocks import choose_blocks
 
 MENU = {
-    "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
+    "fully_connected": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "fully_connected_multi": ("kron_indep", "kron_series_1", "kron_series_2", "kron_indep_in_diag", "kron_indep_out_diag",
-                              "kron_indep_both_diag", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
-    "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag"),
+                              "kron_indep_both_diag", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
+    "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "conv_multi": ("kron_indep", "kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag", "diagonal",
-                   "kron_in_diag", "kron_out_diag", "kron_both_diag"),
+                   "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "depthwise_conv": ("diagonal", "kron"),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
@@ -60,10 +60,10 @@ def test_a_registered_class_joins_the_menus_by_its_declaration(registry):
         uses = "any"
         menu_rank = 11  # between kron_in_diag and kron_out_diag; after diagonal (10) in the multi menu
 
-    fc = ("kron", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
+    fc = ("kron", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag", "ekfac")
     assert APPROXIMATIONS["fully_connected"] == fc
     multi = ("kron_indep", "kron_series_1", "kron_series_2", "kron_indep_in_diag", "kron_indep_out_diag",
-             "kron_indep_both_diag", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag")
+             "kron_indep_both_diag", "diagonal", "kron_in_diag", "extra", "kron_out_diag", "kron_both_diag", "ekfac")
     assert APPROXIMATIONS["fully_connected_multi"] == multi
     cfg = CompileConfig.from_dict({"approximations": {"fully_connected_multi": "extra"}})
     (chosen,) = choose_blocks([layer("fully_connected", uses=2)], cfg)

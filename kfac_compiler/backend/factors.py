@@ -70,8 +70,24 @@ def batch_statistics(
             inputs = [fwd.name(u.input) for u in layer.uses]
             outs = [fwd.name(u.output) for u in layer.uses]
             cots = [[d.get(o) or _zeros_like(em.b, o) for d in per_seed] for o in outs]
-        stats[layer.name] = block.emit_statistics(b, inputs, cots)
+        if block.state_statistics:  # statistics that read the inverse state (ekfac's eigenbases)
+            stats[layer.name] = block.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block))
+        else:
+            stats[layer.name] = block.emit_statistics(b, inputs, cots)
     return stats
+
+
+def inverse_inputs(em: Emission, layer: str, block) -> dict[str, str]:
+    """The block's `inverse/<layer>/<name>` state slots as inputs of the graph."""
+    return {s.name: em.state_input(C.inverse(layer, s.name), s.shape, inverse_init(s)) for s in block.inverse_specs()}
+
+
+def current_inverses(em: Emission, layer: str, block) -> dict[str, str]:
+    """inverse_inputs, with the slots this graph updates earlier (a block's state_statistics,
+    folded in by factor_updates) at their updated value."""
+    slots = inverse_inputs(em, layer, block)
+    written = set(em.info.state_outputs)
+    return {name: C.new(slot) if C.new(slot) in written else slot for name, slot in slots.items()}
 
 
 def _per_example_fallback(em: Emission, cot: str | None, p: str, inv_sqrt_n: str) -> str:
@@ -96,9 +112,13 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     stats = em.reduce_through_state(C.FACTOR_STATISTICS_POINT, batch_statistics(em, fwd, mode, num_samples, cots))
     updates, ok = [], []
     for layer in em.parts.layers:
-        specs = {s.name: s for s in em.blocks[layer.name].factor_specs()}
+        block = em.blocks[layer.name]
+        specs = {s.name: s for s in block.factor_specs()}
         for fname, stat in stats[layer.name].items():
-            slot = em.state_input(C.factor(layer.name, fname), specs[fname].shape, "zeros")
+            if fname in block.state_statistics:  # a moving average kept in the inverse state
+                slot = C.inverse(layer.name, fname)
+            else:
+                slot = em.state_input(C.factor(layer.name, fname), specs[fname].shape, "zeros")
             if isinstance(stat, GramStatistic):
                 scaled = b.mul(stat.rows, b.div(coeff, stat.count))
                 updates.append((slot, b.op("Gemm", [scaled, stat.rows, b.mul(slot, keep)], transA=1)))
@@ -141,13 +161,11 @@ def conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode:
 
 
 def precondition(em: Emission, grads: dict[str, str]) -> dict[str, str]:
-    """(F + damping)^-1 g for every block, from the `inverse/<layer>/<name>` state slots."""
+    """(F + damping)^-1 g for every block, from the `inverse/<layer>/<name>` state slots (a
+    slot this graph re-estimated before, ekfac's S, at its new value)."""
     out: dict[str, str] = {}
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
-        inverses = {
-            s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, inverse_init(s))
-            for s in block.inverse_specs()
-        }
+        inverses = current_inverses(em, layer.name, block)
         out.update(block.emit_multiply_inverse(em.b, {p: grads[p] for p in layer.params}, inverses))
     return out

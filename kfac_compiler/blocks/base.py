@@ -59,6 +59,13 @@ class FisherBlock:
     # True: numpy_matpower gives a state for any real exp (an eigendecomposition), used by
     # numpy_multiply_matpower for exp = 1 too; False: only the inverse state (exp = -1).
     host_matpowers: ClassVar[bool] = False
+    # Inverse-state slots (inverse_specs() names) that are also moving averages re-estimated
+    # on every statistics step from a statistic that reads the inverse state (ekfac's S in
+    # the eigenbases A_Q, G_Q): emit_statistics / numpy_statistics then get `state=` (the
+    # inverse slots) and return these names beside the factors; the back end folds them
+    # into the inverse slots with the factors' moving-average coefficient, and a graph that
+    # updates them preconditions with the updated value. Empty: statistics see no state.
+    state_statistics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -117,7 +124,8 @@ class FisherBlock:
         factor is the SUM over seeds (the estimator folds 1/num_samples in).
         Returns {factor name: tensor name, or a statistics.GramStatistic (X^T X / count left
         as its operands; statistics.emit_statistic materializes it)} for every factor_specs()
-        entry.
+        entry. A block with `state_statistics` is called with the keyword `state` (its
+        inverse slots) and returns those names too.
         """
         raise NotImplementedError
 

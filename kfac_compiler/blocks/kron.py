@@ -144,10 +144,8 @@ class KronBlock(PartsBlock):
         state = None
         if ok:
             try:
-                A64, G64 = A.astype(np.float64), G.astype(np.float64)
-                sa, Ua = np.linalg.eigh(linalg.np_symmetrized(A64))
-                sg, Ug = np.linalg.eigh(linalg.np_symmetrized(G64))
-                denom = np.maximum(sg, 0)[..., :, None] * np.maximum(sa, 0)[..., None, :] + float(damping)
+                sa, Ua, sg, Ug = self._np_eigenbases(A, G)
+                denom = sg[..., :, None] * sa[..., None, :] + float(damping)
                 with np.errstate(all="ignore"):
                     D = 1.0 / denom
                 ok = bool(np.all(denom > 0) and np.isfinite(D).all())
@@ -164,6 +162,14 @@ class KronBlock(PartsBlock):
                     "D_inv": np.ones(self.mat_shape),
                 }
         return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, ok
+
+    @staticmethod
+    def _np_eigenbases(A, G):
+        """(sa, Ua, sg, Ug): eigh of the symmetrized factors in float64, eigenvalues clipped
+        at 0 (exact damping's state; ekfac's eigenbases). Raises LinAlgError."""
+        sa, Ua = np.linalg.eigh(linalg.np_symmetrized(np.asarray(A, np.float64)))
+        sg, Ug = np.linalg.eigh(linalg.np_symmetrized(np.asarray(G, np.float64)))
+        return np.maximum(sa, 0), Ua, np.maximum(sg, 0), Ug
 
     # ---- the power hook: exact damping multiplies by G X A + lambda X, and its host state
     # (eigenbases, D_inv) by Ug [(Ug^T X Ua) * D_inv] Ua^T; "pi" is the parts' hook
@@ -205,9 +211,7 @@ class KronBlock(PartsBlock):
         if self.damping_mode == "exact":
             if exp == -1:
                 return self.numpy_inverse(factors, damping, "eigh")
-            A, G = np.asarray(factors["A"], np.float64), np.asarray(factors["G"], np.float64)
-            sa, Ua = np.linalg.eigh(A)
-            sg, Ug = np.linalg.eigh(G)
-            D = (np.maximum(sg, 0)[..., :, None] * np.maximum(sa, 0)[..., None, :] + float(damping)) ** exp
+            sa, Ua, sg, Ug = self._np_eigenbases(factors["A"], factors["G"])
+            D = (sg[..., :, None] * sa[..., None, :] + float(damping)) ** exp
             return {"A_Q": Ua, "G_Q": Ug, "D_inv": D}, bool(np.isfinite(D).all())
         return super().numpy_matpower(factors, damping, exp)
