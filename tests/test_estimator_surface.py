@@ -200,11 +200,13 @@ def test_precon_power_first_step_is_the_numpy_matrix_power(power):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
-def test_precon_power_is_refused_by_a_block_without_it():
-    e = ZOO["unrolled_rnn"]
+@pytest.mark.parametrize("model,menu,approx", [("unrolled_rnn", "fully_connected_multi", "kron_series_1"),
+                                               ("mlp_classifier", "fully_connected", "ekfac")])
+def test_precon_power_is_refused_by_a_block_without_it(model, menu, approx):
+    e = ZOO[model]
     plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,
-                      config={"approximations": {"fully_connected_multi": "kron_series_1"}})
-    with pytest.raises(ConfigError, match="precon_power"):
+                      config={"approximations": {menu: approx}})
+    with pytest.raises(ConfigError, match=f"'{approx}' block .*precon_power -0.5"):
         Trainer(plan, optimizer="kfac", precon_power=-0.5)
     with pytest.raises(ConfigError, match="precon_power"):
         Trainer(plan, optimizer="kfac", precon_power=0.5)

@@ -49,6 +49,7 @@ from kfac_compiler.blocks.conv import ConvKronBase
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
 from kfac_compiler.blocks.ops import emit_concat, emit_dim
 from kfac_compiler.blocks.registry import register_block
+from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
 
 
@@ -66,6 +67,16 @@ class EkfacMixin:
         # damps its own eigenvalues, S + damping
         options.pop("damping_mode", None)
         super().__init__(layer, param_shapes, input_shapes, damping_mode="exact", **options)
+
+    def check_power(self, exp: float) -> None:
+        """The step re-estimates S in its state and divides by S + damping: a precon_power
+        state would be overwritten by the next statistics step, so only -1 is offered (other
+        powers of the state: Curvature.multiply_matpower / emit_power with exp)."""
+        if exp != -1:
+            raise ConfigError(
+                f"layer {self.layer.name!r}: the 'ekfac' block preconditions with (S + damping)^-1 only "
+                f"(precon_power {exp:g}); use precon_power=-1 or another approximation for this layer"
+            )
 
     # ---- plan records
     def inverse_specs(self) -> list[FactorSpec]:
