@@ -83,6 +83,12 @@ class Twin:
         self.prev = update
 
 
+def gradients64(plan, xb: np.ndarray, yb: np.ndarray, theta: dict) -> dict:
+    """The batch gradient at float64 parameters `theta` (in float32, as float64)."""
+    _, g = gradients(plan, {"input": xb}, yb, params={p: v.astype(np.float32) for p, v in theta.items()})
+    return {p: v.astype(np.float64) for p, v in g.items()}
+
+
 def relative_gap(a: dict, b: dict, ref: dict) -> float:
     diff = {p: a[p] - b[p] for p in a}
     return math.sqrt(dot(diff, diff) / dot(ref, ref))
@@ -120,8 +126,7 @@ def test_update_sequence_equals_tf_kfacs_rule(mlp, kind, lr, norm_constraint):
     clipped = 0
     for k in range(STEPS):
         xb, yb = x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH]
-        g = {p: v.astype(np.float64) for p, v in
-             gradients(plan, {"input": xb}, yb, params={p: v.astype(np.float32) for p, v in twin.theta.items()})[1].items()}
+        g = gradients64(plan, xb, yb, twin.theta)
         if k == 0:  # the first step makes its inverses before it: they are in the slots after it
             m = tr.step({"input": xb}, yb)
             twin.step(k, xb, g, precondition)
@@ -146,15 +151,15 @@ def test_update_sequence_equals_tf_kfacs_rule(mlp, kind, lr, norm_constraint):
         tf = Twin("regular", start, lr, None)
         for k in range(STEPS):
             xb, yb = x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH]
-            g = {p: v.astype(np.float64) for p, v in gradients(
-                plan, {"input": xb}, yb, params={p: v.astype(np.float32) for p, v in tf.theta.items()})[1].items()}
+            g = gradients64(plan, xb, yb, tf.theta)
             tf.step(k, xb, g, precondition)  # the last inverses: the point is the momentum term
         assert relative_gap(tf.theta, twin.theta, {p: twin.theta[p] - start[p] for p in start}) > 1e-2
 
 
 @pytest.mark.parametrize("knobs,message", [
     (dict(momentum_type="nesterov", learning_rate=0.1), "unknown momentum_type 'nesterov'; choose one of regular"),
-    (dict(momentum_type="adam", use_qmodel=True, learning_rate=0.1), "use_qmodel=True contradicts momentum_type='adam'"),
+    (dict(momentum_type="adam", use_qmodel=True, learning_rate=0.1),
+     "use_qmodel=True contradicts momentum_type='adam'"),
     (dict(momentum_type="qmodel", use_qmodel=False), "use_qmodel=False contradicts momentum_type='qmodel'"),
     (dict(momentum_type="qmodel_fixedmu", learning_rate=0.1), "'qmodel_fixedmu' chooses the learning rate itself"),
     (dict(momentum_type="qmodel", momentum=0.5), "chooses learning rate and momentum itself"),

@@ -36,8 +36,9 @@ class KfacConfig(OptimizerConfig):
     momentum knob, alpha the model's minimizer for it; "regular": update = -lr P + mu v (v the
     last update); "adam": m <- mu m + g, update = -lr (F + damping)^-1 m. use_qmodel (kfac-jax)
     is True for the two qmodel types. learning_rate, momentum and damping take schedules
-    (optimizers/schedules.py; a damping schedule needs adapt_damping off). damping: initial value, adapted by Levenberg-Marquardt
-    every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
+    (optimizers/schedules.py; a damping schedule needs adapt_damping off). damping: initial
+    value, adapted by Levenberg-Marquardt every damping_adaptation_interval steps
+    (adapt_damping, default with the qmodel).
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off. inverse_groups: "auto" or k >= 1 groups of
