@@ -54,7 +54,7 @@ def _schedule(text: str):
     from kfac_compiler.optimizers import schedules
 
     try:
-        return schedules.parse(text, "schedule")
+        return schedules.parse(text, "")  # argparse names the flag
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -50,7 +50,7 @@ def test_schedule_text_gives_the_documented_values(text, values):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("fast", "cannot read 'fast' as a schedule"),
+    ("fast", "'fast' is not a number or a schedule; use a number, V@STEP"),
     ("cosine:0.1,0.01", "cosine: expects 3 comma-separated numbers"),
     ("exp:0.1,0.5,0", "the step count must be an integer >= 1"),
     ("linear:0.1,x,100", "linear: 'x' is not a number"),

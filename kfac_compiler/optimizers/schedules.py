@@ -43,25 +43,31 @@ class Schedule:
         return self.text if self.text is not None else CALLABLE
 
 
+def _at(where: str) -> str:
+    """The message's prefix naming the option (none where the caller names it, argparse)."""
+    return f"{where}: " if where else ""
+
+
 def _numbers(args: str, count: int, kind: str, where: str) -> list[float]:
     parts = args.split(",")
+    where = _at(where) + (f"{kind}: " if kind else "")  # kind "": a constant
     if len(parts) != count:
-        raise ConfigError(f"{where}: {kind}: expects {count} comma-separated numbers, got {args!r}")
+        raise ConfigError(where + f"expects {count} comma-separated numbers, got {args!r}")
     out = []
     for p in parts:
         try:
             v = float(p)
         except ValueError:
-            raise ConfigError(f"{where}: {kind}: {p.strip()!r} is not a number") from None
+            raise ConfigError(where + f"{p.strip()!r} is not a number") from None
         if not math.isfinite(v):
-            raise ConfigError(f"{where}: {kind}: {p.strip()!r} is not a finite number")
+            raise ConfigError(where + f"{p.strip()!r} is not a finite number")
         out.append(v)
     return out
 
 
 def _steps(v: float, kind: str, where: str, low: int = 1) -> int:
     if v != int(v) or v < low:
-        raise ConfigError(f"{where}: {kind}: the step count must be an integer >= {low}, got {v:g}")
+        raise ConfigError(_at(where) + f"{kind}: the step count must be an integer >= {low}, got {v:g}")
     return int(v)
 
 
@@ -70,12 +76,12 @@ def _piecewise(text: str, where: str) -> Callable[[int], float]:
     for item in text.split(","):
         value, sep, step = item.partition("@")
         if not sep:
-            raise ConfigError(f"{where}: {item.strip()!r} is not VALUE@STEP (schedules: {GRAMMAR})")
+            raise ConfigError(_at(where) + f"{item.strip()!r} is not VALUE@STEP (schedules: {GRAMMAR})")
         v, s = _numbers(f"{value},{step}", 2, "VALUE@STEP", where)
         points.append((_steps(s, "VALUE@STEP", where, low=0), v))
     starts = [s for s, _ in points]
     if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
-        raise ConfigError(f"{where}: the steps of {text!r} must start at @0 and increase")
+        raise ConfigError(_at(where) + f"the steps of {text!r} must start at @0 and increase")
 
     def piecewise(step: int) -> float:
         return next(v for s, v in reversed(points) if step >= s)
@@ -89,7 +95,7 @@ def _body(text: str, where: str) -> Callable[[int], float]:
     if not sep:
         if "@" in text:
             return _piecewise(text, where)
-        (v,) = _numbers(text, 1, "constant", where) if _is_number(text) else _bad(text, where)
+        (v,) = _numbers(text, 1, "", where) if _is_number(text) else _bad(text, where)
         return lambda step: v
     if kind == "exp":
         v0, rate, n = _numbers(args, 3, kind, where)
@@ -115,14 +121,14 @@ def _is_number(text: str) -> bool:
 
 
 def _bad(text: str, where: str):
-    raise ConfigError(f"{where}: cannot read {text!r} as a schedule; use {GRAMMAR}")
+    raise ConfigError(_at(where) + f"{text!r} is not a number or a schedule; use {GRAMMAR}")
 
 
 def parse(text: str, where: str) -> "float | Schedule":
     """A constant (float) or a Schedule from its text; a one-line ConfigError naming `where`."""
     text = text.strip()
     if _is_number(text):
-        (v,) = _numbers(text, 1, "constant", where)
+        (v,) = _numbers(text, 1, "", where)
         return v
     if text == CALLABLE:
         raise ConfigError(f"{where} was a Python callable, which a checkpoint cannot store; pass it again")
@@ -130,7 +136,7 @@ def parse(text: str, where: str) -> "float | Schedule":
     if text.lower().startswith("warmup:"):
         n, sep, body = text[len("warmup:"):].partition(":")
         if not sep:
-            raise ConfigError(f"{where}: warmup:STEPS: must be followed by a schedule, got {text!r}")
+            raise ConfigError(_at(where) + f"warmup:STEPS: must be followed by a schedule, got {text!r}")
         (warm,) = _numbers(n, 1, "warmup", where)
         warm = _steps(warm, "warmup", where)
     fn = _body(body, where)
@@ -141,11 +147,12 @@ def parse(text: str, where: str) -> "float | Schedule":
 
 
 def as_value(value: Any, where: str) -> Any:
-    """An API value of a schedulable option: a number stays, text is parsed, a callable becomes a
-    Schedule; anything else is returned for the option's own type check."""
+    """An API value of a schedulable option: a schedule's text is parsed, a callable becomes a
+    Schedule; anything else (a number, or a number as a string, which the API refuses like for
+    every knob) is returned for the option's own type check."""
     if isinstance(value, Schedule):
         return value
-    if isinstance(value, str):
+    if isinstance(value, str) and not _is_number(value):
         return parse(value, where)
     if callable(value) and not isinstance(value, (numbers.Number, type)):
         return Schedule(value)
