@@ -160,7 +160,8 @@ def test_kfac_damping_schedule_reaches_the_step_and_the_inverses(mlp):
 
 @pytest.mark.parametrize("optimizer,knobs", [
     ("kfac", dict(momentum_type="adam", learning_rate="warmup:2:cosine:0.02,0.002,6", momentum="linear:0.5,0.9,6")),
-    ("kfac", dict(momentum_type="qmodel_fixedmu", momentum="0.5@0,0.9@3", damping="exp:1e-2,0.5,2")),
+    pytest.param("kfac", dict(momentum_type="qmodel_fixedmu", momentum="0.5@0,0.9@3", damping="exp:1e-2,0.5,2"),
+                 marks=pytest.mark.slow),
     ("sgd", dict(learning_rate=lambda k: 0.1 / (1 + k), momentum="linear:0.0,0.9,5")),
 ])
 def test_resume_mid_schedule_continues_it_bit_for_bit(mlp, tmp_path, optimizer, knobs):
