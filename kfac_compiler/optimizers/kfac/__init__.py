@@ -74,7 +74,10 @@ class Kfac(Optimizer):
 
     def kfac_options(self) -> dict[str, Any]:
         cfg = self.config
-        return {"qmodel": bool(cfg.use_qmodel), "momentum_type": cfg.momentum_type, "mode": cfg.mode,
+        # momentum_type only where qmodel does not imply it: a plan's stored kfac_step (default
+        # options) still serves the regular and qmodel types
+        kind = cfg.momentum_type if cfg.momentum_type in ("adam", "qmodel_fixedmu") else None
+        return {"qmodel": bool(cfg.use_qmodel), "momentum_type": kind, "mode": cfg.mode,
                 "num_samples": cfg.num_samples,
                 "l2": cfg.l2_reg > 0, "stats_batch": self.stats_batch(),
                 "qmodel_batch": self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
