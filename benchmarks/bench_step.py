@@ -124,8 +124,8 @@ def breakdown(tr: Trainer, x, y, bs, reps):
     opts = tr.policy.kfac_options()
     full_p = tr.program("kfac_step", with_stats=True, **opts)
     nostats_p = tr.program("kfac_step", with_stats=False, **opts)
-    plain_p = tr.program("kfac_step", with_stats=False, **{**opts, "qmodel": False, "qmodel_batch": None,
-                                                             "loss_after": False})
+    plain_p = tr.program("kfac_step", with_stats=False, **{**opts, "qmodel": False, "momentum_type": "regular",
+                                                             "qmodel_batch": None, "loss_after": False})
     noise = draw_noise(np.random.default_rng(0), full_p.info, full_p.data_inputs, data["targets"])
     for k, v in {**data, **noise}.items():
         store.write_data(k, v)

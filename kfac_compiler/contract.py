@@ -9,7 +9,7 @@ call the constructors below (and the parsers, to read one back).
 | --- | --- | --- |
 | data inputs | the model's inputs, `targets`, `example_weights`, `noise/<s>`, `vec/<p>` | TARGETS, EXAMPLE_WEIGHTS, noise(s), vec(p) |
 | hyper-parameters | `hp/<name>`, float32 scalars | hp(name) |
-| state slots | parameters (initializer names), `velocity/<p>`, `adam_m/<p>`, `adam_v/<p>`, `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), adam_m(p), adam_v(p), factor(l, f), inverse(l, i); parse_slot |
+| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>`, `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), factor(l, f), inverse(l, i); parse_slot |
 | state outputs | `new/<slot>` | new(slot) |
 | metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
 | results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |
@@ -75,12 +75,17 @@ MOMENTUM = hp("momentum")
 
 # ------------------------------------------------------------------------------ state slots
 VELOCITY, ADAM_M, ADAM_V, FACTOR, INVERSE = "velocity", "adam_m", "adam_v", "factor", "inverse"
+GRAD_VELOCITY = "grad_velocity"  # K-FAC's momentum_type="adam": the momentum sum of raw gradients
 PARAM = "param"
-_PARAM_STATE = (VELOCITY, ADAM_M, ADAM_V)
+_PARAM_STATE = (VELOCITY, ADAM_M, ADAM_V, GRAD_VELOCITY)
 
 
 def velocity(p: str) -> str:
     return f"{VELOCITY}/{p}"
+
+
+def grad_velocity(p: str) -> str:
+    return f"{GRAD_VELOCITY}/{p}"
 
 
 def adam_m(p: str) -> str:

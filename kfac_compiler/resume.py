@@ -12,7 +12,8 @@ line, never ignored (docs/runtime.md has the table):
 * --steps: the total; below the checkpoint's step it is refused.
 * --learning-rate, --momentum, --damping, --l2, --knob: honoured (Trainer.load_checkpoint;
   K-FAC's adapted damping restarts from --damping); a combination the optimizer rejects (a
-  fixed learning rate with the quadratic model) is refused like on a fresh run.
+  fixed learning rate with the quadratic model) is refused like on a fresh run. A schedule's text
+  is a stored knob: not given anew, it continues at the resumed step.
 
 The metrics file is continued: the rows of the resumed step and later (written by a run killed
 after its last checkpoint) are dropped, then the resumed run appends its own, so every step

@@ -48,6 +48,21 @@ def _finite(text: str) -> float:
     return value
 
 
+def _schedule(text: str):
+    """argparse type of --learning-rate, --momentum, --damping: a finite number or a schedule's
+    text (kfac_compiler/optimizers/schedules.py; a bad one is a one-line usage error)."""
+    from kfac_compiler.optimizers import schedules
+
+    try:
+        return schedules.parse(text, "")  # argparse names the flag
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SCHEDULE_HELP = ("; or a schedule over the steps: 0.1@0,0.01@1000 (piecewise constant), exp:V0,RATE,STEPS, "
+                 "linear:V0,V1,STEPS, cosine:V0,V1,STEPS, each optionally after warmup:STEPS:")
+
+
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t = subparsers.add_parser(
         "train", help="train a model with K-FAC (or Adam/SGD) on ONNX Runtime", allow_abbrev=False,
@@ -68,10 +83,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="examples per step (default 128; on --resume the checkpoint's)")
     t.add_argument("--seed", type=int, default=None,
                    help="batch order, estimator noise and zoo init (default 0; on --resume the checkpoint's)")
-    t.add_argument("--learning-rate", type=_finite, default=None,
-                   help="fixed learning rate (K-FAC default: adaptive via the quadratic model)")
-    t.add_argument("--momentum", type=_finite, default=None)
-    t.add_argument("--damping", type=_finite, default=None, help="K-FAC initial damping")
+    t.add_argument("--learning-rate", type=_schedule, default=None, metavar="LR",
+                   help="fixed learning rate (K-FAC default: adaptive via the quadratic model)" + SCHEDULE_HELP)
+    t.add_argument("--momentum", type=_schedule, default=None, metavar="MU",
+                   help="momentum (Adam: beta1; K-FAC: --knob momentum_type=regular|adam|qmodel_fixedmu)"
+                        + SCHEDULE_HELP)
+    t.add_argument("--damping", type=_schedule, default=None, metavar="LAMBDA",
+                   help="K-FAC initial damping; a schedule needs adapt_damping=off" + SCHEDULE_HELP)
     t.add_argument("--l2", type=_finite, default=None, help="weight decay coefficient")
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "

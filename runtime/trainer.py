@@ -318,9 +318,17 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import read_meta
 
         from kfac_compiler.optimizers import ALIASES
+        from kfac_compiler.optimizers.schedules import CALLABLE
 
         meta = read_meta(path)  # checked: check_meta
         stored = dict(meta["knobs"])
+        given = {ALIASES.get(k, k): v for k, v in overrides.items()}
+        for k, v in stored.items():  # a callable schedule is not storable: it is passed again
+            if v == CALLABLE:
+                if k not in given:
+                    raise ConfigError(f"checkpoint {os.fspath(path)!r} was written with a callable {k} schedule, "
+                                      f"which it cannot store; pass it again ({k}=...)")
+                stored[k] = given[k]
         threads = stored.pop("threads", None)
         try:  # the stored options alone, so that an error in them names the checkpoint
             make_config(meta["optimizer"], plan, **stored)
@@ -334,7 +342,7 @@ class Trainer:
             raise ConfigError(f"seed {overrides['seed']!r} differs from the seed {seed!r} of checkpoint "
                               f"{os.fspath(path)!r}; resume with the checkpoint's seed")
         overrides = {k: v for k, v in overrides.items() if k != "seed"}
-        knobs = {**stored, **overrides}
+        knobs = {**stored, **{k: v for k, v in given.items() if k != "seed"}}  # an alias replaces the stored knob
         threads = knobs.pop("threads", threads)
         knobs.pop("seed", None)
         trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,

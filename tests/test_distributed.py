@@ -138,3 +138,16 @@ def test_generic_layers_are_estimated_per_rank(tmp_path, model):
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs", [
+    {"momentum_type": "adam", "learning_rate": "warmup:2:cosine:0.01,0.001,8", "momentum": "linear:0.5,0.9,8"},
+    {"momentum_type": "qmodel_fixedmu", "momentum": 0.7, "damping": "exp:1e-2,0.5,4"},
+], ids=["adam_momentum_scheduled", "qmodel_fixedmu_damping_schedule"])
+def test_two_ranks_take_the_one_process_steps_with_each_momentum_type(tmp_path, knobs):
+    """TF K-FAC's adam momentum (its gradient-sum slot lives in the update stage, fed by the
+    reduced gradients) and qmodel_fixedmu, with schedules (host-side hyper-parameters every
+    rank computes alike): two ranks match one process."""
+    config = {**KFAC, "knobs": {**KFAC["knobs"], **knobs}}
+    assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=2e-4)

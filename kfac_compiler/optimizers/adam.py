@@ -19,9 +19,12 @@ BETA1, BETA2, EPSILON = C.hp("beta1"), C.hp("beta2"), C.hp("epsilon")  # adam_st
 
 @dataclass
 class AdamConfig(OptimizerConfig):
-    """Adam (Kingma & Ba); the host passes the bias-corrected learning rate each step."""
+    """Adam (Kingma & Ba); the host passes the bias-corrected learning rate each step.
+    learning_rate and beta1 (alias momentum) take schedules; the bias correction uses the
+    step's beta1 (1 - beta1_k^t)."""
 
     name: ClassVar[str] = "adam"
+    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate", "momentum", "beta1")
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1e-8
@@ -31,18 +34,19 @@ class AdamConfig(OptimizerConfig):
         if self.learning_rate is None:
             self.learning_rate = 1e-3
         if self.momentum is not None:
-            self.beta1 = float(self.momentum)
+            self.beta1 = self.momentum
         self.momentum = self.beta1
 
     def validate(self) -> None:
         super().validate()
-        check_unit("beta1", self.beta1)
+        check_unit("beta1", self.initial("beta1"))
         check_unit("beta2", self.beta2)
         check_positive("epsilon", self.epsilon)
 
-    def lr_at(self, t: int) -> float:
-        """Bias-corrected learning rate for the t-th applied step (t >= 1)."""
-        return self.learning_rate * math.sqrt(1.0 - self.beta2**t) / (1.0 - self.beta1**t)
+    def lr_at(self, t: int, k: int = 0) -> float:
+        """Bias-corrected learning rate for the t-th applied step (t >= 1), step count k (the
+        schedules' clock)."""
+        return self.at("learning_rate", k) * math.sqrt(1.0 - self.beta2**t) / (1.0 - self.at("beta1", k)**t)
 
 
 def emit_adam_step(em: "Emission", l2: bool = False) -> None:
@@ -74,7 +78,7 @@ class Adam(FirstOrderOptimizer):
     subgraphs = {"adam_step": emit_adam_step}
     step_subgraph = "adam_step"
 
-    def hyper_parameters(self) -> dict[str, float]:
+    def hyper_parameters(self, k: int) -> dict[str, float]:
         cfg = self.config
-        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1), BETA1: cfg.beta1,
+        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1, k), BETA1: cfg.at("beta1", k),
                 BETA2: cfg.beta2, EPSILON: cfg.epsilon}

@@ -34,19 +34,21 @@ class FirstOrderOptimizer(Optimizer):
     def build(self) -> None:
         self._program()
 
-    def hyper_parameters(self) -> dict[str, float]:
+    def hyper_parameters(self, k: int) -> dict[str, float]:
+        """Step k's hyper-parameters (schedules evaluated at k)."""
         raise NotImplementedError
 
     def step(self, data: dict[str, Any]) -> dict[str, float]:
         tr, cfg = self.trainer, self.config
+        k = tr.step_count
         tr.store.set_hp(C.L2, cfg.l2_reg)
-        out = self._program().run(tr.store, data, hp=self.hyper_parameters())
+        out = self._program().run(tr.store, data, hp=self.hyper_parameters(k))
         ok = out.get(C.FINITE, 1.0) > 0.5
         m = {
-            "step": float(tr.step_count),
+            "step": float(k),
             "loss": out[C.LOSS],
-            "learning_rate": float(cfg.learning_rate),
-            "momentum": float(cfg.momentum),
+            "learning_rate": float(cfg.at("learning_rate", k)),  # Adam: before its bias correction
+            "momentum": float(cfg.at("momentum", k)),
             "update_norm": out.get(C.UPDATE_NORM, float("nan")) if ok else 0.0,
             "grad_norm": out.get(C.GRAD_NORM, float("nan")),
             "rejected": 0.0 if ok else 1.0,

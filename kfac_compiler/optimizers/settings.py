@@ -8,10 +8,11 @@ import numbers
 import types
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from kfac_compiler import parsing
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers import schedules
 
 if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
@@ -29,6 +30,9 @@ ALIASES = {
     "use_adaptive_learning_rate": "use_qmodel",
     "estimation_mode": "mode",
     "use_adaptive_damping": "adapt_damping",
+    "learning_rate_schedule": "learning_rate",
+    "momentum_schedule": "momentum",
+    "damping_schedule": "damping",
 }
 
 
@@ -36,9 +40,14 @@ ALIASES = {
 class OptimizerConfig:
     """Settings of one optimizer: a dataclass of knobs. from_knobs parses keyword arguments
     (aliases allowed, unknown names refused), `resolve` fills defaults that depend on the
-    plan or on other knobs, `validate` checks ranges (one-line ConfigError)."""
+    plan or on other knobs, `validate` checks ranges (one-line ConfigError).
+
+    The options in `schedulable` also take a schedule (a callable of the step or its text,
+    optimizers/schedules.py); `at(name, step)` gives the value a step uses, checked by the
+    option's range check."""
 
     name: ClassVar[str] = ""
+    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate",)
     learning_rate: float | None = None
     l2_reg: float = 0.0
 
@@ -49,7 +58,9 @@ class OptimizerConfig:
             key2 = cls.option_name(key)
             if key2 in kwargs:
                 raise ConfigError(f"optimizer option {key2!r} given twice (as {key!r} and an alias)")
-            kwargs[key2] = cls.check_type(key2, value)
+            if key2 in cls.schedulable:
+                value = schedules.as_value(value, f"optimizer option {key2!r}")
+            kwargs[key2] = value if isinstance(value, schedules.Schedule) else cls.check_type(key2, value)
         cfg = cls(**kwargs)
         cfg.resolve(plan)
         cfg.validate()
@@ -117,6 +128,8 @@ class OptimizerConfig:
         low = text.strip().lower()
         if type(None) in kinds and low in ("none", "null"):
             return name, None
+        if name in cls.schedulable:
+            return name, schedules.parse(text, where)
         if bool in kinds:
             return name, parsing.parse_bool(text, where)
         if int in kinds and float not in kinds and str not in kinds:
@@ -138,10 +151,40 @@ class OptimizerConfig:
     def validate(self) -> None:
         check_nonnegative("l2_reg", self.l2_reg)
         if self.learning_rate is not None:
-            check_positive("learning_rate", self.learning_rate)
+            check_positive("learning_rate", self.initial("learning_rate"))
+
+    def range_check(self, name: str) -> Callable[[str, Any], None]:
+        """The check a schedulable option's values pass (at() applies it to every step's)."""
+        return check_positive if name in ("learning_rate", "damping") else check_unit
+
+    def scheduled(self, name: str) -> bool:
+        return isinstance(getattr(self, name, None), schedules.Schedule)
+
+    def initial(self, name: str) -> Any:
+        """The option's value at step 0 (itself when it is not a schedule)."""
+        return self.at(name, 0)
+
+    def at(self, name: str, step: int) -> Any:
+        """The value option `name` takes at `step`: a constant as is, a schedule's value checked
+        (finite, in the option's range) with a one-line ConfigError naming the step."""
+        value = getattr(self, name)
+        if not isinstance(value, schedules.Schedule):
+            return value
+        v = schedules.value_at(value, step, f"optimizer option {name!r}")
+        try:
+            self.range_check(name)(name, v)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (its schedule at step {step})") from None
+        return v
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The knobs as JSON values (a schedule as its text; a callable cannot be stored:
+        schedules.CALLABLE, passed again on resuming)."""
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, schedules.Schedule):
+                out[k] = v.to_json()
+        return out
 
 
 def check_number(name: str, v: Any) -> float:

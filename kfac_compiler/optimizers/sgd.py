@@ -19,6 +19,7 @@ class SgdConfig(OptimizerConfig):
     """SGD with heavy-ball momentum: v <- mu v - lr (g + l2 w); w <- w + v."""
 
     name: ClassVar[str] = "sgd"
+    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate", "momentum")
     momentum: float | None = None
 
     def resolve(self, plan: "Plan | None") -> None:
@@ -29,7 +30,7 @@ class SgdConfig(OptimizerConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_unit("momentum", self.momentum)
+        check_unit("momentum", self.initial("momentum"))
 
 
 def emit_sgd_step(em: "Emission", l2: bool = False) -> None:
@@ -54,5 +55,5 @@ class Sgd(FirstOrderOptimizer):
     subgraphs = {"sgd_step": emit_sgd_step}
     step_subgraph = "sgd_step"
 
-    def hyper_parameters(self) -> dict[str, float]:
-        return {C.LEARNING_RATE: self.config.learning_rate, C.MOMENTUM: self.config.momentum}
+    def hyper_parameters(self, k: int) -> dict[str, float]:
+        return {C.LEARNING_RATE: self.config.at("learning_rate", k), C.MOMENTUM: self.config.at("momentum", k)}

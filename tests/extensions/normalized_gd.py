@@ -57,7 +57,8 @@ class NormalizedGd(Optimizer):
 
     def step(self, data: dict[str, Any]) -> dict[str, float]:
         tr = self.trainer
-        out = self._program().run(tr.store, data, hp={C.hp("learning_rate"): self.config.learning_rate})
+        lr = self.config.at("learning_rate", tr.step_count)  # a schedule's value at this step
+        out = self._program().run(tr.store, data, hp={C.hp("learning_rate"): lr})
         ok = out[C.FINITE] > 0.5
         tr.step_count += 1
         tr.applied_steps += int(ok)

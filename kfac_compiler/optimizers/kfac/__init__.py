@@ -52,7 +52,7 @@ class Kfac(Optimizer):
         self.burn_in_count = 0
         self.ema_weight = 0.0
         self.inverses_ready = False
-        self.damping = float(cfg.damping)
+        self.damping = float(cfg.initial("damping"))
         # "auto" -> schur on CPU and CUDA (kfac_compiler.linalg.concrete_method)
         self.inverse_method = concrete_method(cfg.inverse_method, trainer.device.name)
         self.refresher = None  # refreshes the damped inverses (the trainer's InverseRefresher), made by build()
@@ -74,7 +74,11 @@ class Kfac(Optimizer):
 
     def kfac_options(self) -> dict[str, Any]:
         cfg = self.config
-        return {"qmodel": bool(cfg.use_qmodel), "mode": cfg.mode, "num_samples": cfg.num_samples,
+        # momentum_type only where qmodel does not imply it: a plan's stored kfac_step (default
+        # options) still serves the regular and qmodel types
+        kind = cfg.momentum_type if cfg.momentum_type in ("adam", "qmodel_fixedmu") else None
+        return {"qmodel": bool(cfg.use_qmodel), "momentum_type": kind, "mode": cfg.mode,
+                "num_samples": cfg.num_samples,
                 "l2": cfg.l2_reg > 0, "stats_batch": self.stats_batch(),
                 "qmodel_batch": self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
                 "loss_after": bool(cfg.adapt_damping), "weighted": self.trainer.weighted}
@@ -173,7 +177,9 @@ class Kfac(Optimizer):
         return {"step": float(self.trainer.step_count), "loss": out[C.LOSS], "burn_in": 1.0,
                 "rejected": 0.0 if ok else 1.0}
 
-    def _hyper_parameters(self, adapt: bool) -> dict[str, float]:
+    def _hyper_parameters(self, adapt: bool, k: int) -> dict[str, float]:
+        """Step k's hyper-parameters: the fixed or scheduled learning rate and momentum (the
+        quadratic model chooses those it does not get), the damping, the switches."""
         cfg = self.config
         hp = {C.DAMPING: self.damping}
         if cfg.adapt_damping:
@@ -183,10 +189,17 @@ class Kfac(Optimizer):
             hp[G.MAX_MOMENTUM] = cfg.max_momentum
             hp[G.MAX_PREDICTED_DECREASE] = cfg.max_predicted_decrease or 0.0  # 0: off
         else:
-            hp[C.LEARNING_RATE] = cfg.learning_rate
-            hp[C.MOMENTUM] = cfg.momentum
+            hp[C.LEARNING_RATE] = cfg.at("learning_rate", k)
             hp[G.NORM_CONSTRAINT] = cfg.norm_constraint or 0.0
+        if cfg.momentum_type != "qmodel":
+            hp[C.MOMENTUM] = cfg.at("momentum", k)
         return hp
+
+    def scheduled_damping(self, k: int) -> None:
+        """With a damping schedule: step k's damping, within [min_damping, max_damping]."""
+        cfg = self.config
+        if cfg.scheduled("damping"):
+            self.damping = min(max(cfg.at("damping", k), cfg.min_damping), cfg.max_damping)
 
     def step(self, data: dict[str, Any]) -> dict[str, float]:
         cfg: KfacConfig = self.config
@@ -197,9 +210,10 @@ class Kfac(Optimizer):
         stats = (k % cfg.cov_update_period == 0) or self.ema_weight == 0.0
         first = not self.inverses_ready
         tr.store.set_hp(C.L2, cfg.l2_reg)
+        self.scheduled_damping(k)
         damping = self.damping
         adapt = bool(cfg.adapt_damping) and k % cfg.damping_adaptation_interval == 0
-        hp = self._hyper_parameters(adapt)
+        hp = self._hyper_parameters(adapt, k)
         feed: dict[str, np.ndarray] = dict(data)
         inverse_ok = float("nan")
         w_new = None
@@ -259,6 +273,7 @@ class Kfac(Optimizer):
                 self.ema_weight = w_new
             if adapt:
                 self.damping = lm_adapt(damping, metrics["rho"], cfg)
+        self.scheduled_damping(tr.step_count)  # the inverses refreshed now serve the next step
         group = None if first else self.due_group(k)
         if group is not None:
             # refreshed right after the step, from factors that include this batch, with the
@@ -271,20 +286,26 @@ class Kfac(Optimizer):
         return metrics
 
     def roll_back(self, data: dict[str, Any]) -> bool:
-        """Undo the last applied update (theta -= velocity, the update; velocity = 0) when the
-        loss of this batch is finite without it; else the batch itself is bad and the update
-        stays. A host round trip and a forward pass: only after a divergence."""
+        """Undo the last applied update (theta -= velocity, the update; velocity = 0, and adam
+        momentum's gradient sum = 0) when the loss of this batch is finite without it; else the
+        batch itself is bad and the update stays. A host round trip and a forward pass: only
+        after a divergence."""
         tr = self.trainer
         store = tr.store
         kept = {p: (store.to_numpy(p), store.to_numpy(C.velocity(p))) for p in tr.params}
+        sums = {s: store.to_numpy(s) for s in map(C.grad_velocity, tr.params) if s in store}
         for p, (theta, v) in kept.items():
             store.set(p, theta - v)
             store.set(C.velocity(p), np.zeros_like(v))
+        for s, m in sums.items():
+            store.set(s, np.zeros_like(m))
         loss = tr.mean_over_ranks(tr.program("loss").run(store, data, results=False, channel="eval")[C.LOSS])
         if not np.isfinite(loss):
             for p, (theta, v) in kept.items():
                 store.set(p, theta)
                 store.set(C.velocity(p), v)
+            for s, m in sums.items():
+                store.set(s, m)
             return False
         self.unchecked_update = False
         tr.applied_steps -= 1
@@ -310,7 +331,7 @@ class Kfac(Optimizer):
         self.inverses_ready = bool(state["inverses_ready"])
 
     def resumed(self, knobs) -> None:
-        if "damping" in knobs:  # the adapted damping restarts from the value given
-            self.damping = float(self.config.damping)
+        if "damping" in knobs:  # the adapted damping restarts from the value given (a schedule: its value)
+            self.damping = float(self.config.at("damping", self.trainer.step_count))
         if "precon_power" in knobs:  # the inverse slots hold the checkpoint's power: refresh first
             self.inverses_ready = False

@@ -97,10 +97,14 @@ class QuadraticModel:
 
 @dataclass
 class Preconditioned:
+    """P (of g, or of m with adam momentum), the last update v, their dot products, the model;
+    `accumulated`: adam momentum's new m (None otherwise)."""
+
     precond: dict[str, str]
     velocity: dict[str, str]
     dots: Gram
     model: QuadraticModel | None
+    accumulated: dict[str, str] | None = None
 
 
 def emit_kfac_step(
@@ -114,18 +118,25 @@ def emit_kfac_step(
     stats_batch: int | None = None,
     loss_after: bool = False,
     qmodel_batch: int | None = None,
+    momentum_type: str | None = None,
 ) -> None:
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
     preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
     quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr), whose curvature
-    products run on the first qmodel_batch examples (None: all). loss_after adds
+    products run on the first qmodel_batch examples (None: all). momentum_type (TF K-FAC's;
+    None: "qmodel" with qmodel, else "regular"): "qmodel_fixedmu" takes mu = hp/momentum and a
+    from the model; "adam" accumulates m <- mu m + g in `grad_velocity/<p>` and preconditions
+    m instead of g (the update -lr (F + damping)^-1 m, no mu v term). loss_after adds
     metric/loss_after, the loss of the same batch at the updated parameters, computed only
     when hp/loss_after > 0 (NaN otherwise). Options: docs/runtime_contract.md."""
     mode = mode or em.parts.mode
     num_samples = num_samples or em.parts.num_samples
+    kind = momentum_type or ("qmodel" if qmodel else "regular")
+    if kind not in ("regular", "adam", "qmodel", "qmodel_fixedmu") or kind.startswith("qmodel") != bool(qmodel):
+        raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     local = local_stage(em, with_stats, stats_if, mode, num_samples, l2, stats_batch)
-    pre = precondition_stage(em, local, qmodel, l2, qmodel_batch)
-    update_stage(em, local, pre, l2, loss_after)
+    pre = precondition_stage(em, local, qmodel, l2, qmodel_batch, adam=kind == "adam")
+    update_stage(em, local, pre, l2, loss_after, fixed_mu=kind == "qmodel_fixedmu")
 
 
 # --------------------------------------------------------------------------- stage 1: local
@@ -145,13 +156,16 @@ def local_stage(em: "Emission", with_stats: bool, stats_if: bool, mode: str, num
 
 # --------------------------------------------------------------------------- stage 2: precondition
 def precondition_stage(em: "Emission", local: Local, qmodel: bool, l2: bool,
-                       qmodel_batch: int | None) -> Preconditioned:
+                       qmodel_batch: int | None, adam: bool = False) -> Preconditioned:
     """P, the velocity, their dot products with g, and with qmodel the quadratic model's
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
-    shared)."""
-    precond = em.precondition(local.grads)
+    shared). With `adam` (TF K-FAC's momentum_type) P preconditions m = mu m + g instead."""
+    accumulated = adam_momentum(em, local.grads) if adam else None
+    precond = em.precondition(accumulated or local.grads)
     velocity = {p: em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros") for p in em.parts.params}
     vectors = {"g": local.grads, "P": precond, "v": velocity}
+    if accumulated is not None:
+        vectors["m"] = accumulated
     if l2:
         vectors["raw"] = local.raw_grads
         vectors["t"] = {p: p for p in em.parts.params}  # theta, for the regularizer's change
@@ -163,7 +177,18 @@ def precondition_stage(em: "Emission", local: Local, qmodel: bool, l2: bool,
             damping = em.b.add(damping, em.hp(C.L2))
         model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity,
                                                              dots, damping, l2))
-    return Preconditioned(precond, velocity, dots, model)
+    return Preconditioned(precond, velocity, dots, model, accumulated)
+
+
+def adam_momentum(em: "Emission", grads: dict[str, str]) -> dict[str, str]:
+    """TF K-FAC's "adam" momentum: m <- hp/momentum * m + g (the objective's gradient, l2
+    included), in the state slots grad_velocity/<p>."""
+    b, mu = em.b, em.hp(C.MOMENTUM)
+    out = {}
+    for p in em.parts.params:
+        m = em.state_input(C.grad_velocity(p), tuple(em.view.shapes[p]), "zeros")
+        out[p] = b.add(b.mul(mu, m), grads[p])
+    return out
 
 
 def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity: dict, dots: Gram, damping: str,
@@ -199,16 +224,22 @@ def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity:
 
 
 # --------------------------------------------------------------------------- stage 3: update
-def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, loss_after: bool) -> None:
+def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
+                 fixed_mu: bool = False) -> None:
     """(a, mu), the update, the new parameters and velocity, loss_after and the metrics."""
     b, dots, loss = em.b, pre.dots, local.loss
+    reported_mu = None  # the momentum the metrics report where it is not the update's mu
     if pre.model is not None:
         gap = None  # the objective's distance to the loss's lower bound, where one is known
         if em.parts.loss.lower_bound is not None:
             gap = b.sub(loss, b.const(float(em.parts.loss.lower_bound)))
             if l2:  # the objective the model describes includes l2 |theta|^2 / 2
                 gap = b.add(gap, b.mul(b.mul(b.const(0.5), em.hp(C.L2)), dots("t", "t")))
-        a, mu, change = solve_quadratic_model(em, pre.model, gap)
+        solve = solve_fixed_mu if fixed_mu else solve_quadratic_model
+        a, mu, change = solve(em, pre.model, gap)
+    elif pre.accumulated is not None:  # adam momentum: -lr (F + damping)^-1 m, clipped by m.F^-1 m
+        lr, reported_mu, mu = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM), b.const(0.0)
+        a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("m", "P"))))
     else:
         lr, mu = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
         a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("g", "P"))))
@@ -227,13 +258,15 @@ def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, lo
     for p in params:
         em.state_output(p, new_params[p])
         em.state_output(C.velocity(p), update[p])
+        if pre.accumulated is not None:
+            em.state_output(C.grad_velocity(p), pre.accumulated[p])
     if loss_after:
         ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2))
     em.metric(C.LOSS, loss)
     em.metric(C.UPDATE_NORM, b.op("Sqrt", [update_sq]))
     em.metric(C.GRAD_NORM, b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
     em.metric(ALPHA, b.neg(a))
-    em.metric(MU, mu)
+    em.metric(MU, reported_mu or mu)
     em.metric(QMODEL_CHANGE, change)
     ok = em.finite(ok_terms)
     for flag in ok_flags:
@@ -307,8 +340,7 @@ def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) ->
     mu = mu_c
 
     def model(a: str, mu: str, b1: str, b2: str) -> str:
-        quad = b.add(b.add(b.mul(b.mul(a, a), c11), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), c12)), b.mul(b.mul(mu, mu), c22))
-        return b.add(b.add(b.mul(a, b1), b.mul(mu, b2)), b.mul(b.const(0.5), quad))
+        return model_value(em, m, a, mu, (b1, b2))
 
     # Fall back to the momentum-free step when it is no worse: in exact arithmetic the
     # (clipped) 2-D solution never is, but with v almost parallel to P the float32 solve can
@@ -322,6 +354,31 @@ def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) ->
     scale = decrease_scale(em, change, gap)
     a, mu = b.mul(scale, a), b.mul(scale, mu)
     return a, mu, model(a, mu, m.whole_b1, m.whole_b2)
+
+
+def solve_fixed_mu(em: "Emission", m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
+    """TF K-FAC's qmodel_fixedmu: mu = hp/momentum, a = -(b1 + mu c12) / c11, the minimizer of
+    the model along a for that mu (with v = 0, c12 = 0: the momentum-free step); the change
+    and the decrease cap as solve_quadratic_model's."""
+    b = em.b
+    mu = em.hp(C.MOMENTUM)
+    a = b.neg(b.div(b.add(m.b1, b.mul(mu, m.c12)), b.op("Max", [m.c11, b.const(1e-30)])))
+    change = model_value(em, m, a, mu)
+    if gap is None:
+        return a, mu, change
+    scale = decrease_scale(em, change, gap)
+    a, mu = b.mul(scale, a), b.mul(scale, mu)
+    return a, mu, model_value(em, m, a, mu)
+
+
+def model_value(em: "Emission", m: QuadraticModel, a: str, mu: str, linear: tuple[str, str] | None = None) -> str:
+    """m(a, mu) = a b1 + mu b2 + 1/2 [a mu] C [a mu]^T with the gradient terms `linear`
+    (default: the whole batch's, the change damping adaptation compares with)."""
+    b = em.b
+    b1, b2 = linear or (m.whole_b1, m.whole_b2)
+    quad = b.add(b.add(b.mul(b.mul(a, a), m.c11), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), m.c12)),
+                 b.mul(b.mul(mu, mu), m.c22))
+    return b.add(b.add(b.mul(a, b1), b.mul(mu, b2)), b.mul(b.const(0.5), quad))
 
 
 def decrease_scale(em: "Emission", change: str, gap: str) -> str:

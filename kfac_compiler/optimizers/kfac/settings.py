@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kfac_compiler.contract import ESTIMATION_MODES
 from kfac_compiler.errors import ConfigError
@@ -21,15 +21,24 @@ if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
 
 
+MOMENTUM_TYPES = ("regular", "adam", "qmodel", "qmodel_fixedmu")  # TF K-FAC's momentum_type
+QMODEL_TYPES = ("qmodel", "qmodel_fixedmu")  # the quadratic model chooses the learning rate
+
+
 @dataclass
 class KfacConfig(OptimizerConfig):
     """K-FAC (Martens & Grosse 2015) with kfac-jax's adaptive step and damping.
 
-    use_qmodel (default: True unless learning_rate/momentum are fixed): alpha and mu minimize
-    the damped 2x2 quadratic model built from exact curvature (GGN) products in the
-    `kfac_step` graph, on the batch's first qmodel_batch_size examples (the statistics'
-    sub-batch; None: the whole batch). damping: initial value, adapted by Levenberg-Marquardt
-    every damping_adaptation_interval steps (adapt_damping, default with the qmodel).
+    momentum_type (TF K-FAC's; default "qmodel" unless learning_rate/momentum are given, then
+    "regular"): "qmodel": alpha and mu minimize the damped 2x2 quadratic model built from exact
+    curvature (GGN) products in the `kfac_step` graph, on the batch's first qmodel_batch_size
+    examples (the statistics' sub-batch; None: the whole batch); "qmodel_fixedmu": mu is the
+    momentum knob, alpha the model's minimizer for it; "regular": update = -lr P + mu v (v the
+    last update); "adam": m <- mu m + g, update = -lr (F + damping)^-1 m. use_qmodel (kfac-jax)
+    is True for the two qmodel types. learning_rate, momentum and damping take schedules
+    (optimizers/schedules.py; a damping schedule needs adapt_damping off). damping: initial
+    value, adapted by Levenberg-Marquardt every damping_adaptation_interval steps
+    (adapt_damping, default with the qmodel).
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off. inverse_groups: "auto" or k >= 1 groups of
@@ -37,7 +46,9 @@ class KfacConfig(OptimizerConfig):
     """
 
     name: ClassVar[str] = "kfac"
+    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate", "momentum", "damping")
     momentum: float | None = None
+    momentum_type: str | None = None
     use_qmodel: bool | None = None
     damping: float | None = None
     adapt_damping: bool | None = None
@@ -66,21 +77,28 @@ class KfacConfig(OptimizerConfig):
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
     def resolve(self, plan: "Plan | None") -> None:
-        fixed = self.learning_rate is not None or self.momentum is not None
-        if self.use_qmodel is None:
-            self.use_qmodel = not fixed
-        elif self.use_qmodel and fixed:
+        self.momentum_type = kind = self._momentum_type()
+        self.use_qmodel = kind in QMODEL_TYPES
+        if kind == "qmodel" and (self.learning_rate is not None or self.momentum is not None):
             raise ConfigError(
                 "K-FAC with use_qmodel=True chooses learning rate and momentum itself; "
                 "drop learning_rate/momentum or pass use_qmodel=False"
             )
-        if not self.use_qmodel:
-            if self.learning_rate is None:
-                raise ConfigError("K-FAC with use_qmodel=False needs a learning_rate (e.g. 0.01)")
-            if self.momentum is None:
-                self.momentum = 0.9
-        elif self.norm_constraint is not None:
-            raise ConfigError("norm_constraint (KL clipping) only applies with use_qmodel=False")
+        if kind == "qmodel_fixedmu" and self.learning_rate is not None:
+            raise ConfigError("K-FAC with momentum_type='qmodel_fixedmu' chooses the learning rate itself; "
+                              "drop learning_rate or use momentum_type='regular' or 'adam'")
+        if not self.use_qmodel and self.learning_rate is None:
+            raise ConfigError(f"K-FAC with momentum_type={kind!r} (use_qmodel=False) needs a learning_rate (e.g. 0.01)")
+        if kind != "qmodel" and self.momentum is None:
+            self.momentum = 0.9
+        if self.use_qmodel and self.norm_constraint is not None:
+            raise ConfigError("norm_constraint (KL clipping) only applies with momentum_type 'regular' or 'adam' "
+                              "(use_qmodel=False)")
+        if self.scheduled("damping"):
+            if self.adapt_damping:
+                raise ConfigError("a damping schedule sets the damping of every step: it needs adapt_damping=False "
+                                  "(Levenberg-Marquardt adaptation off)")
+            self.adapt_damping = False
         if self.adapt_damping is None:
             self.adapt_damping = bool(self.use_qmodel)
         plan_cfg = plan_schedule(plan)
@@ -99,18 +117,37 @@ class KfacConfig(OptimizerConfig):
         if self.inverse_method is None:
             self.inverse_method = plan_cfg.get("inverse_method", "auto")
 
+    def _momentum_type(self) -> str:
+        """momentum_type from itself or from use_qmodel (kfac-jax) and whether a learning rate
+        or momentum is given; a contradiction of the two is refused."""
+        kind = self.momentum_type
+        if kind is None:
+            fixed = self.learning_rate is not None or self.momentum is not None
+            qmodel = (not fixed) if self.use_qmodel is None else self.use_qmodel
+            return "qmodel" if qmodel else "regular"
+        if kind not in MOMENTUM_TYPES:
+            raise ConfigError(f"unknown momentum_type {kind!r}; choose one of {', '.join(MOMENTUM_TYPES)}")
+        if self.use_qmodel is not None and self.use_qmodel != (kind in QMODEL_TYPES):
+            raise ConfigError(f"use_qmodel={self.use_qmodel} contradicts momentum_type={kind!r}; drop use_qmodel "
+                              "(momentum_type says it)")
+        return kind
+
+    def range_check(self, name: str) -> Any:
+        return check_unit if name == "momentum" else check_positive
+
     def validate(self) -> None:
         super().validate()
         if self.momentum is not None:
-            check_unit("momentum", self.momentum)
-        check_positive("damping", self.damping)
+            check_unit("momentum", self.initial("momentum"))
+        damping = self.initial("damping")
+        check_positive("damping", damping)
         check_positive("min_damping", self.min_damping)
         check_positive("max_damping", self.max_damping)
         if self.min_damping > self.max_damping:
             raise ConfigError("min_damping must not exceed max_damping")
-        if not self.min_damping <= self.damping <= self.max_damping:
+        if not self.min_damping <= damping <= self.max_damping:
             raise ConfigError(
-                f"damping {self.damping:g} is outside [min_damping {self.min_damping:g}, max_damping {self.max_damping:g}]; "
+                f"damping {damping:g} is outside [min_damping {self.min_damping:g}, max_damping {self.max_damping:g}]; "
                 "set min_damping/max_damping too"
             )
         check_int("damping_adaptation_interval", self.damping_adaptation_interval, 1)
