@@ -752,7 +752,7 @@ def test_fractional_matpower_host_state():
 
 
 def test_batched_inverses_across_blocks_match_single():
-    blocks, feeds, items = [], {}, []
+    blocks, feeds = [], {}
     for i, kw in enumerate([dict(n_in=4, n_out=4), dict(n_in=4, n_out=5), dict(n_in=3, n_out=4)]):
         layer, shapes, inputs, cots = fc_case(**kw)
         blk = make_block(layer, shapes)
@@ -895,7 +895,7 @@ def test_multiplies_derive_from_the_power_hook():
 
 
 def test_numpy_inverses_across_blocks_match_single():
-    items, singles = [], []
+    items = []
     for name, case in CASES:
         layer, shapes, inputs, cots = case()
         blk = make_block(layer, shapes)
