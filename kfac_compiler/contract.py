@@ -209,6 +209,22 @@ FACTOR_STATISTICS_POINT = "factor statistics"
 # ------------------------------------------------------------------------------ plan vocabulary
 # The curvature estimators a plan or an optimizer may name (passes/estimator.py emits them).
 ESTIMATION_MODES = ("gradients", "empirical", "curvature_prop", "curvature_prop_GGN", "exact", "exact_GGN")
+# kfac-jax's estimation_mode spellings of the same estimators
+MODE_ALIASES = {"fisher_gradients": "gradients", "fisher_empirical": "empirical", "fisher_exact": "exact",
+                "fisher_curvature_prop": "curvature_prop", "ggn_exact": "exact_GGN",
+                "ggn_curvature_prop": "curvature_prop_GGN"}
+
+
+def estimation_mode(mode: object) -> str:
+    """The estimator's name for `mode` (ours or kfac-jax's); ConfigError naming both lists."""
+    from kfac_compiler.errors import ConfigError
+
+    if isinstance(mode, str) and mode in ESTIMATION_MODES:
+        return mode
+    if isinstance(mode, str) and mode in MODE_ALIASES:
+        return MODE_ALIASES[mode]
+    raise ConfigError(f"unknown estimation mode {mode!r}; choose one of {', '.join(ESTIMATION_MODES)} "
+                      f"(or kfac-jax's {', '.join(MODE_ALIASES)})")
 
 
 # ------------------------------------------------------------------------------ subgraph info

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler import contract as C
-from kfac_compiler.contract import ESTIMATION_MODES, plan_blocks
+from kfac_compiler.contract import estimation_mode, plan_blocks
 from kfac_compiler import linalg
 from kfac_compiler.errors import ConfigError, DataError, DivergedError
 from kfac_compiler.linalg import concrete_method
@@ -68,13 +68,12 @@ class Curvature:
             raise ConfigError(f"damping_floor must be >= 0, got {damping_floor!r}")
         self.device = get_device(device)
         self.threads = None if threads is None else check_int(threads, "threads", low=1)
-        self.mode = mode or plan.estimator.mode
+        self.mode = estimation_mode(mode or plan.estimator.mode)
         self.num_samples = check_int(num_samples or plan.estimator.num_samples, "num_samples", low=1)
         self.ema_decay = check_float(ema_decay if ema_decay is not None else plan.schedule.ema_decay, "ema_decay")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
         self.inverse_method = concrete_method(inverse_method or plan.inverse.method, self.device.name)
-        self._check_mode(self.mode)
         self.rng = np.random.default_rng(check_int(seed, "seed", low=0))
         self.store = StateStore(self.device)
         self.params = list(plan.trainable)
@@ -92,10 +91,7 @@ class Curvature:
         self.report: dict[str, Any] = {"skipped_updates": 0, "last_update_ok": None, "failed_blocks": [],
                                        "damping_used": None, "damping_floored": False}
 
-    @staticmethod
-    def _check_mode(mode: str) -> None:
-        if mode not in ESTIMATION_MODES:
-            raise ConfigError(f"unknown estimation mode {mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
+
 
     def program(self, name: str, **options: Any) -> Program:
         return cached_program(self._programs, self.store, self.plan, self.device, self.threads, name, **options)
@@ -117,8 +113,7 @@ class Curvature:
                  num_samples: int | None = None, weights: Any = None) -> dict[str, dict[str, np.ndarray]]:
         """One batch's curvature factors per layer (no moving average); `weights`: optional
         per-example loss weights or mask (the output factors G become sum_n w_n ...)."""
-        mode = mode or self.mode
-        self._check_mode(mode)
+        mode = estimation_mode(mode or self.mode)
         num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
         prog = self.program("statistics", mode=mode, num_samples=num_samples,
                             weighted=weights is not None)

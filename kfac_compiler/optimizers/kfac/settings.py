@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kfac_compiler.contract import ESTIMATION_MODES
+from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers.kfac.refresh import check_groups
 from kfac_compiler.optimizers.settings import (
@@ -170,8 +170,7 @@ class KfacConfig(OptimizerConfig):
         if not (isinstance(self.precon_power, (int, float)) and not isinstance(self.precon_power, bool)
                 and math.isfinite(self.precon_power) and self.precon_power < 0):
             raise ConfigError(f"precon_power must be a negative number (kfac-jax's default -1), got {self.precon_power!r}")
-        if self.mode not in ESTIMATION_MODES:
-            raise ConfigError(f"unknown estimation mode {self.mode!r}; choose one of {', '.join(ESTIMATION_MODES)}")
+        self.mode = estimation_mode(self.mode)
 
     @property
     def omega(self) -> float:

@@ -1,0 +1,38 @@
+"""The TF K-FAC / kfac-jax spellings docs/coming_from_tf_kfac.md lists do what ours do."""
+import numpy as np
+import pytest
+
+import kfac_compiler as kc
+from kfac_compiler.config import CompileConfig
+from kfac_compiler.contract import MODE_ALIASES
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.models import ZOO
+from kfac_compiler.optimizers import KfacConfig
+from kfac_compiler.runtime import Curvature
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, emit=False)
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 64), dtype=np.float32)
+    y = rng.integers(0, 10, 16)
+    return plan, {"input": x}, y
+
+
+@pytest.mark.parametrize("alias", ["fisher_empirical", "fisher_exact", "ggn_exact"])
+def test_kfac_jax_estimation_modes_estimate_what_ours_do(mlp, alias):
+    plan, x, y = mlp
+    ours = Curvature(plan, seed=3).estimate(x, y, mode=MODE_ALIASES[alias])
+    theirs = Curvature(plan, seed=3, mode=alias).estimate(x, y)
+    for layer, factors in ours.items():
+        for name, value in factors.items():
+            np.testing.assert_array_equal(theirs[layer][name], value)
+
+
+def test_kfac_jax_mode_names_in_config_and_knobs():
+    assert CompileConfig.from_dict({"estimator": {"mode": "ggn_curvature_prop"}}).estimator.mode == "curvature_prop_GGN"
+    assert KfacConfig.from_knobs(estimation_mode="fisher_gradients").mode == "gradients"
+    with pytest.raises(ConfigError, match="unknown estimation mode 'fisher'.*kfac-jax's fisher_gradients"):
+        KfacConfig.from_knobs(estimation_mode="fisher")
