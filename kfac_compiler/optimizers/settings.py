@@ -26,6 +26,8 @@ ALIASES = {
     "curvature_ema": "cov_ema_decay",
     "inverse_update_period": "inv_update_period",
     "covariance_update_period": "cov_update_period",
+    "curvature_update_period": "cov_update_period",
+    "num_estimator_samples": "num_samples",
     "num_burnin_steps": "burn_in_steps",
     "use_adaptive_learning_rate": "use_qmodel",
     "estimation_mode": "mode",
