@@ -105,6 +105,8 @@ class CompileConfig:
 
     loss: str | None = None
     output: str | None = None
+    # several loss heads instead of loss/output: [{output, loss, coefficient, targets, options}]
+    heads: list[dict[str, Any]] = field(default_factory=list)
     include: list[str] | None = None
     exclude: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
@@ -187,6 +189,10 @@ class CompileConfig:
             loss_class(self.loss).resolve_options(self.loss_options, where=f"{source}: loss_options: ")
         if self.output is not None and not isinstance(self.output, str):
             raise bad("output", "expected a tensor name")
+        if self.heads:
+            from kfac_compiler.losses.heads import parse_heads
+
+            self.heads = parse_heads(self.heads, f"{source}: heads")
         if self.include is not None:
             self.include = _str_list(self.include, "include", source)
             compile_patterns(self.include, "include")

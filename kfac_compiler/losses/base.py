@@ -138,6 +138,16 @@ class Loss:
         return None
 
     # -- targets: host-side data
+    def target_arrays(self) -> dict[str, str] | None:
+        """{array name: head output} where a data file holds one target array per loss head;
+        None: one array named "targets"."""
+        return None
+
+    def pack_targets(self, targets: Any, source: str) -> Any:
+        """The targets as the graphs take them, from what the runtime API was given (a loss
+        with several heads packs its dict of arrays into one; others take them as they are)."""
+        return targets
+
     def check_targets(self, y: np.ndarray, output_dims: list[Any] | None, source: str) -> np.ndarray:
         """Targets (finite numbers, one row per example) checked against the model output's
         dims (None: unknown) and converted to the graph's dtype; DataError names `source`."""
@@ -170,6 +180,10 @@ class Loss:
     def emit_per_example_loss_sum(self, b: GraphBuilder, z: str, y: str) -> str:
         """sum_n l_n as a scalar."""
         raise NotImplementedError
+
+    def emit_metrics(self, b: GraphBuilder, z: str, y: str, weights: str | None = None) -> dict[str, str]:
+        """Scalar metrics a training step reports besides the loss ({short name: tensor})."""
+        return {}
 
     def emit_grad(self, b: GraphBuilder, z: str, y: str) -> str:
         """dl_n/dz_n, same shape as z."""
