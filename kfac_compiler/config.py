@@ -38,6 +38,18 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
 
     [loss_options]            # the loss kind's own options (each loss class lists them)
     variance = 0.5            # squared_error; the old top-level key loss_variance still works
+
+    [[heads]]                 # several loss heads instead of loss/output (docs/frontend.md)
+    output = "logits"
+    loss = "softmax_cross_entropy"
+    coefficient = 1.0         # default 1
+    targets = "labels"        # the targets array's name (default: the output's name)
+    [[heads]]
+    output = "aux"
+    loss = "squared_error"
+    coefficient = 0.5
+    targets = "values"
+    options = { variance = 2.0 }
 """
 from __future__ import annotations
 
@@ -171,7 +183,12 @@ class CompileConfig:
         return cls.from_dict(data, source=path)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The options as plan.json's "config" records them (no "heads" key for one loss:
+        a plan with one loss reads as it did before heads existed)."""
+        data = dataclasses.asdict(self)
+        if not data["heads"]:
+            del data["heads"]
+        return data
 
     # ------------------------------------------------------------ checking
     def validate(self, source: str = "config") -> None:

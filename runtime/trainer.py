@@ -222,7 +222,8 @@ class Trainer:
         return metrics
 
     def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:
-        """The model output at the current parameters (runs the plan's model with them)."""
+        """The model output at the current parameters (runs the plan's model with them); with
+        several loss heads a dict {head output: array}."""
         import onnxruntime as ort
 
         specs = self._check_batch.input_specs
@@ -236,7 +237,7 @@ class Trainer:
         bounds = self._check_batch.index_bounds
         feeds = {k: convert_input(k, *specs[k], v, "predict", bounds.get(k)) for k, v in inputs.items()}
         sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
-        return sess.run([self.plan.output], feeds)[0]
+        return self.loss.prediction(sess.run([self.plan.output], feeds)[0])
 
     # ------------------------------------------------------------------ parameters
     def parameters(self) -> dict[str, np.ndarray]:

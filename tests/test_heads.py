@@ -234,3 +234,59 @@ def test_a_data_file_missing_a_heads_array_is_a_one_line_error(two_heads, tmp_pa
     with pytest.raises(DataError) as e:
         Curvature(plan).gradients({"input": x}, labels)
     assert "dict" in _one_line(e)
+
+
+def test_config_heads_tables_compile_the_same_plan(tmp_path, two_heads):
+    model, _ = _two_head_model()
+    cfg = tmp_path / "heads.toml"
+    cfg.write_text('[[heads]]\noutput = "logits"\nloss = "softmax_cross_entropy"\ntargets = "labels"\n'
+                   '[[heads]]\noutput = "aux"\nloss = "squared_error"\ncoefficient = 0.3\ntargets = "values"\n'
+                   'options = { variance = 0.5 }\n')
+    plan = kc.compile(model, config=str(cfg), emit=False)
+    assert plan.loss.to_json() == two_heads[0].loss.to_json()
+    plan.save(str(tmp_path / "plan"))
+    loaded = kc.load_plan(str(tmp_path / "plan"))
+    x, labels, values = _data(3)
+    pred = Trainer(loaded).predict({"input": x})
+    logits, aux = _forward(_two_head_model()[1], x)
+    np.testing.assert_allclose(pred["logits"], logits, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pred["aux"], aux, rtol=1e-5, atol=1e-6)
+
+
+def test_one_loss_plans_keep_their_plan_json(tmp_path):
+    model, _ = _two_head_model()
+    plan = kc.compile(model, loss="squared_error", output="aux", emit=False)
+    assert "heads" not in plan.config and plan.output == "aux" and plan.loss.to_json()["kind"] == "squared_error"
+
+
+def test_cli_compile_inspect_and_train_with_heads(tmp_path, capsys):
+    from kfac_compiler.cli import main
+
+    model, _ = _two_head_model()
+    onnx_path, plan_dir = tmp_path / "m.onnx", tmp_path / "plan"
+    import onnx
+
+    onnx.save(model, str(onnx_path))
+    assert main(["compile", str(onnx_path), "--head", "logits,softmax_cross_entropy,1,labels",
+                 "--head", "aux,squared_error,0.3,values", "-o", str(plan_dir), "-q", "--frontend-only"]) == 0
+    assert main(["inspect", str(plan_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "1 x softmax_cross_entropy on logits [3], targets 'labels'" in out
+    assert "0.3 x squared_error on aux [2], targets 'values'" in out
+    x, labels, values = _data(40)
+    np.savez(tmp_path / "d.npz", input=x, labels=labels, values=values)
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", str(plan_dir), "--data", str(tmp_path / "d.npz"), "--steps", "3", "--batch-size", "20",
+                 "--metrics", str(metrics), "-q"]) == 0
+    import json
+
+    rows = [json.loads(line) for line in open(metrics)]
+    assert len(rows) == 3 and all(r["loss"] == pytest.approx(r["loss_labels"] + 0.3 * r["loss_values"], rel=1e-5)
+                                  for r in rows)
+    assert "accuracy_labels" in capsys.readouterr().out
+    np.savez(tmp_path / "bad.npz", input=x, labels=labels)
+    assert main(["train", str(plan_dir), "--data", str(tmp_path / "bad.npz"), "--steps", "1", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'values'" in err[0] and "'aux'" in err[0]
+    assert main(["compile", str(onnx_path), "--head", "logits", "-o", str(tmp_path / "p2")]) == 2
+    assert "--head 'logits': expected OUTPUT,LOSS" in capsys.readouterr().err

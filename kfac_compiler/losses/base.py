@@ -118,6 +118,10 @@ class Loss:
         opts = ", ".join(f"{o.name}={o.default}" for o in cls.options)
         return f"{cls.kind}: {cls.description}" + (f" [options: {opts}]" if opts else "")
 
+    def summary(self) -> str:
+        """The loss as `inspect` shows it (a loss with several heads lists them)."""
+        return self.kind
+
     # -- targets: graph type and shape, plan dtype, accepted outputs
     def target_type(self) -> int:
         """ONNX element type of the targets input of the emitted graphs."""
@@ -171,6 +175,11 @@ class Loss:
         return pixels.reshape([-1, *rest]).copy()
 
     # -- evaluation
+    def prediction(self, outputs: np.ndarray) -> Any:
+        """What Trainer.predict returns for the plan's output (a loss with several heads
+        splits it per head)."""
+        return outputs
+
     def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
         """{metric: (sum, count)} over a chunk of examples (outputs: the model output z);
         the evaluation reports sum / count over all chunks, so chunking does not change it."""

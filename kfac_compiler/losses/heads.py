@@ -160,6 +160,11 @@ class MultiHead(Loss):
             names += [f"loss_{h['targets']}"] + [f"{m}_{h['targets']}" for m in p.metrics]
         self.metrics = tuple(names)
 
+    def summary(self) -> str:
+        return f"{self.kind} (" + "; ".join(
+            f"{h['coefficient']:g} x {h['loss']} on {h['output']} {list(h['shape'])}, targets {h['targets']!r}"
+            for h in self.heads) + ")"
+
     # -- the heads' names
     def target_names(self) -> list[str]:
         return [h["targets"] for h in self.heads]
@@ -235,6 +240,10 @@ class MultiHead(Loss):
                 yh = yh.astype(onnx.helper.tensor_dtype_to_np_dtype(part.target_type()))
             out.append((zh, yh))
         return out
+
+    def prediction(self, outputs: np.ndarray) -> dict[str, np.ndarray]:
+        """{head output: its array [N, *shape]}."""
+        return {h["output"]: zh for h, (zh, _) in zip(self.heads, self.split(outputs))}
 
     def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
         """Each head's own mean loss (loss_<targets name>, without its coefficient) and metrics."""
