@@ -185,10 +185,18 @@ class Trainer:
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         metrics = self.policy.step(data)
+        self._mean_loss_metrics(metrics)
         wall = time.perf_counter() - t0
         metrics["step_time"] = wall
         metrics["host_time"] = max(wall - (self.session_seconds() - s0), 0.0)
         return metrics
+
+    def _mean_loss_metrics(self, metrics: dict[str, float]) -> None:
+        """The loss's own step metrics (each head's loss) as means over the ranks, like the loss."""
+        names = [k for k in self.loss.metrics if k in metrics]
+        if self.comm is not None and names:
+            means = self.comm.mean([np.float32(metrics[k]) for k in names], "metrics")
+            metrics.update({k: float(v) for k, v in zip(names, means)})
 
     def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
         """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""

@@ -290,3 +290,50 @@ def test_cli_compile_inspect_and_train_with_heads(tmp_path, capsys):
     assert len(err) == 1 and "'values'" in err[0] and "'aux'" in err[0]
     assert main(["compile", str(onnx_path), "--head", "logits", "-o", str(tmp_path / "p2")]) == 2
     assert "--head 'logits': expected OUTPUT,LOSS" in capsys.readouterr().err
+
+
+def _data_parallel_run(comm) -> list[list[float]]:
+    """Six K-FAC steps (sampled Fisher, inverses every 3 steps) of 64-row global batches."""
+    from kfac_compiler.runtime.data import batch_indices
+
+    model, _ = _two_head_model()
+    x, labels, values = _data(256, seed=3)
+    tr = Trainer(kc.compile(model, heads=HEADS), seed=0, batch_size=64, comm=comm, inv_update_period=3)
+    out = []
+    for s in range(6):
+        idx = batch_indices(256, 64, s, 0)
+        m = tr.step({"input": x[idx]}, {"labels": labels[idx], "values": values[idx]})
+        out.append([m["loss"], m["loss_labels"], m["loss_values"]])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_two_ranks_take_the_one_process_steps_with_heads(tmp_path):
+    """The ranks draw the global batch's noise for both heads (uniform and Box-Muller columns)
+    and keep their rows; losses and each head's loss (a mean over the ranks) are one process's."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from mpi_util import require_mpi, run_ranks
+
+    require_mpi()
+    proc = run_ranks(2, [sys.executable, __file__, str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = _data_parallel_run(None)
+    for r in range(2):
+        np.testing.assert_allclose(json.load(open(tmp_path / f"rank{r}.json")), single, rtol=1e-5)
+
+
+if __name__ == "__main__":  # a rank of test_two_ranks_take_the_one_process_steps_with_heads
+    import json
+    import sys
+
+    from kfac_compiler.runtime.comm import as_communicator
+
+    comm = as_communicator("auto")
+    result = _data_parallel_run(comm)
+    with open(f"{sys.argv[1]}/rank{comm.rank}.json", "w") as f:
+        json.dump(result, f)
