@@ -4,7 +4,7 @@ A tiny two-head model (shared tanh trunk, a softmax cross-entropy head `logits` 
 squared-error head `aux`) built with onnx.helper. The objective is sum_h c_h mean-loss_h and
 the Fisher sum_h c_h J_h^T F_h J_h; the truth is a float64 numpy forward pass, finite
 differences of the objective and per-example Jacobians by central differences
-(tests/test_fisher_bruteforce.py's method), with F_h written out by hand per head.
+(tests/test_fisher_bruteforce.py's helper), with F_h written out by hand per head.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import kfac_compiler as kc
 from kfac_compiler.errors import ConfigError, DataError, ModelError
 from kfac_compiler.losses import Head
 from kfac_compiler.runtime import Curvature, Trainer
+from test_fisher_bruteforce import _layer_jacobian
 
 IN, HID, CLS, AUX = 3, 4, 3, 2
 C_CLS, C_AUX, VAR = 1.0, 0.3, 0.5
@@ -58,19 +59,9 @@ def _objective(p, x, labels, values):
     return C_CLS * ce + C_AUX * se, ce, se
 
 
-def _jacobian(p, x_n, layer, eps=1e-6):
+def _jacobian(p, x_n, layer):
     """d [logits, aux] / d vec_rowmajor([W | b]) of one example, by central differences."""
-    mat = np.concatenate([p[f"{layer}.weight"], p[f"{layer}.bias"][:, None]], axis=1)
-    cols = []
-    for idx in np.ndindex(*mat.shape):
-        out = []
-        for sign in (1, -1):
-            m = mat.copy()
-            m[idx] += sign * eps
-            q = dict(p, **{f"{layer}.weight": m[:, :-1], f"{layer}.bias": m[:, -1]})
-            out.append(np.concatenate(_forward(q, x_n[None]), axis=1)[0])
-        cols.append((out[0] - out[1]) / (2 * eps))
-    return np.stack(cols, axis=1)
+    return _layer_jacobian(p, x_n, layer, forward=lambda q, x: np.concatenate(_forward(q, x), axis=1))
 
 
 def _output_fisher(logits_n):
