@@ -276,6 +276,7 @@ class Trainer:
             if t.name in values:
                 new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
                 model.graph.initializer[i].CopyFrom(new)
+        _expose_outputs(model, self.loss.output_names(self.plan.output))
         return model
 
     def export(self, path: str | os.PathLike) -> str:
@@ -370,3 +371,19 @@ class Trainer:
 
 def _check_threads(threads: Any) -> int:
     return check_int(threads, "threads", low=1)
+
+
+def _expose_outputs(model: onnx.ModelProto, names: list[str]) -> None:
+    """Put the tensors `names` (a plan with several heads: the heads' outputs) before the
+    model's graph outputs, so that an exported model answers with them."""
+    g = model.graph
+    have = [o.name for o in g.output]
+    if names == have:
+        return
+    known = {vi.name: vi for vi in list(g.value_info) + list(g.output)}
+    extra = [known.get(n) or onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in have]
+    outputs = [onnx.ValueInfoProto() for _ in extra] + list(g.output)
+    for vi, src in zip(outputs, extra):
+        vi.CopyFrom(src)
+    del g.output[:]
+    g.output.extend(outputs)

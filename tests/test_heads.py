@@ -242,6 +242,14 @@ def test_config_heads_tables_compile_the_same_plan(tmp_path, two_heads):
     logits, aux = _forward(_two_head_model()[1], x)
     np.testing.assert_allclose(pred["logits"], logits, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(pred["aux"], aux, rtol=1e-5, atol=1e-6)
+    import onnxruntime as ort  # the exported model answers with the heads' outputs
+
+    exported = Trainer(loaded).export(str(tmp_path / "trained.onnx"))
+    sess = ort.InferenceSession(exported, providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()][:2] == ["logits", "aux"]
+    got = sess.run(["logits", "aux"], {"input": x.astype(np.float32)})
+    np.testing.assert_allclose(got[0], logits, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], aux, rtol=1e-5, atol=1e-6)
 
 
 def test_one_loss_plans_keep_their_plan_json(tmp_path):

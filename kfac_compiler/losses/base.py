@@ -175,6 +175,11 @@ class Loss:
         return pixels.reshape([-1, *rest]).copy()
 
     # -- evaluation
+    def output_names(self, output: str) -> list[str]:
+        """The model tensors an exported model answers with (a loss with several heads: the
+        heads' outputs, ahead of the plan's output)."""
+        return [output]
+
     def prediction(self, outputs: np.ndarray) -> Any:
         """What Trainer.predict returns for the plan's output (a loss with several heads
         splits it per head)."""

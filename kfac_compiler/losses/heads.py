@@ -241,6 +241,9 @@ class MultiHead(Loss):
             out.append((zh, yh))
         return out
 
+    def output_names(self, output: str) -> list[str]:
+        return [h["output"] for h in self.heads]
+
     def prediction(self, outputs: np.ndarray) -> dict[str, np.ndarray]:
         """{head output: its array [N, *shape]}."""
         return {h["output"]: zh for h, (zh, _) in zip(self.heads, self.split(outputs))}
