@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kfac_compiler.errors import ModelError
+from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.losses import loss_class
-from kfac_compiler.passes.canonicalize import _infer
+from kfac_compiler.passes.canonicalize import infer_shapes
 from kfac_compiler.passes.load import check_output
 
 HEADS_OUTPUT = "multi_head_output"
@@ -25,9 +25,13 @@ HEADS_OUTPUT = "multi_head_output"
 def attach_heads(model: onnx.ModelProto, heads: list[dict[str, Any]], source: str) -> tuple[onnx.ModelProto, str, list[dict]]:
     """(a copy of `model` whose only output concatenates the heads, its name, the heads with
     their output shapes (the dims after the batch axis) filled in)."""
+    inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
     for h in heads:
         check_output(model, h["output"], source)
-    view = GraphView(_infer(model, keep_going=True))
+        if h["targets"] in inputs:
+            raise ConfigError(f"head {h['output']!r}: targets name {h['targets']!r} is a model input's; data files "
+                              "hold both under their names, so give the targets another name")
+    view = GraphView(infer_shapes(model, keep_going=True))
     taken = view.all_names()
     name, k = HEADS_OUTPUT, 0
     while name in taken:

@@ -189,6 +189,7 @@ def _one_line(excinfo) -> str:
     ([("logits", "softmax_cross_entropy", 1.0, "y"), ("aux", "squared_error", 1.0, "y")], ConfigError,
      "targets name 'y' is already head 0's"),
     (Head("logits", "softmax_cross_entropy"), ConfigError, "expected a list of heads"),
+    ([("logits", "softmax_cross_entropy", 1.0, "input")], ConfigError, "'input' is a model input's"),
 ])
 def test_bad_heads_are_one_line_errors(heads, error, words):
     model, _ = _two_head_model()
