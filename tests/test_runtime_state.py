@@ -88,8 +88,11 @@ def test_cuda_request_is_checked():
 def _thread_cpus() -> dict[str, str]:
     out = {}
     for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
-        with open(f"{task}/status") as f:
-            out[task] = next(ln.split()[-1] for ln in f if ln.startswith("Cpus_allowed_list"))
+        try:
+            with open(f"{task}/status") as f:
+                out[task] = next(ln.split()[-1] for ln in f if ln.startswith("Cpus_allowed_list"))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the listing
+            continue
     return out
 
 
