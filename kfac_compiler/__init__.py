@@ -56,7 +56,11 @@ def __getattr__(name: str):
         from kfac_compiler.plan import Plan
 
         return Plan
+    if name == "Head":  # one loss head: compile(model, heads=[Head(output, loss, coefficient, targets), ...])
+        from kfac_compiler.losses.heads import Head
+
+        return Head
     raise AttributeError(name)
 
 
-__all__ = ["KfacError", "Plan", "compile", "gradients", "load_plan", "__version__"]
+__all__ = ["Head", "KfacError", "Plan", "compile", "gradients", "load_plan", "__version__"]

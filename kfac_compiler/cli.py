@@ -1,6 +1,7 @@
 """Command line: `kfac-compiler compile|inspect|train`.
 
     kfac-compiler compile MODEL --loss KIND [--output NAME] [--config FILE]
+                  [--head OUTPUT,LOSS[,COEFF[,TARGETS]] ...] (several loss heads instead of --loss/--output)
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
                   [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]
     kfac-compiler inspect PLAN_DIR [--format table|json|dot]
@@ -18,7 +19,7 @@ import sys
 import warnings
 from typing import Sequence
 
-from kfac_compiler.cli_options import add_selection_args, apply_selection_args
+from kfac_compiler.cli_options import add_heads_arg, add_selection_args, apply_heads_arg, apply_selection_args
 from kfac_compiler.errors import ConfigError, KfacError, os_reason
 from kfac_compiler.losses import losses_help
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--approx", action="append", default=[], metavar="KEY=APPROX",
                    help="approximation for a layer kind (e.g. conv=diagonal) or a layer name/regex; repeatable")
     add_selection_args(c)
+    add_heads_arg(c)
     c.add_argument("-o", "--out", required=True, metavar="PLAN_DIR",
                    help="the plan directory to write (re-saving a plan replaces only the plan's files in it)")
     c.add_argument("--force", action="store_true",
@@ -114,6 +116,7 @@ def _compile(args) -> int:
         else:
             cfg.layers[key] = value
     apply_selection_args(cfg, args)
+    apply_heads_arg(cfg, args)
     cfg.validate("command line")
     if args.frontend_only:
         plan = compile_frontend(args.model, loss=args.loss, output=args.output, config=cfg)

@@ -1,4 +1,5 @@
-"""Command-line options shared by `compile` and `train`: which initializers are trained, and untied."""
+"""Command-line options shared by `compile` and `train`: which initializers are trained, and untied;
+several loss heads."""
 from __future__ import annotations
 
 import argparse
@@ -28,3 +29,35 @@ def apply_selection_args(cfg: "CompileConfig", args: argparse.Namespace) -> None
     for key, extra in (("exclude", args.exclude), ("train", args.train_params), ("untie", args.untie)):
         if extra is not None:
             setattr(cfg, key, list(getattr(cfg, key)) + extra)
+
+
+def add_heads_arg(p: argparse.ArgumentParser) -> None:
+    """--head OUTPUT,LOSS[,COEFFICIENT[,TARGETS]]: one loss head (repeatable; instead of --loss/--output)."""
+    p.add_argument("--head", action="append", default=None, metavar="OUTPUT,LOSS[,COEFF[,TARGETS]]", dest="heads",
+                   help="a loss head: the output tensor, its loss kind, its coefficient (default 1) and the name of "
+                        "its targets array (default: the output's name); repeatable, instead of --loss/--output; "
+                        "a head's loss options go in the config's [[heads]] tables")
+
+
+def apply_heads_arg(cfg: "CompileConfig", args: argparse.Namespace) -> None:
+    """Replace the config's heads by the command line's --head options (then validate it)."""
+    from kfac_compiler.errors import ConfigError
+
+    if not args.heads:
+        return
+    heads = []
+    for item in args.heads:
+        parts = [p.strip() for p in item.split(",")]
+        if not 2 <= len(parts) <= 4 or not all(parts):
+            raise ConfigError(f"--head {item!r}: expected OUTPUT,LOSS[,COEFFICIENT[,TARGETS]] "
+                              "(e.g. logits,softmax_cross_entropy,1.0,labels)")
+        head: dict = {"output": parts[0], "loss": parts[1]}
+        if len(parts) > 2:
+            try:
+                head["coefficient"] = float(parts[2])
+            except ValueError:
+                raise ConfigError(f"--head {item!r}: coefficient {parts[2]!r} is not a number") from None
+        if len(parts) > 3:
+            head["targets"] = parts[3]
+        heads.append(head)
+    cfg.heads = heads

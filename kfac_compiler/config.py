@@ -38,6 +38,18 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
 
     [loss_options]            # the loss kind's own options (each loss class lists them)
     variance = 0.5            # squared_error; the old top-level key loss_variance still works
+
+    [[heads]]                 # several loss heads instead of loss/output (docs/frontend.md)
+    output = "logits"
+    loss = "softmax_cross_entropy"
+    coefficient = 1.0         # default 1
+    targets = "labels"        # the targets array's name (default: the output's name)
+    [[heads]]
+    output = "aux"
+    loss = "squared_error"
+    coefficient = 0.5
+    targets = "values"
+    options = { variance = 2.0 }
 """
 from __future__ import annotations
 
@@ -106,6 +118,8 @@ class CompileConfig:
 
     loss: str | None = None
     output: str | None = None
+    # several loss heads instead of loss/output: [{output, loss, coefficient, targets, options}]
+    heads: list[dict[str, Any]] = field(default_factory=list)
     include: list[str] | None = None
     exclude: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
@@ -170,7 +184,12 @@ class CompileConfig:
         return cls.from_dict(data, source=path)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The options as plan.json's "config" records them (no "heads" key for one loss:
+        a plan with one loss reads as it did before heads existed)."""
+        data = dataclasses.asdict(self)
+        if not data["heads"]:
+            del data["heads"]
+        return data
 
     # ------------------------------------------------------------ checking
     def validate(self, source: str = "config") -> None:
@@ -188,6 +207,10 @@ class CompileConfig:
             loss_class(self.loss).resolve_options(self.loss_options, where=f"{source}: loss_options: ")
         if self.output is not None and not isinstance(self.output, str):
             raise bad("output", "expected a tensor name")
+        if self.heads:
+            from kfac_compiler.losses.heads import parse_heads
+
+            self.heads = parse_heads(self.heads, f"{source}: heads")
         if self.include is not None:
             self.include = _str_list(self.include, "include", source)
             compile_patterns(self.include, "include")

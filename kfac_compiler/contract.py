@@ -159,6 +159,18 @@ UPDATE_NORM = metric("update_norm")  # |update| and |gradient| of a training ste
 GRAD_NORM = metric("grad_norm")
 
 
+LOSS_METRIC_PREFIX = metric("loss/")  # the loss's own step metrics (Loss.emit_metrics: each head's loss)
+
+
+def loss_metric(name: str) -> str:
+    return f"{LOSS_METRIC_PREFIX}{name}"
+
+
+def loss_metrics(out: Mapping[str, Any]) -> dict[str, float]:
+    """The loss's own metrics of a run's outputs, by their short names (e.g. "loss_labels")."""
+    return {k[len(LOSS_METRIC_PREFIX):]: v for k, v in out.items() if k.startswith(LOSS_METRIC_PREFIX)}
+
+
 def inverse_ok(layer: str) -> str:
     """Per block of inverse_update: 1.0 if its emitted inverse passed the method's check."""
     return metric(f"inverse_ok/{layer}")

@@ -22,7 +22,9 @@ from kfac_compiler.errors import ConfigError, KfacError, ModelError, Unsupported
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
+from kfac_compiler.losses.heads import MULTI_HEAD
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
+from kfac_compiler.passes.heads import attach_heads
 from kfac_compiler.passes.trainable import TrainableSet, split_trainable
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.passes.budget import REFERENCE_BATCH, BudgetResult, fit_budget
@@ -49,22 +51,34 @@ def compile_frontend(
     config.loss is set). `output`: the tensor the loss applies to (default: config.output,
     else the only graph output). `overrides` set config keys (e.g. damping=1e-2,
     estimator={"mode": "empirical"}) on top of `config`.
+
+    Several loss heads with coefficients: `heads=[Head(output, loss, coefficient, targets),
+    ...]` (or tuples, dicts; config key `heads`) instead of `loss` and `output`.
     """
     cfg = apply_overrides(load_config(config), overrides)
     loss = loss if loss is not None else cfg.loss
     output = output if output is not None else cfg.output
+    if not isinstance(loss, (str, type(None))):
+        raise ConfigError(f"loss must be one loss kind name, got {type(loss).__name__}; several losses go in "
+                          "heads=[(output, loss kind, coefficient, targets name), ...]")
+    if not isinstance(output, (str, type(None))):
+        raise ConfigError(f"output must be one tensor name, got {type(output).__name__}; several outputs go in "
+                          "heads=[(output, loss kind, coefficient, targets name), ...]")
+    if cfg.heads and (loss is not None or output is not None):
+        raise ConfigError("give either heads or a loss and output, not both (each head names its output and loss)")
     if loss is not None:
         loss_class(loss)  # an unknown kind fails before the model is read
+    checked_output = cfg.heads[0]["output"] if cfg.heads else output
 
     if isinstance(model_path_or_proto, onnx.ModelProto):
         model = model_path_or_proto
         source = "<model>"
-        validate_model(model, output, source=source)
+        validate_model(model, checked_output, source=source)
         source_path = None
         source_hash = hashlib.sha256(model.SerializeToString()).hexdigest()
     elif isinstance(model_path_or_proto, (str, os.PathLike)):
         source = os.fspath(model_path_or_proto)
-        model = load_model(source, output)
+        model = load_model(source, checked_output)
         source_path = os.path.abspath(source)
         source_hash = file_sha256(source_path)
     else:
@@ -95,8 +109,12 @@ def apply_overrides(cfg: CompileConfig, overrides: dict[str, Any]) -> CompileCon
 
 
 def _compile(model, source, source_path, source_hash, loss, output, cfg: CompileConfig) -> Plan:
+    heads = None
+    if cfg.heads:
+        model, output, heads = attach_heads(model, cfg.heads, source)
+        loss = MULTI_HEAD
     output = check_output(model, output, source)
-    rec = recognise_loss(model, output)
+    rec = recognise_loss(model, output) if heads is None else None
     recognised: dict[str, Any] = {}
     target_input = None
     if rec is not None:
@@ -115,7 +133,8 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
             f"pass a loss kind ({', '.join(loss_kinds())})"
         )
     cls = loss_class(loss)
-    loss_fn = cls(**cls.resolve_options(cfg.loss_options_for(cls), where="loss_options: "))
+    given = {"heads": heads} if heads is not None else cfg.loss_options_for(cls)
+    loss_fn = cls(**cls.resolve_options(given, where="loss_options: "))
 
     canon = canonicalize(model, output)
     _name_running_outputs(canon)

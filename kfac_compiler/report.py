@@ -213,7 +213,7 @@ def render_table(plan: Plan) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     src = plan.source_path or "<in-memory model>"
-    loss = plan.loss.kind
+    loss = plan.loss.build().summary()
     if plan.loss.recognised_from:
         loss = f"{loss} (recognised from {plan.loss.recognised_from})"
     inv = plan.schedule.inverse

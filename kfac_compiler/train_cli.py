@@ -198,7 +198,7 @@ def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> t
             inputs, targets = digits_for(specs, loss, out)
         source = "digits"
     elif data.endswith(".npz") or os.path.isfile(data):
-        inputs, targets = load_npz(data)
+        inputs, targets = load_npz(data, loss.target_arrays())
         source = data
         checked = validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
         extra = [k for k in inputs if k not in specs]

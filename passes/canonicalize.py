@@ -50,14 +50,14 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _name_nodes(m)
     _restrict(m, output)
     _rewrite_gemm_trans_a(m)
-    m = _infer(m, keep_going=True)
+    m = infer_shapes(m, keep_going=True)
     _split_sequences(m)
     m = lower_recurrent(m)
     _collapse_noops(m, output)
     _fold_constants(m, output)
     _restrict(m, output)
     m.ir_version = IR_VERSION
-    return _infer(m, keep_going=True)
+    return infer_shapes(m, keep_going=True)
 
 
 def _name_nodes(m: onnx.ModelProto) -> None:
@@ -334,7 +334,8 @@ def _fold_constants(m: onnx.ModelProto, output: str) -> None:
     g.node.extend(nodes)
 
 
-def _infer(m: onnx.ModelProto, keep_going: bool) -> onnx.ModelProto:
+def infer_shapes(m: onnx.ModelProto, keep_going: bool) -> onnx.ModelProto:
+    """`m` with ONNX shape inference's value_info; `keep_going`: a warning, not an error, when it fails."""
     try:
         return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
     except Exception as e:  # shape inference errors are not fatal: patterns check shapes they need

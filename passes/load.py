@@ -90,7 +90,8 @@ def check_output(model: onnx.ModelProto, output: str | None, source: str = "<mod
         if not outputs:
             raise ModelError(f"{source!r} has no graph outputs; name a tensor with --output")
         raise ModelError(
-            f"{source!r} has {len(outputs)} outputs ({_listing(outputs)}); choose one with --output"
+            f"{source!r} has {len(outputs)} outputs ({_listing(outputs)}); choose one with --output, or give "
+            "each its loss as a head (--head OUTPUT,LOSS,COEFF,TARGETS; heads=[...])"
         )
     tensors = {o for n in g.node for o in n.output if o}
     if output in outputs or output in tensors:

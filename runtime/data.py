@@ -95,7 +95,7 @@ class BatchChecker:
         self.index_bounds = index_bounds(plan.model)
 
     def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
-        data = prepare_batch(self.input_specs, inputs, targets)
+        data = prepare_batch(self.input_specs, inputs, self.loss.pack_targets(targets, "batch"))
         y = data.pop(C.TARGETS)
         conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch",
                                    index_bounds=self.index_bounds)
@@ -189,7 +189,7 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Los
         conv[name] = a
     if not n:
         raise DataError(f"{source}: the dataset is empty")
-    y = np.asarray(targets)
+    y = np.asarray(loss.pack_targets(targets, source))
     if y.dtype == object or y.dtype.kind not in "biuf":
         raise DataError(f"{source}: 'targets' has dtype {y.dtype}; expected numbers")
     if y.ndim == 0 or y.shape[0] != n:
@@ -301,7 +301,9 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def load_npz(path: str, targets: Mapping[str, str] | None = None) -> tuple[dict[str, np.ndarray], Any]:
+    """(the input arrays, the targets) of an .npz file: the array "targets", or with several
+    loss heads (`targets`: {array name: head}, Loss.target_arrays) a dict with one array per head."""
     if os.path.isdir(path):
         raise DataError(f"data file {path!r} is a directory; give an .npz file")
     if not os.path.isfile(path):
@@ -315,6 +317,12 @@ def load_npz(path: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
                 arrays = {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, zlib.error, ValueError, EOFError) as e:  # not an npz, truncated, CRC, pickled
         raise DataError(f"data file {path!r} is not a readable .npz ({npz_reason(e)})") from None
+    if targets is not None:
+        missing = [t for t in targets if t not in arrays]
+        if missing:
+            raise DataError(f"data file {path!r} has no array named {missing[0]!r}, the targets of loss head "
+                            f"{targets[missing[0]]!r} (it has {sorted(arrays)}; the heads' targets: {list(targets)})")
+        return {k: v for k, v in arrays.items() if k not in targets}, {t: arrays[t] for t in targets}
     if "targets" not in arrays:  # the .npz file's key (docs/runtime.md, "kfac-compiler train")
         raise DataError(f"data file {path!r} has no array named 'targets' (it has {sorted(arrays)})")
     y = arrays.pop("targets")

@@ -187,10 +187,18 @@ class Trainer:
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         metrics = self.policy.step(data)
+        self._mean_loss_metrics(metrics)
         wall = time.perf_counter() - t0
         metrics["step_time"] = wall
         metrics["host_time"] = max(wall - (self.session_seconds() - s0), 0.0)
         return metrics
+
+    def _mean_loss_metrics(self, metrics: dict[str, float]) -> None:
+        """The loss's own step metrics (each head's loss) as means over the ranks, like the loss."""
+        names = [k for k in self.loss.metrics if k in metrics]
+        if self.comm is not None and names:
+            means = self.comm.mean([np.float32(metrics[k]) for k in names], "metrics")
+            metrics.update({k: float(v) for k, v in zip(names, means)})
 
     def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
         """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""
@@ -224,7 +232,8 @@ class Trainer:
         return metrics
 
     def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:
-        """The model output at the current parameters (runs the plan's model with them)."""
+        """The model output at the current parameters (runs the plan's model with them); with
+        several loss heads a dict {head output: array}."""
         import onnxruntime as ort
 
         specs = self._check_batch.input_specs
@@ -238,7 +247,7 @@ class Trainer:
         bounds = self._check_batch.index_bounds
         feeds = {k: convert_input(k, *specs[k], v, "predict", bounds.get(k)) for k, v in inputs.items()}
         sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
-        return sess.run([self.plan.output], feeds)[0]
+        return self.loss.prediction(sess.run([self.plan.output], feeds)[0])
 
     # ------------------------------------------------------------------ parameters
     def parameters(self) -> dict[str, np.ndarray]:
@@ -269,6 +278,7 @@ class Trainer:
             if t.name in values:
                 new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
                 model.graph.initializer[i].CopyFrom(new)
+        _expose_outputs(model, self.loss.output_names(self.plan.output))
         return model
 
     def export(self, path: str | os.PathLike) -> str:
@@ -371,3 +381,19 @@ class Trainer:
 
 def _check_threads(threads: Any) -> int:
     return check_int(threads, "threads", low=1)
+
+
+def _expose_outputs(model: onnx.ModelProto, names: list[str]) -> None:
+    """Put the tensors `names` (a plan with several heads: the heads' outputs) before the
+    model's graph outputs, so that an exported model answers with them."""
+    g = model.graph
+    have = [o.name for o in g.output]
+    if names == have:
+        return
+    known = {vi.name: vi for vi in list(g.value_info) + list(g.output)}
+    extra = [known.get(n) or onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in have]
+    outputs = [onnx.ValueInfoProto() for _ in extra] + list(g.output)
+    for vi, src in zip(outputs, extra):
+        vi.CopyFrom(src)
+    del g.output[:]
+    g.output.extend(outputs)

@@ -45,8 +45,10 @@ def _forward(params, x):
     return h @ params["fc2.weight"].T + params["fc2.bias"]
 
 
-def _layer_jacobian(params, x_n, layer, eps=1e-6):
-    """d z_n / d vec_rowmajor([W | b]) for one example, by central differences."""
+def _layer_jacobian(params, x_n, layer, eps=1e-6, forward=None):
+    """d z_n / d vec_rowmajor([W | b]) for one example, by central differences (of `forward`,
+    default this module's tiny MLP)."""
+    forward = forward or _forward
     w, b = params[f"{layer}.weight"], params[f"{layer}.bias"]
     mat = np.concatenate([w, b[:, None]], axis=1)
     cols = []
@@ -56,7 +58,7 @@ def _layer_jacobian(params, x_n, layer, eps=1e-6):
             m = mat.copy()
             m[idx] += sign * eps
             p = dict(params, **{f"{layer}.weight": m[:, :-1], f"{layer}.bias": m[:, -1]})
-            out.append(_forward(p, x_n[None])[0])
+            out.append(forward(p, x_n[None])[0])
         cols.append((out[0] - out[1]) / (2 * eps))
     return np.stack(cols, axis=1)
 

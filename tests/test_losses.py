@@ -7,13 +7,27 @@ import pytest
 from onnx import TensorProto
 
 from kfac_compiler.builder import GraphBuilder, value_info
-from kfac_compiler.losses import LOSSES, make_loss
+from kfac_compiler.losses import LOSSES, make_loss as _make_loss
 from kfac_compiler.errors import ConfigError
 
-SHAPES = {"softmax_cross_entropy": (4, 3, 5), "sigmoid_cross_entropy": (4, 6), "squared_error": (4, 6)}
+SHAPES = {"softmax_cross_entropy": (4, 3, 5), "sigmoid_cross_entropy": (4, 6), "squared_error": (4, 6),
+          "multi_head": (4, 15 + 4 + 2)}
+# multi_head: three heads on one concatenated output (kfac_compiler/losses/heads.py)
+HEADS = [{"output": "a", "loss": "softmax_cross_entropy", "coefficient": 0.7, "targets": "a", "shape": [3, 5]},
+         {"output": "b", "loss": "squared_error", "coefficient": 0.3, "targets": "b", "shape": [4],
+          "options": {"variance": 2.0}},
+         {"output": "c", "loss": "sigmoid_cross_entropy", "coefficient": 2.0, "targets": "c", "shape": [2]}]
+
+
+def make_loss(kind, **opts):
+    return _make_loss(kind, **({"heads": HEADS} if kind == "multi_head" else {}), **opts)
 
 
 def _targets(kind, shape, rng):
+    if kind == "multi_head":
+        n = shape[0]
+        return make_loss(kind).pack_targets({h["targets"]: _targets(h["loss"], (n, *h["shape"]), rng)
+                                             for h in HEADS}, "test")
     if kind == "softmax_cross_entropy":
         return rng.integers(0, shape[-1], size=shape[:-1]).astype(np.int64)
     if kind == "sigmoid_cross_entropy":
@@ -89,7 +103,8 @@ def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
     draws = 20000
     z = np.repeat(rng.normal(size=shape).astype(np.float32), draws, axis=0)
     loss = make_loss(kind)
-    noise = rng.uniform(1e-7, 1 - 1e-7, size=z.shape) if loss.noise == "uniform" else rng.normal(size=z.shape)
+    size = loss.noise_shape(z.shape)
+    noise = rng.uniform(1e-7, 1 - 1e-7, size=size) if loss.noise == "uniform" else rng.normal(size=size)
     g, _ = _run(kind, lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": noise.astype(np.float32)}, ["u"])
     g = g.reshape(draws, -1).astype(np.float64)
     F = loss.np_fisher(z[0].astype(np.float64))

@@ -43,6 +43,8 @@ def loss_and_grads(em: Emission, extra_wrt: list[str] = ()) -> tuple[str, str, d
     weights = C.EXAMPLE_WEIGHTS if em.parts.weighted else None
     w, sqrt_w = em.example_weights()
     loss = em.parts.loss.emit_loss(b, z, y, weights)
+    for name, value in em.parts.loss.emit_metrics(b, z, y, weights).items():
+        em.metric(C.loss_metric(name), value)
     n = b.batch_size(z)
     data_grad = em.parts.loss.emit_grad(b, z, y)
     if w is not None:

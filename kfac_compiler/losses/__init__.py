@@ -21,9 +21,10 @@ from kfac_compiler.losses.base import (
 from kfac_compiler.losses.softmax_cross_entropy import SoftmaxCrossEntropy
 from kfac_compiler.losses.sigmoid_cross_entropy import SigmoidCrossEntropy
 from kfac_compiler.losses.squared_error import SquaredError
+from kfac_compiler.losses.heads import Head, MultiHead, parse_heads
 
 __all__ = [
-    "LOSSES", "ElementwiseLoss", "Loss", "LossOption", "SigmoidCrossEntropy", "SoftmaxCrossEntropy", "SquaredError",
-    "loss_class", "loss_kinds", "losses_help", "make_loss", "positive_int", "positive_number",
+    "LOSSES", "ElementwiseLoss", "Head", "Loss", "MultiHead", "LossOption", "SigmoidCrossEntropy", "SoftmaxCrossEntropy", "SquaredError",
+    "loss_class", "loss_kinds", "losses_help", "make_loss", "parse_heads", "positive_int", "positive_number",
     "reduce_rows", "register_loss",
 ]

@@ -118,6 +118,10 @@ class Loss:
         opts = ", ".join(f"{o.name}={o.default}" for o in cls.options)
         return f"{cls.kind}: {cls.description}" + (f" [options: {opts}]" if opts else "")
 
+    def summary(self) -> str:
+        """The loss as `inspect` shows it (a loss with several heads lists them)."""
+        return self.kind
+
     # -- targets: graph type and shape, plan dtype, accepted outputs
     def target_type(self) -> int:
         """ONNX element type of the targets input of the emitted graphs."""
@@ -138,6 +142,16 @@ class Loss:
         return None
 
     # -- targets: host-side data
+    def target_arrays(self) -> dict[str, str] | None:
+        """{array name: head output} where a data file holds one target array per loss head;
+        None: one array named "targets"."""
+        return None
+
+    def pack_targets(self, targets: Any, source: str) -> Any:
+        """The targets as the graphs take them, from what the runtime API was given (a loss
+        with several heads packs its dict of arrays into one; others take them as they are)."""
+        return targets
+
     def check_targets(self, y: np.ndarray, output_dims: list[Any] | None, source: str) -> np.ndarray:
         """Targets (finite numbers, one row per example) checked against the model output's
         dims (None: unknown) and converted to the graph's dtype; DataError names `source`."""
@@ -161,6 +175,16 @@ class Loss:
         return pixels.reshape([-1, *rest]).copy()
 
     # -- evaluation
+    def output_names(self, output: str) -> list[str]:
+        """The model tensors an exported model answers with (a loss with several heads: the
+        heads' outputs, ahead of the plan's output)."""
+        return [output]
+
+    def prediction(self, outputs: np.ndarray) -> Any:
+        """What Trainer.predict returns for the plan's output (a loss with several heads
+        splits it per head)."""
+        return outputs
+
     def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
         """{metric: (sum, count)} over a chunk of examples (outputs: the model output z);
         the evaluation reports sum / count over all chunks, so chunking does not change it."""
@@ -170,6 +194,10 @@ class Loss:
     def emit_per_example_loss_sum(self, b: GraphBuilder, z: str, y: str) -> str:
         """sum_n l_n as a scalar."""
         raise NotImplementedError
+
+    def emit_metrics(self, b: GraphBuilder, z: str, y: str, weights: str | None = None) -> dict[str, str]:
+        """Scalar metrics a training step reports besides the loss ({short name: tensor})."""
+        return {}
 
     def emit_grad(self, b: GraphBuilder, z: str, y: str) -> str:
         """dl_n/dz_n, same shape as z."""

@@ -52,6 +52,7 @@ class FirstOrderOptimizer(Optimizer):
             "update_norm": out.get(C.UPDATE_NORM, float("nan")) if ok else 0.0,
             "grad_norm": out.get(C.GRAD_NORM, float("nan")),
             "rejected": 0.0 if ok else 1.0,
+            **C.loss_metrics(out),
         }
         tr.step_count += 1
         if ok:

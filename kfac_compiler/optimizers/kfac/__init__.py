@@ -252,6 +252,7 @@ class Kfac(Optimizer):
             "inverse_group": -1.0 if first else float("nan"),  # -1: every group
             "inverse_ok": inverse_ok,
             "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first else float("nan"),
+            **C.loss_metrics(out),
         }
         tr.step_count += 1
         if adapt:  # reported for rejected steps too (a step raising the objective is rejected)
