@@ -258,3 +258,32 @@ def test_a_sane_foreign_loop_is_unchanged_by_the_floor():
     assert all(_foreign_loop(curv, inputs["input"], y, 0.1, 3))
     assert curv.report["damping_used"] == 1e-2 and not curv.report["damping_floored"]
     assert curv.report["skipped_updates"] == 0 and curv.report["last_update_ok"] is True
+
+
+@pytest.mark.parametrize("model,menu,approx,why", [
+    ("unrolled_rnn", "fully_connected_multi", "kron_series_1", "a series"),
+    ("unrolled_rnn", "fully_connected_multi", "kron_series_2", "a series"),
+    ("mlp_classifier", "fully_connected", "ekfac", "damps its eigenvalues exactly")])
+def test_cholesky_is_refused_by_series_and_ekfac_blocks(model, menu, approx, why):
+    """Their F + damping is not the product of two damped factors (the series adds A_1, G_1
+    terms; EKFAC damps S exactly), so compute_cholesky(_inverse) refuses in one line naming the
+    layer instead of returning KronBlock's L_A (x) L_G; the symmetric root it names instead
+    squares to the block's own (F + damping) v."""
+    e = ZOO[model]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,
+                      config={"approximations": {menu: approx}})
+    curv = Curvature(plan, mode="exact")
+    inputs, y = e.make_data(None, seed=0)
+    curv.update({k: a[:16] for k, a in inputs.items()}, y[:16])
+    layer = next(name for name, b in curv.blocks().items() if b.name == approx)
+    for compute in (curv.compute_cholesky, curv.compute_cholesky_inverse):
+        with pytest.raises(ConfigError, match=f"^layer '{layer}': the '{approx}' block has no .*Cholesky.*{why}"
+                                              ".*multiply_matpower") as err:
+            compute(1e-2)
+        assert "\n" not in str(err.value) and "damping_mode" not in str(err.value)
+    params = curv.blocks()[layer].layer.params
+    v = {p: a for p, a in _random(curv).items() if p in params}
+    root = curv.multiply_matpower(layer, curv.multiply_matpower(layer, v, 0.5, 1e-2), 0.5, 1e-2)
+    want = curv.multiply(layer, v, 1e-2)
+    np.testing.assert_allclose(_flat(root, params), _flat(want, params), rtol=1e-4,
+                               atol=1e-5 * np.abs(_flat(want, params)).max())
