@@ -64,8 +64,7 @@ from typing import Any
 from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
-from kfac_compiler.contract import ESTIMATION_MODES as ESTIMATOR_MODES
-from kfac_compiler.contract import MODE_ALIASES, estimation_mode
+from kfac_compiler.contract import estimation_mode
 
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
@@ -243,10 +242,9 @@ class CompileConfig:
         self.links = _check_links(self.links, source)
         est = self.estimator
         try:
-            est.mode = estimation_mode(est.mode)  # kfac-jax's spellings too
-        except ConfigError:
-            raise bad("estimator.mode", f"unknown mode {est.mode!r}; choose one of {', '.join(ESTIMATOR_MODES)} "
-                      f"(or kfac-jax's {', '.join(MODE_ALIASES)})") from None
+            est.mode = estimation_mode(est.mode)  # kfac-jax's spellings too; its message, our key
+        except ConfigError as e:
+            raise bad("estimator.mode", str(e)) from None
         _check_int(est.num_samples, "estimator.num_samples", source)
         inv = self.inverse
         if inv.method not in INVERSE_METHODS:

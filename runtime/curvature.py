@@ -18,8 +18,9 @@ TF K-FAC's estimator surface (docs/runtime.md, "The lower-level API"): multiply_
 multiply_all (exps), compute_cholesky / compute_cholesky_inverse with multiply_cholesky /
 multiply_cholesky_inverse, compute_params_stats. Safeguards: a batch whose statistics are
 not finite is skipped (`report["skipped_updates"]`), a block whose inverse fails keeps its
-previous one (`report["failed_blocks"]`), the damping is floored relative to the factors'
-scale (`damping_floor`), and precondition refuses non-finite gradients and results.
+previous one (`report["failed_blocks"]`), every damping given (inverses and products alike)
+is floored relative to the factors' scale (`damping_floor`), and precondition refuses
+non-finite gradients and results.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class Curvature:
                  ema_decay: float | None = None, inverse_method: str | None = None, seed: int = 0,
                  threads: int | None = None, damping_floor: float = 1e-6) -> None:
         self.plan = plan
-        # update_inverses uses max(damping, damping_floor * s), s the largest block scale
+        # every damping given (update_inverses, multiply*, compute_cholesky*) becomes
+        # max(damping, damping_floor * s), s the largest block scale
         # (block_scales): every damped Kronecker factor keeps its smallest eigenvalue at least
         # sqrt(damping_floor) times its mean one (cond <= n / sqrt(damping_floor)); 0 turns it off
         self.damping_floor = check_float(damping_floor, "damping_floor")
@@ -89,9 +91,8 @@ class Curvature:
         self._cholesky: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # kind -> layer -> {part: L}
         # what the safeguards did: skipped updates, blocks that kept their state, damping used
         self.report: dict[str, Any] = {"skipped_updates": 0, "last_update_ok": None, "failed_blocks": [],
-                                       "damping_used": None, "damping_floored": False}
-
-
+                                       "damping_used": None, "damping_floored": False,
+                                       "product_damping_used": None}
 
     def program(self, name: str, **options: Any) -> Program:
         return cached_program(self._programs, self.store, self.plan, self.device, self.threads, name, **options)
@@ -230,13 +231,19 @@ class Curvature:
         return parameter_vectors(self._shapes(self._block(layer).layer.params), vectors, f"{what}({layer!r})")
 
     def _damping(self, damping: float | None) -> float:
-        """The damping a product uses: `damping`, else the last update_inverses'; 0 before it."""
+        """The damping a product uses: `damping` floored like update_inverses' (so that
+        multiply_all(v, d, -1) is precondition(v) after update_inverses(d)), recorded in
+        `report["product_damping_used"]`; None: the last update_inverses' (already floored), 0
+        before it."""
         if damping is None:
-            return float(self.damping or 0.0)
-        d = check_float(damping, "damping")
-        if d < 0:
-            raise ConfigError(f"damping must be >= 0, got {damping!r}")
-        return d
+            used = float(self.damping or 0.0)
+        else:
+            d = check_float(damping, "damping")
+            if d < 0:
+                raise ConfigError(f"damping must be >= 0, got {damping!r}")
+            used = self.floored_damping(d)
+        self.report["product_damping_used"] = used
+        return used
 
     def multiply(self, layer: str, vectors: Mapping[str, np.ndarray], damping: float | None = None) -> dict[str, np.ndarray]:
         """(F_layer + damping) v with the layer's moving-average factors (numpy twin)."""

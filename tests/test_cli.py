@@ -188,7 +188,7 @@ def test_config_toml_and_json(tmp_path):
     [
         ({"dampnig": 1}, "unknown key 'dampnig'"),
         ({"inverse": {"methd": "eigh"}}, "unknown key 'inverse.methd'"),
-        ({"estimator": {"mode": "fisher"}}, "estimator.mode: unknown mode 'fisher'"),
+        ({"estimator": {"mode": "fisher"}}, "estimator.mode: unknown estimation mode 'fisher'; choose one of"),
         ({"estimator": {"num_samples": 0}}, "estimator.num_samples: expected an integer >= 1"),
         ({"inverse": {"method": "lu"}}, "inverse.method: unknown method 'lu'"),
         ({"inverse": {"damping_split": "half"}}, "inverse.damping_split"),

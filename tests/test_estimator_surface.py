@@ -98,7 +98,7 @@ def test_a_square_root_beyond_float32_falls_back_to_the_host():
     the host; the result still equals the dense block's eigh power."""
     from kfac_compiler import contract as C
 
-    curv, damping = _curvature(), 1e-14
+    curv, damping = _curvature(damping_floor=0.0), 1e-14  # unfloored: the root must fail
     n = IN + 1
     Q, _ = np.linalg.qr(np.random.default_rng(7).normal(size=(n, n)))
     curv.store.set(C.factor("fc1", "A"), ((Q * np.logspace(0, -12, n)) @ Q.T).astype(np.float32))
@@ -250,6 +250,32 @@ def test_foreign_loop_with_damping_1e2_stays_finite_with_the_floor_and_stops_cle
     assert np.isfinite(np.concatenate([a.ravel() for a in bare.parameters().values()])).all()
 
 
+def test_products_use_the_floored_damping_like_the_stored_inverses():
+    """With the floor active (damping 1e-6 below damping_floor 0.1 times the largest block
+    scale), multiply_all(v, d, -1), the Cholesky products and precondition(v) after
+    update_inverses(d) all use max(d, floor * scale), scale recomputed here from the factors'
+    traces, and equal the dense block's solve at that damping."""
+    curv, d = _curvature(damping_floor=0.1), 1e-6
+    scale = max(np.trace(f["A"]) / len(f["A"]) * np.trace(f["G"]) / len(f["G"]) for f in curv.factors().values())
+    assert curv.update_inverses(d) and curv.report["damping_floored"]
+    used = curv.report["damping_used"]
+    np.testing.assert_allclose(used, 0.1 * scale, rtol=1e-5)
+    v = _random(curv)
+    pre = curv.precondition(v)
+    prod = curv.multiply_all(v, damping=d, exp=-1)
+    assert curv.report["product_damping_used"] == used
+    curv.compute_cholesky_inverse(d)
+    chol = curv.multiply_cholesky_inverse(curv.multiply_cholesky_inverse(v), transpose=True)  # L^-T L^-1 v
+    curv.damping_floor = 0.0  # the truth: the dense block at the floored damping, unfloored
+    unfloored = curv.multiply_all(v, damping=d, exp=-1)
+    for layer in curv.blocks():
+        M, params = _dense(curv, layer, used)
+        want = np.linalg.solve(M, _flat(v, params))
+        for got in (pre, prod, chol):
+            np.testing.assert_allclose(_flat(got, params), want, rtol=2e-3, atol=1e-4 * np.abs(want).max())
+        assert np.abs(_flat(unfloored, params) - want).max() > 0.1 * np.abs(want).max()
+
+
 def test_a_sane_foreign_loop_is_unchanged_by_the_floor():
     e = ZOO["mlp_classifier"]
     plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False)
@@ -258,3 +284,32 @@ def test_a_sane_foreign_loop_is_unchanged_by_the_floor():
     assert all(_foreign_loop(curv, inputs["input"], y, 0.1, 3))
     assert curv.report["damping_used"] == 1e-2 and not curv.report["damping_floored"]
     assert curv.report["skipped_updates"] == 0 and curv.report["last_update_ok"] is True
+
+
+@pytest.mark.parametrize("model,menu,approx,why", [
+    ("unrolled_rnn", "fully_connected_multi", "kron_series_1", "a series"),
+    ("unrolled_rnn", "fully_connected_multi", "kron_series_2", "a series"),
+    ("mlp_classifier", "fully_connected", "ekfac", "damps its eigenvalues exactly")])
+def test_cholesky_is_refused_by_series_and_ekfac_blocks(model, menu, approx, why):
+    """Their F + damping is not the product of two damped factors (the series adds A_1, G_1
+    terms; EKFAC damps S exactly), so compute_cholesky(_inverse) refuses in one line naming the
+    layer instead of returning KronBlock's L_A (x) L_G; the symmetric root it names instead
+    squares to the block's own (F + damping) v."""
+    e = ZOO[model]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,
+                      config={"approximations": {menu: approx}})
+    curv = Curvature(plan, mode="exact")
+    inputs, y = e.make_data(None, seed=0)
+    curv.update({k: a[:16] for k, a in inputs.items()}, y[:16])
+    layer = next(name for name, b in curv.blocks().items() if b.name == approx)
+    for compute in (curv.compute_cholesky, curv.compute_cholesky_inverse):
+        with pytest.raises(ConfigError, match=f"^layer '{layer}': the '{approx}' block has no .*Cholesky.*{why}"
+                                              ".*multiply_matpower") as err:
+            compute(1e-2)
+        assert "\n" not in str(err.value) and "damping_mode" not in str(err.value)
+    params = curv.blocks()[layer].layer.params
+    v = {p: a for p, a in _random(curv).items() if p in params}
+    root = curv.multiply_matpower(layer, curv.multiply_matpower(layer, v, 0.5, 1e-2), 0.5, 1e-2)
+    want = curv.multiply(layer, v, 1e-2)
+    np.testing.assert_allclose(_flat(root, params), _flat(want, params), rtol=1e-4,
+                               atol=1e-5 * np.abs(_flat(want, params)).max())

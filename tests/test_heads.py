@@ -228,6 +228,54 @@ def test_a_data_file_missing_a_heads_array_is_a_one_line_error(two_heads, tmp_pa
     assert "dict" in _one_line(e)
 
 
+def test_a_packed_targets_array_is_checked_per_head(two_heads):
+    """The packed float32 [N, 1 + AUX] array (what the CLI's batches hand to step) gets each
+    head's own checks: a label out of range or not an integer and a NaN value are one-line
+    DataErrors naming their head; a sound packed array gives the dict's loss and gradients."""
+    plan, _ = two_heads
+    x, labels, values = _data(6)
+    packed = np.concatenate([labels[:, None], values], axis=1).astype(np.float32)
+    curv = Curvature(plan)
+    loss, grads = curv.gradients({"input": x}, packed)
+    want_loss, want = curv.gradients({"input": x}, {"labels": labels, "values": values.astype(np.float32)})
+    assert loss == want_loss
+    for p in want:
+        np.testing.assert_array_equal(grads[p], want[p])
+    for row, col, value, words in [(2, 0, CLS + 2, "head 'logits'"), (1, 0, 1.5, "integer class indices"),
+                                   (3, 2, np.nan, "head 'aux'")]:
+        bad = packed.copy()
+        bad[row, col] = value
+        with pytest.raises(DataError) as e:
+            curv.gradients({"input": x}, bad)
+        assert words in _one_line(e), words
+
+
+def _custom_head_loss(monkeypatch, **attrs):
+    """A squared_error variant registered as 'custom_se' with `attrs` overridden."""
+    from kfac_compiler.losses import LOSSES
+
+    cls = type("CustomSE", (LOSSES["squared_error"],), {"kind": "custom_se", **attrs})
+    monkeypatch.setitem(LOSSES, "custom_se", cls)
+
+
+@pytest.mark.parametrize("attrs, words", [
+    ({"noise_shape": lambda self, shape: (shape[0], 2 * int(np.prod(shape[1:])))},
+     "head 'aux': loss 'custom_se' draws noise of shape [4] per example for an output of shape [2]"),
+    ({"noise": "gamma"}, "head 'aux': loss 'custom_se' samples with 'gamma' noise"),
+])
+def test_a_head_loss_whose_noise_does_not_fit_the_packing_is_refused(monkeypatch, attrs, words):
+    """The heads' noise is packed one value per output entry (uniform, normal by Box-Muller):
+    a custom loss drawing another shape or kind would be sampled wrongly, so compile refuses
+    it in one line naming the head and the loss."""
+    _custom_head_loss(monkeypatch, **attrs)
+    model, _ = _two_head_model()
+    with pytest.raises(ConfigError) as e:
+        kc.compile(model, heads=[HEADS[0], ("aux", "custom_se", 0.3, "values")], emit=False)
+    assert words in _one_line(e)
+    _custom_head_loss(monkeypatch)  # the same loss with fitting noise compiles
+    kc.compile(model, heads=[HEADS[0], ("aux", "custom_se", 0.3, "values")], emit=False)
+
+
 def test_config_heads_tables_compile_the_same_plan(tmp_path, two_heads):
     model, _ = _two_head_model()
     cfg = tmp_path / "heads.toml"

@@ -228,14 +228,13 @@ class PartsBlock(FisherBlock):
         if exp == 1:
             return self._emit_apply(b, vectors, damped)
         mats = {}
-        for p in self.parts():  # integer powers in ONNX (the Inverse op for negative ones)
+        for p in self.parts():  # integer powers by MatMuls (the Inverse op for negative ones)
             if p.kind == "diag":
                 mats[p.name] = b.op("Pow", [damped[p.name], b.const(float(exp))])
-            elif float(exp).is_integer():
-                mats[p.name] = linalg.emit_matpower_int(b, damped[p.name], p.n, int(exp))[0]
-            else:  # half-integer: a square root that fails its check gives NaN, never a wrong product
-                P, ok = linalg.emit_matpower(b, damped[p.name], p.n, exp)
-                mats[p.name] = b.op("Where", [ok, P, b.const(np.nan)])
+                continue
+            P, ok = linalg.emit_matpower(b, damped[p.name], p.n, exp)
+            # half-integer: a square root that fails its check gives NaN, never a wrong product
+            mats[p.name] = P if float(exp).is_integer() else b.op("Where", [ok, P, b.const(np.nan)])
         return self._emit_apply(b, vectors, mats)
 
     def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
@@ -273,8 +272,8 @@ class PartsBlock(FisherBlock):
         mats = {}
         for p, M in parts.items():
             flip = transpose != (p in self.cholesky_right_parts)
-            mats[p] = np.swapaxes(M, -1, -2) if flip and M.ndim >= 2 and M.shape[-1] == M.shape[-2] and \
-                next(q for q in self.parts() if q.name == p).kind == "full" else M
+            full = next(q for q in self.parts() if q.name == p).kind == "full"  # [..., n, n]; diag: elementwise
+            mats[p] = np.swapaxes(M, -1, -2) if flip and full else M
         return self._np_apply(vectors, mats)
 
     def numpy_matpower(self, factors, damping, exp):

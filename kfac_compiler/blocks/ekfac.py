@@ -78,6 +78,15 @@ class EkfacMixin:
                 f"(precon_power {exp:g}); use precon_power=-1 or another approximation for this layer"
             )
 
+    def np_cholesky_parts(self, factors, damping, inverse=False):
+        """Refused with EKFAC's own reason: KronBlock's refusal for exact damping suggests
+        damping_mode 'pi', which EKFAC (always exact) does not offer."""
+        raise ConfigError(
+            f"layer {self.layer.name!r}: the 'ekfac' block has no Kronecker Cholesky factor (it damps its "
+            "eigenvalues exactly, S + damping); use Curvature.multiply_matpower(layer, v, 0.5) for a symmetric "
+            "square root, or approximation 'kron' for this layer"
+        )
+
     # ---- plan records
     def inverse_specs(self) -> list[FactorSpec]:
         basis = [s for s in super().inverse_specs() if s.name != "D_inv"]

@@ -222,6 +222,15 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
                 "another approximation for this layer"
             )
 
+    def np_cholesky_parts(self, factors, damping, inverse=False):
+        """Refused: F + damping is (A_0 (x) G_0 + the A_1, G_1 series terms) + damping, not a
+        product of two damped factors, so KronBlock's L_A (x) L_G would silently ignore A_1, G_1."""
+        raise ConfigError(
+            f"layer {self.layer.name!r}: the {self.name!r} block has no Kronecker Cholesky factor (its "
+            "curvature is a series, not one Kronecker product); use Curvature.multiply_matpower(layer, v, 0.5) "
+            "for a symmetric square root, or another approximation for this layer"
+        )
+
     def numpy_matpower(self, factors, damping, exp):
         if exp == -1:
             return self.numpy_inverse(factors, damping)

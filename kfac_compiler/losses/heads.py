@@ -142,10 +142,15 @@ class MultiHead(Loss):
         self.offsets = np.concatenate([[0], np.cumsum(self.widths)]).astype(int).tolist()
         self.target_offsets = np.concatenate([[0], np.cumsum(self.target_widths)]).astype(int).tolist()
         self.width = self.offsets[-1]
-        bad = [p.kind for p in self.parts if p.noise not in ("uniform", "normal")]
-        if bad:
-            raise ConfigError(f"loss {bad[0]!r} samples with {bad[0]!r} noise; a head can only use uniform or "
-                              "normal noise")
+        for h, p, shape in zip(self.heads, self.parts, self.shapes):  # the packed noise's layout
+            if p.noise not in ("uniform", "normal"):
+                raise ConfigError(f"head {h['output']!r}: loss {p.kind!r} samples with {p.noise!r} noise; a head can "
+                                  "only use uniform or normal noise")
+            own = tuple(p.noise_shape((1, *shape)))
+            if own != (1, *shape):
+                raise ConfigError(f"head {h['output']!r}: loss {p.kind!r} draws noise of shape {list(own[1:])} per "
+                                  f"example for an output of shape {list(shape)}; a head's noise must have its "
+                                  "output's shape (one value per output entry): use it as the plan's only loss")
         normal = [i for i, p in enumerate(self.parts) if p.noise == "normal"]
         self.normal_offsets = {}
         extra = self.width
@@ -187,11 +192,13 @@ class MultiHead(Loss):
 
     def pack_targets(self, targets: Any, source: str) -> Any:
         """{targets name: array} -> the float32 [N, sum_h k_h] array the graphs take, each
-        head's array checked by its loss (an already packed array passes through)."""
+        head's array checked by its loss. An already packed array (the CLI's batches) is
+        unpacked and checked per head the same way: it skips no head's NaN, shape or label
+        check."""
         names = self.target_names()
         if isinstance(targets, np.ndarray) and targets.ndim == 2 and targets.dtype == np.float32 \
                 and targets.shape[1] == self.target_offsets[-1]:
-            return targets
+            targets = dict(zip(names, self._target_views(targets)))
         if not isinstance(targets, Mapping):
             raise DataError(f"{source}: targets must be a dict {{targets name: array}} with one array per head "
                             f"({', '.join(map(repr, names))}), got {type(targets).__name__}")
@@ -229,14 +236,18 @@ class MultiHead(Loss):
                         f"({', '.join(map(repr, self.target_names()))})")
 
     # -- evaluation
+    def _target_views(self, y: np.ndarray) -> list[np.ndarray]:
+        """Per head: its slice of packed targets [N, *target rest], still float32 (unchecked)."""
+        return [y[:, self.target_offsets[i]:self.target_offsets[i + 1]].reshape(len(y), *rest)
+                for i, rest in enumerate(self.target_rests)]
+
     def split(self, z: np.ndarray, y: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Per head: (its output [N, *shape], its targets in the head's dtype) from the packed arrays."""
+        ys = self._target_views(y) if y is not None else [None] * len(self.parts)
         out = []
-        for i, (part, shape) in enumerate(zip(self.parts, self.shapes)):
+        for i, (part, shape, yh) in enumerate(zip(self.parts, self.shapes, ys)):
             zh = z[:, self.offsets[i]:self.offsets[i + 1]].reshape(len(z), *shape)
-            yh = None
-            if y is not None:
-                yh = y[:, self.target_offsets[i]:self.target_offsets[i + 1]].reshape(len(y), *self.target_rests[i])
+            if yh is not None:
                 yh = yh.astype(onnx.helper.tensor_dtype_to_np_dtype(part.target_type()))
             out.append((zh, yh))
         return out

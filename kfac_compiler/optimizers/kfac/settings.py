@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError
@@ -131,9 +131,6 @@ class KfacConfig(OptimizerConfig):
             raise ConfigError(f"use_qmodel={self.use_qmodel} contradicts momentum_type={kind!r}; drop use_qmodel "
                               "(momentum_type says it)")
         return kind
-
-    def range_check(self, name: str) -> Any:
-        return check_unit if name == "momentum" else check_positive
 
     def validate(self) -> None:
         super().validate()
