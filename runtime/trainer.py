@@ -262,7 +262,11 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float | None:
-        return self.config.learning_rate
+        """The learning rate the next step uses (a schedule's value at step_count); None where
+        the optimizer chooses it (K-FAC's quadratic model)."""
+        if getattr(self.config, "learning_rate", None) is None:
+            return None
+        return self.config.at("learning_rate", self.step_count)
 
     def exported_model(self) -> onnx.ModelProto:
         from onnx import numpy_helper

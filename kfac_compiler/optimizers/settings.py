@@ -152,12 +152,31 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         check_nonnegative("l2_reg", self.l2_reg)
-        if self.learning_rate is not None:
-            check_positive("learning_rate", self.initial("learning_rate"))
+        self.check_schedules()
+        if self.scheduled("learning_rate"):
+            self.initial("learning_rate")  # at() checks a callable's step-0 value
+        elif self.learning_rate is not None:
+            check_positive("learning_rate", self.learning_rate)
 
     def range_check(self, name: str) -> Callable[[str, Any], None]:
-        """The check a schedulable option's values pass (at() applies it to every step's)."""
-        return check_positive if name in ("learning_rate", "damping") else check_unit
+        """The check a schedule's values pass (at() applies it to every step's, check_schedules
+        to the bounds of a text). learning_rate and damping may reach 0 on a schedule (a decay
+        to 0 ends a run gracefully; K-FAC clamps damping to [min_damping, max_damping]); a
+        constant learning rate or damping must still be > 0 (validate)."""
+        return check_nonnegative if name in ("learning_rate", "damping") else check_unit
+
+    def check_schedules(self) -> None:
+        """A schedule's text is checked at construction: every value bounding what it can
+        produce (Schedule.values) passes the option's range check, one line naming the text."""
+        for name in self.schedulable:
+            value = getattr(self, name, None)
+            if not isinstance(value, schedules.Schedule):
+                continue
+            for v in value.values:
+                try:
+                    self.range_check(name)(name, v)
+                except ConfigError as e:
+                    raise ConfigError(f"{e} (a value of its schedule {value.text!r})") from None
 
     def scheduled(self, name: str) -> bool:
         return isinstance(getattr(self, name, None), schedules.Schedule)

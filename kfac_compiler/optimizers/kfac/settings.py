@@ -132,9 +132,6 @@ class KfacConfig(OptimizerConfig):
                               "(momentum_type says it)")
         return kind
 
-    def range_check(self, name: str) -> Any:
-        return check_unit if name == "momentum" else check_positive
-
     def validate(self) -> None:
         super().validate()
         if self.momentum is not None:
