@@ -105,7 +105,7 @@ def _body(text: str, where: str) -> Body:
     if not sep:
         if "@" in text:
             return _piecewise(text, where)
-        (v,) = _numbers(text, 1, "", where) if _is_number(text) else _bad(text, where)
+        (v,) = _numbers(text, 1, "", where) if is_number(text) else _bad(text, where)
         return (lambda step: v), (v,)
     if kind == "exp":
         v0, rate, n = _numbers(args, 3, kind, where)
@@ -124,7 +124,8 @@ def _body(text: str, where: str) -> Body:
     return _bad(text, where)
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether `text` spells a number (a constant, not a schedule)."""
     try:
         float(text)
         return True
@@ -139,7 +140,7 @@ def _bad(text: str, where: str):
 def parse(text: str, where: str) -> "float | Schedule":
     """A constant (float) or a Schedule from its text; a one-line ConfigError naming `where`."""
     text = text.strip()
-    if _is_number(text):
+    if is_number(text):
         (v,) = _numbers(text, 1, "", where)
         return v
     if text == CALLABLE:
@@ -164,7 +165,7 @@ def as_value(value: Any, where: str) -> Any:
     every knob) is returned for the option's own type check."""
     if isinstance(value, Schedule):
         return value
-    if isinstance(value, str) and not _is_number(value):
+    if isinstance(value, str) and not is_number(value):
         return parse(value, where)
     if callable(value) and not isinstance(value, (numbers.Number, type)):
         return Schedule(value)

@@ -46,10 +46,11 @@ class OptimizerConfig:
 
     The options in `schedulable` also take a schedule (a callable of the step or its text,
     optimizers/schedules.py); `at(name, step)` gives the value a step uses, checked by the
-    option's range check."""
+    option's range check. None by default: a plugin reading `config.learning_rate` as a
+    number opts in (and reads `at()`) before it is handed a Schedule."""
 
     name: ClassVar[str] = ""
-    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    schedulable: ClassVar[tuple[str, ...]] = ()
     learning_rate: float | None = None
     l2_reg: float = 0.0
 
@@ -62,11 +63,29 @@ class OptimizerConfig:
                 raise ConfigError(f"optimizer option {key2!r} given twice (as {key!r} and an alias)")
             if key2 in cls.schedulable:
                 value = schedules.as_value(value, f"optimizer option {key2!r}")
+            elif cls.looks_scheduled(key2, value):
+                what = f"options {', '.join(cls.schedulable)} do" if cls.schedulable else "no option does"
+                raise ConfigError(f"optimizer {cls.name!r} takes no schedule for option {key2!r} ({what}); "
+                                  "pass a number")
             kwargs[key2] = value if isinstance(value, schedules.Schedule) else cls.check_type(key2, value)
         cfg = cls(**kwargs)
         cfg.resolve(plan)
         cfg.validate()
         return cfg
+
+    @classmethod
+    def looks_scheduled(cls, name: str, value: Any) -> bool:
+        """Whether `value` is a schedule given to option `name`: a Schedule, or a callable or
+        non-numeric text where the option is declared a number (a plugin's str or untyped
+        option keeps its text and callables)."""
+        if isinstance(value, schedules.Schedule):
+            return True
+        kinds = cls.option_types(name)
+        if not (float in kinds or int in kinds) or str in kinds:
+            return False
+        if isinstance(value, str):
+            return not schedules.is_number(value) and (":" in value or "@" in value)
+        return callable(value) and not isinstance(value, (numbers.Number, type))
 
     @classmethod
     def option_name(cls, key: str) -> str:
@@ -81,8 +100,9 @@ class OptimizerConfig:
     def option_types(cls, name: str) -> tuple[type, ...]:
         """The types field `name` is declared with (`float | None` -> (float, NoneType)); ()
         where the declaration is not a plain type or a union of them."""
-        try:
-            hint = typing.get_type_hints(cls).get(name)
+        owner = next((k for k in cls.__mro__ if name in vars(k).get("__annotations__", {})), cls)
+        try:  # resolved where the field is declared: a plugin's unresolvable annotation spoils only its own
+            hint = typing.get_type_hints(owner).get(name)
         except (NameError, TypeError, AttributeError):  # a plugin's annotation we cannot resolve
             return ()
         if isinstance(hint, type):
