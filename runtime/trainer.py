@@ -356,7 +356,9 @@ class Trainer:
             raise ConfigError(f"seed {overrides['seed']!r} differs from the seed {seed!r} of checkpoint "
                               f"{os.fspath(path)!r}; resume with the checkpoint's seed")
         overrides = {k: v for k, v in overrides.items() if k != "seed"}
-        knobs = {**stored, **{k: v for k, v in given.items() if k != "seed"}}  # an alias replaces the stored knob
+        # an alias replaces the stored knob; the optimizer drops stored knobs an override re-derives
+        knobs = optimizer_class(meta["optimizer"]).Config.resumed_knobs(stored, {k: v for k, v in given.items()
+                                                                             if k != "seed"})
         threads = knobs.pop("threads", threads)
         knobs.pop("seed", None)
         trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,

@@ -167,6 +167,14 @@ class OptimizerConfig:
             return name, text.strip()
         raise ConfigError(f"{where}: cannot parse {text!r}")
 
+    @classmethod
+    def resumed_knobs(cls, stored: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """The knobs a resumed run is built with: a checkpoint's `stored` knobs (resolved, so
+        derived ones included) with the `given` overrides (canonical names) over them. An
+        optimizer whose resolve() derives knobs from others drops the stored derived ones an
+        override changes the grounds of (K-FAC: momentum_type / use_qmodel)."""
+        return {**stored, **given}
+
     def resolve(self, plan: "Plan | None") -> None:
         """Fill defaults that depend on the plan or on other knobs."""
 
