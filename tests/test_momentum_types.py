@@ -272,3 +272,26 @@ def test_cli_resume_switches_momentum_type_with_a_knob(tmp_path, capsys):
     got = [(float(r["step"]), float(r["learning_rate"]), float(r["momentum"])) for r in rows]
     assert got == [(2.0, pytest.approx(0.01, rel=1e-6), pytest.approx(0.9, rel=1e-6)),
                    (3.0, pytest.approx(0.01, rel=1e-6), pytest.approx(0.9, rel=1e-6))]
+
+
+@pytest.mark.parametrize("power,quadratic", [(-1.0, True), (-0.5, False)])
+def test_adam_momentums_predicted_change_is_tf_approx_qmodel_change(mlp, power, quadratic):
+    """TF K-FAC's _compute_approx_qmodel_change for adam momentum: u.g + u.(F + damping) u / 2
+    with u = -lr P, P = (F + damping)^-1 m, i.e. -lr g.P + lr^2 m.P / 2, from g (the gradients
+    subgraph), m (grad_velocity) and P (the precondition program on the step's inverses); at a
+    power other than -1 only the first-order -lr g.P (u.(F + damping) u is not m.P there)."""
+    plan, x, y = mlp
+    lr = 0.02
+    tr = Trainer(plan, optimizer="kfac", momentum_type="adam", learning_rate=lr, momentum=0.5, damping=0.1,
+                 adapt_damping=True, precon_power=power, inv_update_period=100, batch_size=BATCH)
+    for k in range(3):
+        xb, yb = {"input": x[k * BATCH:(k + 1) * BATCH]}, y[k * BATCH:(k + 1) * BATCH]
+        _, g = gradients(plan, xb, yb, params=tr.parameters())
+        metrics = tr.step(xb, yb)
+        m = {p: tr.store.to_numpy(f"grad_velocity/{p}").astype(np.float64) for p in tr.params}
+        out = tr.program("precondition").run(tr.store, {f"vec/{p}": m[p].astype(np.float32) for p in tr.params},
+                                             results=True)
+        P = {p: out[f"precond/{p}"].astype(np.float64) for p in tr.params}
+        expected = -lr * dot(g, P) + (0.5 * lr * lr * dot(m, P) if quadratic else 0.0)
+        assert metrics["qmodel_change"] == pytest.approx(expected, rel=1e-4), k
+        assert (0.5 * lr * lr * dot(m, P)) > 1e-3 * abs(expected)  # the quadratic term is not negligible
