@@ -25,6 +25,7 @@ import math
 import os
 import time
 import tokenize
+import warnings
 import zipfile
 import zlib
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_compiler.atomic import write_file
+from kfac_compiler.contract import GRAD_VELOCITY, parse_slot
 from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
 from kfac_compiler.plan import Plan
 
@@ -237,7 +239,9 @@ def _check_host(trainer: "Trainer", host: dict[str, Any], path: str) -> None:
 
 def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     """Load every state slot, the host counters, the damping and the RNG state into `trainer`.
-    Everything is checked before anything is changed: a bad checkpoint leaves `trainer` as it was."""
+    Everything is checked before anything is changed: a bad checkpoint leaves `trainer` as it was.
+    The one slot kind it may lack is K-FAC's grad_velocity/* (momentum_type="adam" resumed from
+    another type's checkpoint): those start at zero, with a warning."""
     path = os.fspath(path)
     with _open(path) as z:
         meta = _meta(z, path)
@@ -265,8 +269,10 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
                 raise CheckpointError(f"checkpoint {path!r} is missing state slot {s!r}")
             values[s] = _read(z, key, path)
     missing = [s for s in trainer.store.slots() if s not in values]
-    if missing:
-        raise CheckpointError(f"checkpoint {path!r} lacks state slot {missing[0]!r} that this trainer uses")
+    fresh = [s for s in missing if parse_slot(s).kind == GRAD_VELOCITY]
+    if len(fresh) < len(missing):
+        raise CheckpointError(f"checkpoint {path!r} lacks state slot {next(s for s in missing if s not in fresh)!r} "
+                              "that this trainer uses")
     for s, v in values.items():
         if v.dtype.kind != "f" and v.dtype.kind not in "iub":
             raise CheckpointError(f"checkpoint {path!r}: slot {s!r} has dtype {v.dtype}; expected numbers")
@@ -298,3 +304,6 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
         else:
             trainer.store.add(s, v)
     trainer.rng = rng
+    if fresh:  # K-FAC resumed with momentum_type="adam" from another type: the sums start empty
+        warnings.warn(f"checkpoint {path!r} has no momentum sums ({fresh[0]!r}, ...; written with another "
+                      "momentum_type): they start at zero")

@@ -262,7 +262,11 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float | None:
-        return self.config.learning_rate
+        """The learning rate the next step uses (a schedule's value at step_count); None where
+        the optimizer chooses it (K-FAC's quadratic model)."""
+        if getattr(self.config, "learning_rate", None) is None:
+            return None
+        return self.config.at("learning_rate", self.step_count)
 
     def exported_model(self) -> onnx.ModelProto:
         from onnx import numpy_helper
@@ -352,7 +356,9 @@ class Trainer:
             raise ConfigError(f"seed {overrides['seed']!r} differs from the seed {seed!r} of checkpoint "
                               f"{os.fspath(path)!r}; resume with the checkpoint's seed")
         overrides = {k: v for k, v in overrides.items() if k != "seed"}
-        knobs = {**stored, **{k: v for k, v in given.items() if k != "seed"}}  # an alias replaces the stored knob
+        # an alias replaces the stored knob; the optimizer drops stored knobs an override re-derives
+        knobs = optimizer_class(meta["optimizer"]).Config.resumed_knobs(stored, {k: v for k, v in given.items()
+                                                                             if k != "seed"})
         threads = knobs.pop("threads", threads)
         knobs.pop("seed", None)
         trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,

@@ -2,13 +2,16 @@
 model through the generic Trainer, and its steps are the update rule it states."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import pytest
 
 import kfac_compiler as kc
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.models import ZOO
-from kfac_compiler.optimizers import OPTIMIZERS
+from kfac_compiler.optimizers import OPTIMIZERS, OptimizerConfig
 from kfac_compiler.runtime import Trainer
 from extensions import normalized_gd  # noqa: F401  (registers the optimizer; tests/ is on sys.path)
 
@@ -47,3 +50,27 @@ def test_registered_optimizer_settings_are_checked(mlp):
         Trainer(plan, optimizer="normalized_gd", eps=-1.0)
     with pytest.raises(ConfigError, match="no option"):
         Trainer(plan, optimizer="normalized_gd", momentum_typo=0.9)
+
+
+def test_a_schedule_reaches_only_the_options_a_plugin_lists(mlp):
+    """normalized_gd lists learning_rate in `schedulable`: its step uses the schedule's value.
+    A plugin that lists nothing (the base default) refuses a schedule in one line instead of
+    handing its step a Schedule object."""
+    plan, inputs, y = mlp
+    tr = Trainer(plan, optimizer="normalized_gd", learning_rate="0.05@0,0.01@1")
+    assert (tr.learning_rate, tr.step({"input": inputs["input"][:32]}, y[:32])["step"]) == (0.05, 0.0)
+    assert tr.learning_rate == 0.01  # the next step's value, a number
+
+    @dataclass
+    class PlainConfig(OptimizerConfig):
+        name: ClassVar[str] = "plain"
+        eps: float = 1e-12
+
+    for value in ("exp:0.1,0.5,100", lambda k: 0.1):
+        with pytest.raises(ConfigError) as e:
+            PlainConfig.from_knobs(learning_rate=value)
+        assert str(e.value) == ("optimizer 'plain' takes no schedule for option 'learning_rate' (no option does); "
+                                "pass a number")
+    with pytest.raises(ConfigError, match="^optimizer option 'eps' must be a number, got 'tiny'$"):
+        PlainConfig.from_knobs(eps="tiny")  # plain bad text is still a type error
+    assert PlainConfig.from_knobs(learning_rate=0.1).learning_rate == 0.1

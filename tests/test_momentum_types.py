@@ -5,12 +5,14 @@ own preconditioner as the one shared piece (a linear map read from the inverse s
 uses) and the quadratic model's curvature from finite-difference GGN products."""
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.optimizers import make_config
@@ -198,3 +200,98 @@ def test_roll_back_clears_adam_momentums_gradient_sum(mlp):
     for p in tr.params:
         np.testing.assert_array_equal(tr.store.to_numpy(p), before[p])
         assert not np.any(tr.store.to_numpy(f"grad_velocity/{p}")) and not np.any(tr.store.to_numpy(f"velocity/{p}"))
+
+
+@pytest.fixture(scope="module")
+def qmodel_checkpoint(mlp, tmp_path_factory):
+    """Two qmodel steps (the default type) saved: the checkpoint stores momentum_type='qmodel'
+    and use_qmodel=True both, and no grad_velocity slots."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", batch_size=BATCH)
+    for k in range(2):
+        tr.step({"input": x[k * BATCH:(k + 1) * BATCH]}, y[k * BATCH:(k + 1) * BATCH])
+    assert tr.config.momentum_type == "qmodel" and not any(s.startswith("grad_velocity/") for s in tr.store.slots())
+    return tr.save_checkpoint(tmp_path_factory.mktemp("qmodel") / "q.ckpt")
+
+
+@pytest.mark.parametrize("overrides,kind", [
+    (dict(use_qmodel=False, learning_rate=0.01), "regular"),
+    (dict(momentum_type="regular", learning_rate=0.01), "regular"),
+    (dict(learning_rate=0.01), "regular"),  # a learning rate means regular, as on a fresh run
+    (dict(use_adaptive_learning_rate=False, learning_rate=0.01, momentum=0.5), "regular"),  # TF's alias
+])
+def test_resume_switches_from_qmodel_to_regular(mlp, qmodel_checkpoint, overrides, kind):
+    """An override of momentum_type, use_qmodel or a learning rate the stored qmodel refuses
+    decides the type: the stored derived pair is dropped, and the step uses the fresh run's
+    values (momentum 0.9 unless given)."""
+    plan, x, y = mlp
+    tr = Trainer.load_checkpoint(qmodel_checkpoint, plan, batch_size=BATCH, **overrides)
+    fresh = make_config("kfac", plan, **overrides)
+    assert (tr.config.momentum_type, tr.config.use_qmodel) == (kind, False) == (fresh.momentum_type, fresh.use_qmodel)
+    m = tr.step({"input": x[2 * BATCH:3 * BATCH]}, y[2 * BATCH:3 * BATCH])
+    assert (m["learning_rate"], m["momentum"]) == (pytest.approx(0.01), pytest.approx(overrides.get("momentum", 0.9)))
+    assert tr.step_count == 3
+
+
+def test_resume_switches_from_qmodel_to_adam_with_empty_gradient_sums(mlp, qmodel_checkpoint):
+    """qmodel -> adam: the checkpoint has no grad_velocity slots; they start at zero (a
+    warning says so), so after the first resumed step the sum is that step's gradient."""
+    plan, x, y = mlp
+    with pytest.warns(UserWarning, match=r"has no momentum sums \('grad_velocity/.*they start at zero$"):
+        tr = Trainer.load_checkpoint(qmodel_checkpoint, plan, batch_size=BATCH, momentum_type="adam",
+                                     learning_rate=0.01)
+    assert (tr.config.momentum_type, tr.config.use_qmodel, tr.config.momentum) == ("adam", False, 0.9)
+    xb, yb = {"input": x[2 * BATCH:3 * BATCH]}, y[2 * BATCH:3 * BATCH]
+    _, g = gradients(plan, xb, yb, params=tr.parameters())
+    tr.step(xb, yb)
+    for p in tr.params:
+        np.testing.assert_allclose(tr.store.to_numpy(f"grad_velocity/{p}"), g[p], rtol=1e-4, atol=1e-7)
+
+
+def test_resume_switches_from_regular_to_qmodel(mlp, tmp_path):
+    """regular -> use_qmodel=True: the stored learning rate and momentum (which the qmodel
+    chooses itself) are dropped with the stored type."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", learning_rate=0.01, norm_constraint=1e-3, batch_size=BATCH)
+    tr.step({"input": x[:BATCH]}, y[:BATCH])
+    resumed = Trainer.load_checkpoint(tr.save_checkpoint(tmp_path / "r.ckpt"), plan, use_qmodel=True)
+    cfg = resumed.config
+    assert (cfg.momentum_type, cfg.learning_rate, cfg.momentum, cfg.norm_constraint) == ("qmodel", None, None, None)
+    assert resumed.learning_rate is None
+
+
+def test_cli_resume_switches_momentum_type_with_a_knob(tmp_path, capsys):
+    """`train --resume C --knob momentum_type=regular --learning-rate 0.01` continues a qmodel
+    run as regular K-FAC: the resumed steps report lr 0.01 and momentum 0.9."""
+    ckpt, metrics = tmp_path / "c.ckpt", tmp_path / "m.csv"
+    assert main(["train", "--optimizer", "kfac", "--batch-size", "32", "-q", "--steps", "2",
+                 "--checkpoint", str(ckpt)]) == 0
+    assert main(["train", "--resume", str(ckpt), "--steps", "4", "-q", "--knob", "momentum_type=regular",
+                 "--learning-rate", "0.01", "--metrics", str(metrics)]) == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(open(metrics)))
+    got = [(float(r["step"]), float(r["learning_rate"]), float(r["momentum"])) for r in rows]
+    assert got == [(2.0, pytest.approx(0.01, rel=1e-6), pytest.approx(0.9, rel=1e-6)),
+                   (3.0, pytest.approx(0.01, rel=1e-6), pytest.approx(0.9, rel=1e-6))]
+
+
+@pytest.mark.parametrize("power,quadratic", [(-1.0, True), (-0.5, False)])
+def test_adam_momentums_predicted_change_is_tf_approx_qmodel_change(mlp, power, quadratic):
+    """TF K-FAC's _compute_approx_qmodel_change for adam momentum: u.g + u.(F + damping) u / 2
+    with u = -lr P, P = (F + damping)^-1 m, i.e. -lr g.P + lr^2 m.P / 2, from g (the gradients
+    subgraph), m (grad_velocity) and P (the precondition program on the step's inverses); at a
+    power other than -1 only the first-order -lr g.P (u.(F + damping) u is not m.P there)."""
+    plan, x, y = mlp
+    lr = 0.02
+    tr = Trainer(plan, optimizer="kfac", momentum_type="adam", learning_rate=lr, momentum=0.5, damping=0.1,
+                 adapt_damping=True, precon_power=power, inv_update_period=100, batch_size=BATCH)
+    for k in range(3):
+        xb, yb = {"input": x[k * BATCH:(k + 1) * BATCH]}, y[k * BATCH:(k + 1) * BATCH]
+        _, g = gradients(plan, xb, yb, params=tr.parameters())
+        metrics = tr.step(xb, yb)
+        m = {p: tr.store.to_numpy(f"grad_velocity/{p}").astype(np.float64) for p in tr.params}
+        out = tr.program("precondition").run(tr.store, {f"vec/{p}": m[p].astype(np.float32) for p in tr.params},
+                                             results=True)
+        P = {p: out[f"precond/{p}"].astype(np.float64) for p in tr.params}
+        expected = -lr * dot(g, P) + (0.5 * lr * lr * dot(m, P) if quadratic else 0.0)
+        assert metrics["qmodel_change"] == pytest.approx(expected, rel=1e-4), k
+        assert (0.5 * lr * lr * dot(m, P)) > 1e-3 * abs(expected)  # the quadratic term is not negligible

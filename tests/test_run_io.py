@@ -563,7 +563,8 @@ def test_resume_defaults_to_the_checkpoints_batch_size_and_seed(tmp_path, capsys
                               "to resume"),
     (["--steps", "1"], "error: --steps 1 is below step 2 of checkpoint '{ck}'; --steps is the total number of steps "
                        "(>= 2)"),
-    (["--learning-rate", "0.1"], "error: K-FAC with use_qmodel=True chooses learning rate and momentum itself; drop "
+    # (a learning rate alone switches a qmodel run to regular, as on a fresh run: test_momentum_types)
+    (["--knob", "momentum_type=qmodel", "--learning-rate", "0.1"], "error: K-FAC with use_qmodel=True chooses learning rate and momentum itself; drop "
                                  "learning_rate/momentum or pass use_qmodel=False"),
 ])
 def test_resume_refuses_options_that_cannot_change(tmp_path, capsys, inputs, argv, expected):

@@ -59,6 +59,7 @@ def test_schedule_text_gives_the_documented_values(text, values):
     ("0.1@0,0.01", "'0.01' is not VALUE@STEP"),
     ("warmup:10", "warmup:STEPS: must be followed by a schedule"),
     ("nan", "'nan' is not a finite number"),
+    ("exp:0.9,-0.5,100", "exp: the rate must be > 0, got -0.5"),
 ])
 def test_bad_schedule_text_is_one_line(text, message, capsys):
     with pytest.raises(ConfigError) as e:
@@ -75,19 +76,50 @@ def test_bad_schedule_text_is_one_line(text, message, capsys):
     (dict(momentum_schedule="linear:0.9,0.5,10", momentum_type="qmodel"), "chooses learning rate and momentum itself"),
     (dict(damping_schedule="exp:1e-2,0.5,100", adapt_damping=True), "a damping schedule sets the damping"),
     (dict(learning_rate=0.1, learning_rate_schedule="exp:0.1,0.5,100", use_qmodel=False), "given twice"),
-    (dict(learning_rate="linear:0.1,-0.1,10", use_qmodel=False), None),  # fine at step 0; refused at step 6
-    (dict(damping=lambda k: -1.0), "'damping' must be > 0"),
+    # text is checked at construction, every value it can produce (not at the step it goes bad)
+    (dict(learning_rate="linear:0.1,-0.1,10", use_qmodel=False),
+     "'learning_rate' must be >= 0, got -0.1 (a value of its schedule 'linear:0.1,-0.1,10')"),
+    (dict(learning_rate="exp:0.9,-0.5,100", use_qmodel=False), "exp: the rate must be > 0, got -0.5"),
+    (dict(momentum="0.5@0,0.9@10,1.0@20", use_qmodel=False, learning_rate=0.1),
+     "'momentum' must be in [0, 1), got 1.0 (a value of its schedule '0.5@0,0.9@10,1.0@20')"),
+    (dict(momentum="warmup:5:cosine:0.9,-0.1,10", momentum_type="qmodel_fixedmu"), "'momentum' must be in [0, 1), got -0.1"),
+    (dict(damping=lambda k: -1.0), "'damping' must be >= 0, got -1.0 (its schedule at step 0)"),
 ])
 def test_bad_schedule_combinations_are_one_line(knobs, message):
-    if message is None:
-        cfg = make_config("kfac", **knobs)
-        assert cfg.at("learning_rate", 4) == pytest.approx(0.02)
-        with pytest.raises(ConfigError, match=r"'learning_rate' must be > 0, got -0\.02.* \(its schedule at step 6\)"):
-            cfg.at("learning_rate", 6)
-        return
     with pytest.raises(ConfigError) as e:
         make_config("kfac", **knobs)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_callable_that_goes_bad_mid_run_is_refused_at_that_step():
+    """A callable cannot be checked ahead: step 5's 0 passes, step 6's -0.25 is one line naming the step."""
+    cfg = make_config("kfac", learning_rate=lambda k: (5 - k) / 4, use_qmodel=False)
+    assert (cfg.at("learning_rate", 4), cfg.at("learning_rate", 5)) == (0.25, 0.0)
+    with pytest.raises(ConfigError, match=r"^optimizer option 'learning_rate' must be >= 0, got -0\.25 "
+                                          r"\(its schedule at step 6\)$"):
+        cfg.at("learning_rate", 6)
+
+
+@pytest.mark.parametrize("optimizer,knobs", [
+    ("sgd", dict(learning_rate="cosine:0.1,0,2", momentum=0.0)),
+    ("kfac", dict(momentum_type="adam", learning_rate="linear:0.05,0,2", momentum=0.5, damping=0.1)),
+])
+def test_a_schedule_that_decays_to_zero_ends_the_run_gracefully(mlp, tmp_path, optimizer, knobs):
+    """A learning rate scheduled down to exactly 0 is a legal end of a run: from step 2 on the
+    steps run and leave the parameters unchanged (update -0 * ...), also after a resume there."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer=optimizer, batch_size=BATCH, **knobs)
+    for k in range(2):
+        assert tr.step(*batch(x, y, k))["learning_rate"] > 0
+    before = tr.parameters()
+    assert tr.step(*batch(x, y, 2))["learning_rate"] == 0.0
+    for p, v in before.items():
+        np.testing.assert_array_equal(tr.parameters()[p], v)
+    resumed = Trainer.load_checkpoint(tr.save_checkpoint(tmp_path / "end.ckpt"), plan, batch_size=BATCH)
+    assert resumed.learning_rate == 0.0
+    assert resumed.step(*batch(x, y, 3))["learning_rate"] == 0.0
+    for p, v in before.items():
+        np.testing.assert_array_equal(resumed.parameters()[p], v)
 
 
 def test_a_failing_callable_is_one_line_naming_the_step(mlp):

@@ -13,6 +13,11 @@ command line takes the text. One grammar, parsed here for both:
 
 A schedule is a function of the step count alone, so a resumed run continues it: the text is
 stored with the checkpoint's knobs; a callable is not storable and is passed again.
+
+Text is checked when parsed: a Schedule from text carries `values`, the values that bound
+everything it can produce (V0 and V1, each piecewise value; exp's values keep V0's sign since
+its RATE must be > 0), so the option's range check refuses a bad schedule at construction
+rather than at the step where it goes out of range.
 """
 from __future__ import annotations
 
@@ -28,10 +33,12 @@ GRAMMAR = "a number, V@STEP,V@STEP,..., exp:V0,RATE,STEPS, linear:V0,V1,STEPS or
 
 
 class Schedule:
-    """A value per step: `fn(step)`; `text` is its command-line spelling (None for a callable)."""
+    """A value per step: `fn(step)`; `text` is its command-line spelling (None for a callable);
+    `values`: the values bounding what the text can produce (empty for a callable), which the
+    option's range check sees at construction."""
 
-    def __init__(self, fn: Callable[[int], Any], text: str | None = None) -> None:
-        self.fn, self.text = fn, text
+    def __init__(self, fn: Callable[[int], Any], text: str | None = None, values: tuple[float, ...] = ()) -> None:
+        self.fn, self.text, self.values = fn, text, values
 
     def __call__(self, step: int) -> Any:
         return self.fn(step)
@@ -71,7 +78,10 @@ def _steps(v: float, kind: str, where: str, low: int = 1) -> int:
     return int(v)
 
 
-def _piecewise(text: str, where: str) -> Callable[[int], float]:
+Body = tuple[Callable[[int], float], tuple[float, ...]]  # a schedule's function and its bounding values
+
+
+def _piecewise(text: str, where: str) -> Body:
     points = []
     for item in text.split(","):
         value, sep, step = item.partition("@")
@@ -86,33 +96,36 @@ def _piecewise(text: str, where: str) -> Callable[[int], float]:
     def piecewise(step: int) -> float:
         return next(v for s, v in reversed(points) if step >= s)
 
-    return piecewise
+    return piecewise, tuple(v for _, v in points)
 
 
-def _body(text: str, where: str) -> Callable[[int], float]:
+def _body(text: str, where: str) -> Body:
     kind, sep, args = text.partition(":")
     kind = kind.strip().lower()
     if not sep:
         if "@" in text:
             return _piecewise(text, where)
-        (v,) = _numbers(text, 1, "", where) if _is_number(text) else _bad(text, where)
-        return lambda step: v
+        (v,) = _numbers(text, 1, "", where) if is_number(text) else _bad(text, where)
+        return (lambda step: v), (v,)
     if kind == "exp":
         v0, rate, n = _numbers(args, 3, kind, where)
         n = _steps(n, kind, where)
-        return lambda step: v0 * rate ** (step / n)
+        if rate <= 0:  # a negative rate's fractional powers are complex, 0 jumps to 0 after step 0
+            raise ConfigError(_at(where) + f"exp: the rate must be > 0, got {rate:g}")
+        return (lambda step: v0 * rate ** (step / n)), (v0,)
     if kind == "linear":
         v0, v1, n = _numbers(args, 3, kind, where)
         n = _steps(n, kind, where)
-        return lambda step: v0 + (v1 - v0) * min(step, n) / n
+        return (lambda step: v0 + (v1 - v0) * min(step, n) / n), (v0, v1)
     if kind == "cosine":
         v0, v1, n = _numbers(args, 3, kind, where)
         n = _steps(n, kind, where)
-        return lambda step: v1 + (v0 - v1) * (1.0 + math.cos(math.pi * min(step, n) / n)) / 2.0
+        return (lambda step: v1 + (v0 - v1) * (1.0 + math.cos(math.pi * min(step, n) / n)) / 2.0), (v0, v1)
     return _bad(text, where)
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether `text` spells a number (a constant, not a schedule)."""
     try:
         float(text)
         return True
@@ -127,7 +140,7 @@ def _bad(text: str, where: str):
 def parse(text: str, where: str) -> "float | Schedule":
     """A constant (float) or a Schedule from its text; a one-line ConfigError naming `where`."""
     text = text.strip()
-    if _is_number(text):
+    if is_number(text):
         (v,) = _numbers(text, 1, "", where)
         return v
     if text == CALLABLE:
@@ -139,11 +152,11 @@ def parse(text: str, where: str) -> "float | Schedule":
             raise ConfigError(_at(where) + f"warmup:STEPS: must be followed by a schedule, got {text!r}")
         (warm,) = _numbers(n, 1, "warmup", where)
         warm = _steps(warm, "warmup", where)
-    fn = _body(body, where)
-    if warm is not None:
+    fn, values = _body(body, where)
+    if warm is not None:  # a factor in (0, 1]: the values stay between 0 and the schedule's
         inner, w = fn, warm
         fn = lambda step: inner(step) * min(1.0, (step + 1) / w)  # noqa: E731
-    return Schedule(fn, text)
+    return Schedule(fn, text, values)
 
 
 def as_value(value: Any, where: str) -> Any:
@@ -152,7 +165,7 @@ def as_value(value: Any, where: str) -> Any:
     every knob) is returned for the option's own type check."""
     if isinstance(value, Schedule):
         return value
-    if isinstance(value, str) and not _is_number(value):
+    if isinstance(value, str) and not is_number(value):
         return parse(value, where)
     if callable(value) and not isinstance(value, (numbers.Number, type)):
         return Schedule(value)

@@ -46,10 +46,11 @@ class OptimizerConfig:
 
     The options in `schedulable` also take a schedule (a callable of the step or its text,
     optimizers/schedules.py); `at(name, step)` gives the value a step uses, checked by the
-    option's range check."""
+    option's range check. None by default: a plugin reading `config.learning_rate` as a
+    number opts in (and reads `at()`) before it is handed a Schedule."""
 
     name: ClassVar[str] = ""
-    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate",)
+    schedulable: ClassVar[tuple[str, ...]] = ()
     learning_rate: float | None = None
     l2_reg: float = 0.0
 
@@ -62,11 +63,29 @@ class OptimizerConfig:
                 raise ConfigError(f"optimizer option {key2!r} given twice (as {key!r} and an alias)")
             if key2 in cls.schedulable:
                 value = schedules.as_value(value, f"optimizer option {key2!r}")
+            elif cls.looks_scheduled(key2, value):
+                what = f"options {', '.join(cls.schedulable)} do" if cls.schedulable else "no option does"
+                raise ConfigError(f"optimizer {cls.name!r} takes no schedule for option {key2!r} ({what}); "
+                                  "pass a number")
             kwargs[key2] = value if isinstance(value, schedules.Schedule) else cls.check_type(key2, value)
         cfg = cls(**kwargs)
         cfg.resolve(plan)
         cfg.validate()
         return cfg
+
+    @classmethod
+    def looks_scheduled(cls, name: str, value: Any) -> bool:
+        """Whether `value` is a schedule given to option `name`: a Schedule, or a callable or
+        non-numeric text where the option is declared a number (a plugin's str or untyped
+        option keeps its text and callables)."""
+        if isinstance(value, schedules.Schedule):
+            return True
+        kinds = cls.option_types(name)
+        if not (float in kinds or int in kinds) or str in kinds:
+            return False
+        if isinstance(value, str):
+            return not schedules.is_number(value) and (":" in value or "@" in value)
+        return callable(value) and not isinstance(value, (numbers.Number, type))
 
     @classmethod
     def option_name(cls, key: str) -> str:
@@ -81,8 +100,9 @@ class OptimizerConfig:
     def option_types(cls, name: str) -> tuple[type, ...]:
         """The types field `name` is declared with (`float | None` -> (float, NoneType)); ()
         where the declaration is not a plain type or a union of them."""
-        try:
-            hint = typing.get_type_hints(cls).get(name)
+        owner = next((k for k in cls.__mro__ if name in vars(k).get("__annotations__", {})), cls)
+        try:  # resolved where the field is declared: a plugin's unresolvable annotation spoils only its own
+            hint = typing.get_type_hints(owner).get(name)
         except (NameError, TypeError, AttributeError):  # a plugin's annotation we cannot resolve
             return ()
         if isinstance(hint, type):
@@ -147,17 +167,44 @@ class OptimizerConfig:
             return name, text.strip()
         raise ConfigError(f"{where}: cannot parse {text!r}")
 
+    @classmethod
+    def resumed_knobs(cls, stored: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """The knobs a resumed run is built with: a checkpoint's `stored` knobs (resolved, so
+        derived ones included) with the `given` overrides (canonical names) over them. An
+        optimizer whose resolve() derives knobs from others drops the stored derived ones an
+        override changes the grounds of (K-FAC: momentum_type / use_qmodel)."""
+        return {**stored, **given}
+
     def resolve(self, plan: "Plan | None") -> None:
         """Fill defaults that depend on the plan or on other knobs."""
 
     def validate(self) -> None:
         check_nonnegative("l2_reg", self.l2_reg)
-        if self.learning_rate is not None:
-            check_positive("learning_rate", self.initial("learning_rate"))
+        self.check_schedules()
+        if self.scheduled("learning_rate"):
+            self.initial("learning_rate")  # at() checks a callable's step-0 value
+        elif self.learning_rate is not None:
+            check_positive("learning_rate", self.learning_rate)
 
     def range_check(self, name: str) -> Callable[[str, Any], None]:
-        """The check a schedulable option's values pass (at() applies it to every step's)."""
-        return check_positive if name in ("learning_rate", "damping") else check_unit
+        """The check a schedule's values pass (at() applies it to every step's, check_schedules
+        to the bounds of a text). learning_rate and damping may reach 0 on a schedule (a decay
+        to 0 ends a run gracefully; K-FAC clamps damping to [min_damping, max_damping]); a
+        constant learning rate or damping must still be > 0 (validate)."""
+        return check_nonnegative if name in ("learning_rate", "damping") else check_unit
+
+    def check_schedules(self) -> None:
+        """A schedule's text is checked at construction: every value bounding what it can
+        produce (Schedule.values) passes the option's range check, one line naming the text."""
+        for name in self.schedulable:
+            value = getattr(self, name, None)
+            if not isinstance(value, schedules.Schedule):
+                continue
+            for v in value.values:
+                try:
+                    self.range_check(name)(name, v)
+                except ConfigError as e:
+                    raise ConfigError(f"{e} (a value of its schedule {value.text!r})") from None
 
     def scheduled(self, name: str) -> bool:
         return isinstance(getattr(self, name, None), schedules.Schedule)

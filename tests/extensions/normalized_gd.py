@@ -19,6 +19,7 @@ from kfac_compiler.optimizers.settings import check_positive
 @dataclass
 class NormalizedGdConfig(OptimizerConfig):
     name: ClassVar[str] = "normalized_gd"
+    schedulable: ClassVar[tuple[str, ...]] = ("learning_rate",)  # its step reads config.at("learning_rate", k)
     eps: float = 1e-12
 
     def resolve(self, plan) -> None:

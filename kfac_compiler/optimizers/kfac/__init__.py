@@ -81,7 +81,9 @@ class Kfac(Optimizer):
                 "num_samples": cfg.num_samples,
                 "l2": cfg.l2_reg > 0, "stats_batch": self.stats_batch(),
                 "qmodel_batch": self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
-                "loss_after": bool(cfg.adapt_damping), "weighted": self.trainer.weighted}
+                "loss_after": bool(cfg.adapt_damping), "weighted": self.trainer.weighted,
+                # only where it changes the graph (adam's predicted change): a stored default step still serves
+                **({"precon_power": float(cfg.precon_power)} if kind == "adam" and cfg.precon_power != -1 else {})}
 
     @property
     def stats_conditional(self) -> bool:

@@ -119,6 +119,7 @@ def emit_kfac_step(
     loss_after: bool = False,
     qmodel_batch: int | None = None,
     momentum_type: str | None = None,
+    precon_power: float = -1.0,
 ) -> None:
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
     preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
@@ -126,7 +127,8 @@ def emit_kfac_step(
     products run on the first qmodel_batch examples (None: all). momentum_type (TF K-FAC's;
     None: "qmodel" with qmodel, else "regular"): "qmodel_fixedmu" takes mu = hp/momentum and a
     from the model; "adam" accumulates m <- mu m + g in `grad_velocity/<p>` and preconditions
-    m instead of g (the update -lr (F + damping)^-1 m, no mu v term). loss_after adds
+    m instead of g (the update -lr (F + damping)^-1 m, no mu v term). precon_power: the power
+    the inverse slots hold (adam's predicted change is quadratic only at -1). loss_after adds
     metric/loss_after, the loss of the same batch at the updated parameters, computed only
     when hp/loss_after > 0 (NaN otherwise). Options: docs/runtime_contract.md."""
     mode = mode or em.parts.mode
@@ -136,7 +138,7 @@ def emit_kfac_step(
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     local = local_stage(em, with_stats, stats_if, mode, num_samples, l2, stats_batch)
     pre = precondition_stage(em, local, qmodel, l2, qmodel_batch, adam=kind == "adam")
-    update_stage(em, local, pre, l2, loss_after, fixed_mu=kind == "qmodel_fixedmu")
+    update_stage(em, local, pre, l2, loss_after, fixed_mu=kind == "qmodel_fixedmu", power=precon_power)
 
 
 # --------------------------------------------------------------------------- stage 1: local
@@ -225,8 +227,14 @@ def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity:
 
 # --------------------------------------------------------------------------- stage 3: update
 def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
-                 fixed_mu: bool = False) -> None:
-    """(a, mu), the update, the new parameters and velocity, loss_after and the metrics."""
+                 fixed_mu: bool = False, power: float = -1.0) -> None:
+    """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
+
+    The predicted change without the quadratic model is TF K-FAC's
+    _compute_approx_qmodel_change, u.g + u.(F + damping) u / 2 with F the approximate Fisher,
+    where the Gram has its terms: adam's u = a P with P = (F + damping)^-1 m gives
+    u.(F + damping) u = a^2 m.P (power -1 only). regular's mu v term needs (F + damping) v,
+    which no graph computes: its prediction stays first-order, g.u."""
     b, dots, loss = em.b, pre.dots, local.loss
     reported_mu = None  # the momentum the metrics report where it is not the update's mu
     if pre.model is not None:
@@ -251,7 +259,9 @@ def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, lo
         b.mul(b.mul(mu, mu), dots("v", "v")),
     )
     if pre.model is None:
-        change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # first-order only
+        change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # g.u
+        if pre.accumulated is not None and power == -1:  # + a^2 m.P / 2 (mu = 0 for adam)
+            change = b.add(change, b.mul(b.const(0.5), b.mul(b.mul(a, a), dots("m", "P"))))
     ok_terms = local.ok_terms + [update_sq, a, mu]
     ok_flags: list[str] = []
     new_params = {p: b.add(p, update[p]) for p in params}

@@ -117,6 +117,29 @@ class KfacConfig(OptimizerConfig):
         if self.inverse_method is None:
             self.inverse_method = plan_cfg.get("inverse_method", "auto")
 
+    @classmethod
+    def resumed_knobs(cls, stored: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint stores momentum_type and use_qmodel both (resolve derives one from the
+        other): an override of either, or a learning_rate/momentum the stored qmodel type
+        refuses, drops the stored pair so the override decides the type, as on a fresh run;
+        and the stored learning_rate/momentum/norm_constraint the new qmodel type refuses go
+        too (it chooses them itself)."""
+        stored = dict(stored)
+        kind = stored.get("momentum_type")
+        refused = {"qmodel": ("learning_rate", "momentum"), "qmodel_fixedmu": ("learning_rate",)}
+        if ({"momentum_type", "use_qmodel"} & given.keys()
+                or any(k in given and given[k] is not None for k in refused.get(kind, ()))):
+            stored.pop("momentum_type", None)
+            stored.pop("use_qmodel", None)
+        merged = {**stored, **given}
+        new = merged.get("momentum_type")
+        if new is None and given.get("use_qmodel") is True:
+            new = "qmodel"
+        for k in (*refused.get(new, ()), *(("norm_constraint",) if new in QMODEL_TYPES else ())):
+            if k not in given:
+                merged.pop(k, None)
+        return merged
+
     def _momentum_type(self) -> str:
         """momentum_type from itself or from use_qmodel (kfac-jax) and whether a learning rate
         or momentum is given; a contradiction of the two is refused."""
