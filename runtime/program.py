@@ -287,14 +287,14 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
             for slot, spec in info.state_specs.items():
                 if slot not in store:
                     store.add(slot, _model_value(plan, slot) if spec.init == "model" else init_value(spec))
-        except (ContractError, ValueError) as e:
+            for slot in prog.state_inputs + prog.written_slots:
+                if slot not in store:
+                    raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
+        except (ContractError, ValueError, TypeError) as e:  # TypeError: np.dtype of a garbled dtype name
             if plan.subgraphs.get(name) is not model:
                 raise  # emitted just now: a compiler bug
             why = " ".join(str(e).split())
             raise PlanError(f"the plan's subgraph {name!r} disagrees with its entry in plan.json "
                             f"({why[:160]}{'...' if len(why) > 160 else ''}); recompile the plan") from None
-        for slot in prog.state_inputs + prog.written_slots:
-            if slot not in store:
-                raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
         programs[key] = prog
     return prog

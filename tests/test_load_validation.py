@@ -331,3 +331,35 @@ def test_config_file_that_is_unreadable_is_one_line(base, tmp_path, capsys):
     cfg.write_bytes(b"damping = \xff\n")
     with pytest.raises(ConfigError, match=r"^config file .*c\.toml' is not valid TOML: "):
         kc.compile(base[0], loss="softmax_cross_entropy", config=str(cfg), emit=False)
+
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory):
+    """A plan directory of the digits classifier with its subgraphs stored."""
+    d = tmp_path_factory.mktemp("emitted")
+    plan = kc.compile(save_model("mlp_classifier", d / "mlp.onnx"), loss="softmax_cross_entropy")
+    return plan.save(d / "plan")
+
+
+STATE_SPEC_EDITS = {  # what the fuzz of tests/test_fault_injection.py found as tracebacks
+    "a slot's spec deleted": (lambda s: s.pop("inverse/fc2/G_inv"), "no state_specs entry for slot 'inverse/fc2/G_inv'"),
+    "a garbled dtype": (lambda s: s["factor/fc1/A"].update(dtype="fLoat32"), "data type 'fLoat32' not understood"),
+}
+
+
+@pytest.mark.parametrize("case", list(STATE_SPEC_EDITS))
+def test_a_stored_subgraphs_state_specs_edited_is_one_line_at_training(emitted, tmp_path, case):
+    edit, why = STATE_SPEC_EDITS[case]
+    d = str(tmp_path / "edited")
+    shutil.copytree(emitted, d)
+    pj = os.path.join(d, "plan.json")
+    doc = json.load(open(pj))
+    edit(doc["subgraphs"]["kfac_step"]["info"]["state_specs"])
+    json.dump(doc, open(pj, "w"))
+    x, y = ZOO["mlp_classifier"].make_data(32, seed=0)
+    with pytest.raises(PlanError) as e:  # batch 32: no sub-batch, so the stored kfac_step is the one run
+        Trainer(load_plan(d), batch_size=32).step(x, y)
+    text = str(e.value)
+    assert "\n" not in text and why in text
+    assert text.startswith("the plan's subgraph 'kfac_step' disagrees with its entry in plan.json (")
+    assert text.endswith("; recompile the plan")
