@@ -91,7 +91,7 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
         if layers is not None and layer.name not in layers:
             continue
         block = em.blocks[layer.name]
-        if block.inverse_is_host(method) if power == -1 else not block.emits_power(power, method):
+        if not block.emits_power(power, method):  # -1: not inverse_is_host(method)
             continue
         factors = {
             s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()
@@ -100,8 +100,7 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
             s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, inverse_init(s)) for s in block.inverse_specs()
         }
         # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
-        new = (block.emit_inverse(b, factors, damping, method, previous=previous) if power == -1
-               else block.emit_power_state(b, factors, damping, power, method, previous))
+        new = block.emit_power_state(b, factors, damping, power, method, previous)  # -1: emit_inverse
         oks.append(b.cast(new.ok, FLOAT))
         em.metric(C.inverse_ok(layer.name), oks[-1])  # the runtime redoes failed blocks on the host
         for s in block.inverse_specs():
