@@ -28,6 +28,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers.base import GRADIENTS_POINT, LOSS_POINT, Gram, mean_loss_and_grads, regularized
+from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -134,7 +135,7 @@ def emit_kfac_step(
     mode = mode or em.parts.mode
     num_samples = num_samples or em.parts.num_samples
     kind = momentum_type or ("qmodel" if qmodel else "regular")
-    if kind not in ("regular", "adam", "qmodel", "qmodel_fixedmu") or kind.startswith("qmodel") != bool(qmodel):
+    if kind not in MOMENTUM_TYPES or (kind in QMODEL_TYPES) != bool(qmodel):
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     local = local_stage(em, with_stats, stats_if, mode, num_samples, l2, stats_batch)
     pre = precondition_stage(em, local, qmodel, l2, qmodel_batch, adam=kind == "adam")
