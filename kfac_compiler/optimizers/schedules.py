@@ -167,9 +167,15 @@ def as_value(value: Any, where: str) -> Any:
         return value
     if isinstance(value, str) and not is_number(value):
         return parse(value, where)
-    if callable(value) and not isinstance(value, (numbers.Number, type)):
+    if is_schedule_function(value):
         return Schedule(value)
     return value
+
+
+def is_schedule_function(value: Any) -> bool:
+    """Whether `value` is a user's function of the step (a callable that is neither a number
+    nor a type)."""
+    return callable(value) and not isinstance(value, (numbers.Number, type))
 
 
 def value_at(value: Any, step: int, where: str) -> float:

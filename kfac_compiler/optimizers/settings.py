@@ -85,7 +85,7 @@ class OptimizerConfig:
             return False
         if isinstance(value, str):
             return not schedules.is_number(value) and (":" in value or "@" in value)
-        return callable(value) and not isinstance(value, (numbers.Number, type))
+        return schedules.is_schedule_function(value)
 
     @classmethod
     def option_name(cls, key: str) -> str:
