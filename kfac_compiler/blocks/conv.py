@@ -170,6 +170,26 @@ class ConvMixin:
         """[N, C_out, *out] -> [N, group, C_out/group, T]."""
         return b.reshape(d, [0, self.group, self.Co_g, -1])
 
+    def _emit_gradient_moments(self, b, inputs, cotangents, shape, A_Q=None, G_Q=None):
+        """1/N sum_{n,s} (G_Q^T g_ns A_Q)^2 elementwise per group, g_ns = delta patches^T (seed
+        s's per-example gradient [C_out/g, K+1], summed over positions and uses) in the bases
+        A_Q, G_Q ([K+1]^2 / [C_out/g]^2, or [g, ...] per group; None: the identity), reshaped
+        to `shape`: the diagonal block's statistic, and ekfac's S in its eigenbases."""
+        P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nK, T]
+        last = [0, 2, 1] if self.group > 1 else [1, 0]
+        if A_Q is not None:
+            P = b.matmul(b.transpose(A_Q, last), P)  # a' = A_Q^T a~ per group
+        Pt = b.transpose(P, [0, 1, 3, 2])
+        total = None
+        for s in range(len(cotangents[0])):
+            D = emit_concat(b, [self._emit_delta(b, cotangents[u][s]) for u in range(len(inputs))], axis=3)
+            if G_Q is not None:
+                D = b.matmul(b.transpose(G_Q, last), D)  # d' = G_Q^T delta per group
+            g = b.matmul(D, Pt)  # [N, g, Co_g, nK] per-example gradients
+            sq = b.reduce_sum(b.mul(g, g), [0])
+            total = sq if total is None else b.add(total, sq)
+        return b.div(b.reshape(total, list(shape)), emit_dim(b, P, 0))
+
     # ---- numpy
     def np_patches(self, x) -> np.ndarray:
         """numpy im2col: [N, C_in, *spatial] -> [N, group, K(+1), T]."""
@@ -353,16 +373,7 @@ class ConvDiagonal(ConvMixin, PartsBlock):
         return 2 * batch * self._out_positions() * self.C_out * self.nK + 2 * batch * self.C_out * self.nK
 
     def emit_statistics(self, b, inputs, cotangents):
-        P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nK, T]
-        Pt = b.transpose(P, [0, 1, 3, 2])
-        total = None
-        for s in range(len(cotangents[0])):
-            D = emit_concat(b, [self._emit_delta(b, cotangents[u][s]) for u in range(len(inputs))], axis=3)
-            g = b.matmul(D, Pt)  # [N, g, Co_g, nK] per-example gradients
-            sq = b.reduce_sum(b.mul(g, g), [0])
-            total = sq if total is None else b.add(total, sq)
-        diag = b.div(b.reshape(total, [self.C_out, self.nK]), emit_dim(b, P, 0))
-        return {"diag": diag}
+        return {"diag": self._emit_gradient_moments(b, inputs, cotangents, (self.C_out, self.nK))}
 
     def numpy_statistics(self, inputs, cotangents):
         P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)

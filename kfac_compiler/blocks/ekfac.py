@@ -47,7 +47,7 @@ import numpy as np
 
 from kfac_compiler.blocks.conv import ConvKronBase
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
-from kfac_compiler.blocks.ops import emit_concat, emit_dim
+from kfac_compiler.blocks.ops import emit_dim
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
@@ -174,14 +174,7 @@ class FullyConnectedEkfac(EkfacMixin, FullyConnectedKronBase):
                 sq = b.op("Gemm", [b.mul(D, D), X2], transA=1)
                 total = sq if total is None else b.add(total, sq)
             return b.div(total, emit_dim(b, X, 0))
-        X = emit_concat(b, [self._emit_seq(b, x) for x in inputs], axis=1)  # [N, TR, nA]
-        X = _project(b, X, A_Q)
-        for s in range(len(cotangents[0])):
-            D = emit_concat(b, [b.reshape(cotangents[u][s], [0, -1, self.n_out]) for u in range(len(inputs))], axis=1)
-            g = b.matmul(b.transpose(_project(b, D, G_Q), [0, 2, 1]), X)  # [N, nG, nA] projected per example
-            sq = b.reduce_sum(b.mul(g, g), [0])
-            total = sq if total is None else b.add(total, sq)
-        return b.div(total, emit_dim(b, X, 0))
+        return self._emit_gradient_moments(b, inputs, cotangents, A_Q, G_Q)  # the diagonal block's, projected
 
     def _np_projected_gradients(self, inputs, cotangents, A_Q, G_Q):
         X = np.concatenate([self._np_seq(x) for x in inputs], axis=1) @ A_Q
@@ -198,20 +191,7 @@ class ConvEkfac(EkfacMixin, ConvKronBase):
     """EKFAC for a conv layer (KFC's factors, per group when group > 1)."""
 
     def _emit_second_moments(self, b, inputs, cotangents, A_Q, G_Q):
-        P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, T]
-        last = [0, 2, 1] if self.group > 1 else [1, 0]
-        if A_Q is not None:
-            P = b.matmul(b.transpose(A_Q, last), P)  # a' = U_A^T a~ per group
-        Pt = b.transpose(P, [0, 1, 3, 2])
-        total = None
-        for s in range(len(cotangents[0])):
-            D = emit_concat(b, [self._emit_delta(b, cotangents[u][s]) for u in range(len(inputs))], axis=3)
-            if G_Q is not None:
-                D = b.matmul(b.transpose(G_Q, last), D)  # d' = U_G^T delta per group
-            g = b.matmul(D, Pt)  # [N, g, Co_g, nA] projected per example
-            sq = b.reduce_sum(b.mul(g, g), [0])
-            total = sq if total is None else b.add(total, sq)
-        return b.div(b.reshape(total, list(self.mat_shape)), emit_dim(b, P, 0))
+        return self._emit_gradient_moments(b, inputs, cotangents, self.mat_shape, A_Q, G_Q)  # diagonal's, projected
 
     def _np_projected_gradients(self, inputs, cotangents, A_Q, G_Q):
         A_Q = np.broadcast_to(A_Q, (*self.batch, self.nA, self.nA)).reshape(self.group, self.nA, self.nA)

@@ -86,6 +86,24 @@ class FullyConnectedMixin:
         """All uses and seeds stacked: [S*R*N*T, out]."""
         return emit_concat(b, [b.reshape(d, [-1, self.n_out]) for ds in cotangents for d in ds], axis=0)
 
+    def _emit_gradient_moments(self, b, inputs, cotangents, A_Q=None, G_Q=None):
+        """1/N sum_{n,s} (G_Q^T g_ns A_Q)^2 elementwise, g_ns = sum over positions and uses of
+        delta a~^T (seed s's per-example gradient [out, in+1]) in the bases A_Q, G_Q (None:
+        the identity): the diagonal block's statistic, and ekfac's S in its eigenbases."""
+        X = emit_concat(b, [self._emit_seq(b, x) for x in inputs], axis=1)  # [N, TR, in+1]
+        n = emit_dim(b, X, 0)
+        if A_Q is not None:
+            X = b.matmul(X, A_Q)  # a' = A_Q^T a~ per row
+        total = None
+        for s in range(len(cotangents[0])):
+            D = emit_concat(b, [b.reshape(cotangents[u][s], [0, -1, self.n_out]) for u in range(len(inputs))], axis=1)
+            if G_Q is not None:
+                D = b.matmul(D, G_Q)
+            g = b.matmul(b.transpose(D, [0, 2, 1]), X)  # [N, out, in+1] per-example gradients
+            sq = b.reduce_sum(b.mul(g, g), [0])
+            total = sq if total is None else b.add(total, sq)
+        return b.div(total, n)
+
     # ---- numpy
     def _np_rows(self, x):
         x = self.alpha * np.asarray(x, np.float64).reshape(-1, self.n_in)
@@ -224,15 +242,7 @@ class FullyConnectedDiagonal(FullyConnectedMixin, PartsBlock):
         return 2 * batch * self._positions() * self.nA * self.nG + 2 * batch * self.nA * self.nG
 
     def emit_statistics(self, b, inputs, cotangents):
-        X = emit_concat(b, [self._emit_seq(b, x) for x in inputs], axis=1)  # [N, TR, in+1]
-        n = emit_dim(b, X, 0)
-        total = None
-        for s in range(len(cotangents[0])):
-            D = emit_concat(b, [b.reshape(cotangents[u][s], [0, -1, self.n_out]) for u in range(len(inputs))], axis=1)
-            g = b.matmul(b.transpose(D, [0, 2, 1]), X)  # [N, out, in+1] per-example gradients
-            sq = b.reduce_sum(b.mul(g, g), [0])
-            total = sq if total is None else b.add(total, sq)
-        return {"diag": b.div(total, n)}
+        return {"diag": self._emit_gradient_moments(b, inputs, cotangents)}
 
     def numpy_statistics(self, inputs, cotangents):
         X = np.concatenate([self._np_seq(x) for x in inputs], axis=1)
