@@ -98,7 +98,7 @@ class BatchChecker:
         data = prepare_batch(self.input_specs, inputs, self.loss.pack_targets(targets, "batch"))
         y = data.pop(C.TARGETS)
         conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch",
-                                   index_bounds=self.index_bounds)
+                                   index_bounds=self.index_bounds, packed=True)
         return add_weights({**conv, C.TARGETS: y}, weights)
 
 
@@ -170,11 +170,13 @@ def output_spec(model: onnx.ModelProto, output: str) -> tuple[list[Any], int] | 
 def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Loss,
                      inputs: Mapping[str, np.ndarray], targets: np.ndarray,
                      out_spec: tuple[list[Any], int] | None = None, source: str = "data",
-                     index_bounds: Mapping[str, int] | None = None) -> tuple[dict, np.ndarray]:
+                     index_bounds: Mapping[str, int] | None = None, packed: bool = False) -> tuple[dict, np.ndarray]:
     """Thorough checks before training; returns the arrays converted to the model's dtypes
     (the targets checked and converted by the loss). Values the conversion cannot hold (a
     float64 beyond float32's range) and token ids outside an embedding's rows
-    (`index_bounds`, see index_bounds()) are DataErrors naming the array and the value."""
+    (`index_bounds`, see index_bounds()) are DataErrors naming the array and the value.
+    `targets` as the user gives them (Loss.pack_targets packs and checks several heads'),
+    or with `packed` already through pack_targets (BatchChecker: not checked twice)."""
     missing = [n for n in input_specs if n not in inputs]
     if missing:
         raise DataError(f"{source}: no array named {missing[0]!r} (the model's inputs: {list(input_specs)}, plus 'targets')")
@@ -189,7 +191,7 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Los
         conv[name] = a
     if not n:
         raise DataError(f"{source}: the dataset is empty")
-    y = np.asarray(loss.pack_targets(targets, source))
+    y = np.asarray(targets if packed else loss.pack_targets(targets, source))
     if y.dtype == object or y.dtype.kind not in "biuf":
         raise DataError(f"{source}: 'targets' has dtype {y.dtype}; expected numbers")
     if y.ndim == 0 or y.shape[0] != n:
