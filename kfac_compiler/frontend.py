@@ -23,7 +23,7 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
-from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
+from kfac_compiler.passes.canonicalize import canonicalize, fresh_name, recognise_loss
 from kfac_compiler.passes.heads import attach_heads
 from kfac_compiler.passes.trainable import TrainableSet, split_trainable
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
@@ -242,12 +242,7 @@ def _name_running_outputs(model: onnx.ModelProto) -> None:
             node.output.append("")
         for i, suffix in ((1, "running_mean"), (2, "running_var")):
             if not node.output[i]:
-                name, k = f"{node.name}/{suffix}", 0
-                while name in taken:
-                    k += 1
-                    name = f"{node.name}/{suffix}_{k}"
-                node.output[i] = name
-                taken.add(name)
+                node.output[i] = fresh_name(f"{node.name}/{suffix}", taken)
 
 
 Copies = dict[str, tuple[str, bool]]  # an exporter's copy -> (the parameter, transposed)

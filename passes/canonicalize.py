@@ -120,8 +120,8 @@ def _rewrite_gemm_trans_a(m: onnx.ModelProto) -> None:
     new_nodes = []
     for node in g.node:
         if node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and attrs_of(node).get("transA", 0):
-            t_out = _fresh(f"{node.name}/transA:0", taken)
-            t_name = _fresh(f"{node.name}/transA", taken)
+            t_out = fresh_name(f"{node.name}/transA:0", taken)
+            t_name = fresh_name(f"{node.name}/transA", taken)
             new_nodes.append(helper.make_node("Transpose", [node.input[0]], [t_out], name=t_name, perm=[1, 0]))
             node.input[0] = t_out
             for a in node.attribute:
@@ -173,7 +173,8 @@ def _split_sequences(m: onnx.ModelProto) -> None:
     m.graph.node.extend(n for n in new_nodes if id(n) not in drop)
 
 
-def _fresh(name: str, taken: set[str]) -> str:
+def fresh_name(name: str, taken: set[str]) -> str:
+    """`name`, or the first of name_1, name_2, ... not in `taken`; added to `taken`."""
     cand, k = name, 0
     while cand in taken:
         k += 1
@@ -325,7 +326,7 @@ def _fold_constants(m: onnx.ModelProto, output: str) -> None:
     new_consts = []
     for name, value in zip(frontier, values):
         arr = np.asarray(value)
-        node_name = _fresh(f"{name}/folded", taken)
+        node_name = fresh_name(f"{name}/folded", taken)
         new_consts.append(
             helper.make_node("Constant", [], [name], name=node_name, value=numpy_helper.from_array(arr, name))
         )

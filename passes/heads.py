@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 from kfac_compiler.errors import ConfigError, ModelError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.losses import loss_class
-from kfac_compiler.passes.canonicalize import infer_shapes
+from kfac_compiler.passes.canonicalize import fresh_name, infer_shapes
 from kfac_compiler.passes.load import check_output
 
 HEADS_OUTPUT = "multi_head_output"
@@ -32,11 +32,7 @@ def attach_heads(model: onnx.ModelProto, heads: list[dict[str, Any]], source: st
             raise ConfigError(f"head {h['output']!r}: targets name {h['targets']!r} is a model input's; data files "
                               "hold both under their names, so give the targets another name")
     view = GraphView(infer_shapes(model, keep_going=True))
-    taken = view.all_names()
-    name, k = HEADS_OUTPUT, 0
-    while name in taken:
-        k += 1
-        name = f"{HEADS_OUTPUT}_{k}"
+    name = fresh_name(HEADS_OUTPUT, view.all_names())
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
