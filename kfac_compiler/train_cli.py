@@ -71,7 +71,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("model", metavar="MODEL", nargs="?", default=None,
                    help=f"zoo model name, .onnx file or plan directory (default: {DEFAULT_MODEL})")
     t.add_argument("--data", default="digits", metavar="digits|FILE.npz",
-                   help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets'")
+                   help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets' "
+                        "(one array per loss head, named by its --head TARGETS, with several heads)")
     t.add_argument("--loss", choices=loss_kinds(), metavar="KIND",
                    help=f"for an .onnx model (zoo models know theirs): {losses_help()}")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
@@ -185,7 +186,8 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
 
 
 def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    from kfac_compiler.runtime.data import digits_for, index_bounds, input_spec, load_npz, output_spec, validate_dataset
+    from kfac_compiler.runtime.data import (digits_for, index_bounds, input_spec, load_npz, output_spec,
+                                            target_arrays_phrase, validate_dataset)
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
     loss = plan.loss.build()
@@ -203,7 +205,8 @@ def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> t
         checked = validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
         extra = [k for k in inputs if k not in specs]
         if extra:
-            raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, plus 'targets')")
+            raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, "
+                            f"plus {target_arrays_phrase(loss)})")
         return checked
     else:
         raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")

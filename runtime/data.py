@@ -179,7 +179,8 @@ def validate_dataset(input_specs: Mapping[str, tuple[list[Any], int]], loss: Los
     or with `packed` already through pack_targets (BatchChecker: not checked twice)."""
     missing = [n for n in input_specs if n not in inputs]
     if missing:
-        raise DataError(f"{source}: no array named {missing[0]!r} (the model's inputs: {list(input_specs)}, plus 'targets')")
+        raise DataError(f"{source}: no array named {missing[0]!r} (the model's inputs: {list(input_specs)}, "
+                        f"plus {target_arrays_phrase(loss)})")
     conv: dict[str, np.ndarray] = {}
     n = None
     for name, (dims, et) in input_specs.items():
@@ -301,6 +302,12 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
             rows = int(dims[axis])
             bounds[source] = min(rows, bounds.get(source, rows))
     return bounds
+
+
+def target_arrays_phrase(loss: Loss) -> str:
+    """The data file's target arrays, for messages: 'targets', or one array per loss head."""
+    arrays = loss.target_arrays()
+    return "'targets'" if not arrays else ", ".join(map(repr, arrays))
 
 
 def load_npz(path: str, targets: Mapping[str, str] | None = None) -> tuple[dict[str, np.ndarray], Any]:

@@ -336,8 +336,25 @@ def test_cli_compile_inspect_and_train_with_heads(tmp_path, capsys):
     assert main(["train", str(plan_dir), "--data", str(tmp_path / "bad.npz"), "--steps", "1", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'values'" in err[0] and "'aux'" in err[0]
+    # a stray array, and a missing input, name the heads' target arrays (not 'targets')
+    np.savez(tmp_path / "extra.npz", input=x, labels=labels, values=values, weights=values)
+    assert main(["train", str(plan_dir), "--data", str(tmp_path / "extra.npz"), "--steps", "1", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "array 'weights' is not a model input" in err[0] and "plus 'labels', 'values'" in err[0]
+    np.savez(tmp_path / "noinput.npz", labels=labels, values=values)
+    assert main(["train", str(plan_dir), "--data", str(tmp_path / "noinput.npz"), "--steps", "1", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no array named 'input'" in err[0] and "plus 'labels', 'values'" in err[0]
     assert main(["compile", str(onnx_path), "--head", "logits", "-o", str(tmp_path / "p2")]) == 2
     assert "--head 'logits': expected OUTPUT,LOSS" in capsys.readouterr().err
+    # multi_head is what the heads compile to, not a kind to name: --loss does not offer it
+    assert main(["train", str(onnx_path), "--loss", "multi_head", "--steps", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'multi_head'" in err and "softmax_cross_entropy" in err
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    out = capsys.readouterr().out
+    assert "softmax_cross_entropy" in out and "multi_head" not in out
 
 
 def _data_parallel_run(comm) -> list[list[float]]:

@@ -79,6 +79,9 @@ class Loss:
     lower_bound: ClassVar[float | None] = None
     # Evaluation metrics besides the loss (Trainer.evaluate), computed by metric_totals.
     metrics: ClassVar[tuple[str, ...]] = ()
+    # False for a kind the compiler assembles from other input (multi_head, from the heads):
+    # not offered where a user names a loss (--loss's choices, the "pass a loss kind" hint)
+    user_named: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
         self._options = self.resolve_options(options)
@@ -285,8 +288,9 @@ def register_loss(cls: type[Loss]) -> type[Loss]:
 
 
 def loss_kinds() -> tuple[str, ...]:
-    """The registered loss kinds, in registration order (read at call time: plugins count)."""
-    return tuple(LOSSES)
+    """The registered loss kinds a user names, in registration order (read at call time:
+    plugins count)."""
+    return tuple(kind for kind, cls in LOSSES.items() if cls.user_named)
 
 
 def loss_class(kind: str) -> type[Loss]:
@@ -301,5 +305,5 @@ def make_loss(kind: str, **options: Any) -> Loss:
 
 
 def losses_help() -> str:
-    """Every registered loss's help line, joined for an argparse help text."""
-    return " | ".join(cls.help_line() for cls in LOSSES.values())
+    """The help lines of the kinds a user names, joined for an argparse help text."""
+    return " | ".join(cls.help_line() for cls in LOSSES.values() if cls.user_named)

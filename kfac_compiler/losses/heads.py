@@ -129,6 +129,7 @@ class MultiHead(Loss):
     options = (LossOption("heads", (), "the heads: output, loss, coefficient, targets, options, shape",
                           _checked_heads),)
     noise = "uniform"  # normal heads: Box-Muller in the graph
+    user_named = False  # the heads name it (--head, [[heads]], compile(heads=...))
     heads: list[dict[str, Any]]
 
     def __init__(self, **options: Any) -> None:
