@@ -48,7 +48,8 @@ class CheckpointError(KfacError):
 
 
 class DivergedError(KfacError):
-    """Training ended with a non-finite loss (what was asked for is still written)."""
+    """Training ended with a non-finite loss, or one far above where it started (what was
+    asked for is still written)."""
 
     exit_code = 1
 

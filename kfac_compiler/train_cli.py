@@ -512,12 +512,22 @@ def _train(args, outputs: list["Output"], comm) -> int:
                                          metrics_ok=stopped is None or stopped[0] != "--metrics")
         final = None if interrupted or not root else trainer.evaluate(inputs, targets, batch_size=1024)
     return _finish(args, comm, trainer, final, written, failed, stopped, interrupted,
-                   (last, last - done, elapsed, rejected))
+                   (last, last - done, elapsed, rejected), losses[0] if losses else None)
 
 
-def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, counts) -> int:
+# A run whose final loss (on the whole training set) ends above this factor times the first
+# step's batch loss (or times 1 when that is below 1) has diverged although it stayed finite:
+# the CLI fails it like a NaN run, after writing what was asked.
+DIVERGED_FACTOR = 1e3
+DIVERGED_ADVICE = ("lower the learning rate, raise --damping, or check the data and the model's constants "
+                   "(kfac-compiler inspect)")
+
+
+def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, counts,
+            start_loss: float | None = None) -> int:
     """Rank 0 prints the summary and decides the outcome; every rank ends with it (an error
-    raised on every rank, or the exit code)."""
+    raised on every rank, or the exit code). `start_loss`: this run's first step's loss (None:
+    no step ran), the reference of the divergence check."""
     from kfac_compiler.interrupt import EXIT_CODE
     from kfac_compiler.ranks import is_root, traffic
 
@@ -546,8 +556,10 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
             print(f"interrupted at step {last}; {where}", file=sys.stderr)
             code = EXIT_CODE
         elif not math.isfinite(final["loss"]):
-            error = DivergedError(f"training ended with a non-finite loss ({final['loss']}): lower the learning rate, "
-                                  "raise --damping, or check the data and the model's constants (kfac-compiler inspect)")
+            error = DivergedError(f"training ended with a non-finite loss ({final['loss']}): {DIVERGED_ADVICE}")
+        elif start_loss is not None and final["loss"] > DIVERGED_FACTOR * max(abs(start_loss), 1.0):
+            error = DivergedError(f"training ended with loss {final['loss']:.4g}, over {DIVERGED_FACTOR:g}x the first "
+                                  f"step's {start_loss:.4g}: the run diverged; {DIVERGED_ADVICE}")
     if comm is None:
         if error is not None:
             raise error

@@ -68,3 +68,37 @@ def test_train_exits_nonzero_on_a_non_finite_final_loss(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("error: training ended with a non-finite loss")
     assert (tmp_path / "out.onnx").exists()
+
+
+def linear_model() -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32), "fc.weight")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "fc.weight"], ["y"])], "linear",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_train_exits_nonzero_on_a_finite_loss_far_above_the_first(tmp_path, capsys):
+    """With zero targets and x.T x / N ~ I, an SGD step multiplies W by about 1 - lr: the loss
+    grows ~(lr - 1)^2 per step and stays finite. lr 11 (x100 per step, ~1e6 after 3 steps)
+    fails the run; lr 3 (x4 per step, ~200x) is not flagged."""
+    model, data = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(linear_model(), model)
+    inputs, y = batch()
+    np.savez(data, x=inputs["x"], targets=y)
+
+    def train(lr: str) -> tuple[int, list[str], str]:
+        code = main(["train", str(model), "--loss", "squared_error", "--data", str(data), "--optimizer", "sgd",
+                     "--momentum", "0", "--learning-rate", lr, "--steps", "3", "--batch-size", "32", "-q",
+                     "--save", str(tmp_path / f"out{lr}.onnx")])
+        out, err = capsys.readouterr()
+        return code, err.strip().splitlines(), out
+
+    code, err, out = train("11")
+    final = float(out.split("final train loss ")[1].split()[0])
+    assert code == 1 and np.isfinite(final) and final > 1e5
+    assert err[-1].startswith("error: training ended with loss") and "over 1000x the first step's" in err[-1]
+    assert (tmp_path / "out11.onnx").exists()
+    code, err, out = train("3")
+    final = float(out.split("final train loss ")[1].split()[0])
+    assert code == 0 and not err and 100 < final < 1e4, (final, err)
