@@ -3,6 +3,7 @@ torch's Adam and kfac-pytorch on the same device.
 
     python benchmarks/bench_gpu.py [--device cuda] [--models resnet18,gpt] [--batch 128]
                                    [--steps 30] [--target-steps 300] [--peers] [--kfac-pytorch DIR]
+                                   [--residency] [--launches]
                                    [--json out.json]
 
 Models (kfac_compiler.models.torch_exports, so torch is needed): torchvision's ResNet-18 on
@@ -17,6 +18,9 @@ digits' pixel sequences. For each model:
   * residency (ours): per steady-state K-FAC step, bytes written to the device by the runtime
     (the batch, hp scalars) and read back (metrics), and from ONNX Runtime's profile the
     nodes that ran on the CPU provider and the Memcpy nodes with their bytes;
+  * launches (--launches): node executions per steady-state step of Adam and K-FAC (over one
+    inverse period) from ORT's profile; on a GPU these steps are launch-bound, so the ratio
+    is the step-time ratio's floor until the node count falls;
   * time to target: Adam (ours, lr 1e-3) trains `--target-steps` steps; its loss on all 1797
     examples is the target; K-FAC (and with --peers torch Adam, kfac-pytorch) trains until
     its full-data loss (checked every 10 steps, evaluation excluded from the time) reaches
@@ -40,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kfac_compiler as kc  # noqa: E402
+from kfac_compiler.optimizers.base import make_config  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime.data import batch_indices  # noqa: E402
 from kfac_compiler.runtime.device import PROFILE_ENV, get_device  # noqa: E402
@@ -127,6 +132,39 @@ def residency(plan, x, y, bs, device, steps=6):
     return out
 
 
+def _profiled_nodes(plan, optimizer, x, y, bs, device, steps) -> dict[str, int]:
+    """Node executions per session over the first `steps` steps of a fresh trainer."""
+    prefix = os.path.join(tempfile.mkdtemp(), "prof")
+    os.environ[PROFILE_ENV] = prefix
+    try:
+        tr = ours_trainer(plan, optimizer, device, bs)
+    finally:
+        del os.environ[PROFILE_ENV]
+    it = batches(len(y), bs)
+    for _ in range(steps):
+        idx = next(it)
+        tr.step({"input": x[idx]}, y[idx])
+    return {name: sum(read_profile(prog.session.end_profiling()).nodes.values())
+            for name, prog in tr.programs().items()}
+
+
+def launches(plan, x, y, bs, device, warmup=3):
+    """Node executions (kernel launches on a GPU) per steady-state step, by session, for Adam
+    and K-FAC: on the GPU both steps are launch-bound (docs/runtime.md), so their ratio
+    bounds the step-time ratio from below. The steady steps span one inverse period (its
+    refresh groups and statistics included); they are the difference of two profiled runs,
+    warmup steps and warmup + period steps, as ORT's profile holds whole runs only."""
+    steps = make_config("kfac", plan).inv_update_period
+    out = {"steps": steps}
+    for opt in ("adam", "kfac"):
+        short = _profiled_nodes(plan, opt, x, y, bs, device, warmup)
+        long = _profiled_nodes(plan, opt, x, y, bs, device, warmup + steps)
+        per = {k: (v - short.get(k, 0)) / steps for k, v in long.items() if v != short.get(k, 0)}
+        out[opt] = {"per_step": sum(per.values()), "by_session": per}
+    out["kfac_over_adam"] = out["kfac"]["per_step"] / out["adam"]["per_step"]
+    return out
+
+
 # ------------------------------------------------------------------------------ torch peers
 def time_torch(net, opt, pre, dev, x, y, bs, steps, warmup=3):
     import torch
@@ -203,6 +241,13 @@ def bench_model(name, args, workdir):
             print(f"  {label}: runs {sess['runs']}, nodes by provider {sess['nodes_by_provider']}, "
                   f"CPU-provider ops {sorted(sess['cpu_nodes']) if args.device != 'cpu' else '-'}, "
                   f"Memcpy per run {sess['copies']}", flush=True)
+
+    if args.launches:
+        r = launches(plan, x, y, bs, args.device)
+        res["launches"] = r
+        print(f"node executions per step over {r['steps']} steady steps: Adam {r['adam']['per_step']:.0f}, "
+              f"K-FAC {r['kfac']['per_step']:.0f} ({r['kfac_over_adam']:.2f}x); K-FAC by session "
+              + ", ".join(f"{k} {v:.0f}" for k, v in r["kfac"]["by_session"].items()), flush=True)
 
     peers = ("adam", "kfac") if args.peers else ()
     if "kfac" in peers and not kfac_pytorch_path(args.kfac_pytorch):
@@ -296,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", action="store_true", help="also torch's Adam and kfac-pytorch")
     ap.add_argument("--kfac-pytorch", help="directory holding kfac-pytorch's `kfac` package (default: $KFAC_PYTORCH)")
     ap.add_argument("--residency", action="store_true", help="profile the bytes a K-FAC step moves")
+    ap.add_argument("--launches", action="store_true",
+                    help="count the node executions (GPU kernel launches) per steady step of Adam and K-FAC")
     ap.add_argument("--kfac-variant", action="append",
                     help="also K-FAC with these knobs, e.g. inv_update_period=50 (repeatable)")
     ap.add_argument("--json", help="also write the results as JSON")
