@@ -118,13 +118,14 @@ class _captured_stderr:
         if self._saved is not None:
             os.dup2(self._saved, 2)
             os.close(self._saved)
+        with self._tmp:  # read and closed here, whether or not text() is asked for
+            self._tmp.seek(0)
+            self._text = self._tmp.read().decode("utf-8", "replace")
         return False
 
     def text(self) -> str:
-        self._tmp.seek(0)
-        data = self._tmp.read().decode("utf-8", "replace")
-        self._tmp.close()
-        return data
+        """What was written to file descriptor 2 inside the block (after it exits)."""
+        return self._text
 
 
 def _load_failure(log: str) -> str:

@@ -85,6 +85,26 @@ def test_cuda_request_is_checked():
         assert "\n" not in str(e.value) and "cuda" in str(e.value)
 
 
+def test_the_cuda_probe_captures_stderr_and_leaves_no_file_open():
+    """The probe hides ORT's provider-load log behind a temporary file: it is read and closed
+    when the block ends, also where nobody asks for the text (the library preload; that left
+    an 'unclosed file' ResourceWarning on `--device cuda` without CUDA)."""
+    import gc
+    import warnings
+
+    from kfac_compiler.runtime.device import _captured_stderr
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _captured_stderr() as c:
+            os.write(2, b"provider log line\n")
+        with _captured_stderr():
+            os.write(2, b"never read\n")
+        gc.collect()
+    assert c.text() == "provider log line\n"
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
 def _thread_cpus() -> dict[str, str]:
     out = {}
     for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
