@@ -13,7 +13,8 @@ meta = {"format": "kfac_compiler.checkpoint", "version": 1,
         "optimizer": "kfac", "knobs": {...resolved optimizer config...}, "seed": 0,
         "host": {"step_count", "applied_steps", "batch_size", + the optimizer's host state (K-FAC:
                  "burn_in_count", "ema_weight", "damping", "inverses_ready")},
-        "rng": numpy bit_generator.state, "slots": [...], "device": "cpu", "ranks": 1, "created": ...}
+        "rng": numpy bit_generator.state, "slots": [...], "device": "cpu", "ranks": 1, "created": ...,
+        "data": {"examples", "sha256"} (optional: the trainer's data_fingerprint, set by `train`)}
 
 Loading a checkpoint of another plan (different fingerprint) raises CheckpointError.
 """
@@ -113,6 +114,8 @@ def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> str:
     }
     if trainer.threads:
         meta["knobs"]["threads"] = trainer.threads
+    if trainer.data_fingerprint is not None:
+        meta["data"] = trainer.data_fingerprint
     arrays["__meta__"] = np.frombuffer(json.dumps(meta, default=_json_default).encode("utf-8"), dtype=np.uint8)
     _atomic(path, lambda f: np.savez(f, **arrays))
     return path
@@ -209,6 +212,11 @@ def check_meta(meta: dict[str, Any], path: str) -> None:
     if meta["optimizer"] not in OPTIMIZERS:
         raise CheckpointError(f"checkpoint {path!r} was written by optimizer {meta['optimizer']!r}, which is not "
                               f"registered here (optimizers: {', '.join(OPTIMIZERS)})")
+    data = meta.get("data")  # optional: the data fingerprint `train` records
+    if data is not None and not (isinstance(data, dict) and _count(data.get("examples"))
+                                 and isinstance(data.get("sha256"), str)):
+        raise CheckpointError(f"checkpoint {path!r}: metadata entry 'data' must be an object with 'examples' and "
+                              f"'sha256', got {data!r}"[:300])
     host = meta["host"]
     for key, what in _HOST.items():
         if not _count(host.get(key)):
@@ -304,6 +312,7 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
         else:
             trainer.store.add(s, v)
     trainer.rng = rng
+    trainer.data_fingerprint = meta.get("data")  # None: written without one (the API, older checkpoints)
     if fresh:  # K-FAC resumed with momentum_type="adam" from another type: the sums start empty
         warnings.warn(f"checkpoint {path!r} has no momentum sums ({fresh[0]!r}, ...; written with another "
                       "momentum_type): they start at zero")

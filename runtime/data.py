@@ -304,6 +304,20 @@ def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
+def dataset_fingerprint(inputs: Mapping[str, np.ndarray], targets: np.ndarray) -> dict[str, Any]:
+    """{"examples": rows, "sha256": digest of every array's name, dtype, shape and bytes}: what a
+    checkpoint records of the data it was trained on, so that a resume on other data (whose
+    batches would not be the ones an uninterrupted run draws) is caught."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, a in sorted({**inputs, C.TARGETS: targets}.items()):
+        a = np.ascontiguousarray(a)
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.data)
+    return {"examples": int(np.shape(targets)[0]), "sha256": h.hexdigest()}
+
+
 def target_arrays_phrase(loss: Loss) -> str:
     """The data file's target arrays, for messages: 'targets', or one array per loss head."""
     arrays = loss.target_arrays()

@@ -89,6 +89,9 @@ class Trainer:
         # host-side state every optimizer shares (the optimizer's own is in self.policy)
         self.step_count = 0        # optimizer steps taken (rejected ones included)
         self.applied_steps = 0     # steps whose update was applied (Adam's t)
+        # what the caller trains on (data.dataset_fingerprint; kfac-compiler train sets it):
+        # stored in checkpoints and restored with them, so that a resume can compare its data
+        self.data_fingerprint: dict[str, Any] | None = None
         self._programs: dict[tuple, Program] = {}
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)

@@ -194,6 +194,8 @@ META_EDITS = {
     "slots a string": (lambda m, a: m.update(slots="params"), "metadata entry 'slots' must be a list of distinct slot names"),
     "seed negative": (lambda m, a: m.update(seed=-1), "metadata entry 'seed' must be an integer >= 0, got -1"),
     "plan without fingerprint": (lambda m, a: m["plan"].pop("fingerprint"), "metadata entry 'plan' must be an object"),
+    "data a string": (lambda m, a: m.update(data="digits"), "metadata entry 'data' must be an object with 'examples' "
+                                                             "and 'sha256', got 'digits'"),
 }
 
 

@@ -576,6 +576,25 @@ def test_resume_refuses_options_that_cannot_change(tmp_path, capsys, inputs, arg
     assert ck.read_bytes() == before
 
 
+def test_resume_refuses_other_data_and_takes_the_same(tmp_path, capsys, inputs):
+    """The fixture's checkpoint trained on the digits: its metadata records them, a resume on
+    the 200-row data file is refused before anything is written, and one on the digits runs."""
+    ck = tmp_path / "c.ckpt"
+    shutil.copy(inputs / "ck.npz", ck)
+    before = ck.read_bytes()
+    assert read_meta(str(ck))["data"]["examples"] == 1797
+    code, out, err = run(["train", "--steps", "4", "-q", "--resume", str(ck), "--checkpoint", str(ck),
+                          "--data", str(inputs / "d.npz")], capsys)
+    line = error_line(err)
+    assert code == 2 and line.startswith(f"error: --data '{inputs}/d.npz' is not the data checkpoint '{ck}' was "
+                                         "trained on (1797 examples, sha256 ")
+    assert "this data: 200 examples" in line and line.endswith("resume with the same --data, or start a new run "
+                                                               "without --resume")
+    assert ck.read_bytes() == before
+    assert run(["train", "--steps", "3", "-q", "--resume", str(ck), "--checkpoint", str(ck)], capsys)[0] == 0
+    assert read_meta(str(ck))["host"]["step_count"] == 3 and read_meta(str(ck))["data"]["examples"] == 1797
+
+
 def test_damping_given_on_resume_is_used_from_the_resumed_step(tmp_path, capsys):
     ck, m = tmp_path / "c.ckpt", tmp_path / "m.csv"
     assert run(["train", "--steps", "2", "--batch-size", "64", "-q", "--checkpoint", str(ck)], capsys)[0] == 0
