@@ -228,6 +228,7 @@ def test_resume_switches_from_qmodel_to_regular(mlp, qmodel_checkpoint, override
     tr = Trainer.load_checkpoint(qmodel_checkpoint, plan, batch_size=BATCH, **overrides)
     fresh = make_config("kfac", plan, **overrides)
     assert (tr.config.momentum_type, tr.config.use_qmodel) == (kind, False) == (fresh.momentum_type, fresh.use_qmodel)
+    assert tr.config.adapt_damping is False is fresh.adapt_damping  # derived for regular, not the stored qmodel's True
     m = tr.step({"input": x[2 * BATCH:3 * BATCH]}, y[2 * BATCH:3 * BATCH])
     assert (m["learning_rate"], m["momentum"]) == (pytest.approx(0.01), pytest.approx(overrides.get("momentum", 0.9)))
     assert tr.step_count == 3
@@ -257,7 +258,17 @@ def test_resume_switches_from_regular_to_qmodel(mlp, tmp_path):
     resumed = Trainer.load_checkpoint(tr.save_checkpoint(tmp_path / "r.ckpt"), plan, use_qmodel=True)
     cfg = resumed.config
     assert (cfg.momentum_type, cfg.learning_rate, cfg.momentum, cfg.norm_constraint) == ("qmodel", None, None, None)
-    assert resumed.learning_rate is None
+    assert resumed.learning_rate is None and cfg.adapt_damping is True  # the qmodel's default, not regular's False
+    kept = Trainer.load_checkpoint(tmp_path / "r.ckpt", plan, use_qmodel=True, adapt_damping=False)
+    assert kept.config.adapt_damping is False  # given: honoured
+
+
+def test_resume_without_a_type_switch_keeps_the_stored_adapt_damping(mlp, tmp_path):
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", learning_rate=0.01, adapt_damping=True, batch_size=BATCH)
+    tr.step({"input": x[:BATCH]}, y[:BATCH])
+    resumed = Trainer.load_checkpoint(tr.save_checkpoint(tmp_path / "r.ckpt"), plan, momentum=0.5)
+    assert (resumed.config.momentum_type, resumed.config.adapt_damping) == ("regular", True)
 
 
 def test_cli_resume_switches_momentum_type_with_a_knob(tmp_path, capsys):

@@ -123,7 +123,8 @@ class KfacConfig(OptimizerConfig):
         other): an override of either, or a learning_rate/momentum the stored qmodel type
         refuses, drops the stored pair so the override decides the type, as on a fresh run;
         and the stored learning_rate/momentum/norm_constraint the new qmodel type refuses go
-        too (it chooses them itself)."""
+        too (it chooses them itself). adapt_damping, which a fresh run derives from the type
+        (on with the qmodel), is derived again for the new type unless given."""
         stored = dict(stored)
         kind = stored.get("momentum_type")
         refused = {"qmodel": ("learning_rate", "momentum"), "qmodel_fixedmu": ("learning_rate",)}
@@ -131,6 +132,7 @@ class KfacConfig(OptimizerConfig):
                 or any(k in given and given[k] is not None for k in refused.get(kind, ()))):
             stored.pop("momentum_type", None)
             stored.pop("use_qmodel", None)
+            stored.pop("adapt_damping", None)
         merged = {**stored, **given}
         new = merged.get("momentum_type")
         if new is None and given.get("use_qmodel") is True:
