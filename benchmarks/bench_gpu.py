@@ -18,8 +18,8 @@ digits' pixel sequences. For each model:
   * residency (ours): per steady-state K-FAC step, bytes written to the device by the runtime
     (the batch, hp scalars) and read back (metrics), and from ONNX Runtime's profile the
     nodes that ran on the CPU provider and the Memcpy nodes with their bytes;
-  * launches (--launches): node executions per steady-state step of Adam and K-FAC (over one
-    inverse period) from ORT's profile; on a GPU these steps are launch-bound, so the ratio
+  * launches (--launches): node executions per steady-state step of Adam and each K-FAC
+    variant (over one inverse period) from ORT's profile; on a GPU these steps are launch-bound, so the ratio
     is the step-time ratio's floor until the node count falls;
   * time to target: Adam (ours, lr 1e-3) trains `--target-steps` steps; its loss on all 1797
     examples is the target; K-FAC (and with --peers torch Adam, kfac-pytorch) trains until
@@ -132,36 +132,38 @@ def residency(plan, x, y, bs, device, steps=6):
     return out
 
 
-def _profiled_nodes(plan, optimizer, x, y, bs, device, steps) -> dict[str, int]:
-    """Node executions per session over the first `steps` steps of a fresh trainer."""
-    prefix = os.path.join(tempfile.mkdtemp(), "prof")
-    os.environ[PROFILE_ENV] = prefix
+def _profiled_nodes(plan, optimizer, x, y, bs, device, steps, knobs) -> dict[str, int]:
+    """Node executions per session over the first `steps` steps of a fresh trainer (the
+    profile is on while the steps run too: a session may be made at its first use)."""
+    os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
     try:
-        tr = ours_trainer(plan, optimizer, device, bs)
+        tr = ours_trainer(plan, optimizer, device, bs, **knobs)
+        it = batches(len(y), bs)
+        for _ in range(steps):
+            idx = next(it)
+            tr.step({"input": x[idx]}, y[idx])
     finally:
         del os.environ[PROFILE_ENV]
-    it = batches(len(y), bs)
-    for _ in range(steps):
-        idx = next(it)
-        tr.step({"input": x[idx]}, y[idx])
     return {name: sum(read_profile(prog.session.end_profiling()).nodes.values())
             for name, prog in tr.programs().items()}
 
 
-def launches(plan, x, y, bs, device, warmup=3):
+def launches(plan, x, y, bs, device, variants, warmup=3):
     """Node executions (kernel launches on a GPU) per steady-state step, by session, for Adam
-    and K-FAC: on the GPU both steps are launch-bound (docs/runtime.md), so their ratio
-    bounds the step-time ratio from below. The steady steps span one inverse period (its
-    refresh groups and statistics included); they are the difference of two profiled runs,
-    warmup steps and warmup + period steps, as ORT's profile holds whole runs only."""
-    steps = make_config("kfac", plan).inv_update_period
-    out = {"steps": steps}
-    for opt in ("adam", "kfac"):
-        short = _profiled_nodes(plan, opt, x, y, bs, device, warmup)
-        long = _profiled_nodes(plan, opt, x, y, bs, device, warmup + steps)
+    and each K-FAC variant: on the GPU both steps are launch-bound (docs/runtime.md), so their
+    ratio bounds the step-time ratio from below. The steady steps span one inverse period
+    (its refresh groups and statistics included); they are the difference of two profiled
+    runs, warmup steps and warmup + period steps, as ORT's profile holds whole runs only."""
+    out = {}
+    for label, knobs in variants.items():
+        opt = label.split("[")[0]
+        steps = make_config("kfac", plan, **({} if opt == "adam" else knobs)).inv_update_period
+        short = _profiled_nodes(plan, opt, x, y, bs, device, warmup, knobs)
+        long = _profiled_nodes(plan, opt, x, y, bs, device, warmup + steps, knobs)
         per = {k: (v - short.get(k, 0)) / steps for k, v in long.items() if v != short.get(k, 0)}
-        out[opt] = {"per_step": sum(per.values()), "by_session": per}
-    out["kfac_over_adam"] = out["kfac"]["per_step"] / out["adam"]["per_step"]
+        out[label] = {"steps": steps, "per_step": sum(per.values()), "by_session": per}
+    for label in variants:
+        out[label]["over_adam"] = out[label]["per_step"] / out["adam"]["per_step"]
     return out
 
 
@@ -243,11 +245,11 @@ def bench_model(name, args, workdir):
                   f"Memcpy per run {sess['copies']}", flush=True)
 
     if args.launches:
-        r = launches(plan, x, y, bs, args.device)
-        res["launches"] = r
-        print(f"node executions per step over {r['steps']} steady steps: Adam {r['adam']['per_step']:.0f}, "
-              f"K-FAC {r['kfac']['per_step']:.0f} ({r['kfac_over_adam']:.2f}x); K-FAC by session "
-              + ", ".join(f"{k} {v:.0f}" for k, v in r["kfac"]["by_session"].items()), flush=True)
+        res["launches"] = launches(plan, x, y, bs, args.device, variants)
+        for label, r in res["launches"].items():
+            print(f"{label:12s} node executions per step (over {r['steps']} steady steps) {r['per_step']:6.0f}, "
+                  f"{r['over_adam']:.2f}x Adam's: " + ", ".join(f"{k} {v:.0f}" for k, v in r["by_session"].items()),
+                  flush=True)
 
     peers = ("adam", "kfac") if args.peers else ()
     if "kfac" in peers and not kfac_pytorch_path(args.kfac_pytorch):
