@@ -28,7 +28,7 @@ import os
 from typing import Any, Sequence
 
 from kfac_compiler.atomic import write_file
-from kfac_compiler.errors import ConfigError, os_reason
+from kfac_compiler.errors import ConfigError, DataError, os_reason
 
 DEFAULT_SEED = 0
 DEFAULT_BATCH_SIZE = 128
@@ -42,7 +42,9 @@ def resumed_step(meta: dict[str, Any]) -> int:
 
 def settle(args: Any, meta: dict[str, Any] | None) -> None:
     """Fill --seed, --batch-size and (on resuming) --optimizer (None: not given) from the
-    checkpoint `meta` or the defaults; refuse what cannot change on resuming."""
+    checkpoint `meta` or the defaults, and args.resumed_data with the data record `meta` holds
+    (None: none, or not resuming; check_resumed_data); refuse what cannot change on resuming."""
+    args.resumed_data = None if meta is None else meta.get("data")
     if meta is None:
         args.seed = DEFAULT_SEED if args.seed is None else args.seed
         args.batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
@@ -64,6 +66,19 @@ def settle(args: Any, meta: dict[str, Any] | None) -> None:
     if args.steps < done:
         raise ConfigError(f"--steps {args.steps} is below step {done} of {where}; --steps is the total number of "
                           f"steps (>= {done})")
+
+
+def check_resumed_data(args: Any, current: dict[str, Any]) -> None:
+    """A resume trains on the data its checkpoint was written with (`current`: the loaded
+    data's runtime.data.dataset_fingerprint): other data would give other batches than the
+    uninterrupted run's. A checkpoint without a record (the API's, older ones) passes."""
+    stored = args.resumed_data
+    if stored is None or stored == current:
+        return
+    raise DataError(f"--data {args.data!r} is not the data checkpoint {args.resume!r} was trained on "
+                    f"({stored['examples']} examples, sha256 {stored['sha256'][:12]}; this data: "
+                    f"{current['examples']} examples, sha256 {current['sha256'][:12]}): resume with the same --data, "
+                    "or start a new run without --resume")
 
 
 def continue_metrics(path: str | None, step: int, columns: Sequence[str]) -> None:

@@ -407,7 +407,7 @@ def _build(args, outputs: list["Output"], comm):
     from kfac_compiler.outputs import check_space
     from kfac_compiler.ranks import is_root
     from kfac_compiler.runtime.comm import agreed
-    from kfac_compiler.resume import continue_metrics
+    from kfac_compiler.resume import check_resumed_data, continue_metrics
     from kfac_compiler.runtime.data import dataset_fingerprint
     from kfac_compiler.runtime.trainer import Trainer
 
@@ -415,14 +415,15 @@ def _build(args, outputs: list["Output"], comm):
         knobs = _knobs(args)  # before compiling: a bad --knob fails fast
         plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
         inputs, targets = load_data(plan, entry, args.data, args.seed)
+        fingerprint = dataset_fingerprint(inputs, targets)
+        check_resumed_data(args, fingerprint)  # before any session is built
         if comm is not None and min(args.batch_size, targets.shape[0]) % comm.size:
             raise DataError(f"the data's {targets.shape[0]} examples make a batch of {targets.shape[0]} rows, which "
                             f"does not split evenly over {comm.size} ranks; use a --batch-size divisible by {comm.size}")
-        return knobs, plan, entry, inputs, targets
+        return knobs, plan, entry, inputs, targets, fingerprint
 
-    knobs, plan, entry, inputs, targets = agreed(comm, load)
+    knobs, plan, entry, inputs, targets, fingerprint = agreed(comm, load)
     n = targets.shape[0]
-    fingerprint = dataset_fingerprint(inputs, targets)
 
     def start() -> "Trainer":  # Trainer() enters a collective only after its option checks
         if args.resume:
@@ -435,8 +436,6 @@ def _build(args, outputs: list["Output"], comm):
             trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device,
                               learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
                               threads=args.threads, batch_size=min(args.batch_size, n), comm=comm, **knobs)
-        if args.resume:
-            _check_resumed_data(args, trainer.data_fingerprint, fingerprint)
         trainer.data_fingerprint = fingerprint
         if is_root(comm):
             # room for what is written whole at the end (the metrics file grows row by row: a full
@@ -449,17 +448,6 @@ def _build(args, outputs: list["Output"], comm):
         return trainer
 
     return plan, entry, inputs, targets, agreed(comm, start)
-
-
-def _check_resumed_data(args, stored: dict[str, Any] | None, current: dict[str, Any]) -> None:
-    """A resume trains on the data its checkpoint was written with: other data would give
-    other batches than the uninterrupted run's (checkpoints without a record pass)."""
-    if stored is None or stored == current:
-        return
-    raise DataError(f"--data {args.data!r} is not the data checkpoint {args.resume!r} was trained on "
-                    f"({stored.get('examples')} examples, sha256 {str(stored.get('sha256'))[:12]}; this data: "
-                    f"{current['examples']} examples, sha256 {current['sha256'][:12]}): resume with the same --data, "
-                    "or start a new run without --resume")
 
 
 def _train(args, outputs: list["Output"], comm) -> int:
