@@ -30,6 +30,7 @@ All numbers come from one run on one machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -101,31 +102,42 @@ def time_ours(tr, x, y, bs, steps, warmup=3):
     return walls
 
 
-def residency(plan, x, y, bs, device, steps=6):
-    """Bytes the runtime moves per steady-state K-FAC step and what ORT's profile shows."""
-    prefix = os.path.join(tempfile.mkdtemp(), "prof")
-    os.environ[PROFILE_ENV] = prefix
+@contextlib.contextmanager
+def profiling():
+    """Every ORT session made inside the block records its profile (trainers make some at
+    their first use, so the steps belong inside too); read them with session_profiles."""
+    os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
     try:
-        tr = ours_trainer(plan, "kfac", device, bs)
+        yield
     finally:
         del os.environ[PROFILE_ENV]
-    it = batches(len(y), bs)
-    for _ in range(3):
-        idx = next(it)
-        tr.step({"input": x[idx]}, y[idx])
-    up0, bytes0 = tr.store.uploads, tr.store.upload_bytes
-    data_bytes = 0
-    for _ in range(steps):
-        idx = next(it)
-        batch = {"input": x[idx]}
-        data_bytes += x[idx].nbytes + y[idx].nbytes
-        tr.step(batch, y[idx])
+
+
+def session_profiles(tr) -> dict:
+    """{program label: ProfileSummary} of a trainer made and run inside profiling()."""
+    return {name: read_profile(prog.session.end_profiling()) for name, prog in tr.programs().items()}
+
+
+def residency(plan, x, y, bs, device, steps=6):
+    """Bytes the runtime moves per steady-state K-FAC step and what ORT's profile shows."""
+    with profiling():
+        tr = ours_trainer(plan, "kfac", device, bs)
+        it = batches(len(y), bs)
+        for _ in range(3):
+            idx = next(it)
+            tr.step({"input": x[idx]}, y[idx])
+        up0, bytes0 = tr.store.uploads, tr.store.upload_bytes
+        data_bytes = 0
+        for _ in range(steps):
+            idx = next(it)
+            batch = {"input": x[idx]}
+            data_bytes += x[idx].nbytes + y[idx].nbytes
+            tr.step(batch, y[idx])
     uploads = (tr.store.uploads - up0) / steps
     out = {"uploads_per_step": uploads, "batch_bytes_per_step": data_bytes / steps,
            "upload_bytes_per_step": (tr.store.upload_bytes - bytes0) / steps,
            "metrics_bytes_per_step": 4 * len(tr.policy.step_program().metrics), "sessions": {}}
-    for name, prog in tr.programs().items():
-        prof = read_profile(prog.session.end_profiling())
+    for name, prof in session_profiles(tr).items():
         out["sessions"][name] = {"runs": prof.runs, "nodes_by_provider": prof.nodes, "cpu_nodes": prof.cpu_nodes,
                                  "copies": {op: {"count": c, "bytes_per_run": b / max(prof.runs, 1)}
                                             for op, (c, b) in prof.copies.items()}}
@@ -133,19 +145,14 @@ def residency(plan, x, y, bs, device, steps=6):
 
 
 def _profiled_nodes(plan, optimizer, x, y, bs, device, steps, knobs) -> dict[str, int]:
-    """Node executions per session over the first `steps` steps of a fresh trainer (the
-    profile is on while the steps run too: a session may be made at its first use)."""
-    os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
-    try:
+    """Node executions per session over the first `steps` steps of a fresh trainer."""
+    with profiling():
         tr = ours_trainer(plan, optimizer, device, bs, **knobs)
         it = batches(len(y), bs)
         for _ in range(steps):
             idx = next(it)
             tr.step({"input": x[idx]}, y[idx])
-    finally:
-        del os.environ[PROFILE_ENV]
-    return {name: sum(read_profile(prog.session.end_profiling()).nodes.values())
-            for name, prog in tr.programs().items()}
+    return {name: sum(prof.nodes.values()) for name, prof in session_profiles(tr).items()}
 
 
 def launches(plan, x, y, bs, device, variants, warmup=3):
