@@ -12,7 +12,7 @@ stability of the step time, and what ONNX Runtime's own Conv kernel costs.
   `--rounds` interleaved rounds of `--steps` steps each, the order alternating per round, a
   pause between blocks so that the previous one's spinning workers (ONNX Runtime's and
   OpenMP's) are idle; medians over all steps and the median of the per-round ratios.
-  `--ab`: also our step compiled without the Gather forms of Conv (oprules.conv.GATHER_FORMS
+  `--ab`: also our step compiled without the Gather forms of Conv (oprules.conv.conv_gather compile option
   off: the Slice/Conv lowerings before them) in the same rounds: the before/after.
 * `--resnet`: torchvision's ResNet-18 on the digits as 32x32 RGB images, batch 32, our Adam
   against torch's on the module in eval mode for BatchNorm (the function of the export).
@@ -43,7 +43,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import kfac_compiler as kc  # noqa: E402
 from kfac_compiler.models import ZOO, build_small_cnn  # noqa: E402
-from kfac_compiler.oprules import conv as conv_rules  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime import device as runtime_device  # noqa: E402
 
@@ -94,12 +93,8 @@ class Ours:
     """Our Adam step on fixed batches: wall time of Trainer.step and time inside the session."""
 
     def __init__(self, model, x, y, bs, threads=None, gather=True):
-        conv_rules.GATHER_FORMS = gather  # read while the subgraph is emitted (Trainer creation)
-        try:
-            plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
-            self.tr = Trainer(plan, optimizer="adam", device="cpu", batch_size=bs, seed=0, threads=threads)
-        finally:
-            conv_rules.GATHER_FORMS = True
+        plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, conv_gather=gather)
+        self.tr = Trainer(plan, optimizer="adam", device="cpu", batch_size=bs, seed=0, threads=threads)
         self.prog = self.tr.programs()[next(iter(self.tr.programs()))]
         self.batches = [({"input": np.ascontiguousarray(x[i:i + bs])}, y[i:i + bs].copy())
                         for i in range(0, len(y) - bs + 1, bs)]

@@ -92,7 +92,9 @@ def main() -> None:
             feeds = _feeds(sess, plan, info, x, y, rng)
             row[(sg, opts.get("method"))] = _median_ms(lambda: sess.run(None, feeds), args.repeats)
         # host eigh: every block's numpy twin on its factors (float64), incl. host copies
-        blocks = plan.blocks
+        from kfac_compiler.blocks import plan_blocks
+
+    blocks = plan_blocks(plan)
         model, info = emit_subgraph(plan, "update_statistics")
         factors = {}
         feeds = _feeds(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), plan, info, x, y, rng)

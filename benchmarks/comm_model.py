@@ -106,7 +106,9 @@ def plan_comm(plan: Any) -> PlanComm:
 
     method = concrete_method(plan.inverse.method, "cuda")
     params = int(plan.totals()["param_elements"])
-    blocks = plan.blocks
+    from kfac_compiler.blocks import plan_blocks
+
+    blocks = plan_blocks(plan)
     per: dict[str, BlockComm] = {}
     missing = []
     forward = 0

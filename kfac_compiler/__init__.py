@@ -13,28 +13,32 @@ from kfac_compiler.errors import KfacError
 
 __version__ = "0.1.0"
 
-# Subgraphs emitted at compile time (the rest are emitted on demand by the runtime).
-DEFAULT_SUBGRAPHS = (
-    ("kfac_step", {"with_stats": True, "loss_after": True}),  # the Trainer's default step
-    ("update_statistics", {}),
-    ("inverse_update", {}),
-)
-
-
 def compile(model: Any, loss: str | None = None, output: str | None = None, config: Any = None,
             emit: bool = True, **overrides: Any):
-    """Compile an ONNX model (path or ModelProto) into a Plan; `emit` adds the training subgraphs."""
+    """Compile an ONNX model (path or ModelProto) into a Plan. `emit`: store the subgraphs a
+    default K-FAC run at the plan's batch size (its budget's) requests, resolved for the CPU
+    (and so for CUDA, where they resolve alike), so that such a run emits nothing."""
     from kfac_compiler.frontend import compile_frontend
 
     plan = compile_frontend(model, loss=loss, output=output, config=config, **overrides)
     if emit:
-        from kfac_compiler.backend import emit_subgraph
-
-        for name, options in DEFAULT_SUBGRAPHS:
-            graph, info = emit_subgraph(plan, name, **options)
-            plan.subgraphs[name] = graph
-            plan.subgraph_info[name] = info  # info.options: the resolved options
+        store_default_subgraphs(plan)
     return plan
+
+
+def store_default_subgraphs(plan: Any, optimizer: str = "kfac", batch_size: int | None = None) -> None:
+    """Store in `plan` every subgraph a Trainer with `optimizer`'s defaults at `batch_size`
+    (default: the batch the plan's budget assumed) builds on the CPU: the Trainer's own
+    requests (made without building a session), so the stored set is exactly what such a run
+    asks for."""
+    from kfac_compiler.backend.service import emitted
+    from kfac_compiler.passes.budget import REFERENCE_BATCH
+    from kfac_compiler.runtime import Trainer
+
+    batch = int(batch_size or (plan.costs or {}).get("batch_size") or REFERENCE_BATCH)
+    Trainer(plan, optimizer=optimizer, device="cpu", batch_size=batch, comm=None, sessions=False)
+    for req, (graph, info) in emitted(plan).items():
+        plan.store_subgraph(req, graph, info)
 
 
 def load_plan(path: str):
@@ -63,4 +67,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Head", "KfacError", "Plan", "compile", "gradients", "load_plan", "__version__"]
+__all__ = ["Head", "KfacError", "Plan", "compile", "gradients", "load_plan", "store_default_subgraphs", "__version__"]

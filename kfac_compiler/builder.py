@@ -61,6 +61,9 @@ class GraphBuilder:
         self.prefix = prefix
         self.taken: set[str] = set(taken)
         self.float_type = float_type
+        # Conv and its gradients may use the Gather im2col forms (oprules/conv.py); an emission
+        # request's conv_gather option sets it, so that the choice is part of the graph's key
+        self.conv_gather = True
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.domains: dict[str, int] = {}

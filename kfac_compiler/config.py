@@ -139,6 +139,9 @@ class CompileConfig:
     # that existing configs work. loss_options wins where both are given.
     loss_variance: float = 1.0
     dtype: str = "float32"
+    # Conv and its gradients may use the Gather im2col forms (oprules/conv.py); False: the
+    # Slice/Conv forms only (an A/B switch; every emission request resolves it from here)
+    conv_gather: bool = True
 
     # ------------------------------------------------------------------ io
     @classmethod

@@ -14,22 +14,30 @@ call the constructors below (and the parsers, to read one back).
 | metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
 | results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |
 
-Subgraphs: the runtime never emits a graph itself. It calls `request_subgraph(plan, name,
-**options)`, which returns the plan's stored copy when that was emitted with the same
-resolved options, and otherwise asks the back end to emit one (docs/runtime_contract.md,
-"Where subgraphs come from"). `SubgraphInfo` says what each input and output of the graph is.
+Subgraphs are named by the constants below (an optimizer names its own step); a request for
+one carries typed options (kfac_compiler/requests.py) and `SubgraphInfo` says what each input
+and output of the emitted graph is. This module is a leaf: it imports nothing of the compiler
+but its errors (docs/architecture.md).
 """
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    import onnx
+# ------------------------------------------------------------------------------ subgraph names
+# the back end's own subgraphs (docs/runtime_contract.md); optimizers name their steps
+LOSS_GRAPH = "loss"                      # the loss and the model output
+GRADIENTS = "gradients"                  # the loss and every parameter's gradient
+STATISTICS = "statistics"                # one batch's factor statistics
+UPDATE_STATISTICS = "update_statistics"  # the factors' moving averages from one batch
+INVERSE_UPDATE = "inverse_update"        # the damped inverses' state
+POWER_UPDATE = "power_update"            # the state of (F + damping)^power, power != -1
+PRECONDITION = "precondition"            # (F + damping)^-1 v from the inverses
+MULTIPLY = "multiply"                    # (F + damping)^exp v from the factors
 
-    from kfac_compiler.plan import Plan
+# the plan model's metadata key recording the lowered pieces of each fused recurrent weight
+RECURRENT_PIECES_KEY = "kfac_compiler.recurrent_params"
 
 # ------------------------------------------------------------------------------ data inputs
 TARGETS = "targets"
@@ -265,8 +273,9 @@ class NoiseSpec:
 @dataclass
 class SubgraphInfo:
     """What every input and output of an emitted subgraph is (docs/runtime_contract.md).
-    `options`: every option the subgraph was emitted with, defaults and plan settings filled
-    in; equal options mean an identical graph."""
+    `kind`: the subgraph kind it was emitted as (empty in older plans: the file stem);
+    `options`: every option it was emitted with, resolved (kfac_compiler/requests.py):
+    equal kinds and options mean an identical graph."""
 
     data_inputs: list[str] = field(default_factory=list)
     hp_inputs: list[str] = field(default_factory=list)
@@ -277,6 +286,7 @@ class SubgraphInfo:
     state_specs: dict[str, SlotSpec] = field(default_factory=dict)
     noise: NoiseSpec = field(default_factory=NoiseSpec)
     options: dict[str, Any] = field(default_factory=dict)
+    kind: str = ""
     # the reduction points a data-parallel run cuts the graph at, in order: point -> {reduced
     # tensor: the local tensor (a mean over this process's examples) it stands for}
     reductions: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -299,47 +309,6 @@ class SubgraphInfo:
             state_specs=specs,
             noise=NoiseSpec(**noise_doc) if noise_doc else NoiseSpec(),
             options=dict(doc.get("options", {})),
+            kind=str(doc.get("kind", "")),
             reductions={point: dict(pairs) for point, pairs in (doc.get("reductions") or {}).items()},
         )
-
-
-# ------------------------------------------------------------------------------ the emit request
-_EMIT_CACHE: dict[int, tuple[Any, dict]] = {}
-
-
-def request_subgraph(plan: "Plan", name: str, **options: Any) -> "tuple[onnx.ModelProto, SubgraphInfo]":
-    """The runtime's one way to get subgraph `name` with `options`: the plan's stored copy
-    when it was emitted with the same resolved options (the plan's own settings included,
-    so editing its estimator or schedule re-emits), otherwise the back end emits it (cached
-    per plan object). Options that depend on the run (the batch's sub-batch sizes, example
-    weights) make the stored set incomplete by design: a plan holds the subgraphs for the
-    options it was compiled with, and the runtime requests the rest here."""
-    from kfac_compiler.backend import emit_subgraph, plan_parts, resolved_options
-
-    parts = plan_parts(plan)
-    want = resolved_options(parts, name, **options)
-    stored = plan.subgraph_info.get(name)
-    if name in plan.subgraphs and stored is not None and stored.options == want:
-        return plan.subgraphs[name], stored
-    key = (name, tuple(sorted(want.items())))
-    entry = _EMIT_CACHE.get(id(plan))
-    if entry is None or entry[0]() is not plan:
-        entry = (weakref.ref(plan), {})
-        _EMIT_CACHE[id(plan)] = entry
-        weakref.finalize(plan, _EMIT_CACHE.pop, id(plan), None)
-    cache = entry[1]
-    if key not in cache:
-        cache[key] = emit_subgraph(parts, name, **options)
-    return cache[key]
-
-
-def plan_blocks(plan: "Plan", layers: list[str] | None = None) -> dict[str, Any]:
-    """The Fisher block objects of the plan's layers (their numpy twins compute host-side
-    inverses and the lower-level API's per-layer products)."""
-    from kfac_compiler.errors import PlanError
-
-    blocks = plan.blocks
-    missing = [l for l in (layers or []) if l not in blocks]
-    if missing:
-        raise PlanError(f"the plan has no layer {missing[0]!r}")
-    return {l: blocks[l] for l in (layers or blocks)}

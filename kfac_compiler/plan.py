@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper
 
 from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
-from kfac_compiler.contract import TARGETS, SubgraphInfo
+from kfac_compiler.contract import RECURRENT_PIECES_KEY, TARGETS, SubgraphInfo
 from kfac_compiler.errors import PlanError, one_line, os_errors, os_reason
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
@@ -32,6 +32,8 @@ from kfac_compiler.plan_schema import SUBGRAPH_NAME, check_document, check_plan
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from kfac_compiler.requests import Request
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -114,9 +116,11 @@ class Plan:
     """Everything the back end and the runtime need, in memory.
 
     `factors[layer name]` lists the block's FactorSpecs (None when the block class was not
-    available at compile time). `subgraphs` / `subgraph_info` are filled by the back end
-    (kfac_compiler.compile with emit=True); save() adds each subgraph's file, inputs and
-    outputs to plan.json.
+    available at compile time). `subgraphs` / `subgraph_info` hold the stored subgraphs by
+    file stem ("kfac_step", "kfac_step-2", ...), each info with its kind and resolved options
+    (kfac_compiler.compile with emit=True stores those a default run requests; see
+    `stored_subgraph`); save() adds each one's file, inputs and outputs to plan.json. The
+    Fisher block objects are the back end's: kfac_compiler.blocks.plan_blocks(plan).
     """
 
     model: onnx.ModelProto
@@ -190,37 +194,40 @@ class Plan:
                 return layer
         raise KeyError(f"no layer named {name!r}; layers: {', '.join(l.name for l in self.layers)}")
 
-    @property
-    def blocks(self) -> dict[str, Any]:
-        """{layer name: FisherBlock} (built on each access; blocks are cheap)."""
-        from kfac_compiler.blocks import make_block
-
-        shapes = self.param_shapes
-        view = self.view()
-        return {
-            l.name: make_block(
-                l,
-                {p: shapes[p] for p in l.params},
-                [view.shape(u.input) for u in l.uses],
-                damping_mode=self.inverse.damping_split,
-            )
-            for l in self.layers
-        }
-
     def view(self) -> GraphView:
         return GraphView(self.model)
+
+    # ------------------------------------------------------------ stored subgraphs
+    def stored_subgraph(self, request: Request) -> tuple[onnx.ModelProto, SubgraphInfo] | None:
+        """The stored graph of the resolved `request` (same kind and resolved options), or None."""
+        want = request.options.to_json()
+        for stem, info in self.subgraph_info.items():
+            if (info.kind or stem) == request.name and info.options == want and stem in self.subgraphs:
+                return self.subgraphs[stem], info
+        return None
+
+    def store_subgraph(self, request: Request, model: onnx.ModelProto, info: SubgraphInfo) -> str:
+        """Keep `model` as the graph of the resolved `request` (replacing one stored under the
+        same request); returns its file stem."""
+        for stem, old in self.subgraph_info.items():
+            if (old.kind or stem) == request.name and old.options == request.options.to_json():
+                break
+        else:
+            stem, n = request.name, 1
+            while stem in self.subgraphs or stem in self.subgraph_info:
+                n += 1
+                stem = f"{request.name}-{n}"
+        info = dataclasses.replace(info, kind=request.name, options=request.options.to_json())
+        self.subgraphs[stem], self.subgraph_info[stem] = model, info
+        return stem
 
     def holders(self, initializer: str) -> list[str]:
         """The initializers of the plan's model holding a SOURCE model initializer: itself, the
         parameter an exporter's copy is retied to, or a fused recurrent op's lowered pieces."""
-        import json
-
-        from kfac_compiler.passes.recurrent import METADATA_KEY
-
         if initializer in self.retied:
             return [self.retied[initializer]["of"]]
         props = {p.key: p.value for p in self.model.metadata_props}
-        pieces = json.loads(props.get(METADATA_KEY, "{}")).get(initializer)
+        pieces = json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).get(initializer)
         return [p[0] for p in pieces] if pieces else [initializer]
 
     def frozen_reason(self, name: str) -> str:

@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.plan import Plan, factor_json
@@ -52,7 +53,7 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
         return f"{'eigh' if where == 'host' and m not in ('eigh', 'cholesky') else m} ({where})"
 
     cpu_method = concrete_method(method, "cpu")  # what inverse_flops counts
-    for name, block in plan.blocks.items():
+    for name, block in plan_blocks(plan).items():
         if method == AUTO_METHOD:  # the runtime picks per device
             on_cpu, on_cuda = label(block, cpu_method), label(block, concrete_method(method, "cuda"))
             shown = (f"auto: {on_cpu} on CPU and CUDA" if on_cpu == on_cuda
@@ -69,13 +70,14 @@ def block_costs(plan: Plan) -> dict[str, dict[str, Any]]:
 
 
 def subgraph_summary(plan: Plan) -> list[dict[str, Any]]:
-    """The emitted subgraphs: file, node count, state slots read and written."""
+    """The stored subgraphs: kind, file, node count, resolved options, state slots read and
+    written (a kind may be stored with several options: kfac_step with and without statistics)."""
     out = []
-    for name, model in plan.subgraphs.items():
-        info = plan.subgraph_info.get(name) or SubgraphInfo()
+    for stem, model in plan.subgraphs.items():
+        info = plan.subgraph_info.get(stem) or SubgraphInfo()
         out.append({
-            "name": name,
-            "file": f"{name}.onnx",
+            "name": info.kind or stem,
+            "file": f"{stem}.onnx",
             "nodes": len(model.graph.node),
             "options": dict(info.options),
             "reads": len(info.state_inputs),
@@ -125,14 +127,15 @@ def rank_assignment(plan: Plan, ranks: int) -> list[dict[str, Any]]:
     from kfac_compiler.optimizers.kfac.refresh import inverse_owners
 
     costs = block_costs(plan)
-    layers = [layer.name for layer in plan.layers if plan.blocks[layer.name].inverse_specs()]
+    blocks = plan_blocks(plan)
+    layers = [layer.name for layer in plan.layers if blocks[layer.name].inverse_specs()]
     owners = inverse_owners({name: float(costs[name]["inverse_flops"]) for name in layers}, ranks)
     out = []
     for rank in range(ranks):
         mine = [name for name in layers if owners[name] == rank]
         out.append({"rank": rank, "blocks": mine,
                     "inverse_flops": sum(costs[name]["inverse_flops"] for name in mine),
-                    "inverse_bytes": sum(sp.nbytes for name in mine for sp in plan.blocks[name].inverse_specs())})
+                    "inverse_bytes": sum(sp.nbytes for name in mine for sp in blocks[name].inverse_specs())})
     return out
 
 

@@ -182,6 +182,7 @@ def fit_budget(
         "sampled_backward_flops": sampled_backward,
         "qmodel_flops": 2 * sampled_backward,  # two forward-mode JVPs on the same m examples
         "inverse_flops_per_refresh": inverse_total,
+        "inverse_method": method,  # the method the layers' "inverse" FLOPs are for
         "stats_period": s,
         "inverse_period": r,
         "curvature_flops_per_step": work,

@@ -48,11 +48,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from kfac_compiler import contract as C
 from kfac_compiler.errors import UnsupportedOpError
 from kfac_compiler.graph import GraphView, attrs_of
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
-METADATA_KEY = "kfac_compiler.recurrent_params"
+METADATA_KEY = C.RECURRENT_PIECES_KEY
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 _DEFAULT_ACTS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
 # activation (lower case) -> (ONNX op or None, uses alpha, uses beta, default alpha, default beta).

@@ -30,7 +30,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler import contract as C
-from kfac_compiler.contract import estimation_mode, plan_blocks
+from kfac_compiler.contract import estimation_mode
+from kfac_compiler.host_blocks import host_blocks
 from kfac_compiler import linalg
 from kfac_compiler.errors import ConfigError, DataError, DivergedError
 from kfac_compiler.linalg import concrete_method
@@ -107,7 +108,7 @@ class Curvature:
     # ---------------------------------------------------------------- estimates
     def gradients(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
         data = self._check_batch(inputs, targets, weights)
-        out = self.program("gradients", weighted=weights is not None).run(self.store, data, results=True)
+        out = self.program(C.GRADIENTS, weighted=weights is not None).run(self.store, data, results=True)
         return out[C.LOSS], {p: out[C.grad(p)] for p in self.params}
 
     def estimate(self, inputs: Mapping[str, Any], targets: Any, mode: str | None = None,
@@ -116,7 +117,7 @@ class Curvature:
         per-example loss weights or mask (the output factors G become sum_n w_n ...)."""
         mode = estimation_mode(mode or self.mode)
         num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
-        prog = self.program("statistics", mode=mode, num_samples=num_samples,
+        prog = self.program(C.STATISTICS, mode=mode, num_samples=num_samples,
                             weighted=weights is not None)
         data = self._check_batch(inputs, targets, weights)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
@@ -126,7 +127,7 @@ class Curvature:
 
     def update(self, inputs: Mapping[str, Any], targets: Any) -> float:
         """Fold one batch into the zero-debiased moving averages; returns the batch loss."""
-        prog = self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
+        prog = self.program(C.UPDATE_STATISTICS, mode=self.mode, num_samples=self.num_samples)
         data = self._check_batch(inputs, targets)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
@@ -141,7 +142,7 @@ class Curvature:
 
     def factors(self) -> dict[str, dict[str, np.ndarray]]:
         """The current moving averages per layer."""
-        self.program("update_statistics", mode=self.mode, num_samples=self.num_samples)
+        self.program(C.UPDATE_STATISTICS, mode=self.mode, num_samples=self.num_samples)
         return self._layer_state(C.FACTOR)
 
     def inverses(self) -> dict[str, dict[str, np.ndarray]]:
@@ -181,8 +182,8 @@ class Curvature:
         `report["failed_blocks"]` names it."""
         damping = check_float(damping, "damping", positive=True)
         if self._inverses is None:
-            self._inverses = InverseRefresher(self.plan, self.program("inverse_update", method=self.inverse_method),
-                                              self.program("precondition"), self.inverse_method)
+            self._inverses = InverseRefresher(self.plan, self.program(C.INVERSE_UPDATE, method=self.inverse_method),
+                                              self.program(C.PRECONDITION), self.inverse_method)
         used = self.floored_damping(damping)
         ok = self._inverses(self.store, used)
         self.damping = used
@@ -195,7 +196,7 @@ class Curvature:
         if self.damping is None:
             raise ConfigError("call update_inverses(damping) before precondition()")
         vectors = _finite(parameter_vectors(self._shapes(self.params), grads, "precondition"), "precondition")
-        prog = self.program("precondition")
+        prog = self.program(C.PRECONDITION)
         data = {C.vec(p): v for p, v in vectors.items()}
         out = prog.run(self.store, data, results=True)
         result = {p: out[C.precond(p)] for p in self.params}
@@ -215,7 +216,7 @@ class Curvature:
     # ---------------------------------------------------------------- per block (host)
     def blocks(self) -> dict[str, Any]:
         if self._blocks is None:
-            self._blocks = plan_blocks(self.plan)
+            self._blocks = host_blocks(self.plan)
         return self._blocks
 
     def _block(self, layer: str):
@@ -263,7 +264,7 @@ class Curvature:
                               "use multiply_matpower(layer, vectors, exp) (host eigendecomposition)")
         v = parameter_vectors(self._shapes(self.params), vectors, "multiply_all")
         d = self._damping(damping)
-        prog = self.program("multiply", exp=int(exp) if exp.is_integer() else exp)
+        prog = self.program(C.MULTIPLY, exp=int(exp) if exp.is_integer() else exp)
         out = prog.run(self.store, {C.vec(p): a for p, a in v.items()}, hp={C.DAMPING: d}, results=True)
         result = {p: out[C.product(p)] for p in self.params}
         if not exp.is_integer():  # the host fallback for a square root beyond its accuracy bound

@@ -24,6 +24,7 @@ from onnx import TensorProto, helper
 
 from kfac_compiler.errors import DeviceError
 from kfac_compiler.parsing import parse_bool
+from kfac_compiler.requests import KINDS
 
 DEVICES = ("cpu", "cuda", "auto")
 CUDA_EP = "CUDAExecutionProvider"
@@ -236,28 +237,29 @@ def session_options(threads: int | None = None, spin: bool = True) -> ort.Sessio
 # <prefix>_<date>.json by session.end_profiling(); benchmarks/bench_gpu.py reads it.
 PROFILE_ENV = "KFAC_ORT_PROFILE"
 
-# Subgraphs that run at every training step keep their intra-op workers spinning between runs.
-SPINNING_SUBGRAPHS = ("kfac_step", "sgd_step", "adam_step")
-# Memory (CPU): only the sessions that run every step keep ONNX Runtime's CPU arena; every
-# other session (statistics-only steps, inverse refreshes, evaluation, Curvature's products)
-# returns its intermediates after each run, since an arena keeps each session's peak for good
-# and those peaks add up across sessions (ResNet-18, full factors: update_statistics +0.47 GB,
-# inverse_update +0.8 GB, held for the whole run). No CPU session uses ORT's memory pattern:
-# with the arena, the pattern's one planned block came on top of the chunks the first run had
-# left in it, doubling the step's arena (kfac_step +1.3 GB instead of +0.63); step times
-# with and without were within the machine's noise (docs/runtime.md, "Memory").
-ARENA_SUBGRAPHS = SPINNING_SUBGRAPHS
+# Sessions of the subgraph kinds a training step runs every step (requests.SubgraphKind.every_step,
+# declared by the optimizer plugins) keep their intra-op workers spinning between runs and keep
+# ONNX Runtime's CPU arena. Memory (CPU): every other session (statistics-only steps, inverse
+# refreshes, evaluation, Curvature's products) returns its intermediates after each run, since
+# an arena keeps each session's peak for good and those peaks add up across sessions
+# (ResNet-18, full factors: update_statistics +0.47 GB, inverse_update +0.8 GB, held for the
+# whole run). No CPU session uses ORT's memory pattern: with the arena, the pattern's one
+# planned block came on top of the chunks the first run had left in it, doubling the step's
+# arena (kfac_step +1.3 GB instead of +0.63); step times with and without were within the
+# machine's noise (docs/runtime.md, "Memory").
 
 
-def every_step(name: str, subgraphs: Sequence[str]) -> bool:
-    """Whether session `name` is one of `subgraphs` or a stage of one ("kfac_step/stage1": a
-    data-parallel step cut at its reduction points, runtime/staged.py)."""
-    return name.split("/", 1)[0] in subgraphs
+def every_step(name: str) -> bool:
+    """Whether session `name` runs every training step: a registered kind that says so, or a
+    stage of one ("kfac_step/stage1": a data-parallel step cut at its reduction points,
+    runtime/staged.py)."""
+    kind = KINDS.get(name.split("/", 1)[0])
+    return kind is not None and kind.every_step
 
 
 def memory_options(options: ort.SessionOptions, device: Device, name: str) -> None:
-    """Set the CPU arena and memory pattern of subgraph `name`'s session (see ARENA_SUBGRAPHS)."""
-    options.enable_cpu_mem_arena = every_step(name, ARENA_SUBGRAPHS)
+    """Set the CPU arena and memory pattern of subgraph `name`'s session (see every_step)."""
+    options.enable_cpu_mem_arena = every_step(name)
     if device.name == "cpu":
         options.enable_mem_pattern = False
 
@@ -268,8 +270,8 @@ def make_session(model: "onnx.ModelProto | bytes", device: "str | Device", name:
     dev = get_device(device)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
-    # a stage of a step (every_step) does not spin: the next stage's session runs right after it
-    options = session_options(threads, spin=name in SPINNING_SUBGRAPHS)
+    # a stage of a step does not spin: the next stage's session runs right after it
+    options = session_options(threads, spin=every_step(name) and "/" not in name)
     memory_options(options, dev, name)
     sess = ort.InferenceSession(data, options, providers=list(dev.providers))
     if dev.name == "cuda" and CUDA_EP not in sess.get_providers():

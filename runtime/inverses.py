@@ -15,7 +15,7 @@ import numpy as np
 
 from kfac_compiler import contract as C
 from kfac_compiler import linalg
-from kfac_compiler.contract import plan_blocks
+from kfac_compiler.host_blocks import host_blocks
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.program import ContractError, Program
 from kfac_compiler.runtime.state import StateStore
@@ -64,7 +64,7 @@ class InverseRefresher:
                     host.append(layer)
             self._group_host.append(host)
             self._group_emitted.append(emitted_here)
-        self.blocks = plan_blocks(plan, list(self.host_layers)) if self.host_layers else {}
+        self.blocks = host_blocks(plan, list(self.host_layers)) if self.host_layers else {}
         if self.host_layers:
             linalg.prepare_host_inverses()  # one-time imports and library scans: not in a step
         self.fallbacks: list[str] = []  # the emitted blocks the last refresh redid on the host
@@ -121,7 +121,7 @@ class InverseRefresher:
     def _block(self, layer: str) -> Any:
         if layer not in self.blocks:
             linalg.prepare_host_inverses()
-            self.blocks.update(plan_blocks(self.plan, [layer]))
+            self.blocks.update(host_blocks(self.plan, [layer]))
         return self.blocks[layer]
 
     def _refresh_host_block(self, store: StateStore, damping: float, layer: str, slots: list[str],

@@ -21,11 +21,12 @@ import onnx
 import onnxruntime as ort
 
 from kfac_compiler import contract as C
-from kfac_compiler.contract import SubgraphInfo, request_subgraph
+from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.plan import Plan
 from kfac_compiler.errors import PlanError
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
+from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
 
 _ORT_TYPES = {
     "tensor(float)": np.float32,
@@ -260,17 +261,35 @@ def _check_state_shapes(prog: "Program", info: SubgraphInfo) -> None:
             raise ValueError(f"state slot {slot!r} is declared {list(spec.shape)} but the graph takes {list(shape)}")
 
 
+class DeclaredProgram:
+    """A subgraph's contract without a session: what a program reads and writes, for a caller
+    that only asks which subgraphs a run needs (kfac_compiler.store_default_subgraphs)."""
+
+    def __init__(self, info: SubgraphInfo, name: str) -> None:
+        self.info, self.name = info, name
+        self.data_inputs, self.hp_inputs = list(info.data_inputs), list(info.hp_inputs)
+        self.state_inputs, self.state_outputs = list(info.state_inputs), dict(info.state_outputs)
+        self.metrics, self.results = list(info.metrics), list(info.results)
+        self.written_slots = list(dict.fromkeys(info.state_outputs.values()))
+
+    def run(self, *args: Any, **kwargs: Any) -> dict:
+        raise RuntimeError(f"subgraph {self.name!r} was only declared (sessions=False): it cannot run")
+
+
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
-                   name: str, comm: Any = None, **options: Any) -> "Program":
+                   name: str, comm: Any = None, sessions: bool = True, **options: Any) -> "Program":
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages
     (runtime/staged.py) and a program that writes state flips it only where every rank's
-    run was finite."""
-    key = (name, tuple(sorted((k, v) for k, v in options.items() if v is not None)))
+    run was finite. With `sessions` False nothing is built: a DeclaredProgram stands in."""
+    key = resolved_request(plan, get_device(device).name, name, **options)
     prog = programs.get(key)
     if prog is None:
-        model, info = request_subgraph(plan, name, **options)
+        model, info, stored = subgraph(plan, key)
+        if not sessions:
+            programs[key] = DeclaredProgram(info, name)
+            return programs[key]
         try:
             if comm is not None and not info.reductions and set(info.state_outputs.values()) & set(plan.trainable):
                 raise PlanError(f"subgraph {name!r} updates the parameters but marks no reduction points, so a "
@@ -291,7 +310,7 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
                 if slot not in store:
                     raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
         except (ContractError, ValueError, TypeError) as e:  # TypeError: np.dtype of a garbled dtype name
-            if plan.subgraphs.get(name) is not model:
+            if not stored:
                 raise  # emitted just now: a compiler bug
             why = " ".join(str(e).split())
             raise PlanError(f"the plan's subgraph {name!r} disagrees with its entry in plan.json "

@@ -48,6 +48,9 @@ class Trainer:
     `batch_size` (optional): the training batch size, so that every session the steps use is
     built here and not during the first step (any batch size still works).
 
+    `sessions=False` builds no session and runs nothing: the trainer only asks for the
+    subgraphs its steps need (kfac_compiler.store_default_subgraphs stores them in the plan).
+
     `comm`: the ranks of a data-parallel run ("auto": MPI.COMM_WORLD when launched under an
     MPI launcher with more than one rank; None: one process; or an mpi4py communicator).
     Every rank passes the same global batch to `step` and takes its own equal share of the
@@ -58,7 +61,7 @@ class Trainer:
     def __init__(self, plan: "Plan | str | os.PathLike", optimizer: str = "kfac", device: str = "cpu",
                  learning_rate: float | None = None, momentum: float | None = None, seed: int = 0,
                  threads: int | None = None, batch_size: int | None = None, comm: Any = "auto",
-                 **knobs: Any) -> None:
+                 sessions: bool = True, **knobs: Any) -> None:
         if isinstance(plan, (str, os.PathLike)):
             from kfac_compiler.plan import load_plan
 
@@ -82,6 +85,7 @@ class Trainer:
         self.seed = check_int(seed, "seed", low=0)
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device)
+        self.sessions = bool(sessions)
         self.params = list(plan.trainable)
         self.loss = plan.loss.build()
         self._check_batch = BatchChecker(plan, self.loss)
@@ -118,13 +122,17 @@ class Trainer:
         """The Program for subgraph `name` (created on first use; its state slots initialized);
         `threads` overrides the trainer's intra-op thread count for this session."""
         return cached_program(self._programs, self.store, self.plan, self.device, threads or self.threads, name,
-                              comm=self.comm, **options)
+                              comm=self.comm, sessions=self.sessions, **options)
 
     def programs(self) -> dict[str, Program]:
+        """The sessions built so far, by subgraph name; where one name has several, labelled
+        with the options that tell them apart ("kfac_step[with_stats=False]")."""
         out = {}
-        for (name, opts), prog in self._programs.items():
-            label = name + "".join(f"[{k}={v}]" for k, v in opts if k in ("with_stats",))
-            out[label] = prog
+        for req, prog in self._programs.items():
+            others = [r.options.to_json() for r in self._programs if r.name == req.name and r != req]
+            mine = req.options.to_json()
+            differ = sorted({k for o in others for k in mine if o.get(k) != mine[k]})
+            out[req.name + "".join(f"[{k}={mine[k]}]" for k in differ)] = prog
         return out
 
     def session_seconds(self) -> float:
@@ -214,7 +222,7 @@ class Trainer:
         if batch_size is not None and check_int(batch_size, "evaluate: batch_size") < 1:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._check_batch(inputs, targets)
-        prog = self.program("loss")
+        prog = self.program(C.LOSS_GRAPH)
         n = data[C.TARGETS].shape[0]
         bs = n if not batch_size else int(batch_size)
         result = prog.results[0] if prog.results and self.loss.metrics else None

@@ -127,13 +127,13 @@ def test_lowered_forward_steps_match_torch():
     from onnx import numpy_helper
 
     import kfac_compiler as kc
-    from kfac_compiler.contract import request_subgraph
+    from kfac_compiler.backend import emit_subgraph
     from kfac_compiler.models import ZOO, build_small_cnn
     from kfac_compiler.runtime import Trainer
 
     model = build_small_cnn(seed=0, channels=(8, 16))
     plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
-    step, _ = request_subgraph(plan, "sgd_step")
+    step, _ = emit_subgraph(plan, "sgd_step")
     assert [n.input[1] for n in step.graph.node if n.op_type == "Conv"] == ["conv1.weight"]  # conv2 lowered
     assert sum(n.op_type == "Gather" for n in step.graph.node) == 3  # conv2: patches (shared), dx rows
     weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
-from kfac_compiler.contract import plan_blocks
+from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.models import ZOO
 from kfac_compiler.report import rank_assignment
 from kfac_compiler.runtime.device import physical_cores

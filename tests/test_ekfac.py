@@ -13,7 +13,7 @@ from scipy.linalg import block_diag
 
 import kfac_compiler as kc
 from kfac_compiler.backend import emit_subgraph
-from kfac_compiler.blocks import make_block
+from kfac_compiler.blocks import make_block, plan_blocks
 from kfac_compiler.errors import PlanError
 from kfac_compiler.losses import make_loss
 from kfac_compiler.models import ZOO
@@ -242,7 +242,7 @@ def test_zoo_mlp_trains_with_ekfac_and_resumes_bit_for_bit(tmp_path):
     x = inputs["input"]
     knobs = dict(inv_update_period=3, damping_adaptation_interval=2)
     straight = Trainer(plan, optimizer="kfac", seed=1, **knobs)
-    blk, losses = plan.blocks["fc1"], []
+    blk, losses = plan_blocks(plan)["fc1"], []
     for s in range(12):
         m = straight.step(*_batch(x, y, s))
         losses.append(m["loss"])

@@ -9,7 +9,7 @@ import pytest
 
 import kfac_compiler as kc
 from kfac_compiler import contract as C
-from kfac_compiler.contract import request_subgraph
+from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.errors import ConfigError, PlanError
 from kfac_compiler.models import ZOO
 from kfac_compiler.optimizers.kfac import refresh as R
@@ -83,11 +83,11 @@ def test_due_group_refreshes_each_group_once_per_period():
 # ----------------------------------------------------------------------------- emitted subset
 def test_inverse_update_layers_option_writes_only_those_layers(mlp):
     plan, _, _ = mlp
-    _, info = request_subgraph(plan, "inverse_update", method="schur", layers=("fc2",))
+    _, info = emit_subgraph(plan, "inverse_update", method="schur", layers=("fc2",))
     assert sorted(info.state_outputs) == [C.new(C.inverse("fc2", i)) for i in ("A_inv", "G_inv")]
     assert C.inverse_ok("fc2") in info.metrics and C.inverse_ok("fc1") not in info.metrics
     with pytest.raises(PlanError, match="no layer 'fc9'"):
-        request_subgraph(plan, "inverse_update", method="schur", layers=("fc2", "fc9"))
+        emit_subgraph(plan, "inverse_update", method="schur", layers=("fc2", "fc9"))
 
 
 # ----------------------------------------------------------------------------- in the trainer

@@ -8,7 +8,7 @@ import kfac_compiler as kc
 from kfac_compiler import contract as C
 from kfac_compiler.backend import Emission, plan_parts
 from kfac_compiler.models import ZOO
-from kfac_compiler.optimizers.kfac.graph import STAGES, QuadraticModel, emit_kfac_step
+from kfac_compiler.optimizers.kfac.graph import STAGES, KfacStepOptions, QuadraticModel, emit_kfac_step
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def parts():
 
 def points(parts, **options):
     em = Emission.start(parts)
-    emit_kfac_step(em, **options)
+    emit_kfac_step(em, KfacStepOptions(**options))
     return em, [p for p, _ in em.reductions]
 
 

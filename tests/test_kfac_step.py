@@ -213,7 +213,7 @@ def test_statistics_run_only_on_the_steps_that_update_them(mlp):
         np.testing.assert_allclose(tr.store.to_numpy(s), expect, rtol=1e-5, atol=1e-7)
         assert not np.allclose(tr.store.to_numpy(s), f0[s])
     # the If, not a zero coefficient, keeps them: a skipping run with c = 0.5 changes nothing
-    prog = tr.program("kfac_step", with_stats=True, stats_if=True, **tr.policy.kfac_options())
+    prog = tr.program("kfac_step", options=tr.policy.step_options())  # with_stats, stats_if
     before = {s: tr.store.to_numpy(s) for s in factors}
     assert prog.run(tr.store, hp={"hp/update_stats": 0.0, "hp/ema_coeff": 0.5})["metric/finite"] == 1.0
     assert all(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)
@@ -233,8 +233,8 @@ def test_step_program_follows_the_batch_size_and_weights(mlp):
         for rows in (48, 8, 48):
             w = np.full(rows, 2.0, np.float32) if weighted else None
             losses.append(tr.step({"input": x[:rows]}, y[:rows], weights=w)["loss"])
-            assert tr.policy.step_program() is tr.program("kfac_step", with_stats=True, **tr.policy.kfac_options())
+            assert tr.policy.step_program() is tr.program("kfac_step", options=tr.policy.step_options())
         runs[weighted] = losses
-    assert tr.policy.kfac_options()["stats_batch"] == 16 and tr.policy.kfac_options()["weighted"]
+    assert tr.policy.step_options().stats_batch == 16 and tr.policy.step_options().weighted
     # step 0 of both runs starts from the same parameters
     assert runs[True][0] == pytest.approx(2.0 * runs[False][0], rel=1e-6)

@@ -166,7 +166,7 @@ def test_kfac_damping_schedule_reaches_the_step_and_the_inverses(mlp):
     max_damping], and the inverses refreshed after step k are damped with schedule(k + 1):
     (F + damping) P = g for P preconditioned with them, F the block's numpy twin on the
     trainer's factors (and not with step 4's own damping)."""
-    from kfac_compiler.contract import plan_blocks
+    from kfac_compiler.blocks import plan_blocks
 
     plan, x, y = mlp
     sched = lambda k: 0.1 * 0.25 ** k  # noqa: E731  step 5: 9.8e-5, below min_damping 3e-4

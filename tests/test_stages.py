@@ -10,7 +10,7 @@ import pytest
 
 import kfac_compiler as kc
 from kfac_compiler import contract as C
-from kfac_compiler.contract import request_subgraph
+from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.data import draw_noise
@@ -59,7 +59,7 @@ def trained():
 ], ids=["qmodel+stats_if+loss_after", "fixed_lr+l2", "sub_batches"])
 def test_stages_compute_what_the_fused_step_computes(trained, options):
     plan, tr, data = trained
-    model, info = request_subgraph(plan, "kfac_step", **options)
+    model, info = emit_subgraph(plan, "kfac_step", **options)
     hp = {n: 1.0 for n in info.hp_inputs}
     hp.update({C.DAMPING: 0.1, C.hp("max_momentum"): 0.9, C.hp("max_predicted_decrease"): 0.0, C.L2: 1e-3,
                C.EMA_COEFF: 0.2, C.LEARNING_RATE: 0.05, C.MOMENTUM: 0.5, C.hp("norm_constraint"): 0.0})
@@ -92,7 +92,7 @@ def test_the_cuts_follow_the_data_dependencies(trained):
     the update needs (alpha, mu) from the reduced model (after stage 2); the rejection test and
     metric/finite read the reduced loss after (stage 3)."""
     plan, _, _ = trained
-    model, info = request_subgraph(plan, "kfac_step", with_stats=True, qmodel=True, loss_after=True)
+    model, info = emit_subgraph(plan, "kfac_step", with_stats=True, qmodel=True, loss_after=True)
     stages = split_stages(model, info)
     assert len(stages) == 4
     point = {r: p for p, pairs in info.reductions.items() for r in pairs}
@@ -106,7 +106,7 @@ def test_the_cuts_follow_the_data_dependencies(trained):
 
 def test_a_marker_missing_from_the_graph_is_a_stage_error(trained):
     plan, _, _ = trained
-    model, info = request_subgraph(plan, "kfac_step", with_stats=True, qmodel=False, loss_after=False)
+    model, info = emit_subgraph(plan, "kfac_step", with_stats=True, qmodel=False, loss_after=False)
     bad = onnx.ModelProto()
     bad.CopyFrom(model)
     reduced = next(iter(info.reductions["loss"]))

@@ -55,12 +55,15 @@ class Emission:
 
     # ------------------------------------------------------------- set-up
     @classmethod
-    def start(cls, parts: PlanParts, float_type: int = FLOAT) -> "Emission":
+    def start(cls, parts: PlanParts, float_type: int = FLOAT, conv_gather: bool = True) -> "Emission":
+        """A new subgraph of `parts`' forward graph; `conv_gather`: the Gather im2col forms of
+        Conv may be used (oprules/conv.py)."""
         view = GraphView(parts.model)
         for name in C.RESERVED:
             if name in view.all_names():
                 raise ModelError(f"the model already has a tensor named {name!r}; rename it before compiling")
         b = GraphBuilder(view.opset, prefix="kfac", taken=view.all_names(), float_type=float_type)
+        b.conv_gather = conv_gather
         em = cls(parts, view, b)
         for vi in parts.model.graph.input:
             if vi.name not in view.initializers:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from kfac_compiler.blocks import FisherBlock
+from kfac_compiler.blocks import FisherBlock, plan_blocks
 from kfac_compiler.ir import Layer
 from kfac_compiler.losses import Loss
 
@@ -44,6 +44,6 @@ def plan_parts(plan: "Plan | PlanParts") -> PlanParts:
         mode=plan.estimator.mode,
         num_samples=int(plan.estimator.num_samples),
         inverse_method=plan.inverse.method,
-        blocks=plan.blocks,
+        blocks=plan_blocks(plan),
         damping_split=plan.inverse.damping_split,
     )

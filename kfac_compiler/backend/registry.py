@@ -1,30 +1,29 @@
-"""The subgraph registry: which emitter builds each subgraph of the contract, with which
-options, and emit_subgraph, which runs one on a fresh Emission."""
+"""The emitters of the back end's subgraph kinds, by name, and `emit`, which runs the
+emitter of a resolved request on a fresh Emission (kfac_compiler/requests.py: the kinds and
+their options; an optimizer's kind carries its own emitter)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
 import onnx
 
+from kfac_compiler import requests as R
 from kfac_compiler.backend.emission import Emission
 from kfac_compiler.backend.plan_parts import PlanParts, plan_parts
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.optimizers import emitters as optimizer_emitters
 
 if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
 
-Emitter = Callable[..., None]
+Emitter = Callable[[Emission, Any], None]
+
+SUBGRAPHS: dict[str, Emitter] = {}  # the back end's own; the optimizers' come with their kinds
 
 
-SUBGRAPHS: dict[str, Emitter] = {}  # the back end's own; the optimizers' come from their plugins
-
-
-def subgraph(name: str):
-    """Decorator: register `fn(em, **options)` as the emitter of subgraph `name`."""
+def subgraph(name: str) -> Callable[[Emitter], Emitter]:
+    """Decorator: register `fn(em, options)` as the emitter of the back end's kind `name`."""
     def deco(fn: Emitter) -> Emitter:
         SUBGRAPHS[name] = fn
         return fn
@@ -33,47 +32,36 @@ def subgraph(name: str):
 
 
 def emitter(name: str) -> Emitter:
-    """The emitter of subgraph `name`: the back end's, or a registered optimizer's."""
-    plugins = optimizer_emitters()
-    clash = sorted(set(plugins) & set(SUBGRAPHS))
-    if clash:
-        raise ConfigError(f"an optimizer emits a subgraph named {clash[0]!r}, which the back end already emits")
-    found = {**SUBGRAPHS, **plugins}
-    if name not in found:
-        raise ConfigError(f"unknown subgraph {name!r}; choose one of {', '.join(found)}")
-    return found[name]
+    """The emitter of subgraph kind `name`: the kind's own (an optimizer's) or the back end's."""
+    found = R.kind(name)
+    fn = found.emit or SUBGRAPHS.get(name)
+    if fn is None:
+        raise ConfigError(f"subgraph {name!r} has no emitter")
+    return fn
 
 
-def resolved_options(plan: "Plan | PlanParts", name: str, **options) -> dict[str, Any]:
-    """Every option subgraph `name` is emitted with, defaults and plan settings filled in
-    (mode, num_samples, inverse method, damping split, weighted): equal resolved options mean
-    an identical subgraph, so the runtime can key its caches on them."""
-    params = list(inspect.signature(emitter(name)).parameters.values())[1:]
-    out: dict[str, Any] = {p.name: p.default for p in params}
-    unknown = [k for k in options if k not in out and k != "weighted"]
-    if unknown:
-        raise ConfigError(f"subgraph {name!r} has no option {unknown[0]!r}; its options are {sorted(out)}")
-    out.update({k: v for k, v in options.items() if v is not None})
+def settings_of(parts: PlanParts, device: str = "cpu") -> R.Settings:
+    """The settings a request for `parts` is resolved against."""
+    return R.Settings(parts.mode, parts.num_samples, parts.inverse_method, parts.damping_split, device)
+
+
+def emit(plan: "Plan | PlanParts", req: R.Request) -> tuple[onnx.ModelProto, SubgraphInfo]:
+    """Emit the graph of `req` (resolved: see kfac_compiler.requests) for `plan`; its info
+    records the kind and the resolved options."""
     parts = plan_parts(plan)
-    plan_defaults = {"mode": parts.mode, "num_samples": parts.num_samples, "method": parts.inverse_method}
-    for key, value in plan_defaults.items():
-        if key in out and out[key] is None:
-            out[key] = value
-    out["weighted"] = bool(options.get("weighted", False))
-    out["damping_split"] = parts.damping_split
-    return out
-
-
-def emit_subgraph(plan: "Plan | PlanParts", name: str, **options) -> tuple[onnx.ModelProto, SubgraphInfo]:
-    """Emit subgraph `name` of the contract for `plan`; info.options records the resolved
-    options (see resolved_options)."""
-    parts = plan_parts(plan)
-    resolved = resolved_options(parts, name, **options)
-    weighted = bool(options.pop("weighted", False))
-    if weighted != parts.weighted:
-        parts = dataclasses.replace(parts, weighted=weighted)
-    em = Emission.start(parts)
-    emitter(name)(em, **options)
-    model, info = em.finish(name)
-    info.options = resolved
+    opts = req.options
+    if opts.weighted != parts.weighted:
+        parts = dataclasses.replace(parts, weighted=opts.weighted)
+    em = Emission.start(parts, conv_gather=opts.conv_gather is not False)
+    emitter(req.name)(em, opts)
+    model, info = em.finish(req.name)
+    info.kind, info.options = req.name, opts.to_json()
     return model, info
+
+
+def emit_subgraph(plan: "Plan | PlanParts", name: str, device: str = "cpu",
+                  **options: Any) -> tuple[onnx.ModelProto, SubgraphInfo]:
+    """Emit subgraph `name` with keyword `options`, resolved for `plan` on `device` (a
+    shorthand of emit for tests, benchmarks and the lower-level API)."""
+    parts = plan_parts(plan)
+    return emit(parts, R.request(name, **options).resolve(settings_of(parts, device)))

@@ -12,31 +12,38 @@ from kfac_compiler.backend.emission import WEIGHTS, Emission
 from kfac_compiler.backend.registry import subgraph
 from kfac_compiler.blocks._parts import emit_statistic
 from kfac_compiler.errors import PlanError
+from kfac_compiler.requests import (
+    GradientsOptions,
+    InverseOptions,
+    LossOptions,
+    MultiplyOptions,
+    PowerOptions,
+    PreconditionOptions,
+    StatisticsOptions,
+)
 
 FLOAT = TensorProto.FLOAT
 
 
-@subgraph("loss")
-def loss(em: Emission) -> None:
+@subgraph(C.LOSS_GRAPH)
+def loss(em: Emission, o: LossOptions) -> None:
     y = em.targets()
     em.example_weights()
     em.metric(C.LOSS, em.parts.loss.emit_loss(em.b, em.output, y, WEIGHTS if em.parts.weighted else None))
     em.result(C.MODEL_OUTPUT, em.output)
 
 
-@subgraph("gradients")
-def gradients(em: Emission) -> None:
+@subgraph(C.GRADIENTS)
+def gradients(em: Emission, o: GradientsOptions) -> None:
     loss, _, grads, _ = em.loss_and_grads()
     em.metric(C.LOSS, loss)
     for p in em.parts.params:
         em.result(C.grad(p), grads[p])
 
 
-@subgraph("statistics")
-def statistics(em: Emission, mode: str | None = None, num_samples: int | None = None,
-                stats_batch: int | None = None) -> None:
-    mode = mode or em.parts.mode
-    num_samples = num_samples or em.parts.num_samples
+@subgraph(C.STATISTICS)
+def statistics(em: Emission, o: StatisticsOptions) -> None:
+    mode, num_samples, stats_batch = o.mode or em.parts.mode, o.num_samples or em.parts.num_samples, o.stats_batch
     targets = em.layer_cotangent_targets() if mode == "empirical" and stats_batch is None else []
     loss, n, _, cots = em.loss_and_grads(targets)
     em.metric(C.LOSS, loss)
@@ -46,12 +53,10 @@ def statistics(em: Emission, mode: str | None = None, num_samples: int | None = 
             em.result(C.stat(layer, fname), emit_statistic(em.b, stat))
 
 
-@subgraph("update_statistics")
-def update_statistics(em: Emission, mode: str | None = None, num_samples: int | None = None,
-                       stats_batch: int | None = None) -> None:
+@subgraph(C.UPDATE_STATISTICS)
+def update_statistics(em: Emission, o: StatisticsOptions) -> None:
     """Moving-average factor update only (first step, burn-in, before an inverse refresh)."""
-    mode = mode or em.parts.mode
-    num_samples = num_samples or em.parts.num_samples
+    mode, num_samples, stats_batch = o.mode or em.parts.mode, o.num_samples or em.parts.num_samples, o.stats_batch
     reuse = mode == "empirical" and stats_batch is None
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
     ok_terms = [loss]
@@ -60,22 +65,21 @@ def update_statistics(em: Emission, mode: str | None = None, num_samples: int | 
     em.metric(C.FINITE, em.b.cast(em.finite(ok_terms), FLOAT))
 
 
-@subgraph("inverse_update")
-def inverse_update(em: Emission, method: str | None = None, layers: tuple[str, ...] | None = None) -> None:
+@subgraph(C.INVERSE_UPDATE)
+def inverse_update(em: Emission, o: InverseOptions) -> None:
     """The damped inverses of every emitted block, or (`layers`, a tuple of layer names) of
     those blocks only: a refresh spread over several steps runs one such program per group
     of blocks (optimizers/kfac/refresh.py)."""
-    _emit_block_states(em, linalg.concrete_method(method or em.parts.inverse_method), layers, -1)
+    _emit_block_states(em, linalg.concrete_method(o.method or em.parts.inverse_method), o.layers, -1)
 
 
-@subgraph("power_update")
-def power_update(em: Emission, power: float = -0.5, method: str | None = None,
-                 layers: tuple[str, ...] | None = None) -> None:
+@subgraph(C.POWER_UPDATE)
+def power_update(em: Emission, o: PowerOptions) -> None:
     """inverse_update for a preconditioner power other than -1 (K-FAC's precon_power): the
     inverse slots of every block that emits (F + damping)^power (integer and half-integer
     powers, blocks.PartsBlock.emit_power_state) hold that power's state; the runtime computes
     the other blocks' on the host (numpy_power_state)."""
-    _emit_block_states(em, linalg.concrete_method(method or em.parts.inverse_method), layers, float(power))
+    _emit_block_states(em, linalg.concrete_method(o.method or em.parts.inverse_method), o.layers, float(o.power))
 
 
 def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None, power: float) -> None:
@@ -109,16 +113,16 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
     em.metric(C.INVERSE_OK, all_ok)
 
 
-@subgraph("precondition")
-def precondition(em: Emission) -> None:
+@subgraph(C.PRECONDITION)
+def precondition(em: Emission, o: PreconditionOptions) -> None:
     vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
     out = em.precondition(vecs)
     for p in em.parts.params:
         em.result(C.precond(p), out[p])
 
 
-@subgraph("multiply")
-def multiply(em: Emission, exp: float = 1) -> None:
+@subgraph(C.MULTIPLY)
+def multiply(em: Emission, o: MultiplyOptions) -> None:
     """(F + damping)^exp v for every block, from the moving-average factors: the block
     multiply for exp = 1, an integer or half-integer matrix power otherwise (a product whose
     emitted square root failed its check is NaN; other powers need eigendecompositions:
@@ -129,9 +133,9 @@ def multiply(em: Emission, exp: float = 1) -> None:
         block = em.blocks[layer.name]
         factors = {s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()}
         mine = {p: vecs[p] for p in layer.params}
-        if exp == 1:
+        if o.exp == 1:
             out = block.emit_multiply(em.b, mine, factors, damping)
         else:
-            out = block.emit_multiply_matpower(em.b, mine, factors, damping, exp)
+            out = block.emit_multiply_matpower(em.b, mine, factors, damping, o.exp)
         for p in layer.params:
             em.result(C.product(p), out[p])

@@ -7,6 +7,8 @@ any imported module makes a new approximation selectable (docs/extending_blocks.
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from kfac_compiler.blocks.base import FisherBlock, InverseState, make_block
 from kfac_compiler.blocks.registry import (
     APPROXIMATIONS,
@@ -23,6 +25,25 @@ from kfac_compiler.blocks import conv, conv_transpose, embedding, flat, fully_co
 from kfac_compiler.blocks import ekfac  # noqa: E402,F401
 from kfac_compiler.blocks._parts import emit_inverses, numpy_inverses  # noqa: E402
 
+
+def plan_blocks(plan: Any, layers: Sequence[str] | None = None) -> dict[str, FisherBlock]:
+    """{layer name: FisherBlock} of a kfac_compiler.plan.Plan's layers (all, or `layers`, in
+    that order): the back end emits with them, and the runtime computes host-side inverses and
+    the lower-level API's host products with their numpy twins (runtime/host_blocks.py).
+    PlanError naming a layer the plan does not have."""
+    from kfac_compiler.errors import PlanError
+
+    known = {layer.name: layer for layer in plan.layers}
+    missing = [name for name in (layers or ()) if name not in known]
+    if missing:
+        raise PlanError(f"the plan has no layer {missing[0]!r}")
+    shapes, view = plan.param_shapes, plan.view()
+    return {
+        name: make_block(known[name], {p: shapes[p] for p in known[name].params},
+                         [view.shape(u.input) for u in known[name].uses], damping_mode=plan.inverse.damping_split)
+        for name in (layers if layers is not None else known)
+    }
+
 __all__ = [
     "APPROXIMATIONS",
     "BLOCK_CLASSES",
@@ -34,6 +55,7 @@ __all__ = [
     "make_block",
     "menu_key",
     "numpy_inverses",
+    "plan_blocks",
     "register_block",
     "unregister_block",
 ]

@@ -265,4 +265,11 @@ from kfac_compiler.oprules import (  # noqa: E402,F401
     unary,
 )
 
-__all__ = ["RULES", "Rule", "describe", "find", "lookup", "register", "register_nondiff", "remedy", "supported_ops"]
+# helpers for rule authors (extensions included): a float constant in the builder's float type,
+# a cotangent summed back to a broadcast operand's shape, whether an input's cotangent is needed,
+# the jvp of an op linear in one input
+from kfac_compiler.oprules._util import c as const  # noqa: E402
+from kfac_compiler.oprules._util import linear_jvp, need, unbroadcast  # noqa: E402
+
+__all__ = ["RULES", "Rule", "const", "describe", "find", "linear_jvp", "lookup", "need", "register",
+           "register_nondiff", "remedy", "supported_ops", "unbroadcast"]

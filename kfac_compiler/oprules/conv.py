@@ -135,7 +135,6 @@ def conv_t_to(b, view, g: str, w: str, geo: Geom, x_like: str, so: list | None, 
 # kernel offset) to a row, row P holding zeros (padding, or no contribution). Measurements:
 # docs/autodiff.md.
 GATHER_TABLE_MAX = 1 << 22  # entries of a gather table (int64): above it, the Slice/Conv forms
-GATHER_FORMS = True  # False: the Slice/Conv/ConvTranspose forms only (A/B: bench_conv.py --ab)
 
 
 def _axis_taps(n_pos: int, n_src: int, k: int, s: int, d: int, pb: int, adjoint: bool) -> np.ndarray:
@@ -188,9 +187,11 @@ def _zero_row(b, rows: str) -> str:
     return b.op("Pad", [rows, b.ints([0, 0, 0, 0, 1, 0])])
 
 
-def _gather_ok(geo: Geom, so, ws, group: int) -> bool:
-    """The gather forms apply: group 1 and every size static (the batch may be dynamic)."""
-    return (GATHER_FORMS and group == 1 and geo.k is not None and geo.S_static and ws is not None and so is not None
+def _gather_ok(b, geo: Geom, so, ws, group: int) -> bool:
+    """The gather forms apply: allowed by the builder (b.conv_gather, an emission option; False:
+    the Slice/Conv/ConvTranspose forms only), group 1 and every size static (the batch may be
+    dynamic)."""
+    return (b.conv_gather and group == 1 and geo.k is not None and geo.S_static and ws is not None and so is not None
             and all(isinstance(v, int) for v in so)
             and int(np.prod(so)) * int(np.prod(geo.k)) <= GATHER_TABLE_MAX
             and int(np.prod(geo.S)) * int(np.prod(geo.k)) <= GATHER_TABLE_MAX)
@@ -341,7 +342,7 @@ def lower_forward(b, view, node) -> bool:
     geo = Geom(view, node, X, W)
     ws = static_shape(view, W)
     so = geo.out_size()
-    if not _gather_ok(geo, so, ws, int(attr(node, "group", 1))) or not _forward_pays(geo, so, ws[1]):
+    if not _gather_ok(b, geo, so, ws, int(attr(node, "group", 1))) or not _forward_pays(geo, so, ws[1]):
         return False
     GatherConv(b, geo, so, ws).forward(X, W, inp(node, 2), node.output[0])
     return True
@@ -468,7 +469,7 @@ def _conv_vjp(b, view, node, gys, needs=None):
     so = static_shape(view, Y)
     so = list(so[2:]) if so is not None else geo.out_size()
     ws = static_shape(view, W)
-    gat = GatherConv(b, geo, so, ws) if _gather_ok(geo, so, ws, group) else None
+    gat = GatherConv(b, geo, so, ws) if _gather_ok(b, geo, so, ws, group) else None
     if need(needs, 0):
         if gat is not None:
             res[0] = gat.input(W, g)
@@ -508,7 +509,7 @@ def _jvp_gather(b, view, node) -> GatherConv | None:
     ws = static_shape(view, W)
     so = static_shape(view, node.output[0])
     so = list(so[2:]) if so is not None else geo.out_size()
-    if not _gather_ok(geo, so, ws, int(attr(node, "group", 1))) or not _rows_pay(ws[1], geo, so):
+    if not _gather_ok(b, geo, so, ws, int(attr(node, "group", 1))) or not _rows_pay(ws[1], geo, so):
         return None
     return GatherConv(b, geo, so, ws)
 

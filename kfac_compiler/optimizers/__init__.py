@@ -4,7 +4,7 @@ from kfac_compiler.optimizers.base import (
     OPTIMIZERS,
     Gram,
     Optimizer,
-    emitters,
+    FirstOrderStepOptions,
     make_config,
     optimizer_class,
     register_optimizer,
@@ -20,6 +20,6 @@ from kfac_compiler.optimizers.sgd import SgdConfig  # noqa: E402
 
 __all__ = [
     "ALIASES", "OPTIMIZERS", "AdamConfig", "Gram", "KfacConfig", "Optimizer", "OptimizerConfig", "SgdConfig",
-    "ema_coefficient", "emitters", "lm_adapt", "make_config", "optimizer_class", "reduction_ratio",
+    "FirstOrderStepOptions", "ema_coefficient", "lm_adapt", "make_config", "optimizer_class", "reduction_ratio",
     "register_optimizer", "regularized",
 ]

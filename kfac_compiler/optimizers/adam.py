@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import mean_loss_and_grads, regularized, register_optimizer
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, regularized, register_optimizer
 from kfac_compiler.optimizers.settings import OptimizerConfig, check_positive, check_unit
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
+from kfac_compiler.requests import SubgraphKind
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -49,11 +50,11 @@ class AdamConfig(OptimizerConfig):
         return self.at("learning_rate", k) * math.sqrt(1.0 - self.beta2**t) / (1.0 - self.at("beta1", k)**t)
 
 
-def emit_adam_step(em: "Emission", l2: bool = False) -> None:
+def emit_adam_step(em: "Emission", o: FirstOrderStepOptions) -> None:
     """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t)."""
     b = em.b
     loss, raw, _ = mean_loss_and_grads(em)
-    grads = regularized(em, raw, l2)
+    grads = regularized(em, raw, o.l2)
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
     one = b.const(1.0)
     steps = {}
@@ -75,7 +76,7 @@ def emit_adam_step(em: "Emission", l2: bool = False) -> None:
 class Adam(FirstOrderOptimizer):
     name = "adam"
     Config = AdamConfig
-    subgraphs = {"adam_step": emit_adam_step}
+    subgraphs = (SubgraphKind("adam_step", FirstOrderStepOptions, every_step=True, emit=emit_adam_step),)
     step_subgraph = "adam_step"
 
     def hyper_parameters(self, k: int) -> dict[str, float]:

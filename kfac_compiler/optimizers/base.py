@@ -2,10 +2,10 @@
 
 An optimizer owns three things, in its own module:
   * its settings (`Config`, an OptimizerConfig: knobs, defaults, validation);
-  * the graphs it emits (`subgraphs`: {subgraph name: emitter}); an emitter is a function
-    `emit(em, **options)` that adds nodes to `em`, a kfac_compiler.backend Emission, and
-    declares its inputs and outputs by contract name; the back end's emit_subgraph finds it
-    here by name, and its keyword options are the subgraph's options;
+  * the graphs it emits (`subgraphs`: SubgraphKinds, kfac_compiler/requests.py: a name, a
+    frozen options type, whether it runs every step, and the emitter `emit(em, options)`,
+    which adds nodes to `em`, a kfac_compiler.backend Emission, and declares its inputs and
+    outputs by contract name); registering the optimizer registers its kinds;
   * its host-side policy (the plugin instance, made per Trainer): which sessions a step
     runs with which hyper-parameters, schedules, rejection, and its host state for
     checkpoints.
@@ -14,7 +14,7 @@ An optimizer owns three things, in its own module:
     class MyOptimizer(Optimizer):
         name = "mine"
         Config = MyConfig
-        subgraphs = {"mine_step": emit_mine_step}
+        subgraphs = (SubgraphKind("mine_step", MineOptions, every_step=True, emit=emit_mine_step),)
         def build(self): self.trainer.program("mine_step")
         def step(self, data): ...
 
@@ -26,9 +26,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Mapping, Sequence
 
+import dataclasses
+from dataclasses import dataclass
+
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers.settings import OptimizerConfig
+from kfac_compiler.requests import SubgraphKind, SubgraphOptions, register_kind
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -43,7 +47,7 @@ class Optimizer:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[OptimizerConfig]] = OptimizerConfig
-    subgraphs: ClassVar[dict[str, Emitter]] = {}
+    subgraphs: ClassVar[tuple[SubgraphKind, ...]] = ()
     burn_in_count: int = 0  # statistics-only steps taken (see burn_in)
 
     def __init__(self, trainer: "Trainer") -> None:
@@ -81,9 +85,15 @@ OPTIMIZERS: dict[str, type[Optimizer]] = {}
 def register_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
     """Class decorator: make `cls` selectable as optimizer `cls.name` (registering a name
     again replaces the earlier class, as for losses and blocks: a user may override a
-    built-in). Its subgraph names must be its own (emitters() checks)."""
+    built-in). Its subgraph kinds are registered with it; a name the back end or another
+    optimizer emits is a ConfigError."""
     if not cls.name:
         raise TypeError(f"optimizer class {cls.__name__} has no name")
+    owner = f"optimizer {cls.name!r}"
+    for kind in cls.subgraphs:
+        if kind.emit is None:
+            raise TypeError(f"optimizer {cls.name!r}: subgraph {kind.name!r} has no emitter")
+        register_kind(dataclasses.replace(kind, owner=owner))
     OPTIMIZERS[cls.name] = cls
     return cls
 
@@ -100,16 +110,11 @@ def make_config(optimizer: str, plan: "Plan | None" = None, **knobs: Any) -> Opt
     return optimizer_class(optimizer).Config.from_knobs(plan, **knobs)
 
 
-def emitters() -> dict[str, Emitter]:
-    """Every registered optimizer's subgraphs, by name (a name two optimizers emit is an error)."""
-    out: dict[str, Emitter] = {}
-    owner: dict[str, str] = {}
-    for cls in OPTIMIZERS.values():
-        for name, fn in cls.subgraphs.items():
-            if name in owner:
-                raise ConfigError(f"optimizers {owner[name]!r} and {cls.name!r} both emit a subgraph named {name!r}")
-            out[name], owner[name] = fn, cls.name
-    return out
+@dataclass(frozen=True)
+class FirstOrderStepOptions(SubgraphOptions):
+    """The options of a first-order step (sgd_step, adam_step): `l2` adds weight decay."""
+
+    l2: bool = False
 
 
 # --------------------------------------------------------------------------- emission helpers

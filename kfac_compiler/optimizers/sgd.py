@@ -5,9 +5,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import mean_loss_and_grads, regularized, register_optimizer
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, regularized, register_optimizer
 from kfac_compiler.optimizers.settings import OptimizerConfig, check_unit
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
+from kfac_compiler.requests import SubgraphKind
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -33,11 +34,11 @@ class SgdConfig(OptimizerConfig):
         check_unit("momentum", self.initial("momentum"))
 
 
-def emit_sgd_step(em: "Emission", l2: bool = False) -> None:
+def emit_sgd_step(em: "Emission", o: FirstOrderStepOptions) -> None:
     """Heavy-ball SGD: v = momentum v - lr g; theta += v."""
     b = em.b
     loss, raw, _ = mean_loss_and_grads(em)
-    grads = regularized(em, raw, l2)
+    grads = regularized(em, raw, o.l2)
     lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
     steps = {}
     for p in em.parts.params:
@@ -52,7 +53,7 @@ def emit_sgd_step(em: "Emission", l2: bool = False) -> None:
 class Sgd(FirstOrderOptimizer):
     name = "sgd"
     Config = SgdConfig
-    subgraphs = {"sgd_step": emit_sgd_step}
+    subgraphs = (SubgraphKind("sgd_step", FirstOrderStepOptions, every_step=True, emit=emit_sgd_step),)
     step_subgraph = "sgd_step"
 
     def hyper_parameters(self, k: int) -> dict[str, float]:

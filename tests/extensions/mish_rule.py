@@ -8,12 +8,12 @@ tangent). See docs/extending.md, "An op rule", and docs/autodiff.md for rules of
 """
 from __future__ import annotations
 
-from kfac_compiler.oprules._util import c
+from kfac_compiler.oprules import const
 from kfac_compiler.oprules.unary import unary
 
 
 @unary("Mish", since=18)
 def mish(b, node, x, y, v):
     t = b.op("Tanh", [b.op("Softplus", [x])])
-    slope = b.add(t, b.mul(b.mul(x, b.op("Sigmoid", [x])), b.sub(c(b, 1.0), b.mul(t, t))))
+    slope = b.add(t, b.mul(b.mul(x, b.op("Sigmoid", [x])), b.sub(const(b, 1.0), b.mul(t, t))))
     return b.mul(v, slope)

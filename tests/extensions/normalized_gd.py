@@ -14,6 +14,7 @@ from onnx import TensorProto
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers import Gram, Optimizer, OptimizerConfig, register_optimizer
 from kfac_compiler.optimizers.settings import check_positive
+from kfac_compiler.requests import SubgraphKind, SubgraphOptions
 
 
 @dataclass
@@ -31,11 +32,16 @@ class NormalizedGdConfig(OptimizerConfig):
         check_positive("eps", self.eps)
 
 
-def emit_normalized_gd_step(em, eps: float = 1e-12) -> None:
+@dataclass(frozen=True)
+class NormalizedGdOptions(SubgraphOptions):  # the step's options: part of its graph's key
+    eps: float = 1e-12
+
+
+def emit_normalized_gd_step(em, o: NormalizedGdOptions) -> None:
     """One step: the gradient, its norm over all parameters, the update as state outputs."""
     b = em.b
     loss, _, grads, _ = em.loss_and_grads()
-    norm = b.op("Sqrt", [b.add(Gram(em, {"g": grads})("g", "g"), b.const(eps))])
+    norm = b.op("Sqrt", [b.add(Gram(em, {"g": grads})("g", "g"), b.const(o.eps))])
     scale = b.div(em.hp("learning_rate"), norm)
     for p in em.parts.params:
         em.state_output(p, b.sub(p, b.mul(scale, grads[p])))
@@ -48,7 +54,8 @@ def emit_normalized_gd_step(em, eps: float = 1e-12) -> None:
 class NormalizedGd(Optimizer):
     name = "normalized_gd"
     Config = NormalizedGdConfig
-    subgraphs = {"normalized_gd_step": emit_normalized_gd_step}
+    # every_step: its session keeps spinning workers and the CPU arena, as the built-in steps'
+    subgraphs = (SubgraphKind("normalized_gd_step", NormalizedGdOptions, every_step=True, emit=emit_normalized_gd_step),)
 
     def _program(self):
         return self.trainer.program("normalized_gd_step", eps=self.config.eps, weighted=self.trainer.weighted)

@@ -29,22 +29,24 @@ from typing import Any, Mapping
 import numpy as np
 
 from kfac_compiler import contract as C
-from kfac_compiler.contract import plan_blocks
+from kfac_compiler.host_blocks import host_blocks, refresh_costs
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers.base import Optimizer, register_optimizer
 from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
 from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac import refresh as R
-from kfac_compiler.optimizers.kfac.graph import STAGES, emit_kfac_step
+from kfac_compiler.optimizers.kfac.graph import KFAC_STEP, STAGES, KfacStepOptions, emit_kfac_step
+from kfac_compiler.requests import InverseOptions, PowerOptions, StatisticsOptions
 
-__all__ = ["STAGES", "Kfac", "KfacConfig", "ema_coefficient", "emit_kfac_step", "lm_adapt", "reduction_ratio"]
+__all__ = ["KFAC_STEP", "STAGES", "Kfac", "KfacConfig", "KfacStepOptions", "ema_coefficient", "emit_kfac_step",
+           "lm_adapt", "reduction_ratio"]
 
 
 @register_optimizer
 class Kfac(Optimizer):
     name = "kfac"
     Config = KfacConfig
-    subgraphs = {"kfac_step": emit_kfac_step}
+    subgraphs = (KFAC_STEP,)
 
     def __init__(self, trainer) -> None:
         super().__init__(trainer)
@@ -72,18 +74,19 @@ class Kfac(Optimizer):
     def stats_batch(self) -> int | None:
         return self._sub_batch(self.config.stats_batch_size)
 
-    def kfac_options(self) -> dict[str, Any]:
+    def step_options(self, first: bool = False) -> KfacStepOptions:
+        """The kfac_step this run's settings and batch need (`first`: the first step's)."""
         cfg = self.config
-        # momentum_type only where qmodel does not imply it: a plan's stored kfac_step (default
-        # options) still serves the regular and qmodel types
+        # momentum_type only where qmodel does not imply it: one graph serves regular and qmodel
         kind = cfg.momentum_type if cfg.momentum_type in ("adam", "qmodel_fixedmu") else None
-        return {"qmodel": bool(cfg.use_qmodel), "momentum_type": kind, "mode": cfg.mode,
-                "num_samples": cfg.num_samples,
-                "l2": cfg.l2_reg > 0, "stats_batch": self.stats_batch(),
-                "qmodel_batch": self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
-                "loss_after": bool(cfg.adapt_damping), "weighted": self.trainer.weighted,
-                # only where it changes the graph (adam's predicted change): a stored default step still serves
-                **({"precon_power": float(cfg.precon_power)} if kind == "adam" and cfg.precon_power != -1 else {})}
+        stats = dict(with_stats=True, stats_if=True) if self.stats_conditional else dict(with_stats=not first)
+        return KfacStepOptions(
+            qmodel=bool(cfg.use_qmodel), momentum_type=kind, mode=cfg.mode, num_samples=cfg.num_samples,
+            l2=cfg.l2_reg > 0, stats_batch=self.stats_batch(),
+            qmodel_batch=self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
+            loss_after=bool(cfg.adapt_damping), weighted=self.trainer.weighted,
+            # only where it changes the graph (adam's predicted change)
+            precon_power=float(cfg.precon_power) if kind == "adam" else -1.0, **stats)
 
     @property
     def stats_conditional(self) -> bool:
@@ -100,17 +103,14 @@ class Kfac(Optimizer):
         key = (first, tr.weighted, tr.batch_size)
         prog = self._step_programs.get(key)
         if prog is None:
-            if self.stats_conditional:
-                prog = tr.program("kfac_step", with_stats=True, stats_if=True, **self.kfac_options())
-            else:
-                prog = tr.program("kfac_step", with_stats=not first, **self.kfac_options())
+            prog = tr.program(KFAC_STEP.name, options=self.step_options(first))
             self._step_programs[key] = prog
         return prog
 
     def statistics_program(self):
         cfg = self.config
-        return self.trainer.program("update_statistics", mode=cfg.mode, num_samples=cfg.num_samples,
-                                    stats_batch=self.stats_batch(), weighted=self.trainer.weighted)
+        return self.trainer.program(C.UPDATE_STATISTICS, options=StatisticsOptions(
+            mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self.stats_batch(), weighted=self.trainer.weighted))
 
     def build(self) -> None:
         tr = self.trainer
@@ -122,11 +122,11 @@ class Kfac(Optimizer):
         slots = C.layer_slots(step.state_inputs, C.INVERSE)
         layers = [layer.name for layer in tr.plan.layers if layer.name in slots]  # the plan's order, as inspect
         layers += [layer for layer in slots if layer not in layers]
-        blocks = plan_blocks(tr.plan, layers)
         power = float(self.config.precon_power)
-        for layer in layers:  # a block without that power: one line at construction, not at the first refresh
-            blocks[layer].check_power(power)
-        costs = {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}
+        if power != -1:  # a block without that power: one line at construction, not at the first refresh
+            for block in host_blocks(tr.plan, layers).values():
+                block.check_power(power)
+        costs = refresh_costs(tr.plan, layers, method)
         count = R.group_count(costs, self.config.inv_update_period, self.config.inverse_groups)
         groups = R.balanced_groups(costs, count) if count > 1 else [layers]
         owners = R.inverse_owners(costs, tr.ranks)  # data-parallel: each block's inverse on one rank
@@ -138,14 +138,17 @@ class Kfac(Optimizer):
                 continue
             # an emitted refresh runs between two runs of the step session, whose spinning
             # workers hold the other cores: on the CPU one without wide factors gets one thread
-            width = max((R.widest_factor(blocks[layer].inverse_specs()) for layer in g), default=0)
+            width = max((R.widest_factor([step.info.state_specs[s] for s in slots[layer].values()]) for layer in g),
+                        default=0)
             threads = R.refresh_threads(width, tr.device.name)
             # one program per group; the options tuple keys tr.program's memo
             subset = tuple(g) if len(g) < len(layers) else None
             if power == -1:
-                emitted.append(tr.program("inverse_update", threads=threads, method=method, layers=subset))
+                emitted.append(tr.program(C.INVERSE_UPDATE, threads=threads,
+                                          options=InverseOptions(method=method, layers=subset)))
             else:
-                emitted.append(tr.program("power_update", threads=threads, power=power, method=method, layers=subset))
+                emitted.append(tr.program(C.POWER_UPDATE, threads=threads,
+                                          options=PowerOptions(method=method, layers=subset, power=power)))
         self.refresher = tr.inverse_refresher(emitted, step, method, groups, owners, power=power)
 
     # ------------------------------------------------------------------ steps
@@ -302,7 +305,7 @@ class Kfac(Optimizer):
             store.set(C.velocity(p), np.zeros_like(v))
         for s, m in sums.items():
             store.set(s, np.zeros_like(m))
-        loss = tr.mean_over_ranks(tr.program("loss").run(store, data, results=False, channel="eval")[C.LOSS])
+        loss = tr.mean_over_ranks(tr.program(C.LOSS_GRAPH).run(store, data, results=False, channel="eval")[C.LOSS])
         if not np.isfinite(loss):
             for p, (theta, v) in kept.items():
                 store.set(p, theta)

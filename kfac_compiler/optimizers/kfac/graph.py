@@ -29,6 +29,7 @@ from onnx import TensorProto
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers.base import GRADIENTS_POINT, LOSS_POINT, Gram, mean_loss_and_grads, regularized
 from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
+from kfac_compiler.requests import SubgraphKind, SubgraphOptions
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -108,38 +109,47 @@ class Preconditioned:
     accumulated: dict[str, str] | None = None
 
 
-def emit_kfac_step(
-    em: "Emission",
-    with_stats: bool = True,
-    stats_if: bool = False,
-    qmodel: bool = True,
-    mode: str | None = None,
-    num_samples: int | None = None,
-    l2: bool = False,
-    stats_batch: int | None = None,
-    loss_after: bool = False,
-    qmodel_batch: int | None = None,
-    momentum_type: str | None = None,
-    precon_power: float = -1.0,
-) -> None:
+@dataclass(frozen=True)
+class KfacStepOptions(SubgraphOptions):
+    """The options of `kfac_step` (docs/runtime_contract.md). with_stats: the step folds this
+    batch's factor statistics into the moving averages on its first stats_batch examples
+    (None: all), inside an If on hp/update_stats with stats_if; qmodel: (a, mu) from the 2x2
+    quadratic model, whose curvature products run on the first qmodel_batch examples, else
+    from hp/learning_rate and hp/momentum; momentum_type (TF K-FAC's; None: "qmodel" with
+    qmodel, else "regular"); l2: weight decay; loss_after: metric/loss_after, the batch's loss
+    at the new parameters when hp/loss_after > 0; precon_power: the power the inverse slots
+    hold (adam momentum's predicted change is quadratic only at -1)."""
+
+    with_stats: bool = True
+    stats_if: bool = False
+    qmodel: bool = True
+    mode: str | None = None
+    num_samples: int | None = None
+    l2: bool = False
+    stats_batch: int | None = None
+    loss_after: bool = False
+    qmodel_batch: int | None = None
+    momentum_type: str | None = None
+    precon_power: float = -1.0
+
+
+def emit_kfac_step(em: "Emission", o: KfacStepOptions) -> None:
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
     preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
     quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr), whose curvature
-    products run on the first qmodel_batch examples (None: all). momentum_type (TF K-FAC's;
-    None: "qmodel" with qmodel, else "regular"): "qmodel_fixedmu" takes mu = hp/momentum and a
-    from the model; "adam" accumulates m <- mu m + g in `grad_velocity/<p>` and preconditions
-    m instead of g (the update -lr (F + damping)^-1 m, no mu v term). precon_power: the power
-    the inverse slots hold (adam's predicted change is quadratic only at -1). loss_after adds
-    metric/loss_after, the loss of the same batch at the updated parameters, computed only
-    when hp/loss_after > 0 (NaN otherwise). Options: docs/runtime_contract.md."""
-    mode = mode or em.parts.mode
-    num_samples = num_samples or em.parts.num_samples
-    kind = momentum_type or ("qmodel" if qmodel else "regular")
+    products run on the first qmodel_batch examples (None: all). momentum_type
+    "qmodel_fixedmu" takes mu = hp/momentum and a from the model; "adam" accumulates
+    m <- mu m + g in `grad_velocity/<p>` and preconditions m instead of g (the update
+    -lr (F + damping)^-1 m, no mu v term). loss_after's loss is NaN when hp/loss_after is 0."""
+    qmodel, l2 = o.qmodel, o.l2
+    mode = o.mode or em.parts.mode
+    num_samples = o.num_samples or em.parts.num_samples
+    kind = o.momentum_type or ("qmodel" if qmodel else "regular")
     if kind not in MOMENTUM_TYPES or (kind in QMODEL_TYPES) != bool(qmodel):
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
-    local = local_stage(em, with_stats, stats_if, mode, num_samples, l2, stats_batch)
-    pre = precondition_stage(em, local, qmodel, l2, qmodel_batch, adam=kind == "adam")
-    update_stage(em, local, pre, l2, loss_after, fixed_mu=kind == "qmodel_fixedmu", power=precon_power)
+    local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch)
+    pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
+    update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power)
 
 
 # --------------------------------------------------------------------------- stage 1: local
@@ -415,3 +425,6 @@ def norm_constraint(em: "Emission", lr: str, g_dot_precond: str) -> str:
     ratio = b.op("Sqrt", [b.div(c, b.op("Max", [sq, b.const(1e-30)]))])
     clipped = b.op("Min", [ratio, b.const(1.0)])
     return b.op("Where", [b.op("Greater", [c, b.const(0.0)]), clipped, b.const(1.0)])
+
+
+KFAC_STEP = SubgraphKind("kfac_step", KfacStepOptions, every_step=True, emit=emit_kfac_step)
