@@ -25,6 +25,7 @@ All numbers come from one run on this machine; they move with machine load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -121,11 +122,12 @@ def breakdown(tr: Trainer, x, y, bs, reps):
     idx = batch_indices(len(y), bs, 0, 0)
     data = {"input": x[idx], "targets": y[idx]}
     store = tr.store
-    opts = tr.policy.kfac_options()
-    full_p = tr.program("kfac_step", with_stats=True, **opts)
-    nostats_p = tr.program("kfac_step", with_stats=False, **opts)
-    plain_p = tr.program("kfac_step", with_stats=False, **{**opts, "qmodel": False, "momentum_type": "regular",
-                                                             "qmodel_batch": None, "loss_after": False})
+    opts = tr.policy.step_options()
+    full_p = tr.program("kfac_step", options=dataclasses.replace(opts, with_stats=True, stats_if=False))
+    nostats_p = tr.program("kfac_step", options=dataclasses.replace(opts, with_stats=False, stats_if=False))
+    plain_p = tr.program("kfac_step", options=dataclasses.replace(
+        opts, with_stats=False, stats_if=False, qmodel=False, momentum_type="regular", qmodel_batch=None,
+        loss_after=False))
     noise = draw_noise(np.random.default_rng(0), full_p.info, full_p.data_inputs, data["targets"])
     for k, v in {**data, **noise}.items():
         store.write_data(k, v)

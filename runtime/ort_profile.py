@@ -8,7 +8,7 @@ step. Profiling is switched on per session by the environment variable KFAC_ORT_
 
     os.environ["KFAC_ORT_PROFILE"] = "/tmp/prof"      # before the Trainer is built
     trainer = Trainer(plan, device="cuda"); ...steps...
-    summary = read_profile(trainer.programs()["kfac_step"].session.end_profiling())
+    summary = step_profiles(trainer)[label]           # the sessions every step runs
     summary.copies       # {"MemcpyToHost": (count, bytes), "MemcpyFromHost": (count, bytes)}
     summary.cpu_nodes    # {"Shape": 12, ...}: nodes run by the CPU provider
 """
@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
+
+from kfac_compiler.runtime.device import every_step
 
 MEMCPY_OPS = ("MemcpyToHost", "MemcpyFromHost")
 CPU_EP = "CPUExecutionProvider"
@@ -53,3 +56,15 @@ def read_profile(path: str) -> ProfileSummary:
         elif provider == CPU_EP:
             s.cpu_nodes[op] = s.cpu_nodes.get(op, 0) + 1
     return s
+
+
+def step_profiles(trainer: Any) -> dict[str, ProfileSummary]:
+    """The profiles of the sessions a training step runs every step (the subgraph kinds the
+    optimizer plugin declares every_step; a data-parallel step's stages each), by label;
+    ends those sessions' profiling."""
+    out = {}
+    for label, prog in trainer.programs().items():
+        if every_step(prog.name):
+            for k, part in enumerate(getattr(prog, "programs", [prog])):
+                out[label if part is prog else f"{label}/stage{k}"] = read_profile(part.session.end_profiling())
+    return out
