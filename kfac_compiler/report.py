@@ -239,9 +239,19 @@ def render_table(plan: Plan) -> str:
         body += ["", "subgraphs (open in Netron):"]
         body += [
             f"  {s['file']:<24} {s['nodes']:>5} nodes   reads {s['reads']:>3} state slots, writes {s['writes']:>3}"
+            + (f"   {_variant(s, subs)}" if _variant(s, subs) else "")
             for s in subs
         ]
     return "\n".join(head + body) + "\n"
+
+
+def _variant(sub: dict[str, Any], subs: list[dict[str, Any]]) -> str:
+    """The options that tell a stored subgraph from the others of its kind ("with_stats=False",
+    "layers: 4"), empty when it is the only one."""
+    others = [o["options"] for o in subs if o["name"] == sub["name"] and o is not sub]
+    mine = sub["options"]
+    keys = sorted({k for o in others for k in mine if o.get(k) != mine[k]})
+    return ", ".join(f"{k}: {len(mine[k])}" if isinstance(mine[k], (list, tuple)) else f"{k}={mine[k]}" for k in keys)
 
 
 def _cost_lines(costs: dict[str, Any]) -> list[str]:
