@@ -25,7 +25,7 @@ def refresh_costs(plan: "Plan", layers: Sequence[str], method: str) -> dict[str,
     blocks' own count."""
     costs: Mapping[str, Any] = plan.costs or {}
     recorded = costs.get("layers") or {}
-    if costs.get("inverse_method") == method and all(layer in recorded for layer in layers):
+    if costs.get("inverse_method") == method and all("inverse" in (recorded.get(layer) or {}) for layer in layers):
         return {layer: float(recorded[layer]["inverse"]) for layer in layers}
     blocks = host_blocks(plan, layers)
     return {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}

@@ -257,7 +257,9 @@ def _variant(sub: dict[str, Any], subs: list[dict[str, Any]]) -> str:
 def _cost_lines(costs: dict[str, Any]) -> list[str]:
     """The cost-aware choice's prediction (passes/budget.py), per step at its reference batch."""
     base = costs.get("forward_backward_flops")
-    if not base:
+    shown = ("stats_period", "inverse_period", "stats_flops_per_update", "inverse_flops_per_refresh", "apply_flops",
+             "qmodel_flops", "curvature_flops_per_step", "batch_size", "stats_batch_size", "overhead_budget", "overhead")
+    if not base or any(costs.get(k) is None for k in shown):  # an older or hand-edited plan's partial prediction
         return []
     s, r = costs["stats_period"], costs["inverse_period"]
     stats, inv, apply = costs["stats_flops_per_update"], costs["inverse_flops_per_refresh"], costs["apply_flops"]

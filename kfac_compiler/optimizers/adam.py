@@ -72,12 +72,15 @@ def emit_adam_step(em: "Emission", o: FirstOrderStepOptions) -> None:
     emit_baseline_metrics(em, loss, steps, raw)
 
 
+ADAM_STEP = SubgraphKind("adam_step", FirstOrderStepOptions, every_step=True, emit=emit_adam_step)
+
+
 @register_optimizer
 class Adam(FirstOrderOptimizer):
     name = "adam"
     Config = AdamConfig
-    subgraphs = (SubgraphKind("adam_step", FirstOrderStepOptions, every_step=True, emit=emit_adam_step),)
-    step_subgraph = "adam_step"
+    subgraphs = (ADAM_STEP,)
+    step_subgraph = ADAM_STEP.name
 
     def hyper_parameters(self, k: int) -> dict[str, float]:
         cfg = self.config

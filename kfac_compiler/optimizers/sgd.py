@@ -49,12 +49,15 @@ def emit_sgd_step(em: "Emission", o: FirstOrderStepOptions) -> None:
     emit_baseline_metrics(em, loss, steps, raw)
 
 
+SGD_STEP = SubgraphKind("sgd_step", FirstOrderStepOptions, every_step=True, emit=emit_sgd_step)
+
+
 @register_optimizer
 class Sgd(FirstOrderOptimizer):
     name = "sgd"
     Config = SgdConfig
-    subgraphs = (SubgraphKind("sgd_step", FirstOrderStepOptions, every_step=True, emit=emit_sgd_step),)
-    step_subgraph = "sgd_step"
+    subgraphs = (SGD_STEP,)
+    step_subgraph = SGD_STEP.name
 
     def hyper_parameters(self, k: int) -> dict[str, float]:
         return {C.LEARNING_RATE: self.config.at("learning_rate", k), C.MOMENTUM: self.config.at("momentum", k)}
