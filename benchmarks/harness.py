@@ -371,3 +371,32 @@ def main(parser: argparse.ArgumentParser, prefix: str, argv: Sequence[str] | Non
     if data is not None or say.lines:
         run.write(say.text(), data, getattr(args, "out", None), title=f"{prefix} {args.name}")
     return 0
+
+
+def parse_knobs(items: str | Sequence[str] | None) -> dict:
+    """"a=1,b=2.5" or ["a=1", "b=2.5"] -> {"a": 1, "b": 2.5} (optimizer knobs on a command line)."""
+    def number(text: str) -> int | float:
+        try:
+            return int(text)
+        except ValueError:
+            return float(text)
+
+    items = items.split(",") if isinstance(items, str) else (items or ())
+    return {k.strip(): number(v.strip()) for k, v in (kv.split("=", 1) for kv in items)}
+
+
+def command_parser(doc: str) -> tuple[argparse.ArgumentParser, Callable]:
+    """An entry point's parser from its module doc (first line: the description; from the
+    third paragraph on: the epilog), and add(name, func, help) -> the subcommand's parser,
+    which has --out and sets func and name for main()."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=doc.split("\n\n", 2)[2])
+    sub = ap.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
+
+    def add(name: str, func: Callable, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=(func.__doc__ or help).strip())
+        p.set_defaults(func=func, name=name)
+        add_out_argument(p)
+        return p
+
+    return ap, add
