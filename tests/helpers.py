@@ -3,6 +3,8 @@
 seed, so that what a test sees does not depend on which tests ran before it."""
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -87,3 +89,28 @@ def run_model(model: onnx.ModelProto, feeds: dict, output: str | None = None) ->
     """The model's first output (or `output`) on `feeds`, ORT CPU."""
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run([output] if output else None, feeds)[0]
+
+
+# ------------------------------------------------------------------------------ processes
+class Lines:
+    """A child process's output lines, read by a thread: `next(timeout)` waits (bounded) for
+    the next one, so that a test synchronizes on what the child says it has done instead of
+    sleeping for long enough."""
+
+    def __init__(self, stream) -> None:
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def next(self, timeout: float = 60.0) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line from the process within {timeout:g} s") from None
+        if line is None:
+            raise AssertionError("the process closed its output")
+        return line
