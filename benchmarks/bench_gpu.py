@@ -3,8 +3,7 @@ torch's Adam and kfac-pytorch on the same device.
 
     python benchmarks/bench_gpu.py [--device cuda] [--models resnet18,gpt] [--batch 128]
                                    [--steps 30] [--target-steps 300] [--peers] [--kfac-pytorch DIR]
-                                   [--residency] [--launches]
-                                   [--json out.json]
+                                   [--residency] [--launches] [--out DIR]
 
 Models (kfac_compiler.models.torch_exports, so torch is needed): torchvision's ResNet-18 on
 the digits as 32x32 RGB images, and a GPT-2-style causal LM (4 layers, width 256) on the
@@ -25,15 +24,14 @@ digits' pixel sequences. For each model:
     examples is the target; K-FAC (and with --peers torch Adam, kfac-pytorch) trains until
     its full-data loss (checked every 10 steps, evaluation excluded from the time) reaches
     it, or 3x Adam's steps pass.
-All numbers come from one run on one machine.
+All numbers come from one run on one machine; they go to <out>/<date>-gpu.md and .json (with
+the date, machine, GPU, commit and load; benchmarks/harness.py; `--out -` prints only).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,8 +39,10 @@ import warnings
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+harness.import_paths()
 
 import kfac_compiler as kc  # noqa: E402
 from kfac_compiler.optimizers.base import make_config  # noqa: E402
@@ -53,10 +53,7 @@ from kfac_compiler.runtime.ort_profile import read_profile  # noqa: E402
 from torch_peers import full_loss_torch, kfac_pytorch_path, torch_setup, torch_step  # noqa: E402
 
 EVAL_EVERY = 10
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
+say = harness.Report()
 
 
 # ------------------------------------------------------------------------------ models
@@ -195,20 +192,14 @@ def time_torch(net, opt, pre, dev, x, y, bs, steps, warmup=3):
 
 
 # ------------------------------------------------------------------------------ to target
-def to_target(step_fn, loss_fn, n, bs, max_steps, target=None):
-    """Train with step_fn(idx) until loss_fn() <= target (checked every EVAL_EVERY steps);
-    (steps, seconds without evaluation, last loss)."""
-    it = batches(n, bs)
-    seconds, loss = 0.0, float("nan")
-    for k in range(1, max_steps + 1):
-        t0 = time.perf_counter()
-        step_fn(next(it))
-        seconds += time.perf_counter() - t0
-        if k % EVAL_EVERY == 0 or k == max_steps:
-            loss = loss_fn()
-            if target is not None and loss <= target:
-                return k, seconds, loss
-    return max_steps, seconds, loss
+def to_target(step_fn, loss_fn, n, bs, max_steps, target=None) -> harness.TargetRun:
+    """Train with step_fn(batch indices) until loss_fn() <= target (checked every EVAL_EVERY
+    steps, evaluation not timed), or max_steps."""
+    def step(k):
+        step_fn(batch_indices(n, bs, k, 0))
+
+    return harness.to_target(step, loss_fn, max_steps=max_steps, targets=[] if target is None else [target],
+                             every=EVAL_EVERY)
 
 
 def bench_model(name, args, workdir):
@@ -220,47 +211,46 @@ def bench_model(name, args, workdir):
     plan = kc.compile(path, loss="softmax_cross_entropy", output="logits", emit=False)
     res = {"model": name, "batch": bs, "params": int(sum(int(np.prod(s)) for s in plan_param_shapes(plan))),
            "compile_s": time.perf_counter() - t0, "device": args.device}
-    print(f"== {name}: {res['params'] / 1e6:.1f}M parameters, batch {bs}, compiled in {res['compile_s']:.1f} s", flush=True)
+    say(f"== {name}: {res['params'] / 1e6:.1f}M parameters, batch {bs}, compiled in {res['compile_s']:.1f} s")
 
     # step times (ours)
     trainers = {}
     variants = {"kfac": {}, "adam": {}}
     for v in args.kfac_variant or ():
-        variants[f"kfac[{v}]"] = parse_knobs(v)
+        variants[f"kfac[{v}]"] = harness.parse_knobs(v)
     for opt, knobs in variants.items():
         t0 = time.perf_counter()
         trainers[opt] = ours_trainer(plan, opt.split("[")[0], args.device, bs, **knobs)
         build_s = time.perf_counter() - t0
         walls = time_ours(trainers[opt], x, y, bs, args.steps)
-        res[f"ours_{opt}"] = {"median_ms": 1e3 * med(walls), "mean_ms": 1e3 * float(np.mean(walls)), "build_s": build_s}
-        print(f"ours {opt:12s} step median {1e3 * med(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms"
-              f"  (sessions built in {build_s:.1f} s)", flush=True)
+        res[f"ours_{opt}"] = {"median_ms": 1e3 * harness.median(walls), "mean_ms": 1e3 * float(np.mean(walls)), "build_s": build_s}
+        say(f"ours {opt:12s} step median {1e3 * harness.median(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms"
+              f"  (sessions built in {build_s:.1f} s)")
     cfg = trainers["kfac"].config
     periods = (cfg.cov_update_period, cfg.inv_update_period)
     res["kfac_over_adam_mean"] = res["ours_kfac"]["mean_ms"] / res["ours_adam"]["mean_ms"]
-    print(f"ours K-FAC/Adam mean step {res['kfac_over_adam_mean']:.2f}x", flush=True)
+    say(f"ours K-FAC/Adam mean step {res['kfac_over_adam_mean']:.2f}x")
     del trainers
 
     if args.residency:
         r = residency(plan, x, y, bs, args.device)
         res["residency"] = r
-        print(f"residency per K-FAC step: uploaded {r['upload_bytes_per_step']:.0f} B "
-              f"(batch {r['batch_bytes_per_step']:.0f} B), read back {r['metrics_bytes_per_step']} B of metrics", flush=True)
+        say(f"residency per K-FAC step: uploaded {r['upload_bytes_per_step']:.0f} B "
+              f"(batch {r['batch_bytes_per_step']:.0f} B), read back {r['metrics_bytes_per_step']} B of metrics")
         for label, sess in r["sessions"].items():
-            print(f"  {label}: runs {sess['runs']}, nodes by provider {sess['nodes_by_provider']}, "
+            say(f"  {label}: runs {sess['runs']}, nodes by provider {sess['nodes_by_provider']}, "
                   f"CPU-provider ops {sorted(sess['cpu_nodes']) if args.device != 'cpu' else '-'}, "
-                  f"Memcpy per run {sess['copies']}", flush=True)
+                  f"Memcpy per run {sess['copies']}")
 
     if args.launches:
         res["launches"] = launches(plan, x, y, bs, args.device, variants)
         for label, r in res["launches"].items():
-            print(f"{label:12s} node executions per step (over {r['steps']} steady steps) {r['per_step']:6.0f}, "
-                  f"{r['over_adam']:.2f}x Adam's: " + ", ".join(f"{k} {v:.0f}" for k, v in r["by_session"].items()),
-                  flush=True)
+            say(f"{label:12s} node executions per step (over {r['steps']} steady steps) {r['per_step']:6.0f}, "
+                  f"{r['over_adam']:.2f}x Adam's: " + ", ".join(f"{k} {v:.0f}" for k, v in r["by_session"].items()))
 
     peers = ("adam", "kfac") if args.peers else ()
     if "kfac" in peers and not kfac_pytorch_path(args.kfac_pytorch):
-        print("kfac-pytorch: skipped (no --kfac-pytorch PATH or $KFAC_PYTORCH with its `kfac` package)", flush=True)
+        harness.skip("kfac-pytorch", "no --kfac-pytorch PATH or $KFAC_PYTORCH with its `kfac` package")
         peers = ("adam",)
     for opt in peers:
         try:
@@ -268,18 +258,19 @@ def bench_model(name, args, workdir):
             walls = time_torch(tnet, topt, pre, dev, x, y, bs, args.steps)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             res[f"torch_{opt}"] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"torch {opt}: {type(e).__name__}: {e}", flush=True)
+            say(f"torch {opt}: {type(e).__name__}: {e}")
             continue
-        res[f"torch_{opt}"] = {"median_ms": 1e3 * med(walls), "mean_ms": 1e3 * float(np.mean(walls))}
+        res[f"torch_{opt}"] = {"median_ms": 1e3 * harness.median(walls), "mean_ms": 1e3 * float(np.mean(walls))}
         label = "kfac-pytorch" if opt == "kfac" else "torch adam"
-        print(f"{label:12s} step median {1e3 * med(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms", flush=True)
+        say(f"{label:12s} step median {1e3 * harness.median(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms")
 
     if args.target_steps:
         adam = ours_trainer(plan, "adam", args.device, bs, learning_rate=1e-3)
-        k, sec, target = to_target(lambda idx: adam.step({"input": x[idx]}, y[idx]), lambda: full_loss_ours(adam, x, y),
-                                   n, bs, args.target_steps)
+        r = to_target(lambda idx: adam.step({"input": x[idx]}, y[idx]), lambda: full_loss_ours(adam, x, y),
+                      n, bs, args.target_steps)
+        k, sec, target = r.steps, r.seconds, r.loss
         res["target"] = {"loss": target, "adam_steps": k, "adam_s": sec}
-        print(f"target: ours Adam's loss after {k} steps = {target:.4f} ({sec:.2f} s)", flush=True)
+        say(f"target: ours Adam's loss after {k} steps = {target:.4f} ({sec:.2f} s)")
         adam_steady = k * res["ours_adam"]["mean_ms"]
 
         def report(key, label, steps, seconds, loss, mean_ms):
@@ -288,17 +279,17 @@ def bench_model(name, args, workdir):
             row = {"steps": steps, "s": seconds, "loss": loss, "reached": loss <= target,
                    "time_ratio": seconds / sec, "steady_ratio": steps * mean_ms / adam_steady}
             res["target"][key] = row
-            print(f"{label}: {steps} steps, {seconds:.2f} s, loss {loss:.4f}: {row['time_ratio']:.2f}x our Adam's "
+            say(f"{label}: {steps} steps, {seconds:.2f} s, loss {loss:.4f}: {row['time_ratio']:.2f}x our Adam's "
                   f"time measured, {row['steady_ratio']:.2f}x as steps x mean step"
-                  f"{'' if row['reached'] else ' (not reached)'}", flush=True)
+                  f"{'' if row['reached'] else ' (not reached)'}")
 
         for opt, knobs in variants.items():
             if opt == "adam":
                 continue
             kfac = ours_trainer(plan, "kfac", args.device, bs, **knobs)
-            k2, sec2, loss2 = to_target(lambda idx: kfac.step({"input": x[idx]}, y[idx]),
-                                        lambda: full_loss_ours(kfac, x, y), n, bs, 3 * args.target_steps, target)
-            report(f"ours_{opt}", f"ours {opt}", k2, sec2, loss2, res[f"ours_{opt}"]["mean_ms"])
+            r = to_target(lambda idx: kfac.step({"input": x[idx]}, y[idx]),
+                          lambda: full_loss_ours(kfac, x, y), n, bs, 3 * args.target_steps, target)
+            report(f"ours_{opt}", f"ours {opt}", r.steps, r.seconds, r.loss, res[f"ours_{opt}"]["mean_ms"])
             del kfac
         for opt in peers:
             if "error" in res.get(f"torch_{opt}", {}):
@@ -314,23 +305,14 @@ def bench_model(name, args, workdir):
                 torch_step(tnet, topt, pre, xt[i], yt[i]).item()
 
             try:
-                k3, sec3, loss3 = to_target(tstep, lambda tnet=tnet, dev=dev: full_loss_torch(tnet, dev, x, y),
-                                            n, bs, 3 * args.target_steps, target)
+                r = to_target(tstep, lambda tnet=tnet, dev=dev: full_loss_torch(tnet, dev, x, y),
+                              n, bs, 3 * args.target_steps, target)
             except Exception as e:  # noqa: BLE001 - e.g. kfac-pytorch's eigh failing to converge
                 res["target"][f"torch_{opt}"] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+                say(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}")
                 continue
-            report(f"torch_{opt}", label, k3, sec3, loss3, res[f"torch_{opt}"]["mean_ms"])
+            report(f"torch_{opt}", label, r.steps, r.seconds, r.loss, res[f"torch_{opt}"]["mean_ms"])
     return res
-
-
-def parse_knobs(text: str) -> dict:
-    """"a=1,b=2.5" -> {"a": 1, "b": 2.5}."""
-    out = {}
-    for item in text.split(","):
-        k, _, v = item.partition("=")
-        out[k.strip()] = float(v) if any(c in v for c in ".e") else int(v)
-    return out
 
 
 def plan_param_shapes(plan):
@@ -354,24 +336,18 @@ def main(argv=None) -> int:
                     help="count the node executions (GPU kernel launches) per steady step of Adam and K-FAC")
     ap.add_argument("--kfac-variant", action="append",
                     help="also K-FAC with these knobs, e.g. inv_update_period=50 (repeatable)")
-    ap.add_argument("--json", help="also write the results as JSON")
+    harness.add_out_argument(ap)
     args = ap.parse_args(argv)
+    run = harness.Run("gpu", argv)
     args.device = get_device(args.device).name
     warnings.simplefilter("ignore")
-    results = {"date": time.strftime("%Y-%m-%d"), "results": []}
-    try:
-        import torch
-
-        if args.device == "cuda":
-            results["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        raise SystemExit("bench_gpu needs torch (pip install torch) to export its models") from None
+    torch = harness.require("torch", "bench_gpu's models (kfac_compiler.models.torch_exports)")
+    run.extra["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    results = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.models.split(","):
-            results["results"].append(bench_model(name, args, workdir))
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1, default=float)
+            results.append(bench_model(name, args, workdir))
+            run.write(say.text(), results, args.out, title="bench_gpu")  # after each model: a crash keeps the rest
     return 0
 
 

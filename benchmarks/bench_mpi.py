@@ -2,7 +2,7 @@
 each rank sends per step by kind, measured (runtime/comm.py counts them).
 
     python benchmarks/bench_mpi.py [--models mlp_classifier small_cnn resnet18] [--ranks 1 2 4]
-                                   [--steps 30] [--out benchmarks/results]
+                                   [--steps 30] [--out DIR]
 
 For each model (compiled once into a plan folder under /tmp) and each P the same global batch
 trains under `mpirun -n P` (P = 1: one process, the fused step; "1 staged": one rank with a
@@ -11,12 +11,12 @@ median step time of the timed steps (the first `--warmup` steps, which build ses
 the first refresh, are left out), the time in collectives, and the bytes per step by kind.
 Ranks on one machine share its cores (threads per rank = cores / P), so on a 2-core machine
 this measures the overheads of the data-parallel step, not a speed-up: docs/distributed.md
-models many GPUs. Writes <out>/<date>-mpi-scaling.{md,json}.
+models many GPUs. Writes <out>/<date>-mpi-scaling.{md,json} (with the date, machine, commit
+and load; benchmarks/harness.py; `--out -` prints only).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -24,9 +24,12 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
+
+harness.import_paths()
 BATCH = {"mlp_classifier": 256, "small_cnn": 128, "resnet18": 32}
 
 
@@ -95,8 +98,8 @@ def worker(args: argparse.Namespace) -> None:
         if trainer.comm:
             sent = {k: (v - (sent0 or {}).get(k, 0)) / timed for k, v in trainer.comm.sent.items()}
         print(json.dumps({"model": args.model, "ranks": trainer.ranks, "staged": trainer.comm is not None,
-                          "threads": trainer.threads, "batch": batch, "median_step_s": float(np.median(times)),
-                          "median_comm_s": float(np.median(comm_s)), "bytes_per_step": sent,
+                          "threads": trainer.threads, "batch": batch, "median_step_s": harness.median(times),
+                          "median_comm_s": harness.median(comm_s), "bytes_per_step": sent,
                           "parameters": int(sum(v.size for v in trainer.parameters().values()))}))
 
 
@@ -137,7 +140,7 @@ def main() -> None:
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    harness.add_out_argument(p)
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "kfac-bench-mpi"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--staged-one", action="store_true", help=argparse.SUPPRESS)
@@ -147,6 +150,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    run = harness.Run("mpi-scaling")
     os.makedirs(args.cache, exist_ok=True)
     rows = []
     for model in args.models:
@@ -157,15 +161,9 @@ def main() -> None:
             if ranks == 1:
                 rows.append(launch(model, plan, 1, True, args))
                 print(json.dumps(rows[-1]), flush=True)
-    stamp = datetime.date.today().isoformat()
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{stamp}-mpi-scaling")
-    with open(base + ".json", "w") as f:
-        json.dump({"command": " ".join(sys.argv), "cores": os.cpu_count(), "rows": rows}, f, indent=1)
     table = render(rows)
-    with open(base + ".md", "w") as f:
-        f.write(f"# Data-parallel K-FAC on this machine ({stamp})\n\n`python {' '.join(sys.argv)}` on "
-                f"{os.cpu_count()} cores, Open MPI on loopback; medians of the timed steps.\n\n{table}")
+    run.write("Open MPI on loopback; medians of the timed steps.\n\n" + table, rows, args.out,
+              title="Data-parallel K-FAC on this machine")
     print(table)
 
 

@@ -4,7 +4,7 @@ torch's Adam and kfac-pytorch on the same torch modules, in one run.
     python benchmarks/bench_scale.py [--models resnet18,mobilenet_v2,gpt_large_vocab]
         [--device cpu|cuda|auto] [--batch N] [--rounds 2] [--warmup 3] [--target-steps 20]
         [--target-max-s 120] [--eval-examples 512] [--kfac-pytorch DIR] [--no-peers]
-        [--quick] [--json out.json] [--md out.md]
+        [--quick] [--out DIR]
 
 Models (benchmarks/scale_models.py; torch exports them): ResNet-18 and MobileNetV2 on the
 digits as 32x32 RGB images at batch 32, and a GPT-2-style LM with GPT-2's 50257-token
@@ -31,18 +31,17 @@ vocabulary on the digits' pixel sequences at batch 8. For each model:
     steps x mean step.
 A model or optimizer that fails (an error, a worker killed above `--max-rss-gb`, a timeout)
 gets its one-line error in its cell; the run goes on. Figures come from one run on one
-machine; the 1-minute load average at the end of each model is printed with it.
-`--quick` (a smoke run of the LM unless --models says otherwise) took 2.2-3.5 minutes on the
-loaded 2-core VM.
+machine; the 1-minute load average at the end of each model is printed with it. The tables
+go to <out>/<date>-scale.md and the figures to .json (with the date, machine, commit and load;
+benchmarks/harness.py; `--out -` prints only). `--quick` is a smoke run of the LM unless
+--models says otherwise (2.2-3.5 minutes on the loaded 2-core VM).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import queue
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,8 +52,10 @@ import warnings
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+import harness  # noqa: E402
+
+harness.import_paths()
 
 from scale_models import MODELS, build  # noqa: E402
 from torch_peers import kfac_pytorch_path  # noqa: E402
@@ -68,8 +69,6 @@ STOPS = {"steps": "step cap", "time": "time cap", "diverged": "diverged", "reach
 TARGET_RATIOS = {"step": 2.0, "memory": 2.0, "plan": 1.5}  # the issue's CPU targets (ResNet-18)
 
 
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
 
 
 def gpu_used_mb(pid: int) -> float | None:
@@ -300,7 +299,7 @@ def bench_model(name: str, args, workdir: str) -> dict:
             if not r.get("ok"):
                 fail(key, r["error"])
                 continue
-            cell.update(median_ms=1e3 * med(cell["walls"]), mean_ms=1e3 * float(np.mean(cell["walls"])),
+            cell.update(median_ms=1e3 * harness.median(cell["walls"]), mean_ms=1e3 * float(np.mean(cell["walls"])),
                         steps_peak_mb=r["steps_peak_mb"], peak_mb=max(r["steps_peak_mb"], cell["build_peak_mb"]),
                         gpu_peak_mb=workers[key].gpu_peak_mb or r.get("gpu_peak_mb"))
             print(f"   {key}: step median {cell['median_ms']:.1f} ms, mean {cell['mean_ms']:.1f} ms; peak RSS "
@@ -327,7 +326,7 @@ def ratios(res: dict) -> None:
             cell["mean_over_adam"] = cell["mean_ms"] / adam["mean_ms"]
             cell["peak_over_adam"] = cell["peak_mb"] / adam["peak_mb"]
             per_round = [a / b for a, b in zip(cell["round_means"], adam["round_means"])]  # the rounds both ran
-            cell["round_ratio_median"] = med(per_round)
+            cell["round_ratio_median"] = harness.median(per_round)
 
 
 def target_phase(res: dict, workers: dict, args, fail) -> None:
@@ -460,43 +459,29 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a worker may take to answer")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 1 round, 1 warm-up step, target after 10 steps, 30 s cap, the LM only unless --models")
-    ap.add_argument("--json", help="also write the results as JSON")
-    ap.add_argument("--md", help="also write the markdown tables to this file")
+    harness.add_out_argument(ap)
     args = ap.parse_args(argv)
+    run = harness.Run("scale", argv)
     if args.quick:
         args.rounds, args.warmup, args.target_steps, args.eval_examples, args.target_max_s = 1, 1, 10, 128, 30.0
         args.models = args.models or "gpt_large_vocab"
     args.models = args.models or ",".join(MODELS)
     warnings.simplefilter("ignore")
-    try:
-        import torch  # noqa: F401 - exports the models
-    except ImportError:
-        raise SystemExit("bench_scale needs torch (pip install torch) to export its models") from None
+    torch = harness.require("torch", "bench_scale's models (scale_models.py exports them)")
     from kfac_compiler.runtime.device import get_device
 
     args.device = get_device(args.device).name
-    import onnxruntime
-
-    results = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/bench_scale.py " + " ".join(argv or sys.argv[1:]),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "onnxruntime": onnxruntime.__version__,
-               "torch": torch.__version__, "kfac_pytorch": kfac_pytorch_path(args.kfac_pytorch),
-               "loadavg_start": os.getloadavg()[0], "results": []}
-    if args.device == "cuda":
-        results["gpu"] = torch.cuda.get_device_name(0)
+    results = {"kfac_pytorch": kfac_pytorch_path(args.kfac_pytorch), "results": []}
+    run.extra["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_scale-") as workdir:
         for name in args.models.split(","):
             results["results"].append(bench_model(name.strip(), args, workdir))
             results["total_s"] = time.perf_counter() - t0
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1, default=float)
-    text = "\n".join(markdown(r) for r in results["results"])
+            text = "\n".join(markdown(r) for r in results["results"])
+            run.write(text, results, args.out, title="bench_scale")  # after each model: a crash keeps the rest
     print("\n" + text)
     print(f"total {results['total_s']:.0f} s")
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
     return 0
 
 

@@ -24,7 +24,6 @@ command restores is written in between).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -167,33 +166,15 @@ class Torch:
 def to_target(runner, batches: np.ndarray, xe, ye, target, max_steps: int, every: int, max_s: float | None) -> dict:
     """Train from the initial state until the evaluation loss <= target, a non-finite loss,
     max_steps steps, or max_s seconds of wall time (evaluations included); the reported
-    seconds exclude the evaluations."""
+    seconds exclude the evaluations (harness.to_target)."""
+    import harness
+
     runner.reset()
-    start = time.perf_counter()
-    seconds, loss, curve, walls, stop = 0.0, float("nan"), [], [], "steps"
-    for k in range(1, max_steps + 1):
-        t0 = time.perf_counter()
-        _, batch_loss = runner.step(batches[(k - 1) % len(batches)])
-        walls.append(time.perf_counter() - t0)
-        seconds += walls[-1]
-        if not math.isfinite(batch_loss):
-            loss, stop = batch_loss, "diverged"
-            break
-        out_of_time = max_s is not None and time.perf_counter() - start > max_s
-        if k % every == 0 or k == max_steps or out_of_time:
-            loss = runner.eval_loss(xe, ye)
-            curve.append((k, loss))
-            if not math.isfinite(loss):
-                stop = "diverged"
-                break
-            if target is not None and loss <= target:
-                stop = "reached"
-                break
-            if out_of_time:
-                stop = "time"
-                break
-    return {"steps": k, "s": seconds, "loss": loss, "curve": curve, "walls": walls, "stop": stop,
-            "diverged": stop == "diverged"}
+    run = harness.to_target(lambda k: runner.step(batches[k % len(batches)])[1], lambda: runner.eval_loss(xe, ye),
+                            max_steps=max_steps, targets=[] if target is None else [target], every=every,
+                            max_seconds=max_s)
+    return {"steps": run.steps, "s": run.seconds, "loss": run.loss, "curve": run.curve, "walls": run.step_times,
+            "stop": run.stop, "diverged": run.stop == "diverged"}
 
 
 # ------------------------------------------------------------------------------ main

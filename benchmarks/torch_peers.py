@@ -1,5 +1,6 @@
 """The external references the benchmarks run beside our runtime: torch's Adam and
-kfac-pytorch (KFACPreconditioner + SGD) on the same torch module as the export.
+kfac-pytorch (KFACPreconditioner + SGD) on the same torch module as the export, and torch
+twins of zoo models (the same function with the same weights) for the zoo's peers.
 
 kfac-pytorch is not on PyPI: point `--kfac-pytorch PATH` (or the KFAC_PYTORCH environment
 variable) at a directory holding its `kfac` package; without one the peer is skipped with a
@@ -14,6 +15,22 @@ import sys
 import time
 
 KFAC_PYTORCH_ENV = "KFAC_PYTORCH"
+PEERS = ("torch_adam", "kfac_pytorch", "kfac_jax")
+
+
+def peer_missing(peer: str, kfac_path: str | None = None) -> str | None:
+    """Why `peer` cannot run here (one line), or None when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install torch)"
+    if peer == "kfac_pytorch" and not kfac_pytorch_path(kfac_path) and importlib.util.find_spec("kfac") is None:
+        return "no --kfac-pytorch PATH or $KFAC_PYTORCH with its `kfac` package (it is not on PyPI)"
+    if peer == "kfac_jax":
+        if importlib.util.find_spec("kfac_jax") is None:
+            return "kfac-jax is not installed"
+        return "kfac-jax is installed, but no benchmark runs it yet (the twins are torch modules)"
+    return None
 
 
 def kfac_pytorch_path(path: str | None = None) -> str | None:
@@ -35,8 +52,10 @@ def import_kfac_pytorch(path: str | None = None):
     return KFACPreconditioner
 
 
-def torch_setup(net, device: str, optimizer: str, periods: tuple[int, int], skip_layers=(), kfac_path=None):
-    """(module on the device, torch optimizer, kfac-pytorch preconditioner or None, device)."""
+def torch_setup(net, device: str, optimizer: str, periods: tuple[int, int], skip_layers=(), kfac_path=None,
+                lr: float = 1e-3):
+    """(module on the device, torch optimizer, kfac-pytorch preconditioner or None, device);
+    `lr` is Adam's."""
     import torch
 
     dev = torch.device("cuda" if device == "cuda" else "cpu")
@@ -47,7 +66,7 @@ def torch_setup(net, device: str, optimizer: str, periods: tuple[int, int], skip
             m.eval()
     pre = None
     if optimizer == "adam":
-        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
     elif optimizer == "kfac":
         KFACPreconditioner = import_kfac_pytorch(kfac_path)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -101,3 +120,63 @@ def full_loss_torch(net, dev, x, y, batch: int = 512) -> float:
             yb = torch.from_numpy(y[s:s + batch]).to(dev)
             total += float(torch_loss(net(xb), yb)) * len(yb)
     return total / len(y)
+
+
+# ------------------------------------------------------------------------------ zoo twins
+def small_cnn_twin(model, channels=(8, 16)):
+    """The zoo's small CNN (models/cnn.py) as a torch module with the ONNX model's weights."""
+    import torch
+    from onnx import numpy_helper
+
+    weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
+    c1, c2 = channels
+
+    class Twin(torch.nn.Module):  # Conv3x3-Relu-MaxPool2-Conv3x3-Relu-GAP-Gemm, as build_small_cnn
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(1, c1, 3, padding=1)
+            self.conv2 = torch.nn.Conv2d(c1, c2, 3, padding=1)
+            self.fc = torch.nn.Linear(c2, 10)
+
+        def forward(self, x):
+            x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+            return self.fc(torch.relu(self.conv2(x)).mean((2, 3)))
+
+    twin = Twin()
+    twin.load_state_dict(weights)
+    return twin
+
+
+def gemm_chain_twin(model):
+    """An ONNX chain of Gemm (transB=1) and Relu/Tanh/Sigmoid nodes as nn.Sequential with the
+    same weights (the zoo's mlp_classifier); None for any other graph."""
+    import torch
+    from onnx import numpy_helper
+
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    acts = {"Relu": torch.nn.ReLU, "Tanh": torch.nn.Tanh, "Sigmoid": torch.nn.Sigmoid}
+    layers = []
+    for node in model.graph.node:
+        if node.op_type in acts:
+            layers.append(acts[node.op_type]())
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        if node.op_type != "Gemm" or attrs.get("transB") != 1 or attrs.get("transA", 0) or len(node.input) != 3:
+            return None
+        w, b = inits[node.input[1]], inits[node.input[2]]
+        lin = torch.nn.Linear(w.shape[1], w.shape[0])
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(w.copy()))
+            lin.bias.copy_(torch.from_numpy(b.copy()))
+        layers.append(lin)
+    return torch.nn.Sequential(*layers)
+
+
+def zoo_twin(name: str, model, loss: str):
+    """(torch twin of zoo model `name` with `model`'s weights, None) or (None, why not)."""
+    if loss != "softmax_cross_entropy":
+        return None, f"no torch twin for {loss} (the peers compute softmax cross-entropy)"
+    if name == "small_cnn":
+        return small_cnn_twin(model), None
+    twin = gemm_chain_twin(model)
+    return (twin, None) if twin is not None else (None, f"no torch twin of {name}'s graph")

@@ -1,5 +1,5 @@
 """Batches for the real-export fixtures (models/real_exports.py, tests/test_real_exports.py,
-benchmarks/bench_real_exports.py); numpy only.
+benchmarks/bench_to_target.py real-exports); numpy only.
 
 * "image": 16x16 RGB digits (the 8x8 digits scaled up by pixel repetition, three equal
   channels, values in [0, 1]) and their labels;

@@ -16,3 +16,10 @@ def _fresh_case_rng(monkeypatch):
     module = sys.modules.get("test_blocks")
     if module is not None:
         monkeypatch.setattr(module, "RNG", np.random.default_rng(1234))
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fresh generator for the test's own draws (tests/helpers.py's functions take it): the
+    same stream whichever tests ran before."""
+    return np.random.default_rng(20261128)

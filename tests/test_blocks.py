@@ -6,33 +6,23 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks import APPROXIMATIONS, BLOCK_CLASSES, emit_inverses, make_block, numpy_inverses
 from kfac_compiler.blocks._parts import emit_statistic
-from kfac_compiler.builder import NP_TO_ONNX, GraphBuilder, value_info
+from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import Layer, LayerUse
 
+from helpers import f32, run_graph  # noqa: F401 - other test files import them from here
+
+# the case builders' generator: conftest restarts it for every test (other files import the builders)
 RNG = np.random.default_rng(1234)
 
 
 # ------------------------------------------------------------------------- harness
-def run_graph(build, feeds: dict, opset: int = 17, float_type=TensorProto.FLOAT) -> dict:
-    """Build nodes with `build(b)` -> {key: tensor}; run them in ORT on `feeds`."""
-    b = GraphBuilder(opset, taken=feeds.keys(), float_type=float_type)
-    outs = build(b)
-    keys = list(outs)
-    inputs = [value_info(k, NP_TO_ONNX[np.asarray(v).dtype], list(np.shape(v))) for k, v in feeds.items()]
-    model = b.make_model("test", inputs, [helper.make_empty_tensor_value_info(outs[k]) for k in keys])
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    vals = sess.run(None, {k: np.asarray(v) for k, v in feeds.items()})
-    return dict(zip(keys, vals))
-
-
 def stat_tensors(b, stats):
     """emit_statistics' values as tensors (GramStatistic operands multiplied out)."""
     return {k: emit_statistic(b, v) for k, v in stats.items()}
@@ -42,10 +32,6 @@ def with_ok(state):
     """emit_inverse's InverseState as a plain dict with its flag under "ok"."""
     assert "ok" not in state and state.ok
     return {**state, "ok": state.ok}
-
-
-def f32(x):
-    return np.asarray(x, dtype=np.float32)
 
 
 def make_layer(kind, params, n_uses=1, approximation="kron", **attrs):

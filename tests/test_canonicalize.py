@@ -4,8 +4,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,26 +17,13 @@ from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.trainable import trainable_params
 
+from helpers import onnx_model, run_model
+
 F = TensorProto.FLOAT
-
-
-def mk(nodes, inputs, inits, outputs=("y",), opset=17):
-    ins = [v if isinstance(v, onnx.ValueInfoProto) else helper.make_tensor_value_info(k, F, v) for k, v in inputs.items()]
-    outs = [o if isinstance(o, onnx.ValueInfoProto) else helper.make_tensor_value_info(o, F, None) for o in outputs]
-    g = helper.make_graph(nodes, "t", ins, outs,
-                          initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 8
-    return m
 
 
 def const(name, value):
     return helper.make_node("Constant", [], [name], name=f"{name}/const", value=numpy_helper.from_array(np.asarray(value), name))
-
-
-def run(model, feeds, output=None):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run([output] if output else None, feeds)[0]
 
 
 def ops(model):
@@ -66,7 +51,7 @@ def test_nodes_get_unique_names():
         helper.make_node("Relu", ["r2"], ["r3"], name="dup"),
         helper.make_node("Relu", ["r3"], ["y"], name="W"),  # clashes with the initializer
     ]
-    c = canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y")
+    c = canonicalize(onnx_model(nodes, {"x": ["N", 4]}, {"W": W}), "y")
     names = [n.name for n in c.graph.node]
     assert all(names) and len(set(names)) == len(names)
     assert "W" not in names and names.count("dup") == 1
@@ -83,19 +68,19 @@ def test_identity_cast_dropout_collapse():
         helper.make_node("Cast", ["dd"], ["d2"], name="cast_back", to=TensorProto.FLOAT),
         helper.make_node("Identity", ["d2"], ["y"], name="id_out"),
     ]
-    m = mk(nodes, {"x": ["N", 4]}, {"W": W})
+    m = onnx_model(nodes, {"x": ["N", 4]}, {"W": W})
     c = canonicalize(m, "y")
     assert ops(c) == ["MatMul", "Cast", "Cast"]
     assert c.graph.node[0].input[0] == "x"
     assert c.graph.node[-1].output[0] == "y"  # output name kept: the producer was renamed
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
-    np.testing.assert_allclose(run(c, {"x": x}), run(m, {"x": x}), rtol=1e-6)
+    np.testing.assert_allclose(run_model(c, {"x": x}), run_model(m, {"x": x}), rtol=1e-6)
 
 
 def test_identity_from_input_to_output_is_kept():
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
              helper.make_node("Identity", ["x"], ["y"], name="id")]
-    m = mk(nodes, {"x": ["N", 4]}, {"W": W}, outputs=("y", "h"))
+    m = onnx_model(nodes, {"x": ["N", 4]}, {"W": W}, outputs=("y", "h"))
     c = canonicalize(m, "y")
     assert ops(c) == ["Identity"]
 
@@ -104,16 +89,16 @@ def test_dropout_kept_when_training_or_mask_used():
     train = const("t", np.array(True))
     nodes = [train, helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
              helper.make_node("Dropout", ["h", "", "t"], ["y"], name="drop")]
-    assert "Dropout" in ops(canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y"))
+    assert "Dropout" in ops(canonicalize(onnx_model(nodes, {"x": ["N", 4]}, {"W": W}), "y"))
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
              helper.make_node("Dropout", ["h"], ["d", "mask"], name="drop"),
              helper.make_node("Cast", ["mask"], ["mf"], name="c", to=TensorProto.FLOAT),
              helper.make_node("Mul", ["d", "mf"], ["y"], name="mul")]
-    assert "Dropout" in ops(canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y"))
+    assert "Dropout" in ops(canonicalize(onnx_model(nodes, {"x": ["N", 4]}, {"W": W}), "y"))
     false = const("f", np.array(False))
     nodes = [false, helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
              helper.make_node("Dropout", ["h", "", "f"], ["y"], name="drop")]
-    assert ops(canonicalize(mk(nodes, {"x": ["N", 4]}, {"W": W}), "y")) == ["MatMul"]
+    assert ops(canonicalize(onnx_model(nodes, {"x": ["N", 4]}, {"W": W}), "y")) == ["MatMul"]
 
 
 def test_constant_subgraphs_are_folded_but_float_initializers_never():
@@ -129,7 +114,7 @@ def test_constant_subgraphs_are_folded_but_float_initializers_never():
     ]
     inits = {"W": np.ones((4, 6), np.float32), "three": np.array([3], np.int64),
              "minus1": np.array([-1], np.int64), "scale": np.float32(0.5)}
-    m = mk(nodes, {"x": ["N", 4]}, inits)
+    m = onnx_model(nodes, {"x": ["N", 4]}, inits)
     c = canonicalize(m, "y")
     assert "Concat" not in ops(c) and "shape_mul" not in [n.name for n in c.graph.node]
     view = GraphView(c)
@@ -139,7 +124,7 @@ def test_constant_subgraphs_are_folded_but_float_initializers_never():
     assert {t.name for t in c.graph.initializer} == {"W", "scale"}  # int initializers folded away
     assert view.shape("r") == (None, 6) or view.shape("r")[-1] == 6  # data_prop / folding gives the shape
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
-    np.testing.assert_allclose(run(c, {"x": x}), run(m, {"x": x}), rtol=1e-6)
+    np.testing.assert_allclose(run_model(c, {"x": x}), run_model(m, {"x": x}), rtol=1e-6)
 
 
 def test_restrict_to_output_drops_dead_code_and_unused_inputs():
@@ -150,7 +135,7 @@ def test_restrict_to_output_drops_dead_code_and_unused_inputs():
         helper.make_node("Add", ["z", "other"], ["w"], name="add"),
         helper.make_node("Tanh", ["x"], ["dead"], name="dead"),
     ]
-    m = mk(nodes, {"x": ["N", 4], "other": ["N", 3]}, {"W": W, "V": np.ones(3, np.float32)}, outputs=("y", "w"))
+    m = onnx_model(nodes, {"x": ["N", 4], "other": ["N", 3]}, {"W": W, "V": np.ones(3, np.float32)}, outputs=("y", "w"))
     c = canonicalize(m, "h")
     assert ops(c) == ["MatMul"]
     assert [o.name for o in c.graph.output] == ["h"]
@@ -174,7 +159,7 @@ def test_canonical_zoo_models_compute_the_same(name):
     m = entry.build()
     c = canonicalize(m, "logits")
     inputs, _ = entry.make_data(n=5)
-    np.testing.assert_allclose(run(c, inputs), run(m, inputs), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(run_model(c, inputs), run_model(m, inputs), rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -195,12 +180,12 @@ def test_canonicalize_preserves_random_mlps(depth, width, noise):
         nodes.append(helper.make_node("Tanh", [x], [f"t{i}"], name=f"l{i}/tanh"))
         x, d_in = f"t{i}", width
     nodes.append(helper.make_node("Identity", [x], ["y"]))
-    m = mk(nodes, {"x": ["N", 3]}, inits)
+    m = onnx_model(nodes, {"x": ["N", 3]}, inits)
     c = canonicalize(m, "y")
     assert "Identity" not in ops(c) and "Dropout" not in ops(c)
     assert trainable_params(c, "y")[0] == [f"l{i}.weight" for i in range(depth)]
     xv = rng.standard_normal((2, 3)).astype(np.float32)
-    np.testing.assert_allclose(run(c, {"x": xv}), run(m, {"x": xv}), rtol=1e-6)
+    np.testing.assert_allclose(run_model(c, {"x": xv}), run_model(m, {"x": xv}), rtol=1e-6)
 
 
 # ----------------------------------------------------------------- trainable params

@@ -13,22 +13,13 @@ from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.checkpoint import plan_fingerprint, read_meta
 
-
-def _plan(name, **build):
-    e = ZOO[name]
-    return kc.compile(e.build(seed=0, **build), loss=e.loss, output="logits", emit=False)
+from helpers import sampled_batch as batch, zoo_case, zoo_plan
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    plan = _plan("mlp_classifier")
-    inputs, y = ZOO["mlp_classifier"].make_data(256, seed=0)
+    plan, inputs, y = zoo_case("mlp_classifier", 256)
     return plan, inputs["input"], y
-
-
-def batch(x, y, s, bs=64):
-    idx = np.random.default_rng(s).choice(len(y), bs, replace=False)
-    return {"input": x[idx]}, y[idx]
 
 
 # Small periods so that inverse refreshes, damping adaptation and fused steps all happen on
@@ -100,11 +91,11 @@ def test_checkpoint_of_another_plan_is_refused(mlp, tmp_path):
     tr = Trainer(plan, optimizer="sgd")
     tr.step(*batch(x, y, 0))
     path = tr.save_checkpoint(tmp_path / "mlp.npz")
-    smaller = _plan("mlp_classifier", hidden=(32, 32))
+    smaller = zoo_plan("mlp_classifier", hidden=(32, 32))
     with pytest.raises(CheckpointError, match="another plan") as e:
         Trainer.load_checkpoint(path, smaller)
     assert "\n" not in str(e.value)
-    reseeded = _plan("mlp_classifier")  # same architecture ...
+    reseeded = zoo_plan("mlp_classifier")  # same architecture ...
     assert plan_fingerprint(reseeded) == plan_fingerprint(plan)
     other_init = kc.compile(ZOO["mlp_classifier"].build(seed=1), loss="softmax_cross_entropy", output="logits", emit=False)
     with pytest.raises(CheckpointError, match="different source model"):  # ... other source weights

@@ -12,7 +12,6 @@ from onnx import TensorProto, helper, numpy_helper
 from kfac_compiler.blocks import make_block
 from test_blocks import assert_close, brute_fisher, emitted_stats, f32, make_layer, run_graph
 
-RNG = np.random.default_rng(11)
 
 
 def out_sizes(sp, a):
@@ -21,8 +20,8 @@ def out_sizes(sp, a):
     return [s[i] * (sp[i] - 1) + op[i] + (k[i] - 1) * d[i] + 1 - p[i] - p[i + nd] for i in range(nd)]
 
 
-def convt_case(approx="kron", C_in=4, C_out=6, k=(3, 3), spatial=(3, 4), strides=None, pads=None, dil=None, opad=None,
-               group=1, bias=True, uses=1, seeds=2, N=3):
+def convt_case(rng, approx="kron", C_in=4, C_out=6, k=(3, 3), spatial=(3, 4), strides=None, pads=None, dil=None,
+               opad=None, group=1, bias=True, uses=1, seeds=2, N=3):
     nd = len(k)
     a = dict(kernel_shape=list(k), strides=list(strides or [1] * nd), pads=list(pads or [0] * 2 * nd),
              dilations=list(dil or [1] * nd), output_padding=list(opad or [0] * nd), group=group)
@@ -30,9 +29,9 @@ def convt_case(approx="kron", C_in=4, C_out=6, k=(3, 3), spatial=(3, 4), strides
     shapes = {"W": (C_in, C_out // group, *k), "b": (C_out,)}
     layer = make_layer("conv_transpose", params, uses, approx, **a)
     blk = make_block(layer, {p: shapes[p] for p in params})
-    xs = [f32(RNG.standard_normal((N, C_in, *spatial))) for _ in range(uses)]
+    xs = [f32(rng.standard_normal((N, C_in, *spatial))) for _ in range(uses)]
     osp = out_sizes(list(spatial), a)
-    cots = [[f32(RNG.standard_normal((N, C_out, *osp))) for _ in range(seeds)] for _ in range(uses)]
+    cots = [[f32(rng.standard_normal((N, C_out, *osp))) for _ in range(seeds)] for _ in range(uses)]
     return layer, blk, xs, cots
 
 
@@ -74,8 +73,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("kw", CASES)
-def test_conv_transpose_kron_statistics(kw):
-    layer, blk, xs, cots = convt_case(**kw)
+def test_conv_transpose_kron_statistics(kw, rng):
+    layer, blk, xs, cots = convt_case(rng, **kw)
     out = emitted_stats(blk, xs, cots)
     a, g = layer.attrs, blk.group
     N = xs[0].shape[0]
@@ -98,10 +97,10 @@ def test_conv_transpose_kron_statistics(kw):
     assert [tuple(s.shape) for s in blk.factor_specs()] == [want[k].shape for k in ("A", "G", "B") if k in want]
 
 
-def test_conv_transpose_kron_single_position_exact():
+def test_conv_transpose_kron_single_position_exact(rng):
     """One input position, N = 1: A (x) G is the exact Fisher of W (as the matrix
     M[(o, m), c]), B the exact Fisher of the bias."""
-    layer, blk, xs, cots = convt_case(spatial=(1, 1), N=1, seeds=1, strides=(2, 2))
+    layer, blk, xs, cots = convt_case(rng, spatial=(1, 1), N=1, seeds=1, strides=(2, 2))
     out = emitted_stats(blk, xs, cots)
     _, _, gW, gb = explicit(xs[0], cots[0][0], layer.attrs, 1, blk.C_out)
     M = blk.view.np_to({"W": gW[0]})  # [Co_g*K, C_in]
@@ -112,8 +111,8 @@ def test_conv_transpose_kron_single_position_exact():
 
 @pytest.mark.parametrize("kw", [dict(), dict(strides=(2, 3), pads=(1, 0, 2, 1), opad=(1, 2), dil=(2, 1), group=2),
                                 dict(uses=2, seeds=1, bias=False)])
-def test_conv_transpose_diagonal_is_brute_force(kw):
-    layer, blk, xs, cots = convt_case(approx="diagonal", **kw)
+def test_conv_transpose_diagonal_is_brute_force(kw, rng):
+    layer, blk, xs, cots = convt_case(rng, approx="diagonal", **kw)
     out = emitted_stats(blk, xs, cots)
     gs = []
     for s in range(len(cots[0])):
@@ -124,12 +123,12 @@ def test_conv_transpose_diagonal_is_brute_force(kw):
     assert_close(out["diag"], np.diag(brute_fisher(gs)))
 
 
-def test_conv_transpose_kron_multiply_and_inverse():
+def test_conv_transpose_kron_multiply_and_inverse(rng):
     """The power hook: (A (x) G (+) B + damping) v in ONNX equals the numpy twin and the
     explicit matrix; the inverse undoes it."""
-    layer, blk, xs, cots = convt_case(strides=(2, 2), group=2, C_in=4, C_out=4, k=(2, 2))
+    layer, blk, xs, cots = convt_case(rng, strides=(2, 2), group=2, C_in=4, C_out=4, k=(2, 2))
     fac = blk.numpy_statistics(xs, cots)
-    vec = {"W": RNG.standard_normal(blk.wshape), "b": RNG.standard_normal(blk.C_out)}
+    vec = {"W": rng.standard_normal(blk.wshape), "b": rng.standard_normal(blk.C_out)}
     lam = 0.1
     want = blk.numpy_multiply(vec, fac, lam)
     feeds = {**{f"f_{k}": f32(v) for k, v in fac.items()}, **{f"v_{k}": f32(v) for k, v in vec.items()},

@@ -9,13 +9,12 @@ from kfac_compiler.errors import DataError
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.runtime import Curvature, Trainer
 
+from helpers import zoo_case
+
 
 @pytest.fixture(scope="module")
 def mlp():
-    entry = ZOO["mlp_classifier"]
-    plan = kc.compile(get_model("mlp_classifier", hidden=(16, 16)), loss=entry.loss, output="logits", emit=False)
-    x, y = entry.make_data(12)
-    return plan, x, y
+    return zoo_case("mlp_classifier", 12, hidden=(16, 16))
 
 
 def test_weighted_loss_and_gradients_are_the_weighted_sums(mlp):

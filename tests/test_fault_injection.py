@@ -100,7 +100,7 @@ def checkpoint_kills():
         os.makedirs(d)
         p = subprocess.Popen(cli_command(argv(d)), cwd=d, env=subprocess_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-        time.sleep(delay)
+        time.sleep(delay)  # the kill's random moment is the test's subject, not a wait for the child
         p.send_signal(signal.SIGKILL)
         p.wait()
         kills.append(_after_kill(d, f"after {delay:.2f} s", p.returncode, root, refs))

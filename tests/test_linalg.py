@@ -3,36 +3,15 @@ against float64 numpy/scipy references; NaN/singular guards; batching."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import scipy.linalg
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from kfac_compiler import linalg
-from kfac_compiler.builder import NP_TO_ONNX, GraphBuilder, value_info
+from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
 
-RNG = np.random.default_rng(7)
-
-
-def run_graph(build, feeds, opset=17, float_type=TensorProto.FLOAT):
-    b = GraphBuilder(opset, taken=feeds.keys(), float_type=float_type)
-    outs = build(b)
-    keys = list(outs)
-    inputs = [value_info(k, NP_TO_ONNX[np.asarray(v).dtype], list(np.shape(v))) for k, v in feeds.items()]
-    model = b.make_model("t", inputs, [helper.make_empty_tensor_value_info(outs[k]) for k in keys])
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return dict(zip(keys, sess.run(None, feeds)))
-
-
-def spd(n, cond=100.0, batch=()):
-    """Random SPD matrices with eigenvalues log-spaced in [1/cond, 1]."""
-    out = np.empty((*batch, n, n))
-    for idx in np.ndindex(*batch):
-        Q, _ = np.linalg.qr(RNG.standard_normal((n, n)))
-        s = np.logspace(-np.log10(cond), 0, n)
-        out[idx] = (Q * s) @ Q.T
-    return out
+from helpers import run_graph, spd
 
 
 def rel_err(X, ref):
@@ -41,8 +20,8 @@ def rel_err(X, ref):
 
 @pytest.mark.parametrize("method", linalg.EMITTED_METHODS)
 @pytest.mark.parametrize("n,batch", [(5, ()), (17, (3,)), (33, (2, 2))])
-def test_emitted_inverse_vs_float64(method, n, batch):
-    M = spd(n, 100.0, batch)
+def test_emitted_inverse_vs_float64(method, n, batch, rng):
+    M = spd(rng, n, 100.0, batch)
     ref = np.linalg.inv(M)
     out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", n, method))), {"M": M.astype(np.float32)})
     assert out["ok"].shape == batch and out["ok"].all()
@@ -57,15 +36,15 @@ def test_emitted_inverse_vs_float64(method, n, batch):
 
 
 @pytest.mark.parametrize("method", linalg.METHODS)
-def test_numpy_inverse_methods(method):
-    M = spd(9, 1e3, (4,))
+def test_numpy_inverse_methods(method, rng):
+    M = spd(rng, 9, 1e3, (4,))
     X, ok = linalg.np_inverse(M, method, iterations=40)
     assert ok.all()
     assert rel_err(X, np.linalg.inv(M)) < 1e-9
 
 
-def test_cholesky_and_cholesky_inverse():
-    M = spd(8, 50.0)
+def test_cholesky_and_cholesky_inverse(rng):
+    M = spd(rng, 8, 50.0)
     L = linalg.np_cholesky(M)
     np.testing.assert_allclose(L, scipy.linalg.cholesky(M, lower=True), rtol=1e-10, atol=1e-12)
     Linv = linalg.np_cholesky_inverse(M)
@@ -74,8 +53,8 @@ def test_cholesky_and_cholesky_inverse():
 
 
 @pytest.mark.parametrize("exp", [-1, -0.5, 0.5, 1, 2, 3])
-def test_matpower_vs_scipy(exp):
-    M = spd(7, 20.0)
+def test_matpower_vs_scipy(exp, rng):
+    M = spd(rng, 7, 20.0)
     P, ok = linalg.np_matpower(M, exp)
     assert ok
     np.testing.assert_allclose(P, np.real(scipy.linalg.fractional_matrix_power(M, exp)), rtol=1e-8, atol=1e-10)
@@ -96,10 +75,10 @@ def test_matpower_rejects_nonpositive_for_negative_powers():
     assert ok and np.allclose(P, np.diag(np.sqrt([1.0, 0.0, 2.0])))
 
 
-def test_newton_schulz_warm_start():
+def test_newton_schulz_warm_start(rng):
     n = 40
-    M = spd(n, 1e3)
-    M2 = M + 1e-3 * spd(n, 10.0)  # the factor moved a little
+    M = spd(rng, n, 1e3)
+    M2 = M + 1e-3 * spd(rng, n, 10.0)  # the factor moved a little
     X_prev = np.linalg.inv(M)
     cold, _ = linalg.np_newton_schulz(M2, iterations=6)
     warm, ok = linalg.np_newton_schulz(M2, iterations=6, X0=X_prev)
@@ -118,16 +97,16 @@ def test_newton_schulz_warm_start():
     assert rel_err(X, ref) < 1e-8
 
 
-def test_newton_schulz_twin_matches_emitted():
-    M = spd(12, 1e3, (2,))
+def test_newton_schulz_twin_matches_emitted(rng):
+    M = spd(rng, 12, 1e3, (2,))
     ref, _ = linalg.np_newton_schulz(M, iterations=12)
     out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_newton_schulz(b, "M", 12, iterations=12))), {"M": M}, float_type=TensorProto.DOUBLE)
     np.testing.assert_allclose(out["X"], ref, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", linalg.EMITTED_METHODS)
-def test_emitted_guard_nan_inf_singular(method):
-    M = spd(6, 10.0, (4,)).astype(np.float32)
+def test_emitted_guard_nan_inf_singular(method, rng):
+    M = spd(rng, 6, 10.0, (4,)).astype(np.float32)
     M[1, 2, 3] = np.nan
     M[2, 0, 0] = np.inf
     M[3] = 0.0  # singular
@@ -137,8 +116,8 @@ def test_emitted_guard_nan_inf_singular(method):
 
 
 @pytest.mark.parametrize("method", linalg.METHODS)
-def test_numpy_guard_keeps_previous(method):
-    M = spd(5, 10.0, (3,))
+def test_numpy_guard_keeps_previous(method, rng):
+    M = spd(rng, 5, 10.0, (3,))
     M[1, 0, 0] = np.nan
     M[2] = np.diag([1.0, 1.0, 0.0, 1.0, 1.0])
     prev = np.stack([np.full((5, 5), float(i)) for i in range(3)])
@@ -148,8 +127,8 @@ def test_numpy_guard_keeps_previous(method):
     assert np.isfinite(X).all()
 
 
-def test_emit_inverse_batch_groups_by_size():
-    mats = {"a": spd(4, 10.0), "b": spd(6, 10.0), "c": spd(4, 10.0, (3,)), "d": spd(6, 10.0)}
+def test_emit_inverse_batch_groups_by_size(rng):
+    mats = {"a": spd(rng, 4, 10.0), "b": spd(rng, 6, 10.0), "c": spd(rng, 4, 10.0, (3,)), "d": spd(rng, 6, 10.0)}
     feeds = {k: v.astype(np.float32) for k, v in mats.items()}
 
     def build(b):
@@ -172,10 +151,10 @@ def test_emit_inverse_batch_groups_by_size():
         assert ok.all() and rel_err(X, np.linalg.inv(v)) < 1e-10
 
 
-def test_cholesky_keeps_float32_and_guards():
+def test_cholesky_keeps_float32_and_guards(rng):
     """LAPACK potrf/potrs in the input's precision: float32 in, float32 out, accurate to
     float32 at cond 1e3; a non-positive-definite or NaN matrix is not ok and keeps previous."""
-    M = spd(40, 1e3, (3,))
+    M = spd(rng, 40, 1e3, (3,))
     X, ok = linalg.np_inverse(M.astype(np.float32), "cholesky")
     assert X.dtype == np.float32 and ok.all()
     assert rel_err(X, np.linalg.inv(M)) < 1e-4  # cond * eps32 ~ 1e-4
@@ -226,10 +205,10 @@ def test_schur_inverse_of_a_correlated_factor():
     np.testing.assert_allclose(out64["X"], linalg.np_schur_inverse(sym), rtol=1e-8, atol=1e-10 * np.abs(ref).max())
 
 
-def test_schur_inverse_batched_and_guarded():
+def test_schur_inverse_batched_and_guarded(rng):
     """A stack of 150 x 150 matrices (75 + 75, then blocks of 37 and 38): accurate where the
     matrix is SPD; a NaN or a singular matrix is not ok (the probe residual catches it)."""
-    M = spd(150, 1e3, (3,)).astype(np.float32)
+    M = spd(rng, 150, 1e3, (3,)).astype(np.float32)
     M[1, 100, 3] = np.nan
     M[2, :, 140:] = 0.0
     M[2, 140:, :] = 0.0  # singular
@@ -239,12 +218,12 @@ def test_schur_inverse_batched_and_guarded():
 
 
 @pytest.mark.parametrize("cond,ok", [(1e3, True), (3e4, True), (1e5, False), (1e6, False)])
-def test_schur_loses_accuracy_like_cond_squared(cond, ok):
+def test_schur_loses_accuracy_like_cond_squared(cond, ok, rng):
     """schur's documented limit (n = 257, float32): its probe residual grows like cond^2 eps
     and passes linalg.SCHUR_TOL up to cond ~3e4, with the inverse then within 5e-3 of the
     float64 one; beyond it the block is not ok (the runtime redoes it by host Cholesky,
     which is still accurate at 1e6)."""
-    M = spd(257, cond).astype(np.float32)
+    M = spd(rng, 257, cond).astype(np.float32)
     ref = np.linalg.inv(M.astype(np.float64))
     out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_inverse(b, "M", 257, "schur"))), {"M": M})
     assert bool(out["ok"]) == ok
@@ -263,8 +242,8 @@ def test_host_methods_are_not_emitted():
         linalg.check_method("qr")
 
 
-def test_trace_mean_and_pi_batched():
-    A, G = spd(5, 10.0, (3,)), 3.0 * spd(4, 10.0, (3,))
+def test_trace_mean_and_pi_batched(rng):
+    A, G = spd(rng, 5, 10.0, (3,)), 3.0 * spd(rng, 4, 10.0, (3,))
     pi = linalg.np_pi(A, G)
     want = np.sqrt((np.trace(A, axis1=1, axis2=2) / 5) / (np.trace(G, axis1=1, axis2=2) / 4))
     np.testing.assert_allclose(pi, want)
@@ -276,12 +255,12 @@ def test_trace_mean_and_pi_batched():
 
 
 @pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
-def test_diagonal_and_shift_diagonal_without_an_identity(batch):
+def test_diagonal_and_shift_diagonal_without_an_identity(batch, rng):
     """diag(M) and M + v I (scalar v, or one per matrix) are numpy's, and the graph holds no
     n x n constant."""
     n = 6
-    M = RNG.standard_normal((*batch, n, n))
-    v = np.asarray(RNG.standard_normal(batch))
+    M = rng.standard_normal((*batch, n, n))
+    v = np.asarray(rng.standard_normal(batch))
     feeds = {"M": M, "s": np.asarray(0.25), "v": v}
 
     def build(b):

@@ -4,10 +4,8 @@ from __future__ import annotations
 import math
 import warnings
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from kfac_compiler.blocks import APPROXIMATIONS
 from kfac_compiler.config import CompileConfig
@@ -22,21 +20,7 @@ from kfac_compiler.passes.choose_blocks import allowed_approximations, choose_bl
 from kfac_compiler.passes.link_params import layer_base_name, link_params
 from kfac_compiler.passes.match_layers import match_layers
 
-F = TensorProto.FLOAT
-RNG = np.random.default_rng(1)
-
-
-def w(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def mk(nodes, inputs, inits, output="y"):
-    ins = [v if isinstance(v, onnx.ValueInfoProto) else helper.make_tensor_value_info(k, F, v) for k, v in inputs.items()]
-    g = helper.make_graph(nodes, "t", ins, [helper.make_tensor_value_info(output, F, None)],
-                          initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+from helpers import onnx_model, randn
 
 
 def link(model, output="y", links=(), config=None):
@@ -51,7 +35,7 @@ def table(layers):
     return [(l.name, l.kind, l.params, l.num_uses, l.approximation) for l in layers]
 
 
-def shared_weight_model(bias2="b"):
+def shared_weight_model(rng, bias2="b"):
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h1"], name="mm1"),
         helper.make_node("Add", ["h1", "b"], ["a1"], name="add1"),
@@ -59,20 +43,20 @@ def shared_weight_model(bias2="b"):
         helper.make_node("MatMul", ["t1", "W"], ["h2"], name="mm2"),
         helper.make_node("Add", ["h2", bias2], ["y"], name="add2"),
     ]
-    inits = {"W": w(4, 4), "b": w(4)}
+    inits = {"W": randn(rng, 4, 4), "b": randn(rng, 4)}
     if bias2 != "b":
-        inits[bias2] = w(4)
-    return mk(nodes, {"x": ["N", 4]}, inits)
+        inits[bias2] = randn(rng, 4)
+    return onnx_model(nodes, {"x": ["N", 4]}, inits)
 
 
-def test_same_weight_same_bias_is_one_multi_use_layer():
-    layers = link(shared_weight_model())
+def test_same_weight_same_bias_is_one_multi_use_layer(rng):
+    layers = link(shared_weight_model(rng))
     assert table(layers) == [("W", "fully_connected", ("W", "b"), 2, "kron_indep")]
     assert [u.nodes for u in layers[0].uses] == [("mm1", "add1"), ("mm2", "add2")]
 
 
-def test_same_weight_different_biases_releases_the_biases():
-    layers = link(shared_weight_model("b2"))
+def test_same_weight_different_biases_releases_the_biases(rng):
+    layers = link(shared_weight_model(rng, "b2"))
     assert table(layers) == [
         ("W", "fully_connected", ("W",), 2, "kron_indep"),
         ("b", "generic", ("b",), 1, "diagonal"),
@@ -84,14 +68,15 @@ def test_same_weight_different_biases_releases_the_biases():
     assert any("'b'" in n for n in layers[0].notes)
 
 
-def test_bias_shared_by_two_weights_is_released():
+def test_bias_shared_by_two_weights_is_released(rng):
     nodes = [
         helper.make_node("MatMul", ["x", "W1"], ["h1"], name="mm1"),
         helper.make_node("Add", ["h1", "b"], ["a1"], name="add1"),
         helper.make_node("MatMul", ["a1", "W2"], ["h2"], name="mm2"),
         helper.make_node("Add", ["h2", "b"], ["y"], name="add2"),
     ]
-    layers = link(mk(nodes, {"x": ["N", 4]}, {"W1": w(4, 4), "W2": w(4, 4), "b": w(4)}))
+    inits = {"W1": randn(rng, 4, 4), "W2": randn(rng, 4, 4), "b": randn(rng, 4)}
+    layers = link(onnx_model(nodes, {"x": ["N", 4]}, inits))
     assert table(layers) == [
         ("W1", "fully_connected", ("W1",), 1, "kron"),
         ("b", "generic", ("b",), 2, "diagonal"),
@@ -109,7 +94,7 @@ def test_tied_embedding_and_head_become_one_tied_embedding_layer_without_a_warni
     assert (tok.attrs["vocab"], tok.attrs["dim"]) == (17, 16)
 
 
-def test_parameter_shared_across_other_kinds_becomes_one_generic_layer_with_a_warning():
+def test_parameter_shared_across_other_kinds_becomes_one_generic_layer_with_a_warning(rng):
     # a lookup and an "in_out" MatMul of the same table: not the tied pair (the head would
     # read the table as [in, out]), so the generic layer and the warning remain
     nodes = [
@@ -118,28 +103,28 @@ def test_parameter_shared_across_other_kinds_becomes_one_generic_layer_with_a_wa
     ]
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])
     with pytest.warns(UserWarning, match=r"parameter 'W' is used as embedding and fully_connected"):
-        layers = link(mk(nodes, {"ids": ids}, {"W": w(4, 4)}))
+        layers = link(onnx_model(nodes, {"ids": ids}, {"W": randn(rng, 4, 4)}))
     assert table(layers) == [("W", "generic", ("W",), 2, "diagonal")]
     assert layers[0].attrs["shared_kinds"] == ("embedding", "fully_connected")
 
 
-def test_same_kind_with_different_attributes_is_generic():
+def test_same_kind_with_different_attributes_is_generic(rng):
     nodes = [
         helper.make_node("Gemm", ["x", "W"], ["h"], name="g1", transB=1),
         helper.make_node("MatMul", ["h", "W"], ["y"], name="mm"),
     ]
     with pytest.warns(UserWarning, match="different attributes"):
-        layers = link(mk(nodes, {"x": ["N", 4]}, {"W": w(4, 4)}))
+        layers = link(onnx_model(nodes, {"x": ["N", 4]}, {"W": randn(rng, 4, 4)}))
     assert table(layers) == [("W", "generic", ("W",), 2, "diagonal")]
 
 
-def test_user_links():
+def test_user_links(rng):
     links = [{"params": ["W", "b"], "approximation": "full", "name": "both"}]
-    layers = link(shared_weight_model(), links=links)
+    layers = link(shared_weight_model(rng), links=links)
     assert table(layers) == [("both", "generic", ("W", "b"), 4, "full")]
     assert layers[0].attrs["linked_by_user"] is True
     # default name: the parameters joined with "+"; the remaining bias gets its own layer
-    layers = link(shared_weight_model("b2"), links=[{"params": ["W"], "approximation": "diagonal"}])
+    layers = link(shared_weight_model(rng, "b2"), links=[{"params": ["W"], "approximation": "diagonal"}])
     assert table(layers) == [
         ("W", "generic", ("W",), 2, "diagonal"),
         ("b", "generic", ("b",), 1, "diagonal"),
@@ -147,15 +132,15 @@ def test_user_links():
     ]
     assert layers[0].pattern == "user_link"
     # linking only a bias leaves the weight layer without it
-    layers = link(shared_weight_model(), links=[{"params": ["b"], "approximation": "full"}])
+    layers = link(shared_weight_model(rng), links=[{"params": ["b"], "approximation": "full"}])
     assert table(layers) == [("W", "fully_connected", ("W",), 2, "kron_indep"), ("b", "generic", ("b",), 2, "full")]
 
 
-def test_user_link_errors():
+def test_user_link_errors(rng):
     with pytest.raises(ConfigError, match=r"links\[0\]: 'nope' is not a trainable parameter"):
-        link(shared_weight_model(), links=[{"params": ["nope"], "approximation": "full"}])
+        link(shared_weight_model(rng), links=[{"params": ["nope"], "approximation": "full"}])
     with pytest.raises(ConfigError, match=r"already linked in links\[0\]"):
-        link(shared_weight_model(), links=[{"params": ["W"], "approximation": "full"}, {"params": ["W"]}])
+        link(shared_weight_model(rng), links=[{"params": ["W"], "approximation": "full"}, {"params": ["W"]}])
     with pytest.raises(ConfigError, match="unknown key 'links\\[0\\].parms'"):
         CompileConfig.from_dict({"links": [{"parms": ["W"]}]})
     with pytest.raises(ConfigError, match="not allowed for linked parameters"):
@@ -172,7 +157,7 @@ def test_tied_embedding_linked_by_user_through_config():
     assert (tok.kind, tok.approximation, tok.num_uses) == ("generic", "full", 2)
 
 
-def test_layer_names():
+def test_layer_names(rng):
     assert layer_base_name("fc1.weight") == "fc1"
     assert layer_base_name("enc1.kernel") == "enc1"
     assert layer_base_name("ln.scale") == "ln"
@@ -186,7 +171,8 @@ def test_layer_names():
         helper.make_node("MatMul", ["h", "a.kernel"], ["h2"], name="mm2"),
         helper.make_node("Mul", ["h2", "a"], ["y"], name="mul"),
     ]
-    layers = link(mk(nodes, {"x": ["N", 4]}, {"a.weight": w(4, 4), "a.kernel": w(4, 4), "a": w(4)}))
+    inits = {"a.weight": randn(rng, 4, 4), "a.kernel": randn(rng, 4, 4), "a": randn(rng, 4)}
+    layers = link(onnx_model(nodes, {"x": ["N", 4]}, inits))
     assert [l.name for l in layers] == ["a.weight", "a.kernel", "a"]
 
 
@@ -291,11 +277,11 @@ def test_factor_shapes_diagonal_and_scale_and_shift(zoo_plans):
     assert _block_or_skip(tr, tok) == {"diag": (16, 17)}  # the tied table E [17, 16] as M = E^T
 
 
-def test_factor_shapes_embedding():
+def test_factor_shapes_embedding(rng):
     # an untied embedding: Gather on a 2-D initializer
     node = helper.make_node("Gather", ["E", "ids"], ["y"], name="g", axis=0)
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 3])
-    plan = compile_frontend(mk([node], {"ids": ids}, {"E": w(11, 4)}), "squared_error")
+    plan = compile_frontend(onnx_model([node], {"ids": ids}, {"E": randn(rng, 11, 4)}), "squared_error")
     layer = plan.layer("E")
     assert layer.kind == "embedding"
     assert _block_or_skip(plan, layer) == {"A": (11,), "G": (4, 4)}

@@ -11,22 +11,20 @@ import math
 import numpy as np
 import pytest
 
-import kfac_compiler as kc
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.optimizers import make_config
 from kfac_compiler.runtime import Trainer, gradients
 from test_kfac_step import dot, ggn_products
+
+from helpers import zoo_case
 
 BATCH, STEPS, DAMPING, MU = 32, 5, 1e-2, 0.8
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    entry = ZOO["mlp_classifier"]
-    plan = kc.compile(get_model("mlp_classifier", hidden=(16, 16)), loss=entry.loss, output="logits", emit=False)
-    x, y = entry.make_data(BATCH * STEPS)
+    plan, x, y = zoo_case("mlp_classifier", BATCH * STEPS, hidden=(16, 16))
     return plan, x["input"], y
 
 

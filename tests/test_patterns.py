@@ -4,8 +4,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -20,24 +18,7 @@ from kfac_compiler.patterns import (
     register_pattern, unregister_pattern,
 )
 
-F = TensorProto.FLOAT
-RNG = np.random.default_rng(0)
-
-
-def w(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
-
-
-def mk(nodes, inputs, inits, output="y", opset=17, out_shape=None):
-    """A model from nodes; inputs: {name: shape} (float) or ValueInfo; inits: {name: array}."""
-    ins = [v if isinstance(v, onnx.ValueInfoProto) else helper.make_tensor_value_info(k, F, v) for k, v in inputs.items()]
-    g = helper.make_graph(
-        nodes, "t", ins, [helper.make_tensor_value_info(output, F, out_shape)],
-        initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
-    )
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 8
-    return m
+from helpers import onnx_model, randn, run_model
 
 
 def layers_of(model, output="y", config=None, **kw):
@@ -55,11 +36,6 @@ def one(model, output="y"):
     return layers[0], canon
 
 
-def run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)[0]
-
-
 def test_builtin_library_enumerates_variants():
     names = set(BUILTIN_PATTERN_NAMES)
     for n in ["gemm_in_out", "gemm_out_in", "gemm_in_out_bias", "gemm_out_in_bias", "matmul", "matmul_add",
@@ -74,15 +50,15 @@ def test_builtin_library_enumerates_variants():
 # ------------------------------------------------------------------------- Gemm
 @pytest.mark.parametrize("trans_b", [0, 1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_variants(trans_b, bias):
-    W = w(3, 5) if trans_b else w(5, 3)
+def test_gemm_variants(trans_b, bias, rng):
+    W = randn(rng, 3, 5) if trans_b else randn(rng, 5, 3)
     inits = {"fc.weight": W}
     ins = ["x", "fc.weight"]
     if bias:
-        inits["fc.bias"] = w(3)
+        inits["fc.bias"] = randn(rng, 3)
         ins.append("fc.bias")
     node = helper.make_node("Gemm", ins, ["y"], name="g", transB=trans_b, alpha=0.5, beta=2.0)
-    layer, _ = one(mk([node], {"x": ["N", 5]}, inits))
+    layer, _ = one(onnx_model([node], {"x": ["N", 5]}, inits))
     assert layer.kind == "fully_connected" and layer.name == "fc"
     assert layer.params == (("fc.weight", "fc.bias") if bias else ("fc.weight",))
     assert layer.pattern == f"gemm_{'out_in' if trans_b else 'in_out'}" + ("_bias" if bias else "")
@@ -93,107 +69,107 @@ def test_gemm_variants(trans_b, bias):
     assert layer.approximation == "kron"
 
 
-def test_gemm_bias_as_row_and_beta_zero():
+def test_gemm_bias_as_row_and_beta_zero(rng):
     node = helper.make_node("Gemm", ["x", "W", "b"], ["y"], name="g")
-    layer, _ = one(mk([node], {"x": ["N", 4]}, {"W": w(4, 2), "b": w(1, 2)}))
+    layer, _ = one(onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 4, 2), "b": randn(rng, 1, 2)}))
     assert layer.params == ("W", "b")
     # beta = 0: C has no effect, so it is not a bias: it gets its own generic layer
     node = helper.make_node("Gemm", ["x", "W", "b"], ["y"], name="g", beta=0.0)
-    layers, _ = layers_of(mk([node], {"x": ["N", 4]}, {"W": w(4, 2), "b": w(2)}))
+    layers, _ = layers_of(onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 4, 2), "b": randn(rng, 2)}))
     assert [(l.name, l.kind, l.params) for l in layers] == [("W", "fully_connected", ("W",)), ("b", "generic", ("b",))]
 
 
-def test_gemm_trans_a_is_canonicalized_to_a_transpose():
+def test_gemm_trans_a_is_canonicalized_to_a_transpose(rng):
     node = helper.make_node("Gemm", ["xt", "W", "b"], ["y"], name="g", transA=1, transB=1)
-    model = mk([node], {"xt": [5, "N"]}, {"W": w(3, 5), "b": w(3)})
+    model = onnx_model([node], {"xt": [5, "N"]}, {"W": randn(rng, 3, 5), "b": randn(rng, 3)})
     layer, canon = one(model)
     assert layer.kind == "fully_connected" and layer.params == ("W", "b")
     view = GraphView(canon)
     src = view.producer[layer.uses[0].input]
     assert src.op_type == "Transpose" and src.input[0] == "xt"
     assert view.shape(layer.uses[0].input) == ("N", 5)
-    x = w(5, 7)
-    np.testing.assert_allclose(run(canon, {"xt": x}), run(model, {"xt": x}), rtol=1e-6)
+    x = randn(rng, 5, 7)
+    np.testing.assert_allclose(run_model(canon, {"xt": x}), run_model(model, {"xt": x}), rtol=1e-6)
 
 
-def test_gemm_with_weight_on_the_left_is_generic():
+def test_gemm_with_weight_on_the_left_is_generic(rng):
     node = helper.make_node("Gemm", ["W", "x"], ["y"], name="g")
-    layer, _ = one(mk([node], {"x": [4, "N"]}, {"W": w(3, 4)}))
+    layer, _ = one(onnx_model([node], {"x": [4, "N"]}, {"W": randn(rng, 3, 4)}))
     assert layer.kind == "generic" and layer.params == ("W",)
 
 
 # ----------------------------------------------------------------------- MatMul
-def test_matmul_2d_and_batched():
+def test_matmul_2d_and_batched(rng):
     node = helper.make_node("MatMul", ["x", "dense/kernel"], ["y"], name="mm")
-    layer, _ = one(mk([node], {"x": ["N", 4]}, {"dense/kernel": w(4, 6)}))
+    layer, _ = one(onnx_model([node], {"x": ["N", 4]}, {"dense/kernel": randn(rng, 4, 6)}))
     assert (layer.kind, layer.pattern, layer.name, layer.params) == ("fully_connected", "matmul", "dense", ("dense/kernel",))
     assert layer.attrs["weight_layout"] == "in_out"
-    layer, _ = one(mk([node], {"x": ["N", "T", 4]}, {"dense/kernel": w(4, 6)}))
+    layer, _ = one(onnx_model([node], {"x": ["N", "T", 4]}, {"dense/kernel": randn(rng, 4, 6)}))
     assert layer.kind == "fully_connected" and layer.uses[0].input == "x" and layer.uses[0].output == "y"
 
 
 @pytest.mark.parametrize("bias_slot", [0, 1])
-def test_matmul_add(bias_slot):
+def test_matmul_add(bias_slot, rng):
     mm = helper.make_node("MatMul", ["x", "W"], ["h"], name="mm")
     ins = ["h", "b"] if bias_slot == 1 else ["b", "h"]
     add = helper.make_node("Add", ins, ["y"], name="add")
-    layer, _ = one(mk([mm, add], {"x": ["N", "T", 4]}, {"W": w(4, 6), "b": w(6)}))
+    layer, _ = one(onnx_model([mm, add], {"x": ["N", "T", 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 6)}))
     assert (layer.pattern, layer.params) == ("matmul_add", ("W", "b"))
     assert layer.uses[0].nodes == ("mm", "add") and layer.uses[0].output == "y" and layer.uses[0].input == "x"
 
 
-def test_matmul_add_largest_pattern_wins_but_not_when_output_is_shared():
+def test_matmul_add_largest_pattern_wins_but_not_when_output_is_shared(rng):
     mm = helper.make_node("MatMul", ["x", "W"], ["h"], name="mm")
     add = helper.make_node("Add", ["h", "b"], ["a"], name="add")
     other = helper.make_node("Mul", ["h", "a"], ["y"], name="mul")
-    layers, _ = layers_of(mk([mm, add, other], {"x": ["N", 4]}, {"W": w(4, 6), "b": w(6)}))
+    layers, _ = layers_of(onnx_model([mm, add, other], {"x": ["N", 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 6)}))
     # h also feeds `mul`: the MatMul output is not only biased, so the bias is not linked
     assert [(l.kind, l.params, l.pattern) for l in layers] == [
         ("fully_connected", ("W",), "matmul"), ("generic", ("b",), "generic")]
 
 
-def test_matmul_add_with_wrong_bias_shape_is_not_a_bias():
+def test_matmul_add_with_wrong_bias_shape_is_not_a_bias(rng):
     mm = helper.make_node("MatMul", ["x", "W"], ["h"], name="mm")
     add = helper.make_node("Add", ["h", "b"], ["y"], name="add")
-    layers, _ = layers_of(mk([mm, add], {"x": ["N", 3, 4]}, {"W": w(4, 6), "b": w(3, 6)}))
+    layers, _ = layers_of(onnx_model([mm, add], {"x": ["N", 3, 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 3, 6)}))
     assert [(l.kind, l.params) for l in layers] == [("fully_connected", ("W",)), ("generic", ("b",))]
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_matmul_on_transposed_initializer(bias):
+def test_matmul_on_transposed_initializer(bias, rng):
     tr = helper.make_node("Transpose", ["E"], ["Et"], name="tr", perm=[1, 0])
     mm = helper.make_node("MatMul", ["x", "Et"], ["h" if bias else "y"], name="mm")
     nodes = [tr, mm]
-    inits = {"E": w(7, 4)}
+    inits = {"E": randn(rng, 7, 4)}
     if bias:
         nodes.append(helper.make_node("Add", ["h", "b"], ["y"], name="add"))
-        inits["b"] = w(7)
-    layer, _ = one(mk(nodes, {"x": ["N", "T", 4]}, inits))
+        inits["b"] = randn(rng, 7)
+    layer, _ = one(onnx_model(nodes, {"x": ["N", "T", 4]}, inits))
     assert layer.pattern == "matmul_transposed" + ("_add" if bias else "")
     assert layer.attrs["weight_layout"] == "out_in"
     assert layer.uses[0].nodes == (("tr", "mm", "add") if bias else ("tr", "mm"))
     assert layer.params == (("E", "b") if bias else ("E",))
 
 
-def test_matmul_with_vector_input_is_generic():
+def test_matmul_with_vector_input_is_generic(rng):
     node = helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")
-    layer, _ = one(mk([node], {"x": [4]}, {"W": w(4, 6)}))
+    layer, _ = one(onnx_model([node], {"x": [4]}, {"W": randn(rng, 4, 6)}))
     assert layer.kind == "generic"
 
 
 # ------------------------------------------------------------------------- Conv
 @pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_conv_nd(nd, bias):
+def test_conv_nd(nd, bias, rng):
     spatial = [6] * nd
-    inits = {"c.weight": w(4, 3, *([3] * nd))}
+    inits = {"c.weight": randn(rng, 4, 3, *([3] * nd))}
     ins = ["x", "c.weight"]
     if bias:
-        inits["c.bias"] = w(4)
+        inits["c.bias"] = randn(rng, 4)
         ins.append("c.bias")
     node = helper.make_node("Conv", ins, ["y"], name="conv", strides=[2] * nd, dilations=[1] * (nd - 1) + [2],
                             pads=[1] * (2 * nd))
-    layer, _ = one(mk([node], {"x": ["N", 3, *spatial]}, inits))
+    layer, _ = one(onnx_model([node], {"x": ["N", 3, *spatial]}, inits))
     assert layer.kind == "conv" and layer.name == "c"
     assert layer.pattern == f"conv{nd}d" + ("_bias" if bias else "")
     assert layer.params == (("c.weight", "c.bias") if bias else ("c.weight",))
@@ -204,70 +180,71 @@ def test_conv_nd(nd, bias):
 
 @pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
 @pytest.mark.parametrize("stride", [1, 2])
-def test_conv_auto_pad_is_resolved_to_explicit_pads(auto_pad, stride):
+def test_conv_auto_pad_is_resolved_to_explicit_pads(auto_pad, stride, rng):
     node = helper.make_node("Conv", ["x", "W"], ["y"], name="conv", auto_pad=auto_pad, strides=[stride, stride],
                             kernel_shape=[4, 3])
-    model = mk([node], {"x": ["N", 2, 7, 8]}, {"W": w(3, 2, 4, 3)})
+    model = onnx_model([node], {"x": ["N", 2, 7, 8]}, {"W": randn(rng, 3, 2, 4, 3)})
     layer, _ = one(model)
     a = layer.attrs
     explicit = helper.make_node("Conv", ["x", "W"], ["y"], name="conv", pads=list(a["pads"]),
                                 strides=list(a["strides"]), kernel_shape=list(a["kernel_shape"]))
-    x = w(2, 2, 7, 8)
-    ref = mk([explicit], {"x": ["N", 2, 7, 8]}, {"W": numpy_helper.to_array(model.graph.initializer[0])})
-    np.testing.assert_allclose(run(ref, {"x": x}), run(model, {"x": x}), rtol=1e-5, atol=1e-6)
+    x = randn(rng, 2, 2, 7, 8)
+    ref = onnx_model([explicit], {"x": ["N", 2, 7, 8]}, {"W": numpy_helper.to_array(model.graph.initializer[0])})
+    np.testing.assert_allclose(run_model(ref, {"x": x}), run_model(model, {"x": x}), rtol=1e-5, atol=1e-6)
     if auto_pad == "VALID":
         assert a["pads"] == (0, 0, 0, 0)
 
 
-def test_conv_same_pad_with_stride_and_unknown_size_warns_and_falls_back():
+def test_conv_same_pad_with_stride_and_unknown_size_warns_and_falls_back(rng):
     node = helper.make_node("Conv", ["x", "W"], ["y"], name="conv", auto_pad="SAME_UPPER", strides=[2, 2])
     with pytest.warns(UserWarning, match="auto_pad=SAME_UPPER"):
-        layer, _ = one(mk([node], {"x": ["N", 2, "H", "W"]}, {"W": w(3, 2, 3, 3)}))
+        layer, _ = one(onnx_model([node], {"x": ["N", 2, "H", "W"]}, {"W": randn(rng, 3, 2, 3, 3)}))
     assert layer.kind == "generic"
 
 
 @pytest.mark.parametrize("multiplier", [1, 2])
-def test_depthwise_conv(multiplier):
+def test_depthwise_conv(multiplier, rng):
     C = 4
     node = helper.make_node("Conv", ["x", "dw.weight", "dw.bias"], ["y"], name="conv", group=C, pads=[1, 1, 1, 1])
-    layer, _ = one(mk([node], {"x": ["N", C, 5, 5]}, {"dw.weight": w(C * multiplier, 1, 3, 3), "dw.bias": w(C * multiplier)}))
+    inits = {"dw.weight": randn(rng, C * multiplier, 1, 3, 3), "dw.bias": randn(rng, C * multiplier)}
+    layer, _ = one(onnx_model([node], {"x": ["N", C, 5, 5]}, inits))
     assert (layer.kind, layer.pattern, layer.approximation) == ("depthwise_conv", "depthwise_conv2d_bias", "diagonal")
     assert layer.attrs["group"] == C
 
 
-def test_grouped_conv_is_conv_with_group():
+def test_grouped_conv_is_conv_with_group(rng):
     node = helper.make_node("Conv", ["x", "W"], ["y"], name="conv", group=2)
-    layer, _ = one(mk([node], {"x": ["N", 4, 5, 5]}, {"W": w(6, 2, 3, 3)}))
+    layer, _ = one(onnx_model([node], {"x": ["N", 4, 5, 5]}, {"W": randn(rng, 6, 2, 3, 3)}))
     assert (layer.kind, layer.pattern) == ("conv", "conv2d")
     assert layer.attrs["group"] == 2
 
 
-def test_single_channel_conv_is_not_depthwise():
+def test_single_channel_conv_is_not_depthwise(rng):
     node = helper.make_node("Conv", ["x", "W"], ["y"], name="conv")
-    layer, _ = one(mk([node], {"x": ["N", 1, 5, 5]}, {"W": w(6, 1, 3, 3)}))
+    layer, _ = one(onnx_model([node], {"x": ["N", 1, 5, 5]}, {"W": randn(rng, 6, 1, 3, 3)}))
     assert layer.kind == "conv"
 
 
 # -------------------------------------------------------------------- embedding
-def test_gather_embedding():
+def test_gather_embedding(rng):
     node = helper.make_node("Gather", ["emb.weight", "ids"], ["y"], name="gather", axis=0)
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 5])
-    layer, _ = one(mk([node], {"ids": ids}, {"emb.weight": w(11, 4)}))
+    layer, _ = one(onnx_model([node], {"ids": ids}, {"emb.weight": randn(rng, 11, 4)}))
     assert (layer.kind, layer.name, layer.approximation) == ("embedding", "emb", "kron")
     assert layer.attrs["vocab"] == 11 and layer.attrs["dim"] == 4
     assert layer.uses[0].input == "ids"
     node = helper.make_node("Gather", ["emb.weight", "ids"], ["y"], name="gather", axis=1)
-    layer, _ = one(mk([node], {"ids": ids}, {"emb.weight": w(11, 4)}))
+    layer, _ = one(onnx_model([node], {"ids": ids}, {"emb.weight": randn(rng, 11, 4)}))
     assert layer.kind == "generic"
 
 
 # -------------------------------------------------------------- scale and shift
 @pytest.mark.parametrize("bias", [False, True])
-def test_layer_norm(bias):
+def test_layer_norm(bias, rng):
     ins = ["x", "ln.scale"] + (["ln.bias"] if bias else [])
-    inits = {"ln.scale": w(6)} | ({"ln.bias": w(6)} if bias else {})
+    inits = {"ln.scale": randn(rng, 6)} | ({"ln.bias": randn(rng, 6)} if bias else {})
     node = helper.make_node("LayerNormalization", ins, ["y"], name="ln", axis=-1, epsilon=1e-6)
-    layer, _ = one(mk([node], {"x": ["N", "T", 6]}, inits))
+    layer, _ = one(onnx_model([node], {"x": ["N", "T", 6]}, inits))
     assert (layer.kind, layer.name) == ("scale_and_shift", "ln")
     assert layer.pattern == ("layer_norm" if bias else "layer_norm_scale")
     assert layer.attrs["normalization"] == {"op": "LayerNormalization", "axis": 2, "epsilon": 1e-6}
@@ -276,24 +253,25 @@ def test_layer_norm(bias):
     assert layer.approximation == "full"
 
 
-def test_layer_norm_over_several_axes():
+def test_layer_norm_over_several_axes(rng):
     node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y"], name="ln", axis=1)
-    layer, _ = one(mk([node], {"x": ["N", 3, 4, 4]}, {"s": w(3, 4, 4), "b": w(3, 4, 4)}))
+    layer, _ = one(onnx_model([node], {"x": ["N", 3, 4, 4]}, {"s": randn(rng, 3, 4, 4), "b": randn(rng, 3, 4, 4)}))
     assert layer.attrs["scale_axes"] == (1, 2, 3)
 
 
-def test_batch_norm_inference_and_training_forms():
+def test_batch_norm_inference_and_training_forms(rng):
     node = helper.make_node("BatchNormalization", ["x", "bn.scale", "bn.bias", "bn.mean", "bn.var"], ["y"],
                             name="bn", epsilon=1e-3)
-    inits = {"bn.scale": w(3), "bn.bias": w(3), "bn.mean": w(3), "bn.var": np.ones(3, np.float32)}
-    layer, canon = one(mk([node], {"x": ["N", 3, 4, 4]}, inits))
+    inits = {"bn.scale": randn(rng, 3), "bn.bias": randn(rng, 3), "bn.mean": randn(rng, 3),
+             "bn.var": np.ones(3, np.float32)}
+    layer, canon = one(onnx_model([node], {"x": ["N", 3, 4, 4]}, inits))
     assert (layer.kind, layer.pattern, layer.params) == ("scale_and_shift", "batch_norm", ("bn.scale", "bn.bias"))
     assert layer.attrs["normalization"] == {"op": "BatchNormalization", "mean": "bn.mean", "var": "bn.var", "epsilon": 1e-3}
     assert layer.attrs["scale_axes"] == (1,)
     assert trainable_params(canon, "y") == (["bn.scale", "bn.bias"], ["bn.mean", "bn.var"])
     train = helper.make_node("BatchNormalization", ["x", "bn.scale", "bn.bias", "bn.mean", "bn.var"], ["y"],
                              name="bn", training_mode=1)
-    layer, _ = one(mk([train], {"x": ["N", 3, 4, 4]}, inits))
+    layer, _ = one(onnx_model([train], {"x": ["N", 3, 4, 4]}, inits))
     assert (layer.kind, layer.pattern) == ("scale_and_shift", "batch_norm_train")
     assert layer.attrs["normalization"] == {"op": "BatchNormalization", "training": True, "epsilon": 1e-5}
     # the running mean feeding the output: the parameters fall back to generic layers
@@ -301,34 +279,34 @@ def test_batch_norm_inference_and_training_forms():
                             ["y0", "rm", "rv"], name="bn", training_mode=1)
     plus = helper.make_node("Add", ["y0", "rm2"], ["y"], name="plus")
     reshape = helper.make_node("Reshape", ["rm", "shape"], ["rm2"], name="r")
-    layers, _ = layers_of(mk([used, reshape, plus], {"x": ["N", 3, 4, 4]},
+    layers, _ = layers_of(onnx_model([used, reshape, plus], {"x": ["N", 3, 4, 4]},
                              {**inits, "shape": np.array([3, 1, 1], np.int64)}))
     assert [l.kind for l in layers] == ["generic", "generic"]
 
 
 @pytest.mark.parametrize("swap", [False, True])
-def test_mul_add_scale_and_shift(swap):
+def test_mul_add_scale_and_shift(swap, rng):
     mul = helper.make_node("Mul", ["s", "x"] if swap else ["x", "s"], ["h"], name="mul")
     add = helper.make_node("Add", ["b", "h"] if swap else ["h", "b"], ["y"], name="add")
-    layer, _ = one(mk([mul, add], {"x": ["N", 3, 4, 4]}, {"s": w(3, 1, 1), "b": w(3, 1, 1)}))
+    layer, _ = one(onnx_model([mul, add], {"x": ["N", 3, 4, 4]}, {"s": randn(rng, 3, 1, 1), "b": randn(rng, 3, 1, 1)}))
     assert (layer.kind, layer.pattern, layer.params) == ("scale_and_shift", "mul_add", ("s", "b"))
     assert layer.attrs["normalization"] is None
     assert layer.attrs["scale_axes"] == (1,)
     assert layer.uses[0].input == "x" and layer.uses[0].output == "y" and layer.uses[0].nodes == ("mul", "add")
 
 
-def test_mul_add_that_broadcasts_data_up_is_not_scale_and_shift():
+def test_mul_add_that_broadcasts_data_up_is_not_scale_and_shift(rng):
     mul = helper.make_node("Mul", ["x", "s"], ["h"], name="mul")
     add = helper.make_node("Add", ["h", "b"], ["y"], name="add")
-    layers, _ = layers_of(mk([mul, add], {"x": ["N", 1]}, {"s": w(5, 7), "b": w(5, 7)}))
+    layers, _ = layers_of(onnx_model([mul, add], {"x": ["N", 1]}, {"s": randn(rng, 5, 7), "b": randn(rng, 5, 7)}))
     assert [l.kind for l in layers] == ["generic", "generic"]
 
 
 # ---------------------------------------------------------------------- generic
-def test_generic_fallback_one_layer_per_parameter():
+def test_generic_fallback_one_layer_per_parameter(rng):
     prelu = helper.make_node("PRelu", ["x", "slope"], ["h"], name="prelu")
     div = helper.make_node("Div", ["h", "temp"], ["y"], name="div")
-    layers, _ = layers_of(mk([prelu, div], {"x": ["N", 4]}, {"slope": w(4), "temp": w(4)}))
+    layers, _ = layers_of(onnx_model([prelu, div], {"x": ["N", 4]}, {"slope": randn(rng, 4), "temp": randn(rng, 4)}))
     assert [(l.name, l.kind, l.params, l.approximation) for l in layers] == [
         ("slope", "generic", ("slope",), "diagonal"), ("temp", "generic", ("temp",), "diagonal")]
     assert layers[0].uses[0].nodes == ("prelu",) and layers[0].uses[0].input == "slope"
@@ -349,9 +327,9 @@ def _einsum_pattern() -> Pattern:
     )
 
 
-def test_user_pattern_registration():
+def test_user_pattern_registration(rng):
     node = helper.make_node("Einsum", ["x", "W"], ["y"], name="es", equation="bi,oi->bo")
-    model = mk([node], {"x": ["N", 4]}, {"W": w(3, 4)})
+    model = onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 3, 4)})
     assert one(model)[0].kind == "generic"
     p = register_pattern(_einsum_pattern())
     try:
@@ -376,7 +354,7 @@ def test_user_pattern_validation():
                                  edges=(PEdge("W", "op", (1,)),), weight="W", input=("op", 0), output="op"))
 
 
-def test_pattern_attrs_may_reject_with_a_reason():
+def test_pattern_attrs_may_reject_with_a_reason(rng):
     def reject(b):
         raise NoMatch("einsum is not supported here")
 
@@ -387,17 +365,17 @@ def test_pattern_attrs_may_reject_with_a_reason():
     try:
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            layer, _ = one(mk([node], {"x": ["N", 4]}, {"W": w(3, 4)}))
+            layer, _ = one(onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 3, 4)}))
         assert layer.kind == "generic"
         assert any("not supported here" in str(r.message) for r in rec)
     finally:
         unregister_pattern("einsum_dense")
 
 
-def test_a_node_belongs_to_at_most_one_match():
+def test_a_node_belongs_to_at_most_one_match(rng):
     # W used by one MatMul twice?  One MatMul consumed by two bias Adds: only one claims it.
     mm = helper.make_node("MatMul", ["x", "W"], ["h"], name="mm")
     add = helper.make_node("Add", ["h", "b"], ["y"], name="add")
-    layers, _ = layers_of(mk([mm, add], {"x": ["N", 4]}, {"W": w(4, 6), "b": w(6)}))
+    layers, _ = layers_of(onnx_model([mm, add], {"x": ["N", 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 6)}))
     nodes = [n for l in layers for u in l.uses for n in u.nodes if l.kind != "generic"]
     assert len(nodes) == len(set(nodes))

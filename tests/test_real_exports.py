@@ -64,7 +64,7 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt2_init-dynamo", "merged"): "exporter's optimizer replaced the zero linear biases by one scalar literal",
 }
 
-_TIED = None  # any kind and block (recorded by benchmarks/bench_real_exports.py)
+_TIED = None  # any kind and block (recorded by benchmarks/bench_to_target.py real-exports)
 _IMAGE = [
     (r"classifier.*|fc\..*", "fully_connected", "kron"),
     (r"(fused:)?features\.\d+\.conv\.1\.0\.(weight|bias)", "depthwise_conv", "diagonal"),  # MobileNet depthwise

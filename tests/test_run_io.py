@@ -27,6 +27,8 @@ from kfac_compiler.plan import load_plan
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.checkpoint import read_meta
 
+from helpers import Lines
+
 FAST = ["--steps", "3", "--batch-size", "64", "-q"]
 
 
@@ -300,15 +302,16 @@ def test_outputs_through_symlinks_and_devices(tmp_path, capsys):
 
 
 RACE = r"""
-import json, os, sys, time, warnings
+import os, sys, warnings
 from kfac_compiler import locks
 from kfac_compiler.errors import OutputError
 warnings.simplefilter("ignore")
+print("ready", flush=True)  # imports done
 sys.stdin.readline()  # all start together
 try:
     locks.acquire("--checkpoint", sys.argv[1])
     print("got", os.getpid(), flush=True)
-    time.sleep(0.3)
+    sys.stdin.readline()  # the holder stays alive until every other run has tried
 except OutputError:
     print("refused", flush=True)
 """
@@ -323,11 +326,23 @@ def test_runs_racing_for_a_stale_lock_get_exactly_one_holder(tmp_path):
             json.dump({"pid": dead_pid(), "host": __import__("socket").gethostname()}, f)
         procs = [subprocess.Popen([sys.executable, "-c", RACE, target], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True) for _ in range(4)]
-        time.sleep(1.0)  # imports done
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        try:
+            lines = [Lines(p.stdout) for p in procs]
+            assert [out.next() for out in lines] == ["ready"] * 4
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            outcomes = sorted(out.next() for out in lines)
+            for p in procs:  # every run has answered: let the holder go
+                with contextlib.suppress(OSError):  # a refused run has exited already
+                    p.stdin.write("done\n")
+                    p.stdin.close()
+            assert all(p.wait(timeout=60) == 0 for p in procs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         assert [o.split()[0] for o in outcomes] == ["got", "refused", "refused", "refused"], (trial, outcomes)
         with open(lock_path(target)) as f:  # the winner's lock (it exits without releasing it)
             assert json.load(f)["pid"] == int(outcomes[0].split()[1])
@@ -468,8 +483,10 @@ def test_kill_during_checkpoint_write_keeps_it_and_the_next_run_removes_the_temp
 
 
 # --------------------------------------------------------------------------- Ctrl-C
-def _wait_rows(path, n: int) -> None:
-    while not (os.path.exists(path) and len(open_text(path).splitlines()) > n):
+def _wait_rows(path, n: int, timeout: float = 120.0) -> None:
+    """Until the file has more than n lines (or the timeout: the test's asserts then say why)."""
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(path) and len(open_text(path).splitlines()) > n) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

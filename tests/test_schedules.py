@@ -9,23 +9,21 @@ import math
 import numpy as np
 import pytest
 
-import kfac_compiler as kc
 from kfac_compiler import contract as C
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.optimizers import make_config
 from kfac_compiler.optimizers.schedules import parse
 from kfac_compiler.runtime import Trainer, gradients
+
+from helpers import zoo_case
 
 BATCH = 32
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    entry = ZOO["mlp_classifier"]
-    plan = kc.compile(get_model("mlp_classifier", hidden=(16, 16)), loss=entry.loss, output="logits", emit=False)
-    x, y = entry.make_data(BATCH * 6)
+    plan, x, y = zoo_case("mlp_classifier", BATCH * 6, hidden=(16, 16))
     return plan, x["input"], y
 
 

@@ -17,12 +17,12 @@ from kfac_compiler.optimizers import make_config
 from kfac_compiler.runtime import Curvature, Trainer
 from kfac_compiler.train_cli import _knobs
 
+from helpers import zoo_case
+
 
 @pytest.fixture(scope="module")
 def mlp():
-    e = ZOO["mlp_classifier"]
-    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False)
-    x, y = e.make_data(64, seed=0)
+    plan, x, y = zoo_case("mlp_classifier", 64)
     return plan, x["input"], y
 
 

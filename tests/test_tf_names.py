@@ -2,19 +2,18 @@
 import numpy as np
 import pytest
 
-import kfac_compiler as kc
 from kfac_compiler.config import CompileConfig
 from kfac_compiler.contract import MODE_ALIASES
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.models import ZOO
 from kfac_compiler.optimizers import KfacConfig
 from kfac_compiler.runtime import Curvature
+
+from helpers import zoo_plan
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    e = ZOO["mlp_classifier"]
-    plan = kc.compile(e.build(seed=0), loss=e.loss, emit=False)
+    plan = zoo_plan("mlp_classifier", output=None)
     rng = np.random.default_rng(0)
     x = rng.random((16, 64), dtype=np.float32)
     y = rng.integers(0, 10, 16)

@@ -14,11 +14,7 @@ from kfac_compiler.errors import ConfigError
 from kfac_compiler.report import render
 from kfac_compiler.runtime import Trainer
 
-RNG = np.random.default_rng(0)
-
-
-def f32(*shape, value=None):
-    return np.full(shape, value, np.float32) if value is not None else RNG.standard_normal(shape).astype(np.float32)
+from helpers import randn
 
 
 def model(nodes, inits, x_shape=("N", 4), y_shape=("N", 3), opset=17):
@@ -28,7 +24,7 @@ def model(nodes, inits, x_shape=("N", 4), y_shape=("N", 3), opset=17):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def exported_like() -> onnx.ModelProto:
+def exported_like(rng) -> onnx.ModelProto:
     """What exporters write: a ReLU6 Clip with lifted bounds, a Pow exponent, an attention-style
     scale, a -inf mask fill, a float mask reaching only a Where condition, a 1x1 weight, a PRelu
     scalar slope and a one-unit bias, which must stay parameters."""
@@ -45,10 +41,12 @@ def exported_like() -> onnx.ModelProto:
         helper.make_node("Add", ["h", "head.bias"], ["i"]),
         helper.make_node("MatMul", ["i", "one.weight"], ["y"]),
     ]
-    inits = {"fc.weight": f32(3, 4), "fc.bias": f32(3), "zero": np.array(0, np.float32), "six": np.array(6, np.float32),
+    inits = {"fc.weight": randn(rng, 3, 4), "fc.bias": randn(rng, 3), "zero": np.array(0, np.float32),
+             "six": np.array(6, np.float32),
              "three": np.array(3, np.float32), "scale": np.array(8 ** 0.5, np.float32),
              "fill": np.array([0, -np.inf, 0], np.float32), "mask": np.array([1, 0, 1], np.float32),
-             "slope": f32(1), "head.weight": f32(3, 1), "head.bias": f32(1), "one.weight": f32(1, 1)}
+             "slope": randn(rng, 1), "head.weight": randn(rng, 3, 1), "head.bias": randn(rng, 1),
+             "one.weight": randn(rng, 1, 1)}
     return model(nodes, inits, y_shape=("N", 1))
 
 
@@ -57,8 +55,8 @@ EXPECTED_FROZEN = {
 }
 
 
-def test_constants_rule_freezes_lifted_literals_and_masks():
-    plan = kc.compile(exported_like(), loss="squared_error", emit=False)
+def test_constants_rule_freezes_lifted_literals_and_masks(rng):
+    plan = kc.compile(exported_like(rng), loss="squared_error", emit=False)
     assert plan.trainable == ["fc.weight", "fc.bias", "slope", "head.weight", "head.bias", "one.weight"]
     assert sorted(plan.frozen) == sorted(EXPECTED_FROZEN)
     for name, why in EXPECTED_FROZEN.items():
@@ -66,8 +64,8 @@ def test_constants_rule_freezes_lifted_literals_and_masks():
     assert "input 1 (min)" in plan.frozen_reasons["zero"] and "input 1 (Y)" in plan.frozen_reasons["three"]
 
 
-def test_frozen_reasons_in_every_format_and_plan_json(tmp_path):
-    plan = kc.compile(exported_like(), loss="squared_error", emit=False)
+def test_frozen_reasons_in_every_format_and_plan_json(tmp_path, rng):
+    plan = kc.compile(exported_like(rng), loss="squared_error", emit=False)
     table, dot = render(plan, "table"), render(plan, "dot")
     summary = json.loads(render(plan, "json"))
     assert {f["name"]: f["reason"] for f in summary["frozen"]} == plan.frozen_reasons
@@ -80,27 +78,27 @@ def test_frozen_reasons_in_every_format_and_plan_json(tmp_path):
     assert kc.load_plan(tmp_path / "p").frozen_reasons == plan.frozen_reasons
 
 
-def test_train_overrides_the_rule_and_exclude_wins():
-    plan = kc.compile(exported_like(), loss="squared_error", emit=False, train=["three", "s.*"], exclude=["six"])
+def test_train_overrides_the_rule_and_exclude_wins(rng):
+    plan = kc.compile(exported_like(rng), loss="squared_error", emit=False, train=["three", "s.*"], exclude=["six"])
     assert "three" in plan.trainable and "scale" in plan.trainable and "six" in plan.frozen
     assert plan.frozen_reasons["six"] == "excluded by config (exclude 'six')"
     with pytest.raises(ConfigError, match="train: 'nope' matches no float initializer"):
-        kc.compile(exported_like(), loss="squared_error", emit=False, train=["nope"])
+        kc.compile(exported_like(rng), loss="squared_error", emit=False, train=["nope"])
 
 
-def test_constants_do_not_move_in_training():
-    plan = kc.compile(exported_like(), loss="squared_error")
-    x = f32(16, 4)
+def test_constants_do_not_move_in_training(rng):
+    plan = kc.compile(exported_like(rng), loss="squared_error")
+    x = randn(rng, 16, 4)
     trainer = Trainer(plan, optimizer="kfac", learning_rate=0.1)
     for _ in range(3):
-        trainer.step({"x": x}, targets=f32(16, 1))
+        trainer.step({"x": x}, targets=randn(rng, 16, 1))
     exported = {t.name: numpy_helper.to_array(t) for t in trainer.exported_model().graph.initializer}
     assert exported["zero"] == 0 and exported["six"] == 6 and exported["three"] == 3
     assert not np.allclose(exported["fc.weight"], numpy_helper.to_array(plan.model.graph.initializer[0]))
 
 
 # ----------------------------------------------------------------------- untie
-def merged_layernorms() -> onnx.ModelProto:
+def merged_layernorms(rng) -> onnx.ModelProto:
     """Two LayerNorms sharing one all-ones gain and one all-zeros bias, as exporters merge them."""
     nodes = [
         helper.make_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["a"], axis=-1, name="ln1"),
@@ -108,27 +106,28 @@ def merged_layernorms() -> onnx.ModelProto:
         helper.make_node("LayerNormalization", ["b", "ln.weight", "ln.bias"], ["c"], axis=-1, name="ln2"),
         helper.make_node("MatMul", ["c", "fc2.weight"], ["y"], name="fc2"),
     ]
-    inits = {"ln.weight": f32(4, value=1.0), "ln.bias": f32(4, value=0.0), "fc.weight": f32(4, 4), "fc2.weight": f32(4, 3)}
+    inits = {"ln.weight": np.full(4, 1.0, np.float32), "ln.bias": np.full(4, 0.0, np.float32),
+             "fc.weight": randn(rng, 4, 4), "fc2.weight": randn(rng, 4, 3)}
     return model(nodes, inits)
 
 
-def test_merged_initializers_warn_by_name():
+def test_merged_initializers_warn_by_name(rng):
     with pytest.warns(UserWarning, match=r"'ln.weight' is shared by 2 nodes \(ln1, ln2\) and all its values are 1"):
-        plan = kc.compile(merged_layernorms(), loss="squared_error", emit=False)
+        plan = kc.compile(merged_layernorms(rng), loss="squared_error", emit=False)
     assert any("'ln.bias' is shared by 2 nodes" in n for n in plan.notes)
     assert plan.trainable == ["ln.weight", "ln.bias", "fc.weight", "fc2.weight"]
 
 
-def test_untie_gives_each_use_its_own_parameter_and_export_writes_them(tmp_path):
-    plan = kc.compile(merged_layernorms(), loss="squared_error", untie=["ln\\..*"])
+def test_untie_gives_each_use_its_own_parameter_and_export_writes_them(tmp_path, rng):
+    plan = kc.compile(merged_layernorms(rng), loss="squared_error", untie=["ln\\..*"])
     assert plan.trainable == ["ln.weight", "ln.weight.untied1", "ln.bias", "ln.bias.untied1", "fc.weight", "fc2.weight"]
     ln = [l for l in plan.layers if l.kind == "scale_and_shift"]
     assert [l.params for l in ln] == [("ln.weight", "ln.bias"), ("ln.weight.untied1", "ln.bias.untied1")]
     assert all(l.num_uses == 1 for l in ln)
     trainer = Trainer(plan, optimizer="kfac", learning_rate=0.1)
-    x = f32(32, 4)
+    x = randn(rng, 32, 4)
     for _ in range(3):
-        trainer.step({"x": x}, targets=f32(32, 3))
+        trainer.step({"x": x}, targets=randn(rng, 32, 3))
     path = trainer.export(tmp_path / "trained.onnx")
     inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
     assert not np.allclose(inits["ln.weight"], inits["ln.weight.untied1"])  # trained apart
@@ -136,20 +135,20 @@ def test_untie_gives_each_use_its_own_parameter_and_export_writes_them(tmp_path)
     assert list(nodes["ln2"].input)[1:] == ["ln.weight.untied1", "ln.bias.untied1"]
 
 
-def test_untie_all_and_errors():
-    plan = kc.compile(merged_layernorms(), loss="squared_error", emit=False, untie="all")
+def test_untie_all_and_errors(rng):
+    plan = kc.compile(merged_layernorms(rng), loss="squared_error", emit=False, untie="all")
     assert "ln.bias.untied1" in plan.trainable and any(n.startswith("untied: ") for n in plan.notes)
     with pytest.raises(ConfigError, match="untie: 'fc.weight' names no trainable parameter used by several nodes"):
-        kc.compile(merged_layernorms(), loss="squared_error", emit=False, untie=["fc.weight"])
+        kc.compile(merged_layernorms(rng), loss="squared_error", emit=False, untie=["fc.weight"])
 
 
-def test_cli_train_and_untie(tmp_path, capsys):
+def test_cli_train_and_untie(tmp_path, capsys, rng):
     src = tmp_path / "m.onnx"
-    onnx.save(merged_layernorms(), src)
+    onnx.save(merged_layernorms(rng), src)
     assert main(["compile", str(src), "--loss", "squared_error", "--untie", "all", "--frontend-only", "-q",
                  "-o", str(tmp_path / "p")]) == 0
     assert "ln.weight.untied1" in kc.load_plan(tmp_path / "p").trainable
-    onnx.save(exported_like(), src)
+    onnx.save(exported_like(rng), src)
     assert main(["compile", str(src), "--loss", "squared_error", "--train", "three", "--frontend-only",
                  "-o", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
@@ -159,16 +158,17 @@ def test_cli_train_and_untie(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------- retie
-def split_tie(extra_copy: bool = False) -> onnx.ModelProto:
+def split_tie(rng, extra_copy: bool = False) -> onnx.ModelProto:
     """An embedding table and its transpose for the head, as the TorchScript exporter writes a
     tied embedding + head; optionally an exact copy of a weight (torch.export's optimizer)."""
-    E = f32(7, 4)
+    E = randn(rng, 7, 4)
     nodes = [helper.make_node("Gather", ["emb.weight", "ids"], ["h"], name="lookup", axis=0),
              helper.make_node("MatMul", ["h", "fc.weight"], ["a"], name="fc"),
              helper.make_node("MatMul", ["a", "fc.copy" if extra_copy else "fc.weight"], ["b"], name="fc2"),
              helper.make_node("MatMul", ["b", "head.weight"], ["y"], name="head")]
-    W = f32(4, 4)
-    inits = {"emb.weight": E, "fc.weight": W, "head.weight": np.ascontiguousarray(E.T), "ones": f32(4, value=1.0)}
+    W = randn(rng, 4, 4)
+    inits = {"emb.weight": E, "fc.weight": W, "head.weight": np.ascontiguousarray(E.T),
+             "ones": np.full(4, 1.0, np.float32)}
     if extra_copy:
         inits["fc.copy"] = W.copy()
     g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])],
@@ -177,8 +177,8 @@ def split_tie(extra_copy: bool = False) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_retie_trains_an_exporters_copies_as_one_parameter(tmp_path):
-    plan = kc.compile(split_tie(extra_copy=True), loss="softmax_cross_entropy")
+def test_retie_trains_an_exporters_copies_as_one_parameter(tmp_path, rng):
+    plan = kc.compile(split_tie(rng, extra_copy=True), loss="softmax_cross_entropy")
     assert plan.retied == {"head.weight": {"of": "emb.weight", "transposed": True},
                            "fc.copy": {"of": "fc.weight", "transposed": False}}
     assert plan.trainable == ["emb.weight", "fc.weight"]
@@ -196,11 +196,11 @@ def test_retie_trains_an_exporters_copies_as_one_parameter(tmp_path):
     assert kc.load_plan(tmp_path / "p").retied == plan.retied
 
 
-def test_retie_false_keeps_copies_apart_and_uniform_tensors_are_never_retied():
-    plan = kc.compile(split_tie(extra_copy=True), loss="softmax_cross_entropy", emit=False, retie=False)
+def test_retie_false_keeps_copies_apart_and_uniform_tensors_are_never_retied(rng):
+    plan = kc.compile(split_tie(rng, extra_copy=True), loss="softmax_cross_entropy", emit=False, retie=False)
     assert plan.retied == {} and {"head.weight", "fc.copy"} <= set(plan.trainable)
     nodes = [helper.make_node("Mul", ["x", "a"], ["h"]), helper.make_node("Mul", ["h", "b"], ["y"])]
-    m = model(nodes, {"a": f32(3, value=1.0), "b": f32(3, value=1.0)}, x_shape=("N", 3))
+    m = model(nodes, {"a": np.full(3, 1.0, np.float32), "b": np.full(3, 1.0, np.float32)}, x_shape=("N", 3))
     assert kc.compile(m, loss="squared_error", emit=False).retied == {}
     with pytest.raises(ConfigError, match="retie: expected true or false"):
         kc.compile(m, loss="squared_error", emit=False, retie="no")

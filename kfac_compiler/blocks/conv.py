@@ -10,7 +10,7 @@ patches; the bias coordinate (1) is appended last. Float64 graphs (ORT's CPU Con
 double kernel) or option patches="slices" use Pad + one strided Slice per kernel offset
 instead (same tensor, exact in any dtype). Nothing stored grows with the width (a dense
 identity kernel [group K, C_in/group, *kernel] was 85 MB for a 512-channel 3x3 conv and
-C_in times the FLOPs; benchmarks/bench_patches.py, docs/conventions.md).
+C_in times the FLOPs; benchmarks/bench_step.py patches, docs/conventions.md).
 
   kron / kron_indep (KFC, Grosse & Martens 2016), per group j (block diagonal over groups):
       A_j = 1/(N T) sum_{n,t} a~ a~^T   [K+1, K+1],  T = output locations (summed over uses)

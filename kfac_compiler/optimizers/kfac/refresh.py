@@ -28,7 +28,7 @@ from kfac_compiler.errors import ConfigError
 SPREAD_FLOPS = 1e9
 # On the CPU a refresh program with a factor at least this wide runs on ONNX Runtime's
 # default thread pool (no spinning), a narrower one on one thread. schur on two threads
-# against one (benchmarks/bench_inverse_scale.py, quiet machine): 0.91-1.06x up to n = 1153,
+# against one (benchmarks/bench_inverse.py scale, quiet machine): 0.91-1.06x up to n = 1153,
 # 0.58x at 2305, 0.51x at 4609; the zoo's refresh (~1300 small nodes) lost on two
 # non-spinning threads (1.4-1.8x: a wake-up per node). In the trainer, right after a step,
 # ResNet-18's 4609-wide groups took 0.64x the time on two threads.
