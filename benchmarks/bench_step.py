@@ -786,6 +786,93 @@ def cmd_conv(args, say, run):
     return res
 
 
+# ============================================================================== startup
+STARTUP_CHILD_INTERNALS = ("backend", "blocks", "oprules", "passes", "patterns", "frontend")
+
+
+def startup_child(plan_dir: str, model: str, batch: int) -> dict:
+    """In a fresh process: load the plan, build a default K-FAC Trainer, take one step."""
+    t0 = time.perf_counter()
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import Trainer
+
+    if model == "resnet18":
+        te = _torch_exports("ResNet-18")
+        inputs, y = te.digits_images()
+        x = {"input": inputs["input"][:batch]}
+    else:
+        from kfac_compiler.models import ZOO
+
+        inputs, y = ZOO[model].make_data(n=batch)
+        x = {k: v[:batch] for k, v in inputs.items()}
+    plan = kc.load_plan(plan_dir)
+    t1 = time.perf_counter()
+    tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=batch, seed=0)
+    t2 = time.perf_counter()
+    tr.step(x, y[:batch])
+    t3 = time.perf_counter()
+    emitted = []
+    if "kfac_compiler.backend.service" in sys.modules:
+        from kfac_compiler.backend.service import emitted as emitted_for
+
+        emitted = sorted(req.name for req in emitted_for(plan))
+    internal = sorted(m for m in sys.modules if m.startswith(tuple(f"kfac_compiler.{p}" for p in STARTUP_CHILD_INTERNALS)))
+    return {"load_s": t1 - t0, "trainer_s": t2 - t1, "first_step_s": t3 - t2, "to_first_step_s": t3 - t1,
+            "emitted": emitted, "internal_modules": len(internal)}
+
+
+def cmd_startup(args, say, run):
+    """From Trainer(...) to the end of the first step of a default K-FAC run on a saved plan
+    compiled for the run's batch (fresh process each round, interleaved over the models), with
+    the subgraphs the run emitted and the compiler modules it loaded (none: every graph was
+    stored)."""
+    import subprocess
+
+    import kfac_compiler as kc
+
+    if args.child:
+        print(json.dumps(startup_child(args.child[0], args.child[1], args.batch)))
+        return None
+    work = tempfile.mkdtemp(prefix="bench_step-startup-")
+    plans = {}
+    for model in args.models.split(","):
+        if model == "resnet18":
+            source = resnet_export(work)[0]
+            loss, output = "softmax_cross_entropy", "logits"
+        else:
+            from kfac_compiler.models import ZOO, get_model
+
+            source, loss, output = get_model(model, seed=0), ZOO[model].loss, ZOO[model].output_name
+        t = time.perf_counter()
+        plan = kc.compile(source, loss=loss, output=output, budget={"batch_size": args.batch})
+        compile_s = time.perf_counter() - t
+        plans[model] = (plan.save(os.path.join(work, model)), compile_s, len(plan.subgraphs))
+
+    def child(model: str) -> dict:
+        out = subprocess.run([sys.executable, __file__, "startup", "--batch", str(args.batch), "--child",
+                              plans[model][0], model], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    runs: dict[str, list[dict]] = {m: [] for m in plans}
+    for _ in range(args.rounds):
+        for model in plans:
+            runs[model].append(child(model))
+    rows, data = [], {}
+    for model, rs in runs.items():
+        spread = {k: harness.spread([r[k] for r in rs]) for k in ("trainer_s", "first_step_s", "to_first_step_s")}
+        data[model] = {"compile_s": plans[model][1], "stored_subgraphs": plans[model][2], "runs": rs,
+                       **{k: v.as_dict() for k, v in spread.items()}}
+        rows.append([model, f"{plans[model][1]:.2f}", plans[model][2], spread["trainer_s"].format(".2f", " s"),
+                     spread["first_step_s"].format(".2f", " s"), spread["to_first_step_s"].format(".2f", " s"),
+                     ", ".join(rs[-1]["emitted"]) or "none", rs[-1]["internal_modules"]])
+    say(f"Default K-FAC at batch {args.batch} on a plan compiled for it; medians (min-max) of {args.rounds} "
+        "fresh processes:")
+    say()
+    say(harness.table(["model", "compile s", "stored graphs", "Trainer(...)", "first step", "to first step",
+                       "emitted at run time", "compiler modules loaded"], rows))
+    return data
+
+
 # ============================================================================== patches
 # (count, C_in, spatial, C_out, kernel, stride, pad) of ResNet-18's convs on 32x32 inputs
 RESNET18_CONVS = [
@@ -1128,6 +1215,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # model optimizer setting
     p.add_argument("--workdir", help=argparse.SUPPRESS)
 
+    p = add("startup", cmd_startup, "a saved plan from Trainer(...) to its first step: time, emissions, modules")
+    p.add_argument("--models", default="mlp_classifier,resnet18", help="zoo names and/or resnet18 (torch)")
+    p.add_argument("--batch", type=int, default=32, help="the training batch (the plan is compiled for it)")
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, interleaved")
+    p.add_argument("--child", nargs=2, metavar=("PLAN", "MODEL"), help=argparse.SUPPRESS)
     p = add("compile", cmd_compile, "the compiler front end's time")
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--layers", type=int, default=200)
