@@ -21,9 +21,8 @@ import statistics
 import sys
 
 import kfac_compiler as kc
-from kfac_compiler.models import ZOO
-
 from bench_step import ADAM_LRS, run_to_target
+from kfac_compiler.models import ZOO
 
 # compile configs: K-FAC (the defaults: pi damping), EKFAC, and K-FAC with exact damping (the
 # damping EKFAC uses: A (x) G + lambda I), which tells the eigenvalue correction from the damping form

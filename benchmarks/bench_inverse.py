@@ -36,7 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kfac_compiler import linalg  # noqa: E402
 from kfac_compiler.builder import GraphBuilder, value_info  # noqa: E402
 
-
 # Kronecker factor sizes of the model zoo (models/README.md): (A = in+1, G = out) per layer
 #   mlp_classifier       fc1 (65, 128)  fc2 (129, 128)  fc3 (129, 10)
 #   digits_autoencoder   enc1 (65, 256) enc2 (257, 128) enc3 (129, 32)

@@ -40,7 +40,7 @@ import datetime
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort

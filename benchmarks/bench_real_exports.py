@@ -174,8 +174,9 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out = args.out or str(ROOT / "benchmarks" / "results" / f"{date}-real-exports.md")
-    import onnxruntime
     import platform
+
+    import onnxruntime
 
     text = (f"# Real exports: compile, blocks, K-FAC vs Adam ({date})\n\n"
             f"`python benchmarks/bench_real_exports.py --steps {args.steps} --batch-size {args.batch_size}` on "

@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import kfac_compiler as kc  # noqa: E402
 from kfac_compiler.models import ZOO  # noqa: E402
+from kfac_compiler.optimizers import ema_coefficient  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime.data import batch_indices, draw_noise  # noqa: E402
-from kfac_compiler.optimizers import ema_coefficient  # noqa: E402
 
 MODELS = (("digits_autoencoder", 256), ("mlp_classifier", 128))
 # Tuned Adam's full-data loss after these many steps are the targets (the runtime issue's:

@@ -17,9 +17,8 @@ import argparse
 import sys
 
 import kfac_compiler as kc
-from kfac_compiler.models import ZOO, list_models
-
 from bench_step import ADAM_LRS, run_to_target, write_json
+from kfac_compiler.models import ZOO, list_models
 
 
 def compare(name: str, batch_size: int, steps: int, device: str) -> dict:

@@ -19,7 +19,7 @@ import re
 import stat
 import sys
 import warnings
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 TMP_TAG = ".kfac-tmp-"
 OLD_TAG = ".kfac-old-"  # the old folder during a two-rename swap (no RENAME_EXCHANGE)

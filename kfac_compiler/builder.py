@@ -9,7 +9,7 @@ MIN_OPSET..MAX_OPSET.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx

@@ -17,7 +17,7 @@ import json
 import os
 import socket
 import warnings
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kfac_compiler.atomic import pid_alive, remove_stale, temp_path
 from kfac_compiler.errors import OutputError, os_reason

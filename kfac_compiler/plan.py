@@ -61,7 +61,7 @@ class LossSpec:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "LossSpec":
+    def from_json(cls, doc: dict[str, Any]) -> LossSpec:
         named = ("kind", "recognised_from", "recognised_node", "notes")
         options = {k: v for k, v in doc.items() if k not in named and v is not None}
         return cls(doc["kind"], options, doc.get("recognised_from"), doc.get("recognised_node"),
@@ -89,7 +89,7 @@ class TensorSpec:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "TensorSpec":
+    def from_json(cls, doc: dict[str, Any]) -> TensorSpec:
         return cls(doc["name"], doc.get("shape"), doc.get("dtype"), doc.get("from_input"))
 
 
@@ -106,7 +106,7 @@ class Schedule:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "Schedule":
+    def from_json(cls, doc: dict[str, Any]) -> Schedule:
         return cls(doc.get("ema_decay", 0.9), doc.get("damping", 1e-3), InverseConfig(**doc.get("inverse", {})),
                    StatsConfig(**doc.get("stats", {})))
 
@@ -178,7 +178,7 @@ class Plan:
         inits = {t.name for t in self.model.graph.initializer}
         return [vi for vi in self.model.graph.input if vi.name not in inits]
 
-    def parameter_values(self) -> dict[str, "np.ndarray"]:
+    def parameter_values(self) -> dict[str, np.ndarray]:
         """The trainable parameters' initial values (copies of the model's initializers)."""
         from onnx import numpy_helper
 

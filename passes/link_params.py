@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import onnx
 

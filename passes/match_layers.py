@@ -9,7 +9,7 @@ Parameters may appear in several matches (weight sharing): link_params groups th
 from __future__ import annotations
 
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import networkx as nx
 import onnx

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -88,7 +89,7 @@ class BatchChecker:
     """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN):
     a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
 
-    def __init__(self, plan: "Plan", loss: Loss | None = None) -> None:
+    def __init__(self, plan: Plan, loss: Loss | None = None) -> None:
         self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
         self.loss = loss if loss is not None else plan.loss.build()
         self.out_spec = output_spec(plan.model, plan.output)

@@ -14,7 +14,8 @@ device->host traffic of a steady-state step is a handful of 4-byte copies.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -22,8 +23,8 @@ import onnxruntime as ort
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.plan import Plan
 from kfac_compiler.errors import PlanError
+from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
 from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
@@ -53,7 +54,7 @@ def _as_device(device) -> Device:
 class Program:
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
-    def __init__(self, model: "onnx.ModelProto | bytes", info: SubgraphInfo, device="cpu",
+    def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device="cpu",
                  name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
         self.device = _as_device(device)
         self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
@@ -248,7 +249,7 @@ def _model_value(plan: Plan, slot: str) -> np.ndarray:
     raise ContractError(f"state slot {slot!r} (init 'model') is not an initializer of the plan's model")
 
 
-def _check_state_shapes(prog: "Program", info: SubgraphInfo) -> None:
+def _check_state_shapes(prog: Program, info: SubgraphInfo) -> None:
     """ValueError where a state slot's declared shape disagrees with the graph input it feeds
     (static dimensions only): ONNX Runtime would refuse the first run."""
     sessions = [p.session for p in getattr(prog, "programs", [prog])]  # a StagedProgram's stages
@@ -277,7 +278,7 @@ class DeclaredProgram:
 
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
-                   name: str, comm: Any = None, sessions: bool = True, **options: Any) -> "Program":
+                   name: str, comm: Any = None, sessions: bool = True, **options: Any) -> Program:
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages

@@ -14,14 +14,14 @@ value changes.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from kfac_compiler.contract import SlotSpec
 from kfac_compiler.runtime.device import Device, get_device
-
 
 _GENERATIONS = itertools.count(1)
 
@@ -57,7 +57,7 @@ def init_value(spec: SlotSpec) -> np.ndarray:
 class StateStore:
     """Named device buffers for one training run (shared by all its subgraph programs)."""
 
-    def __init__(self, device: "str | Device" = "cpu") -> None:
+    def __init__(self, device: str | Device = "cpu") -> None:
         self.device = get_device(device)
         self._buf: dict[str, list[ort.OrtValue]] = {}
         self._cur: dict[str, int] = {}

@@ -17,10 +17,10 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import Layer, LayerUse
 from kfac_compiler.models import get_model
 from kfac_compiler.passes.canonicalize import canonicalize
-from kfac_compiler.passes.trainable import trainable_params
 from kfac_compiler.passes.choose_blocks import allowed_approximations, choose_blocks
 from kfac_compiler.passes.link_params import layer_base_name, link_params
 from kfac_compiler.passes.match_layers import match_layers
+from kfac_compiler.passes.trainable import trainable_params
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(1)

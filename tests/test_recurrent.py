@@ -19,7 +19,6 @@ from kfac_compiler.passes.autodiff import gradient_model, jvp_model
 from kfac_compiler.passes.canonicalize import canonicalize
 from kfac_compiler.passes.recurrent import METADATA_KEY, fold_recurrent_params, lower_recurrent
 from kfac_compiler.runtime import Trainer
-
 from recurrent_util import make_model, run, run_reference
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recurrent")

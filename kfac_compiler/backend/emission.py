@@ -8,8 +8,9 @@ returns it with its SubgraphInfo (docs/runtime_contract.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import onnx
@@ -55,7 +56,7 @@ class Emission:
 
     # ------------------------------------------------------------- set-up
     @classmethod
-    def start(cls, parts: PlanParts, float_type: int = FLOAT, conv_gather: bool = True) -> "Emission":
+    def start(cls, parts: PlanParts, float_type: int = FLOAT, conv_gather: bool = True) -> Emission:
         """A new subgraph of `parts`' forward graph; `conv_gather`: the Gather im2col forms of
         Conv may be used (oprules/conv.py)."""
         view = GraphView(parts.model)

@@ -3,8 +3,9 @@ clones of the forward graph on the batch's first m examples (sub_batch_pass) or 
 parameters (clone_forward), each described by a ForwardPass that autodiff can walk."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import onnx
 

@@ -7,8 +7,8 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler import linalg
-from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.emission import WEIGHTS, Emission
+from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.registry import subgraph
 from kfac_compiler.blocks._parts import emit_statistic
 from kfac_compiler.errors import PlanError
