@@ -161,7 +161,7 @@ def replace_folder(path: str | os.PathLike, fill: Callable[[str], None], replace
         raise
     if not discard_folder(old, path, replaces):
         warnings.warn(f"kept {old!r}: it holds files that changed while {path!r} was replaced; "
-                      "move what you need out of it and delete it")
+                      "move what you need out of it and delete it", stacklevel=2)
     return path
 
 

@@ -168,7 +168,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     pinned = pinned_layers(layers, cfg)
     layers = choose_blocks(layers, cfg)
     for note in normalization_fallback_notes(view, layers):
-        warnings.warn(note)
+        warnings.warn(note, stacklevel=2)
 
     layers = [_with_input_shape(layer, view) for layer in layers]
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}

@@ -398,7 +398,7 @@ def _check_ranks(args, meta: dict[str, Any] | None, ranks: int) -> None:
 
         warnings.warn(f"checkpoint {args.resume!r} was written by {theirs} rank{'s' * (theirs != 1)}, resuming on "
                       f"{ranks}: the same run up to float rounding (the batches, noise and factors do not depend "
-                      "on the number of ranks)")
+                      "on the number of ranks)", stacklevel=2)
 
 
 def _outputs(args) -> list[Output]:

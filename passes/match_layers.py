@@ -65,7 +65,7 @@ def match_layers(
         chosen.append((min(order[n] for n in nodes), m))
     for nodes, reason in reasons.items():
         if not claimed.intersection(nodes):
-            warnings.warn(reason)
+            warnings.warn(reason, stacklevel=2)
     chosen.sort(key=lambda im: im[0])
     return [m for _, m in chosen]
 

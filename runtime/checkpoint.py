@@ -315,4 +315,4 @@ def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
     trainer.data_fingerprint = meta.get("data")  # None: written without one (the API, older checkpoints)
     if fresh:  # K-FAC resumed with momentum_type="adam" from another type: the sums start empty
         warnings.warn(f"checkpoint {path!r} has no momentum sums ({fresh[0]!r}, ...; written with another "
-                      "momentum_type): they start at zero")
+                      "momentum_type): they start at zero", stacklevel=2)
