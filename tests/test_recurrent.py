@@ -311,7 +311,7 @@ def test_kfac_training_lowers_the_loss_and_exports_the_lowered_model(approx, tmp
     x, y = _data(64, 0)
     tr = Trainer(plan, optimizer="kfac", seed=0, inv_update_period=2)
     before = tr.evaluate({"input": x}, y)["loss"]
-    for s in range(12):
+    for _ in range(12):
         tr.step({"input": x}, y)
     after = tr.evaluate({"input": x}, y)["loss"]
     assert after < 0.8 * before, (before, after)
