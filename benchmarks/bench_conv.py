@@ -297,9 +297,9 @@ def run_bound(args) -> list[dict]:
                 sessions[kind] = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
             feeds = {"runtime": {"x": x, "w": w}, "constant": {"x": x}}
             xt, wt = torch.from_numpy(x), torch.from_numpy(w)
-            fns = {"ort_runtime_w": lambda: sessions["runtime"].run(None, feeds["runtime"]),
-                   "ort_constant_w": lambda: sessions["constant"].run(None, feeds["constant"]),
-                   "torch": lambda: torch.conv2d(xt, wt, padding=1)}
+            fns = {"ort_runtime_w": lambda s=sessions, f=feeds: s["runtime"].run(None, f["runtime"]),
+                   "ort_constant_w": lambda s=sessions, f=feeds: s["constant"].run(None, f["constant"]),
+                   "torch": lambda xt=xt, wt=wt: torch.conv2d(xt, wt, padding=1)}
             ts = {k: [] for k in fns}
             with torch.no_grad():
                 for f in fns.values():

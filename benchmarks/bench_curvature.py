@@ -90,18 +90,18 @@ def main() -> None:
             if args.device == "cuda":
                 assert "CUDAExecutionProvider" in sess.get_providers(), "CUDA EP not available"
             feeds = _feeds(sess, plan, info, x, y, rng)
-            row[(sg, opts.get("method"))] = _median_ms(lambda: sess.run(None, feeds), args.repeats)
+            row[(sg, opts.get("method"))] = _median_ms(lambda sess=sess, feeds=feeds: sess.run(None, feeds), args.repeats)
         # host eigh: every block's numpy twin on its factors (float64), incl. host copies
         from kfac_compiler.blocks import plan_blocks
 
-    blocks = plan_blocks(plan)
+        blocks = plan_blocks(plan)
         model, info = emit_subgraph(plan, "update_statistics")
         factors = {}
         feeds = _feeds(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), plan, info, x, y, rng)
         for layer, block in blocks.items():
             factors[layer] = {s.name: feeds[f"factor/{layer}/{s.name}"] for s in block.factor_specs()}
 
-        def host_eigh():
+        def host_eigh(blocks=blocks, factors=factors):
             for layer, block in blocks.items():
                 block.numpy_inverse(factors[layer], 1e-2, "eigh")
 

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         runs[name] = per
         med = {a: {k: median([r[a][k] for r in per]) for k in ("steps", "seconds", "step_ms")} for a in CONFIGS}
 
-        def ratio(a, b):
+        def ratio(a, b, per=per):
             return median([r[a]["seconds"] / r[b]["seconds"] for r in per if r[a]["seconds"] and r[b]["seconds"]])
 
         over = {a: median([r[a]["seconds"] / r["adam_seconds"] for r in per if r[a]["seconds"]]) for a in CONFIGS}

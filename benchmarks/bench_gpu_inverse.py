@@ -64,9 +64,9 @@ def main(argv=None) -> int:
             walls.append(m["step_time"])
             if k < 3 or m.get("inverse", 0):
                 progs = {n: round(p.last_seconds * 1e3, 1) for n, p in tr.programs().items()}
-                log(opt, "step", k, "wall %.1f ms" % (1e3 * m["step_time"]), "loss %.4f" % m["loss"],
+                log(opt, "step", k, f"wall {1e3 * m['step_time']:.1f} ms", f"loss {m['loss']:.4f}",
                     "inv" if m.get("inverse", 0) else "", "fallbacks", m.get("inverse_fallbacks"), progs)
-        log(opt, "steps 3-11 median %.2f ms mean %.2f ms" % (1e3 * np.median(walls[3:]), 1e3 * np.mean(walls[3:])))
+        log(opt, f"steps 3-11 median {1e3 * np.median(walls[3:]):.2f} ms mean {1e3 * np.mean(walls[3:]):.2f} ms")
         if opt != "adam":
             ts = []
             for _ in range(3):

@@ -135,7 +135,7 @@ def bench_size(n: int, cond: float, repeats: int, rng) -> dict:
     for method in linalg.HOST_METHODS:
         X, ok = linalg.np_inverse(M, method)
         X = X.astype(np.float32)
-        row[method] = (timeit(lambda: linalg.np_inverse(M, method)[0].astype(np.float32), repeats), rel(X, ref), bool(ok))
+        row[method] = (timeit(lambda method=method: linalg.np_inverse(M, method)[0].astype(np.float32), repeats), rel(X, ref), bool(ok))
     return row
 
 
@@ -145,15 +145,15 @@ def bench_batched(sizes, cond, repeats, rng) -> dict:
     out = {}
     for method in linalg.EMITTED_METHODS:
 
-        def build(b):
+        def build(b, method=method):
             reqs = [linalg.InverseRequest(k, v.shape[-1]) for k, v in mats.items()]
             res = linalg.emit_inverse_batch(b, reqs, method)
             return [x for pair in res for x in pair]
 
         s = session(build, inputs)
-        out[f"{method}_batched"] = timeit(lambda: s.run(None, mats), repeats)
-        sessions = [session(lambda b, k=k, n=v.shape[-1]: list(linalg.emit_inverse(b, k, n, method)), [(k, v.shape)]) for k, v in mats.items()]
-        out[f"{method}_separate"] = timeit(lambda: [ss.run(None, {k: mats[k]}) for ss, k in zip(sessions, mats)], repeats)
+        out[f"{method}_batched"] = timeit(lambda s=s: s.run(None, mats), repeats)
+        sessions = [session(lambda b, k=k, n=v.shape[-1], method=method: list(linalg.emit_inverse(b, k, n, method)), [(k, v.shape)]) for k, v in mats.items()]
+        out[f"{method}_separate"] = timeit(lambda sessions=sessions: [ss.run(None, {k: mats[k]}) for ss, k in zip(sessions, mats)], repeats)
     out["eigh_host_all"] = timeit(lambda: linalg.np_inverse_batch(list(mats.values()), "eigh"), repeats)
     out["cholesky_host_all"] = timeit(lambda: linalg.np_inverse_batch(list(mats.values()), "cholesky"), repeats)
     return out

@@ -81,7 +81,7 @@ def bench_resnet(rounds: int, batch: int, steps: int, threads: int | None = None
         for name, (kw, refresh_threads) in configs.items():
             rule = R.refresh_threads
             if refresh_threads is not None:
-                R.refresh_threads = lambda cost, device: refresh_threads
+                R.refresh_threads = lambda cost, device, n=refresh_threads: n
             try:
                 tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=batch, seed=0, threads=threads, **kw)
             finally:
@@ -151,7 +151,7 @@ def steps_to_target(plan, x, y, batch, target, budget, seed, **kw) -> int | None
 def bench_zoo(seeds: int) -> list[str]:
     from kfac_compiler.models import ZOO
 
-    lines = ["", "| model (batch, target) | inverse_groups | steps to target, seeds 0..%d | mean |" % (seeds - 1),
+    lines = ["", f"| model (batch, target) | inverse_groups | steps to target, seeds 0..{seeds - 1} | mean |",
              "|---|---|---|---|"]
     for name, (batch, target, budget) in ZOO_TARGETS.items():
         e = ZOO[name]
