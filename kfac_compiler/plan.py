@@ -10,6 +10,7 @@ source model file changed since compiling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -351,7 +352,7 @@ class Plan:
                 # overwrite: the folder is the user's, not swapped; plan.json last makes it a plan
                 for f in files[1:] + files[:1]:
                     remove_stale(os.path.join(real, f))
-                    write_file(os.path.join(real, f), lambda out, f=f: fill_one(f, out))
+                    write_file(os.path.join(real, f), functools.partial(fill_one, f))
             else:
                 replace_folder(real, fill, set(files) | _own_files(real))
         except OSError as e:

@@ -88,7 +88,8 @@ class SubgraphOptions:
         unknown = [k for k in doc if k not in names]
         if unknown:
             raise ConfigError(f"{cls.__name__} has no option {unknown[0]!r}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
+        return cls(**values)
 
 
 def _jsonable(v: Any) -> Any:
@@ -219,5 +220,5 @@ def request(name: str, options: SubgraphOptions | None = None, **values: Any) ->
     unknown = [k for k in values if k not in fields]
     if unknown:
         raise ConfigError(f"subgraph {name!r} has no option {unknown[0]!r}; its options are {sorted(fields)}")
-    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if v is not None}
+    given: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if v is not None}
     return Request(name, typ(**given))

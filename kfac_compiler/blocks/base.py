@@ -71,7 +71,7 @@ class FisherBlock:
         self,
         layer: Layer,
         param_shapes: dict[str, tuple[int, ...]],
-        input_shapes: list[tuple] | None = None,
+        input_shapes: list[tuple | None] | None = None,
         **options,
     ) -> None:
         self.layer = layer
@@ -292,7 +292,7 @@ class FisherBlock:
 def make_block(
     layer: Layer,
     param_shapes: dict[str, tuple[int, ...]],
-    input_shapes: list[tuple] | None = None,
+    input_shapes: list[tuple | None] | None = None,
     **options,
 ) -> FisherBlock:
     """The block object for a layer whose `approximation` is set."""
