@@ -223,9 +223,9 @@ def convert_input(name: str, dims: list[Any], et: int, value: Any, source: str, 
                                                     onnx.helper.tensor_dtype_to_np_dtype(et))
     check_range(a, dtype, f"{source}: array {name!r}")
     if bound is not None and a.size:
-        bad = a[(a < 0) | (a >= bound)]
-        if bad.size:
-            raise DataError(f"{source}: array {name!r} holds token id {bad.flat[0].item()}; the embedding it indexes "
+        ids = a[(a < 0) | (a >= bound)]
+        if ids.size:
+            raise DataError(f"{source}: array {name!r} holds token id {ids.flat[0].item()}; the embedding it indexes "
                             f"has {bound} rows (ids 0..{bound - 1})")
     return a.astype(dtype, copy=False)
 

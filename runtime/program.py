@@ -75,7 +75,7 @@ class Program:
         self._metric_bufs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
         for o in self.session.get_outputs():
             if o.name in self.metrics and isinstance(o.shape, list) and all(isinstance(d, int) for d in o.shape):
-                buf = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
+                buf: np.ndarray = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
                 self._metric_bufs[o.name] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
         # One IOBinding per (requested results, which buffer of each state slot is current):
         # ORT keeps a binding across runs, so once both parities of the double-buffered slots
@@ -161,8 +161,8 @@ class Program:
                 _bind(bound, b.bind_ortvalue_input, n, store.data(n, channel))
             for n in self.hp_inputs:
                 _bind(bound, b.bind_ortvalue_input, n, store.hp(n))
-            for out, slot in self.state_outputs.items():
-                _bind(bound, b.bind_ortvalue_output, out, store.spare(slot))
+            for output, slot in self.state_outputs.items():
+                _bind(bound, b.bind_ortvalue_output, output, store.spare(slot))
             for m in self.metrics:  # in order: get_outputs() follows the first-bound order
                 pre = self._metric_bufs.get(m)
                 if pre is not None:

@@ -31,6 +31,7 @@ from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanEr
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
+from kfac_compiler.requests import Request
 from kfac_compiler.runtime.comm import agreed, as_communicator
 from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
@@ -79,6 +80,8 @@ class Trainer:
         self.config = make_config(optimizer, plan, **knobs)
         self.device = get_device(device)
         self.comm = as_communicator(comm)
+        self.rank: int
+        self.ranks: int
         self.rank, self.ranks = (self.comm.rank, self.comm.size) if self.comm else (0, 1)
         self.threads = None if threads is None else _check_threads(threads)
         if self.threads is None and self.comm is not None and self.device.name == "cpu":
@@ -97,7 +100,7 @@ class Trainer:
         # what the caller trains on (data.dataset_fingerprint; kfac-compiler train sets it):
         # stored in checkpoints and restored with them, so that a resume can compare its data
         self.data_fingerprint: dict[str, Any] | None = None
-        self._programs: dict[tuple, Program] = {}
+        self._programs: dict[Request, Program] = {}
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
