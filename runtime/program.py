@@ -45,7 +45,7 @@ class ContractError(RuntimeError):
     """An emitted subgraph and its info disagree with docs/runtime_contract.md (a compiler bug)."""
 
 
-def _as_device(device) -> Device:
+def _as_device(device: str | Device | Sequence[Any]) -> Device:
     if isinstance(device, (list, tuple)):
         return device_from_providers(device)
     return get_device(device)
@@ -54,7 +54,7 @@ def _as_device(device) -> Device:
 class Program:
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
-    def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device="cpu",
+    def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
                  name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
         self.device = _as_device(device)
         self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
