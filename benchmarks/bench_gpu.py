@@ -287,8 +287,8 @@ def bench_model(name, args, workdir):
             if opt == "adam":
                 continue
             kfac = ours_trainer(plan, "kfac", args.device, bs, **knobs)
-            r = to_target(lambda idx: kfac.step({"input": x[idx]}, y[idx]),
-                          lambda: full_loss_ours(kfac, x, y), n, bs, 3 * args.target_steps, target)
+            r = to_target(lambda idx, kfac=kfac: kfac.step({"input": x[idx]}, y[idx]),
+                          lambda kfac=kfac: full_loss_ours(kfac, x, y), n, bs, 3 * args.target_steps, target)
             report(f"ours_{opt}", f"ours {opt}", r.steps, r.seconds, r.loss, res[f"ours_{opt}"]["mean_ms"])
             del kfac
         for opt in peers:

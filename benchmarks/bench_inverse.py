@@ -20,7 +20,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -114,10 +114,10 @@ def bench_size(n: int, cond: float, repeats: int, rng) -> dict:
     for name, (build, feeds) in graphs.items():
         s = session(build, [(k, (n, n)) for k in feeds])
         X, ok = s.run(None, feeds)
-        row[name] = (clock(lambda: s.run(None, feeds), repeats), rel(X, ref), bool(ok))
+        row[name] = (clock(lambda s=s, feeds=feeds: s.run(None, feeds), repeats), rel(X, ref), bool(ok))
     for method in linalg.HOST_METHODS:
         X, ok = linalg.np_inverse(M, method)
-        row[method] = (clock(lambda: linalg.np_inverse(M, method)[0].astype(np.float32), repeats),
+        row[method] = (clock(lambda method=method: linalg.np_inverse(M, method)[0].astype(np.float32), repeats),
                        rel(X.astype(np.float32), ref), bool(ok))
     return row
 
@@ -135,11 +135,11 @@ def bench_batched(sizes, cond, repeats, rng) -> dict:
             return [x for pair in linalg.emit_inverse_batch(b, reqs, method) for x in pair]
 
         s = session(build, inputs)
-        out[f"{method}_batched"] = clock(lambda: s.run(None, mats), repeats)
-        sessions = [session(lambda b, k=k, n=v.shape[-1]: list(linalg.emit_inverse(b, k, n, method)), [(k, v.shape)])
-                    for k, v in mats.items()]
-        out[f"{method}_separate"] = clock(lambda: [ss.run(None, {k: mats[k]}) for ss, k in zip(sessions, mats)],
-                                          repeats)
+        out[f"{method}_batched"] = clock(lambda s=s: s.run(None, mats), repeats)
+        sessions = [session(lambda b, k=k, n=v.shape[-1], method=method: list(linalg.emit_inverse(b, k, n, method)),
+                            [(k, v.shape)]) for k, v in mats.items()]
+        out[f"{method}_separate"] = clock(
+            lambda sessions=sessions: [ss.run(None, {k: mats[k]}) for ss, k in zip(sessions, mats)], repeats)
     out["eigh_host_all"] = clock(lambda: linalg.np_inverse_batch(list(mats.values()), "eigh"), repeats)
     out["cholesky_host_all"] = clock(lambda: linalg.np_inverse_batch(list(mats.values()), "cholesky"), repeats)
     return out
@@ -396,7 +396,7 @@ def cmd_model(args, say, run):
             walls.append(m["step_time"])
             if k < 3 or m.get("inverse", 0):
                 progs = {n: round(p.last_seconds * 1e3, 1) for n, p in tr.programs().items()}
-                log(opt, "step", k, "wall %.1f ms" % (1e3 * m["step_time"]), "loss %.4f" % m["loss"],
+                log(opt, "step", k, f"wall {1e3 * m['step_time']:.1f} ms", f"loss {m['loss']:.4f}",
                     "inv" if m.get("inverse", 0) else "", "fallbacks", m.get("inverse_fallbacks"), progs)
         steady = harness.spread(walls[3:]).scaled(1e3)
         log(opt, f"steps 3-{args.steps - 1}: median (min-max) {steady.format('.2f', ' ms')}, "

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import harness  # noqa: E402

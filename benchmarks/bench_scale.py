@@ -321,7 +321,7 @@ def bench_model(name: str, args, workdir: str) -> dict:
 def ratios(res: dict) -> None:
     cells = res["cells"]
     adam = cells.get("ours_adam", {})
-    for key, cell in cells.items():
+    for cell in cells.values():
         if "mean_ms" in cell and "mean_ms" in adam:
             cell["mean_over_adam"] = cell["mean_ms"] / adam["mean_ms"]
             cell["peak_over_adam"] = cell["peak_mb"] / adam["peak_mb"]

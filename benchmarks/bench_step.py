@@ -387,8 +387,9 @@ def cmd_backward(args, say, run):
             gm = gradient_model(model, "logits", params)
             bwd = session(gm, threads)
             feeds = {**x, "logits_grad": np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)}
-            t_f = harness.spread(harness.timed(lambda: fwd.run(None, x), args.runs, warmup=3)).scaled(1e3)
-            t_b = harness.spread(harness.timed(lambda: bwd.run(None, feeds), args.runs, warmup=3)).scaled(1e3)
+            t_f = harness.spread(harness.timed(lambda fwd=fwd, x=x: fwd.run(None, x), args.runs, warmup=3)).scaled(1e3)
+            t_b = harness.spread(harness.timed(lambda bwd=bwd, feeds=feeds: bwd.run(None, feeds), args.runs,
+                                               warmup=3)).scaled(1e3)
             r = {"model": name, "threads": threads, "batch": args.batch, "forward_ms": t_f.as_dict(),
                  "fwd_bwd_ms": t_b.as_dict(), "ratio": t_b.median / t_f.median,
                  "forward_nodes": len(model.graph.node), "backward_nodes": len(gm.graph.node) - len(model.graph.node)}
@@ -468,7 +469,8 @@ def cmd_curvature(args, say, run):
             if args.device == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
                 raise SystemExit("skipped: the CUDA execution provider is not available")
             feeds = _curvature_feeds(sess, plan, info, x, y, rng)
-            row[key] = 1e3 * harness.median(harness.timed(lambda: sess.run(None, feeds), args.repeats, warmup=3))
+            row[key] = 1e3 * harness.median(harness.timed(lambda sess=sess, feeds=feeds: sess.run(None, feeds),
+                                                          args.repeats, warmup=3))
         model, info = emit_subgraph(plan, "update_statistics")
         feeds = _curvature_feeds(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]),
                                  plan, info, x, y, rng)
@@ -706,9 +708,9 @@ def conv_bound(args) -> list:
                     so.intra_op_num_threads = threads
                 sessions[kind] = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
             xt, wt = torch.from_numpy(x), torch.from_numpy(w)
-            fns = {"ort_runtime_w": lambda s=sessions["runtime"]: s.run(None, {"x": x, "w": w}),
-                   "ort_constant_w": lambda s=sessions["constant"]: s.run(None, {"x": x}),
-                   "torch": lambda: torch.conv2d(xt, wt, padding=1)}
+            fns = {"ort_runtime_w": lambda s=sessions["runtime"], x=x, w=w: s.run(None, {"x": x, "w": w}),
+                   "ort_constant_w": lambda s=sessions["constant"], x=x: s.run(None, {"x": x}),
+                   "torch": lambda xt=xt, wt=wt: torch.conv2d(xt, wt, padding=1)}
             with torch.no_grad():
                 res = harness.interleave({k: (lambda f=f: harness.timed(f, args.steps, warmup=0)) for k, f in fns.items()},
                                          args.rounds, gap=args.gap / 4, rotate=False, warmup=1)
@@ -962,7 +964,7 @@ def cmd_patches(args, say, run):
         for count, C_in, sp, C_out, k, s, p in convs:
             sess = {m: _patch_session(C_in, sp, C_out, k, s, p, m, what, args.batch) for m in PATCH_METHODS}
 
-            def runs(m):
+            def runs(m, sess=sess):
                 ss, feeds, _ = sess[m]
                 return lambda: harness.median(harness.timed(lambda: ss.run(None, feeds), args.reps, warmup=0))
 

@@ -276,7 +276,7 @@ def cmd_ekfac(args, say, run):
         med = {a: {k: harness.median(r[a][k] for r in per) for k in ("steps", "seconds", "step_ms")}
                for a in EKFAC_CONFIGS}
 
-        def ratio(a, b):
+        def ratio(a, b, per=per):
             return harness.median(r[a]["seconds"] / r[b]["seconds"] for r in per if r[a]["seconds"] and r[b]["seconds"])
 
         over = {a: harness.median(r[a]["seconds"] / r["adam_seconds"] for r in per if r[a]["seconds"])
@@ -329,8 +329,8 @@ def cmd_spread(args, say, run):
             hits = []
             for seed in range(args.seeds):
                 step, loss, _ = ours(plan, x, y, batch, "kfac", seed=seed, inverse_groups=groups,
-                                     batches=lambda s, seed=seed: np.random.default_rng([seed, s]).choice(
-                                         len(y), batch, replace=False))
+                                     batches=lambda s, seed=seed, y=y, batch=batch: np.random.default_rng(
+                                         [seed, s]).choice(len(y), batch, replace=False))
                 r = harness.to_target(step, loss, max_steps=budget, targets=[target], every=EVERY)
                 hits.append(r.steps if r.reached else None)
             got = [h for h in hits if h is not None]

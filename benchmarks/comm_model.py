@@ -33,8 +33,9 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 DATE = "2026-11-24"
 SCALARS = 10  # loss, the quadratic model's 7 terms, the loss after the update, the finite flag

@@ -27,8 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -58,7 +58,7 @@ class Spread:
     hi: float
     n: int
 
-    def scaled(self, k: float) -> "Spread":
+    def scaled(self, k: float) -> Spread:
         return Spread(self.median * k, self.lo * k, self.hi * k, self.n)
 
     def format(self, spec: str = ".3f", unit: str = "") -> str:

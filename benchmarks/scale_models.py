@@ -8,8 +8,8 @@ note for the results table.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 # GPT-2's vocabulary size: the large-vocabulary LM's output layer and tied embedding.
 GPT2_VOCAB = 50257

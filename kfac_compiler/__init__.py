@@ -7,14 +7,25 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kfac_compiler.errors import KfacError
 
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Mapping
+
+    import numpy as np
+    import onnx
+
+    from kfac_compiler.config import CompileConfig
+    from kfac_compiler.plan import Plan
+
 __version__ = "0.1.0"
 
-def compile(model: Any, loss: str | None = None, output: str | None = None, config: Any = None,
-            emit: bool = True, **overrides: Any):
+def compile(model: str | os.PathLike | onnx.ModelProto, loss: str | None = None, output: str | None = None,
+            config: CompileConfig | dict | str | os.PathLike | None = None, emit: bool = True,
+            **overrides: Any) -> Plan:
     """Compile an ONNX model (path or ModelProto) into a Plan. `emit`: store the subgraphs a
     default K-FAC run at the plan's batch size (its budget's) requests, resolved for the CPU
     (and so for CUDA, where they resolve alike), so that such a run emits nothing."""
@@ -26,7 +37,7 @@ def compile(model: Any, loss: str | None = None, output: str | None = None, conf
     return plan
 
 
-def store_default_subgraphs(plan: Any, optimizer: str = "kfac", batch_size: int | None = None) -> None:
+def store_default_subgraphs(plan: Plan, optimizer: str = "kfac", batch_size: int | None = None) -> None:
     """Store in `plan` every subgraph a Trainer with `optimizer`'s defaults at `batch_size`
     (default: the batch the plan's budget assumed) builds on the CPU: the Trainer's own
     requests (made without building a session), so the stored set is exactly what such a run
@@ -41,13 +52,14 @@ def store_default_subgraphs(plan: Any, optimizer: str = "kfac", batch_size: int 
         plan.store_subgraph(req, graph, info)
 
 
-def load_plan(path: str):
+def load_plan(path: str | os.PathLike) -> Plan:
     from kfac_compiler.plan import load_plan as _load
 
     return _load(path)
 
 
-def gradients(plan: Any, inputs: dict, targets: Any, weights: Any = None, **options: Any):
+def gradients(plan: Plan, inputs: Mapping[str, Any], targets: Any, weights: Any = None,
+              **options: Any) -> tuple[float, dict[str, np.ndarray]]:
     """Loss and gradients of the mean loss, keyed by initializer name (no framework needed).
     `weights`: optional per-example loss weights or a 0/1 mask; options: params=, device=."""
     from kfac_compiler.runtime import gradients as _gradients
@@ -55,7 +67,7 @@ def gradients(plan: Any, inputs: dict, targets: Any, weights: Any = None, **opti
     return _gradients(plan, inputs, targets, weights=weights, **options)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "Plan":
         from kfac_compiler.plan import Plan
 

@@ -19,7 +19,7 @@ import re
 import stat
 import sys
 import warnings
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 TMP_TAG = ".kfac-tmp-"
 OLD_TAG = ".kfac-old-"  # the old folder during a two-rename swap (no RENAME_EXCHANGE)
@@ -161,7 +161,7 @@ def replace_folder(path: str | os.PathLike, fill: Callable[[str], None], replace
         raise
     if not discard_folder(old, path, replaces):
         warnings.warn(f"kept {old!r}: it holds files that changed while {path!r} was replaced; "
-                      "move what you need out of it and delete it")
+                      "move what you need out of it and delete it", stacklevel=2)
     return path
 
 

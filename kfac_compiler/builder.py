@@ -9,7 +9,8 @@ MIN_OPSET..MAX_OPSET.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 import onnx
@@ -85,6 +86,14 @@ class GraphBuilder:
         return np.dtype(np.float64 if self.float_type == TensorProto.DOUBLE else np.float32)
 
     # ----------------------------------------------------------------- nodes
+    @overload
+    def op(self, op_type: str, inputs: Sequence[str], n_out: Literal[1] = 1, domain: str = "",
+           hint: str | None = None, outputs: None = None, **attrs: Any) -> str: ...
+
+    @overload
+    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, domain: str = "",
+           hint: str | None = None, outputs: Sequence[str] | None = None, **attrs: Any) -> str | list[str]: ...
+
     def op(
         self,
         op_type: str,

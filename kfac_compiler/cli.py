@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from kfac_compiler.cli_options import add_heads_arg, add_selection_args, apply_heads_arg, apply_selection_args
 from kfac_compiler.errors import ConfigError, KfacError, os_reason
@@ -133,8 +133,8 @@ def _compile(args) -> int:
 
 
 def _run_inspect(args) -> int:
-    from kfac_compiler.report import render
     from kfac_compiler.plan import load_plan
+    from kfac_compiler.report import render
 
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {args.ranks}")

@@ -22,7 +22,7 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
                         "shared parameter whose values are all equal, or 'all'; repeatable)")
 
 
-def apply_selection_args(cfg: "CompileConfig", args: argparse.Namespace) -> None:
+def apply_selection_args(cfg: CompileConfig, args: argparse.Namespace) -> None:
     """Add the command line's selection options to a CompileConfig (then validate it)."""
     if args.include is not None:
         cfg.include = list(cfg.include or []) + args.include
@@ -39,7 +39,7 @@ def add_heads_arg(p: argparse.ArgumentParser) -> None:
                         "a head's loss options go in the config's [[heads]] tables")
 
 
-def apply_heads_arg(cfg: "CompileConfig", args: argparse.Namespace) -> None:
+def apply_heads_arg(cfg: CompileConfig, args: argparse.Namespace) -> None:
     """Replace the config's heads by the command line's --head options (then validate it)."""
     from kfac_compiler.errors import ConfigError
 

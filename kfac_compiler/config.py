@@ -61,10 +61,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
-from kfac_compiler.contract import estimation_mode
 
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
@@ -145,7 +145,7 @@ class CompileConfig:
 
     # ------------------------------------------------------------------ io
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "CompileConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> CompileConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a table/object at top level, got {type(data).__name__}")
         kwargs: dict[str, Any] = {}
@@ -163,7 +163,7 @@ class CompileConfig:
         return cfg
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "CompileConfig":
+    def from_file(cls, path: str | os.PathLike) -> CompileConfig:
         path = os.fspath(path)
         if os.path.isdir(path):
             raise ConfigError(f"config file {path!r} is a directory; give a TOML or JSON file")
@@ -278,7 +278,7 @@ class CompileConfig:
         return given
 
 
-def load_config(config: "CompileConfig | dict | str | os.PathLike | None") -> CompileConfig:
+def load_config(config: CompileConfig | dict | str | os.PathLike | None) -> CompileConfig:
     """A validated CompileConfig from a config object, a dict, a file path or None (defaults)."""
     if config is None:
         return CompileConfig()

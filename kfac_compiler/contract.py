@@ -22,8 +22,9 @@ but its errors (docs/architecture.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 # ------------------------------------------------------------------------------ subgraph names
 # the back end's own subgraphs (docs/runtime_contract.md); optimizers name their steps
@@ -295,7 +296,7 @@ class SubgraphInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "SubgraphInfo":
+    def from_json(cls, doc: Mapping[str, Any]) -> SubgraphInfo:
         """From plan.json's `info` (or an older plan's free-form dict: absent keys are empty)."""
         specs = {s: SlotSpec(**v) for s, v in (doc.get("state_specs") or {}).items()}
         noise_doc = doc.get("noise") or {}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 class KfacError(Exception):
@@ -84,7 +84,7 @@ def os_reason(e: OSError, writing: bool | None) -> str:
 
 
 @contextmanager
-def os_errors(error: type[KfacError], what: str, path: "str | os.PathLike", writing: bool) -> Iterator[None]:
+def os_errors(error: type[KfacError], what: str, path: str | os.PathLike, writing: bool) -> Iterator[None]:
     """Turn an OSError inside the block into `error`: one line naming `what` and `path`, why
     it failed and what to do. Used where the file is known (plans, checkpoints, data, outputs),
     so that the CLI's last-resort OSError handler stays a last resort."""

@@ -18,22 +18,22 @@ import onnx
 
 from kfac_compiler.blocks import BLOCKS, make_block
 from kfac_compiler.config import CompileConfig, load_config
+from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
-from kfac_compiler.passes.canonicalize import canonicalize, fresh_name, recognise_loss
-from kfac_compiler.passes.heads import attach_heads
-from kfac_compiler.passes.trainable import TrainableSet, split_trainable
-from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.passes.budget import REFERENCE_BATCH, BudgetResult, fit_budget
+from kfac_compiler.passes.canonicalize import canonicalize, fresh_name, recognise_loss
 from kfac_compiler.passes.choose_blocks import choose_blocks, pinned_layers
+from kfac_compiler.passes.heads import attach_heads
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
+from kfac_compiler.passes.trainable import TrainableSet, split_trainable
+from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.patterns.builtin import normalization_fallback_notes
-from kfac_compiler.contract import TARGETS
 from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
 
 
@@ -168,7 +168,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     pinned = pinned_layers(layers, cfg)
     layers = choose_blocks(layers, cfg)
     for note in normalization_fallback_notes(view, layers):
-        warnings.warn(note)
+        warnings.warn(note, stacklevel=2)
 
     layers = [_with_input_shape(layer, view) for layer in layers]
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}

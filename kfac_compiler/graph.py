@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import cast
 
 import networkx as nx
 import numpy as np
@@ -109,6 +110,10 @@ class GraphView:
 
     def shape(self, name: str) -> tuple[Dim, ...] | None:
         return self.shapes.get(name)
+
+    def static_shape(self, name: str) -> tuple[int, ...]:
+        """shapes[name] of an initializer (a parameter, a model slot): its dims, all ints."""
+        return cast("tuple[int, ...]", self.shapes[name])
 
     def rank(self, name: str) -> int | None:
         s = self.shapes.get(name)

@@ -5,13 +5,14 @@ place the runtime and the optimizer policies reach kfac_compiler.blocks, on firs
 default run whose blocks all emit their inverses never does (docs/architecture.md)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
 
 
-def host_blocks(plan: "Plan", layers: Sequence[str] | None = None) -> dict[str, Any]:
+def host_blocks(plan: Plan, layers: Sequence[str] | None = None) -> dict[str, Any]:
     """{layer: FisherBlock} of the plan's layers (all, or `layers`); PlanError for a layer
     the plan does not have."""
     from kfac_compiler.blocks import plan_blocks
@@ -19,7 +20,7 @@ def host_blocks(plan: "Plan", layers: Sequence[str] | None = None) -> dict[str, 
     return plan_blocks(plan, layers)
 
 
-def refresh_costs(plan: "Plan", layers: Sequence[str], method: str) -> dict[str, float]:
+def refresh_costs(plan: Plan, layers: Sequence[str], method: str) -> dict[str, float]:
     """FLOPs of one inverse refresh by `method` (a concrete method) per layer: the plan's
     recorded costs (passes/budget.py) when they were computed for that method, else the
     blocks' own count."""

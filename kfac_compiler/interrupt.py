@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Sequence
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any
 
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
@@ -33,7 +34,7 @@ class StopOnInterrupt:
             raise KeyboardInterrupt
         self.requested = True
 
-    def __enter__(self) -> "StopOnInterrupt":
+    def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
             self._installed = True

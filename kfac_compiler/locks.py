@@ -17,7 +17,7 @@ import json
 import os
 import socket
 import warnings
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kfac_compiler.atomic import pid_alive, remove_stale, temp_path
 from kfac_compiler.errors import OutputError, os_reason
@@ -68,7 +68,7 @@ def acquire(option: str, path: str | os.PathLike) -> str:
                               "or is unreadable; delete it if no other run writes there")
         if attempt == 0 and _stale(holder, lock) and _take_over(lock, holder):
             warnings.warn(f"{option} {os.fspath(path)!r}: taking over the lock of process {holder['pid']}, "
-                          "which is no longer running")
+                          "which is no longer running", stacklevel=2)
             continue
         raise OutputError(f"{option} {os.fspath(path)!r} is being written by another run (process {holder['pid']} "
                           f"on {holder.get('host')!r}); wait for it, or give another path (its lock: {lock!r})")

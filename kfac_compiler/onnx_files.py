@@ -8,7 +8,7 @@ such name is resolved here (symbolic links followed) and refused unless it lies 
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import onnx
 from onnx import TensorProto

@@ -11,8 +11,8 @@ failure is a one-line OutputError naming the option and the path.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kfac_compiler.atomic import temp_path
 from kfac_compiler.errors import OutputError, os_reason

@@ -10,6 +10,7 @@ source model file changed since compiling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -61,7 +62,7 @@ class LossSpec:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "LossSpec":
+    def from_json(cls, doc: dict[str, Any]) -> LossSpec:
         named = ("kind", "recognised_from", "recognised_node", "notes")
         options = {k: v for k, v in doc.items() if k not in named and v is not None}
         return cls(doc["kind"], options, doc.get("recognised_from"), doc.get("recognised_node"),
@@ -89,7 +90,7 @@ class TensorSpec:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "TensorSpec":
+    def from_json(cls, doc: dict[str, Any]) -> TensorSpec:
         return cls(doc["name"], doc.get("shape"), doc.get("dtype"), doc.get("from_input"))
 
 
@@ -106,7 +107,7 @@ class Schedule:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "Schedule":
+    def from_json(cls, doc: dict[str, Any]) -> Schedule:
         return cls(doc.get("ema_decay", 0.9), doc.get("damping", 1e-3), InverseConfig(**doc.get("inverse", {})),
                    StatsConfig(**doc.get("stats", {})))
 
@@ -178,7 +179,7 @@ class Plan:
         inits = {t.name for t in self.model.graph.initializer}
         return [vi for vi in self.model.graph.input if vi.name not in inits]
 
-    def parameter_values(self) -> dict[str, "np.ndarray"]:
+    def parameter_values(self) -> dict[str, np.ndarray]:
         """The trainable parameters' initial values (copies of the model's initializers)."""
         from onnx import numpy_helper
 
@@ -351,7 +352,7 @@ class Plan:
                 # overwrite: the folder is the user's, not swapped; plan.json last makes it a plan
                 for f in files[1:] + files[:1]:
                     remove_stale(os.path.join(real, f))
-                    write_file(os.path.join(real, f), lambda out, f=f: fill_one(f, out))
+                    write_file(os.path.join(real, f), functools.partial(fill_one, f))
             else:
                 replace_folder(real, fill, set(files) | _own_files(real))
         except OSError as e:

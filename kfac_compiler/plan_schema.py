@@ -153,7 +153,7 @@ def check_document(doc: Any, plan_json: str) -> None:
             fail(f"subgraphs.{name}", "not a subgraph name")
 
 
-def check_plan(plan: "Plan", plan_json: str) -> None:
+def check_plan(plan: Plan, plan_json: str) -> None:
     """The entries agree with each other and with the model (PlanError naming the entry):
     every trainable parameter is an initializer and in exactly one layer, the output and
     the inputs exist, the loss and the schedule are usable."""
@@ -205,7 +205,7 @@ def check_plan(plan: "Plan", plan_json: str) -> None:
     _check_schedule(plan, fail)
 
 
-def _check_schedule(plan: "Plan", fail) -> None:
+def _check_schedule(plan: Plan, fail) -> None:
     from kfac_compiler.config import DAMPING_SPLITS, DTYPES
     from kfac_compiler.contract import ESTIMATION_MODES
     from kfac_compiler.linalg import METHODS

@@ -16,8 +16,9 @@ The back end's kinds are registered here; an optimizer plugin registers its step
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
@@ -39,7 +40,7 @@ class Settings:
     conv_gather: bool = True
 
     @classmethod
-    def of(cls, plan: Any, device: str = "cpu") -> "Settings":
+    def of(cls, plan: Any, device: str = "cpu") -> Settings:
         """The settings of a kfac_compiler.plan.Plan on `device` ("cpu", "cuda")."""
         return cls(plan.estimator.mode, int(plan.estimator.num_samples), plan.inverse.method,
                    plan.inverse.damping_split, device, bool((plan.config or {}).get("conv_gather", True)))
@@ -87,7 +88,8 @@ class SubgraphOptions:
         unknown = [k for k in doc if k not in names]
         if unknown:
             raise ConfigError(f"{cls.__name__} has no option {unknown[0]!r}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
+        return cls(**values)
 
 
 def _jsonable(v: Any) -> Any:
@@ -193,7 +195,7 @@ class Request:
     name: str
     options: SubgraphOptions
 
-    def resolve(self, settings: Settings) -> "Request":
+    def resolve(self, settings: Settings) -> Request:
         return Request(self.name, self.options.resolve(settings))
 
     def key(self) -> str:
@@ -218,5 +220,5 @@ def request(name: str, options: SubgraphOptions | None = None, **values: Any) ->
     unknown = [k for k in values if k not in fields]
     if unknown:
         raise ConfigError(f"subgraph {name!r} has no option {unknown[0]!r}; its options are {sorted(fields)}")
-    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if v is not None}
+    given: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if v is not None}
     return Request(name, typ(**given))

@@ -25,7 +25,8 @@ import csv
 import io
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kfac_compiler.atomic import write_file
 from kfac_compiler.errors import ConfigError, DataError, os_reason

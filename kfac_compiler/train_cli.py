@@ -141,7 +141,7 @@ def _knobs(args) -> dict[str, Any]:
     return knobs
 
 
-def compile_config(args) -> "CompileConfig | None":
+def compile_config(args) -> CompileConfig | None:
     """The compile options of the command line (--config and the selection options; the cost-aware
     choice's reference batch is --batch-size unless the config sets it), or None for a plan."""
     from kfac_compiler.config import load_config
@@ -161,7 +161,7 @@ def compile_config(args) -> "CompileConfig | None":
 
 
 def load_model_and_plan(model: str | None, loss: str | None, output: str | None, seed: int,
-                        config: "CompileConfig | None" = None):
+                        config: CompileConfig | None = None):
     """(plan, zoo entry or None); `config` compiles an .onnx or zoo model (a plan directory has its own)."""
     import kfac_compiler as kc
     from kfac_compiler.models import ZOO
@@ -185,9 +185,16 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
     )
 
 
-def load_data(plan: "Plan", entry: "ZooEntry | None", data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    from kfac_compiler.runtime.data import (digits_for, index_bounds, input_spec, load_npz, output_spec,
-                                            target_arrays_phrase, validate_dataset)
+def load_data(plan: Plan, entry: ZooEntry | None, data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    from kfac_compiler.runtime.data import (
+        digits_for,
+        index_bounds,
+        input_spec,
+        load_npz,
+        output_spec,
+        target_arrays_phrase,
+        validate_dataset,
+    )
 
     specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
     loss = plan.loss.build()
@@ -344,7 +351,7 @@ def _run(args, comm) -> int:
         return _train(args, outputs, comm)
 
 
-def _check(args, comm, held) -> list["Output"]:
+def _check(args, comm, held) -> list[Output]:
     """Everything before compiling: the options, the checkpoint's meta and (rank 0) the
     outputs, checked and locked. No collective: a rank that fails here is agreed on."""
     from kfac_compiler.locks import locked
@@ -391,23 +398,23 @@ def _check_ranks(args, meta: dict[str, Any] | None, ranks: int) -> None:
 
         warnings.warn(f"checkpoint {args.resume!r} was written by {theirs} rank{'s' * (theirs != 1)}, resuming on "
                       f"{ranks}: the same run up to float rounding (the batches, noise and factors do not depend "
-                      "on the number of ranks)")
+                      "on the number of ranks)", stacklevel=2)
 
 
-def _outputs(args) -> list["Output"]:
+def _outputs(args) -> list[Output]:
     from kfac_compiler.outputs import Output
 
     return [Output(opt, path) for opt, path in (("--save", args.save), ("--checkpoint", args.checkpoint),
                                                 ("--metrics", args.metrics), ("--plot", args.plot)) if path]
 
 
-def _build(args, outputs: list["Output"], comm):
+def _build(args, outputs: list[Output], comm):
     """(plan, zoo entry, inputs, targets, trainer): every rank builds the same; rank 0 checks
     its outputs' disks and continues a resumed metrics file."""
     from kfac_compiler.outputs import check_space
     from kfac_compiler.ranks import is_root
-    from kfac_compiler.runtime.comm import agreed
     from kfac_compiler.resume import check_resumed_data, continue_metrics
+    from kfac_compiler.runtime.comm import agreed
     from kfac_compiler.runtime.data import dataset_fingerprint
     from kfac_compiler.runtime.trainer import Trainer
 
@@ -425,7 +432,7 @@ def _build(args, outputs: list["Output"], comm):
     knobs, plan, entry, inputs, targets, fingerprint = agreed(comm, load)
     n = targets.shape[0]
 
-    def start() -> "Trainer":  # Trainer() enters a collective only after its option checks
+    def start() -> Trainer:  # Trainer() enters a collective only after its option checks
         if args.resume:
             overrides = dict(knobs)
             overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
@@ -450,7 +457,7 @@ def _build(args, outputs: list["Output"], comm):
     return plan, entry, inputs, targets, agreed(comm, start)
 
 
-def _train(args, outputs: list["Output"], comm) -> int:
+def _train(args, outputs: list[Output], comm) -> int:
     import signal
 
     from kfac_compiler.errors import KfacError

@@ -243,7 +243,7 @@ def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
     variances are in [0.5, 1.5]. No two elements are equal afterwards."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for _name, p in module.named_parameters():
             std = float(p.std()) if p.numel() > 1 and float(p.std()) > 0 else 0.0
             p.add_(max(std, 0.1) * 0.5 * torch.randn(p.shape, generator=g))
         for name, b in module.named_buffers():

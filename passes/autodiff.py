@@ -12,7 +12,7 @@ The per-op rules live in kfac_compiler.oprules. See docs/autodiff.md.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import onnx
 from onnx import TensorProto, helper

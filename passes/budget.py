@@ -26,8 +26,9 @@ Every change is recorded as a plan note and the predicted costs in `plan.costs`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from kfac_compiler.blocks.base import FisherBlock
 from kfac_compiler.ir import Layer

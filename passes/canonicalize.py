@@ -320,7 +320,7 @@ def _fold_constants(m: onnx.ModelProto, output: str) -> None:
 
         values = ReferenceEvaluator(sub_model).run(None, {})
     except Exception as e:  # the reference evaluator may lack an op: keep the nodes
-        warnings.warn(f"constant folding skipped ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        warnings.warn(f"constant folding skipped ({type(e).__name__}: {' '.join(str(e).split())[:200]})", stacklevel=2)
         return
     taken = {n.name for n in g.node}
     new_consts = []
@@ -342,7 +342,7 @@ def infer_shapes(m: onnx.ModelProto, keep_going: bool) -> onnx.ModelProto:
     except Exception as e:  # shape inference errors are not fatal: patterns check shapes they need
         if not keep_going:
             raise ModelError(f"shape inference failed: {' '.join(str(e).split())[:300]}") from None
-        warnings.warn(f"shape inference failed ({' '.join(str(e).split())[:200]}); continuing without shapes")
+        warnings.warn(f"shape inference failed ({' '.join(str(e).split())[:200]}); continuing without shapes", stacklevel=2)
         return m
 
 

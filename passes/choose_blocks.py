@@ -14,7 +14,7 @@ A choice outside the layer's menu is a ConfigError naming the layer and the allo
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from kfac_compiler.blocks import APPROXIMATIONS, menu_key
 from kfac_compiler.config import CompileConfig, compile_patterns

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import onnx
 
@@ -110,7 +110,7 @@ def link_params(
                 "layer holding all its uses (approximation 'diagonal' unless configured; "
                 "link it yourself with config `links` to choose)"
             )
-            warnings.warn(msg)
+            warnings.warn(msg, stacklevel=2)
             generic_params[w] = (msg,)
             generic_attrs[w] = {"shared_kinds": tuple(kinds)}
             continue
@@ -121,7 +121,7 @@ def link_params(
                 f"parameter {w!r} is used by {kinds[0]} layers with different attributes "
                 f"({ref} vs {_layer_attrs(odd[0])}): it gets one generic layer"
             )
-            warnings.warn(msg)
+            warnings.warn(msg, stacklevel=2)
             generic_params[w] = (msg,)
             generic_attrs[w] = {"shared_kinds": tuple(kinds)}
             continue
@@ -218,7 +218,7 @@ def link_params(
             )
         )
     named_links: list[Layer] = []
-    for i, link in enumerate(user_links):
+    for link in user_links:
         uses = tuple(u for p in link["params"] for u in _consumer_uses(p, view))
         named_links.append(
             Layer(

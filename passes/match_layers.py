@@ -9,7 +9,7 @@ Parameters may appear in several matches (weight sharing): link_params groups th
 from __future__ import annotations
 
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import networkx as nx
 import onnx
@@ -65,7 +65,7 @@ def match_layers(
         chosen.append((min(order[n] for n in nodes), m))
     for nodes, reason in reasons.items():
         if not claimed.intersection(nodes):
-            warnings.warn(reason)
+            warnings.warn(reason, stacklevel=2)
     chosen.sort(key=lambda im: im[0])
     return [m for _, m in chosen]
 

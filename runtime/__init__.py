@@ -18,9 +18,9 @@ Layers (docs/runtime.md):
 """
 from __future__ import annotations
 
+from kfac_compiler.optimizers import AdamConfig, KfacConfig, SgdConfig, make_config
 from kfac_compiler.runtime.curvature import Curvature, gradients
 from kfac_compiler.runtime.device import cuda_available, get_device, resolve_device
-from kfac_compiler.optimizers import AdamConfig, KfacConfig, SgdConfig, make_config
 from kfac_compiler.runtime.program import ContractError, Program
 from kfac_compiler.runtime.state import StateStore
 from kfac_compiler.runtime.trainer import Trainer

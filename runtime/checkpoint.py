@@ -94,7 +94,7 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- save / load
-def save_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> str:
+def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> str:
     path = os.fspath(path)
     slots = trainer.store.slots()
     arrays = {f"slot_{i:05d}": trainer.store.to_numpy(s) for i, s in enumerate(slots)}
@@ -226,7 +226,7 @@ def check_meta(meta: dict[str, Any], path: str) -> None:
                               f"{host['step_count']}")
 
 
-def _check_host(trainer: "Trainer", host: dict[str, Any], path: str) -> None:
+def _check_host(trainer: Trainer, host: dict[str, Any], path: str) -> None:
     """Each host entry has the type of the trainer's own (an int stays an int, a float a
     finite number, a bool a bool): the optimizer's set_host_state then converts and checks."""
     for key, mine in trainer.host_state().items():
@@ -245,7 +245,7 @@ def _check_host(trainer: "Trainer", host: dict[str, Any], path: str) -> None:
             raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{key}' must be {what}, got {v!r}")
 
 
-def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
+def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
     """Load every state slot, the host counters, the damping and the RNG state into `trainer`.
     Everything is checked before anything is changed: a bad checkpoint leaves `trainer` as it was.
     The one slot kind it may lack is K-FAC's grad_velocity/* (momentum_type="adam" resumed from
@@ -315,4 +315,4 @@ def restore_checkpoint(trainer: "Trainer", path: str | os.PathLike) -> None:
     trainer.data_fingerprint = meta.get("data")  # None: written without one (the API, older checkpoints)
     if fresh:  # K-FAC resumed with momentum_type="adam" from another type: the sums start empty
         warnings.warn(f"checkpoint {path!r} has no momentum sums ({fresh[0]!r}, ...; written with another "
-                      "momentum_type): they start at zero")
+                      "momentum_type): they start at zero", stacklevel=2)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -114,9 +115,9 @@ class Communicator:
                 cls, message = failed
                 if not (isinstance(cls, type) and issubclass(cls, KfacError)):
                     cls = RankError
-                error = cls(f"rank {rank}: {message}")
-                error.agreed = True  # raised on every rank: a command prints it once (kfac_compiler.ranks)
-                raise error
+                raised = cls(f"rank {rank}: {message}")
+                raised.agreed = True  # raised on every rank: a command prints it once (kfac_compiler.ranks)
+                raise raised
         return any(s for _, s in outcomes)
 
     def gather(self, value: Any) -> list[Any]:
@@ -147,8 +148,8 @@ def agreed(comm: Communicator | None, work: Callable[[], T]) -> T:
         result = work()
     except KfacError as e:
         error = e
-    comm.agree(error)
-    return result
+    comm.agree(error)  # raises where work() did on any rank: result is work()'s here
+    return cast(T, result)
 
 
 def as_communicator(comm: Any = "auto") -> Communicator | None:

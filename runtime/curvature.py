@@ -25,22 +25,24 @@ non-finite gradients and results.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from kfac_compiler import contract as C
-from kfac_compiler.contract import estimation_mode
-from kfac_compiler.host_blocks import host_blocks
 from kfac_compiler import linalg
+from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError, DataError, DivergedError
+from kfac_compiler.host_blocks import host_blocks
 from kfac_compiler.linalg import concrete_method
-from kfac_compiler.plan import Plan
+from kfac_compiler.optimizers import ema_coefficient
 from kfac_compiler.parsing import check_float, check_int
+from kfac_compiler.plan import Plan
+from kfac_compiler.requests import Request
 from kfac_compiler.runtime.data import BatchChecker, draw_noise, parameter_vectors
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
-from kfac_compiler.optimizers import ema_coefficient
 from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
 
@@ -84,7 +86,7 @@ class Curvature:
             self.store.add(p, v)
         self.ema_weight = 0.0
         self.damping: float | None = None
-        self._programs: dict[tuple, Program] = {}
+        self._programs: dict[Request, Program] = {}
         self._blocks: dict[str, Any] | None = None
         self._inverses: InverseRefresher | None = None
         self._check_batch = BatchChecker(plan)
@@ -163,7 +165,7 @@ class Curvature:
             parts = block.parts() if hasattr(block, "parts") else []
             if not parts or layer not in factors:
                 continue
-            scale = 1.0
+            scale: float | np.ndarray = 1.0
             for part in parts:
                 scale = scale * linalg.np_trace_mean(factors[layer][part.name], diag=part.kind == "diag")
             scale = np.max(scale)

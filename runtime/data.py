@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -88,7 +89,7 @@ class BatchChecker:
     """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN):
     a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
 
-    def __init__(self, plan: "Plan", loss: Loss | None = None) -> None:
+    def __init__(self, plan: Plan, loss: Loss | None = None) -> None:
         self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
         self.loss = loss if loss is not None else plan.loss.build()
         self.out_spec = output_spec(plan.model, plan.output)
@@ -222,9 +223,9 @@ def convert_input(name: str, dims: list[Any], et: int, value: Any, source: str, 
                                                     onnx.helper.tensor_dtype_to_np_dtype(et))
     check_range(a, dtype, f"{source}: array {name!r}")
     if bound is not None and a.size:
-        bad = a[(a < 0) | (a >= bound)]
-        if bad.size:
-            raise DataError(f"{source}: array {name!r} holds token id {bad.flat[0].item()}; the embedding it indexes "
+        ids = a[(a < 0) | (a >= bound)]
+        if ids.size:
+            raise DataError(f"{source}: array {name!r} holds token id {ids.flat[0].item()}; the embedding it indexes "
                             f"has {bound} rows (ids 0..{bound - 1})")
     return a.astype(dtype, copy=False)
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import onnx
 import onnxruntime as ort
@@ -168,7 +169,7 @@ def resolve_device(device: str = "auto") -> list:
     return list(get_device(device).providers)
 
 
-def get_device(device: "str | Device" = "auto") -> Device:
+def get_device(device: str | Device = "auto") -> Device:
     if isinstance(device, Device):
         return device
     if device not in DEVICES:
@@ -264,7 +265,7 @@ def memory_options(options: ort.SessionOptions, device: Device, name: str) -> No
         options.enable_mem_pattern = False
 
 
-def make_session(model: "onnx.ModelProto | bytes", device: "str | Device", name: str = "subgraph",
+def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
                  threads: int | None = None) -> ort.InferenceSession:
     """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError."""
     dev = get_device(device)

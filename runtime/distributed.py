@@ -11,7 +11,7 @@ cov_update_period times fewer bytes (docs/distributed.md).
 """
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ class SharedRefresher:
     factors are averaged over the ranks, each rank refreshes the blocks it owns, and each
     owner broadcasts its blocks' inverses. Same call and attributes as InverseRefresher."""
 
-    def __init__(self, plan: Plan, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
+    def __init__(self, plan: Plan, emitted: Program | Sequence[Program | None], reader: Program, method: str,
                  groups: Sequence[Sequence[str]] | None, owners: Mapping[str, int] | None, comm: Communicator,
                  power: float = -1.0) -> None:
         self.comm = comm

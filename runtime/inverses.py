@@ -9,7 +9,8 @@ so that a caller can refresh one group at a time (K-FAC spreads a big refresh ov
 of its period: optimizers/kfac/refresh.py)."""
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ class InverseRefresher:
     names that partition the layers `reader` needs inverses of; program j writes only
     layers of group j, the group's other layers are refreshed on the host)."""
 
-    def __init__(self, plan: Plan, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
+    def __init__(self, plan: Plan, emitted: Program | Sequence[Program | None], reader: Program, method: str,
                  groups: Sequence[Sequence[str]] | None = None, layers: Collection[str] | None = None,
                  power: float = -1.0) -> None:
         # power != -1 (K-FAC's precon_power): the slots hold (F + damping)^power's state, the

@@ -14,7 +14,8 @@ device->host traffic of a steady-state step is a handful of 4-byte copies.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -22,8 +23,8 @@ import onnxruntime as ort
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.plan import Plan
 from kfac_compiler.errors import PlanError
+from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
 from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
@@ -44,7 +45,7 @@ class ContractError(RuntimeError):
     """An emitted subgraph and its info disagree with docs/runtime_contract.md (a compiler bug)."""
 
 
-def _as_device(device) -> Device:
+def _as_device(device: str | Device | Sequence[Any]) -> Device:
     if isinstance(device, (list, tuple)):
         return device_from_providers(device)
     return get_device(device)
@@ -53,7 +54,7 @@ def _as_device(device) -> Device:
 class Program:
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
-    def __init__(self, model: "onnx.ModelProto | bytes", info: SubgraphInfo, device="cpu",
+    def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
                  name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
         self.device = _as_device(device)
         self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
@@ -74,7 +75,7 @@ class Program:
         self._metric_bufs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
         for o in self.session.get_outputs():
             if o.name in self.metrics and isinstance(o.shape, list) and all(isinstance(d, int) for d in o.shape):
-                buf = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
+                buf: np.ndarray = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
                 self._metric_bufs[o.name] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
         # One IOBinding per (requested results, which buffer of each state slot is current):
         # ORT keeps a binding across runs, so once both parities of the double-buffered slots
@@ -160,8 +161,8 @@ class Program:
                 _bind(bound, b.bind_ortvalue_input, n, store.data(n, channel))
             for n in self.hp_inputs:
                 _bind(bound, b.bind_ortvalue_input, n, store.hp(n))
-            for out, slot in self.state_outputs.items():
-                _bind(bound, b.bind_ortvalue_output, out, store.spare(slot))
+            for output, slot in self.state_outputs.items():
+                _bind(bound, b.bind_ortvalue_output, output, store.spare(slot))
             for m in self.metrics:  # in order: get_outputs() follows the first-bound order
                 pre = self._metric_bufs.get(m)
                 if pre is not None:
@@ -248,7 +249,7 @@ def _model_value(plan: Plan, slot: str) -> np.ndarray:
     raise ContractError(f"state slot {slot!r} (init 'model') is not an initializer of the plan's model")
 
 
-def _check_state_shapes(prog: "Program", info: SubgraphInfo) -> None:
+def _check_state_shapes(prog: Program, info: SubgraphInfo) -> None:
     """ValueError where a state slot's declared shape disagrees with the graph input it feeds
     (static dimensions only): ONNX Runtime would refuse the first run."""
     sessions = [p.session for p in getattr(prog, "programs", [prog])]  # a StagedProgram's stages
@@ -277,7 +278,7 @@ class DeclaredProgram:
 
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
-                   name: str, comm: Any = None, sessions: bool = True, **options: Any) -> "Program":
+                   name: str, comm: Any = None, sessions: bool = True, **options: Any) -> Program:
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages

@@ -56,7 +56,8 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     inputs = {i.name for i in graph.input}
     stage_of: dict[str, int] = {}   # tensor -> the stage that makes it (graph inputs: absent)
     constant: set[str] = set()      # tensors fed by initializers and constants only
-    markers, placed = {}, []        # reduced tensor -> local; [(node, stage or None: constant, its reads)]
+    markers: dict[str, str] = {}    # reduced tensor -> local
+    placed: list[tuple[onnx.NodeProto, int | None, list[str]]] = []  # [(node, stage or None: constant, its reads)]
     for node in graph.node:
         if node.op_type == "Identity" and len(node.output) == 1 and node.output[0] in reduced:
             local = node.input[0]
@@ -87,9 +88,9 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     types = _tensor_types(model)
     # what each stage reads, and which tensors cross a stage boundary
     reads_in: list[set[str]] = [set() for _ in range(count)]
-    for _, s, reads in placed:
-        if s is not None:
-            reads_in[s].update(reads)
+    for _, at, reads in placed:
+        if at is not None:
+            reads_in[at].update(reads)
     for k, cut in enumerate(cuts):
         reads_in[k].update(cut.values())  # the host reads the locals after stage k
     for name in outputs:

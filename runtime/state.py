@@ -14,14 +14,14 @@ value changes.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from kfac_compiler.contract import SlotSpec
 from kfac_compiler.runtime.device import Device, get_device
-
 
 _GENERATIONS = itertools.count(1)
 
@@ -30,7 +30,7 @@ def _alloc(shape, dtype, dev: Device) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type, dev.ort_device, dev.device_id)
 
 
-def _contig(array, dtype=None) -> np.ndarray:
+def _contig(array: Any, dtype: Any = None) -> np.ndarray:
     a = np.asarray(array, dtype=dtype)
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
@@ -57,7 +57,7 @@ def init_value(spec: SlotSpec) -> np.ndarray:
 class StateStore:
     """Named device buffers for one training run (shared by all its subgraph programs)."""
 
-    def __init__(self, device: "str | Device" = "cpu") -> None:
+    def __init__(self, device: str | Device = "cpu") -> None:
         self.device = get_device(device)
         self._buf: dict[str, list[ort.OrtValue]] = {}
         self._cur: dict[str, int] = {}
@@ -75,7 +75,7 @@ class StateStore:
         self.generation = next(_GENERATIONS)
 
     # ------------------------------------------------------------ state slots
-    def add(self, slot: str, array) -> None:
+    def add(self, slot: str, array: Any) -> None:
         """Create (or replace) slot `slot` holding `array`; both buffers get the value."""
         a = _contig(array)
         shape, dtype = tuple(a.shape), a.dtype
@@ -126,7 +126,7 @@ class StateStore:
         view.flags.writeable = False
         return view
 
-    def set(self, slot: str, array) -> None:
+    def set(self, slot: str, array: Any) -> None:
         """Overwrite the slot's current value in place (same shape); adds the slot if new."""
         if slot not in self._buf:
             self.add(slot, array)
@@ -174,7 +174,7 @@ class StateStore:
         return sum(2 * int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in self._spec.values())
 
     # ------------------------------------------------------------ data inputs
-    def write_data(self, name: str, array, dtype=None, channel: str = "train") -> ort.OrtValue:
+    def write_data(self, name: str, array: Any, dtype: Any = None, channel: str = "train") -> ort.OrtValue:
         """Write a batch array into the pre-allocated device input `name` (of `channel`)."""
         a = _contig(array, dtype)
         key = (channel, name)

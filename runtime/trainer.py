@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -30,6 +31,7 @@ from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanEr
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
+from kfac_compiler.requests import Request
 from kfac_compiler.runtime.comm import agreed, as_communicator
 from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import get_device
@@ -58,7 +60,7 @@ class Trainer:
     step. Saving a checkpoint is collective and rank 0 writes it (docs/distributed.md).
     """
 
-    def __init__(self, plan: "Plan | str | os.PathLike", optimizer: str = "kfac", device: str = "cpu",
+    def __init__(self, plan: Plan | str | os.PathLike, optimizer: str = "kfac", device: str = "cpu",
                  learning_rate: float | None = None, momentum: float | None = None, seed: int = 0,
                  threads: int | None = None, batch_size: int | None = None, comm: Any = "auto",
                  sessions: bool = True, **knobs: Any) -> None:
@@ -78,6 +80,8 @@ class Trainer:
         self.config = make_config(optimizer, plan, **knobs)
         self.device = get_device(device)
         self.comm = as_communicator(comm)
+        self.rank: int
+        self.ranks: int
         self.rank, self.ranks = (self.comm.rank, self.comm.size) if self.comm else (0, 1)
         self.threads = None if threads is None else _check_threads(threads)
         if self.threads is None and self.comm is not None and self.device.name == "cpu":
@@ -96,7 +100,7 @@ class Trainer:
         # what the caller trains on (data.dataset_fingerprint; kfac-compiler train sets it):
         # stored in checkpoints and restored with them, so that a resume can compare its data
         self.data_fingerprint: dict[str, Any] | None = None
-        self._programs: dict[tuple, Program] = {}
+        self._programs: dict[Request, Program] = {}
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
@@ -159,10 +163,10 @@ class Trainer:
         shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
         return {n: np.zeros(shape, np.float32) for n in missing}
 
-    def inverse_refresher(self, emitted: "Program | Sequence[Program | None]", reader: Program, method: str,
+    def inverse_refresher(self, emitted: Program | Sequence[Program | None], reader: Program, method: str,
                           groups: Sequence[Sequence[str]] | None = None,
                           owners: Mapping[str, int] | None = None,
-                          power: float = -1.0) -> "InverseRefresher | SharedRefresher":
+                          power: float = -1.0) -> InverseRefresher | SharedRefresher:
         """Refreshes the inverse slots `reader` uses: `emitted` (an inverse_update program, or
         one per group of layers `groups`) for the blocks it writes, the blocks' numpy twins on
         the host for the rest. In a data-parallel run the programs cover this rank's blocks
@@ -328,7 +332,7 @@ class Trainer:
         """A host scalar's mean over the ranks (itself in one process)."""
         return value if self.comm is None else float(self.comm.mean([np.float32(value)], "scalars")[0])
 
-    def restore(self, path: str | os.PathLike) -> "Trainer":
+    def restore(self, path: str | os.PathLike) -> Trainer:
         from kfac_compiler.runtime.checkpoint import restore_checkpoint
 
         restore_checkpoint(self, path)
@@ -336,14 +340,13 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, plan: Plan, device: str = "cpu", batch_size: int | None = None,
-                        **overrides: Any) -> "Trainer":
+                        **overrides: Any) -> Trainer:
         """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`;
         `overrides` (knobs) apply from the restored step on (a given damping replaces the
         adapted one); a seed other than the checkpoint's is refused."""
-        from kfac_compiler.runtime.checkpoint import read_meta
-
         from kfac_compiler.optimizers import ALIASES
         from kfac_compiler.optimizers.schedules import CALLABLE
+        from kfac_compiler.runtime.checkpoint import read_meta
 
         meta = read_meta(path)  # checked: check_meta
         stored = dict(meta["knobs"])

@@ -10,7 +10,6 @@ import os
 import sys
 
 
-
 def train(config: dict, comm="auto") -> dict:
     import kfac_compiler as kc
     from kfac_compiler import contract as C

@@ -8,11 +8,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kfac_compiler as kc
+import test_blocks
 from kfac_compiler.blocks import APPROXIMATIONS, make_block, series
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.losses import make_loss
 from passes.budget import DIAGONAL_STEPS
-import test_blocks
 from test_blocks import _vec_feeds, conv_case, dense_series_fisher, emitted_stats, f32, fc_case, run_graph
 from test_fisher_bruteforce import _statistics
 

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
+from helpers import f32, run_graph  # noqa: F401 - other test files import them from here
 from kfac_compiler import linalg
 from kfac_compiler.blocks import APPROXIMATIONS, BLOCK_CLASSES, emit_inverses, make_block, numpy_inverses
 from kfac_compiler.blocks._parts import emit_statistic
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import Layer, LayerUse
-
-from helpers import f32, run_graph  # noqa: F401 - other test files import them from here
 
 # the case builders' generator: conftest restarts it for every test (other files import the builders)
 RNG = np.random.default_rng(1234)
@@ -601,7 +600,7 @@ def test_emitted_inverse_matches_numpy_and_guards_nan(name, case):
             feeds.update({f"p_{k}": x for k, x in prev.items()})
             feeds["lam"] = f32(lam)
             out = run_graph(
-                lambda b: with_ok(blk.emit_inverse(b, {k: f"f_{k}" for k in fac}, "lam", method, {k: f"p_{k}" for k in prev})),
+                lambda b, fac=fac, method=method: with_ok(blk.emit_inverse(b, {k: f"f_{k}" for k in fac}, "lam", method, {k: f"p_{k}" for k in prev})),
                 feeds,
             )
             assert bool(out["ok"]) == expect_ok, (method, expect_ok)
@@ -634,7 +633,7 @@ def test_singular_factor_without_damping_is_flagged():
     prev = {"A_inv": np.full((6, 6), 2.0, np.float32), "G_inv": np.full((4, 4), 3.0, np.float32)}
     for method in linalg.EMITTED_METHODS:
         out = run_graph(
-            lambda b: with_ok(blk.emit_inverse(b, {"A": "A", "G": "G"}, "lam", method, {"A_inv": "pa", "G_inv": "pg"})),
+            lambda b, method=method: with_ok(blk.emit_inverse(b, {"A": "A", "G": "G"}, "lam", method, {"A_inv": "pa", "G_inv": "pg"})),
             {"A": A, "G": G, "lam": f32(0.0), "pa": prev["A_inv"], "pg": prev["G_inv"]},
         )
         assert not bool(out["ok"]), method
@@ -748,7 +747,7 @@ def test_batched_inverses_across_blocks_match_single():
     feeds["lam"] = f32(0.1)
     for method in linalg.EMITTED_METHODS:
 
-        def build(b):
+        def build(b, method=method):
             items = [(blk, {k: f"b{i}_{k}" for k in f}, "lam", None) for i, (blk, f) in enumerate(blocks)]
             states = emit_inverses(b, items, method)
             out = {}
@@ -882,7 +881,7 @@ def test_multiplies_derive_from_the_power_hook():
 
 def test_numpy_inverses_across_blocks_match_single():
     items = []
-    for name, case in CASES:
+    for _name, case in CASES:
         layer, shapes, inputs, cots = case()
         blk = make_block(layer, shapes)
         f = blk.numpy_statistics(inputs, cots)
@@ -906,7 +905,7 @@ def test_emitted_matpower_matches_numpy(name, case):
     for exp in (2, -1):
         want = blk.numpy_multiply_matpower(v, f, 0.1, exp)
         out = run_graph(
-            lambda b: blk.emit_multiply_matpower(b, {p: p for p in v}, {k: f"f_{k}" for k in f}, "lam", exp),
+            lambda b, exp=exp: blk.emit_multiply_matpower(b, {p: p for p in v}, {k: f"f_{k}" for k in f}, "lam", exp),
             feeds,
             float_type=TensorProto.DOUBLE,
         )

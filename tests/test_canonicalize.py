@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers import onnx_model, run_model
 from kfac_compiler.builder import IR_VERSION
 from kfac_compiler.errors import ConfigError, ModelError, UnsupportedOpError
 from kfac_compiler.frontend import compile_frontend
@@ -16,8 +17,6 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.trainable import trainable_params
-
-from helpers import onnx_model, run_model
 
 F = TensorProto.FLOAT
 

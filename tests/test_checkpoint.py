@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from helpers import sampled_batch as batch
+from helpers import zoo_case, zoo_plan
 from kfac_compiler.errors import CheckpointError
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.checkpoint import plan_fingerprint, read_meta
-
-from helpers import sampled_batch as batch, zoo_case, zoo_plan
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from kfac_compiler.blocks import make_block
 from test_blocks import assert_close, brute_fisher, emitted_stats, f32, make_layer, run_graph
 
 
-
 def out_sizes(sp, a):
     nd = len(sp)
     k, s, d, p, op = a["kernel_shape"], a["strides"], a["dilations"], a["pads"], a["output_padding"]

@@ -14,9 +14,9 @@ import pytest
 import kfac_compiler as kc
 from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.models import ZOO
+from kfac_compiler.optimizers.kfac.refresh import inverse_owners
 from kfac_compiler.report import rank_assignment
 from kfac_compiler.runtime.device import physical_cores
-from kfac_compiler.optimizers.kfac.refresh import inverse_owners
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mpi_util import require_mpi, run_ranks  # noqa: E402

@@ -19,8 +19,15 @@ from kfac_compiler.losses import make_loss
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.staged import StagedProgram
-from test_blocks import (brute_fisher, conv_case, explicit_conv_weight_grads, fc_case, per_example_fc_grads,
-                         run_graph, stat_tensors)
+from test_blocks import (
+    brute_fisher,
+    conv_case,
+    explicit_conv_weight_grads,
+    fc_case,
+    per_example_fc_grads,
+    run_graph,
+    stat_tensors,
+)
 from test_fisher_bruteforce import IN, OUT, _exact_fisher, _forward, _layer_jacobian, _tiny_mlp
 
 

@@ -5,11 +5,10 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from helpers import zoo_case
 from kfac_compiler.errors import DataError
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.runtime import Curvature, Trainer
-
-from helpers import zoo_case
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from extensions import normalized_gd  # noqa: F401  (registers the optimizer; tests/ is on sys.path)
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.models import ZOO
 from kfac_compiler.optimizers import OPTIMIZERS, OptimizerConfig
 from kfac_compiler.runtime import Trainer
-from extensions import normalized_gd  # noqa: F401  (registers the optimizer; tests/ is on sys.path)
 
 
 @pytest.fixture(scope="module")

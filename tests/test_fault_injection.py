@@ -24,9 +24,18 @@ from faults import inject
 from faults.cases import by_name
 from faults.census import run_case
 from faults.fuzz import KINDS, fuzz
-from faults.harness import (ASSETS, Judge, cli_command, metrics_rows, read_checkpoint, run_cli, run_subprocess,
-                            same_checkpoint_state, strays_in, subprocess_env)
-
+from faults.harness import (
+    ASSETS,
+    Judge,
+    cli_command,
+    metrics_rows,
+    read_checkpoint,
+    run_cli,
+    run_subprocess,
+    same_checkpoint_state,
+    strays_in,
+    subprocess_env,
+)
 
 # =========================================================================== kill -9 during checkpoint writes
 CKPT_STEPS = 40

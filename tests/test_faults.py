@@ -11,6 +11,7 @@ import pytest
 from faults.cases import CASES
 from faults.census import run_case
 
+
 def _param(case):
     marks = [] if case.fast else [pytest.mark.slow]
     return pytest.param(case, id=case.name, marks=marks)

@@ -11,8 +11,8 @@ import pytest
 import kfac_compiler as kc
 from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.models import ZOO, get_model
-from kfac_compiler.runtime import Trainer, gradients
 from kfac_compiler.optimizers import ema_coefficient
+from kfac_compiler.runtime import Trainer, gradients
 
 LAYERS = ("fc1", "fc2", "fc3")
 

@@ -7,11 +7,10 @@ import pytest
 import scipy.linalg
 from onnx import TensorProto
 
+from helpers import run_graph, spd
 from kfac_compiler import linalg
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
-
-from helpers import run_graph, spd
 
 
 def rel_err(X, ref):

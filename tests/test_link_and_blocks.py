@@ -7,6 +7,7 @@ import warnings
 import pytest
 from onnx import TensorProto, helper
 
+from helpers import onnx_model, randn
 from kfac_compiler.blocks import APPROXIMATIONS
 from kfac_compiler.config import CompileConfig
 from kfac_compiler.errors import ConfigError
@@ -15,12 +16,10 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import Layer, LayerUse
 from kfac_compiler.models import get_model
 from kfac_compiler.passes.canonicalize import canonicalize
-from kfac_compiler.passes.trainable import trainable_params
 from kfac_compiler.passes.choose_blocks import allowed_approximations, choose_blocks
 from kfac_compiler.passes.link_params import layer_base_name, link_params
 from kfac_compiler.passes.match_layers import match_layers
-
-from helpers import onnx_model, randn
+from kfac_compiler.passes.trainable import trainable_params
 
 
 def link(model, output="y", links=(), config=None):

@@ -7,8 +7,9 @@ import pytest
 from onnx import TensorProto
 
 from kfac_compiler.builder import GraphBuilder, value_info
-from kfac_compiler.losses import LOSSES, make_loss as _make_loss
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.losses import LOSSES
+from kfac_compiler.losses import make_loss as _make_loss
 
 SHAPES = {"softmax_cross_entropy": (4, 3, 5), "sigmoid_cross_entropy": (4, 6), "squared_error": (4, 6),
           "multi_head": (4, 15 + 4 + 2)}

@@ -11,13 +11,12 @@ import math
 import numpy as np
 import pytest
 
+from helpers import zoo_case
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers import make_config
 from kfac_compiler.runtime import Trainer, gradients
 from test_kfac_step import dot, ggn_products
-
-from helpers import zoo_case
 
 BATCH, STEPS, DAMPING, MU = 32, 5, 1e-2, 0.8
 

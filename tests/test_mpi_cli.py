@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 import pytest
-from mpi_util import rank_command, run_ranks
 
 from kfac_compiler.cli import main
 from kfac_compiler.locks import lock_path
 from kfac_compiler.runtime.checkpoint import read_meta
+from mpi_util import rank_command, run_ranks
 
 pytestmark = pytest.mark.mpi
 TRAIN = [sys.executable, "-m", "kfac_compiler.train_cli"]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from kfac_compiler.errors import UnsupportedOpError
-from kfac_compiler.oprules import Rule, find, lookup, register, supported_ops, RULES
+from kfac_compiler.oprules import RULES, Rule, find, lookup, register, supported_ops
 from kfac_compiler.oprules.check import (
     convert_float_type,
     derivative_model,

@@ -7,18 +7,26 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers import onnx_model, randn, run_model
 from kfac_compiler.graph import GraphView
 from kfac_compiler.passes.canonicalize import canonicalize
-from kfac_compiler.passes.trainable import trainable_params
 from kfac_compiler.passes.choose_blocks import choose_blocks
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.match_layers import match_layers
+from kfac_compiler.passes.trainable import trainable_params
 from kfac_compiler.patterns import (
-    BUILTIN_PATTERN_NAMES, PARAM, NoMatch, PEdge, PNode, Pattern, attr_eq, param_rank, patterns,
-    register_pattern, unregister_pattern,
+    BUILTIN_PATTERN_NAMES,
+    PARAM,
+    NoMatch,
+    Pattern,
+    PEdge,
+    PNode,
+    attr_eq,
+    param_rank,
+    patterns,
+    register_pattern,
+    unregister_pattern,
 )
-
-from helpers import onnx_model, randn, run_model
 
 
 def layers_of(model, output="y", config=None, **kw):

@@ -81,7 +81,6 @@ def test_wide_conv_patches_match_im2col(patches):
     """The patch tensor of a 128-channel conv (group 4, stride 2, dilation 2) equals numpy's im2col."""
     from kfac_compiler.blocks import make_block
     from kfac_compiler.ir import Layer, LayerUse
-
     from test_blocks import explicit_patches, run_graph
 
     attrs = dict(kernel_shape=[3, 3], strides=[2, 1], pads=[2, 1, 1, 2], dilations=[2, 1], group=4)

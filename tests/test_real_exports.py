@@ -29,7 +29,7 @@ import fnmatch
 import json
 import re
 import warnings
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +126,7 @@ def cases(check: str, among: list | None = None) -> list:
     return out or [pytest.param(None, marks=pytest.mark.skip(reason="no fixtures in tests/fixtures/real"))]
 
 
-@lru_cache(maxsize=None)
+@cache
 def fixture(case: str) -> dict:
     with np.load(FIXTURES / f"{case}.npz") as d:
         data = {k: d[k] for k in d.files}
@@ -138,7 +138,7 @@ def fixture(case: str) -> dict:
     return data
 
 
-@lru_cache(maxsize=None)
+@cache
 def compiled(case: str, emit: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

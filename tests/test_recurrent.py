@@ -19,7 +19,6 @@ from kfac_compiler.passes.autodiff import gradient_model, jvp_model
 from kfac_compiler.passes.canonicalize import canonicalize
 from kfac_compiler.passes.recurrent import METADATA_KEY, fold_recurrent_params, lower_recurrent
 from kfac_compiler.runtime import Trainer
-
 from recurrent_util import make_model, run, run_reference
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recurrent")
@@ -312,7 +311,7 @@ def test_kfac_training_lowers_the_loss_and_exports_the_lowered_model(approx, tmp
     x, y = _data(64, 0)
     tr = Trainer(plan, optimizer="kfac", seed=0, inv_update_period=2)
     before = tr.evaluate({"input": x}, y)["loss"]
-    for s in range(12):
+    for _ in range(12):
         tr.step({"input": x}, y)
     after = tr.evaluate({"input": x}, y)["loss"]
     assert after < 0.8 * before, (before, after)

@@ -20,14 +20,13 @@ import numpy as np
 import onnx
 import pytest
 
+from helpers import Lines
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.models import ZOO, save_model
 from kfac_compiler.plan import load_plan
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.checkpoint import read_meta
-
-from helpers import Lines
 
 FAST = ["--steps", "3", "--batch-size", "64", "-q"]
 

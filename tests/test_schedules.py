@@ -9,14 +9,13 @@ import math
 import numpy as np
 import pytest
 
+from helpers import zoo_case
 from kfac_compiler import contract as C
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers import make_config
 from kfac_compiler.optimizers.schedules import parse
 from kfac_compiler.runtime import Trainer, gradients
-
-from helpers import zoo_case
 
 BATCH = 32
 

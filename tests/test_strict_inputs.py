@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from helpers import zoo_case
 from kfac_compiler.cli import build_parser, main
 from kfac_compiler.errors import ConfigError, DataError
 from kfac_compiler.models import ZOO, save_model
 from kfac_compiler.optimizers import make_config
 from kfac_compiler.runtime import Curvature, Trainer
 from kfac_compiler.train_cli import _knobs
-
-from helpers import zoo_case
 
 
 @pytest.fixture(scope="module")

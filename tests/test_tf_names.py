@@ -2,13 +2,12 @@
 import numpy as np
 import pytest
 
+from helpers import zoo_plan
 from kfac_compiler.config import CompileConfig
 from kfac_compiler.contract import MODE_ALIASES
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers import KfacConfig
 from kfac_compiler.runtime import Curvature
-
-from helpers import zoo_plan
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kfac_compiler as kc
+from helpers import randn
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.report import render
 from kfac_compiler.runtime import Trainer
-
-from helpers import randn
 
 
 def model(nodes, inits, x_shape=("N", 4), y_shape=("N", 3), opset=17):

@@ -11,7 +11,6 @@ import pytest
 import kfac_compiler as kc
 from kfac_compiler.errors import ConfigError, DataError
 from kfac_compiler.models import ZOO
-from kfac_compiler.runtime import Curvature, Trainer, gradients
 from kfac_compiler.optimizers import (
     AdamConfig,
     KfacConfig,
@@ -21,6 +20,7 @@ from kfac_compiler.optimizers import (
     make_config,
     reduction_ratio,
 )
+from kfac_compiler.runtime import Curvature, Trainer, gradients
 
 
 def _plan(name):

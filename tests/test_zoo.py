@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -95,7 +97,7 @@ def test_registry():
         assert entry.build.__name__ == f"build_{name}" and entry.build.__doc__
     assert ZOO["digits_autoencoder"].loss == "sigmoid_cross_entropy"
     assert all(ZOO[n].loss == "softmax_cross_entropy" for n in EXPECTED_NAMES if n != "digits_autoencoder")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         ZOO["mlp_classifier"].loss = "squared_error"  # frozen
     with pytest.raises(KeyError):
         get_model("nope")

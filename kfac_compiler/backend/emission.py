@@ -8,8 +8,9 @@ returns it with its SubgraphInfo (docs/runtime_contract.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import onnx
@@ -20,6 +21,7 @@ from kfac_compiler.backend import factors, forward
 from kfac_compiler.backend.forward import ForwardPass
 from kfac_compiler.backend.plan_parts import PlanParts
 from kfac_compiler.blocks import FisherBlock, make_block
+from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
 from kfac_compiler.contract import SlotSpec, SubgraphInfo
 from kfac_compiler.errors import ModelError
@@ -55,7 +57,7 @@ class Emission:
 
     # ------------------------------------------------------------- set-up
     @classmethod
-    def start(cls, parts: PlanParts, float_type: int = FLOAT, conv_gather: bool = True) -> "Emission":
+    def start(cls, parts: PlanParts, float_type: int = FLOAT, conv_gather: bool = True) -> Emission:
         """A new subgraph of `parts`' forward graph; `conv_gather`: the Gather im2col forms of
         Conv may be used (oprules/conv.py)."""
         view = GraphView(parts.model)
@@ -70,11 +72,11 @@ class Emission:
                 em.inputs.append(vi)
                 em.info.data_inputs.append(vi.name)
         for p in parts.params:
-            em.state_input(p, tuple(view.shapes[p]), "param")
+            em.state_input(p, view.static_shape(p), "param")
         if parts.blocks is not None:
             em.blocks = dict(parts.blocks)
         else:
-            shapes = {p: tuple(view.shapes[p]) for t in parts.layers for p in t.params}
+            shapes = {p: view.static_shape(p) for t in parts.layers for p in t.params}
             em.blocks = {
                 layer.name: make_block(layer, shapes, [view.shape(u.input) for u in layer.uses])
                 for layer in parts.layers
@@ -157,7 +159,7 @@ class Emission:
         if not any(slot in params for slot in self.info.state_outputs.values()):
             return
         for slot, tensor in running_stat_outputs(self.parts.model, params):
-            self.state_input(slot, tuple(self.view.shapes[slot]), "model")
+            self.state_input(slot, self.view.static_shape(slot), "model")
             self.state_output(slot, tensor)
 
     def finish(self, name: str) -> tuple[onnx.ModelProto, SubgraphInfo]:
@@ -219,7 +221,7 @@ class Emission:
             rank = len(out_shape)
             w = self.b.unsqueeze(WEIGHTS, list(range(1, rank))) if rank > 1 else WEIGHTS
             self._weights = (w, self.b.op("Sqrt", [w]))
-        return self._weights
+        return cast("tuple[str, str]", self._weights)  # set with the input, above
 
     def reduce_mean(self, point: str, values: T) -> T:
         """A reduction point: `values` (tensor names, or dataclasses, dicts, lists of them)
@@ -259,7 +261,7 @@ class Emission:
         return self.b.op("Not", [bad])
 
     # ---------------------------------------------- forward passes (forward.py)
-    def loss_and_grads(self, extra_wrt: list[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
+    def loss_and_grads(self, extra_wrt: Sequence[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
         """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`."""
         return forward.loss_and_grads(self, extra_wrt)
 
@@ -280,7 +282,7 @@ class Emission:
         return factors.layer_cotangent_targets(self)
 
     def batch_statistics(self, fwd: ForwardPass, mode: str, num_samples: int,
-                         data_cots: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+                         data_cots: dict[str, str] | None = None) -> dict[str, dict[str, str | GramStatistic]]:
         """One batch's factor estimates {layer: {factor: tensor or GramStatistic}} on `fwd`."""
         return factors.batch_statistics(self, fwd, mode, num_samples, data_cots)
 

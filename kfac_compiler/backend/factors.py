@@ -3,7 +3,7 @@ mode), their moving-average updates as state outputs, and preconditioning by the
 inverse state."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 from kfac_compiler import contract as C
 from kfac_compiler.blocks._parts import GramStatistic
@@ -15,6 +15,11 @@ from kfac_compiler.passes.estimator import emit_seeds, noise_spec
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
     from kfac_compiler.backend.forward import ForwardPass
+
+
+class _StateStatistics(Protocol):
+    def emit_statistics(self, b: GraphBuilder, inputs: list[str], cotangents: list[list[str]],
+                        state: dict[str, str]) -> dict[str, str | GramStatistic]: ...
 
 
 def inverse_init(spec) -> str:
@@ -36,7 +41,7 @@ def layer_cotangent_targets(em: Emission) -> list[str]:
 
 def batch_statistics(
     em: Emission, fwd: ForwardPass, mode: str, num_samples: int, data_cots: dict[str, str] | None = None
-) -> dict[str, dict[str, str]]:
+) -> dict[str, dict[str, str | GramStatistic]]:
     """One batch's factor estimates {layer: {factor: tensor}} for `mode` on pass `fwd`.
     `data_cots`: cotangents of the mean loss at the layer outputs from the full-batch
     backward, reused by the empirical mode when fwd is the full batch."""
@@ -60,7 +65,7 @@ def batch_statistics(
             seeds = [b.mul(sd, fwd.seed_scale) for sd in seeds]
         per_seed = [backward(b, fwd.view, {z: s}, targets) for s in seeds]
     inv_sqrt_n = b.op("Reciprocal", [b.op("Sqrt", [n])])
-    stats: dict[str, dict[str, str]] = {}
+    stats: dict[str, dict[str, str | GramStatistic]] = {}
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
         if layer.kind == "generic":
@@ -71,7 +76,8 @@ def batch_statistics(
             outs = [fwd.name(u.output) for u in layer.uses]
             cots = [[d.get(o) or _zeros_like(em.b, o) for d in per_seed] for o in outs]
         if block.state_statistics:  # statistics that read the inverse state (ekfac's eigenbases)
-            stats[layer.name] = block.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block))
+            stateful = cast(_StateStatistics, block)  # blocks with state_statistics take `state` (blocks/base.py)
+            stats[layer.name] = stateful.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block))
         else:
             stats[layer.name] = block.emit_statistics(b, inputs, cots)
     return stats

@@ -3,8 +3,9 @@ clones of the forward graph on the batch's first m examples (sub_batch_pass) or 
 parameters (clone_forward), each described by a ForwardPass that autodiff can walk."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, cast
 
 import onnx
 
@@ -35,7 +36,7 @@ class ForwardPass:
     rows: int | None = None  # m for the pass on the first m examples; None for the whole batch
 
 
-def loss_and_grads(em: Emission, extra_wrt: list[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
+def loss_and_grads(em: Emission, extra_wrt: Sequence[str] = ()) -> tuple[str, str, dict[str, str], dict[str, str]]:
     """Mean loss, batch size N, grads of the mean loss, and cotangents of `extra_wrt`; sets
     em.full, the whole batch's forward pass."""
     b, z = em.b, em.output
@@ -62,8 +63,9 @@ def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
     of the forward graph (built once per m and shared), on which the factor statistics
     and the quadratic model's curvature products cost m/N of their full-batch price (the
     moving average pools many batches anyway). Call after loss_and_grads."""
+    full = cast(ForwardPass, em.full)  # set by loss_and_grads, which runs first
     if m is None:
-        return em.full
+        return full
     cached = em._sub_passes.get(int(m))
     if cached is not None:
         return cached
@@ -75,12 +77,12 @@ def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
     sliced = {x: b.op("Slice", [x, start, end, axes]) for x in em.view.graph_inputs}
     view, rename = clone_forward(em, f"kfac/sub{m}/", sliced)  # one prefix per size
     z = rename(em.output)
-    y = b.op("Slice", [em.full.y, start, end, axes])
+    y = b.op("Slice", [full.y, start, end, axes])
     n = b.batch_size(z)
     data_grad = em.parts.loss.emit_grad(b, z, y)
     w = sqrt_w = None
-    if em.full.weight is not None:
-        w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in em.example_weights())
+    if full.weight is not None:  # a weighted loss: example_weights() are tensors
+        w, sqrt_w = (b.op("Slice", [t, start, end, axes]) for t in cast("tuple[str, str]", em.example_weights()))
         data_grad = b.mul(data_grad, w)
     em._sub_passes[m] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w, rows=m)
     return em._sub_passes[m]

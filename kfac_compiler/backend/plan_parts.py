@@ -31,7 +31,7 @@ class PlanParts:
     damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
 
 
-def plan_parts(plan: "Plan | PlanParts") -> PlanParts:
+def plan_parts(plan: Plan | PlanParts) -> PlanParts:
     """Extract PlanParts from a kfac_compiler.plan.Plan (a PlanParts is returned as is)."""
     if isinstance(plan, PlanParts):
         return plan

@@ -4,7 +4,8 @@ their options; an optimizer's kind carries its own emitter)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
@@ -45,7 +46,7 @@ def settings_of(parts: PlanParts, device: str = "cpu") -> R.Settings:
     return R.Settings(parts.mode, parts.num_samples, parts.inverse_method, parts.damping_split, device)
 
 
-def emit(plan: "Plan | PlanParts", req: R.Request) -> tuple[onnx.ModelProto, SubgraphInfo]:
+def emit(plan: Plan | PlanParts, req: R.Request) -> tuple[onnx.ModelProto, SubgraphInfo]:
     """Emit the graph of `req` (resolved: see kfac_compiler.requests) for `plan`; its info
     records the kind and the resolved options."""
     parts = plan_parts(plan)
@@ -59,7 +60,7 @@ def emit(plan: "Plan | PlanParts", req: R.Request) -> tuple[onnx.ModelProto, Sub
     return model, info
 
 
-def emit_subgraph(plan: "Plan | PlanParts", name: str, device: str = "cpu",
+def emit_subgraph(plan: Plan | PlanParts, name: str, device: str = "cpu",
                   **options: Any) -> tuple[onnx.ModelProto, SubgraphInfo]:
     """Emit subgraph `name` with keyword `options`, resolved for `plan` on `device` (a
     shorthand of emit for tests, benchmarks and the lower-level API)."""

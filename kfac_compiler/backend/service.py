@@ -20,7 +20,7 @@ Graph = tuple[onnx.ModelProto, SubgraphInfo]
 _CACHE: dict[int, tuple[weakref.ref, dict[Request, Graph]]] = {}
 
 
-def _cache(plan: "Plan") -> dict[Request, Graph]:
+def _cache(plan: Plan) -> dict[Request, Graph]:
     entry = _CACHE.get(id(plan))
     if entry is None or entry[0]() is not plan:
         entry = (weakref.ref(plan), {})
@@ -29,7 +29,7 @@ def _cache(plan: "Plan") -> dict[Request, Graph]:
     return entry[1]
 
 
-def emit_for(plan: "Plan", req: Request) -> Graph:
+def emit_for(plan: Plan, req: Request) -> Graph:
     """The graph of resolved request `req` for `plan`, emitted on first use."""
     cache = _cache(plan)
     if req not in cache:
@@ -37,6 +37,6 @@ def emit_for(plan: "Plan", req: Request) -> Graph:
     return cache[req]
 
 
-def emitted(plan: "Plan") -> dict[Request, Graph]:
+def emitted(plan: Plan) -> dict[Request, Graph]:
     """The graphs emitted for `plan` so far, by request."""
     return dict(_cache(plan))

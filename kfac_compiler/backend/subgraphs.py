@@ -3,12 +3,14 @@ averages, inverse refreshes, preconditioning and curvature products (the optimiz
 training steps are emitted by their plugins, kfac_compiler.optimizers)."""
 from __future__ import annotations
 
+from typing import cast
+
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler import linalg
-from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.emission import WEIGHTS, Emission
+from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.registry import subgraph
 from kfac_compiler.blocks._parts import emit_statistic
 from kfac_compiler.errors import PlanError
@@ -105,7 +107,7 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
         }
         # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
         new = block.emit_power_state(b, factors, damping, power, method, previous)  # -1: emit_inverse
-        oks.append(b.cast(new.ok, FLOAT))
+        oks.append(b.cast(cast(str, new.ok), FLOAT))  # an emitted InverseState's ok is set
         em.metric(C.inverse_ok(layer.name), oks[-1])  # the runtime redoes failed blocks on the host
         for s in block.inverse_specs():
             em.state_output(previous[s.name], new[s.name])
@@ -115,7 +117,7 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
 
 @subgraph(C.PRECONDITION)
 def precondition(em: Emission, o: PreconditionOptions) -> None:
-    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
+    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.static_shape(p))) for p in em.parts.params}
     out = em.precondition(vecs)
     for p in em.parts.params:
         em.result(C.precond(p), out[p])
@@ -128,7 +130,7 @@ def multiply(em: Emission, o: MultiplyOptions) -> None:
     emitted square root failed its check is NaN; other powers need eigendecompositions:
     Curvature.multiply_matpower does them on the host)."""
     damping = em.hp(C.DAMPING)
-    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.shapes[p])) for p in em.parts.params}
+    vecs = {p: em.data_input(C.vec(p), FLOAT, list(em.view.static_shape(p))) for p in em.parts.params}
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
         factors = {s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()}

@@ -7,7 +7,8 @@ any imported module makes a new approximation selectable (docs/extending_blocks.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from kfac_compiler.blocks.base import FisherBlock, InverseState, make_block
 from kfac_compiler.blocks.registry import (

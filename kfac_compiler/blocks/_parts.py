@@ -15,13 +15,14 @@ ops.py, statistics.py and views.py; they are re-exported for existing imports.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks.base import FisherBlock, InverseState
+from kfac_compiler.blocks.gram import GramStatistic, emit_statistic  # noqa: F401  (re-exported)
 from kfac_compiler.blocks.ops import (  # noqa: F401  (re-exported)
     emit_add_all,
     emit_append_const,
@@ -31,7 +32,6 @@ from kfac_compiler.blocks.ops import (  # noqa: F401  (re-exported)
     emit_shape_with,
     prod,
 )
-from kfac_compiler.blocks.gram import GramStatistic, emit_statistic  # noqa: F401  (re-exported)
 from kfac_compiler.blocks.views import FlatView, MatrixView  # noqa: F401  (re-exported)
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError

@@ -19,8 +19,8 @@ from typing import ClassVar
 import numpy as np
 
 from kfac_compiler import linalg
-from kfac_compiler.blocks.registry import BLOCK_CLASSES, BLOCKS, block_class, register_block  # noqa: F401  (lived here)
 from kfac_compiler.blocks.gram import GramStatistic
+from kfac_compiler.blocks.registry import BLOCK_CLASSES, BLOCKS, block_class, register_block  # noqa: F401  (lived here)
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec, Layer
@@ -71,7 +71,7 @@ class FisherBlock:
         self,
         layer: Layer,
         param_shapes: dict[str, tuple[int, ...]],
-        input_shapes: list[tuple] | None = None,
+        input_shapes: list[tuple | None] | None = None,
         **options,
     ) -> None:
         self.layer = layer
@@ -236,7 +236,7 @@ class FisherBlock:
         return exp == -1 and not self.inverse_is_host(method)
 
     def emit_power_state(self, b: GraphBuilder, factors: dict[str, str], damping: str, exp: float,
-                         method: str, previous: dict[str, str] | None = None) -> "InverseState":
+                         method: str, previous: dict[str, str] | None = None) -> InverseState:
         """The state keyed like inverse_specs() that emit_multiply_inverse turns into
         (F + damping)^exp v; exp = -1 is emit_inverse."""
         if exp == -1:
@@ -292,7 +292,7 @@ class FisherBlock:
 def make_block(
     layer: Layer,
     param_shapes: dict[str, tuple[int, ...]],
-    input_shapes: list[tuple] | None = None,
+    input_shapes: list[tuple | None] | None = None,
     **options,
 ) -> FisherBlock:
     """The block object for a layer whose `approximation` is set."""

@@ -43,7 +43,7 @@ class _AdjointConv(ConvMixin):
     """The Conv whose im2col of dY gives the cotangent patches D (one position per input
     position of the ConvTranspose)."""
 
-    def __init__(self, ct: "ConvTMixin") -> None:
+    def __init__(self, ct: ConvTMixin) -> None:
         self.layer, self.options = ct.layer, ct.options
         self.input_shapes = None
         self.kernel, self.nd = ct.kernel, ct.nd

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
 from kfac_compiler.blocks.ops import emit_concat, emit_dim
 from kfac_compiler.blocks.registry import register_block
-from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 

@@ -38,7 +38,6 @@ from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import FlatView
 from kfac_compiler.errors import ConfigError
 
-
 BATCH_STAT_NORMS = ("BatchNormalization", "InstanceNormalization", "GroupNormalization")
 """Normalizations whose x_hat the block computes in the [N, K, L] layout (K the scale's size)."""
 

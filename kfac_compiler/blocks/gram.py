@@ -25,7 +25,7 @@ class GramStatistic:
         return b.div(emit_gram(b, self.rows), self.count)
 
 
-def emit_statistic(b: GraphBuilder, stat: "str | GramStatistic") -> str:
+def emit_statistic(b: GraphBuilder, stat: str | GramStatistic) -> str:
     """The tensor of an emit_statistics value (a tensor name or a GramStatistic)."""
     return stat.emit(b) if isinstance(stat, GramStatistic) else stat
 

@@ -5,7 +5,7 @@ statistics.py, can import them without importing either.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

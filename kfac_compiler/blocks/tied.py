@@ -34,7 +34,6 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler import linalg
-from kfac_compiler.linalg.methods import PI_EPS
 from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
@@ -43,6 +42,7 @@ from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
+from kfac_compiler.linalg.methods import PI_EPS
 
 # the stored factors: lookup A_V, G_D; head A_D, G_V
 TIED_FACTORS = ("A_V", "G_D", "A_D", "G_V")

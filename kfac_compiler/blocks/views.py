@@ -6,7 +6,7 @@ vector a block's curvature acts on, in ONNX and in numpy.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

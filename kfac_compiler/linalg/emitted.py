@@ -2,8 +2,8 @@
 runs: the GPU for a CUDA session)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from onnx import numpy_helper

@@ -1,7 +1,8 @@
 """Softmax cross-entropy: a categorical distribution over the LAST axis of the output."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto

@@ -29,8 +29,8 @@ Ops with no gradient (Shape, comparisons, integer ops, ...) are registered with
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import onnx
 

@@ -1,7 +1,7 @@
 """Small helpers shared by the differentiation rules (shapes, broadcasting, zeros, attrs)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx

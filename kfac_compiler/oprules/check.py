@@ -8,8 +8,8 @@ a rule).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -267,8 +267,8 @@ def derivative_model(
 ) -> onnx.ModelProto:
     """vjp: inputs + "seed/<o>" -> outputs + "grad/<w>"; jvp: inputs + "tan/<w>" -> outputs +
     "jvp/<o>". Missing (co)tangents come out as zeros. Built with the model's float type."""
-    from kfac_compiler.passes.autodiff import _finish, _prepare, backward, jvp
     from kfac_compiler.oprules._util import zeros_like
+    from kfac_compiler.passes.autodiff import _finish, _prepare, backward, jvp
 
     model = _prepare(model)
     view = GraphView(model)

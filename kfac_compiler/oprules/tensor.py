@@ -135,7 +135,7 @@ def _slice_vjp(b, view, node, gys):
         if any(len(idx) == 0 for _, _, idx in spec):
             return [zeros_like(b, view, X)]
         cur_shape = list(view.shape(X))
-        for a, d, idx in spec:
+        for a, _d, idx in spec:
             cur_shape[a] = len(idx)
         pads = [0] * (2 * r)
         cur = g

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, regularized, register_optimizer
-from kfac_compiler.optimizers.settings import OptimizerConfig, check_positive, check_unit
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer, regularized
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
+from kfac_compiler.optimizers.settings import OptimizerConfig, check_positive, check_unit
 from kfac_compiler.requests import SubgraphKind
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class AdamConfig(OptimizerConfig):
     epsilon: float = 1e-8
     momentum: float | None = None  # accepted for a uniform API: an alias of beta1 when given
 
-    def resolve(self, plan: "Plan | None") -> None:
+    def resolve(self, plan: Plan | None) -> None:
         if self.learning_rate is None:
             self.learning_rate = 1e-3
         if self.momentum is not None:
@@ -50,7 +50,7 @@ class AdamConfig(OptimizerConfig):
         return self.at("learning_rate", k) * math.sqrt(1.0 - self.beta2**t) / (1.0 - self.at("beta1", k)**t)
 
 
-def emit_adam_step(em: "Emission", o: FirstOrderStepOptions) -> None:
+def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
     """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t)."""
     b = em.b
     loss, raw, _ = mean_loss_and_grads(em)

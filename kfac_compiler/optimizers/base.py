@@ -24,10 +24,10 @@ optimizers without the compiler's internals.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Mapping, Sequence
-
 import dataclasses
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
@@ -50,7 +50,7 @@ class Optimizer:
     subgraphs: ClassVar[tuple[SubgraphKind, ...]] = ()
     burn_in_count: int = 0  # statistics-only steps taken (see burn_in)
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.config = trainer.config
 
@@ -105,7 +105,7 @@ def optimizer_class(name: str) -> type[Optimizer]:
     return cls
 
 
-def make_config(optimizer: str, plan: "Plan | None" = None, **knobs: Any) -> OptimizerConfig:
+def make_config(optimizer: str, plan: Plan | None = None, **knobs: Any) -> OptimizerConfig:
     """The validated settings of `optimizer` from keyword knobs and the plan's defaults."""
     return optimizer_class(optimizer).Config.from_knobs(plan, **knobs)
 
@@ -123,14 +123,14 @@ class FirstOrderStepOptions(SubgraphOptions):
 LOSS_POINT, GRADIENTS_POINT = "loss", "gradients"
 
 
-def mean_loss_and_grads(em: "Emission", extra_wrt: Sequence[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
+def mean_loss_and_grads(em: Emission, extra_wrt: Sequence[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
     """The batch's loss and gradients through their reduction points (means over every
     rank's examples in a data-parallel run), and the cotangents of `extra_wrt` (local)."""
     loss, _, grads, cots = em.loss_and_grads(list(extra_wrt))
     return em.reduce_mean(LOSS_POINT, loss), em.reduce_mean(GRADIENTS_POINT, grads), cots
 
 
-def regularized(em: "Emission", grads: dict[str, str], l2: bool) -> dict[str, str]:
+def regularized(em: Emission, grads: dict[str, str], l2: bool) -> dict[str, str]:
     """g + l2 * theta (only emitted when the optimizer uses weight decay)."""
     if not l2:
         return grads
@@ -144,7 +144,7 @@ class Gram:
     flattened vectors' concatenation needs fewer nodes, but the concatenation copies every
     vector and the k x k product over all parameters runs memory-bound.)"""
 
-    def __init__(self, em: "Emission", vectors: dict[str, dict[str, str]]) -> None:
+    def __init__(self, em: Emission, vectors: dict[str, dict[str, str]]) -> None:
         self.b, self.params, self.vectors = em.b, list(em.parts.params), vectors
         self._dots: dict[tuple[str, str], str] = {}
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
 
 
-def emit_baseline_metrics(em: "Emission", loss: str, steps: dict, raw: dict) -> None:
+def emit_baseline_metrics(em: Emission, loss: str, steps: dict, raw: dict) -> None:
     """loss, metric/update_norm, metric/grad_norm and metric/finite of a first-order step."""
     dots = Gram(em, {"u": steps, "g": raw})
     update_sq = dots("u", "u")

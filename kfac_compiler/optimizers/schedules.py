@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kfac_compiler.errors import ConfigError
 
@@ -137,7 +138,7 @@ def _bad(text: str, where: str):
     raise ConfigError(_at(where) + f"{text!r} is not a number or a schedule; use {GRAMMAR}")
 
 
-def parse(text: str, where: str) -> "float | Schedule":
+def parse(text: str, where: str) -> float | Schedule:
     """A constant (float) or a Schedule from its text; a one-line ConfigError naming `where`."""
     text = text.strip()
     if is_number(text):

@@ -7,8 +7,9 @@ import math
 import numbers
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kfac_compiler import parsing
 from kfac_compiler.errors import ConfigError
@@ -55,7 +56,7 @@ class OptimizerConfig:
     l2_reg: float = 0.0
 
     @classmethod
-    def from_knobs(cls, plan: "Plan | None" = None, **knobs: Any) -> "OptimizerConfig":
+    def from_knobs(cls, plan: Plan | None = None, **knobs: Any) -> OptimizerConfig:
         kwargs: dict[str, Any] = {}
         for key, value in knobs.items():
             key2 = cls.option_name(key)
@@ -175,7 +176,7 @@ class OptimizerConfig:
         override changes the grounds of (K-FAC: momentum_type / use_qmodel)."""
         return {**stored, **given}
 
-    def resolve(self, plan: "Plan | None") -> None:
+    def resolve(self, plan: Plan | None) -> None:
         """Fill defaults that depend on the plan or on other knobs."""
 
     def validate(self) -> None:
@@ -263,7 +264,7 @@ def check_int(name: str, v: Any, low: int) -> None:
         raise ConfigError(f"optimizer option {name!r} must be an integer >= {low}, got {v!r}")
 
 
-def plan_schedule(plan: "Plan | None") -> dict[str, Any]:
+def plan_schedule(plan: Plan | None) -> dict[str, Any]:
     """Defaults the plan carries (compile config): damping, ema decay, periods, estimator."""
     if plan is None:
         return {}

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, regularized, register_optimizer
-from kfac_compiler.optimizers.settings import OptimizerConfig, check_unit
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer, regularized
 from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
+from kfac_compiler.optimizers.settings import OptimizerConfig, check_unit
 from kfac_compiler.requests import SubgraphKind
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ class SgdConfig(OptimizerConfig):
     schedulable: ClassVar[tuple[str, ...]] = ("learning_rate", "momentum")
     momentum: float | None = None
 
-    def resolve(self, plan: "Plan | None") -> None:
+    def resolve(self, plan: Plan | None) -> None:
         if self.learning_rate is None:
             self.learning_rate = 0.1
         if self.momentum is None:
@@ -34,7 +34,7 @@ class SgdConfig(OptimizerConfig):
         check_unit("momentum", self.initial("momentum"))
 
 
-def emit_sgd_step(em: "Emission", o: FirstOrderStepOptions) -> None:
+def emit_sgd_step(em: Emission, o: FirstOrderStepOptions) -> None:
     """Heavy-ball SGD: v = momentum v - lr g; theta += v."""
     b = em.b
     loss, raw, _ = mean_loss_and_grads(em)

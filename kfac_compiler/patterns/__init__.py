@@ -20,13 +20,14 @@ Register your own with `register_pattern(Pattern(...))`; see docs/frontend.md.
 
 Modules: core.py (the machinery, the registry, predicates), builtin.py (the library).
 """
+from kfac_compiler.patterns.builtin import BUILTIN_PATTERN_NAMES, broadcast_axes  # registers the library
 from kfac_compiler.patterns.core import (
     PARAM,
     Binding,
     NoMatch,
+    Pattern,
     PEdge,
     PNode,
-    Pattern,
     all_of,
     attr_eq,
     num_inputs,
@@ -35,7 +36,6 @@ from kfac_compiler.patterns.core import (
     register_pattern,
     unregister_pattern,
 )
-from kfac_compiler.patterns.builtin import BUILTIN_PATTERN_NAMES, broadcast_axes  # registers the library
 
 __all__ = [
     "PARAM", "Binding", "NoMatch", "PEdge", "PNode", "Pattern", "all_of", "attr_eq", "broadcast_axes",

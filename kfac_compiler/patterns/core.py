@@ -7,8 +7,9 @@ See the package docstring (kfac_compiler/patterns/__init__.py) and docs/frontend
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import onnx
 
@@ -49,7 +50,7 @@ class PEdge:
 class Binding:
     """A candidate match: pattern keys bound to graph vertices (node names / tensor names)."""
 
-    pattern: "Pattern"
+    pattern: Pattern
     view: GraphView
     mapping: dict[str, str]
 

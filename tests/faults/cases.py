@@ -18,13 +18,27 @@ import signal
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from faults.harness import (ASSETS, Judge, Result, Verdict, call, cli_command, listing, metrics_rows,
-                            read_checkpoint, run_cli, run_subprocess, snapshot, subprocess_env)
+from faults.harness import (
+    ASSETS,
+    Judge,
+    Result,
+    Verdict,
+    call,
+    cli_command,
+    listing,
+    metrics_rows,
+    read_checkpoint,
+    run_cli,
+    run_subprocess,
+    snapshot,
+    subprocess_env,
+)
 from faults.inject import full_disk, read_only
 
 CATEGORIES = {
@@ -560,7 +574,7 @@ def token_ids_beyond_the_vocabulary(d: str) -> Verdict:
 
 
 # --------------------------------------------------------------------------- API arguments
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan() -> Any:
     from kfac_compiler.plan import load_plan
 

@@ -2,7 +2,8 @@
 (ENOSPC when it runs out) and the write events of killer.py (a kill at a chosen write)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class HookedFile:
@@ -19,7 +20,7 @@ class HookedFile:
         for line in lines:
             self.write(line)
 
-    def __enter__(self) -> "HookedFile":
+    def __enter__(self) -> HookedFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:

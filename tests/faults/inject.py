@@ -18,8 +18,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 from unittest import mock
 
 from faults.hooked import HookedFile
@@ -34,7 +35,7 @@ def can_mount() -> bool:
     return not os.environ.get("KFAC_FAULTS_NO_MOUNT") and _mount_works()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mount_works() -> bool:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return False

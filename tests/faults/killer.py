@@ -21,7 +21,8 @@ import os
 import runpy
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from faults.hooked import HookedFile
 

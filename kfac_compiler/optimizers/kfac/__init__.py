@@ -24,7 +24,8 @@ One step k (docs/runtime.md):
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -32,10 +33,10 @@ from kfac_compiler import contract as C
 from kfac_compiler.host_blocks import host_blocks, refresh_costs
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers.base import Optimizer, register_optimizer
-from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
 from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac import refresh as R
 from kfac_compiler.optimizers.kfac.graph import KFAC_STEP, STAGES, KfacStepOptions, emit_kfac_step
+from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
 from kfac_compiler.requests import InverseOptions, PowerOptions, StatisticsOptions
 
 __all__ = ["KFAC_STEP", "STAGES", "Kfac", "KfacConfig", "KfacStepOptions", "ema_coefficient", "emit_kfac_step",

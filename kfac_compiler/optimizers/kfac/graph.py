@@ -133,7 +133,7 @@ class KfacStepOptions(SubgraphOptions):
     precon_power: float = -1.0
 
 
-def emit_kfac_step(em: "Emission", o: KfacStepOptions) -> None:
+def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
     """One K-FAC step. The update is a * P + mu * v with P = (F + damping)^-1 g the
     preconditioned gradient and v the previous update (velocity); a, mu come from the 2x2
     quadratic model (qmodel) or from hp/learning_rate, hp/momentum (a = -lr), whose curvature
@@ -153,7 +153,7 @@ def emit_kfac_step(em: "Emission", o: KfacStepOptions) -> None:
 
 
 # --------------------------------------------------------------------------- stage 1: local
-def local_stage(em: "Emission", with_stats: bool, stats_if: bool, mode: str, num_samples: int, l2: bool,
+def local_stage(em: Emission, with_stats: bool, stats_if: bool, mode: str, num_samples: int, l2: bool,
                 stats_batch: int | None) -> Local:
     """Loss, gradients (+ l2 theta), and with_stats the factors' moving-average updates from
     this batch's statistics on its first stats_batch examples (inside an If on
@@ -168,7 +168,7 @@ def local_stage(em: "Emission", with_stats: bool, stats_if: bool, mode: str, num
 
 
 # --------------------------------------------------------------------------- stage 2: precondition
-def precondition_stage(em: "Emission", local: Local, qmodel: bool, l2: bool,
+def precondition_stage(em: Emission, local: Local, qmodel: bool, l2: bool,
                        qmodel_batch: int | None, adam: bool = False) -> Preconditioned:
     """P, the velocity, their dot products with g, and with qmodel the quadratic model's
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
@@ -193,7 +193,7 @@ def precondition_stage(em: "Emission", local: Local, qmodel: bool, l2: bool,
     return Preconditioned(precond, velocity, dots, model, accumulated)
 
 
-def adam_momentum(em: "Emission", grads: dict[str, str]) -> dict[str, str]:
+def adam_momentum(em: Emission, grads: dict[str, str]) -> dict[str, str]:
     """TF K-FAC's "adam" momentum: m <- hp/momentum * m + g (the objective's gradient, l2
     included), in the state slots grad_velocity/<p>."""
     b, mu = em.b, em.hp(C.MOMENTUM)
@@ -204,7 +204,7 @@ def adam_momentum(em: "Emission", grads: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity: dict, dots: Gram, damping: str,
+def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str,
                     l2: bool) -> QuadraticModel:
     """The damped model's terms with C the exact GGN (products from forward-mode JVPs), as in
     kfac-jax, on the batch `fwd` covers.
@@ -237,7 +237,7 @@ def quadratic_model(em: "Emission", fwd: "ForwardPass", precond: dict, velocity:
 
 
 # --------------------------------------------------------------------------- stage 3: update
-def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
+def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
                  fixed_mu: bool = False, power: float = -1.0) -> None:
     """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
 
@@ -295,7 +295,7 @@ def update_stage(em: "Emission", local: Local, pre: Preconditioned, l2: bool, lo
     em.metric(C.FINITE, b.cast(ok, FLOAT))
 
 
-def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
+def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
                 update_sq: str, change: str, l2: bool) -> str:
     """metric/loss_after: the objective at the new parameters on the same batch, for
     Levenberg-Marquardt damping, inside an If on hp/loss_after > 0 so that only the
@@ -332,7 +332,7 @@ def _loss_after(em: "Emission", local: Local, dots: Gram, new_params: dict[str, 
     return b.op("And", [b.op("Not", [increase]), after_ok])
 
 
-def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
+def solve_quadratic_model(em: Emission, m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
     """(a, mu, change): the minimizer of the model with |mu| <= hp/max_momentum, and the
     model's value there with the whole batch's gradient (the prediction damping adaptation
     compares with the whole batch's loss change). With `gap` (the objective's distance to
@@ -377,7 +377,7 @@ def solve_quadratic_model(em: "Emission", m: QuadraticModel, gap: str | None) ->
     return a, mu, model(a, mu, m.whole_b1, m.whole_b2)
 
 
-def solve_fixed_mu(em: "Emission", m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
+def solve_fixed_mu(em: Emission, m: QuadraticModel, gap: str | None) -> tuple[str, str, str]:
     """TF K-FAC's qmodel_fixedmu: mu = hp/momentum, a = -(b1 + mu c12) / c11, the minimizer of
     the model along a for that mu (with v = 0, c12 = 0: the momentum-free step); the change
     and the decrease cap as solve_quadratic_model's."""
@@ -392,7 +392,7 @@ def solve_fixed_mu(em: "Emission", m: QuadraticModel, gap: str | None) -> tuple[
     return a, mu, model_value(em, m, a, mu)
 
 
-def model_value(em: "Emission", m: QuadraticModel, a: str, mu: str, linear: tuple[str, str] | None = None) -> str:
+def model_value(em: Emission, m: QuadraticModel, a: str, mu: str, linear: tuple[str, str] | None = None) -> str:
     """m(a, mu) = a b1 + mu b2 + 1/2 [a mu] C [a mu]^T with the gradient terms `linear`
     (default: the whole batch's, the change damping adaptation compares with)."""
     b = em.b
@@ -402,7 +402,7 @@ def model_value(em: "Emission", m: QuadraticModel, a: str, mu: str, linear: tupl
     return b.add(b.add(b.mul(a, b1), b.mul(mu, b2)), b.mul(b.const(0.5), quad))
 
 
-def decrease_scale(em: "Emission", change: str, gap: str) -> str:
+def decrease_scale(em: Emission, change: str, gap: str) -> str:
     """s = min(1, k gap / -change), k = hp/max_predicted_decrease (<= 0: off): the update is
     scaled by the ratio of the decrease allowed (the fraction k of the objective's distance
     to the loss's lower bound, `gap`) to the decrease predicted. A model that predicts a
@@ -417,7 +417,7 @@ def decrease_scale(em: "Emission", change: str, gap: str) -> str:
     return s
 
 
-def norm_constraint(em: "Emission", lr: str, g_dot_precond: str) -> str:
+def norm_constraint(em: Emission, lr: str, g_dot_precond: str) -> str:
     """KL clipping (TF K-FAC): scale so lr^2 g.F^-1 g <= c; c <= 0 disables."""
     b = em.b
     c = em.hp(NORM_CONSTRAINT)

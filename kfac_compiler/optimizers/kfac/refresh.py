@@ -17,7 +17,7 @@ the period (docs/runtime.md, "Spread refreshes").
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from kfac_compiler.errors import ConfigError
 

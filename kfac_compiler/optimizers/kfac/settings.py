@@ -76,7 +76,7 @@ class KfacConfig(OptimizerConfig):
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
-    def resolve(self, plan: "Plan | None") -> None:
+    def resolve(self, plan: Plan | None) -> None:
         self.momentum_type = kind = self._momentum_type()
         self.use_qmodel = kind in QMODEL_TYPES
         if kind == "qmodel" and (self.learning_rate is not None or self.momentum is not None):
