@@ -2,7 +2,7 @@
 
 A `Request` names a subgraph kind and carries a frozen options object of that kind's type.
 `resolve` fills every option that depends on the plan or the device (the estimator mode and
-samples, the concrete inverse method, the damping split), so equal resolved requests mean
+samples, the concrete inverse method, the damping split, conv_gather), so equal resolved requests mean
 an identical graph: the plan stores its graphs under them and the emission cache
 (kfac_compiler.backend.service) keys on them. Nothing here imports the back end: the runtime
 builds and resolves requests, then looks them up in the plan (docs/architecture.md).
@@ -199,13 +199,10 @@ class Request:
         return Request(self.name, self.options.resolve(settings))
 
     def key(self) -> str:
-        """Stable text of the request (plan.json, file names, caches)."""
+        """Stable, readable text of the request (the plan and the caches key on the Request
+        itself)."""
         items = ",".join(f"{k}={v}" for k, v in sorted(self.options.to_json().items()))
         return f"{self.name}({items})"
-
-    @property
-    def every_step(self) -> bool:
-        return kind(self.name).every_step
 
 
 def request(name: str, options: SubgraphOptions | None = None, **values: Any) -> Request:
