@@ -41,14 +41,25 @@ def store_default_subgraphs(plan: Plan, optimizer: str = "kfac", batch_size: int
     """Store in `plan` every subgraph a Trainer with `optimizer`'s defaults at `batch_size`
     (default: the batch the plan's budget assumed) builds on the CPU: the Trainer's own
     requests (made without building a session), so the stored set is exactly what such a run
-    asks for."""
-    from kfac_compiler.backend.service import emitted
+    asks for. Where such a run refuses the plan's own settings (a compile damping below K-FAC's
+    default min_damping), nothing is stored and a plan note says why: a run with settings that
+    fit emits its graphs when it starts."""
+    from kfac_compiler.errors import ConfigError
+    from kfac_compiler.optimizers import make_config
     from kfac_compiler.passes.budget import REFERENCE_BATCH
     from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.subgraphs import subgraph
 
     batch = int(batch_size or (plan.costs or {}).get("batch_size") or REFERENCE_BATCH)
-    Trainer(plan, optimizer=optimizer, device="cpu", batch_size=batch, comm=None, sessions=False)
-    for req, (graph, info) in emitted(plan).items():
+    try:  # the default settings are checked first: any later error (an op without a rule) is the plan's
+        make_config(optimizer, plan)
+    except ConfigError as e:
+        plan.notes.append(f"no training subgraphs stored: a default {optimizer} run refuses this plan ({e}); "
+                          "a run with settings that fit emits them when it starts")
+        return
+    trainer = Trainer(plan, optimizer=optimizer, device="cpu", batch_size=batch, comm=None, sessions=False)
+    for req in trainer.requests():
+        graph, info, _ = subgraph(plan, req)
         plan.store_subgraph(req, graph, info)
 
 

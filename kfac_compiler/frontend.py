@@ -17,7 +17,7 @@ from typing import Any
 import onnx
 
 from kfac_compiler.blocks import BLOCKS, make_block
-from kfac_compiler.config import CompileConfig, load_config
+from kfac_compiler.config import CompileConfig, InverseConfig, load_config
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import GraphView
@@ -213,8 +213,10 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
 
     known = [l for l in layers if _block_available(l.approximation, l.kind)]
 
+    split = InverseConfig().damping_split  # the budget prices every block at the default split
+
     def make(layer: Layer):
-        return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view))
+        return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view), damping_mode=split)
 
     result = fit_budget(
         known, make, pinned, overhead=cfg.budget.overhead,
@@ -222,6 +224,7 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
         min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
         method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
     )
+    result.costs["damping_split"] = split  # what the layers' "inverse" FLOPs assume
     chosen = {l.name: l for l in result.layers}
     result.layers = [chosen.get(l.name, l) for l in layers]
     return result

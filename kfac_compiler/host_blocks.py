@@ -22,11 +22,12 @@ def host_blocks(plan: Plan, layers: Sequence[str] | None = None) -> dict[str, An
 
 def refresh_costs(plan: Plan, layers: Sequence[str], method: str) -> dict[str, float]:
     """FLOPs of one inverse refresh by `method` (a concrete method) per layer: the plan's
-    recorded costs (passes/budget.py) when they were computed for that method, else the
-    blocks' own count."""
+    recorded costs (passes/budget.py) when they were computed for that method and the plan's
+    damping split, else the blocks' own count."""
     costs: Mapping[str, Any] = plan.costs or {}
     recorded = costs.get("layers") or {}
-    if costs.get("inverse_method") == method and all("inverse" in (recorded.get(layer) or {}) for layer in layers):
+    same = costs.get("inverse_method") == method and costs.get("damping_split") == plan.inverse.damping_split
+    if same and all("inverse" in (recorded.get(layer) or {}) for layer in layers):
         return {layer: float(recorded[layer]["inverse"]) for layer in layers}
     blocks = host_blocks(plan, layers)
     return {layer: float(blocks[layer].inverse_flops(method)) for layer in layers}

@@ -69,7 +69,7 @@ DOCUMENT = {
     "costs?": _Open({"batch_size?": int, "stats_batch_size?": int, "overhead_budget?": NUMBER, "min_dim?": int,
                      "forward_backward_flops?": NUMBER, "apply_flops?": NUMBER, "stats_flops_per_update?": NUMBER,
                      "sampled_backward_flops?": NUMBER, "qmodel_flops?": NUMBER, "inverse_flops_per_refresh?": NUMBER,
-                     "inverse_method?": str, "stats_period?": int, "inverse_period?": int, "curvature_flops_per_step?": NUMBER,
+                     "inverse_method?": str, "damping_split?": str, "stats_period?": int, "inverse_period?": int, "curvature_flops_per_step?": NUMBER,
                      "overhead?": _Opt(NUMBER), "factor_bytes?": int, "layers?": _Map(_Map(NUMBER))}),
     "layers": _NonEmpty([_LAYER]),
     "estimator?": {"mode?": str, "num_samples?": int},

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.linalg.methods import concrete_method
+from kfac_compiler.linalg.methods import AUTO_METHOD, concrete_method
 
 O = TypeVar("O", bound="SubgraphOptions")
 
@@ -58,24 +58,24 @@ class SubgraphOptions:
     damping_split: str | None = None
     conv_gather: bool | None = None
 
-    # field name -> how resolve fills it when None
-    RESOLVED: ClassVar[Mapping[str, Callable[[Settings], Any]]] = {
-        "mode": lambda s: s.mode,
-        "num_samples": lambda s: s.num_samples,
-        "method": lambda s: concrete_method(s.inverse_method, s.device),
-        "damping_split": lambda s: s.damping_split,
-        "conv_gather": lambda s: s.conv_gather,
-    }
+    # the fields resolve fills (None, or "auto" for a method) from the settings: each options
+    # class lists its own, so a plugin's field of the same name is never overwritten
+    resolved: ClassVar[tuple[str, ...]] = ("damping_split", "conv_gather")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # lists (plan.json, callers) as tuples: hashable keys
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+
+    def unresolved(self) -> list[str]:
+        """The fields resolve has yet to fill."""
+        return [name for name in self.resolved if getattr(self, name) is None
+                or (name == "method" and getattr(self, name) == AUTO_METHOD)]
 
     def resolve(self: O, settings: Settings) -> O:
         """These options with every plan- or device-dependent one concrete ("auto" methods
         included), so that they can key a graph."""
-        changes: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            fill = self.RESOLVED.get(f.name)
-            value = getattr(self, f.name)
-            if fill is not None and (value is None or (f.name == "method" and value == "auto")):
-                changes[f.name] = fill(settings)
+        changes = {name: RESOLVERS[name](settings) for name in self.unresolved()}
         return dataclasses.replace(self, **changes) if changes else self
 
     def to_json(self) -> dict[str, Any]:
@@ -88,12 +88,21 @@ class SubgraphOptions:
         unknown = [k for k in doc if k not in names]
         if unknown:
             raise ConfigError(f"{cls.__name__} has no option {unknown[0]!r}")
-        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
-        return cls(**values)
+        return cls(**doc)
 
 
 def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
+
+
+# how resolve fills each resolvable field from the settings
+RESOLVERS: Mapping[str, Callable[[Settings], Any]] = {
+    "mode": lambda s: s.mode,
+    "num_samples": lambda s: s.num_samples,
+    "method": lambda s: concrete_method(s.inverse_method, s.device),
+    "damping_split": lambda s: s.damping_split,
+    "conv_gather": lambda s: s.conv_gather,
+}
 
 
 # --------------------------------------------------------------------------- the back end's kinds
@@ -112,6 +121,8 @@ class StatisticsOptions(SubgraphOptions):
     """One batch's factor statistics (`statistics`) or their moving averages
     (`update_statistics`), on the first `stats_batch` examples (None: all)."""
 
+    resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples")
+
     mode: str | None = None
     num_samples: int | None = None
     stats_batch: int | None = None
@@ -121,6 +132,8 @@ class StatisticsOptions(SubgraphOptions):
 class InverseOptions(SubgraphOptions):
     """Damped inverses (`inverse_update`) of every block, or of `layers` only (a refresh
     spread over steps)."""
+
+    resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("method",)
 
     method: str | None = None
     layers: tuple[str, ...] | None = None
@@ -210,12 +223,11 @@ def request(name: str, options: SubgraphOptions | None = None, **values: Any) ->
     its options (None values take the defaults); ConfigError naming an unknown option."""
     typ = kind(name).options
     if options is not None:
-        if not isinstance(options, typ) or values:
+        if type(options) is not typ or values:
             raise ConfigError(f"subgraph {name!r} takes {typ.__name__} options")
         return Request(name, options)
     fields = {f.name for f in dataclasses.fields(typ)}
     unknown = [k for k in values if k not in fields]
     if unknown:
         raise ConfigError(f"subgraph {name!r} has no option {unknown[0]!r}; its options are {sorted(fields)}")
-    given: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if v is not None}
-    return Request(name, typ(**given))
+    return Request(name, typ(**{k: v for k, v in values.items() if v is not None}))

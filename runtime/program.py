@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import PlanError
+from kfac_compiler.errors import ConfigError, PlanError
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
@@ -274,7 +274,8 @@ class DeclaredProgram:
         self.written_slots = list(dict.fromkeys(info.state_outputs.values()))
 
     def run(self, *args: Any, **kwargs: Any) -> dict:
-        raise RuntimeError(f"subgraph {self.name!r} was only declared (sessions=False): it cannot run")
+        raise ConfigError(f"subgraph {self.name!r} was only declared (a Trainer built with sessions=False "
+                          "runs nothing): build the Trainer with sessions=True to train")
 
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,

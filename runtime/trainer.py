@@ -128,9 +128,15 @@ class Trainer:
         return cached_program(self._programs, self.store, self.plan, self.device, threads or self.threads, name,
                               comm=self.comm, sessions=self.sessions, **options)
 
+    def requests(self) -> list[Request]:
+        """The resolved requests of the sessions built so far (kfac_compiler.store_default_subgraphs
+        stores their graphs)."""
+        return list(self._programs)
+
     def programs(self) -> dict[str, Program]:
         """The sessions built so far, by subgraph name; where one name has several, labelled
-        with the options that tell them apart ("kfac_step[with_stats=False]")."""
+        with the options that tell them apart ("kfac_step[with_stats=False]"; a label depends on
+        which sessions exist, so it may change as more are built)."""
         out = {}
         for req, prog in self._programs.items():
             others = [r.options.to_json() for r in self._programs if r.name == req.name and r != req]

@@ -14,11 +14,14 @@ import pytest
 
 import kfac_compiler as kc
 from kfac_compiler.backend import emit, emit_subgraph
+from kfac_compiler.backend.service import emitted
+from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.host_blocks import refresh_costs
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.optimizers.kfac import KfacStepOptions
 from kfac_compiler.plan import load_plan
-from kfac_compiler.requests import InverseOptions, Request, Settings, StatisticsOptions, request
+from kfac_compiler.requests import InverseOptions, PowerOptions, Request, Settings, StatisticsOptions, request
 from kfac_compiler.runtime import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +51,11 @@ def test_resolution_makes_every_plan_and_device_choice_concrete():
         request("kfac_stpe")
     with pytest.raises(ConfigError, match="takes KfacStepOptions options"):
         request("kfac_step", options=InverseOptions())
+    with pytest.raises(ConfigError, match="takes InverseOptions options"):  # a subclass is another kind's
+        request("inverse_update", options=PowerOptions(power=-0.5))
+    assert InverseOptions(layers=["fc1"]) == InverseOptions(layers=("fc1",))  # lists are keys too
+    with pytest.raises(ValueError, match="not resolved"):
+        emit(plan, request("inverse_update"))
 
 
 def test_every_option_that_changes_a_graph_is_in_its_key():
@@ -102,20 +110,43 @@ def test_an_older_plan_without_kinds_still_trains(tmp_path):
         if "method" in entry["info"]["options"]:
             entry["info"]["options"]["method"] = "auto"
     (path / "plan.json").write_text(json.dumps(doc))
-    old = load_plan(path)
+    old, fresh = load_plan(path), load_plan(plan.save(tmp_path / "fresh"))
     x, y = ZOO["mlp_classifier"].make_data(n=64)
     runs = []
-    for p in (old, plan):
+    for p in (old, fresh):
         tr = Trainer(p, optimizer="kfac", device="cpu", batch_size=32, seed=0)
         runs.append([tr.step({"input": x["input"][i:i + 32]}, y[i:i + 32])["loss"] for i in (0, 32)])
     assert runs[0] == runs[1]
+    assert sorted(req.name for req in emitted(old)) == ["inverse_update", "kfac_step", "kfac_step", "update_statistics"]
+    assert emitted(fresh) == {}  # the current plan's graphs were all stored
 
 
-def test_emit_subgraph_is_emit_of_the_resolved_request():
-    plan = _compile(emit=False)
-    a, _ = emit_subgraph(plan, "statistics", mode="exact")
+@pytest.mark.parametrize("name,gather", [("mlp_classifier", True), ("small_cnn", False)])
+def test_emit_subgraph_is_emit_of_the_resolved_request(name, gather):
+    plan = _compile(name, emit=False, conv_gather=gather)
+    a, info = emit_subgraph(plan, "statistics", mode="exact")
     b, _ = emit(plan, request("statistics", mode="exact").resolve(Settings.of(plan)))
-    assert a.SerializeToString() == b.SerializeToString()
+    assert a.SerializeToString() == b.SerializeToString() and info.options["conv_gather"] is gather
+
+
+def test_refresh_costs_are_the_blocks_own_for_the_plans_damping_split():
+    """K-FAC groups its refreshes by their FLOPs: the plan's recorded costs serve where they
+    price the plan's own damping split, else the blocks count (exact damping costs more)."""
+    for split in ("pi", "exact"):
+        plan = _compile(emit=False, inverse={"damping_split": split})
+        own = {name: float(b.inverse_flops("schur")) for name, b in plan_blocks(plan).items()}
+        assert refresh_costs(plan, list(own), "schur") == own
+    assert own["fc1"] > 5 * plan.costs["layers"]["fc1"]["inverse"]  # exact, against the budget's pi price
+
+
+def test_compile_stores_nothing_where_a_default_run_refuses_the_plan():
+    """A compile damping below K-FAC's default min_damping is a valid plan: compile succeeds,
+    says why it stored no graphs, and a run that widens min_damping emits them and trains."""
+    plan = _compile(damping=1e-4)
+    assert plan.subgraphs == {} and "no training subgraphs stored" in plan.notes[-1] and "min_damping" in plan.notes[-1]
+    x, y = ZOO["mlp_classifier"].make_data(n=32)
+    tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=32, min_damping=1e-5)
+    assert np.isfinite(tr.step({"input": x["input"]}, y)["loss"])
 
 
 # ----------------------------------------------------------------------------- at run time

@@ -29,6 +29,7 @@ class PlanParts:
     blocks: dict[str, FisherBlock] | None = None
     weighted: bool = False  # an "example_weights" [N] data input scales each example's loss
     damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
+    conv_gather: bool = True  # the plan's compile option (requests.Settings)
 
 
 def plan_parts(plan: Plan | PlanParts) -> PlanParts:
@@ -46,4 +47,5 @@ def plan_parts(plan: Plan | PlanParts) -> PlanParts:
         inverse_method=plan.inverse.method,
         blocks=plan_blocks(plan),
         damping_split=plan.inverse.damping_split,
+        conv_gather=bool((plan.config or {}).get("conv_gather", True)),
     )

@@ -43,7 +43,8 @@ def emitter(name: str) -> Emitter:
 
 def settings_of(parts: PlanParts, device: str = "cpu") -> R.Settings:
     """The settings a request for `parts` is resolved against."""
-    return R.Settings(parts.mode, parts.num_samples, parts.inverse_method, parts.damping_split, device)
+    return R.Settings(parts.mode, parts.num_samples, parts.inverse_method, parts.damping_split, device,
+                      parts.conv_gather)
 
 
 def emit(plan: Plan | PlanParts, req: R.Request) -> tuple[onnx.ModelProto, SubgraphInfo]:
@@ -51,6 +52,9 @@ def emit(plan: Plan | PlanParts, req: R.Request) -> tuple[onnx.ModelProto, Subgr
     records the kind and the resolved options."""
     parts = plan_parts(plan)
     opts = req.options
+    if opts.unresolved():
+        raise ValueError(f"emit: request {req.name!r} is not resolved ({', '.join(opts.unresolved())}); "
+                         "resolve it with Request.resolve(Settings.of(plan, device)) first")
     if opts.weighted != parts.weighted:
         parts = dataclasses.replace(parts, weighted=opts.weighted)
     em = Emission.start(parts, conv_gather=opts.conv_gather is not False)

@@ -30,7 +30,7 @@ from kfac_compiler.blocks._parts import emit_inverses, numpy_inverses  # noqa: E
 def plan_blocks(plan: Any, layers: Sequence[str] | None = None) -> dict[str, FisherBlock]:
     """{layer name: FisherBlock} of a kfac_compiler.plan.Plan's layers (all, or `layers`, in
     that order): the back end emits with them, and the runtime computes host-side inverses and
-    the lower-level API's host products with their numpy twins (runtime/host_blocks.py).
+    the lower-level API's host products with their numpy twins (kfac_compiler/host_blocks.py).
     PlanError naming a layer the plan does not have."""
     from kfac_compiler.errors import PlanError
 

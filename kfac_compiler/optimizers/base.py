@@ -25,7 +25,7 @@ optimizers without the compiler's internals.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
     from kfac_compiler.plan import Plan
     from kfac_compiler.runtime.trainer import Trainer
-
-Emitter = Callable[..., None]
 
 
 class Optimizer:

@@ -22,7 +22,7 @@ and the same accept/reject decision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from onnx import TensorProto
 
@@ -119,6 +119,8 @@ class KfacStepOptions(SubgraphOptions):
     qmodel, else "regular"); l2: weight decay; loss_after: metric/loss_after, the batch's loss
     at the new parameters when hp/loss_after > 0; precon_power: the power the inverse slots
     hold (adam momentum's predicted change is quadratic only at -1)."""
+
+    resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples")
 
     with_stats: bool = True
     stats_if: bool = False
