@@ -51,21 +51,33 @@ def _as_device(device: str | Device | Sequence[Any]) -> Device:
     return get_device(device)
 
 
-class Program:
-    """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
+class SubgraphIO:
+    """What a program reads and writes, from its SubgraphInfo: the interface Program,
+    StagedProgram (runtime/staged.py) and DeclaredProgram share."""
 
-    def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
-                 name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
-        self.device = _as_device(device)
-        self.name = name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph")
-        self.info = info
-        self.session = make_session(model, self.device, self.name, threads=threads)
+    def __init__(self, info: SubgraphInfo, name: str) -> None:
+        self.info, self.name = info, name
         self.data_inputs = list(info.data_inputs)
         self.hp_inputs = list(info.hp_inputs)
         self.state_inputs = list(info.state_inputs)
         self.state_outputs = dict(info.state_outputs)
         self.metrics = list(info.metrics)
         self.results = list(info.results)
+        self._written = tuple(self.state_outputs.values())
+
+    @property
+    def written_slots(self) -> list[str]:
+        return list(self._written)
+
+
+class Program(SubgraphIO):
+    """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
+
+    def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
+                 name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
+        super().__init__(info, name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph"))
+        self.device = _as_device(device)
+        self.session = make_session(model, self.device, self.name, threads=threads)
         self.carried = list(carried)  # inputs the caller binds on every run (a stage's, runtime/stages.py)
         # a data-parallel run's agreement on metric/finite (every rank flips its state or none
         # does): the minimum over the ranks; None in one process
@@ -85,7 +97,6 @@ class Program:
         # per binding: name -> the OrtValue bound last (only what changed is bound again)
         self._bound: dict[tuple, dict[str, ort.OrtValue]] = {}
         self._valid: dict[tuple, int] = {}  # per binding: the store generation it was made at
-        self._written = tuple(self.state_outputs.values())
         self._slots = tuple(self.state_inputs) + self._written
         self._dynamic_metrics = [m for m in self.metrics if m not in self._metric_bufs]
         # (name, host buffer) of the pre-bound scalar metrics: read without a fetch
@@ -114,10 +125,6 @@ class Program:
         for out, slot in self.state_outputs.items():
             if out != C.new(slot):
                 raise ContractError(f"subgraph {self.name!r}: state output {out!r} must be named 'new/{slot}'")
-
-    @property
-    def written_slots(self) -> list[str]:
-        return list(self._written)
 
     # ------------------------------------------------------------------ run
     def _binding(self, key: tuple) -> tuple[ort.IOBinding, dict[str, ort.OrtValue]]:
@@ -262,16 +269,9 @@ def _check_state_shapes(prog: Program, info: SubgraphInfo) -> None:
             raise ValueError(f"state slot {slot!r} is declared {list(spec.shape)} but the graph takes {list(shape)}")
 
 
-class DeclaredProgram:
+class DeclaredProgram(SubgraphIO):
     """A subgraph's contract without a session: what a program reads and writes, for a caller
     that only asks which subgraphs a run needs (kfac_compiler.store_default_subgraphs)."""
-
-    def __init__(self, info: SubgraphInfo, name: str) -> None:
-        self.info, self.name = info, name
-        self.data_inputs, self.hp_inputs = list(info.data_inputs), list(info.hp_inputs)
-        self.state_inputs, self.state_outputs = list(info.state_inputs), dict(info.state_outputs)
-        self.metrics, self.results = list(info.metrics), list(info.results)
-        self.written_slots = list(dict.fromkeys(info.state_outputs.values()))
 
     def run(self, *args: Any, **kwargs: Any) -> dict:
         raise ConfigError(f"subgraph {self.name!r} was only declared (a Trainer built with sessions=False "

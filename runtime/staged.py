@@ -22,20 +22,20 @@ from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import PlanError
 from kfac_compiler.runtime.comm import Communicator
-from kfac_compiler.runtime.program import ContractError, Program, _as_device, write_inputs
+from kfac_compiler.runtime.program import ContractError, Program, SubgraphIO, _as_device, write_inputs
 from kfac_compiler.runtime.stages import Stage, split_stages
 from kfac_compiler.runtime.state import StateStore
 
 
-class StagedProgram:
+class StagedProgram(SubgraphIO):
     """The Program interface (run, info, inputs, written slots, timings) over the stages of
     one step graph."""
 
     def __init__(self, model: onnx.ModelProto, info: SubgraphInfo, device, comm: Communicator,
                  name: str | None = None, threads: int | None = None) -> None:
+        super().__init__(info, name or model.graph.name)
+        self.results: list[str] = []  # a step cut in stages returns no results
         self.device = _as_device(device)
-        self.name = name or model.graph.name
-        self.info = info
         self.comm = comm
         for slot in info.state_outputs.values():  # ekfac's S: a per-step average every rank's update reads
             parsed = C.parse_slot(slot)
@@ -51,25 +51,14 @@ class StagedProgram:
                                     "holds this rank's moving average until it is averaged over the ranks")
         self.programs = [Program(s.model, s.info, self.device, name=f"{self.name}/stage{k}", threads=threads,
                                  carried=s.carried_in) for k, s in enumerate(self.stages)]
-        self.data_inputs = list(info.data_inputs)
-        self.hp_inputs = list(info.hp_inputs)
-        self.state_inputs = list(info.state_inputs)
-        self.state_outputs = dict(info.state_outputs)
-        self.metrics = list(info.metrics)
-        self.results: list[str] = []
         self.input_dtypes: dict[str, Any] = {}
         for prog in self.programs:
             self.input_dtypes.update(prog.input_dtypes)
-        self._written = tuple(self.state_outputs.values())
         # what each reduced tensor is, for the byte counts: its reduction point's name
         self._kinds = {r: point for point, pairs in info.reductions.items() for r in pairs}
         self.runs = 0
         self.session_seconds = 0.0
         self.last_seconds = 0.0
-
-    @property
-    def written_slots(self) -> list[str]:
-        return list(self._written)
 
     @property
     def session(self):
