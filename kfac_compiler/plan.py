@@ -199,27 +199,28 @@ class Plan:
         return GraphView(self.model)
 
     # ------------------------------------------------------------ stored subgraphs
+    def _stem(self, request: Request) -> str | None:
+        """The file stem stored under the resolved `request` (same kind and options), or None."""
+        want = request.options.to_json()
+        return next((stem for stem, info in self.subgraph_info.items()
+                     if (info.kind or stem) == request.name and info.options == want), None)
+
     def stored_subgraph(self, request: Request) -> tuple[onnx.ModelProto, SubgraphInfo] | None:
         """The stored graph of the resolved `request` (same kind and resolved options), or None."""
-        want = request.options.to_json()
-        for stem, info in self.subgraph_info.items():
-            if (info.kind or stem) == request.name and info.options == want and stem in self.subgraphs:
-                return self.subgraphs[stem], info
-        return None
+        stem = self._stem(request)
+        return (self.subgraphs[stem], self.subgraph_info[stem]) if stem in self.subgraphs else None
 
     def store_subgraph(self, request: Request, model: onnx.ModelProto, info: SubgraphInfo) -> str:
         """Keep `model` as the graph of the resolved `request` (replacing one stored under the
         same request); returns its file stem."""
-        for stem, old in self.subgraph_info.items():
-            if (old.kind or stem) == request.name and old.options == request.options.to_json():
-                break
-        else:
+        stem = self._stem(request)
+        if stem is None:
             stem, n = request.name, 1
             while stem in self.subgraphs or stem in self.subgraph_info:
                 n += 1
                 stem = f"{request.name}-{n}"
-        info = dataclasses.replace(info, kind=request.name, options=request.options.to_json())
-        self.subgraphs[stem], self.subgraph_info[stem] = model, info
+        self.subgraphs[stem] = model
+        self.subgraph_info[stem] = dataclasses.replace(info, kind=request.name, options=request.options.to_json())
         return stem
 
     def holders(self, initializer: str) -> list[str]:
