@@ -11,6 +11,7 @@ from kfac_compiler.optimizers.base import Gram, Optimizer
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.runtime.trainer import Trainer
 
 
 def emit_baseline_metrics(em: Emission, loss: str, steps: dict, raw: dict) -> None:
@@ -28,8 +29,18 @@ class FirstOrderOptimizer(Optimizer):
 
     step_subgraph = ""
 
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer)
+        self._step_programs: dict[bool, Any] = {}  # _program's memo
+
     def _program(self):
-        return self.trainer.program(self.step_subgraph, l2=self.config.l2_reg > 0, weighted=self.trainer.weighted)
+        """The step's session, memoized on the batch's weighting, the one option it takes from
+        the batch (as K-FAC's step_program: the general lookup resolves a request per call)."""
+        weighted = self.trainer.weighted
+        if weighted not in self._step_programs:
+            self._step_programs[weighted] = self.trainer.program(self.step_subgraph, l2=self.config.l2_reg > 0,
+                                                                 weighted=weighted)
+        return self._step_programs[weighted]
 
     def build(self) -> None:
         self._program()
