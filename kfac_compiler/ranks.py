@@ -58,10 +58,10 @@ def on_ranks(comm: Communicator | None, run: Callable[[], int]) -> int:
                 raise  # the command line prints `error: rank r: ...`
             return e.exit_code
         abort(comm, f"error: rank {comm.rank}: {' '.join(str(e).split())}", e.exit_code)
-    except KeyboardInterrupt:  # a second interrupt: stop now, wherever the ranks are
-        from kfac_compiler.interrupt import EXIT_CODE
+    except KeyboardInterrupt as e:  # a second interrupt: stop now, wherever the ranks are
+        from kfac_compiler.interrupt import exit_code, signal_of
 
-        abort(comm, f"rank {comm.rank}: interrupted again; stopping every rank now", EXIT_CODE)
+        abort(comm, f"rank {comm.rank}: interrupted again; stopping every rank now", exit_code(signal_of(e)))
     except Exception as e:  # a bug, or an OSError nothing converted: this rank alone sees it
         traceback.print_exc()
         abort(comm, f"error: rank {comm.rank}: {one_line(e, 1000)}", KfacError.exit_code)

@@ -461,7 +461,7 @@ def _train(args, outputs: list[Output], comm) -> int:
     import signal
 
     from kfac_compiler.errors import KfacError
-    from kfac_compiler.interrupt import StopOnInterrupt
+    from kfac_compiler.interrupt import STOP_SIGNALS, StopOnInterrupt
     from kfac_compiler.ranks import is_root, stop_together
     from kfac_compiler.runtime.data import batch_indices
 
@@ -483,7 +483,7 @@ def _train(args, outputs: list[Output], comm) -> int:
     rejected = 0
     stopped = None  # (option, failure) that ended the loop early: a metrics row or periodic checkpoint not written
     interrupted = False
-    signals = (signal.SIGINT,) if comm is None else (signal.SIGINT, signal.SIGUSR1)  # mpirun forwards SIGUSR1
+    signals = STOP_SIGNALS if comm is None else (*STOP_SIGNALS, signal.SIGUSR1)  # mpirun forwards SIGUSR1
     with StopOnInterrupt(signals) as interrupt:
         try:
             for s in range(done, args.steps):
@@ -522,7 +522,7 @@ def _train(args, outputs: list[Output], comm) -> int:
         written, failed = _write_outputs(args, trainer, title, steps_seen, losses if root else [],
                                          metrics_ok=stopped is None or stopped[0] != "--metrics")
         final = None if interrupted or not root else trainer.evaluate(inputs, targets, batch_size=1024)
-    return _finish(args, comm, trainer, final, written, failed, stopped, interrupted,
+    return _finish(args, comm, trainer, final, written, failed, stopped, interrupt if interrupted else None,
                    (last, last - done, elapsed, rejected), losses[0] if losses else None)
 
 
@@ -537,9 +537,9 @@ DIVERGED_ADVICE = ("lower the learning rate, raise --damping, or check the data 
 def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, counts,
             start_loss: float | None = None) -> int:
     """Rank 0 prints the summary and decides the outcome; every rank ends with it (an error
-    raised on every rank, or the exit code). `start_loss`: this run's first step's loss (None:
-    no step ran), the reference of the divergence check."""
-    from kfac_compiler.interrupt import EXIT_CODE
+    raised on every rank, or the exit code). `interrupted`: the StopOnInterrupt that stopped
+    the run (its signal's exit code), None when none did. `start_loss`: this run's first
+    step's loss (None: no step ran), the reference of the divergence check."""
     from kfac_compiler.ranks import is_root, traffic
 
     last, run, elapsed, rejected = counts
@@ -564,8 +564,8 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
         elif interrupted:
             where = (f"checkpoint written to {args.checkpoint}" if args.checkpoint
                      else "no --checkpoint was given, so it cannot be resumed")
-            print(f"interrupted at step {last}; {where}", file=sys.stderr)
-            code = EXIT_CODE
+            print(f"{interrupted.describe()} at step {last}; {where}", file=sys.stderr)
+            code = interrupted.exit_code
         elif not math.isfinite(final["loss"]):
             error = DivergedError(f"training ended with a non-finite loss ({final['loss']}): {DIVERGED_ADVICE}")
         elif start_loss is not None and final["loss"] > DIVERGED_FACTOR * max(abs(start_loss), 1.0):
@@ -576,7 +576,8 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
             raise error
         return code
     sys.stdout.flush()
-    return EXIT_CODE if comm.agree(error, stop=code == EXIT_CODE) else code  # rank 0's error raised everywhere
+    # rank 0's error is raised everywhere; its signal's exit code is every rank's
+    return max(comm.gather(code)) if comm.agree(error, stop=code != 0) else code
 
 
 def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kfac_compiler.atomic import write_file
+from kfac_compiler.atomic import file_target_problem, write_file
 from kfac_compiler.contract import GRAD_VELOCITY, parse_slot
 from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
 from kfac_compiler.plan import Plan
@@ -55,8 +55,9 @@ def _atomic(path: str, write, error: type[KfacError] = CheckpointError, what: st
     (kfac_compiler.atomic.write_file): the old file survives any failure. An unwritable path
     or a full disk is a one-line `error` naming `what`."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise error(f"cannot write {what} {path!r}: it is a directory; give a file path")
+    problem = file_target_problem(path)
+    if problem:
+        raise error(f"cannot write {what} {path!r}: it {problem}")
     with os_errors(error, what, path, writing=True):
         write_file(path, write)
 
