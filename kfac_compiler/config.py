@@ -65,6 +65,7 @@ from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
+from kfac_compiler.parsing import nesting_checked
 
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
@@ -174,12 +175,12 @@ class CompileConfig:
             with os_errors(ConfigError, "config file", path, writing=False):
                 if ext == ".json":
                     with open(path, encoding="utf-8") as f:
-                        data = json.load(f)
+                        data = nesting_checked(lambda: json.load(f))
                 else:
                     import tomllib
 
                     with open(path, "rb") as f:
-                        data = tomllib.load(f)
+                        data = nesting_checked(lambda: tomllib.load(f))
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, TOMLDecodeError
             kind = "JSON" if ext == ".json" else "TOML"
             raise ConfigError(f"config file {path!r} is not valid {kind}: {_one_line(e)}") from None

@@ -36,6 +36,7 @@ import numpy as np
 from kfac_compiler.atomic import file_target_problem, write_file
 from kfac_compiler.contract import GRAD_VELOCITY, parse_slot
 from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
+from kfac_compiler.parsing import nesting_checked
 from kfac_compiler.plan import Plan
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def _meta(z, path: str) -> dict[str, Any]:
     if "__meta__" not in z.files:
         raise CheckpointError(f"{path!r} is not a kfac_compiler checkpoint (no __meta__ entry)")
     try:
-        meta = json.loads(bytes(_read(z, "__meta__", path)).decode("utf-8"))
+        meta = nesting_checked(lambda: json.loads(bytes(_read(z, "__meta__", path)).decode("utf-8")))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {path!r} has corrupt metadata ({one_line(e)})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
