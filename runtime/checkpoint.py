@@ -35,7 +35,8 @@ import numpy as np
 
 from kfac_compiler.atomic import file_target_problem, write_file
 from kfac_compiler.contract import GRAD_VELOCITY, parse_slot
-from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
+from kfac_compiler.errors import CheckpointError, CorruptEntry, KfacError, OutputError, npz_reason, one_line, os_errors
+from kfac_compiler.npz_files import read_entry
 from kfac_compiler.parsing import nesting_checked
 from kfac_compiler.plan import Plan
 
@@ -155,10 +156,10 @@ def _open(path: str | os.PathLike):
 def _read(z, key: str, path: str) -> np.ndarray:
     """Entry `key` of the open checkpoint (its CRC checked by zipfile as it is read)."""
     try:
-        return z[key]
+        return read_entry(z, key)
     except _READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {path!r} is corrupt: entry {key!r} ({npz_reason(e)}); "
-                              "use an earlier copy") from None
+        reason = str(e) if isinstance(e, CorruptEntry) else f"entry {key!r} ({npz_reason(e)})"
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: {reason}; use an earlier copy") from None
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
