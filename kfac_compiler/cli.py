@@ -149,6 +149,14 @@ def _run_inspect(args) -> int:
     return 0
 
 
+def _other_rank() -> bool:
+    """Whether an MPI launcher started this process as a rank other than 0: `compile` and
+    `inspect` are one process's work (P ranks raced on one plan folder, and printed P plans)."""
+    from kfac_compiler.runtime.comm import launched_rank, launched_ranks
+
+    return launched_ranks() > 1 and launched_rank() != 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kfac_compiler.interrupt import deferred_stop, raise_on_stop
 
@@ -161,12 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     import onnx  # noqa: F401
 
                     args = build_parser().parse_args(argv)
-                if args.command == "compile":
-                    code = _run_compile(args)
-                elif args.command == "inspect":
-                    code = _run_inspect(args)
-                else:
+                if args.command == "train":
                     code = _run_train(args)
+                elif _other_rank():
+                    code = 0  # mpirun -n P compile/inspect: rank 0 alone writes and prints
+                elif args.command == "compile":
+                    code = _run_compile(args)
+                else:
+                    code = _run_inspect(args)
             finally:
                 seen = set()
                 for w in caught:

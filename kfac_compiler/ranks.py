@@ -19,9 +19,9 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kfac_compiler.errors import KfacError, one_line
+from kfac_compiler.errors import ConfigError, KfacError, one_line
 
 if TYPE_CHECKING:
     from kfac_compiler.runtime.comm import Communicator
@@ -66,6 +66,24 @@ def on_ranks(comm: Communicator | None, run: Callable[[], int]) -> int:
         traceback.print_exc()
         abort(comm, f"error: rank {comm.rank}: {one_line(e, 1000)}", KfacError.exit_code)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def check_same_on_ranks(comm: Communicator | None, values: Mapping[str, Any]) -> None:
+    """Every rank runs the same command on the same plan and data: one all-gather compares
+    `values` ({what: value}) with rank 0's. A difference is one ConfigError naming the first
+    rank and what differs, raised on every rank: a rank with other --steps would wait
+    forever in a collective the others left, and one with other data or --seed would train
+    apart silently."""
+    if comm is None:
+        return
+    gathered = comm.gather(dict(values))
+    for rank, theirs in enumerate(gathered[1:], 1):
+        for what, mine in gathered[0].items():
+            if theirs.get(what) != mine:
+                e = ConfigError(f"rank {rank}: {what} {theirs.get(what)!r} differs from rank 0's {mine!r}; every rank "
+                                "must run the same command on the same data")
+                e.agreed = True  # type: ignore[attr-defined]  # raised on every rank: printed once
+                raise e
 
 
 def abort(comm: Communicator, line: str, code: int) -> None:

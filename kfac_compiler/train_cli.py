@@ -412,7 +412,7 @@ def _build(args, outputs: list[Output], comm):
     """(plan, zoo entry, inputs, targets, trainer): every rank builds the same; rank 0 checks
     its outputs' disks and continues a resumed metrics file."""
     from kfac_compiler.outputs import check_space
-    from kfac_compiler.ranks import is_root
+    from kfac_compiler.ranks import check_same_on_ranks, is_root
     from kfac_compiler.resume import check_resumed_data, continue_metrics
     from kfac_compiler.runtime.comm import agreed
     from kfac_compiler.runtime.data import dataset_fingerprint
@@ -430,6 +430,12 @@ def _build(args, outputs: list[Output], comm):
         return knobs, plan, entry, inputs, targets, fingerprint
 
     knobs, plan, entry, inputs, targets, fingerprint = agreed(comm, load)
+    if comm is not None:
+        from kfac_compiler.runtime.checkpoint import plan_fingerprint
+
+        options = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k != "command"}
+        check_same_on_ranks(comm, {**options, "plan fingerprint": plan_fingerprint(plan)["fingerprint"],
+                                   "data fingerprint": fingerprint})
     n = targets.shape[0]
 
     def start() -> Trainer:  # Trainer() enters a collective only after its option checks
