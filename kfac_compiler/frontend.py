@@ -206,6 +206,14 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     )
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: GraphView, cfg: CompileConfig) -> BudgetResult:
     """passes/budget.py on the chosen layers; layers whose block class is not available are
     skipped (their factors are unknown)."""
@@ -223,6 +231,7 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
         batch_size=cfg.budget.batch_size or REFERENCE_BATCH,
         min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
         method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
+        memory_bytes=int(cfg.budget.memory_gb * 1e9) if cfg.budget.memory_gb else physical_memory(),
     )
     result.costs["damping_split"] = split  # what the layers' "inverse" FLOPs assume
     chosen = {l.name: l for l in result.layers}

@@ -13,16 +13,9 @@ import math
 import numpy as np
 from numpy.lib import format as npy_format
 
-from kfac_compiler.errors import CorruptEntry
+from kfac_compiler.errors import CorruptEntry, human_bytes
 
 HEADER_READERS = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
-
-
-def _human(n: int) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} bytes"
 
 
 def read_entry(z: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
@@ -40,5 +33,5 @@ def read_entry(z: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
             held = info.file_size - f.tell()
             if declared > held:
                 raise CorruptEntry(f"entry {key!r} declares a {'x'.join(map(str, shape)) or 'scalar'} {dtype} array "
-                                 f"({_human(declared)}) but holds {_human(held)}")
+                                 f"({human_bytes(declared)}) but holds {human_bytes(held)}")
     return z[key]

@@ -95,7 +95,7 @@ def abort(comm: Communicator, line: str, code: int) -> None:
 
 def traffic(sent: Mapping[str, int], steps: int) -> str:
     """`gradients 33.1 KiB, loss 4 B, ...`: bytes each rank sent per step, by kind."""
-    from kfac_compiler.report import human_bytes
+    from kfac_compiler.errors import human_bytes
 
     per = sorted(((kind, total / max(steps, 1)) for kind, total in sent.items() if total), key=lambda kv: -kv[1])
     return ", ".join(f"{kind} {human_bytes(round(n))}" for kind, n in per) or "nothing"

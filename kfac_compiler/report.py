@@ -11,7 +11,7 @@ from typing import Any
 
 from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import ConfigError
+from kfac_compiler.errors import ConfigError, human_bytes
 from kfac_compiler.plan import Plan, factor_json
 
 FORMATS = ("table", "json", "dot")
@@ -161,17 +161,6 @@ def render_json(plan: Plan, ranks: int | None = None) -> str:
 
 
 # -------------------------------------------------------------------------- table
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    return f"{n}"
-
 
 def _factor_text(specs) -> str:
     if specs is None:

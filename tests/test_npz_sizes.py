@@ -37,7 +37,7 @@ def test_the_declared_size_is_checked_against_the_entry(tmp_path):
     lying_npz(bad, {"x": x}, "x", (10**7, 10**6))
     with np.load(bad) as z, pytest.raises(ValueError) as got:
         read_entry(z, "x")
-    assert str(got.value) == "entry 'x' declares a 10000000x1000000 float32 array (40.0 TB) but holds 48 bytes"
+    assert str(got.value) == "entry 'x' declares a 10000000x1000000 float32 array (36.4 TiB) but holds 48 B"
 
 
 def test_a_data_file_claiming_51_tb_is_one_line(tmp_path):
@@ -47,7 +47,7 @@ def test_a_data_file_claiming_51_tb_is_one_line(tmp_path):
     with pytest.raises(DataError) as got:
         load_npz(str(path))
     assert str(got.value) == (f"data file {str(path)!r} is not a readable .npz (entry 'input' declares a "
-                              "4x3187500000000 float32 array (51.0 TB) but holds 1.0 kB)")
+                              "4x3187500000000 float32 array (46.4 TiB) but holds 1.0 KiB)")
 
 
 def test_a_checkpoint_slot_claiming_400_tb_is_one_line(tmp_path):
@@ -67,5 +67,5 @@ def test_a_checkpoint_slot_claiming_400_tb_is_one_line(tmp_path):
         Trainer.load_checkpoint(bad, tr.plan)
     n = arrays["slot_00000"].nbytes
     assert str(got.value) == (f"checkpoint {str(bad)!r} is corrupt: entry 'slot_00000' declares a "
-                              f"100000000x1000000 float32 array (400.0 TB) but holds {n / 1e3:.1f} kB; "
+                              f"100000000x1000000 float32 array (363.8 TiB) but holds {n / 1024:.1f} KiB; "
                               "use an earlier copy")

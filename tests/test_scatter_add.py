@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto
 
 from kfac_compiler.oprules.check import convert_float_type, derivative_model, one_node_model
-from onnx import TensorProto
 
 
 def run_threads(model, feeds, threads: int = 2, reps: int = 40) -> list[np.ndarray]:
