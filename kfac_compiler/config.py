@@ -24,7 +24,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
     num_samples = 1
 
     [inverse]
-    method = "auto"           # auto|inverse_op|newton_schulz|cholesky|eigh
+    method = "auto"           # auto (schur)|schur|inverse_op|newton_schulz|cholesky|eigh
     update_period = 10        # default: chosen by the budget
     damping_split = "pi"      # pi|exact
 
