@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 from typing import Any
 
 from kfac_compiler.blocks import plan_blocks
@@ -170,6 +171,9 @@ def _factor_text(specs) -> str:
     return ", ".join(f"{s.name} {'x'.join(str(d) for d in s.shape) or 'scalar'}" for s in specs)
 
 
+HEAD_WIDTH = 110  # the header's prose lines are wrapped to this many columns
+
+
 def render_table(plan: Plan) -> str:
     shapes = plan.param_shapes
     header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP",
@@ -197,8 +201,14 @@ def render_table(plan: Plan) -> str:
         )
     totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes),
               "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}", f"{tot_flops[2]:,}")
-    widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
     right = {2, 3, 6, 8, 9, 10}
+    methods = {r[7] for r in rows}
+    inverse_text = f"inverses:  {plan.schedule.inverse.method} (per layer below)"
+    if len(methods) == 1:  # one method for every layer: said once in the header, not on every row
+        inverse_text = f"inverses:  {methods.pop()},"
+        header, totals, rows = header[:7] + header[8:], totals[:7] + totals[8:], [r[:7] + r[8:] for r in rows]
+        right = {i - (i > 7) for i in right}
+    widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
 
     def line(r):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -209,14 +219,18 @@ def render_table(plan: Plan) -> str:
     if plan.loss.recognised_from:
         loss = f"{loss} (recognised from {plan.loss.recognised_from})"
     inv = plan.schedule.inverse
+    prose = [
+        f"estimator: {plan.estimator.mode} x{plan.estimator.num_samples}   "
+        f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
+        f"statistics every {plan.schedule.stats.update_period} steps",
+        f"{inverse_text} every {inv.update_period} steps",
+        *_cost_lines(plan.costs),
+    ]
     head = [
         f"model:     {src}",
         f"output:    {plan.output}   loss: {loss}",
-        f"estimator: {plan.estimator.mode} x{plan.estimator.num_samples}   "
-        f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
-        f"statistics every {plan.schedule.stats.update_period} steps   inverse {inv.method} every "
-        f"{inv.update_period} steps",
-        *_cost_lines(plan.costs),
+        *(part for text in prose
+          for part in textwrap.wrap(text, HEAD_WIDTH, subsequent_indent="  ", break_on_hyphens=False)),
         "",
     ]
     body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]

@@ -36,6 +36,13 @@ def test_compile_and_inspect(tmp_path, models, capsys):
     lines = table.splitlines()
     assert any(l.startswith("fc1 ") and "fully_connected" in l and "kron" in l for l in lines)
     assert any(l.startswith("total (3 layers)") for l in lines)
+    # one inverse method for every layer: said once in the header, not in a column on every row
+    assert lines[3] == "inverses:  auto: schur (graph) on CPU and CUDA, every 10 steps"
+    assert sum("schur" in l for l in lines) == 1
+    assert next(l for l in lines if l.startswith("layer ")).split() == [
+        "layer", "kind", "params", "uses", "approximation", "factors", "bytes", "stats", "FLOP/ex", "inverse", "FLOP",
+        "precond", "FLOP"]
+    assert all(len(l) <= 110 for l in lines[1:lines.index("")])  # the header's prose is wrapped
 
     assert main(["inspect", str(out), "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
