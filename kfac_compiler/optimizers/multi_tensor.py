@@ -6,7 +6,8 @@ the CPU (issue 40). `Layout` lets an emitter write its rule once over *chunks*: 
 parameter (the per-parameter layout), or one chunk holding every parameter's values, each
 flattened and concatenated (the multi-tensor layout: a Reshape per parameter, which ONNX
 Runtime runs as an alias of its input, and one Concat per vector). The rule's results are
-split back with one Split and a Reshape per parameter.
+split back into the parameters' shapes with a Split per group of parameters of the same
+trailing shape (Layout's docstring).
 
     lay = Layout(em, multi_tensor=o.multi_tensor)
     g, p = lay.pack(grads), lay.pack(em.parts.params_dict)
@@ -35,24 +36,40 @@ Chunks = list[str]  # a parameter-shaped vector in a Layout: one tensor per chun
 class Layout:
     """How an update addresses the parameters: `multi_tensor` False, one chunk per parameter
     (in em.parts.params' order); True, one chunk, the concatenation of every parameter's
-    flattened values."""
+    flattened values, the parameters grouped by their shape less its first dimension.
+
+    The concatenation reads each parameter through a Reshape to 1-D (none for a 1-D one): ONNX
+    Runtime runs a Reshape of a tensor as an alias of it, no kernel and no copy, so the
+    Concat is the one kernel. Splitting back, the parameters of a group (same trailing
+    shape, consecutive in the concatenation) come out of one Split along their first axis
+    already in their shapes, straight into the state outputs: one Split into groups and one
+    per group (a Reshape per group to [-1, *trailing], an alias), instead of a Reshape per
+    parameter, which copies into its output."""
 
     def __init__(self, em: Emission, multi_tensor: bool) -> None:
         self.b = em.b
         self.params = list(em.parts.params)
         self.shapes = {p: tuple(int(d) for d in em.view.static_shape(p)) for p in self.params}
         self.multi_tensor = bool(multi_tensor) and len(self.params) > 0
-        self._flat_shape = self.b.ints([-1]) if self.multi_tensor else ""
+        groups: dict[tuple, list[str]] = {}
+        for p in self.params:  # a scalar parameter is a group of its own
+            shape = self.shapes[p]
+            groups.setdefault(("trailing", shape[1:]) if shape else ("scalar", p), []).append(p)
+        self.groups = list(groups.values())
+        self.order = [p for group in self.groups for p in group]  # the concatenation's order
 
     def __len__(self) -> int:
         return 1 if self.multi_tensor else len(self.params)
+
+    def size(self, p: str) -> int:
+        return int(np.prod(self.shapes[p], dtype=np.int64))
 
     def pack(self, per_param: Mapping[str, str]) -> Chunks:
         """The chunks of the vector {param: tensor}."""
         if not self.multi_tensor:
             return [per_param[p] for p in self.params]
         b = self.b
-        flat = [b.reshape(per_param[p], self._flat_shape) for p in self.params]
+        flat = [per_param[p] if len(self.shapes[p]) == 1 else b.reshape(per_param[p], [-1]) for p in self.order]
         return [flat[0] if len(flat) == 1 else b.op("Concat", flat, axis=0, hint="multi_tensor")]
 
     def unpack(self, chunks: Chunks) -> dict[str, str]:
@@ -60,9 +77,17 @@ class Layout:
         if not self.multi_tensor:
             return dict(zip(self.params, chunks))
         b, (flat,) = self.b, chunks
-        sizes = [int(np.prod(self.shapes[p], dtype=np.int64)) for p in self.params]
-        parts = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]
-        return {p: b.reshape(t, list(self.shapes[p])) for p, t in zip(self.params, parts)}
+        sizes = [sum(self.size(p) for p in group) for group in self.groups]
+        pieces = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]
+        out: dict[str, str] = {}
+        for group, piece in zip(self.groups, pieces):
+            shape = self.shapes[group[0]]
+            if len(group) == 1:
+                out[group[0]] = piece if len(shape) == 1 else b.reshape(piece, list(shape))
+                continue
+            rows = piece if len(shape) == 1 else b.reshape(piece, [-1, *shape[1:]])
+            out.update(zip(group, b.split(rows, [self.shapes[p][0] for p in group], axis=0)))
+        return {p: out[p] for p in self.params}
 
     def map(self, rule: Callable[..., dict[str, str]], **vectors: Chunks) -> dict[str, Chunks]:
         """`rule` (keyword tensors -> {name: tensor}) applied chunk by chunk to `vectors`
@@ -76,4 +101,3 @@ class Layout:
     def sum_squares(self, chunks: Chunks) -> str:
         """The scalar sum of the squares of every element of a vector."""
         return self.b.sum([self.b.reduce("ReduceSumSquare", c, None) for c in chunks])
-
