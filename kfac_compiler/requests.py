@@ -97,8 +97,10 @@ def _jsonable(v: Any) -> Any:
 
 # whether an optimizer emits its update once over every parameter's concatenation
 # (optimizers/multi_tensor.py) where its settings leave it open, by device: on CUDA each node is
-# a kernel launch; on the CPU, see docs/runtime.md ("Multi-tensor updates")
-MULTI_TENSOR_DEFAULT: Mapping[str, bool] = {"cuda": True, "cpu": True}
+# a kernel launch; on the CPU the concatenations' copies cost more than the nodes they save
+# (ResNet-18's Adam step 1.25x slower, the zoo's within noise; docs/runtime.md, "Multi-tensor
+# updates")
+MULTI_TENSOR_DEFAULT: Mapping[str, bool] = {"cuda": True, "cpu": False}
 
 # how resolve fills each resolvable field from the settings
 RESOLVERS: Mapping[str, Callable[[Settings], Any]] = {
@@ -107,7 +109,7 @@ RESOLVERS: Mapping[str, Callable[[Settings], Any]] = {
     "method": lambda s: concrete_method(s.inverse_method, s.device),
     "damping_split": lambda s: s.damping_split,
     "conv_gather": lambda s: s.conv_gather,
-    "multi_tensor": lambda s: MULTI_TENSOR_DEFAULT.get(s.device, True),
+    "multi_tensor": lambda s: MULTI_TENSOR_DEFAULT.get(s.device, False),
 }
 
 
