@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
 
 BETA1, BETA2, EPSILON = C.hp("beta1"), C.hp("beta2"), C.hp("epsilon")  # adam_step's own hyper-parameters
+# 1 - beta1 and 1 - beta2, from the host: two nodes fewer in every step
+ONE_MINUS_BETA1, ONE_MINUS_BETA2 = C.hp("one_minus_beta1"), C.hp("one_minus_beta2")
 
 
 @dataclass
@@ -63,8 +65,7 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
     loss, raw, _ = mean_loss_and_grads(em)
     lay = Layout(em, bool(o.multi_tensor))
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
-    one = b.const(1.0)
-    c1, c2 = b.sub(one, b1), b.sub(one, b2)
+    c1, c2 = em.hp(ONE_MINUS_BETA1), em.hp(ONE_MINUS_BETA2)
     m = {p: em.state_input(C.adam_m(p), lay.shapes[p], "zeros") for p in lay.params}
     v = {p: em.state_input(C.adam_v(p), lay.shapes[p], "zeros") for p in lay.params}
     theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
@@ -95,5 +96,6 @@ class Adam(FirstOrderOptimizer):
 
     def hyper_parameters(self, k: int) -> dict[str, float]:
         cfg = self.config
-        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1, k), BETA1: cfg.at("beta1", k),
-                BETA2: cfg.beta2, EPSILON: cfg.epsilon}
+        beta1 = cfg.at("beta1", k)
+        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1, k), BETA1: beta1, BETA2: cfg.beta2,
+                EPSILON: cfg.epsilon, ONE_MINUS_BETA1: 1.0 - beta1, ONE_MINUS_BETA2: 1.0 - cfg.beta2}
