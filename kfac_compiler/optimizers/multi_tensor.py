@@ -10,10 +10,10 @@ split back into the parameters' shapes with a Split per group of parameters of t
 trailing shape (Layout's docstring).
 
     lay = Layout(em, multi_tensor=o.multi_tensor)
-    g, p = lay.pack(grads), lay.pack(em.parts.params_dict)
-    new = lay.map(lambda g, p: {"p": b.sub(p, b.mul(lr, g))}, g=g, p=p)
-    for q, t in lay.unpack(new["p"]).items():
-        em.state_output(q, t)
+    g, theta = lay.pack(grads), lay.pack({p: p for p in lay.params})
+    new = lay.map(lambda g, p: {"p": b.sub(p, b.mul(lr, g))}, g=g, p=theta)
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
 
 The optimizer state stays one slot per parameter in both layouts (checkpoints, exports and
 data-parallel runs see the same slots): the concatenation is inside the graph. Every
@@ -44,7 +44,8 @@ class Layout:
     shape, consecutive in the concatenation) come out of one Split along their first axis
     already in their shapes, straight into the state outputs: one Split into groups and one
     per group (a Reshape per group to [-1, *trailing], an alias), instead of a Reshape per
-    parameter, which copies into its output."""
+    parameter, which copies into its output (as the one parameter of a group of its own of
+    rank >= 2 still does)."""
 
     def __init__(self, em: Emission, multi_tensor: bool) -> None:
         self.b = em.b
