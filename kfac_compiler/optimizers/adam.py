@@ -66,8 +66,6 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
     lay = Layout(em, bool(o.multi_tensor))
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
     c1, c2 = em.hp(ONE_MINUS_BETA1), em.hp(ONE_MINUS_BETA2)
-    m = {p: em.state_input(C.adam_m(p), lay.shapes[p], "zeros") for p in lay.params}
-    v = {p: em.state_input(C.adam_v(p), lay.shapes[p], "zeros") for p in lay.params}
     theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
     g = regularized_chunks(em, lay, g_raw, theta, o.l2)
 
@@ -77,10 +75,11 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
         size = b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps)))  # the step is -size
         return {"m": m_new, "v": v_new, "size": size, "p": b.sub(p, size)}
 
-    new = lay.map(rule, g=g, m=lay.pack(m), v=lay.pack(v), p=theta)
-    for key, slot in (("p", str), ("m", C.adam_m), ("v", C.adam_v)):
-        for p, t in lay.unpack(new[key]).items():
-            em.state_output(slot(p), t)
+    new = lay.map(rule, g=g, m=lay.state(em, C.ADAM_M), v=lay.state(em, C.ADAM_V), p=theta)
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
+    lay.write_state(em, C.ADAM_M, new["m"])
+    lay.write_state(em, C.ADAM_V, new["v"])
     emit_baseline_metrics(em, loss, lay, new["size"], g_raw)
 
 

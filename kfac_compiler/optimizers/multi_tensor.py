@@ -15,22 +15,60 @@ trailing shape (Layout's docstring).
     for p, t in lay.unpack(new["p"]).items():
         em.state_output(p, t)
 
-The optimizer state stays one slot per parameter in both layouts (checkpoints, exports and
-data-parallel runs see the same slots): the concatenation is inside the graph. Every
-trainable parameter has the subgraph's float type (its state slots are float32), so there is
-one concatenation per vector (one per dtype).
+The optimizer's own state (`Layout.state` / `write_state`: SGD's velocity, Adam's moments) is
+one slot per parameter in the per-parameter layout and one flat slot per kind in the
+multi-tensor layout (`velocity/*`, `adam_m/*`, `adam_v/*`: no Concat, Split or Reshape for
+them). Checkpoints store the flat slots as the per-parameter ones (`split_flat`, `join_flat`),
+so a checkpoint of either layout resumes in the other. Every trainable parameter has the
+subgraph's float type (its state slots are float32), so there is one concatenation per vector
+(one per dtype).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kfac_compiler import contract as C
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
 
 Chunks = list[str]  # a parameter-shaped vector in a Layout: one tensor per chunk
+
+
+def concat_groups(shapes: Mapping[str, Sequence[int]]) -> list[list[str]]:
+    """The parameters (in `shapes`' order) grouped by their shape less its first dimension,
+    each group where its first member is; a scalar parameter is a group of its own. Their
+    concatenation holds the groups in this order."""
+    groups: dict[tuple, list[str]] = {}
+    for p, shape in shapes.items():
+        shape = tuple(int(d) for d in shape)
+        groups.setdefault(("trailing", shape[1:]) if shape else ("scalar", p), []).append(p)
+    return list(groups.values())
+
+
+def split_flat(flat: np.ndarray, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
+    """{param: its part of `flat`, in its shape}: a flat slot's per-parameter values."""
+    out, start = {}, 0
+    for p in [p for group in concat_groups(shapes) for p in group]:
+        size = int(np.prod(shapes[p], dtype=np.int64))
+        out[p] = flat[start:start + size].reshape(tuple(shapes[p]))
+        start += size
+    if start != flat.size:
+        raise ValueError(f"a flat slot of {flat.size} values for parameters of {start}")
+    return {p: out[p] for p in shapes}
+
+
+def join_flat(values: Mapping[str, np.ndarray], shapes: Mapping[str, Sequence[int]]) -> np.ndarray:
+    """The flat slot of per-parameter `values` (split_flat's inverse); ValueError naming a
+    value whose shape is not its parameter's."""
+    for p, shape in shapes.items():
+        if tuple(np.shape(values[p])) != tuple(shape):
+            raise ValueError(f"{p!r} is {list(np.shape(values[p]))}, its parameter {list(shape)}")
+    order = [p for group in concat_groups(shapes) for p in group]
+    return np.concatenate([np.asarray(values[p]).reshape(-1) for p in order]) if order else np.zeros(0)
 
 
 class Layout:
@@ -52,11 +90,7 @@ class Layout:
         self.params = list(em.parts.params)
         self.shapes = {p: tuple(int(d) for d in em.view.static_shape(p)) for p in self.params}
         self.multi_tensor = bool(multi_tensor) and len(self.params) > 0
-        groups: dict[tuple, list[str]] = {}
-        for p in self.params:  # a scalar parameter is a group of its own
-            shape = self.shapes[p]
-            groups.setdefault(("trailing", shape[1:]) if shape else ("scalar", p), []).append(p)
-        self.groups = list(groups.values())
+        self.groups = concat_groups(self.shapes)
         self.order = [p for group in self.groups for p in group]  # the concatenation's order
 
     def __len__(self) -> int:
@@ -89,6 +123,21 @@ class Layout:
             rows = piece if len(shape) == 1 else b.reshape(piece, [-1, *shape[1:]])
             out.update(zip(group, b.split(rows, [self.shapes[p][0] for p in group], axis=0)))
         return {p: out[p] for p in self.params}
+
+    def state(self, em: Emission, kind: str, init: str = "zeros") -> Chunks:
+        """The optimizer state slots of `kind` (C.VELOCITY, C.ADAM_M, ...) as a vector:
+        <kind>/<p> per parameter, or the one flat slot <kind>/* (C.flat)."""
+        if not self.multi_tensor:
+            return [em.state_input(f"{kind}/{p}", self.shapes[p], init) for p in self.params]
+        return [em.state_input(C.flat(kind), (sum(self.size(p) for p in self.params),), init)]
+
+    def write_state(self, em: Emission, kind: str, chunks: Chunks) -> None:
+        """The new value of the `kind` slots that `state` read."""
+        if not self.multi_tensor:
+            for p, t in zip(self.params, chunks):
+                em.state_output(f"{kind}/{p}", t)
+        else:
+            em.state_output(C.flat(kind), chunks[0])
 
     def map(self, rule: Callable[..., dict[str, str]], **vectors: Chunks) -> dict[str, Chunks]:
         """`rule` (keyword tensors -> {name: tensor}) applied chunk by chunk to `vectors`

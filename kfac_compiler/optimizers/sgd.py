@@ -47,7 +47,6 @@ def emit_sgd_step(em: Emission, o: FirstOrderStepOptions) -> None:
     loss, raw, _ = mean_loss_and_grads(em)
     lay = Layout(em, bool(o.multi_tensor))
     lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
-    vel = {p: em.state_input(C.velocity(p), lay.shapes[p], "zeros") for p in lay.params}
     theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
     g = regularized_chunks(em, lay, g_raw, theta, o.l2)
 
@@ -55,10 +54,10 @@ def emit_sgd_step(em: Emission, o: FirstOrderStepOptions) -> None:
         step = b.sub(b.mul(mom, vel), b.mul(lr, g))
         return {"step": step, "p": b.add(p, step)}
 
-    new = lay.map(rule, g=g, vel=lay.pack(vel), p=theta)
-    for key, slot in (("p", str), ("step", C.velocity)):
-        for p, t in lay.unpack(new[key]).items():
-            em.state_output(slot(p), t)
+    new = lay.map(rule, g=g, vel=lay.state(em, C.VELOCITY), p=theta)
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
+    lay.write_state(em, C.VELOCITY, new["step"])
     emit_baseline_metrics(em, loss, lay, new["step"], g_raw)
 
 
