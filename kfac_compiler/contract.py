@@ -115,6 +115,12 @@ def flat(kind: str) -> str:
     return f"{kind}/{FLAT}"
 
 
+def flat_kind(slot: str) -> str | None:
+    """The kind of a flat slot (`adam_m/*`: "adam_m", a plugin's own kinds too), else None."""
+    suffix = f"/{FLAT}"
+    return slot[:-len(suffix)] if slot.endswith(suffix) and len(slot) > len(suffix) else None
+
+
 def factor(layer: str, name: str) -> str:
     return f"{FACTOR}/{layer}/{name}"
 

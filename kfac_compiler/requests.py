@@ -97,9 +97,9 @@ def _jsonable(v: Any) -> Any:
 
 # whether an optimizer emits its update once over every parameter's concatenation
 # (optimizers/multi_tensor.py) where its settings leave it open, by device: on CUDA each node is
-# a kernel launch; on the CPU the concatenations' copies cost more than the nodes they save
-# (ResNet-18's Adam step 1.25x slower, the zoo's within noise; docs/runtime.md, "Multi-tensor
-# updates")
+# a kernel launch; on the CPU the concatenations' copies cost about what the nodes they save
+# do (ResNet-18's Adam step 1.08x slower, SGD's 1.12x; the GPT's 1.02x, 1.16x; the zoo's within
+# noise; docs/runtime.md, "Multi-tensor updates")
 MULTI_TENSOR_DEFAULT: Mapping[str, bool] = {"cuda": True, "cpu": False}
 
 # how resolve fills each resolvable field from the settings

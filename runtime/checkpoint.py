@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_compiler.atomic import write_file
-from kfac_compiler.contract import FLAT, GRAD_VELOCITY, PARAM, parse_slot
+from kfac_compiler.contract import GRAD_VELOCITY, flat_kind, parse_slot
 from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
 from kfac_compiler.optimizers.multi_tensor import join_flat, split_flat
 from kfac_compiler.plan import Plan
@@ -99,10 +99,10 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- save / load
-def _flat_kind(slot: str) -> str | None:
-    """The kind of a flat slot (`adam_m/*`: "adam_m"), None for any other slot."""
-    parsed = parse_slot(slot)
-    return parsed.kind if parsed.owner == FLAT and parsed.kind != PARAM else None
+def _flat_kind(trainer: Trainer, slot: str) -> str | None:
+    """The kind of a flat slot (`adam_m/*`: "adam_m"), None for any other slot (a parameter
+    named so included)."""
+    return None if slot in trainer.params else flat_kind(slot)
 
 
 def _param_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
@@ -114,7 +114,7 @@ def stored_state(trainer: Trainer) -> dict[str, np.ndarray]:
     per-parameter slots it concatenates."""
     out: dict[str, np.ndarray] = {}
     for s in trainer.store.slots():
-        kind = _flat_kind(s)
+        kind = _flat_kind(trainer, s)
         if kind is None:
             out[s] = trainer.store.to_numpy(s)
         else:
@@ -126,7 +126,7 @@ def _join_flat_slots(trainer: Trainer, values: dict[str, np.ndarray], path: str)
     """`values` (per-parameter slots) with those of each flat slot the trainer has joined into it."""
     shapes = _param_shapes(trainer)
     for s in trainer.store.slots():
-        kind = _flat_kind(s)
+        kind = _flat_kind(trainer, s)
         names = {p: f"{kind}/{p}" for p in shapes}
         if kind is None or s in values or not all(n in values for n in names.values()):
             continue  # a missing per-parameter slot: reported as the flat slot missing

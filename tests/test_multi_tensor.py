@@ -128,6 +128,8 @@ def test_flat_slots_split_and_join_in_the_concatenation_order(rng):
         join_flat({**values, "w2": values["w1"]}, shapes)
     with pytest.raises(ValueError):
         split_flat(flat[:-1], shapes)
+    assert C.flat_kind(C.flat(C.ADAM_M)) == "adam_m" and C.flat_kind("my/own/*") == "my/own"
+    assert C.flat_kind(C.adam_m("w")) is None and C.flat_kind("/*") is None
 
 
 def op_counts(plan, name: str, **options) -> collections.Counter:
