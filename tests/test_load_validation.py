@@ -401,6 +401,10 @@ def _produces_an_initializer(m):
     m.graph.node[0].output[0] = _first_weight(m).name
 
 
+def _input_narrower_than_its_weight(m):  # the input declared 32 wide; fc1's weight takes 64
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 32
+
+
 @pytest.mark.parametrize("edit,want", [
     (_lie_raw, ": initializer 'fc1.weight' declares a 128000x64 tensor (32768000 bytes) but holds 32768 bytes; "
                "re-export the model"),
@@ -412,7 +416,10 @@ def _produces_an_initializer(m):
                      "'{first}' (a tensor has one producer)"),
     (_produces_an_initializer, " is not a valid ONNX model: tensor 'fc1.weight' is an output of node '{first}' "
                                "and of an initializer (a tensor has one producer)"),
-], ids=["raw-data", "40-TB", "typed-field", "two-producers", "produces-an-initializer"])
+    (_input_narrower_than_its_weight, ": shapes that contradict each other at node 'fc1/Gemm' (Gemm): Dimension "
+                                      "mismatch in unification between 64 and 32; fix the declared input or output "
+                                      "shapes, or re-export the model"),
+], ids=["raw-data", "40-TB", "typed-field", "two-producers", "produces-an-initializer", "input-shape"])
 def test_models_that_contradict_themselves_are_one_line(tmp_path, capsys, edit, want):
     m = _mlp()
     g = m.graph
