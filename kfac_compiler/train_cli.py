@@ -50,7 +50,7 @@ def _finite(text: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    """argparse type of --holdout: a number strictly between 0 and 1."""
+    """argparse type of --val-split: a number strictly between 0 and 1."""
     value = _finite(text)
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1 (exclusive), got {text!r}")
@@ -87,11 +87,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
     t.add_argument("--config", metavar="FILE", help="compile options (TOML or JSON) for an .onnx or zoo model")
     add_selection_args(t)
-    t.add_argument("--eval-data", metavar="FILE.npz",
+    t.add_argument("--val-data", metavar="FILE.npz",
                    help="held-out data (arrays as --data's), evaluated every --eval-every steps and at the end: "
                         "metrics eval_loss and eval_<metric> (e.g. eval_accuracy), a second curve in --plot")
-    t.add_argument("--holdout", type=_fraction, default=None, metavar="F",
-                   help="hold out this fraction of --data (a seeded split) as the held-out data instead of --eval-data")
+    t.add_argument("--val-split", type=_fraction, default=None, metavar="F",
+                   help="hold out this fraction of --data (a seeded split) as the held-out data instead of --val-data")
     t.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="steps between held-out evaluations (default: --steps / 20)")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
@@ -244,13 +244,13 @@ def metric_columns(plan: Plan, held_out: bool) -> tuple[str, ...]:
     return (*CSV_COLUMNS, "eval_loss", *(f"eval_{name}" for name in plan.loss.build().metrics))
 
 
-def holdout_split(inputs: dict[str, np.ndarray], targets: Any, fraction: float, seed: int):
+def validation_split(inputs: dict[str, np.ndarray], targets: Any, fraction: float, seed: int):
     """(training inputs, training targets, (held-out inputs, held-out targets)): a seeded
     permutation's last ceil(fraction n) rows are held out; at least one row each side."""
     n = targets.shape[0]
     k = math.ceil(fraction * n)
     if not 0 < k < n:
-        raise DataError(f"--holdout {fraction:g} of {n} examples leaves no {'held-out' if k == 0 else 'training'} "
+        raise DataError(f"--val-split {fraction:g} of {n} examples leaves no {'held-out' if k == 0 else 'training'} "
                         "rows; give a fraction that leaves at least one of each")
     perm = np.random.default_rng([int(seed), 0x401D]).permutation(n)
     train, held = np.sort(perm[:-k]), np.sort(perm[-k:])
@@ -318,7 +318,8 @@ class Progress:
         self.last = 0.0
         self.t0 = time.perf_counter()
 
-    def update(self, done: int, loss: float, force: bool = False) -> None:
+    def update(self, done: int, loss: float, force: bool = False, held_out: float | None = None) -> None:
+        """`held_out`: the last held-out loss, shown until the next one."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -328,7 +329,9 @@ class Progress:
         width = 30
         fill = int(width * done / self.total)
         rate = done / max(now - self.t0, 1e-9)
-        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} loss {loss:.4f} {rate:.0f} it/s ")
+        val = "" if held_out is None else f" val {held_out:.4f}"
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} loss {loss:.4f}{val} "
+                          f"{rate:.0f} it/s ")
         self.stream.flush()
 
     def close(self) -> None:
@@ -407,12 +410,12 @@ def _check(args, comm, held) -> list[Output]:
         raise ConfigError("--checkpoint-every must be >= 0")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    if args.eval_data and args.holdout:
-        raise ConfigError("--eval-data and --holdout both name held-out data; give one")
+    if args.val_data and args.val_split:
+        raise ConfigError("--val-data and --val-split both name held-out data; give one")
     if args.eval_every is not None and args.eval_every < 1:
         raise ConfigError(f"--eval-every must be >= 1, got {args.eval_every}")
-    if args.eval_every is not None and not (args.eval_data or args.holdout):
-        raise ConfigError("--eval-every needs held-out data: --eval-data FILE.npz or --holdout FRACTION")
+    if args.eval_every is not None and not (args.val_data or args.val_split):
+        raise ConfigError("--eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION")
     meta = None
     if args.resume:
         from kfac_compiler.runtime.checkpoint import read_meta
@@ -428,7 +431,7 @@ def _check(args, comm, held) -> list[Output]:
         _check_plot(args.plot)
         model = args.model if args.model and os.path.exists(args.model) else None
         data = args.data if args.data != "digits" else None
-        check_outputs(outputs, [("MODEL", model), ("--data", data), ("--eval-data", args.eval_data),
+        check_outputs(outputs, [("MODEL", model), ("--data", data), ("--val-data", args.val_data),
                                 ("--config", args.config), ("--resume", args.resume)],
                       may_equal=[("--checkpoint", "--resume")])
         held.enter_context(locked([(o.option, o.path) for o in outputs]))
@@ -472,10 +475,10 @@ def _build(args, outputs: list[Output], comm):
         plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
         inputs, targets = load_data(plan, entry, args.data, args.seed)
         held = None
-        if args.holdout:
-            inputs, targets, held = holdout_split(inputs, targets, args.holdout, args.seed)
-        elif args.eval_data:
-            held = load_data(plan, entry, args.eval_data, args.seed)
+        if args.val_split:
+            inputs, targets, held = validation_split(inputs, targets, args.val_split, args.seed)
+        elif args.val_data:
+            held = load_data(plan, entry, args.val_data, args.seed)
         fingerprint = dataset_fingerprint(inputs, targets)  # of the training rows: another split is other data
         check_resumed_data(args, fingerprint)  # before any session is built
         if comm is not None and min(args.batch_size, targets.shape[0]) % comm.size:
@@ -568,7 +571,8 @@ def _train(args, outputs: list[Output], comm) -> int:
                     losses.append(m["loss"])
                 except OSError as e:  # a full disk: stop, and write what else was asked
                     stopped = ("--metrics", _failure("--metrics", args.metrics, e) + f" (step {s}'s row is missing)")
-                progress.update(s + 1, m["loss"], force=(s + 1 == args.steps))
+                progress.update(s + 1, m["loss"], force=(s + 1 == args.steps),
+                                held_out=evaluated[-1][1] if evaluated else None)
                 # every rank stops at the same step: on an interrupt any rank got, or rank 0's failure
                 if stop_together(comm, interrupt.requested or stopped is not None):
                     interrupted = stopped is None
