@@ -30,6 +30,7 @@ import onnx
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
+from kfac_compiler.graph import SOURCE_FLOAT_KEY, with_float_type
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
@@ -329,7 +330,7 @@ class Trainer:
                 new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
                 model.graph.initializer[i].CopyFrom(new)
         _expose_outputs(model, self.loss.output_names(self.plan.output))
-        return model
+        return _in_source_float_type(model)
 
     @_serialized
     def export(self, path: str | os.PathLike) -> str:
@@ -431,6 +432,19 @@ class Trainer:
         damping = self.policy.host_state().get("damping")
         return (f"Trainer(optimizer={self.optimizer!r}, device={self.device.name!r}, params={len(self.params)}, "
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
+
+
+def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The trained model in the float type its source came in (the front end trains a
+    float16, bfloat16 or float64 model in float32: frontend._as_float32)."""
+    props = {p.key: p.value for p in model.metadata_props}
+    source = props.pop(SOURCE_FLOAT_KEY, None)
+    if source is None:
+        return model
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    return with_float_type(model, onnx.TensorProto.DataType.Value(source), {onnx.TensorProto.FLOAT})
 
 
 def _check_threads(threads: Any) -> int:
