@@ -4,7 +4,7 @@
                   [--head OUTPUT,LOSS[,COEFF[,TARGETS]] ...] (several loss heads instead of --loss/--output)
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
                   [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]
-    kfac-compiler inspect PLAN_DIR [--format table|json|dot]
+    kfac-compiler inspect PLAN_DIR [--format table|json|dot] [--wide] [--ranks P]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
 command lines; options are never abbreviated); warnings are printed as `warning: <message>`.
@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show a plan's layers, blocks and factor sizes")
     i.add_argument("plan", metavar="PLAN_DIR")
     i.add_argument("--format", default="table", choices=("table", "json", "dot"))
+    i.add_argument("--wide", action="store_true",
+                   help="the table's every column (per-layer FLOPs, inverse methods) and whole layer names "
+                        "(default: 100 columns)")
     i.add_argument("--ranks", type=int, default=None, metavar="P",
                    help="also show how P data-parallel ranks share the inverse work (docs/distributed.md)")
 
@@ -145,7 +148,7 @@ def _run_inspect(args) -> int:
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {args.ranks}")
     plan = load_plan(args.plan)
-    sys.stdout.write(render(plan, args.format, args.ranks))
+    sys.stdout.write(render(plan, args.format, args.ranks, wide=args.wide))
     return 0
 
 

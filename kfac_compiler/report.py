@@ -28,11 +28,11 @@ KIND_COLORS = {
 }
 
 
-def render(plan: Plan, fmt: str = "table", ranks: int | None = None) -> str:
+def render(plan: Plan, fmt: str = "table", ranks: int | None = None, wide: bool = False) -> str:
     """The plan in `fmt`; with `ranks`, also how a data-parallel run on that many ranks
-    shares the inverse work (table and json)."""
+    shares the inverse work (table and json); `wide`: the table's every column (render_table)."""
     if fmt == "table":
-        return render_table(plan) + ("" if ranks is None else _rank_lines(plan, ranks))
+        return render_table(plan, wide) + ("" if ranks is None else _rank_lines(plan, ranks))
     if fmt == "json":
         return render_json(plan, ranks)
     if fmt == "dot":
@@ -171,10 +171,24 @@ def _factor_text(specs) -> str:
     return ", ".join(f"{s.name} {'x'.join(str(d) for d in s.shape) or 'scalar'}" for s in specs)
 
 
-HEAD_WIDTH = 110  # the header's prose lines are wrapped to this many columns
+TABLE_WIDTH = 100  # inspect's default table width (--wide: every column, names whole)
+HEAD_WIDTH = TABLE_WIDTH  # the header's prose lines are wrapped to this many columns
+MIN_NAME_WIDTH = 16
 
 
-def render_table(plan: Plan) -> str:
+def _cut(name: str, width: int) -> str:
+    """`name` in at most `width` characters, its middle replaced by "~" when it is longer
+    (the start says where in the model, the end which layer)."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return name[:head] + "~" + name[len(name) - (width - 1 - head):]
+
+
+def render_table(plan: Plan, wide: bool = False) -> str:
+    """The plan as text. By default it fits TABLE_WIDTH columns: the per-layer FLOP columns
+    are left to `wide` (and the json), long layer names are cut in the middle; the inverse
+    method gets a column only when the layers differ in it."""
     shapes = plan.param_shapes
     header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP",
               "precond FLOP")
@@ -201,14 +215,22 @@ def render_table(plan: Plan) -> str:
         )
     totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes),
               "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}", f"{tot_flops[2]:,}")
-    right = {2, 3, 6, 8, 9, 10}
     methods = {r[7] for r in rows}
     inverse_text = f"inverses:  {plan.schedule.inverse.method} (per layer below)"
+    shown = list(range(len(header)))
     if len(methods) == 1:  # one method for every layer: said once in the header, not on every row
         inverse_text = f"inverses:  {methods.pop()},"
-        header, totals, rows = header[:7] + header[8:], totals[:7] + totals[8:], [r[:7] + r[8:] for r in rows]
-        right = {i - (i > 7) for i in right}
+        shown.remove(7)
+    if not wide:
+        shown = [i for i in shown if i < 8]
+    header, totals = tuple(header[i] for i in shown), tuple(totals[i] for i in shown)
+    rows = [tuple(r[i] for i in shown) for r in rows]
+    right = {k for k, i in enumerate(shown) if i in (2, 3, 6, 8, 9, 10)}
     widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
+    if not wide:  # cut the layer names to what the other columns leave
+        room = TABLE_WIDTH - sum(widths[1:]) - 2 * (len(widths) - 1)
+        widths[0] = max(min(widths[0], room), MIN_NAME_WIDTH, len(totals[0]))
+        rows = [(_cut(r[0], widths[0]), *r[1:]) for r in rows]
 
     def line(r):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
