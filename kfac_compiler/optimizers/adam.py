@@ -10,6 +10,8 @@ from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_g
 from kfac_compiler.optimizers.first_order import (
     FirstOrderConfig,
     FirstOrderOptimizer,
+    clipped,
+    decayed,
     emit_baseline_metrics,
     regularized_chunks,
 )
@@ -67,7 +69,7 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
     c1, c2 = em.hp(ONE_MINUS_BETA1), em.hp(ONE_MINUS_BETA2)
     theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
-    g = regularized_chunks(em, lay, g_raw, theta, o.l2)
+    g = regularized_chunks(em, lay, clipped(em, lay, g_raw, o.clip), theta, o.l2)
 
     def rule(g: str, m: str, v: str, p: str) -> dict[str, str]:
         m_new = b.add(b.mul(b1, m), b.mul(c1, g))
@@ -75,7 +77,7 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
         size = b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps)))  # the step is -size
         return {"m": m_new, "v": v_new, "size": size, "p": b.sub(p, size)}
 
-    new = lay.map(rule, g=g, m=lay.state(em, C.ADAM_M), v=lay.state(em, C.ADAM_V), p=theta)
+    new = lay.map(rule, g=g, m=lay.state(em, C.ADAM_M), v=lay.state(em, C.ADAM_V), p=decayed(em, lay, theta, o.decay))
     for p, t in lay.unpack(new["p"]).items():
         em.state_output(p, t)
     lay.write_state(em, C.ADAM_M, new["m"])

@@ -110,7 +110,9 @@ def make_config(optimizer: str, plan: Plan | None = None, **knobs: Any) -> Optim
 
 @dataclass(frozen=True)
 class FirstOrderStepOptions(SubgraphOptions):
-    """The options of a first-order step (sgd_step, adam_step): `l2` adds weight decay;
+    """The options of a first-order step (sgd_step, adam_step): `l2` adds weight decay to the
+    gradient, `clip` clips the gradient by its global norm, `decay` decays the weights
+    (decoupled, AdamW's);
     `multi_tensor` emits the update once over every parameter's concatenation instead of per
     parameter (optimizers/multi_tensor.py; None: the device's default, filled by resolve)."""
 
@@ -118,6 +120,8 @@ class FirstOrderStepOptions(SubgraphOptions):
 
     l2: bool = False
     multi_tensor: bool | None = None
+    clip: bool = False  # scale the gradient to a global norm of at most hp/clip_norm
+    decay: bool = False  # decoupled weight decay: theta <- theta - hp/decay theta before the update
 
 
 # --------------------------------------------------------------------------- emission helpers

@@ -10,11 +10,14 @@ from onnx import TensorProto
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers.base import Optimizer
 from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
-from kfac_compiler.optimizers.settings import OptimizerConfig
+from kfac_compiler.optimizers.settings import OptimizerConfig, check_nonnegative, check_positive
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
     from kfac_compiler.runtime.trainer import Trainer
+
+
+CLIP_NORM, DECAY = C.hp("clip_norm"), C.hp("decay")  # a first-order step's clipping and decoupled decay
 
 
 @dataclass
@@ -22,9 +25,53 @@ class FirstOrderConfig(OptimizerConfig):
     """What SGD's and Adam's settings share. `multi_tensor`: emit the update once over every
     parameter's concatenation (True) or per parameter (False); None: the device's default
     (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA, where each node is a kernel
-    launch)."""
+    launch). `clip_norm`: the gradient (before l2_reg's term) is scaled to a global norm of at
+    most this (torch's clip_grad_norm_); None: off. `decoupled_weight_decay` w: each step first
+    shrinks the weights, theta <- theta - lr w theta, apart from the gradient (AdamW's, Loshchilov
+    & Hutter; torch's AdamW weight_decay, with the step's learning rate before Adam's bias
+    correction); 0: off. `l2_reg` adds l2_reg theta to the gradient instead."""
 
     multi_tensor: bool | None = None
+    clip_norm: float | None = None
+    decoupled_weight_decay: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.clip_norm is not None:
+            check_positive("clip_norm", self.clip_norm)
+        check_nonnegative("decoupled_weight_decay", self.decoupled_weight_decay)
+
+    def recipe_options(self) -> dict[str, bool]:
+        """The step graph's options for clipping and decay (their nodes only where used)."""
+        return {"clip": self.clip_norm is not None, "decay": self.decoupled_weight_decay > 0}
+
+    def recipe_hyper_parameters(self, k: int) -> dict[str, float]:
+        """hp/clip_norm and hp/decay (lr_k w) of step k, where used."""
+        hp = {}
+        if self.clip_norm is not None:
+            hp[CLIP_NORM] = float(self.clip_norm)
+        if self.decoupled_weight_decay > 0:
+            hp[DECAY] = float(self.at("learning_rate", k)) * self.decoupled_weight_decay
+        return hp
+
+
+def clipped(em: Emission, lay: Layout, grads: Chunks, clip: bool) -> Chunks:
+    """The gradient scaled by min(1, hp/clip_norm / ||g||) (only emitted with clipping)."""
+    if not clip:
+        return grads
+    b = em.b
+    norm = b.op("Sqrt", [lay.sum_squares(grads)])
+    scale = b.op("Min", [b.const(1.0), b.div(em.hp(CLIP_NORM), b.op("Max", [norm, b.const(1e-30)]))])
+    return lay.map(lambda g: {"g": b.mul(g, scale)}, g=grads)["g"]
+
+
+def decayed(em: Emission, lay: Layout, theta: Chunks, decay: bool) -> Chunks:
+    """theta - hp/decay theta: decoupled weight decay (only emitted with it)."""
+    if not decay:
+        return theta
+    b = em.b
+    keep = b.sub(b.const(1.0), em.hp(DECAY))
+    return lay.map(lambda p: {"p": b.mul(keep, p)}, p=theta)["p"]
 
 
 def regularized_chunks(em: Emission, lay: Layout, grads: Chunks, theta: Chunks, l2: bool) -> Chunks:
@@ -62,7 +109,7 @@ class FirstOrderOptimizer(Optimizer):
         if weighted not in self._step_programs:
             self._step_programs[weighted] = self.trainer.program(
                 self.step_subgraph, l2=self.config.l2_reg > 0, weighted=weighted,
-                multi_tensor=getattr(self.config, "multi_tensor", None))
+                multi_tensor=getattr(self.config, "multi_tensor", None), **self.config.recipe_options())
         return self._step_programs[weighted]
 
     def build(self) -> None:
@@ -76,7 +123,7 @@ class FirstOrderOptimizer(Optimizer):
         tr, cfg = self.trainer, self.config
         k = tr.step_count
         tr.store.set_hp(C.L2, cfg.l2_reg)
-        out = self._program().run(tr.store, data, hp=self.hyper_parameters(k))
+        out = self._program().run(tr.store, data, hp={**self.hyper_parameters(k), **cfg.recipe_hyper_parameters(k)})
         ok = out.get(C.FINITE, 1.0) > 0.5
         m = {
             "step": float(k),

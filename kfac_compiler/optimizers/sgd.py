@@ -9,6 +9,8 @@ from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_g
 from kfac_compiler.optimizers.first_order import (
     FirstOrderConfig,
     FirstOrderOptimizer,
+    clipped,
+    decayed,
     emit_baseline_metrics,
     regularized_chunks,
 )
@@ -48,13 +50,13 @@ def emit_sgd_step(em: Emission, o: FirstOrderStepOptions) -> None:
     lay = Layout(em, bool(o.multi_tensor))
     lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
     theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
-    g = regularized_chunks(em, lay, g_raw, theta, o.l2)
+    g = regularized_chunks(em, lay, clipped(em, lay, g_raw, o.clip), theta, o.l2)
 
     def rule(g: str, vel: str, p: str) -> dict[str, str]:
         step = b.sub(b.mul(mom, vel), b.mul(lr, g))
         return {"step": step, "p": b.add(p, step)}
 
-    new = lay.map(rule, g=g, vel=lay.state(em, C.VELOCITY), p=theta)
+    new = lay.map(rule, g=g, vel=lay.state(em, C.VELOCITY), p=decayed(em, lay, theta, o.decay))
     for p, t in lay.unpack(new["p"]).items():
         em.state_output(p, t)
     lay.write_state(em, C.VELOCITY, new["step"])
