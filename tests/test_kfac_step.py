@@ -72,8 +72,8 @@ def softmax_cross_entropy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
 def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2,
                                                                               max_decrease):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
-    with C the exact GGN and g the gradient, both on the batch's first qmodel_batch examples
-    (all when None), P = the preconditioned whole-batch gradient, v = the previous update;
+    with C the exact GGN and g the gradient, both on the batch's qmodel sub-batch (every
+    (N // m)-th example, m of them: backend/forward.py's sub_batch_pass; all when None), P = the preconditioned whole-batch gradient, v = the previous update;
     with |mu| capped at max_momentum, alpha is the best one for the capped mu.
     qmodel_change = m(u) with the whole batch's gradient. With weight decay l2 both gradients
     include l2 theta and the damping is lambda + l2. Where m(u) < -k gap (k =
@@ -91,7 +91,8 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
     lam = tr.damping + l2
     _, g = gradients(plan, {"input": xb}, yb, params=tr.parameters())
     m_sub = qmodel_batch or len(xb)
-    _, g_sub = gradients(plan, {"input": xb[:m_sub]}, yb[:m_sub], params=tr.parameters())
+    rows = np.arange(m_sub) * max(len(xb) // m_sub, 1)  # the sub-batch: every (N // m)-th row
+    _, g_sub = gradients(plan, {"input": xb[rows]}, yb[rows], params=tr.parameters())
     g = {p: g[p] + l2 * theta[p] for p in g}
     g_sub = {p: g_sub[p] + l2 * theta[p] for p in g_sub}
     pre = tr.program("precondition").run(tr.store, {f"vec/{p}": g[p] for p in tr.params}, results=True)
@@ -99,7 +100,7 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
     m = tr.step({"input": xb}, yb)
     assert m["rejected"] == 0 and dot(v, v) > 0
 
-    C = ggn_products(theta, xb[:m_sub], [P, v]) + lam * np.array([[dot(P, P), dot(P, v)], [dot(v, P), dot(v, v)]])
+    C = ggn_products(theta, xb[rows], [P, v]) + lam * np.array([[dot(P, P), dot(P, v)], [dot(v, P), dot(v, v)]])
     bvec = np.array([dot(g_sub, P), dot(g_sub, v)])
     a, mu = np.linalg.solve(C, -bvec)
     if abs(mu) > max_momentum:
