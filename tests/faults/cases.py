@@ -1049,3 +1049,104 @@ def plan_model_with_external_data_outside_the_folder(d: str) -> Verdict:
 
 def by_name() -> dict[str, Case]:
     return {c.name: c for c in CASES}
+
+
+# --------------------------------------------------------------------------- sizes, nesting, shapes
+def _lying_npz(path: str, arrays: dict[str, np.ndarray], liar: str, shape: tuple[int, ...]) -> None:
+    """An .npz of `arrays` whose entry `liar` has a header declaring `shape` (data unchanged)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for k, a in arrays.items():
+            f = io.BytesIO()
+            if k == liar:
+                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(a.dtype),
+                                                        "fortran_order": False, "shape": shape})
+                f.write(a.tobytes())
+            else:
+                np.lib.format.write_array(f, a)
+            z.writestr(f"{k}.npy", f.getvalue())
+
+
+@case("traceback", fast=True)
+def data_file_header_claiming_51_tb(d: str) -> Verdict:
+    """An .npz whose input header claims 51 TB: one line before numpy allocates it."""
+    j = Judge()
+    with np.load(ASSETS.data()) as z:
+        arrays = {k: z[k] for k in z.files}
+    data = _j(d, "data.npz")
+    first = next(k for k in arrays if k != "targets")
+    _lying_npz(data, arrays, first, (arrays[first].shape[0], 12_750_000_000_000 // arrays[first].shape[0]))
+    j.error_line(run_cli([*TRAIN, "--data", data]), ["data.npz", "declares"])
+    return j.verdict()
+
+
+@case("traceback")
+def checkpoint_slot_claiming_400_tb(d: str) -> Verdict:
+    """A checkpoint slot whose header claims 400 TB: refused before allocation."""
+    j = Judge()
+    ckpt = ASSETS.copy(ASSETS.checkpoint(), _j(d, "src.ckpt"))
+    with np.load(ckpt) as z:
+        arrays = {k: z[k] for k in z.files}
+    bad = _j(d, "run.ckpt")
+    _lying_npz(bad, arrays, "slot_00000", (10**8, 10**6))
+    j.error_line(run_cli(["train", "--steps", "3", "-q", "--resume", bad]), ["run.ckpt", "declares"])
+    return j.verdict()
+
+
+@case("traceback", fast=True)
+def config_nested_100000_deep(d: str) -> Verdict:
+    j = Judge()
+    cfg = _j(d, "config.json")
+    with open(cfg, "w") as f:
+        f.write('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    model = ASSETS.copy(ASSETS.model(), _j(d, "model.onnx"))
+    j.error_line(run_cli(["compile", model, *MODEL_ARGS, "--config", cfg, "-o", _j(d, "plan")]), ["config.json"])
+    return j.verdict()
+
+
+@case("traceback", fast=True)
+def model_initializer_larger_than_its_data(d: str) -> Verdict:
+    """An initializer whose dims claim 1000x the values it holds."""
+    import onnx
+
+    j = Judge()
+    m = onnx.load(ASSETS.model())
+    t = next(t for t in m.graph.initializer if len(t.dims) == 2)
+    t.dims[0] *= 1000
+    path = _j(d, "model.onnx")
+    onnx.save(m, path)
+    j.error_line(run_cli(["compile", path, *MODEL_ARGS, "-o", _j(d, "plan")]), [t.name])
+    return j.verdict()
+
+
+@case("silent")
+def model_input_shape_contradicting_its_weight(d: str) -> Verdict:
+    """The input declared narrower than the first layer's weight: compiled, then failed in ONNX
+    Runtime at training; now one line naming the node."""
+    import onnx
+
+    j = Judge()
+    m = onnx.load(ASSETS.model())
+    dim = m.graph.input[0].type.tensor_type.shape.dim[-1]
+    dim.dim_value = max(1, dim.dim_value // 2)
+    path = _j(d, "model.onnx")
+    onnx.save(m, path)
+    j.error_line(run_cli(["compile", path, *MODEL_ARGS, "-o", _j(d, "plan")]), ["contradict"])
+    return j.verdict()
+
+
+@case("overwritten", fast=True)
+def api_export_onto_a_device(d: str) -> Verdict:
+    """Trainer.export('/dev/null') replaced the device by a regular file (as root)."""
+    from kfac_compiler.plan import load_plan
+    from kfac_compiler.runtime import Trainer
+
+    j = Judge()
+    tr = Trainer(load_plan(ASSETS.copy(ASSETS.plan(), _j(d, "plan"))), optimizer="sgd", learning_rate=0.1)
+    before = os.stat("/dev/null").st_mode
+    _, exc = call(lambda: tr.export("/dev/null"))
+    j.api_error(exc, ["/dev/null"], if_accepted="overwritten")
+    j.check(os.stat("/dev/null").st_mode == before, "overwritten", "/dev/null is no longer a device")
+    return j.verdict()
