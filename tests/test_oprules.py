@@ -250,6 +250,14 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("GatherElements", "GatherElements", [("x", r(3, 4)), ("i", i64([0, 3, 3, 1], [2, 2, 0, -1], [1, 1, 1, 1]))],
       attrs={"axis": 1}),
     C("GatherND", "GatherND", [("x", r(3, 4, 2)), ("i", i64([0, 1], [2, 3], [0, 1]))]),
+    C("ScatterND", "ScatterND", [("x", r(3, 4, 2)), ("i", i64([0, 1], [2, 3])), ("u", r(2, 2))], opset=16),
+    C("ScatterND-add-duplicates", "ScatterND", [("x", r(3, 4, 2)), ("i", i64([0, 1], [2, 3], [0, 1])), ("u", r(3, 2))],
+      attrs={"reduction": "add"}, opset=16),
+    C("ScatterND-rows", "ScatterND", [("x", r(5, 3)), ("i", i64([4], [1])), ("u", r(2, 3))], opset=18),
+    C("ScatterElements", "ScatterElements", [("x", r(3, 4)), ("i", i64([0, 3], [2, 1], [1, 0])), ("u", r(3, 2))],
+      attrs={"axis": 1}, opset=16),
+    C("ScatterElements-add", "ScatterElements", [("x", r(3, 4)), ("i", i64([0, 0], [2, -1], [3, 3])),
+                                                 ("u", r(3, 2))], attrs={"axis": 1, "reduction": "add"}, opset=16),
     C("Pad-const", "Pad", [("x", r(2, 3)), ("p", i64(1, 0, 2, 3))]),
     C("Pad-negative", "Pad", [("x", r(4, 5)), ("p", i64(-1, 2, 1, -2)), ("v", np.asarray(0.5))], runner="ort"),
     C("Pad-const-value", "Pad", [("x", r(2, 3)), ("p", i64(1, 0, 2, 3)), ("v", np.asarray(0.5))]),
@@ -502,3 +510,10 @@ def test_resize_symbolic_batch_and_dynamic_scales(rng):
     with pytest.raises(UnsupportedOpError, match=r"constant roi/scales/sizes; .*extend its rule \(docs/extending.md") as ei:
         backward(GraphBuilder(17), GraphView(dyn), {"y0": "g"}, ["x"])
     assert "\n" not in str(ei.value)
+
+
+def test_scatter_with_a_multiplicative_reduction_has_no_rule():
+    m, _ = one_node_model("ScatterND", [("x", r(3, 2)), ("i", i64([0], [2])), ("u", r(2, 2))],
+                          attrs={"reduction": "mul"}, opset=16)
+    with pytest.raises(UnsupportedOpError, match="reduction 'none' and 'add', not 'mul'"):
+        derivative_model(m, ["x", "u"], ["y0"])

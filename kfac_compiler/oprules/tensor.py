@@ -448,3 +448,56 @@ def _d2s_check(view, node):
 
 
 _d2s_vjp.defjvp(linear_jvp(0))
+
+
+# ------------------------------------------------------------------------ Scatter family
+# ScatterND / ScatterElements with reduction "none" (replace) or "add" are linear in data and
+# updates: the data's cotangent is g (add) or g with the written positions zeroed (none:
+# those values were replaced), the updates' is g gathered at the indices. "mul", "max" and
+# "min" have no rule. (torch.export writes ScatterND for Swin's shifted-window masks.)
+def _scatter_reduction(node) -> str:
+    red = attr(node, "reduction", "none")
+    return red.decode() if isinstance(red, bytes) else str(red)
+
+
+def _scatter_vjp(gather: str, b, view, node, gys, needs=None):
+    g = gys[0]
+    if g is None:
+        return [None, None, None]
+    X, I, U = node.input[:3]
+    extra = {"axis": int(attr(node, "axis", 0))} if gather == "GatherElements" else {}
+    i64 = _int64(b, view, I)
+    gx = None
+    if need(needs, 0):
+        gx = g if _scatter_reduction(node) == "add" else reapply(b, node, {0: g, 1: i64, 2: zeros_like(b, view, U)})[0]
+    gu = b.op(gather, [g, i64], **extra) if need(needs, 2) else None
+    return [gx, None, gu]
+
+
+def _scatter_jvp(b, view, node, ts):
+    tx, tu = ts[0], ts[2] if len(ts) > 2 else None
+    if tx is None and tu is None:
+        return [None]
+    return reapply(b, node, {0: tx or zeros_like(b, view, node.input[0]),
+                             2: tu or zeros_like(b, view, node.input[2])})
+
+
+def _scatter_check(view, node):
+    if _scatter_reduction(node) not in ("none", "add"):
+        raise unsupported(node, view, f"gradient supports reduction 'none' and 'add', not "
+                                      f"{_scatter_reduction(node)!r}")
+
+
+@register("ScatterND", inputs=(0, 2))
+def _scatter_nd_vjp(b, view, node, gys, needs=None):
+    return _scatter_vjp("GatherND", b, view, node, gys, needs)
+
+
+@register("ScatterElements", inputs=(0, 2))
+def _scatter_elements_vjp(b, view, node, gys, needs=None):
+    return _scatter_vjp("GatherElements", b, view, node, gys, needs)
+
+
+for _rule in (_scatter_nd_vjp, _scatter_elements_vjp):
+    _rule.defjvp(_scatter_jvp)
+    _rule.defcheck(_scatter_check)
