@@ -32,8 +32,10 @@ class KfacConfig(OptimizerConfig):
 
     momentum_type (TF K-FAC's; default "qmodel" unless learning_rate/momentum are given, then
     "regular"): "qmodel": alpha and mu minimize the damped 2x2 quadratic model built from exact
-    curvature (GGN) products in the `kfac_step` graph, on the batch's first qmodel_batch_size
-    examples (the statistics' sub-batch; None: the whole batch); "qmodel_fixedmu": mu is the
+    curvature (GGN) products in the `kfac_step` graph, on the whole batch (qmodel_batch_size
+    None, the default: near convergence a 64-example sub-batch can miss the few examples that
+    carry the curvature along P and overshoot 20x, docs/runtime.md) or its first
+    qmodel_batch_size examples (the statistics' sub-batch when equal); "qmodel_fixedmu": mu is the
     momentum knob, alpha the model's minimizer for it; "regular": update = -lr P + mu v (v the
     last update); "adam": m <- mu m + g, update = -lr (F + damping)^-1 m. use_qmodel (kfac-jax)
     is True for the two qmodel types. learning_rate, momentum and damping take schedules
@@ -77,7 +79,7 @@ class KfacConfig(OptimizerConfig):
     inverse_method: str | None = None
     inverse_groups: int | str = "auto"  # refresh the blocks in groups, one per step (refresh.py)
     stats_batch_size: int | None = 64
-    qmodel_batch_size: int | None = 64
+    qmodel_batch_size: int | None = None
     max_momentum: float = 1.0
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
