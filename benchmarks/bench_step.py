@@ -14,11 +14,15 @@ the zoo, ResNet-18 and the GPT export (the time to a loss is bench_to_target.py'
   patches    the conv blocks' patch extraction (im2col in ONNX) on ResNet-18's conv shapes
   memory     peak RSS and step time of ORT's memory options for the runtime's sessions
   compile    the compiler front end on a generated deep MLP and the zoo's transformer block
+  nodes      nodes per step of SGD, Adam (per-parameter and multi-tensor updates) and K-FAC
+             on the zoo, ResNet-18 and the GPT export: in the emitted graphs, and executed
+             per steady step in ONNX Runtime's profile (CPU; K-FAC over one inverse period)
 
 Every subcommand writes <out>/<date>-step-<subcommand>.md (and .json) with the date,
 machine, commit and load (benchmarks/harness.py); `--out -` prints only. This VM's speed
 drifts by +-30% within minutes: compare ratios from interleaved rounds, not absolute times.
-GPU node counts (launches) are bench_gpu.py --launches.
+GPU node counts (launches) are bench_gpu.py --launches; `nodes` counts them on the CPU (the
+same graphs; ORT's CPU and CUDA graph optimizations differ a little).
 """
 from __future__ import annotations
 
@@ -1151,7 +1155,202 @@ def cmd_compile(args, say, run):
     return [{**r, "ms": r["ms"].as_dict()} for r in rows]
 
 
+# ============================================================================== nodes
+def _nodes_case(name: str, work: str):
+    """(plan, images or tokens, targets) of a zoo model, resnet18 or gpt (torch exports)."""
+    import kfac_compiler as kc
+    from kfac_compiler.models import ZOO
+
+    if name in ("resnet18", "gpt"):
+        te = _torch_exports(name)
+        net, (inputs, y) = (te.resnet18(), te.digits_images()) if name == "resnet18" else (te.gpt(), te.digits_sequences())
+        path = te.export(net, os.path.join(work, f"{name}.onnx"), inputs["input"][:2])
+        return kc.compile(path, loss="softmax_cross_entropy", output="logits", emit=False), inputs["input"], y
+    e = ZOO[name]
+    inputs, y = e.make_data(None, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unrolled RNN's tied bias
+        plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False)
+    return plan, inputs[e.input_name], y
+
+
+def graph_nodes(plan, name: str, **options) -> tuple[int, int]:
+    """(nodes, nodes other than Reshape and Identity) of the emitted subgraph `name` for the
+    CPU, If branches included (ONNX Runtime removes the Identity nodes and runs Reshape as an
+    alias of its input: no kernel)."""
+    from kfac_compiler.backend.service import emit_for
+    from kfac_compiler.builder import subgraphs
+    from kfac_compiler.runtime.subgraphs import resolved_request
+
+    model, _ = emit_for(plan, resolved_request(plan, "cpu", name, **options))
+    total = other = 0
+
+    def walk(graph):
+        nonlocal total, other
+        for node in graph.node:
+            total += 1
+            other += node.op_type not in ("Reshape", "Identity")
+            for g in subgraphs(node):
+                walk(g)
+
+    walk(model.graph)
+    return total, other
+
+
+def ort_graph_nodes(plan, name: str, **options) -> tuple[int, int]:
+    """(nodes, of which Reshape) of subgraph `name` as ONNX Runtime's CPU session holds it
+    after its graph optimizations (the runtime's session options; If branches included):
+    what one run of it executes, without running it."""
+    import onnx
+    import onnxruntime as ort
+
+    from kfac_compiler.backend.service import emit_for
+    from kfac_compiler.builder import subgraphs
+    from kfac_compiler.runtime.device import session_options
+    from kfac_compiler.runtime.subgraphs import resolved_request
+
+    model, _ = emit_for(plan, resolved_request(plan, "cpu", name, **options))
+    with tempfile.TemporaryDirectory() as d:
+        so = session_options(1)
+        so.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(so.optimized_model_filepath)
+    total = reshapes = 0
+
+    def walk(graph):
+        nonlocal total, reshapes
+        for node in graph.node:
+            total += 1
+            reshapes += node.op_type == "Reshape"
+            for g in subgraphs(node):
+                walk(g)
+
+    walk(optimized.graph)
+    return total, reshapes
+
+
+def profiled_nodes(plan, opt: str, x, y, bs: int, steps: int, knobs: dict) -> tuple[float, float, int]:
+    """(node executions, of which Reshape) per steady step of a fresh CPU trainer, from ONNX
+    Runtime's profile of the sessions it runs every step and the rest (K-FAC's refreshes):
+    the difference of a run of 2 steps and one of 2 + `steps` (a K-FAC step count that spans
+    one inverse period). Also the period."""
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.data import batch_indices
+    from kfac_compiler.runtime.device import PROFILE_ENV
+    from kfac_compiler.runtime.ort_profile import read_profile
+
+    def run(n: int) -> tuple[int, int]:
+        os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
+        try:
+            tr = Trainer(plan, optimizer=opt, device="cpu", batch_size=bs, seed=0, threads=1, **knobs)
+            for k in range(n):
+                idx = batch_indices(len(y), bs, k, 0)
+                tr.step({"input": x[idx]}, y[idx])
+        finally:
+            del os.environ[PROFILE_ENV]
+        profs = [read_profile(prog.session.end_profiling()) for prog in tr.programs().values()]
+        return sum(sum(p.nodes.values()) for p in profs), sum(p.cpu_nodes.get("Reshape", 0) for p in profs)
+
+    short, long = run(2), run(2 + steps)
+    return (long[0] - short[0]) / steps, (long[1] - short[1]) / steps, steps
+
+
+def layout_step_times(plan, x, y, bs: int, rounds: int, block: int, threads: int | None) -> dict:
+    """SGD's and Adam's step times, per-parameter against multi-tensor updates, from
+    interleaved rounds of `block` steps each (50 ms pause before each block): {optimizer:
+    {"per-param": ms, "multi": ms, "ratio": per-round multi / per-param spread}}."""
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.data import batch_indices
+
+    trainers = {(o, m): Trainer(plan, optimizer=o, device="cpu", batch_size=bs, seed=0, threads=threads,
+                                multi_tensor=m) for o in ("sgd", "adam") for m in (False, True)}
+    count = dict.fromkeys(trainers, 0)
+
+    def block_of(key):
+        def go():
+            tr, walls = trainers[key], []
+            for _ in range(block):
+                idx = batch_indices(len(y), bs, count[key], 0)
+                count[key] += 1
+                t0 = time.perf_counter()
+                tr.step({"input": x[idx]}, y[idx])
+                walls.append(time.perf_counter() - t0)
+            return walls
+        return go
+
+    res = harness.interleave({f"{o}[{m}]": block_of((o, m)) for o, m in trainers}, rounds, gap=0.05, warmup=1)
+    out = {}
+    for o in ("sgd", "adam"):
+        per, multi = f"{o}[False]", f"{o}[True]"
+        out[o] = {"per-param_ms": 1e3 * statistics.median(harness.flat(res[per])),
+                  "multi_ms": 1e3 * statistics.median(harness.flat(res[multi])),
+                  "ratio": harness.spread(harness.round_ratios(res, multi, per, statistics.median)).as_dict()}
+    return out
+
+
+def cmd_nodes(args, say, run):
+    """Nodes per step (issue 40): in the emitted graphs (the forward+backward's `gradients`
+    graph, SGD's and Adam's steps per parameter and multi-tensor) and, with --profile,
+    executed per steady step in ONNX Runtime's CPU profile (K-FAC's default schedule over one
+    inverse period, its refreshes amortized)."""
+    from kfac_compiler.optimizers import make_config
+
+    names = args.models.split(",")
+    rows, out = [], {}
+    with tempfile.TemporaryDirectory() as work:
+        for name in names:
+            plan, x, y = _nodes_case(name, work)
+            r: dict = {"params": len(plan.trainable), "graph": {"fwd+bwd": graph_nodes(plan, "gradients")}}
+            for opt in ("sgd", "adam"):
+                for multi in (False, True):
+                    label = f"{opt}[{'multi' if multi else 'per-param'}]"
+                    r["graph"][label] = graph_nodes(plan, f"{opt}_step", multi_tensor=multi)
+            if args.profile:
+                r["executed"] = {"fwd+bwd": ort_graph_nodes(plan, "gradients")}
+                bs = min(args.batch, len(y))
+                period = make_config("kfac", plan).inv_update_period
+                for label, opt, knobs, steps in (("sgd[per-param]", "sgd", {"multi_tensor": False}, 2),
+                                                 ("sgd[multi]", "sgd", {"multi_tensor": True}, 2),
+                                                 ("adam[per-param]", "adam", {"multi_tensor": False}, 2),
+                                                 ("adam[multi]", "adam", {"multi_tensor": True}, 2),
+                                                 ("kfac", "kfac", {}, period)):
+                    if opt == "kfac" and args.no_kfac:
+                        continue
+                    r["executed"][label] = profiled_nodes(plan, opt, x, y, bs, steps, knobs)
+            if args.time_rounds:
+                bs = min(args.batch, len(y))
+                r["times"] = t = layout_step_times(plan, x, y, bs, args.time_rounds, args.block, args.threads)
+                for o, v in t.items():
+                    q = v["ratio"]
+                    say(f"{name} {o} step (batch {bs}, {args.time_rounds} interleaved rounds of {args.block}): "
+                        f"per-parameter {v['per-param_ms']:.3f} ms, multi-tensor {v['multi_ms']:.3f} ms; "
+                        f"per-round multi/per-param {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})")
+            out[name] = r
+            g, e = r["graph"], r.get("executed", {})
+            fb, efb = g["fwd+bwd"], e.get("fwd+bwd")
+            for label in ("sgd[per-param]", "sgd[multi]", "adam[per-param]", "adam[multi]", "kfac"):
+                ex = e.get(label)
+                graph = g.get(label)
+                rows.append([name, r["params"], label,
+                             f"{graph[0]} ({graph[1]})" if graph else "",
+                             f"+{graph[0] - fb[0]} (+{graph[1] - fb[1]})" if graph else "",
+                             f"{ex[0]:.0f} ({ex[0] - ex[1]:.0f})" if ex else "",
+                             f"+{ex[0] - efb[0]:.0f} (+{ex[0] - ex[1] - efb[0] + efb[1]:.0f})" if ex and efb else ""])
+            say(f"{name}: {r['params']} parameters, forward+backward graph {fb[0]} nodes ({fb[1]} other than "
+                "Reshape/Identity)" + (f", {efb[0]} in ORT's optimized CPU graph ({efb[1]} Reshape)" if efb else ""))
+    say()
+    say(harness.table(["model", "params", "step", "graph nodes (non-Reshape/Identity)", "over fwd+bwd",
+                       "executed per step, ORT CPU (non-Reshape)", "over fwd+bwd"], rows))
+    return out
+
+
 # ============================================================================== main
+def _zoo_names() -> list[str]:
+    from kfac_compiler.models import ZOO
+
+    return list(ZOO)
+
+
 def parser() -> argparse.ArgumentParser:
     ap, add = harness.command_parser(__doc__)
 
@@ -1223,6 +1422,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="the training batch (the plan is compiled for it)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, interleaved")
     p.add_argument("--child", nargs=2, metavar=("PLAN", "MODEL"), help=argparse.SUPPRESS)
+    p = add("nodes", cmd_nodes, "nodes per step of SGD, Adam (per-parameter, multi-tensor) and K-FAC")
+    p.add_argument("--models", default=",".join([*_zoo_names(), "resnet18", "gpt"]),
+                   help="comma-separated zoo names, resnet18, gpt (torch)")
+    p.add_argument("--profile", action="store_true", help="also node executions from ORT's CPU profile")
+    p.add_argument("--no-kfac", action="store_true", help="profile SGD and Adam only")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--time-rounds", type=int, default=0,
+                   help="also SGD's and Adam's step times, per-parameter vs multi-tensor, in N interleaved rounds")
+    p.add_argument("--block", type=int, default=20, help="steps per block of --time-rounds")
+    p.add_argument("--threads", type=int, help="the timed trainers' ORT threads (default: the runtime's)")
+
     p = add("compile", cmd_compile, "the compiler front end's time")
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--layers", type=int, default=200)

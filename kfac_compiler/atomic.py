@@ -82,6 +82,20 @@ def remove_stale(path: str | os.PathLike) -> list[str]:
 
 
 # --------------------------------------------------------------------------- files
+def file_target_problem(path: str) -> str | None:
+    """Why `path` cannot receive a file written here, or None: a folder, or an existing
+    device, pipe or socket (replacing one by a regular file would destroy it). The one check
+    of every file output: the command line's before a run (outputs.check_outputs), the API's
+    at the write (Trainer.export, save_checkpoint)."""
+    if path.endswith(("/", os.sep)) or os.path.basename(path) in ("", ".", ".."):
+        return "names a folder; give a file path"
+    if os.path.isdir(path):
+        return "is a folder; give a file path"
+    if os.path.exists(path) and not os.path.isfile(path):
+        return "is not a regular file (a device, pipe or socket); give a file path"
+    return None
+
+
 def write_file(path: str | os.PathLike, write: Callable[[object], object]) -> str:
     """Write `path` atomically: `write(f)` fills a temp file of ours (fsynced), which then
     replaces `path`; any failure removes the temp file and leaves `path` as it was. OSError

@@ -4,13 +4,15 @@
                   [--head OUTPUT,LOSS[,COEFF[,TARGETS]] ...] (several loss heads instead of --loss/--output)
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
                   [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]
-    kfac-compiler inspect PLAN_DIR [--format table|json|dot]
+    kfac-compiler inspect PLAN_DIR [--format table|json|dot] [--wide] [--ranks P]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
 command lines; options are never abbreviated); warnings are printed as `warning: <message>`.
 An OSError no boundary converted is printed as one line naming its file (exit code 2); any
-other exception is a bug and keeps its traceback. A Ctrl-C outside a training loop's steps
-(those stop at a step boundary, train_cli) prints `interrupted`, exit code 130.
+other exception is a bug and keeps its traceback. A Ctrl-C, SIGTERM or SIGHUP outside a
+training loop's steps (those stop at a step boundary, train_cli) unwinds the command (its
+locks and temp files removed), prints `interrupted` (`stopped by SIGTERM`), exit code 130
+(143, 129: kfac_compiler.interrupt).
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from kfac_compiler.cli_options import add_heads_arg, add_selection_args, apply_heads_arg, apply_selection_args
+# Only what the error handling needs is imported here: the rest (numpy, onnx, ...) loads
+# inside main(), where a Ctrl-C during the imports is handled like any other.
 from kfac_compiler.errors import ConfigError, KfacError, os_reason
-from kfac_compiler.losses import losses_help
 
 
 class _UsageError(KfacError):
@@ -41,6 +43,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kfac_compiler.cli_options import add_heads_arg, add_selection_args
+    from kfac_compiler.losses import losses_help
+
     p = _Parser(prog="kfac-compiler", description="Compile ONNX models into K-FAC curvature plans.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{compile,inspect,train}")
     sub.required = True
@@ -66,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show a plan's layers, blocks and factor sizes")
     i.add_argument("plan", metavar="PLAN_DIR")
     i.add_argument("--format", default="table", choices=("table", "json", "dot"))
+    i.add_argument("--wide", action="store_true",
+                   help="the table's every column (per-layer FLOPs, inverse methods) and whole layer names "
+                        "(default: 100 columns)")
     i.add_argument("--ranks", type=int, default=None, metavar="P",
                    help="also show how P data-parallel ranks share the inverse work (docs/distributed.md)")
 
@@ -100,6 +108,7 @@ def _run_compile(args) -> int:
 
 
 def _compile(args) -> int:
+    from kfac_compiler.cli_options import apply_heads_arg, apply_selection_args
     from kfac_compiler.config import load_config
     from kfac_compiler.frontend import compile_frontend
     from kfac_compiler.report import render_table
@@ -139,22 +148,38 @@ def _run_inspect(args) -> int:
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {args.ranks}")
     plan = load_plan(args.plan)
-    sys.stdout.write(render(plan, args.format, args.ranks))
+    sys.stdout.write(render(plan, args.format, args.ranks, wide=args.wide))
     return 0
 
 
+def _other_rank() -> bool:
+    """Whether an MPI launcher started this process as a rank other than 0: `compile` and
+    `inspect` are one process's work (P ranks raced on one plan folder, and printed P plans)."""
+    from kfac_compiler.runtime.comm import launched_rank, launched_ranks
+
+    return launched_ranks() > 1 and launched_rank() != 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from kfac_compiler.interrupt import deferred_stop, raise_on_stop
+
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with raise_on_stop(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                args = build_parser().parse_args(argv)
-                if args.command == "compile":
-                    code = _run_compile(args)
-                elif args.command == "inspect":
-                    code = _run_inspect(args)
-                else:
+                with deferred_stop():
+                    import numpy  # noqa: F401 - loaded here, where a Ctrl-C waits for the import
+                    import onnx  # noqa: F401
+
+                    args = build_parser().parse_args(argv)
+                if args.command == "train":
                     code = _run_train(args)
+                elif _other_rank():
+                    code = 0  # mpirun -n P compile/inspect: rank 0 alone writes and prints
+                elif args.command == "compile":
+                    code = _run_compile(args)
+                else:
+                    code = _run_inspect(args)
             finally:
                 seen = set()
                 for w in caught:
@@ -166,11 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KfacError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:  # outside a training loop's steps (those stop at a step boundary)
-        from kfac_compiler.interrupt import EXIT_CODE
+    except KeyboardInterrupt as e:  # outside a training loop's steps (those stop at a step boundary)
+        from kfac_compiler.interrupt import describe, exit_code, signal_of
 
-        print("interrupted", file=sys.stderr)
-        return EXIT_CODE
+        print(describe(signal_of(e)), file=sys.stderr)
+        return exit_code(signal_of(e))
     except OSError as e:  # last resort: the boundaries convert the OSErrors they expect
         where = f"{e.filename!r}: " if e.filename else ""
         print(f"error: {where}{os_reason(e, writing=None)}", file=sys.stderr)

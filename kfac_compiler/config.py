@@ -24,7 +24,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
     num_samples = 1
 
     [inverse]
-    method = "auto"           # auto|inverse_op|newton_schulz|cholesky|eigh
+    method = "auto"           # auto (schur)|schur|inverse_op|newton_schulz|cholesky|eigh
     update_period = 10        # default: chosen by the budget
     damping_split = "pi"      # pi|exact
 
@@ -35,6 +35,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
     overhead = 1.0            # curvature work per step <= 1.0 x forward+backward FLOPs
     batch_size = 32           # ... at this batch size (default: train's --batch-size, else 32)
     min_dim = 512             # narrower factors are never approximated
+    memory_gb = 24            # a block's training state must fit (default: this machine's memory)
 
     [loss_options]            # the loss kind's own options (each loss class lists them)
     variance = 0.5            # squared_error; the old top-level key loss_variance still works
@@ -65,6 +66,7 @@ from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
+from kfac_compiler.parsing import nesting_checked
 
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
@@ -100,6 +102,7 @@ class BudgetConfig:
     overhead: float = 1.0
     batch_size: int | None = None
     min_dim: int = 512
+    memory_gb: float | None = None  # a block's training state must fit (None: this machine's memory)
 
 
 @dataclass
@@ -174,12 +177,12 @@ class CompileConfig:
             with os_errors(ConfigError, "config file", path, writing=False):
                 if ext == ".json":
                     with open(path, encoding="utf-8") as f:
-                        data = json.load(f)
+                        data = nesting_checked(lambda: json.load(f))
                 else:
                     import tomllib
 
                     with open(path, "rb") as f:
-                        data = tomllib.load(f)
+                        data = nesting_checked(lambda: tomllib.load(f))
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, TOMLDecodeError
             kind = "JSON" if ext == ".json" else "TOML"
             raise ConfigError(f"config file {path!r} is not valid {kind}: {_one_line(e)}") from None
@@ -262,6 +265,8 @@ class CompileConfig:
         if self.budget.batch_size is not None:
             _check_int(self.budget.batch_size, "budget.batch_size", source)
         _check_int(self.budget.min_dim, "budget.min_dim", source)
+        if self.budget.memory_gb is not None:
+            _check_float(self.budget.memory_gb, "budget.memory_gb", source, 0.0, None, lo_open=True)
         _check_float(self.ema_decay, "ema_decay", source, 0.0, 1.0, hi_open=True)
         _check_float(self.damping, "damping", source, 0.0, None)
         _check_float(self.loss_variance, "loss_variance", source, 0.0, None, lo_open=True)

@@ -9,7 +9,7 @@ call the constructors below (and the parsers, to read one back).
 | --- | --- | --- |
 | data inputs | the model's inputs, `targets`, `example_weights`, `noise/<s>`, `vec/<p>` | TARGETS, EXAMPLE_WEIGHTS, noise(s), vec(p) |
 | hyper-parameters | `hp/<name>`, float32 scalars | hp(name) |
-| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>`, `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), factor(l, f), inverse(l, i); parse_slot |
+| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>` (multi-tensor updates: `velocity/*`, `adam_m/*`, `adam_v/*`, every parameter's concatenated), `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), flat(kind), factor(l, f), inverse(l, i); parse_slot |
 | state outputs | `new/<slot>` | new(slot) |
 | metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
 | results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |
@@ -103,6 +103,22 @@ def adam_m(p: str) -> str:
 
 def adam_v(p: str) -> str:
     return f"{ADAM_V}/{p}"
+
+
+# the owner of a flat slot: <kind>/* holds every parameter's <kind>/<p>, flattened and
+# concatenated in kfac_compiler.optimizers.multi_tensor.concat_groups' order (multi-tensor
+# updates); checkpoints store it as the per-parameter slots
+FLAT = "*"
+
+
+def flat(kind: str) -> str:
+    return f"{kind}/{FLAT}"
+
+
+def flat_kind(slot: str) -> str | None:
+    """The kind of a flat slot (`adam_m/*`: "adam_m", a plugin's own kinds too), else None."""
+    suffix = f"/{FLAT}"
+    return slot[:-len(suffix)] if slot.endswith(suffix) and len(slot) > len(suffix) else None
 
 
 def factor(layer: str, name: str) -> str:

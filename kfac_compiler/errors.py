@@ -101,11 +101,31 @@ def one_line(e: BaseException, limit: int = 200) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:limit]
 
 
+def human_bytes(n: float | None) -> str:
+    """`512 B`, `1.5 KiB`, ... `46.4 TiB` (None: `?`): sizes in one-line messages and tables."""
+    if n is None:
+        return "?"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024.0
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n}"
+
+
+class CorruptEntry(ValueError):
+    """A file's content contradicts itself (an .npz entry's header declares more than the
+    entry holds); the message names the entry and is the whole reason."""
+
+
 def npz_reason(e: BaseException) -> str:
     """Why numpy could not read a file as an .npz, in one line. numpy's own text for a file
     that is not an array file suggests loading it with allow_pickle, which must never be done
     with a file one did not write: say what the file is not instead."""
     text = " ".join(str(e).split())
+    if isinstance(e, CorruptEntry):
+        return text
     if isinstance(e, ValueError) and "allow_pickle" in text:
         if text.startswith("Object arrays"):
             return "it holds object (pickled) arrays, which are never loaded: save plain numeric arrays"

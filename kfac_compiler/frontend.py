@@ -15,12 +15,13 @@ import warnings
 from typing import Any
 
 import onnx
+from onnx import TensorProto
 
 from kfac_compiler.blocks import BLOCKS, make_block
 from kfac_compiler.config import CompileConfig, InverseConfig, load_config
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
-from kfac_compiler.graph import GraphView
+from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, with_float_type
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
@@ -136,7 +137,10 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     given = {"heads": heads} if heads is not None else cfg.loss_options_for(cls)
     loss_fn = cls(**cls.resolve_options(given, where="loss_options: "))
 
+    model, float_note = _as_float32(model, source)
     canon = canonicalize(model, output)
+    if float_note:
+        canon.metadata_props.add(key=SOURCE_FLOAT_KEY, value=float_note[0])
     _name_running_outputs(canon)
     view = GraphView(canon)
     out_shape = view.shape(output)
@@ -157,7 +161,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     if not view.is_float(output) and output in view.dtypes and view.dtypes[output]:
         raise ModelError(f"{source!r}: output {output!r} is not a float tensor")
 
-    plan_notes: list[str] = []
+    plan_notes: list[str] = [float_note[1]] if float_note else []
     split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
     canon, view, split, exporter_copies = _repair_ties(canon, view, split, cfg, plan_notes)
     if split.frozen:
@@ -206,6 +210,30 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     )
 
 
+def _as_float32(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, tuple[str, str] | None]:
+    """A float16, bfloat16 or float64 model as a float32 one: every graph the compiler emits
+    computes in float32 (master weights, factors, forward and backward), and ONNX Runtime's CPU
+    provider lacks most float16/bfloat16 kernels. Returns the model and, when converted,
+    (the source type's name, a plan note); Trainer.export converts the trained model back."""
+    types = float_types(model) - {TensorProto.FLOAT}
+    if not types:
+        return model, None
+    names = sorted(onnx.helper.tensor_dtype_to_np_dtype(t).name for t in types)
+    uniform = len(types) == 1 and TensorProto.FLOAT not in float_types(model)
+    kind = next(iter(types)) if uniform else TensorProto.FLOAT
+    note = (f"{source!r} computes in {' and '.join(names)}: trained in float32 (weights, factors, forward and "
+            f"backward); the trained model is exported in {onnx.helper.tensor_dtype_to_np_dtype(kind).name}")
+    return with_float_type(model, TensorProto.FLOAT, types), (TensorProto.DataType.Name(kind), note)
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: GraphView, cfg: CompileConfig) -> BudgetResult:
     """passes/budget.py on the chosen layers; layers whose block class is not available are
     skipped (their factors are unknown)."""
@@ -223,6 +251,7 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
         batch_size=cfg.budget.batch_size or REFERENCE_BATCH,
         min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
         method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
+        memory_bytes=int(cfg.budget.memory_gb * 1e9) if cfg.budget.memory_gb else physical_memory(),
     )
     result.costs["damping_split"] = split  # what the layers' "inverse" FLOPs assume
     chosen = {l.name: l for l in result.layers}

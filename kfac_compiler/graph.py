@@ -5,6 +5,7 @@ never mutate the model they were given (they copy it first).
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import cast
@@ -154,3 +155,43 @@ class GraphView:
 def attrs_of(node: onnx.NodeProto) -> dict:
     """A node's attributes as a plain dict of python values."""
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+# ------------------------------------------------------------------------- float types
+SOURCE_FLOAT_KEY = "kfac_compiler.source_float_type"  # metadata: the float type a model came in
+
+
+def with_float_type(model: onnx.ModelProto, to: int, sources: Collection[int]) -> onnx.ModelProto:
+    """A copy of `model` with every tensor of a type in `sources` (initializers, inputs,
+    outputs, value_info, Constant/ConstantOfShape values, Cast-like `to`/`dtype` attributes)
+    turned into `to`: the whole graph, so that no node sees two float types."""
+    sources = set(sources) - {to}
+    target = onnx.helper.tensor_dtype_to_np_dtype(to)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+
+    def convert(t: onnx.TensorProto) -> None:
+        if t.data_type in sources:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(target), t.name))
+
+    for t in g.initializer:
+        convert(t)
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        tt = vi.type.tensor_type
+        if tt.elem_type in sources:
+            tt.elem_type = to
+    for node in g.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                convert(a.t)
+            elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in sources:
+                a.i = to
+    return m
+
+
+def float_types(model: onnx.ModelProto) -> set[int]:
+    """The float types of the model's initializers and graph inputs and outputs."""
+    g = model.graph
+    types = {t.data_type for t in g.initializer} | {vi.type.tensor_type.elem_type for vi in [*g.input, *g.output]}
+    return types & set(FLOAT_TYPES)

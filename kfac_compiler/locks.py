@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from kfac_compiler.atomic import pid_alive, remove_stale, temp_path
 from kfac_compiler.errors import OutputError, os_reason
+from kfac_compiler.parsing import nesting_checked
 
 LOCK_TAG = ".kfac-lock"
 _held: set[str] = set()  # lock files this process holds
@@ -34,7 +35,7 @@ def lock_path(path: str | os.PathLike) -> str:
 def _holder(lock: str) -> dict | None:
     try:
         with open(lock, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = nesting_checked(lambda: json.load(f))
         return doc if isinstance(doc, dict) and isinstance(doc.get("pid"), int) else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
@@ -98,7 +99,7 @@ def _take_over(lock: str, holder: dict) -> bool:
             return True
         with os.fdopen(os.dup(fd), encoding="utf-8") as f:
             try:
-                still = json.load(f) == holder
+                still = nesting_checked(lambda: json.load(f)) == holder
             except (ValueError, UnicodeDecodeError):
                 still = False
         if still:

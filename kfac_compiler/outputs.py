@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kfac_compiler.atomic import temp_path
+from kfac_compiler.atomic import file_target_problem, temp_path
 from kfac_compiler.errors import OutputError, os_reason
 
 
@@ -58,13 +58,9 @@ def _check_target(o: Output) -> None:
         if os.path.exists(path) and not os.path.isdir(path):
             raise OutputError(f"{o.option} {path!r} is a file; give a folder")
     else:
-        if path.endswith(("/", os.sep)) or os.path.basename(path) in ("", ".", ".."):
-            raise OutputError(f"{o.option} {path!r} names a folder; give a file path")
-        if os.path.isdir(path):
-            raise OutputError(f"{o.option} {path!r} is a folder; give a file path")
-        if os.path.exists(path) and not os.path.isfile(path):
-            raise OutputError(f"{o.option} {path!r} is not a regular file (a device, pipe or socket); "
-                              "give a file path")
+        problem = file_target_problem(path)
+        if problem:
+            raise OutputError(f"{o.option} {path!r} {problem}")
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise OutputError(f"{o.option} {path!r} is read-only; make it writable or give another path")
     where = _existing_folder(o)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,6 +20,29 @@ from kfac_compiler.errors import ConfigError
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 BOOL_WORDS = "true/false, 1/0, yes/no or on/off"
+MAX_NESTING = 100  # a document's deepest nesting of arrays/tables; ours need fewer than 10
+T = TypeVar("T")
+
+
+def nesting_checked(load: Callable[[], T]) -> T:
+    """load() (a JSON or TOML decoder's call), with a document nested deeper than MAX_NESTING
+    refused as a ValueError, which the callers already turn into their one-line error. The
+    decoders' own limit is Python's recursion limit (a RecursionError with thousands of
+    lines of traceback), and the code walking a document recurses too."""
+    try:
+        doc = load()
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_NESTING:
+                    raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+                stack.append((child, depth + 1))
+    return doc
 
 
 def parse_bool(text: str, name: str) -> bool:

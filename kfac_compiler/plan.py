@@ -29,6 +29,7 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
 from kfac_compiler.onnx_files import inside, outside_locations
+from kfac_compiler.parsing import nesting_checked
 from kfac_compiler.plan_schema import SUBGRAPH_NAME, check_document, check_plan
 
 if TYPE_CHECKING:
@@ -379,7 +380,7 @@ def _plan_doc(folder: str) -> dict | None:
     another tool's plan.json does not make the folder ours to swap or clean."""
     try:
         with open(os.path.join(folder, PLAN_FILE), encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = nesting_checked(lambda: json.load(f))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     ours = (isinstance(doc, dict) and isinstance(doc.get("schema_version"), int)
@@ -425,7 +426,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
         raise PlanError(f"{path!r} is not a plan directory (no {PLAN_FILE})")
     try:
         with os_errors(PlanError, "the plan file", pj, writing=False), open(pj, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = nesting_checked(lambda: json.load(f))
     except (ValueError, UnicodeDecodeError) as e:
         raise PlanError(f"{pj!r} is not valid JSON ({' '.join(str(e).split())})") from None
     version = doc.get("schema_version") if isinstance(doc, dict) else None

@@ -19,9 +19,9 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kfac_compiler.errors import KfacError, one_line
+from kfac_compiler.errors import ConfigError, KfacError, one_line
 
 if TYPE_CHECKING:
     from kfac_compiler.runtime.comm import Communicator
@@ -58,14 +58,32 @@ def on_ranks(comm: Communicator | None, run: Callable[[], int]) -> int:
                 raise  # the command line prints `error: rank r: ...`
             return e.exit_code
         abort(comm, f"error: rank {comm.rank}: {' '.join(str(e).split())}", e.exit_code)
-    except KeyboardInterrupt:  # a second interrupt: stop now, wherever the ranks are
-        from kfac_compiler.interrupt import EXIT_CODE
+    except KeyboardInterrupt as e:  # a second interrupt: stop now, wherever the ranks are
+        from kfac_compiler.interrupt import exit_code, signal_of
 
-        abort(comm, f"rank {comm.rank}: interrupted again; stopping every rank now", EXIT_CODE)
+        abort(comm, f"rank {comm.rank}: interrupted again; stopping every rank now", exit_code(signal_of(e)))
     except Exception as e:  # a bug, or an OSError nothing converted: this rank alone sees it
         traceback.print_exc()
         abort(comm, f"error: rank {comm.rank}: {one_line(e, 1000)}", KfacError.exit_code)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def check_same_on_ranks(comm: Communicator | None, values: Mapping[str, Any]) -> None:
+    """Every rank runs the same command on the same plan and data: one all-gather compares
+    `values` ({what: value}) with rank 0's. A difference is one ConfigError naming the first
+    rank and what differs, raised on every rank: a rank with other --steps would wait
+    forever in a collective the others left, and one with other data or --seed would train
+    apart silently."""
+    if comm is None:
+        return
+    gathered = comm.gather(dict(values))
+    for rank, theirs in enumerate(gathered[1:], 1):
+        for what, mine in gathered[0].items():
+            if theirs.get(what) != mine:
+                e = ConfigError(f"rank {rank}: {what} {theirs.get(what)!r} differs from rank 0's {mine!r}; every rank "
+                                "must run the same command on the same data")
+                e.agreed = True  # type: ignore[attr-defined]  # raised on every rank: printed once
+                raise e
 
 
 def abort(comm: Communicator, line: str, code: int) -> None:
@@ -77,7 +95,7 @@ def abort(comm: Communicator, line: str, code: int) -> None:
 
 def traffic(sent: Mapping[str, int], steps: int) -> str:
     """`gradients 33.1 KiB, loss 4 B, ...`: bytes each rank sent per step, by kind."""
-    from kfac_compiler.report import human_bytes
+    from kfac_compiler.errors import human_bytes
 
     per = sorted(((kind, total / max(steps, 1)) for kind, total in sent.items() if total), key=lambda kv: -kv[1])
     return ", ".join(f"{kind} {human_bytes(round(n))}" for kind, n in per) or "nothing"

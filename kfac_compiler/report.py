@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 from typing import Any
 
 from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import ConfigError
+from kfac_compiler.errors import ConfigError, human_bytes
 from kfac_compiler.plan import Plan, factor_json
 
 FORMATS = ("table", "json", "dot")
@@ -27,11 +28,11 @@ KIND_COLORS = {
 }
 
 
-def render(plan: Plan, fmt: str = "table", ranks: int | None = None) -> str:
+def render(plan: Plan, fmt: str = "table", ranks: int | None = None, wide: bool = False) -> str:
     """The plan in `fmt`; with `ranks`, also how a data-parallel run on that many ranks
-    shares the inverse work (table and json)."""
+    shares the inverse work (table and json); `wide`: the table's every column (render_table)."""
     if fmt == "table":
-        return render_table(plan) + ("" if ranks is None else _rank_lines(plan, ranks))
+        return render_table(plan, wide) + ("" if ranks is None else _rank_lines(plan, ranks))
     if fmt == "json":
         return render_json(plan, ranks)
     if fmt == "dot":
@@ -161,17 +162,6 @@ def render_json(plan: Plan, ranks: int | None = None) -> str:
 
 
 # -------------------------------------------------------------------------- table
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    return f"{n}"
-
 
 def _factor_text(specs) -> str:
     if specs is None:
@@ -181,7 +171,24 @@ def _factor_text(specs) -> str:
     return ", ".join(f"{s.name} {'x'.join(str(d) for d in s.shape) or 'scalar'}" for s in specs)
 
 
-def render_table(plan: Plan) -> str:
+TABLE_WIDTH = 100  # inspect's default table width (--wide: every column, names whole)
+HEAD_WIDTH = TABLE_WIDTH  # the header's prose lines are wrapped to this many columns
+MIN_NAME_WIDTH = 16
+
+
+def _cut(name: str, width: int) -> str:
+    """`name` in at most `width` characters, its middle replaced by "~" when it is longer
+    (the start says where in the model, the end which layer)."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return name[:head] + "~" + name[len(name) - (width - 1 - head):]
+
+
+def render_table(plan: Plan, wide: bool = False) -> str:
+    """The plan as text. By default it fits TABLE_WIDTH columns: the per-layer FLOP columns
+    are left to `wide` (and the json), long layer names are cut in the middle; the inverse
+    method gets a column only when the layers differ in it."""
     shapes = plan.param_shapes
     header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP",
               "precond FLOP")
@@ -208,8 +215,22 @@ def render_table(plan: Plan) -> str:
         )
     totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes),
               "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}", f"{tot_flops[2]:,}")
+    methods = {r[7] for r in rows}
+    inverse_text = f"inverses:  {plan.schedule.inverse.method} (per layer below)"
+    shown = list(range(len(header)))
+    if len(methods) == 1:  # one method for every layer: said once in the header, not on every row
+        inverse_text = f"inverses:  {methods.pop()},"
+        shown.remove(7)
+    if not wide:
+        shown = [i for i in shown if i < 8]
+    header, totals = tuple(header[i] for i in shown), tuple(totals[i] for i in shown)
+    rows = [tuple(r[i] for i in shown) for r in rows]
+    right = {k for k, i in enumerate(shown) if i in (2, 3, 6, 8, 9, 10)}
     widths = [max(len(r[i]) for r in [header, totals] + rows) for i in range(len(header))]
-    right = {2, 3, 6, 8, 9, 10}
+    if not wide:  # cut the layer names to what the other columns leave
+        room = TABLE_WIDTH - sum(widths[1:]) - 2 * (len(widths) - 1)
+        widths[0] = max(min(widths[0], room), MIN_NAME_WIDTH, len(totals[0]))
+        rows = [(_cut(r[0], widths[0]), *r[1:]) for r in rows]
 
     def line(r):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -220,14 +241,18 @@ def render_table(plan: Plan) -> str:
     if plan.loss.recognised_from:
         loss = f"{loss} (recognised from {plan.loss.recognised_from})"
     inv = plan.schedule.inverse
+    prose = [
+        f"estimator: {plan.estimator.mode} x{plan.estimator.num_samples}   "
+        f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
+        f"statistics every {plan.schedule.stats.update_period} steps",
+        f"{inverse_text} every {inv.update_period} steps",
+        *_cost_lines(plan.costs),
+    ]
     head = [
         f"model:     {src}",
         f"output:    {plan.output}   loss: {loss}",
-        f"estimator: {plan.estimator.mode} x{plan.estimator.num_samples}   "
-        f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
-        f"statistics every {plan.schedule.stats.update_period} steps   inverse {inv.method} every "
-        f"{inv.update_period} steps",
-        *_cost_lines(plan.costs),
+        *(part for text in prose
+          for part in textwrap.wrap(text, HEAD_WIDTH, subsequent_indent="  ", break_on_hyphens=False)),
         "",
     ]
     body = [line(header), sep] + [line(r) for r in rows] + [sep, line(totals)]

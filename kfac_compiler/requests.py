@@ -95,6 +95,13 @@ def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
+# whether an optimizer emits its update once over every parameter's concatenation
+# (optimizers/multi_tensor.py) where its settings leave it open, by device: on CUDA each node is
+# a kernel launch; on the CPU the concatenations' copies cost about what the nodes they save
+# do (ResNet-18's Adam step 1.08x slower, SGD's 1.12x; the GPT's 1.02x, 1.16x; the zoo's within
+# noise; docs/runtime.md, "Multi-tensor updates")
+MULTI_TENSOR_DEFAULT: Mapping[str, bool] = {"cuda": True, "cpu": False}
+
 # how resolve fills each resolvable field from the settings
 RESOLVERS: Mapping[str, Callable[[Settings], Any]] = {
     "mode": lambda s: s.mode,
@@ -102,6 +109,7 @@ RESOLVERS: Mapping[str, Callable[[Settings], Any]] = {
     "method": lambda s: concrete_method(s.inverse_method, s.device),
     "damping_split": lambda s: s.damping_split,
     "conv_gather": lambda s: s.conv_gather,
+    "multi_tensor": lambda s: MULTI_TENSOR_DEFAULT.get(s.device, False),
 }
 
 

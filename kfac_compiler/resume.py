@@ -22,6 +22,7 @@ has exactly one row, that of the trajectory that produced the final state.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -30,6 +31,7 @@ from typing import Any
 
 from kfac_compiler.atomic import write_file
 from kfac_compiler.errors import ConfigError, DataError, os_reason
+from kfac_compiler.parsing import nesting_checked
 
 DEFAULT_SEED = 0
 DEFAULT_BATCH_SIZE = 128
@@ -135,7 +137,7 @@ def _jsonl_rows(path: str, text: str, step: int) -> str:
         if not line.strip():
             continue
         try:
-            s = int(float(json.loads(line)["step"]))
+            s = int(float(nesting_checked(functools.partial(json.loads, line))["step"]))
         except (ValueError, KeyError, TypeError):
             raise _bad(path, f"line {n} has no step") from None
         if s < step:

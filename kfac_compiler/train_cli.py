@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
@@ -45,6 +46,14 @@ def _finite(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type of --val-split: a number strictly between 0 and 1."""
+    value = _finite(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1 (exclusive), got {text!r}")
     return value
 
 
@@ -78,6 +87,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
     t.add_argument("--config", metavar="FILE", help="compile options (TOML or JSON) for an .onnx or zoo model")
     add_selection_args(t)
+    t.add_argument("--val-data", metavar="FILE.npz",
+                   help="held-out data (arrays as --data's), evaluated every --eval-every steps and at the end: "
+                        "metrics eval_loss and eval_<metric> (e.g. eval_accuracy), a second curve in --plot")
+    t.add_argument("--val-split", type=_fraction, default=None, metavar="F",
+                   help="hold out this fraction of --data (a seeded split) as the held-out data instead of --val-data")
+    t.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="steps between held-out evaluations (default: --steps / 20)")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=None,
@@ -220,8 +236,30 @@ def load_data(plan: Plan, entry: ZooEntry | None, data: str, seed: int) -> tuple
     return validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
 
 
+def metric_columns(plan: Plan, held_out: bool) -> tuple[str, ...]:
+    """The metrics CSV's columns: CSV_COLUMNS, and with held-out data eval_loss and the
+    loss's own metrics as eval_<name> (blank on the steps without an evaluation)."""
+    if not held_out:
+        return CSV_COLUMNS
+    return (*CSV_COLUMNS, "eval_loss", *(f"eval_{name}" for name in plan.loss.build().metrics))
+
+
+def validation_split(inputs: dict[str, np.ndarray], targets: Any, fraction: float, seed: int):
+    """(training inputs, training targets, (held-out inputs, held-out targets)): a seeded
+    permutation's last ceil(fraction n) rows are held out; at least one row each side."""
+    n = targets.shape[0]
+    k = math.ceil(fraction * n)
+    if not 0 < k < n:
+        raise DataError(f"--val-split {fraction:g} of {n} examples leaves no {'held-out' if k == 0 else 'training'} "
+                        "rows; give a fraction that leaves at least one of each")
+    perm = np.random.default_rng([int(seed), 0x401D]).permutation(n)
+    train, held = np.sort(perm[:-k]), np.sort(perm[-k:])
+    return ({name: a[train] for name, a in inputs.items()}, targets[train],
+            ({name: a[held] for name, a in inputs.items()}, targets[held]))
+
+
 class MetricsWriter:
-    def __init__(self, path: str | None, append: bool) -> None:
+    def __init__(self, path: str | None, append: bool, columns: Sequence[str] = CSV_COLUMNS) -> None:
         self.path = path
         self.f: TextIO | None = None
         self.csv = None
@@ -237,7 +275,7 @@ class MetricsWriter:
         except OSError as e:
             raise ConfigError(f"--metrics {path!r}: cannot write it ({os_reason(e, writing=True)})") from None
         if ext == ".csv":
-            self.csv = csv.DictWriter(self.f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
+            self.csv = csv.DictWriter(self.f, fieldnames=list(columns), extrasaction="ignore")
             if mode == "w":
                 self.csv.writeheader()
 
@@ -247,7 +285,7 @@ class MetricsWriter:
         # an OSError (a full disk) reaches the training loop, which stops there and still
         # writes the other outputs (_train)
         if self.csv is not None:
-            row = {k: _fmt(m.get(k)) for k in CSV_COLUMNS}
+            row = {k: _fmt(m.get(k)) for k in self.csv.fieldnames}
             self.csv.writerow(row)
         else:
             self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -280,7 +318,8 @@ class Progress:
         self.last = 0.0
         self.t0 = time.perf_counter()
 
-    def update(self, done: int, loss: float, force: bool = False) -> None:
+    def update(self, done: int, loss: float, force: bool = False, held_out: float | None = None) -> None:
+        """`held_out`: the last held-out loss, shown until the next one."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -290,7 +329,9 @@ class Progress:
         width = 30
         fill = int(width * done / self.total)
         rate = done / max(now - self.t0, 1e-9)
-        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} loss {loss:.4f} {rate:.0f} it/s ")
+        val = "" if held_out is None else f" val {held_out:.4f}"
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} loss {loss:.4f}{val} "
+                          f"{rate:.0f} it/s ")
         self.stream.flush()
 
     def close(self) -> None:
@@ -308,16 +349,20 @@ def _check_plot(path: str | None) -> None:
         raise ConfigError(f"--plot {path!r} needs matplotlib (pip install matplotlib, or kfac_compiler[plot])") from None
 
 
-def _plot(path: str, steps: list[float], losses: list[float], title: str) -> None:
+def _plot(path: str, steps: list[float], losses: list[float], title: str,
+          evaluated: Sequence[tuple[int, float]] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, losses, lw=1)
+    ax.plot(steps, losses, lw=1, label="training (batch)")
+    if evaluated:
+        ax.plot([s for s, _ in evaluated], [v for _, v in evaluated], "o-", lw=1.5, ms=3, label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (batch)")
+    ax.set_ylabel("loss")
     ax.set_yscale("log")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
@@ -365,6 +410,12 @@ def _check(args, comm, held) -> list[Output]:
         raise ConfigError("--checkpoint-every must be >= 0")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.val_data and args.val_split:
+        raise ConfigError("--val-data and --val-split both name held-out data; give one")
+    if args.eval_every is not None and args.eval_every < 1:
+        raise ConfigError(f"--eval-every must be >= 1, got {args.eval_every}")
+    if args.eval_every is not None and not (args.val_data or args.val_split):
+        raise ConfigError("--eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION")
     meta = None
     if args.resume:
         from kfac_compiler.runtime.checkpoint import read_meta
@@ -380,8 +431,9 @@ def _check(args, comm, held) -> list[Output]:
         _check_plot(args.plot)
         model = args.model if args.model and os.path.exists(args.model) else None
         data = args.data if args.data != "digits" else None
-        check_outputs(outputs, [("MODEL", model), ("--data", data), ("--config", args.config),
-                                ("--resume", args.resume)], may_equal=[("--checkpoint", "--resume")])
+        check_outputs(outputs, [("MODEL", model), ("--data", data), ("--val-data", args.val_data),
+                                ("--config", args.config), ("--resume", args.resume)],
+                      may_equal=[("--checkpoint", "--resume")])
         held.enter_context(locked([(o.option, o.path) for o in outputs]))
     return outputs
 
@@ -412,7 +464,7 @@ def _build(args, outputs: list[Output], comm):
     """(plan, zoo entry, inputs, targets, trainer): every rank builds the same; rank 0 checks
     its outputs' disks and continues a resumed metrics file."""
     from kfac_compiler.outputs import check_space
-    from kfac_compiler.ranks import is_root
+    from kfac_compiler.ranks import check_same_on_ranks, is_root
     from kfac_compiler.resume import check_resumed_data, continue_metrics
     from kfac_compiler.runtime.comm import agreed
     from kfac_compiler.runtime.data import dataset_fingerprint
@@ -422,14 +474,25 @@ def _build(args, outputs: list[Output], comm):
         knobs = _knobs(args)  # before compiling: a bad --knob fails fast
         plan, entry = load_model_and_plan(args.model, args.loss, args.output, args.seed, compile_config(args))
         inputs, targets = load_data(plan, entry, args.data, args.seed)
-        fingerprint = dataset_fingerprint(inputs, targets)
+        held = None
+        if args.val_split:
+            inputs, targets, held = validation_split(inputs, targets, args.val_split, args.seed)
+        elif args.val_data:
+            held = load_data(plan, entry, args.val_data, args.seed)
+        fingerprint = dataset_fingerprint(inputs, targets)  # of the training rows: another split is other data
         check_resumed_data(args, fingerprint)  # before any session is built
         if comm is not None and min(args.batch_size, targets.shape[0]) % comm.size:
             raise DataError(f"the data's {targets.shape[0]} examples make a batch of {targets.shape[0]} rows, which "
                             f"does not split evenly over {comm.size} ranks; use a --batch-size divisible by {comm.size}")
-        return knobs, plan, entry, inputs, targets, fingerprint
+        return knobs, plan, entry, inputs, targets, fingerprint, held
 
-    knobs, plan, entry, inputs, targets, fingerprint = agreed(comm, load)
+    knobs, plan, entry, inputs, targets, fingerprint, held = agreed(comm, load)
+    if comm is not None:
+        from kfac_compiler.runtime.checkpoint import plan_fingerprint
+
+        options = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k != "command"}
+        check_same_on_ranks(comm, {**options, "plan fingerprint": plan_fingerprint(plan)["fingerprint"],
+                                   "data fingerprint": fingerprint})
     n = targets.shape[0]
 
     def start() -> Trainer:  # Trainer() enters a collective only after its option checks
@@ -451,39 +514,45 @@ def _build(args, outputs: list[Output], comm):
                      "--save": plan.model.ByteSize() + (1 << 16), "--plot": 1 << 18}
             check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
             if args.resume:
-                continue_metrics(args.metrics, trainer.step_count + trainer.burn_in_count, CSV_COLUMNS)
+                continue_metrics(args.metrics, trainer.step_count + trainer.burn_in_count,
+                                 metric_columns(plan, held is not None))
         return trainer
 
-    return plan, entry, inputs, targets, agreed(comm, start)
+    return plan, entry, inputs, targets, held, agreed(comm, start)
 
 
 def _train(args, outputs: list[Output], comm) -> int:
     import signal
 
     from kfac_compiler.errors import KfacError
-    from kfac_compiler.interrupt import StopOnInterrupt
+    from kfac_compiler.interrupt import STOP_SIGNALS, StopOnInterrupt
     from kfac_compiler.ranks import is_root, stop_together
     from kfac_compiler.runtime.data import batch_indices
 
     root = is_root(comm)
-    plan, entry, inputs, targets, trainer = _build(args, outputs, comm)
+    plan, entry, inputs, targets, held, trainer = _build(args, outputs, comm)
     n = targets.shape[0]
+    every = args.eval_every or max(1, args.steps // 20)
+    evaluated: list[tuple[int, float]] = []  # (step, held-out loss) for the plot
+    held_final = None
     done = trainer.step_count + trainer.burn_in_count
     name = args.model or DEFAULT_MODEL
     quiet = args.quiet or not sys.stderr.isatty() or not root
     if not args.quiet and root:
         batch = min(args.batch_size, n)
         split = f"{comm.size} ranks, batch {batch} ({batch // comm.size} per rank)" if comm else f"batch {batch}"
+        held_out = "" if held is None else f" ({held[1].shape[0]} held out, evaluated every {every} steps)"
         print(f"training {os.path.basename(str(name))} with {trainer.optimizer} on {trainer.device.name}: "
-              f"{n} examples, {split}, steps {done}..{args.steps}", file=sys.stderr)
-    writer = MetricsWriter(args.metrics if root else None, append=bool(args.resume))
+              f"{n} examples{held_out}, {split}, steps {done}..{args.steps}", file=sys.stderr)
+    writer = MetricsWriter(args.metrics if root else None, append=bool(args.resume),
+                           columns=metric_columns(plan, held is not None))
     progress = Progress(args.steps, enabled=not quiet)
     steps_seen, losses = [], []
     t0 = time.perf_counter()
     rejected = 0
     stopped = None  # (option, failure) that ended the loop early: a metrics row or periodic checkpoint not written
     interrupted = False
-    signals = (signal.SIGINT,) if comm is None else (signal.SIGINT, signal.SIGUSR1)  # mpirun forwards SIGUSR1
+    signals = STOP_SIGNALS if comm is None else (*STOP_SIGNALS, signal.SIGUSR1)  # mpirun forwards SIGUSR1
     with StopOnInterrupt(signals) as interrupt:
         try:
             for s in range(done, args.steps):
@@ -492,13 +561,18 @@ def _train(args, outputs: list[Output], comm) -> int:
                 m = trainer.step(batch, targets[idx])
                 m["step"] = float(s)
                 rejected += int(m.get("rejected", 0.0))
+                if root and held is not None and ((s + 1) % every == 0 or s + 1 == args.steps):
+                    held_final = trainer.evaluate(held[0], held[1], batch_size=1024)  # rank 0's: no collective
+                    m.update({f"eval_{k}": v for k, v in held_final.items()})
+                    evaluated.append((s, held_final["loss"]))
                 try:
                     writer.write(m)
                     steps_seen.append(s)
                     losses.append(m["loss"])
                 except OSError as e:  # a full disk: stop, and write what else was asked
                     stopped = ("--metrics", _failure("--metrics", args.metrics, e) + f" (step {s}'s row is missing)")
-                progress.update(s + 1, m["loss"], force=(s + 1 == args.steps))
+                progress.update(s + 1, m["loss"], force=(s + 1 == args.steps),
+                                held_out=evaluated[-1][1] if evaluated else None)
                 # every rank stops at the same step: on an interrupt any rank got, or rank 0's failure
                 if stop_together(comm, interrupt.requested or stopped is not None):
                     interrupted = stopped is None
@@ -520,10 +594,11 @@ def _train(args, outputs: list[Output], comm) -> int:
         last = trainer.step_count + trainer.burn_in_count
         title = f"{os.path.basename(str(name))} ({trainer.optimizer})"
         written, failed = _write_outputs(args, trainer, title, steps_seen, losses if root else [],
-                                         metrics_ok=stopped is None or stopped[0] != "--metrics")
+                                         metrics_ok=stopped is None or stopped[0] != "--metrics", evaluated=evaluated)
         final = None if interrupted or not root else trainer.evaluate(inputs, targets, batch_size=1024)
-    return _finish(args, comm, trainer, final, written, failed, stopped, interrupted,
-                   (last, last - done, elapsed, rejected), losses[0] if losses else None)
+    return _finish(args, comm, trainer, final, written, failed, stopped, interrupt if interrupted else None,
+                   (last, last - done, elapsed, rejected), losses[0] if losses else None,
+                   held_final=None if interrupted else held_final)
 
 
 # A run whose final loss (on the whole training set) ends above this factor times the first
@@ -535,11 +610,11 @@ DIVERGED_ADVICE = ("lower the learning rate, raise --damping, or check the data 
 
 
 def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, counts,
-            start_loss: float | None = None) -> int:
+            start_loss: float | None = None, held_final: dict[str, float] | None = None) -> int:
     """Rank 0 prints the summary and decides the outcome; every rank ends with it (an error
-    raised on every rank, or the exit code). `start_loss`: this run's first step's loss (None:
-    no step ran), the reference of the divergence check."""
-    from kfac_compiler.interrupt import EXIT_CODE
+    raised on every rank, or the exit code). `interrupted`: the StopOnInterrupt that stopped
+    the run (its signal's exit code), None when none did. `start_loss`: this run's first
+    step's loss (None: no step ran), the reference of the divergence check."""
     from kfac_compiler.ranks import is_root, traffic
 
     last, run, elapsed, rejected = counts
@@ -553,6 +628,9 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
                 parts[-1] += f", {rejected} rejected"
             parts[-1] += ")"
             print(" ".join(parts))
+            if held_final is not None:
+                print(" ".join([f"held-out loss {held_final['loss']:.6f}",
+                                *(f"{k} {v:.4f}" for k, v in held_final.items() if k != "loss")]))
         if comm is not None and run:
             print(f"sent per step by each of {comm.size} ranks (mean of {run} steps): {traffic(trainer.comm.sent, run)}")
         for label, path in written:
@@ -564,8 +642,8 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
         elif interrupted:
             where = (f"checkpoint written to {args.checkpoint}" if args.checkpoint
                      else "no --checkpoint was given, so it cannot be resumed")
-            print(f"interrupted at step {last}; {where}", file=sys.stderr)
-            code = EXIT_CODE
+            print(f"{interrupted.describe()} at step {last}; {where}", file=sys.stderr)
+            code = interrupted.exit_code
         elif not math.isfinite(final["loss"]):
             error = DivergedError(f"training ended with a non-finite loss ({final['loss']}): {DIVERGED_ADVICE}")
         elif start_loss is not None and final["loss"] > DIVERGED_FACTOR * max(abs(start_loss), 1.0):
@@ -576,11 +654,12 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
             raise error
         return code
     sys.stdout.flush()
-    return EXIT_CODE if comm.agree(error, stop=code == EXIT_CODE) else code  # rank 0's error raised everywhere
+    # rank 0's error is raised everywhere; its signal's exit code is every rank's
+    return max(comm.gather(code)) if comm.agree(error, stop=code != 0) else code
 
 
-def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True
-                   ) -> tuple[list[tuple[str, str]], list[str]]:
+def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True,
+                   evaluated: Sequence[tuple[int, float]] = ()) -> tuple[list[tuple[str, str]], list[str]]:
     """Write the checkpoint, the model and the plot asked for, each even when another fails
     (a full disk must not cost the others): ([(label, path) written], [failure lines]).
     Under MPI every rank calls this (a checkpoint is collective); rank 0 writes, and the
@@ -592,7 +671,7 @@ def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[flo
         written.append(("metrics", args.metrics))  # row by row during the run
     jobs = (("checkpoint", "--checkpoint", args.checkpoint, trainer.save_checkpoint),
             ("model", "--save", args.save, trainer.export),
-            ("plot", "--plot", args.plot if losses else None, lambda p: _plot(p, steps, losses, title)))
+            ("plot", "--plot", args.plot if losses else None, lambda p: _plot(p, steps, losses, title, evaluated)))
     for label, option, path, write in jobs:
         if not path:
             continue

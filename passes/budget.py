@@ -17,6 +17,11 @@ work is starved to pay for another:
      kron_indep_in_diag / kron_indep_out_diag -> kron_indep_both_diag);
   2. statistics: the smallest period in STATS_PERIODS with sum stats / period <= B/4 base;
   3. inverses: the smallest period in INVERSE_PERIODS with sum inverse / period <= B/4 base.
+Before these, memory: a block whose training state (STATE_COPIES x its factors' bytes) does not
+fit `budget.memory_gb` (default: this machine's physical memory) has its widest full factor
+kept as its diagonal, step by step; where the user chose the approximation, or no step is
+left, compiling stops with one line naming the layer, the bytes and the approximation that
+fits (a 37 GB factor used to compile and then fail in numpy's allocation at training).
 Factors narrower than `budget.min_dim` (512) are never approximated, and the periods keep their
 defaults (1, 10) while every factor is that narrow: on such models a step's time goes to
 per-node costs, not FLOPs, and full K-FAC every step wins (the digits zoo, docs/runtime.md).
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kfac_compiler.blocks.base import FisherBlock
+from kfac_compiler.errors import ConfigError, human_bytes
 from kfac_compiler.ir import Layer
 
 STATS_PERIODS = (1, 2, 5, 10, 20, 50)
@@ -38,6 +44,7 @@ INVERSE_PERIODS = (10, 20, 50, 100, 200)
 REFERENCE_BATCH = 32  # budget.batch_size when neither the config nor `train --batch-size` gives one
 STATS_BATCH = 64  # the K-FAC default stats_batch_size (optimizers/kfac/settings.py)
 DEFAULT_PERIODS = (1, 10)  # statistics, inverses: the schedule while everything is small
+STATE_COPIES = 4  # a factor and its damped inverse, each in two buffers (runtime/state.py)
 
 # one diagonal step down per factor: approximation -> {factor: approximation without it full}
 DIAGONAL_STEPS: dict[str, dict[str, str]] = {
@@ -114,16 +121,20 @@ def fit_budget(
     inverse_period: int | None,
     method: str,
     allowed: Callable[[Layer, str], bool],
+    memory_bytes: int | None = None,
 ) -> BudgetResult:
     """Approximations and periods within the budget (module docstring). `make` builds a
     layer's block, `pinned` names the layers whose approximation the user chose, `allowed`
-    says whether an approximation is on a layer's menu; a period given (not None) is kept."""
+    says whether an approximation is on a layer's menu; a period given (not None) is kept;
+    `memory_bytes`: the memory a block's training state must fit in (None: unchecked)."""
     layers = list(layers)
+    notes: list[str] = []
+    if memory_bytes is not None:
+        layers = [_fit_memory(l, make, l.name in pinned, memory_bytes, allowed, notes) for l in layers]
     blocks = {l.name: make(l) for l in layers}
     costs = {n: block_cost(b, batch_size, method) for n, b in blocks.items()}
     base = 3 * sum(c.forward for c in costs.values())
     big = any(n >= min_dim for b in blocks.values() for n in _widths(b))
-    notes: list[str] = []
     on = overhead > 0 and base > 0
     index = {l.name: i for i, l in enumerate(layers)}
 
@@ -192,6 +203,37 @@ def fit_budget(
         "layers": {n: c.to_json() for n, c in costs.items()},
     }
     return BudgetResult(layers, s, r, summary, notes)
+
+
+def _state_bytes(block: FisherBlock) -> int:
+    return STATE_COPIES * sum(4 * _elements(s.shape) for s in block.factor_specs())
+
+
+def _fit_memory(layer: Layer, make: Callable[[Layer], FisherBlock], pinned: bool, memory: int,
+                allowed: Callable[[Layer, str], bool], notes: list[str]) -> Layer:
+    """`layer` with its widest full factors kept as diagonals until its block's training state
+    fits `memory` bytes; a ConfigError where the user chose its approximation or no diagonal
+    step is left (naming the approximation that fits, if one does)."""
+    need = _state_bytes(make(layer))
+    if need <= memory:
+        return layer
+    chosen, current = layer.approximation, layer
+    while _state_bytes(make(current)) > memory:
+        full = _full_factors(make(current))
+        steps = [(n, DIAGONAL_STEPS.get(current.approximation or "", {}).get(f)) for f, n in full.items()]
+        steps = [(n, t) for n, t in steps if t is not None and allowed(current, t)]
+        if not steps:
+            current = None
+            break
+        current = dataclasses.replace(current, approximation=max(steps, key=lambda s: s[0])[1])
+    what = (f"layer {layer.name!r}: {chosen} keeps {human_bytes(need)} of factors, inverses and their buffers, more than "
+            f"the {human_bytes(memory)} of memory the budget allows (budget.memory_gb)")
+    if pinned or current is None:
+        fix = f"use {current.approximation} (its state: {human_bytes(_state_bytes(make(current)))})" if current else \
+              "choose a diagonal approximation or exclude the layer's parameters"
+        raise ConfigError(f"{what}; {fix}")
+    notes.append(f"{what}: approximated as {current.approximation} ({human_bytes(_state_bytes(make(current)))})")
+    return current
 
 
 def _smallest(periods: tuple[int, ...], total: int, allowance: float) -> int:

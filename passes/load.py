@@ -7,7 +7,9 @@ unsupported opset, missing external-data file or one outside the model's folder,
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -71,6 +73,7 @@ def validate_model(model: onnx.ModelProto, output: str | None = None, source: st
             f"(convert with onnx.version_converter.convert_version(model, {max(min(opset, MAX_OPSET), MIN_OPSET)}))"
         )
     _check_structure(model, source)
+    _check_shapes(model, source)
     g = model.graph
     if not any(t.data_type in FLOAT_TYPES for t in g.initializer):
         raise ModelError(
@@ -110,9 +113,13 @@ def _check_structure(model: onnx.ModelProto, source: str) -> None:
     front end checks only what it relies on.)
     """
     g = model.graph
+    for t in g.initializer:
+        _check_initializer_size(t, source)
     defined = {i.name for i in g.input} | {t.name for t in g.initializer}
     defined |= {s.values.name for s in g.sparse_initializer}
     produced_later = {o for n in g.node for o in n.output if o}
+    inits = {t.name for t in g.initializer}
+    producers: dict[str, str] = {}
     for node in g.node:
         for name in node.input:
             if name and name not in defined:
@@ -121,7 +128,86 @@ def _check_structure(model: onnx.ModelProto, source: str) -> None:
                     f"{source!r} is not a valid ONNX model: input {name!r} of node "
                     f"{node.name or node.op_type!r} {where}"
                 )
+        label = node.name or node.op_type
+        for name in (o for o in node.output if o):
+            if name in producers or name in defined:
+                other = (f"node {producers[name]!r}" if name in producers
+                         else "an initializer" if name in inits else "a graph input")
+                raise ModelError(f"{source!r} is not a valid ONNX model: tensor {name!r} is an output of node "
+                                 f"{label!r} and of {other} (a tensor has one producer)")
+            producers[name] = label
         defined.update(o for o in node.output if o)
+
+
+# where the values of an initializer without raw_data are, per data type (onnx.proto3: the
+# 16-bit and smaller types are stored one per int32; complex types two floats per element)
+TYPED_FIELDS = {
+    onnx.TensorProto.FLOAT: ("float_data", 1), onnx.TensorProto.DOUBLE: ("double_data", 1),
+    onnx.TensorProto.INT64: ("int64_data", 1), onnx.TensorProto.UINT32: ("uint64_data", 1),
+    onnx.TensorProto.UINT64: ("uint64_data", 1), onnx.TensorProto.INT32: ("int32_data", 1),
+    onnx.TensorProto.INT16: ("int32_data", 1), onnx.TensorProto.INT8: ("int32_data", 1),
+    onnx.TensorProto.UINT16: ("int32_data", 1), onnx.TensorProto.UINT8: ("int32_data", 1),
+    onnx.TensorProto.BOOL: ("int32_data", 1), onnx.TensorProto.FLOAT16: ("int32_data", 1),
+    onnx.TensorProto.BFLOAT16: ("int32_data", 1), onnx.TensorProto.COMPLEX64: ("float_data", 2),
+    onnx.TensorProto.COMPLEX128: ("double_data", 2),
+}
+
+
+PACKED_TYPES = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+                if hasattr(onnx.TensorProto, n)}  # several values per byte
+
+
+def _check_initializer_size(t: onnx.TensorProto, source: str) -> None:
+    """The values an initializer holds match its dims: a lie is one line here, not a numpy
+    reshape traceback (or an allocation of the claimed size) wherever it is first read.
+    External data not loaded (a ModelProto passed without it) and types packed below a
+    byte are left to ONNX Runtime."""
+    if any(d < 0 for d in t.dims):
+        raise ModelError(f"{source!r}: initializer {t.name!r} has a negative dimension {list(t.dims)}; re-export "
+                         "the model")
+    if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type in PACKED_TYPES:
+        return
+    elements = math.prod(t.dims)
+    if t.HasField("raw_data"):
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            return
+        held, unit = len(t.raw_data), "bytes"
+        need = elements * itemsize
+    elif t.data_type in TYPED_FIELDS:
+        field, per = TYPED_FIELDS[t.data_type]
+        held, unit = len(getattr(t, field)), "values"
+        need = elements * per
+    else:
+        return
+    if held != need:
+        shape = "x".join(map(str, t.dims)) or "scalar"
+        raise ModelError(f"{source!r}: initializer {t.name!r} declares a {shape} tensor ({need} {unit}) but holds "
+                         f"{held} {unit}; re-export the model")
+
+
+STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+CONTRADICTION = re.compile(r"mismatch|incompatible", re.IGNORECASE)  # what strict inference says of two shapes
+
+
+def _check_shapes(model: onnx.ModelProto, source: str) -> None:
+    """Declared shapes that contradict the graph (an input declared 32 wide feeding a weight of
+    64 inputs) are one line naming the node, here, not an ONNX Runtime error when training
+    starts: ONNX's strict shape inference finds them. Graphs with ops of other domains (whose
+    shapes ONNX cannot infer) and models past protobuf's 2 GB are left to ONNX Runtime."""
+    if any(n.domain not in STANDARD_DOMAINS for n in model.graph.node):
+        return
+    try:
+        onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as e:
+        text = re.sub(r"\[\w+Error\]\s*|Inference error\(s\):\s*", "", " ".join(str(e).split()))
+        for op, node, why in re.findall(r"\(op_type:(\S+), node name: ([^)]*)\):\s*(.*?)(?=\s*\(op_type:|$)", text):
+            if CONTRADICTION.search(why):  # not an op whose output ONNX could not infer
+                raise ModelError(f"{source!r}: shapes that contradict each other at node {node!r} ({op}): "
+                                 f"{why[:200]}; fix the declared input or output shapes, or re-export the model") from None
+    except (ValueError, RuntimeError):  # past protobuf's 2 GB: serialized whole to be inferred
+        return
 
 
 def _check_looks_like_onnx(model: onnx.ModelProto, source: str) -> None:

@@ -8,6 +8,10 @@ final name; the next run writing that name removes the temp file a dead writer l
     slot_00000    the value of state slot meta["slots"][0] (parameters, velocity/<p>,
     slot_00001    adam_m/<p>, adam_v/<p>, factor/<layer>/<f>, inverse/<layer>/<i>), ...
 
+A multi-tensor update's flat slots (velocity/*, adam_m/*, adam_v/*; optimizers/multi_tensor.py)
+are stored as the per-parameter slots they concatenate and joined again on loading, so a
+checkpoint resumes in either layout.
+
 meta = {"format": "kfac_compiler.checkpoint", "version": 1,
         "plan": {"schema_version", "fingerprint", "layers", "params"},
         "optimizer": "kfac", "knobs": {...resolved optimizer config...}, "seed": 0,
@@ -33,9 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kfac_compiler.atomic import write_file
-from kfac_compiler.contract import GRAD_VELOCITY, parse_slot
-from kfac_compiler.errors import CheckpointError, KfacError, OutputError, npz_reason, one_line, os_errors
+from kfac_compiler.atomic import file_target_problem, write_file
+from kfac_compiler.contract import GRAD_VELOCITY, flat_kind, parse_slot
+from kfac_compiler.errors import CheckpointError, CorruptEntry, KfacError, OutputError, npz_reason, one_line, os_errors
+from kfac_compiler.npz_files import read_entry
+from kfac_compiler.optimizers.multi_tensor import join_flat, split_flat
+from kfac_compiler.parsing import nesting_checked
 from kfac_compiler.plan import Plan
 
 if TYPE_CHECKING:
@@ -55,8 +62,9 @@ def _atomic(path: str, write, error: type[KfacError] = CheckpointError, what: st
     (kfac_compiler.atomic.write_file): the old file survives any failure. An unwritable path
     or a full disk is a one-line `error` naming `what`."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise error(f"cannot write {what} {path!r}: it is a directory; give a file path")
+    problem = file_target_problem(path)
+    if problem:
+        raise error(f"cannot write {what} {path!r}: it {problem}")
     with os_errors(error, what, path, writing=True):
         write_file(path, write)
 
@@ -94,10 +102,52 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- save / load
+def _flat_kind(trainer: Trainer, slot: str) -> str | None:
+    """The kind of a flat slot (`adam_m/*`: "adam_m"), None for any other slot (a parameter
+    named so included)."""
+    return None if slot in trainer.params else flat_kind(slot)
+
+
+def _param_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
+    return {p: tuple(trainer.store.spec(p)[0]) for p in trainer.params}
+
+
+def stored_state(trainer: Trainer) -> dict[str, np.ndarray]:
+    """The trainer's state slots as a checkpoint stores them: each flat slot as the
+    per-parameter slots it concatenates."""
+    out: dict[str, np.ndarray] = {}
+    for s in trainer.store.slots():
+        kind = _flat_kind(trainer, s)
+        if kind is None:
+            out[s] = trainer.store.to_numpy(s)
+        else:
+            out.update({f"{kind}/{p}": v for p, v in split_flat(trainer.store.to_numpy(s), _param_shapes(trainer)).items()})
+    return out
+
+
+def _join_flat_slots(trainer: Trainer, values: dict[str, np.ndarray], path: str) -> dict[str, np.ndarray]:
+    """`values` (per-parameter slots) with those of each flat slot the trainer has joined into it."""
+    shapes = _param_shapes(trainer)
+    for s in trainer.store.slots():
+        kind = _flat_kind(trainer, s)
+        names = {p: f"{kind}/{p}" for p in shapes}
+        if kind is None or s in values or not all(n in values for n in names.values()):
+            continue  # a missing per-parameter slot: reported as the flat slot missing
+        parts = {p: values[n] for p, n in names.items()}
+        try:
+            values[s] = join_flat(parts, shapes).astype(next(iter(parts.values())).dtype)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path!r}: slot {kind}/{e}") from None
+        for n in names.values():
+            del values[n]
+    return values
+
+
 def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> str:
     path = os.fspath(path)
-    slots = trainer.store.slots()
-    arrays = {f"slot_{i:05d}": trainer.store.to_numpy(s) for i, s in enumerate(slots)}
+    state = stored_state(trainer)
+    slots = list(state)
+    arrays: dict[str, Any] = {f"slot_{i:05d}": state[s] for i, s in enumerate(slots)}
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -153,10 +203,10 @@ def _open(path: str | os.PathLike):
 def _read(z, key: str, path: str) -> np.ndarray:
     """Entry `key` of the open checkpoint (its CRC checked by zipfile as it is read)."""
     try:
-        return z[key]
+        return read_entry(z, key)
     except _READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {path!r} is corrupt: entry {key!r} ({npz_reason(e)}); "
-                              "use an earlier copy") from None
+        reason = str(e) if isinstance(e, CorruptEntry) else f"entry {key!r} ({npz_reason(e)})"
+        raise CheckpointError(f"checkpoint {path!r} is corrupt: {reason}; use an earlier copy") from None
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -168,7 +218,7 @@ def _meta(z, path: str) -> dict[str, Any]:
     if "__meta__" not in z.files:
         raise CheckpointError(f"{path!r} is not a kfac_compiler checkpoint (no __meta__ entry)")
     try:
-        meta = json.loads(bytes(_read(z, "__meta__", path)).decode("utf-8"))
+        meta = nesting_checked(lambda: json.loads(bytes(_read(z, "__meta__", path)).decode("utf-8")))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {path!r} has corrupt metadata ({one_line(e)})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -276,6 +326,7 @@ def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
             if key not in z.files:
                 raise CheckpointError(f"checkpoint {path!r} is missing state slot {s!r}")
             values[s] = _read(z, key, path)
+    values = _join_flat_slots(trainer, values, path)
     missing = [s for s in trainer.store.slots() if s not in values]
     fresh = [s for s in missing if parse_slot(s).kind == GRAD_VELOCITY]
     if len(fresh) < len(missing):

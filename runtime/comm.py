@@ -22,6 +22,7 @@ from kfac_compiler.errors import ConfigError, KfacError
 
 # environment variables a launcher sets to the number of ranks (Open MPI, MPICH/Hydra, PMIx)
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")  # ... to this rank
 T = TypeVar("T")
 INSTALL_HINT = "pip install 'kfac_compiler[mpi]' (mpi4py and Open MPI from PyPI)"
 
@@ -37,6 +38,15 @@ def launched_ranks() -> int:
         if value.isdigit():
             return int(value)
     return 1
+
+
+def launched_rank() -> int:
+    """This process's rank among those the MPI launcher started (0 when not under one)."""
+    for var in RANK_VARIABLES:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def mpi():

@@ -25,6 +25,7 @@ from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import DataError, npz_reason, os_errors
 from kfac_compiler.losses import Loss
+from kfac_compiler.npz_files import read_entry
 
 if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
@@ -338,7 +339,7 @@ def load_npz(path: str, targets: Mapping[str, str] | None = None) -> tuple[dict[
             if not isinstance(z, np.lib.npyio.NpzFile):
                 raise DataError(f"data file {path!r} is a single .npy array, not an .npz of named arrays")
             with z:
-                arrays = {k: z[k] for k in z.files}
+                arrays = {k: read_entry(z, k) for k in z.files}
     except (zipfile.BadZipFile, zlib.error, ValueError, EOFError) as e:  # not an npz, truncated, CRC, pickled
         raise DataError(f"data file {path!r} is not a readable .npz ({npz_reason(e)})") from None
     if targets is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +190,25 @@ def device_from_providers(providers: Sequence) -> Device:
     if names and names[0] == CUDA_EP:
         return Device("cuda", tuple(providers))
     return Device("cpu", tuple(providers))
+
+
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def capped_threads(threads: int) -> int:
+    """An intra-op thread count of at most the usable CPUs, with a warning when capped: more
+    threads than CPUs only time-slice (10**6 threads spend minutes being created)."""
+    cpus = usable_cpus()
+    if threads > cpus:
+        warnings.warn(f"threads {threads} exceeds the {cpus} CPUs this process may run on; using {cpus}",
+                      stacklevel=3)
+        return cpus
+    return threads
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,27 +18,45 @@ trainer: `trainer.damping` is `trainer.policy.damping` for K-FAC.
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import onnx
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
+from kfac_compiler.graph import SOURCE_FLOAT_KEY, with_float_type
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
 from kfac_compiler.requests import Request
 from kfac_compiler.runtime.comm import agreed, as_communicator
 from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
-from kfac_compiler.runtime.device import get_device
+from kfac_compiler.runtime.device import capped_threads, get_device
 from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, mean_factors
 from kfac_compiler.runtime.inverses import InverseRefresher
 from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _serialized(method: F) -> F:
+    """One call at a time per Trainer, from any thread: a step reads and flips the
+    double-buffered state, so two threads stepping at once would mix their buffers silently.
+    The calls then run as if made one after another."""
+
+    @functools.wraps(method)
+    def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class Trainer:
@@ -77,6 +95,7 @@ class Trainer:
             knobs["momentum"] = momentum
         self.plan = plan
         self.optimizer = optimizer
+        self._lock = threading.RLock()  # _serialized's
         self.config = make_config(optimizer, plan, **knobs)
         self.device = get_device(device)
         self.comm = as_communicator(comm)
@@ -201,6 +220,7 @@ class Trainer:
         rows = array.shape[0] // self.ranks
         return array[self.rank * rows:(self.rank + 1) * rows]
 
+    @_serialized
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
         """One optimizer step on a batch; returns host-float metrics. `weights`: optional
         per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
@@ -221,11 +241,13 @@ class Trainer:
             means = self.comm.mean([np.float32(metrics[k]) for k in names], "metrics")
             metrics.update({k: float(v) for k, v in zip(names, means)})
 
+    @_serialized
     def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
         """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""
         return self.policy.burn_in(agreed(self.comm, lambda: self._prepare(inputs, targets)))
 
     # ------------------------------------------------------------------ evaluation
+    @_serialized
     def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
         """Mean loss and the loss's metrics (Loss.metrics, e.g. softmax cross-entropy's
         accuracy) at the current parameters."""
@@ -252,6 +274,7 @@ class Trainer:
         metrics.update({name: value / count for name, (value, count) in sums.items()})
         return metrics
 
+    @_serialized
     def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:
         """The model output at the current parameters (runs the plan's model with them); with
         several loss heads a dict {head output: array}."""
@@ -271,12 +294,15 @@ class Trainer:
         return self.loss.prediction(sess.run([self.plan.output], feeds)[0])
 
     # ------------------------------------------------------------------ parameters
+    @_serialized
     def parameters(self) -> dict[str, np.ndarray]:
         return {p: self.store.to_numpy(p) for p in self.params}
 
+    @_serialized
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         self.store.set_parameters(self.params, values)
 
+    @_serialized
     def state(self) -> dict[str, np.ndarray]:
         """Every device state slot, copied to the host."""
         return self.store.state_dict()
@@ -304,8 +330,9 @@ class Trainer:
                 new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
                 model.graph.initializer[i].CopyFrom(new)
         _expose_outputs(model, self.loss.output_names(self.plan.output))
-        return model
+        return _in_source_float_type(model)
 
+    @_serialized
     def export(self, path: str | os.PathLike) -> str:
         """Write the plan's model with the trained weights (and the running statistics the
         steps updated) as initializers (atomic)."""
@@ -317,6 +344,7 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ checkpoints
+    @_serialized
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         from kfac_compiler.runtime.checkpoint import save_checkpoint
 
@@ -338,6 +366,7 @@ class Trainer:
         """A host scalar's mean over the ranks (itself in one process)."""
         return value if self.comm is None else float(self.comm.mean([np.float32(value)], "scalars")[0])
 
+    @_serialized
     def restore(self, path: str | os.PathLike) -> Trainer:
         from kfac_compiler.runtime.checkpoint import restore_checkpoint
 
@@ -405,8 +434,21 @@ class Trainer:
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
 
 
+def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The trained model in the float type its source came in (the front end trains a
+    float16, bfloat16 or float64 model in float32: frontend._as_float32)."""
+    props = {p.key: p.value for p in model.metadata_props}
+    source = props.pop(SOURCE_FLOAT_KEY, None)
+    if source is None:
+        return model
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    return with_float_type(model, onnx.TensorProto.DataType.Value(source), {onnx.TensorProto.FLOAT})
+
+
 def _check_threads(threads: Any) -> int:
-    return check_int(threads, "threads", low=1)
+    return capped_threads(check_int(threads, "threads", low=1))
 
 
 def _expose_outputs(model: onnx.ModelProto, names: list[str]) -> None:

@@ -131,3 +131,32 @@ def test_the_trainer_runs_the_chosen_schedule_and_trains():
         stats.append(m["stats"])
     assert stats[: s + 1] == [1.0] + [0.0] * (s - 1) + [1.0]  # statistics at steps 0 and s only
     assert losses[-1] < 0.5 * losses[0]
+
+
+# --------------------------------------------------------------------------- memory
+def _mlp_plan(**config):
+    e = ZOO["mlp_classifier"]
+    return kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False, config=config)
+
+
+def test_a_block_whose_state_does_not_fit_the_memory_budget_becomes_diagonal_step_by_step():
+    """fc1 (64 inputs + bias, 128 outputs): kron holds A 65x65 and G 128x128 in float32, each
+    with its inverse and both double-buffered: 4 x 4 x (65^2 + 128^2) = 329,744 bytes; the
+    widest full factor (G) becomes its diagonal first: 4 x 4 x (65^2 + 128) = 69,648 bytes."""
+    plan = _mlp_plan(budget={"memory_gb": 2e-4})  # 200,000 bytes
+    approx = {layer.name: layer.approximation for layer in plan.layers}
+    assert approx["fc1"] == "kron_out_diag"
+    assert ("layer 'fc1': kron keeps 322.0 KiB of factors, inverses and their buffers, more than the 195.3 KiB of "
+            "memory the budget allows (budget.memory_gb): approximated as kron_out_diag (68.0 KiB)") in plan.notes
+    assert 4 * 4 * (65**2 + 128**2) == 329_744 and 4 * 4 * (65**2 + 128) == 69_648
+    assert _mlp_plan(budget={"memory_gb": 1.0}).layers[0].approximation == "kron"
+
+
+def test_a_chosen_approximation_that_does_not_fit_is_refused_with_one_that_does():
+    with pytest.raises(kc.KfacError) as got:
+        _mlp_plan(budget={"memory_gb": 2e-4}, layers={"fc1": "kron"})
+    assert str(got.value) == ("layer 'fc1': kron keeps 322.0 KiB of factors, inverses and their buffers, more than the "
+                              "195.3 KiB of memory the budget allows (budget.memory_gb); use kron_out_diag (its "
+                              "state: 68.0 KiB)")
+    with pytest.raises(kc.KfacError, match="choose a diagonal approximation or exclude the layer's parameters"):
+        _mlp_plan(budget={"memory_gb": 1e-6})

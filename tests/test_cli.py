@@ -36,6 +36,16 @@ def test_compile_and_inspect(tmp_path, models, capsys):
     lines = table.splitlines()
     assert any(l.startswith("fc1 ") and "fully_connected" in l and "kron" in l for l in lines)
     assert any(l.startswith("total (3 layers)") for l in lines)
+    # one inverse method for every layer: said once in the header, not in a column on every row
+    assert lines[3] == "inverses:  auto: schur (graph) on CPU and CUDA, every 10 steps"
+    assert sum("schur" in l for l in lines) == 1
+    assert next(l for l in lines if l.startswith("layer ")).split() == [
+        "layer", "kind", "params", "uses", "approximation", "factors", "bytes"]
+    assert all(len(l) <= 100 for l in lines[1:])  # 100 columns by default
+    assert main(["inspect", str(out), "--wide"]) == 0  # every column
+    wide = capsys.readouterr().out.splitlines()
+    assert next(l for l in wide if l.startswith("layer ")).split()[-6:] == [
+        "stats", "FLOP/ex", "inverse", "FLOP", "precond", "FLOP"]
 
     assert main(["inspect", str(out), "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -231,7 +241,7 @@ def test_unsupported_op_error_names_parameters_to_exclude(tmp_path, capsys):
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    inits = {"enc.weight": rng.standard_normal((3, 4, 3, 3)), "head.weight": rng.standard_normal((4 * 6 * 6, 5)),
+    inits = {"enc.weight": rng.standard_normal((4, 3, 3, 3)), "head.weight": rng.standard_normal((4 * 6 * 6, 5)),
              "head.bias": np.zeros(5)}
     nodes = [helper.make_node("Conv", ["input", "enc.weight"], ["c"], name="enc", pads=[1, 1, 1, 1]),
              helper.make_node("LRN", ["c"], ["n"], name="enc/lrn", size=3),

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
+from kfac_compiler import contract as C
 from kfac_compiler import linalg
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Curvature, Trainer
+from kfac_compiler.runtime.checkpoint import stored_state
 from kfac_compiler.runtime.device import CUDA_EP, PROFILE_ENV, cuda_status
 from kfac_compiler.runtime.ort_profile import read_profile
 
@@ -133,6 +135,24 @@ def test_checkpoint_moves_between_devices(tmp_path):
         np.testing.assert_array_equal(on_cpu.state()[k], v)
     losses = {d: [t.step(*batch(inputs, y, s, 64))["loss"] for s in range(3, 6)] for d, t in
               (("cpu", on_cpu), ("cuda", on_gpu))}
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
+
+
+def test_adam_checkpoint_moves_between_devices_and_update_layouts(tmp_path):
+    """On CUDA Adam's update is multi-tensor (flat moment slots) by default, on the CPU per
+    parameter: a checkpoint of one resumes on the other."""
+    plan, inputs, y = zoo_plan("mlp_classifier")
+    tr = Trainer(plan, optimizer="adam", device="cuda", seed=0, batch_size=64)
+    assert C.flat(C.ADAM_M) in tr.store
+    for s in range(3):
+        tr.step(*batch(inputs, y, s, 64))
+    path = tr.save_checkpoint(tmp_path / "ck.npz")
+    on_cpu = Trainer.load_checkpoint(path, plan, device="cpu", batch_size=64)
+    assert C.adam_m(tr.params[0]) in on_cpu.store
+    for k, v in stored_state(tr).items():
+        np.testing.assert_array_equal(stored_state(on_cpu)[k], v)
+    losses = {d: [t.step(*batch(inputs, y, s, 64))["loss"] for s in range(3, 6)] for d, t in
+              (("cpu", on_cpu), ("cuda", tr))}
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
 
 

@@ -100,6 +100,15 @@ def test_four_ranks_take_the_one_process_steps(tmp_path, config):
         assert sorted(l for r in ranks for l in r["owned"]) == sorted(owners)
 
 
+@pytest.mark.slow
+def test_two_ranks_take_the_one_process_multi_tensor_adam_steps(tmp_path):
+    """The multi-tensor update concatenates the gradients after their reduction point: the
+    cut step's second stage reads the ranks' means per parameter, as the per-parameter one."""
+    config = {"model": "mlp_classifier", "optimizer": "adam", "steps": 4, "batch": 64, "seed": 0,
+              "knobs": {"multi_tensor": True}}
+    assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=3e-4)
+
+
 def test_owners_balance_the_refresh_cost():
     """Longest processing time first, by hand: 9 -> rank 0, 7 -> 1, 6 -> 2, 5 -> 2 (load 11),
     5 -> 1 (12), 4 -> 0 (13); the dearest rank carries 13 of the optimum 12 (<= 4/3)."""

@@ -207,6 +207,42 @@ def test_ctrl_c_during_a_checkpoint_write_stops_cleanly(tmp_path):
     assert strays_in(str(tmp_path), [], [str(ckpt), str(metrics)]) == []
 
 
+# =========================================================================== SIGTERM / SIGHUP mid-write
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [("TERM", 143), ("HUP", 129)])
+def test_a_scheduler_stop_during_a_checkpoint_write_stops_cleanly(tmp_path, sig, code):
+    """SIGTERM (SLURM, Kubernetes, docker stop) or SIGHUP while the 3rd checkpoint is being
+    written: the step boundary as for Ctrl-C, the checkpoint whole, the shell's exit code."""
+    ckpt, metrics = tmp_path / "run.ckpt", tmp_path / "steps.csv"
+    r = run_subprocess(["train", "--steps", "50", "-q", "--checkpoint", ckpt, "--checkpoint-every", "1",
+                        "--metrics", metrics], str(tmp_path), kill_on="fsync:3", sig=sig)
+    j = Judge()
+    j.error_line(r, [f"stopped by SIG{sig} at step"], code=code, prefix="")
+    assert not j.problems, j.problems
+    meta, _ = read_checkpoint(str(ckpt))
+    assert meta["host"]["step_count"] == len(metrics_rows(str(metrics))) >= 3
+    assert strays_in(str(tmp_path), [], [str(ckpt), str(metrics)]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_on", ["mkdir:1", "fsync:2", "rename:1"])
+def test_sigterm_during_compile_leaves_no_lock_temp_or_half_plan(tmp_path, kill_on):
+    """SIGTERM mid-compile (default action: death, leaving the plan lock and the temp folder)
+    unwinds the command: one line, exit 143, no plan or a whole one, nothing of ours left."""
+    from kfac_compiler.plan import load_plan
+
+    model = ASSETS.copy(ASSETS.model(), str(tmp_path / "model.onnx"))
+    plan = tmp_path / "plan"
+    r = run_subprocess(["compile", model, "--loss", "softmax_cross_entropy", "--output", "logits", "-q", "-o", plan],
+                       str(tmp_path), kill_on=kill_on, sig="TERM")
+    j = Judge()
+    j.error_line(r, ["stopped by SIGTERM"], code=143, prefix="")
+    assert not j.problems, (j.problems, r.err)
+    if plan.exists():
+        load_plan(str(plan))
+    assert strays_in(str(tmp_path), [], [str(plan), model]) == []
+
+
 # =========================================================================== fuzz
 FAST_N = {"checkpoint byte flips": 8, "checkpoint truncations": 6, "checkpoint metadata edits": 6,
           "checkpoint slot edits": 4, "plan.json edits": 8, "plan.json flips and truncations": 8,

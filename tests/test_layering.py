@@ -12,7 +12,7 @@ FOLDERS = {"kfac_compiler": "kfac_compiler", "passes": "kfac_compiler.passes", "
            "models": "kfac_compiler.models"}
 PACKAGES = ("backend", "blocks", "oprules", "passes", "patterns", "losses", "optimizers", "runtime", "linalg", "models")
 COMPILER = {"backend", "blocks", "oprules", "passes", "patterns", "frontend"}  # the compiler's internals
-CORE = {"errors", "parsing", "contract", "requests", "graph", "builder", "ir", "onnx_files", "atomic"}
+CORE = {"errors", "parsing", "contract", "requests", "graph", "builder", "ir", "onnx_files", "atomic", "npz_files"}
 
 # Who may import whom at module level (docs/architecture.md's table); a unit is a package of
 # kfac_compiler or one of its top-level modules. The drivers (kfac_compiler/__init__, cli,

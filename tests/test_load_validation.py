@@ -365,3 +365,70 @@ def test_a_stored_subgraphs_state_specs_edited_is_one_line_at_training(emitted, 
     assert "\n" not in text and why in text
     assert text.startswith("the plan's subgraph 'kfac_step' disagrees with its entry in plan.json (")
     assert text.endswith("; recompile the plan")
+
+
+# --------------------------------------------------------------------------- lying models
+def _mlp() -> onnx.ModelProto:
+    return ZOO["mlp_classifier"].build(seed=0)
+
+
+def _first_weight(m: onnx.ModelProto) -> onnx.TensorProto:
+    return next(t for t in m.graph.initializer if len(t.dims) == 2)
+
+
+def _lie_raw(m):  # dims claim 1000x the rows its raw_data holds
+    _first_weight(m).dims[0] *= 1000
+
+
+def _lie_huge(m):  # a 40 TB claim must not be allocated
+    t = _first_weight(m)
+    t.dims[:] = [10**7, 10**6]
+
+
+def _lie_typed(m):  # values in float_data instead of raw_data, one missing
+    t = _first_weight(m)
+    values = onnx.numpy_helper.to_array(t).reshape(-1)
+    t.ClearField("raw_data")
+    t.float_data.extend(values[:-1].tolist())
+
+
+def _two_producers(m):
+    g = m.graph
+    g.node[1].output[0] = g.node[0].output[0]
+
+
+def _produces_an_initializer(m):
+    m.graph.node[0].output[0] = _first_weight(m).name
+
+
+def _input_narrower_than_its_weight(m):  # the input declared 32 wide; fc1's weight takes 64
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 32
+
+
+@pytest.mark.parametrize("edit,want", [
+    (_lie_raw, ": initializer 'fc1.weight' declares a 128000x64 tensor (32768000 bytes) but holds 32768 bytes; "
+               "re-export the model"),
+    (_lie_huge, ": initializer 'fc1.weight' declares a 10000000x1000000 tensor (40000000000000 bytes) but holds "
+                "32768 bytes; re-export the model"),
+    (_lie_typed, ": initializer 'fc1.weight' declares a 128x64 tensor (8192 values) but holds 8191 values; "
+                 "re-export the model"),
+    (_two_producers, " is not a valid ONNX model: tensor '{out}' is an output of node '{second}' and of node "
+                     "'{first}' (a tensor has one producer)"),
+    (_produces_an_initializer, " is not a valid ONNX model: tensor 'fc1.weight' is an output of node '{first}' "
+                               "and of an initializer (a tensor has one producer)"),
+    (_input_narrower_than_its_weight, ": shapes that contradict each other at node 'fc1/Gemm' (Gemm): Dimension "
+                                      "mismatch in unification between 64 and 32; fix the declared input or output "
+                                      "shapes, or re-export the model"),
+], ids=["raw-data", "40-TB", "typed-field", "two-producers", "produces-an-initializer", "input-shape"])
+def test_models_that_contradict_themselves_are_one_line(tmp_path, capsys, edit, want):
+    m = _mlp()
+    g = m.graph
+    names = {"out": g.node[0].output[0], "first": g.node[0].name or g.node[0].op_type,
+             "second": g.node[1].name or g.node[1].op_type}
+    edit(m)
+    path = tmp_path / "m.onnx"
+    onnx.save(m, str(path))
+    code = main(["compile", str(path), "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "plan")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"error: {str(path)!r}{want.format(**names)}\n", err
+    assert not (tmp_path / "plan").exists()

@@ -151,6 +151,66 @@ def test_a_bug_on_one_rank_aborts_every_rank(tmp_path):
     assert [r["step"] for r in rows(metrics)] == ["0", "1"]  # rank 0 wrote the steps before
 
 
+# rank 1 gets other arguments than rank 0 (a job script that differs per rank)
+OTHER_ARGS = """\
+import os, sys
+from kfac_compiler.train_cli import main
+argv = sys.argv[1:]
+if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK")) == "1":
+    argv += {extra!r}
+sys.exit(main(argv))
+"""
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--steps", "3"], "error: rank 1: --steps 3 differs from rank 0's 4; every rank must run the same command on the "
+                       "same data"),
+    (["--optimizer", "sgd", "--learning-rate", "0.1"], "error: rank 1: --learning-rate 0.1 differs from rank 0's "
+                                                        "None; every rank must run the same command on the same data"),
+    (["--seed", "1"], "error: rank 1: --seed 1 differs from rank 0's 0; every rank must run the same command on the "
+                      "same data"),
+], ids=["steps", "optimizer", "seed"])
+def test_ranks_with_other_options_stop_with_one_line_instead_of_hanging(tmp_path, extra, line):
+    """Was: other --steps or --optimizer hung for ever, other --seed trained apart to rc 0."""
+    script = tmp_path / "other_args.py"
+    script.write_text(OTHER_ARGS.format(extra=extra))
+    out = run_ranks(2, [sys.executable, str(script), "train", "--steps", "4", "--batch-size", "64", "-q"],
+                    env={"PYTHONPATH": ROOT}, timeout=120)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    assert ours(out.stderr) == [line]
+
+
+def test_ranks_with_other_data_stop_with_one_line(tmp_path):
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        np.savez(tmp_path / f"{name}.npz", input=rng.normal(size=(64, 64)).astype(np.float32),
+                 targets=rng.integers(0, 10, 64))
+    script = tmp_path / "other_data.py"
+    script.write_text(OTHER_ARGS.format(extra=["--data", str(tmp_path / "b.npz")]))
+    out = run_ranks(2, [sys.executable, str(script), "train", "--steps", "2", "--batch-size", "64", "-q",
+                        "--data", str(tmp_path / "a.npz")], env={"PYTHONPATH": ROOT}, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    (got,) = ours(out.stderr)
+    assert got.startswith("error: rank 1: --data ") and "differs from rank 0's" in got
+
+
+def test_compile_and_inspect_under_mpirun_run_on_rank_0_alone(tmp_path):
+    """Was: two ranks raced on the plan folder (rc 2, sometimes no plan and a stale lock) and
+    inspect printed two JSON documents."""
+    from kfac_compiler.models import save_model
+
+    model = save_model("mlp_classifier", tmp_path / "m.onnx")
+    plan = tmp_path / "plan"
+    cli = [sys.executable, "-m", "kfac_compiler.cli"]
+    out = run_ranks(2, [*cli, "compile", str(model), "--loss", "softmax_cross_entropy", "-q", "-o", str(plan)],
+                    timeout=120)
+    assert out.returncode == 0 and ours(out.stderr) == [], out.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "plan"]
+    out = run_ranks(2, [*cli, "inspect", str(plan), "--format", "json"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["layers"]  # one document
+
+
 @pytest.mark.slow
 def test_a_kfac_error_on_one_rank_aborts_with_one_line(tmp_path):
     script = tmp_path / "inject.py"

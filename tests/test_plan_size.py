@@ -16,7 +16,8 @@ from kfac_compiler.backend import emit_subgraph
 VARIANTS = [("loss", {}), ("gradients", {}), ("statistics", {}), ("precondition", {}), ("multiply", {}),
             ("multiply", {"exp": 2}), ("inverse_update", {"method": "newton_schulz"}),
             ("inverse_update", {"method": "schur"}), ("kfac_step", {"with_stats": True, "stats_if": True}),
-            ("sgd_step", {}), ("adam_step", {})]
+            ("sgd_step", {"multi_tensor": False}), ("adam_step", {"multi_tensor": False}),
+            ("sgd_step", {"multi_tensor": True}), ("adam_step", {"multi_tensor": True})]
 
 
 def wide_conv_model(path, width: int) -> str:

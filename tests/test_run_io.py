@@ -300,6 +300,39 @@ def test_outputs_through_symlinks_and_devices(tmp_path, capsys):
                                              "socket); give a file path")
 
 
+
+def test_the_api_refuses_devices_pipes_and_sockets_as_outputs(tmp_path):
+    """Trainer.export and save_checkpoint check their target as the command line does: a
+    device, a FIFO or a socket stays what it was (replacing it would destroy it)."""
+    import socket
+
+    import kfac_compiler as kc
+    from kfac_compiler.errors import CheckpointError, OutputError
+
+    e = ZOO["mlp_classifier"]
+    tr = Trainer(kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False), optimizer="sgd")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock_path = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    try:
+        for target in ("/dev/null", str(fifo), str(sock_path)):
+            kind = os.stat(target).st_mode
+            reason = "is not a regular file (a device, pipe or socket); give a file path"
+            with pytest.raises(OutputError) as got:
+                tr.export(target)
+            assert str(got.value) == f"cannot write the trained model {target!r}: it {reason}"
+            with pytest.raises(CheckpointError) as got:
+                tr.save_checkpoint(target)
+            assert str(got.value) == f"cannot write the checkpoint {target!r}: it {reason}"
+            assert os.stat(target).st_mode == kind
+        with pytest.raises(CheckpointError, match="is a folder; give a file path"):
+            tr.save_checkpoint(tmp_path)
+    finally:
+        sock.close()
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "sock"]
+
 RACE = r"""
 import os, sys, warnings
 from kfac_compiler import locks
@@ -489,19 +522,26 @@ def _wait_rows(path, n: int, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def test_ctrl_c_stops_at_a_step_boundary_writes_everything_and_resumes(tmp_path, capsys):
+STOPS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM"),
+         (signal.SIGHUP, 129, "stopped by SIGHUP")]
+
+
+@pytest.mark.parametrize("signum,code,said", STOPS, ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_stops_at_a_step_boundary_writes_everything_and_resumes(tmp_path, capsys, signum, code, said):
+    """Ctrl-C, and SIGTERM (SLURM, Kubernetes, docker stop, timeout) and SIGHUP the same way:
+    the step in progress ends, what was asked is written, one line, the shell's exit code."""
     metrics, model, ck = tmp_path / "m.csv", tmp_path / "s.onnx", tmp_path / "c.ckpt"
 
     def interrupt():
         _wait_rows(metrics, 3)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signum)
 
     threading.Thread(target=interrupt, daemon=True).start()
-    code, out, err = run(["train", "--steps", "100000", "--batch-size", "64", "-q", "--metrics", str(metrics),
+    got, out, err = run(["train", "--steps", "100000", "--batch-size", "64", "-q", "--metrics", str(metrics),
                           "--save", str(model), "--checkpoint", str(ck)], capsys)
-    assert code == 130, err
+    assert got == code, err
     k = read_meta(ck)["host"]["step_count"]
-    assert err.strip().splitlines()[-1] == f"interrupted at step {k}; checkpoint written to {ck}"
+    assert err.strip().splitlines()[-1] == f"{said} at step {k}; checkpoint written to {ck}"
     assert rows(metrics) == list(range(k)) and k >= 3
     onnx.checker.check_model(onnx.load(str(model)))
     assert ours(tmp_path) == []

@@ -40,6 +40,7 @@ def test_kfac_jax_mode_names_in_config_and_knobs():
     ("initial_damping", "damping", 0.01), ("weight_decay", "l2_reg", 1e-4), ("curvature_ema", "cov_ema_decay", 0.8),
     ("covariance_ema_decay", "cov_ema_decay", 0.8), ("curvature_update_period", "cov_update_period", 3),
     ("inverse_update_period", "inv_update_period", 7), ("num_burnin_steps", "burn_in_steps", 2),
+    ("cov_update_every", "cov_update_period", 3), ("invert_every", "inv_update_period", 7),
     ("num_estimator_samples", "num_samples", 2), ("use_adaptive_damping", "adapt_damping", False),
     ("use_adaptive_learning_rate", "use_qmodel", True), ("damping_schedule", "damping", "0.1@0,0.01@10"),
 ])

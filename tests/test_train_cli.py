@@ -130,3 +130,71 @@ def test_unknown_model_and_missing_matplotlib_message(tmp_path, capsys):
     else:
         code, out, err = run(["--steps", "3", "--plot", str(tmp_path / "p.png"), "-q"], capsys)
         assert code == 0 and os.path.getsize(tmp_path / "p.png") > 0
+
+
+# --------------------------------------------------------------------------- held-out evaluation
+def _held_out_loss(model_path, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Mean softmax cross-entropy and accuracy of the saved model on (x, y), in numpy: the
+    independent truth for the CLI's eval_loss."""
+    sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    (logits,) = sess.run(None, {"input": x.astype(np.float32)})
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return float(-logp[np.arange(len(y)), y].mean()), float((logits.argmax(axis=1) == y).mean())
+
+
+def test_holdout_evaluates_the_held_out_rows_and_trains_on_the_rest(tmp_path, capsys):
+    from kfac_compiler.train_cli import validation_split
+
+    metrics, model = tmp_path / "m.csv", tmp_path / "trained.onnx"
+    code, out, err = run(["mlp_classifier", "--steps", "12", "--batch-size", "64", "--val-split", "0.25",
+                          "--eval-every", "5", "--metrics", str(metrics), "--save", str(model), "-q"], capsys)
+    assert code == 0, err
+    rows = list(csv.DictReader(open(metrics)))
+    assert list(rows[0])[-2:] == ["eval_loss", "eval_accuracy"]
+    assert [int(r["step"]) for r in rows if r["eval_loss"]] == [4, 9, 11]  # every 5 steps, and the last
+    x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
+    train, ty, (hx, hy) = validation_split(x, y, 0.25, seed=0)
+    assert len(hy) == 450 and len(ty) == 1347  # ceil(0.25 x 1797) held out
+    assert not set(map(bytes, hx["input"])) & set(map(bytes, train["input"][:200]))
+    loss, acc = _held_out_loss(model, hx["input"], hy)
+    assert float(rows[-1]["eval_loss"]) == pytest.approx(loss, rel=1e-5)
+    assert float(rows[-1]["eval_accuracy"]) == pytest.approx(acc)
+    assert f"held-out loss {float(rows[-1]['eval_loss']):.6f} accuracy {acc:.4f}" in out
+    train_line = next(l for l in out.splitlines() if l.startswith("final train loss"))
+    assert float(train_line.split()[3]) == pytest.approx(_held_out_loss(model, train["input"], ty)[0], rel=1e-5)
+
+
+def test_eval_data_file_and_resume_keep_the_columns(tmp_path, capsys):
+    x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
+    ev = tmp_path / "held.npz"
+    np.savez(ev, input=x["input"][:100], targets=y[:100])
+    metrics, model, ck = tmp_path / "m.csv", tmp_path / "trained.onnx", tmp_path / "c.ckpt"
+    common = ["mlp_classifier", "--batch-size", "64", "--val-data", str(ev), "--eval-every", "2", "--metrics",
+              str(metrics), "-q"]
+    assert run([*common, "--steps", "4", "--checkpoint", str(ck)], capsys)[0] == 0
+    code, out, err = run([*common, "--steps", "6", "--resume", str(ck), "--save", str(model)], capsys)
+    assert code == 0, err
+    rows = list(csv.DictReader(open(metrics)))
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert [int(r["step"]) for r in rows if r["eval_loss"]] == [1, 3, 5]
+    assert float(rows[-1]["eval_loss"]) == pytest.approx(_held_out_loss(model, x["input"][:100], y[:100])[0],
+                                                         rel=1e-5)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--eval-every", "5"], "error: --eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION"),
+    (["--val-split", "0.2", "--val-data", "x.npz"], "error: --val-data and --val-split both name held-out data; give one"),
+    (["--val-split", "0.2", "--eval-every", "0"], "error: --eval-every must be >= 1, got 0"),
+], ids=["eval-every-alone", "both", "eval-every-0"])
+def test_held_out_options_that_do_not_fit_are_one_line(tmp_path, capsys, argv, line):
+    code, out, err = run(["mlp_classifier", "--steps", "2", *argv], capsys)
+    assert code == 2 and err.strip().splitlines()[-1] == line
+
+
+def test_resuming_with_another_holdout_is_other_training_data(tmp_path, capsys):
+    ck = tmp_path / "c.ckpt"
+    assert run(["mlp_classifier", "--steps", "2", "--val-split", "0.2", "--checkpoint", str(ck), "-q"], capsys)[0] == 0
+    code, out, err = run(["mlp_classifier", "--steps", "4", "--val-split", "0.3", "--resume", str(ck), "-q"], capsys)
+    assert code == 2 and "is not the data checkpoint" in err and "1437 examples" in err

@@ -16,38 +16,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kfac_compiler.builder import GraphBuilder, value_info
-from kfac_compiler.graph import FLOAT_TYPES, GraphView
-
-_NP = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
+from kfac_compiler.graph import FLOAT_TYPES, GraphView, with_float_type
 
 
 # ------------------------------------------------------------------ type conversion
 def convert_float_type(model: onnx.ModelProto, to: int = TensorProto.DOUBLE) -> onnx.ModelProto:
     """A copy of `model` with every float32/float64 tensor (initializers, inputs, outputs,
     value_info, Constant/ConstantOfShape values, Cast targets) turned into `to`."""
-    src = {TensorProto.FLOAT, TensorProto.DOUBLE} - {to}
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-
-    def conv_tensor(t: onnx.TensorProto) -> None:
-        if t.data_type in src:
-            arr = numpy_helper.to_array(t).astype(_NP[to])
-            t.CopyFrom(numpy_helper.from_array(arr, t.name))
-
-    for t in g.initializer:
-        conv_tensor(t)
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        tt = vi.type.tensor_type
-        if tt.elem_type in src:
-            tt.elem_type = to
-    for node in g.node:
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.TENSOR:
-                conv_tensor(a.t)
-            elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in src:
-                a.i = to
-    return m
+    return with_float_type(model, to, {TensorProto.FLOAT, TensorProto.DOUBLE})
 
 
 def lift_initializers(model: onnx.ModelProto, names: Sequence[str]) -> tuple[onnx.ModelProto, dict]:

@@ -189,6 +189,20 @@ def _int64(b, view, name: str) -> str:
     return name if view.dtypes.get(name) == TensorProto.INT64 else b.cast(name, TensorProto.INT64)
 
 
+def _scatter_add_rows(b, base: str, idx: str, updates: str) -> str:
+    """`base` with updates[k] added to row idx[k] (idx of any shape, entries in range;
+    updates of shape idx.shape + base.shape[1:]). ScatterElements, not ScatterND: ONNX
+    Runtime's CPU ScatterND(reduction="add") splits the updates over its threads without
+    atomics and loses some where indices repeat, as an embedding's tokens do (errors of 43 on
+    sums of ~30 at 2 threads; tests/test_scatter_add.py), where ScatterElements' add is exact."""
+    k = b.reshape(b.op("Size", [idx]), [1])
+    rows = b.reshape(idx, b.op("Concat", [k, b.ints([1])], axis=0))
+    flat = b.reshape(updates, b.op("Concat", [k, b.ints([-1])], axis=0))
+    at = b.op("Expand", [rows, b.op("Shape", [flat])])
+    out = b.op("ScatterElements", [b.reshape(base, [0, -1]), at, flat], axis=0, reduction="add")
+    return b.reshape(out, b.op("Shape", [base]))
+
+
 def _norm_indices(b, view, idx: str, dim) -> str:
     """Indices with negative entries wrapped (constant-folded when possible)."""
     iv = cval(view, idx)
@@ -223,7 +237,7 @@ def _gather_vjp(b, view, node, gys):
     tshape = dim_parts(b, view, X, axis, axis + 1) + dim_parts(b, view, X, 0, axis) + dim_parts(b, view, X, axis + 1)
     if b.opset >= 16:
         zT = zeros_like(b, view, X) if axis == 0 else zeros(b, make_shape(b, tshape))
-        sT = b.op("ScatterND", [zT, b.unsqueeze(idx, [-1]), gT], reduction="add")
+        sT = _scatter_add_rows(b, zT, idx, gT)
     else:
         # one-hot product: dX^T[d, :] = sum_k onehot[k, d] g[k, :]
         k = b.reshape(b.op("Size", [idx]), [1])
@@ -274,7 +288,18 @@ def _gather_nd_vjp(b, view, node, gys):
     if g is None:
         return [None]
     X, I = node.input
-    return [b.op("ScatterND", [zeros_like(b, view, X), _int64(b, view, I), g], reduction="add")]
+    shape, k = view.shape(X), (view.shape(I) or [None])[-1]
+    lead = None if shape is None or not isinstance(k, int) else shape[:k]
+    if lead is None or not all(isinstance(d, int) for d in lead):  # no static row strides: ScatterND (see above)
+        return [b.op("ScatterND", [zeros_like(b, view, X), _int64(b, view, I), g], reduction="add")]
+    # the rows of X's first k dims, linearized: a Gather's row scatter (_scatter_add_rows)
+    dims = np.asarray(lead, np.int64)
+    i64 = _int64(b, view, I)
+    i64 = b.op("Where", [b.op("Less", [i64, b.ints([0] * k)]), b.add(i64, b.const(dims)), i64])
+    strides = np.asarray([int(np.prod(dims[j + 1:])) for j in range(k)], np.int64)
+    rows = b.reduce("ReduceSum", b.mul(i64, b.const(strides)), [-1])
+    base = b.reshape(zeros_like(b, view, X), [int(np.prod(dims)), *([-1] if k < len(shape) else [])])
+    return [b.reshape(_scatter_add_rows(b, base, rows, g), shape_tensor(b, view, X))]
 
 
 @_gather_nd_vjp.defcheck

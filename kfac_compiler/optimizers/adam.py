@@ -6,9 +6,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer, regularized
-from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
-from kfac_compiler.optimizers.settings import OptimizerConfig, check_positive, check_unit
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer
+from kfac_compiler.optimizers.first_order import (
+    FirstOrderConfig,
+    FirstOrderOptimizer,
+    emit_baseline_metrics,
+    regularized_chunks,
+)
+from kfac_compiler.optimizers.multi_tensor import Layout
+from kfac_compiler.optimizers.settings import check_positive, check_unit
 from kfac_compiler.requests import SubgraphKind
 
 if TYPE_CHECKING:
@@ -16,10 +22,12 @@ if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
 
 BETA1, BETA2, EPSILON = C.hp("beta1"), C.hp("beta2"), C.hp("epsilon")  # adam_step's own hyper-parameters
+# 1 - beta1 and 1 - beta2, from the host: two nodes fewer in every step
+ONE_MINUS_BETA1, ONE_MINUS_BETA2 = C.hp("one_minus_beta1"), C.hp("one_minus_beta2")
 
 
 @dataclass
-class AdamConfig(OptimizerConfig):
+class AdamConfig(FirstOrderConfig):
     """Adam (Kingma & Ba); the host passes the bias-corrected learning rate each step.
     learning_rate and beta1 (alias momentum) take schedules; the bias correction uses the
     step's beta1 (1 - beta1_k^t)."""
@@ -51,25 +59,28 @@ class AdamConfig(OptimizerConfig):
 
 
 def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
-    """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t)."""
+    """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t). The
+    rule is emitted per parameter or once over every parameter (o.multi_tensor)."""
     b = em.b
     loss, raw, _ = mean_loss_and_grads(em)
-    grads = regularized(em, raw, o.l2)
+    lay = Layout(em, bool(o.multi_tensor))
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
-    one = b.const(1.0)
-    steps = {}
-    for p in em.parts.params:
-        shape = tuple(em.view.shapes[p])
-        m = em.state_input(C.adam_m(p), shape, "zeros")
-        v = em.state_input(C.adam_v(p), shape, "zeros")
-        g = grads[p]
-        m_new = b.add(b.mul(b1, m), b.mul(b.sub(one, b1), g))
-        v_new = b.add(b.mul(b2, v), b.mul(b.sub(one, b2), b.mul(g, g)))
-        steps[p] = b.neg(b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps))))
-        em.state_output(p, b.add(p, steps[p]))
-        em.state_output(C.adam_m(p), m_new)
-        em.state_output(C.adam_v(p), v_new)
-    emit_baseline_metrics(em, loss, steps, raw)
+    c1, c2 = em.hp(ONE_MINUS_BETA1), em.hp(ONE_MINUS_BETA2)
+    theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
+    g = regularized_chunks(em, lay, g_raw, theta, o.l2)
+
+    def rule(g: str, m: str, v: str, p: str) -> dict[str, str]:
+        m_new = b.add(b.mul(b1, m), b.mul(c1, g))
+        v_new = b.add(b.mul(b2, v), b.mul(c2, b.mul(g, g)))
+        size = b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps)))  # the step is -size
+        return {"m": m_new, "v": v_new, "size": size, "p": b.sub(p, size)}
+
+    new = lay.map(rule, g=g, m=lay.state(em, C.ADAM_M), v=lay.state(em, C.ADAM_V), p=theta)
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
+    lay.write_state(em, C.ADAM_M, new["m"])
+    lay.write_state(em, C.ADAM_V, new["v"])
+    emit_baseline_metrics(em, loss, lay, new["size"], g_raw)
 
 
 ADAM_STEP = SubgraphKind("adam_step", FirstOrderStepOptions, every_step=True, emit=emit_adam_step)
@@ -84,5 +95,6 @@ class Adam(FirstOrderOptimizer):
 
     def hyper_parameters(self, k: int) -> dict[str, float]:
         cfg = self.config
-        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1, k), BETA1: cfg.at("beta1", k),
-                BETA2: cfg.beta2, EPSILON: cfg.epsilon}
+        beta1 = cfg.at("beta1", k)
+        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1, k), BETA1: beta1, BETA2: cfg.beta2,
+                EPSILON: cfg.epsilon, ONE_MINUS_BETA1: 1.0 - beta1, ONE_MINUS_BETA2: 1.0 - cfg.beta2}

@@ -110,9 +110,14 @@ def make_config(optimizer: str, plan: Plan | None = None, **knobs: Any) -> Optim
 
 @dataclass(frozen=True)
 class FirstOrderStepOptions(SubgraphOptions):
-    """The options of a first-order step (sgd_step, adam_step): `l2` adds weight decay."""
+    """The options of a first-order step (sgd_step, adam_step): `l2` adds weight decay;
+    `multi_tensor` emits the update once over every parameter's concatenation instead of per
+    parameter (optimizers/multi_tensor.py; None: the device's default, filled by resolve)."""
+
+    resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("multi_tensor",)
 
     l2: bool = False
+    multi_tensor: bool | None = None
 
 
 # --------------------------------------------------------------------------- emission helpers

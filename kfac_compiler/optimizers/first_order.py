@@ -2,25 +2,47 @@
 session per step, hyper-parameters from the settings, no host state of their own)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import Gram, Optimizer
+from kfac_compiler.optimizers.base import Optimizer
+from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
+from kfac_compiler.optimizers.settings import OptimizerConfig
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
     from kfac_compiler.runtime.trainer import Trainer
 
 
-def emit_baseline_metrics(em: Emission, loss: str, steps: dict, raw: dict) -> None:
-    """loss, metric/update_norm, metric/grad_norm and metric/finite of a first-order step."""
-    dots = Gram(em, {"u": steps, "g": raw})
-    update_sq = dots("u", "u")
+@dataclass
+class FirstOrderConfig(OptimizerConfig):
+    """What SGD's and Adam's settings share. `multi_tensor`: emit the update once over every
+    parameter's concatenation (True) or per parameter (False); None: the device's default
+    (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA, where each node is a kernel
+    launch)."""
+
+    multi_tensor: bool | None = None
+
+
+def regularized_chunks(em: Emission, lay: Layout, grads: Chunks, theta: Chunks, l2: bool) -> Chunks:
+    """g + l2 * theta in `lay`'s chunks (only emitted with weight decay)."""
+    if not l2:
+        return grads
+    coeff = em.hp(C.L2)
+    return lay.map(lambda g, p: {"g": em.b.add(g, em.b.mul(coeff, p))}, g=grads, p=theta)["g"]
+
+
+def emit_baseline_metrics(em: Emission, loss: str, lay: Layout, steps: Chunks, raw: Chunks) -> None:
+    """loss, metric/update_norm, metric/grad_norm and metric/finite of a first-order step
+    (`steps`: the update, or its negative; `raw`: the gradients without weight decay, both in
+    `lay`'s chunks)."""
+    update_sq = lay.sum_squares(steps)
     em.metric(C.LOSS, loss)
     em.metric(C.UPDATE_NORM, em.b.op("Sqrt", [update_sq]))
-    em.metric(C.GRAD_NORM, em.b.op("Sqrt", [dots("g", "g")]))
+    em.metric(C.GRAD_NORM, em.b.op("Sqrt", [lay.sum_squares(raw)]))
     em.metric(C.FINITE, em.b.cast(em.finite([loss, update_sq]), TensorProto.FLOAT))
 
 
@@ -38,8 +60,9 @@ class FirstOrderOptimizer(Optimizer):
         the batch (as K-FAC's step_program: the general lookup resolves a request per call)."""
         weighted = self.trainer.weighted
         if weighted not in self._step_programs:
-            self._step_programs[weighted] = self.trainer.program(self.step_subgraph, l2=self.config.l2_reg > 0,
-                                                                 weighted=weighted)
+            self._step_programs[weighted] = self.trainer.program(
+                self.step_subgraph, l2=self.config.l2_reg > 0, weighted=weighted,
+                multi_tensor=getattr(self.config, "multi_tensor", None))
         return self._step_programs[weighted]
 
     def build(self) -> None:

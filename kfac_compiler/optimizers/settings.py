@@ -28,6 +28,8 @@ ALIASES = {
     "inverse_update_period": "inv_update_period",
     "covariance_update_period": "cov_update_period",
     "curvature_update_period": "cov_update_period",
+    "cov_update_every": "cov_update_period",  # TF K-FAC's PeriodicInvCovUpdateKfacOpt
+    "invert_every": "inv_update_period",
     "num_estimator_samples": "num_samples",
     "num_burnin_steps": "burn_in_steps",
     "use_adaptive_learning_rate": "use_qmodel",

@@ -5,9 +5,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer, regularized
-from kfac_compiler.optimizers.first_order import FirstOrderOptimizer, emit_baseline_metrics
-from kfac_compiler.optimizers.settings import OptimizerConfig, check_unit
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer
+from kfac_compiler.optimizers.first_order import (
+    FirstOrderConfig,
+    FirstOrderOptimizer,
+    emit_baseline_metrics,
+    regularized_chunks,
+)
+from kfac_compiler.optimizers.multi_tensor import Layout
+from kfac_compiler.optimizers.settings import check_unit
 from kfac_compiler.requests import SubgraphKind
 
 if TYPE_CHECKING:
@@ -16,7 +22,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SgdConfig(OptimizerConfig):
+class SgdConfig(FirstOrderConfig):
     """SGD with heavy-ball momentum: v <- mu v - lr (g + l2 w); w <- w + v."""
 
     name: ClassVar[str] = "sgd"
@@ -35,18 +41,24 @@ class SgdConfig(OptimizerConfig):
 
 
 def emit_sgd_step(em: Emission, o: FirstOrderStepOptions) -> None:
-    """Heavy-ball SGD: v = momentum v - lr g; theta += v."""
+    """Heavy-ball SGD: v = momentum v - lr g; theta += v (per parameter or once over every
+    parameter: o.multi_tensor)."""
     b = em.b
     loss, raw, _ = mean_loss_and_grads(em)
-    grads = regularized(em, raw, o.l2)
+    lay = Layout(em, bool(o.multi_tensor))
     lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
-    steps = {}
-    for p in em.parts.params:
-        vel = em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros")
-        steps[p] = b.sub(b.mul(mom, vel), b.mul(lr, grads[p]))
-        em.state_output(p, b.add(p, steps[p]))
-        em.state_output(C.velocity(p), steps[p])
-    emit_baseline_metrics(em, loss, steps, raw)
+    theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
+    g = regularized_chunks(em, lay, g_raw, theta, o.l2)
+
+    def rule(g: str, vel: str, p: str) -> dict[str, str]:
+        step = b.sub(b.mul(mom, vel), b.mul(lr, g))
+        return {"step": step, "p": b.add(p, step)}
+
+    new = lay.map(rule, g=g, vel=lay.state(em, C.VELOCITY), p=theta)
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
+    lay.write_state(em, C.VELOCITY, new["step"])
+    emit_baseline_metrics(em, loss, lay, new["step"], g_raw)
 
 
 SGD_STEP = SubgraphKind("sgd_step", FirstOrderStepOptions, every_step=True, emit=emit_sgd_step)

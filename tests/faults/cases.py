@@ -477,12 +477,11 @@ def plan_with_an_output_that_does_not_exist(d: str) -> Verdict:
     return _plan_case(d, lambda doc: doc.update(output="no_such_output"))
 
 
-@case("traceback")
-def ctrl_c_during_training(d: str) -> Verdict:
-    """SIGINT mid-run: stops at a step boundary, writes the checkpoint, metrics and model,
-    one line, exit 130."""
+def _stop_signal_during_training(d: str, sig: int, words: list[str]) -> Verdict:
+    """`sig` mid-run: stops at a step boundary, writes the checkpoint, metrics and model,
+    one line, the shell's exit code for it (128 + its number)."""
     j = Judge()
-    j.mechanism = "SIGINT"
+    j.mechanism = signal.Signals(sig).name
     ckpt, metrics, model = _j(d, "run.ckpt"), _j(d, "steps.csv"), _j(d, "trained.onnx")
     argv = ["train", "--steps", "100000", "-q", "--checkpoint", ckpt, "--metrics", metrics, "--save", model]
     p = subprocess.Popen(cli_command(argv), cwd=d, env=subprocess_env(), stdout=subprocess.PIPE,
@@ -491,14 +490,14 @@ def ctrl_c_during_training(d: str) -> Verdict:
         deadline = time.monotonic() + 120
         while len(metrics_rows(metrics)) < 3 and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
     r = Result(p.returncode, out, err)
-    j.error_line(r, ["interrupt", "Ctrl-C", "step"], code=130, prefix="")
+    j.error_line(r, words, code=128 + sig, prefix="")
     rows = metrics_rows(metrics)
     if not os.path.isfile(ckpt):
         j.problem("lost", "no checkpoint written")
@@ -508,6 +507,23 @@ def ctrl_c_during_training(d: str) -> Verdict:
         j.check(done == len(rows), "lost", f"checkpoint at step {done}, metrics file has {len(rows)} rows")
     j.check(os.path.isfile(model), "lost", "no model written")
     return j.verdict()
+
+
+@case("traceback")
+def ctrl_c_during_training(d: str) -> Verdict:
+    return _stop_signal_during_training(d, signal.SIGINT, ["interrupt", "Ctrl-C", "step"])
+
+
+@case("lost")
+def sigterm_during_training(d: str) -> Verdict:
+    """SLURM, Kubernetes, docker stop and timeout send SIGTERM: as Ctrl-C, exit 143."""
+    return _stop_signal_during_training(d, signal.SIGTERM, ["stopped by SIGTERM at step"])
+
+
+@case("lost")
+def sighup_during_training(d: str) -> Verdict:
+    """A closed terminal sends SIGHUP: as Ctrl-C, exit 129."""
+    return _stop_signal_during_training(d, signal.SIGHUP, ["stopped by SIGHUP at step"])
 
 
 @case("traceback", fast=True)

@@ -1,14 +1,15 @@
 """Run the kfac-compiler CLI and SIGKILL it at a chosen write event (a real kill -9, at a
 reproducible moment rather than a random time).
 
-    python -m faults.killer [--kill-at N | --kill-on KIND:N] [--signal KILL|INT] [--events-log FILE]
+    python -m faults.killer [--kill-at N | --kill-on KIND:N] [--signal KILL|INT|TERM|HUP] [--events-log FILE]
                             [--root DIR] -- train ...
 
 Write events are the calls, for paths under --root (default: the working folder), of
 os.open with write flags, open/io.open/os.fdopen for writing, write() on such a file, os.write,
 os.fsync, os.mkdir, os.rename, os.replace, os.unlink/remove and os.rmdir. The process kills
 itself *before* the chosen event runs: --kill-at N at the N-th event, --kill-on fsync:2 at the
-second fsync. --signal INT sends SIGINT instead (a Ctrl-C at that moment), once.
+second fsync. --signal INT sends SIGINT instead (a Ctrl-C at that moment), TERM and HUP
+SIGTERM (a scheduler's stop) and SIGHUP (a closed terminal), once.
 --events-log appends one line per event ("N KIND PATH") to FILE (outside --root),
 to count them in a run without a kill.
 """
@@ -113,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="faults.killer", allow_abbrev=False)
     ap.add_argument("--kill-at", type=int)
     ap.add_argument("--kill-on", help="KIND:N")
-    ap.add_argument("--signal", default="KILL", choices=("KILL", "INT"))
+    ap.add_argument("--signal", default="KILL", choices=("KILL", "INT", "TERM", "HUP"))
     ap.add_argument("--events-log")
     ap.add_argument("--root", default=os.getcwd())
     opts = ap.parse_args(argv[:cut])

@@ -1,0 +1,153 @@
+"""Optimizer updates over every parameter at once (multi-tensor) or parameter by parameter.
+
+An update rule (Adam's, SGD's) is a few elementwise nodes. Emitted once per parameter, a
+ResNet-18 step runs some 800 of them, each a kernel launch on a GPU and a scheduling round on
+the CPU (issue 40). `Layout` lets an emitter write its rule once over *chunks*: one chunk per
+parameter (the per-parameter layout), or one chunk holding every parameter's values, each
+flattened and concatenated (the multi-tensor layout: a Reshape per parameter, which ONNX
+Runtime runs as an alias of its input, and one Concat per vector). The rule's results are
+split back into the parameters' shapes with a Split per group of parameters of the same
+trailing shape (Layout's docstring).
+
+    lay = Layout(em, multi_tensor=o.multi_tensor)
+    g, theta = lay.pack(grads), lay.pack({p: p for p in lay.params})
+    new = lay.map(lambda g, p: {"p": b.sub(p, b.mul(lr, g))}, g=g, p=theta)
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
+
+The optimizer's own state (`Layout.state` / `write_state`: SGD's velocity, Adam's moments) is
+one slot per parameter in the per-parameter layout and one flat slot per kind in the
+multi-tensor layout (`velocity/*`, `adam_m/*`, `adam_v/*`: no Concat, Split or Reshape for
+them). Checkpoints store the flat slots as the per-parameter ones (`split_flat`, `join_flat`),
+so a checkpoint of either layout resumes in the other. Every trainable parameter has the
+subgraph's float type (its state slots are float32), so there is one concatenation per vector
+(one per dtype).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kfac_compiler import contract as C
+
+if TYPE_CHECKING:
+    from kfac_compiler.backend.emission import Emission
+
+Chunks = list[str]  # a parameter-shaped vector in a Layout: one tensor per chunk
+
+
+def concat_groups(shapes: Mapping[str, Sequence[int]]) -> list[list[str]]:
+    """The parameters (in `shapes`' order) grouped by their shape less its first dimension,
+    each group where its first member is; a scalar parameter is a group of its own. Their
+    concatenation holds the groups in this order."""
+    groups: dict[tuple, list[str]] = {}
+    for p, shape in shapes.items():
+        shape = tuple(int(d) for d in shape)
+        groups.setdefault(("trailing", shape[1:]) if shape else ("scalar", p), []).append(p)
+    return list(groups.values())
+
+
+def split_flat(flat: np.ndarray, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
+    """{param: its part of `flat`, in its shape}: a flat slot's per-parameter values."""
+    out, start = {}, 0
+    for p in [p for group in concat_groups(shapes) for p in group]:
+        size = int(np.prod(shapes[p], dtype=np.int64))
+        out[p] = flat[start:start + size].reshape(tuple(shapes[p]))
+        start += size
+    if start != flat.size:
+        raise ValueError(f"a flat slot of {flat.size} values for parameters of {start}")
+    return {p: out[p] for p in shapes}
+
+
+def join_flat(values: Mapping[str, np.ndarray], shapes: Mapping[str, Sequence[int]]) -> np.ndarray:
+    """The flat slot of per-parameter `values` (split_flat's inverse); ValueError naming a
+    value whose shape is not its parameter's."""
+    for p, shape in shapes.items():
+        if tuple(np.shape(values[p])) != tuple(shape):
+            raise ValueError(f"{p!r} is {list(np.shape(values[p]))}, its parameter {list(shape)}")
+    order = [p for group in concat_groups(shapes) for p in group]
+    return np.concatenate([np.asarray(values[p]).reshape(-1) for p in order]) if order else np.zeros(0)
+
+
+class Layout:
+    """How an update addresses the parameters: `multi_tensor` False, one chunk per parameter
+    (in em.parts.params' order); True, one chunk, the concatenation of every parameter's
+    flattened values, the parameters grouped by their shape less its first dimension.
+
+    The concatenation reads each parameter through a Reshape to 1-D (none for a 1-D one): ONNX
+    Runtime runs a Reshape of a tensor as an alias of it, no kernel and no copy, so the
+    Concat is the one kernel. Splitting back, the parameters of a group (same trailing
+    shape, consecutive in the concatenation) come out of one Split along their first axis
+    already in their shapes, straight into the state outputs: one Split into groups and one
+    per group (a Reshape per group to [-1, *trailing], an alias), instead of a Reshape per
+    parameter, which copies into its output (as the one parameter of a group of its own of
+    rank >= 2 still does)."""
+
+    def __init__(self, em: Emission, multi_tensor: bool) -> None:
+        self.b = em.b
+        self.params = list(em.parts.params)
+        self.shapes = {p: tuple(int(d) for d in em.view.static_shape(p)) for p in self.params}
+        self.multi_tensor = bool(multi_tensor) and len(self.params) > 0
+        self.groups = concat_groups(self.shapes)
+        self.order = [p for group in self.groups for p in group]  # the concatenation's order
+
+    def __len__(self) -> int:
+        return 1 if self.multi_tensor else len(self.params)
+
+    def size(self, p: str) -> int:
+        return int(np.prod(self.shapes[p], dtype=np.int64))
+
+    def pack(self, per_param: Mapping[str, str]) -> Chunks:
+        """The chunks of the vector {param: tensor}."""
+        if not self.multi_tensor:
+            return [per_param[p] for p in self.params]
+        b = self.b
+        flat = [per_param[p] if len(self.shapes[p]) == 1 else b.reshape(per_param[p], [-1]) for p in self.order]
+        return [flat[0] if len(flat) == 1 else b.op("Concat", flat, axis=0, hint="multi_tensor")]
+
+    def unpack(self, chunks: Chunks) -> dict[str, str]:
+        """{param: tensor} of a vector's chunks."""
+        if not self.multi_tensor:
+            return dict(zip(self.params, chunks))
+        b, (flat,) = self.b, chunks
+        sizes = [sum(self.size(p) for p in group) for group in self.groups]
+        pieces = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]
+        out: dict[str, str] = {}
+        for group, piece in zip(self.groups, pieces):
+            shape = self.shapes[group[0]]
+            if len(group) == 1:
+                out[group[0]] = piece if len(shape) == 1 else b.reshape(piece, list(shape))
+                continue
+            rows = piece if len(shape) == 1 else b.reshape(piece, [-1, *shape[1:]])
+            out.update(zip(group, b.split(rows, [self.shapes[p][0] for p in group], axis=0)))
+        return {p: out[p] for p in self.params}
+
+    def state(self, em: Emission, kind: str, init: str = "zeros") -> Chunks:
+        """The optimizer state slots of `kind` (C.VELOCITY, C.ADAM_M, ...) as a vector:
+        <kind>/<p> per parameter, or the one flat slot <kind>/* (C.flat)."""
+        if not self.multi_tensor:
+            return [em.state_input(f"{kind}/{p}", self.shapes[p], init) for p in self.params]
+        return [em.state_input(C.flat(kind), (sum(self.size(p) for p in self.params),), init)]
+
+    def write_state(self, em: Emission, kind: str, chunks: Chunks) -> None:
+        """The new value of the `kind` slots that `state` read."""
+        if not self.multi_tensor:
+            for p, t in zip(self.params, chunks):
+                em.state_output(f"{kind}/{p}", t)
+        else:
+            em.state_output(C.flat(kind), chunks[0])
+
+    def map(self, rule: Callable[..., dict[str, str]], **vectors: Chunks) -> dict[str, Chunks]:
+        """`rule` (keyword tensors -> {name: tensor}) applied chunk by chunk to `vectors`
+        (each a Chunks of this layout); its results by name, as Chunks."""
+        out: dict[str, Chunks] = {}
+        for i in range(len(self)):
+            for name, t in rule(**{k: v[i] for k, v in vectors.items()}).items():
+                out.setdefault(name, []).append(t)
+        return out
+
+    def sum_squares(self, chunks: Chunks) -> str:
+        """The scalar sum of the squares of every element of a vector."""
+        return self.b.sum([self.b.reduce("ReduceSumSquare", c, None) for c in chunks])
