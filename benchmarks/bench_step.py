@@ -117,7 +117,8 @@ def kfac_breakdown(tr, x, y, bs, reps):
         store.write_data(k, v)
     hp = {"hp/ema_coeff": ema_coefficient(0.5, cfg.cov_ema_decay)[0], "hp/update_stats": 1.0,
           "hp/damping": tr.damping, "hp/l2": cfg.l2_reg,
-          "hp/loss_after": 0.0, "hp/reject_increase": 0.0, "hp/max_momentum": cfg.max_momentum,
+          "hp/loss_after": 0.0, "hp/reject_increase": 0.0, "hp/loss_limit": float("inf"),
+          "hp/max_momentum": cfg.max_momentum,
           "hp/max_predicted_decrease": cfg.max_predicted_decrease or 0.0,
           "hp/learning_rate": 1e-4, "hp/momentum": 0.0, "hp/norm_constraint": 0.0}
     for k, v in hp.items():

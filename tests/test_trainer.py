@@ -138,11 +138,12 @@ def test_kfac_step_keeps_state_on_device_and_reports_metrics(mlp):
     # factor A of fc1 = E[a~ a~^T] of the first batch (zero-debiased EMA: c_1 = 1)
     A = tr.store.to_numpy("factor/fc1/A")
     assert A.shape == (65, 65) and A[-1, -1] == pytest.approx(1.0)
-    # steady state: only data (input, targets, noise) and changed hp scalars are uploaded
+    # steady state: only data (input, targets, noise) and changed hp scalars are uploaded (the
+    # spike guard's hp/loss_limit follows the recent losses: one scalar more)
     tr.step(*next(it))
     before = tr.store.uploads
     tr.step(*next(it))  # step 2: fused kfac_step, no inverse
-    assert tr.store.uploads - before <= 4
+    assert tr.store.uploads - before <= 5
     assert tr.step_count == 3
 
 

@@ -19,12 +19,21 @@ One step k (docs/runtime.md):
   * a step applied without the loss after it (not an adaptation step) is checked by the next
     step's loss: when that is not finite but is finite without the update, the update is undone
     (theta -= velocity, which holds the last update; velocity = 0) and the step reports
-    `rolled_back: 1`, so no update whose loss is non-finite stays applied.
+    `rolled_back: 1`, so no update whose loss is non-finite stays applied;
+  * the spike guard (loss_spike_factor): the step after such an unchecked update is withheld
+    in the graph when its (finite) loss exceeds loss_spike_factor times the largest loss of
+    the last loss_spike_window applied steps (hp/loss_limit); the host then evaluates the
+    batch without the last update: when it is within the limit there and the update raised it
+    by more than the update's predicted change (rho < -1 on a fresh batch), the update is
+    undone as above and the damping multiplied by damping_rejection_factor (`spike: 1`,
+    `rolled_back: 1`, `rejected: 1`); else the batch itself is hard and the step runs again
+    without the limit (`spike: 1`, `rolled_back: 0`).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -61,6 +70,10 @@ class Kfac(Optimizer):
         self.refresher = None  # refreshes the damped inverses (the trainer's InverseRefresher), made by build()
         self._step_programs: dict[tuple, Any] = {}  # step_program's memo
         self.unchecked_update = False  # the last applied update had no loss_after check
+        # the spike guard's history: the batch losses of the last applied steps, and the
+        # predicted change of the last applied update
+        self.recent_losses: deque[float] = deque(maxlen=cfg.loss_spike_window)
+        self.last_change = 0.0
 
     # ------------------------------------------------------------------ sessions
     def _sub_batch(self, m: int | None) -> int | None:
@@ -87,7 +100,8 @@ class Kfac(Optimizer):
             qmodel_batch=self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
             loss_after=bool(cfg.adapt_damping), weighted=self.trainer.weighted,
             # only where it changes the graph (adam's predicted change)
-            precon_power=float(cfg.precon_power) if kind == "adam" else -1.0, **stats)
+            precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
+            loss_limit=cfg.loss_spike_factor is not None, **stats)
 
     @property
     def stats_conditional(self) -> bool:
@@ -201,6 +215,15 @@ class Kfac(Optimizer):
             hp[C.MOMENTUM] = cfg.at("momentum", k)
         return hp
 
+    def loss_limit(self) -> float:
+        """The spike guard's limit on this step's batch loss: loss_spike_factor times the
+        largest loss of the last loss_spike_window applied steps after an unchecked update,
+        else inf (no limit)."""
+        factor = self.config.loss_spike_factor
+        if factor is None or not self.unchecked_update or not self.recent_losses:
+            return math.inf
+        return float(factor) * max(self.recent_losses)
+
     def scheduled_damping(self, k: int) -> None:
         """With a damping schedule: step k's damping, within [min_damping, max_damping]."""
         cfg = self.config
@@ -220,6 +243,9 @@ class Kfac(Optimizer):
         damping = self.damping
         adapt = bool(cfg.adapt_damping) and k % cfg.damping_adaptation_interval == 0
         hp = self._hyper_parameters(adapt, k)
+        limit = self.loss_limit()
+        if cfg.loss_spike_factor is not None:
+            hp[G.LOSS_LIMIT] = limit
         feed: dict[str, np.ndarray] = dict(data)
         inverse_ok = float("nan")
         w_new = None
@@ -241,6 +267,17 @@ class Kfac(Optimizer):
             hp[C.UPDATE_STATS] = 0.0 if w_new is None else 1.0
         out = prog.run(tr.store, feed, hp=hp)
         ok = out.get(C.FINITE, 1.0) > 0.5
+        spike = not ok and math.isfinite(limit) and bool(np.isfinite(out[C.LOSS])) and out[C.LOSS] > limit
+        undone = False
+        if spike:
+            # the update before this step is to blame when this batch's loss is within the
+            # limit without it and it rose by more than the update's predicted change
+            loss = float(out[C.LOSS])
+            undone = self.roll_back(data, lambda before: before <= limit and loss - before > abs(self.last_change))
+            if not undone:  # the batch itself is hard: this step again without the limit
+                hp[G.LOSS_LIMIT] = math.inf
+                out = prog.run(tr.store, feed, hp=hp)
+                ok = out.get(C.FINITE, 1.0) > 0.5
         metrics = {
             "step": float(k),
             "loss": out[C.LOSS],
@@ -260,6 +297,9 @@ class Kfac(Optimizer):
             "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first else float("nan"),
             **C.loss_metrics(out),
         }
+        if spike:
+            metrics["spike"] = 1.0
+            metrics["rolled_back"] = 1.0 if undone else 0.0
         tr.step_count += 1
         if adapt:  # reported for rejected steps too (a step raising the objective is rejected)
             new_loss = out[G.LOSS_AFTER]
@@ -276,6 +316,9 @@ class Kfac(Optimizer):
         else:
             self.unchecked_update = not adapt
             tr.applied_steps += 1
+            self.recent_losses.append(float(metrics["loss"]))
+            if math.isfinite(metrics["qmodel_change"]):
+                self.last_change = float(metrics["qmodel_change"])
             if w_new is not None:
                 self.ema_weight = w_new
             if adapt:
@@ -292,11 +335,11 @@ class Kfac(Optimizer):
             metrics["inverse_fallbacks"] = float(len(self.refresher.fallbacks))
         return metrics
 
-    def roll_back(self, data: dict[str, Any]) -> bool:
+    def roll_back(self, data: dict[str, Any], keep: Callable[[float], bool] = math.isfinite) -> bool:
         """Undo the last applied update (theta -= velocity, the update; velocity = 0, and adam
-        momentum's gradient sum = 0) when the loss of this batch is finite without it; else the
-        batch itself is bad and the update stays. A host round trip and a forward pass: only
-        after a divergence."""
+        momentum's gradient sum = 0) when keep(the loss of this batch without it) holds
+        (default: it is finite); else the batch itself is bad and the update stays. A host
+        round trip and a forward pass: only after a divergence or a loss spike."""
         tr = self.trainer
         store = tr.store
         kept = {p: (store.to_numpy(p), store.to_numpy(C.velocity(p))) for p in tr.params}
@@ -307,7 +350,7 @@ class Kfac(Optimizer):
         for s, m in sums.items():
             store.set(s, np.zeros_like(m))
         loss = tr.mean_over_ranks(tr.program(C.LOSS_GRAPH).run(store, data, results=False, channel="eval")[C.LOSS])
-        if not np.isfinite(loss):
+        if not keep(float(loss)):
             for p, (theta, v) in kept.items():
                 store.set(p, theta)
                 store.set(C.velocity(p), v)
@@ -322,7 +365,8 @@ class Kfac(Optimizer):
     def host_state(self) -> dict[str, Any]:
         return {"burn_in_count": self.burn_in_count, "ema_weight": self.ema_weight,
                 "inverses_ready": self.inverses_ready, "damping": self.damping,
-                "unchecked_update": self.unchecked_update}
+                "unchecked_update": self.unchecked_update, "recent_losses": list(self.recent_losses),
+                "last_change": self.last_change}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces (a checkpoint names it)."""
@@ -335,6 +379,11 @@ class Kfac(Optimizer):
             raise ValueError(f"host.damping must be a finite number > 0, got {damping}")
         self.burn_in_count, self.ema_weight, self.damping = burn_in, ema_weight, damping
         self.unchecked_update = bool(state.get("unchecked_update", False))  # older checkpoints lack it
+        recent = [float(x) for x in state.get("recent_losses", [])]  # the spike guard's; older ones lack them
+        if not all(math.isfinite(x) for x in recent):
+            raise ValueError(f"host.recent_losses must be finite numbers, got {recent}")
+        self.recent_losses = deque(recent[-self.config.loss_spike_window:], maxlen=self.config.loss_spike_window)
+        self.last_change = float(state.get("last_change", 0.0))
         self.inverses_ready = bool(state["inverses_ready"])
 
     def resumed(self, knobs) -> None:

@@ -44,6 +44,7 @@ MAX_MOMENTUM = C.hp("max_momentum")            # |mu| cap of the quadratic model
 MAX_PREDICTED_DECREASE = C.hp("max_predicted_decrease")
 WANT_LOSS_AFTER = C.hp("loss_after")           # > 0: report LOSS_AFTER this step
 REJECT_INCREASE = C.hp("reject_increase")      # > 0: reject a step that raises the objective
+LOSS_LIMIT = C.hp("loss_limit")                # the step is withheld when its loss exceeds this
 ALPHA, MU = C.metric("alpha"), C.metric("mu")  # the step's update is -alpha P + mu v
 QMODEL_CHANGE = C.metric("qmodel_change")      # the quadratic model's predicted change
 UPDATE_SCALE = C.metric("update_scale")
@@ -118,7 +119,9 @@ class KfacStepOptions(SubgraphOptions):
     from hp/learning_rate and hp/momentum; momentum_type (TF K-FAC's; None: "qmodel" with
     qmodel, else "regular"); l2: weight decay; loss_after: metric/loss_after, the batch's loss
     at the new parameters when hp/loss_after > 0; precon_power: the power the inverse slots
-    hold (adam momentum's predicted change is quadratic only at -1)."""
+    hold (adam momentum's predicted change is quadratic only at -1); loss_limit: the step is
+    withheld (metric/finite 0) when the batch's loss exceeds hp/loss_limit (the spike guard:
+    the host then tests the last update on this batch, docs/runtime.md "Safeguards")."""
 
     resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples")
 
@@ -133,6 +136,7 @@ class KfacStepOptions(SubgraphOptions):
     qmodel_batch: int | None = None
     momentum_type: str | None = None
     precon_power: float = -1.0
+    loss_limit: bool = False
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
@@ -151,7 +155,8 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch)
     pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
-    update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power)
+    update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
+                 loss_limit=o.loss_limit)
 
 
 # --------------------------------------------------------------------------- stage 1: local
@@ -240,8 +245,9 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
 
 # --------------------------------------------------------------------------- stage 3: update
 def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
-                 fixed_mu: bool = False, power: float = -1.0) -> None:
+                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False) -> None:
     """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
+    With `loss_limit` a batch loss above hp/loss_limit withholds the step (the spike guard).
 
     The predicted change without the quadratic model is TF K-FAC's
     _compute_approx_qmodel_change, u.g + u.(F + damping) u / 2 with F the approximate Fisher,
@@ -283,6 +289,8 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
         em.state_output(C.velocity(p), update[p])
         if pre.accumulated is not None:
             em.state_output(C.grad_velocity(p), pre.accumulated[p])
+    if loss_limit:  # NaN fails the test too (as it fails the finiteness one)
+        ok_flags.append(b.op("LessOrEqual", [loss, em.hp(LOSS_LIMIT)]))
     if loss_after:
         ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2))
     em.metric(C.LOSS, loss)

@@ -12,6 +12,7 @@ from kfac_compiler.optimizers.kfac.refresh import check_groups
 from kfac_compiler.optimizers.settings import (
     OptimizerConfig,
     check_int,
+    check_number,
     check_positive,
     check_unit,
     plan_schedule,
@@ -31,8 +32,10 @@ class KfacConfig(OptimizerConfig):
 
     momentum_type (TF K-FAC's; default "qmodel" unless learning_rate/momentum are given, then
     "regular"): "qmodel": alpha and mu minimize the damped 2x2 quadratic model built from exact
-    curvature (GGN) products in the `kfac_step` graph, on the batch's first qmodel_batch_size
-    examples (the statistics' sub-batch; None: the whole batch); "qmodel_fixedmu": mu is the
+    curvature (GGN) products in the `kfac_step` graph, on the whole batch (qmodel_batch_size
+    None, the default: near convergence a 64-example sub-batch can miss the few examples that
+    carry the curvature along P and overshoot 20x, docs/runtime.md) or its first
+    qmodel_batch_size examples (the statistics' sub-batch when equal); "qmodel_fixedmu": mu is the
     momentum knob, alpha the model's minimizer for it; "regular": update = -lr P + mu v (v the
     last update); "adam": m <- mu m + g, update = -lr (F + damping)^-1 m. use_qmodel (kfac-jax)
     is True for the two qmodel types. learning_rate, momentum and damping take schedules
@@ -41,7 +44,15 @@ class KfacConfig(OptimizerConfig):
     (adapt_damping, default with the qmodel).
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
-    update is scaled by their ratio; None: off. inverse_groups: "auto" or k >= 1 groups of
+    update is scaled by their ratio; None: off.
+    loss_spike_factor f (the spike guard): a step that follows an update applied without the
+    loss after it (not an adaptation step) is withheld when its batch loss exceeds f times the
+    largest batch loss of the last loss_spike_window applied steps; the host then evaluates
+    that batch without the last update, and undoes the update (damping times
+    damping_rejection_factor) when the batch's loss is within the limit without it and the
+    update raised it by more than the update's predicted change (rho < -1, reject_increase's
+    test, on a fresh batch); else the step runs again without the limit. None: off.
+    inverse_groups: "auto" or k >= 1 groups of
     blocks whose inverses are refreshed after different steps of the period (refresh.py).
     """
 
@@ -68,10 +79,12 @@ class KfacConfig(OptimizerConfig):
     inverse_method: str | None = None
     inverse_groups: int | str = "auto"  # refresh the blocks in groups, one per step (refresh.py)
     stats_batch_size: int | None = 64
-    qmodel_batch_size: int | None = 64
+    qmodel_batch_size: int | None = None
     max_momentum: float = 1.0
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
+    loss_spike_factor: float | None = 10.0
+    loss_spike_window: int = 10
     precon_power: float = -1.0  # kfac-jax's name: the step preconditions with (F + damping)^precon_power
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
@@ -186,6 +199,10 @@ class KfacConfig(OptimizerConfig):
         check_positive("max_momentum", self.max_momentum)
         if self.max_predicted_decrease is not None:
             check_positive("max_predicted_decrease", self.max_predicted_decrease)
+        if self.loss_spike_factor is not None and not 1 < check_number("loss_spike_factor", self.loss_spike_factor):
+            raise ConfigError(f"optimizer option 'loss_spike_factor' must be > 1 or None (off), got "
+                              f"{self.loss_spike_factor!r}")
+        check_int("loss_spike_window", self.loss_spike_window, 1)
         for name in ("stats_batch_size", "qmodel_batch_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
