@@ -12,11 +12,13 @@ An OSError no boundary converted is printed as one line naming its file (exit co
 other exception is a bug and keeps its traceback. A Ctrl-C, SIGTERM or SIGHUP outside a
 training loop's steps (those stop at a step boundary, train_cli) unwinds the command (its
 locks and temp files removed), prints `interrupted` (`stopped by SIGTERM`), exit code 130
-(143, 129: kfac_compiler.interrupt).
+(143, 129: kfac_compiler.interrupt). A closed stdout (`>&-`) discards the output; a reader
+that leaves (`| head`) ends the command quietly with exit code 141 (128 + SIGPIPE).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -160,9 +162,21 @@ def _other_rank() -> bool:
     return launched_ranks() > 1 and launched_rank() != 0
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+
+def _open_std_streams() -> None:
+    """A stream closed by the caller (`>&-`, `2>&-`) is None in Python: its output is
+    discarded, as asked, instead of failing the command after its work is done."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - lives as long as the process
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kfac_compiler.interrupt import deferred_stop, raise_on_stop
 
+    _open_std_streams()
     try:
         with raise_on_stop(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -191,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KfacError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # `... | head`: the reader left; what it did not read is dropped
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - Python flushes stdout at exit
+        return SIGPIPE_EXIT
     except KeyboardInterrupt as e:  # outside a training loop's steps (those stop at a step boundary)
         from kfac_compiler.interrupt import describe, exit_code, signal_of
 

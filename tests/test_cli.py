@@ -260,3 +260,39 @@ def test_unsupported_op_error_names_parameters_to_exclude(tmp_path, capsys):
     assert "node 'enc/lrn': op LRN (domain ai.onnx, opset 17) has no gradient rule" in msg
     assert "--exclude enc.weight" in msg and "head" not in msg and "docs/extending.md" in msg
     assert main(argv + ["--exclude", "enc.weight"]) == 0
+
+
+def test_compile_with_stdout_closed_writes_the_plan_and_exits_0(tmp_path, models):
+    """`kfac-compiler compile ... >&-`: Python's sys.stdout is None; the table is discarded,
+    as asked (was: an AttributeError traceback after the plan was written)."""
+    import os
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan"
+    p = subprocess.run([sys.executable, "-m", "kfac_compiler.cli", "compile", models["mlp_classifier"], "--loss",
+                        "softmax_cross_entropy", "-o", str(plan)], preexec_fn=lambda: os.close(1),
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert (plan / "plan.json").is_file()
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, models, monkeypatch, capsys):
+    """`kfac-compiler inspect ... | head`: the reader closes the pipe; exit 141 (128 + SIGPIPE,
+    as a shell reports it), no traceback, no error line."""
+    import sys
+
+    out = tmp_path / "plan"
+    assert main(["compile", models["mlp_classifier"], "--loss", "softmax_cross_entropy", "-o", str(out), "-q"]) == 0
+    capsys.readouterr()
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["inspect", str(out)]) == 141
+    assert capsys.readouterr().err == ""
