@@ -494,6 +494,11 @@ def _build(args, outputs: list[Output], comm):
         check_same_on_ranks(comm, {**options, "plan fingerprint": plan_fingerprint(plan)["fingerprint"],
                                    "data fingerprint": fingerprint})
     n = targets.shape[0]
+    if args.batch_size > n:
+        import warnings
+
+        warnings.warn(f"--batch-size {args.batch_size} is larger than the {n} training examples; every batch is "
+                      f"all {n}", stacklevel=2)
 
     def start() -> Trainer:  # Trainer() enters a collective only after its option checks
         if args.resume:

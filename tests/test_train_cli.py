@@ -198,3 +198,9 @@ def test_resuming_with_another_holdout_is_other_training_data(tmp_path, capsys):
     assert run(["mlp_classifier", "--steps", "2", "--val-split", "0.2", "--checkpoint", str(ck), "-q"], capsys)[0] == 0
     code, out, err = run(["mlp_classifier", "--steps", "4", "--val-split", "0.3", "--resume", str(ck), "-q"], capsys)
     assert code == 2 and "is not the data checkpoint" in err and "1437 examples" in err
+
+
+def test_a_batch_larger_than_the_data_is_said(capsys):
+    code, out, err = run(["mlp_classifier", "--steps", "1", "--batch-size", "5000", "-q"], capsys)
+    assert code == 0 and ("warning: --batch-size 5000 is larger than the 1797 training examples; every batch is "
+                          "all 1797") in err
