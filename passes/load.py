@@ -47,9 +47,11 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
         {loc for loc in external_locations(model) if not os.path.isfile(os.path.join(base, loc))}
     )
     if missing:
-        raise ModelError(
-            f"{path!r}: external data file {missing[0]!r} is missing (expected next to the model in {base!r})"
-        )
+        where = os.path.join(base, missing[0])
+        what = ("is a folder" if os.path.isdir(where) else
+                "is not a regular file (a device, pipe or socket)" if os.path.exists(where) else "is missing")
+        raise ModelError(f"{path!r}: external data file {missing[0]!r} {what} (expected a file next to the model in "
+                         f"{base!r})")
     if any(True for _ in external_locations(model)):
         try:
             onnx.external_data_helper.load_external_data_for_model(model, base)

@@ -142,6 +142,23 @@ def test_external_data_outside_the_models_folder_is_refused(base, tmp_path, wher
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("kind", ["missing", "folder", "fifo"])
+def test_external_data_that_is_not_a_file_is_named_for_what_it_is(base, tmp_path, kind):
+    model = with_external_data(base[0], tmp_path / "m", "w.bin")
+    data = tmp_path / "m" / "w.bin"
+    os.remove(data)
+    if kind == "folder":
+        data.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(data)
+    what = {"missing": "is missing", "folder": "is a folder",
+            "fifo": "is not a regular file (a device, pipe or socket)"}[kind]
+    with pytest.raises(ModelError) as e:
+        kc.compile(model, loss="softmax_cross_entropy", emit=False)
+    assert str(e.value) == (f"{model!r}: external data file 'w.bin' {what} (expected a file next to the model in "
+                            f"{str(tmp_path / 'm')!r})")
+
+
 def test_plan_model_external_data_outside_the_plan_is_refused(base, tmp_path):
     d = str(tmp_path / "plan")
     shutil.copytree(base[1], d)
