@@ -5,6 +5,7 @@ never mutate the model they were given (they copy it first).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -14,6 +15,8 @@ import networkx as nx
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
+
+from kfac_compiler.contract import RECURRENT_PIECES_KEY
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -195,3 +198,23 @@ def float_types(model: onnx.ModelProto) -> set[int]:
     g = model.graph
     types = {t.data_type for t in g.initializer} | {vi.type.tensor_type.elem_type for vi in [*g.input, *g.output]}
     return types & set(FLOAT_TYPES)
+
+
+def fold_recurrent_params(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The original recurrent initializers (W, R, B, P) assembled from the values of their
+    lowered pieces (e.g. a trained model's or gradients keyed by piece name); `model` is the
+    lowered (canonical) model, whose metadata records the pieces (passes/recurrent.py). Directions
+    or pieces absent from `values` are left at 0."""
+    props = {p.key: p.value for p in model.metadata_props}
+    record = json.loads(props.get(RECURRENT_PIECES_KEY, "{}"))
+    out = {}
+    for orig, pieces in record.items():
+        D = 1 + max(d for _, d, _, _ in pieces)
+        width = max(e for _, _, _, e in pieces)
+        ref = next(np.asarray(values[p]) for p, _, _, _ in pieces if p in values)
+        arr = np.zeros((D, width) + ref.shape[1:], dtype=ref.dtype)
+        for p, d, s, e in pieces:
+            if p in values:
+                arr[d, s:e] = values[p]
+        out[orig] = arr
+    return out

@@ -25,7 +25,7 @@ from onnx import helper
 from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
 from kfac_compiler.contract import RECURRENT_PIECES_KEY, TARGETS, SubgraphInfo
 from kfac_compiler.errors import PlanError, one_line, os_errors, os_reason
-from kfac_compiler.graph import GraphView
+from kfac_compiler.graph import GraphView, fold_recurrent_params
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
 from kfac_compiler.onnx_files import inside, outside_locations
@@ -232,6 +232,25 @@ class Plan:
         props = {p.key: p.value for p in self.model.metadata_props}
         pieces = json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).get(initializer)
         return [p[0] for p in pieces] if pieces else [initializer]
+
+    def holders_of_pieces(self) -> set[str]:
+        """The plan model's initializers that are lowered pieces of a fused recurrent op's."""
+        props = {p.key: p.value for p in self.model.metadata_props}
+        return {p[0] for pieces in json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).values() for p in pieces}
+
+    def source_values(self, values: dict[str, Any]) -> dict[str, Any]:
+        """{source model initializer: value} from `values` keyed by the plan model's
+        initializers (trained parameters, running statistics): an exporter's retied copy from
+        its parameter (transposed back where it was), a fused recurrent op's W/R/B assembled
+        from their lowered pieces, the others by name. Source initializers with no value in
+        `values` are left out; so are untied copies (the source has their original only)."""
+        out = {name: v for name, v in fold_recurrent_params(self.model, values).items()}
+        for name, value in values.items():
+            out.setdefault(name, value)
+        for copy, rec in self.retied.items():
+            if rec["of"] in values:
+                out[copy] = values[rec["of"]].T if rec.get("transposed") else values[rec["of"]]
+        return out
 
     def frozen_reason(self, name: str) -> str:
         """Why the frozen initializer `name` is not trained."""

@@ -116,6 +116,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
     t.add_argument("--plot", metavar="FILE.png", help="plot the training loss (needs matplotlib)")
     t.add_argument("--save", metavar="FILE.onnx", help="write the model with the trained weights")
+    t.add_argument("--save-graph", default="plan", choices=("plan", "source"),
+                   help="--save writes the plan's graph (default) or the source model's own graph (its nodes, names "
+                        "and fused ops) with the trained values")
     t.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint at the end (and every --checkpoint-every steps)")
     t.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
     t.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (same model, data and seed)")
@@ -675,7 +678,7 @@ def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[flo
     if args.metrics and metrics_ok:
         written.append(("metrics", args.metrics))  # row by row during the run
     jobs = (("checkpoint", "--checkpoint", args.checkpoint, trainer.save_checkpoint),
-            ("model", "--save", args.save, trainer.export),
+            ("model", "--save", args.save, lambda p: trainer.export(p, graph=args.save_graph)),
             ("plot", "--plot", args.plot if losses else None, lambda p: _plot(p, steps, losses, title, evaluated)))
     for label, option, path, write in jobs:
         if not path:

@@ -217,25 +217,6 @@ def lower_recurrent(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def fold_recurrent_params(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The original recurrent initializers (W, R, B, P) assembled from the values of their
-    lowered pieces (e.g. a trained model's or gradients keyed by piece name); `model` is the
-    lowered (canonical) model. Directions or pieces absent from `values` are left at 0."""
-    props = {p.key: p.value for p in model.metadata_props}
-    record = json.loads(props.get(METADATA_KEY, "{}"))
-    out = {}
-    for orig, pieces in record.items():
-        D = 1 + max(d for _, d, _, _ in pieces)
-        width = max(e for _, _, _, e in pieces)
-        ref = next(np.asarray(values[p]) for p, _, _, _ in pieces if p in values)
-        arr = np.zeros((D, width) + ref.shape[1:], dtype=ref.dtype)
-        for p, d, s, e in pieces:
-            if p in values:
-                arr[d, s:e] = values[p]
-        out[orig] = arr
-    return out
-
-
 def _unsupported(node_name: str, op: str, why: str) -> UnsupportedOpError:
     return UnsupportedOpError(f"node {node_name!r}: op {op} {why}")
 

@@ -315,32 +315,60 @@ class Trainer:
             return None
         return self.config.at("learning_rate", self.step_count)
 
-    def exported_model(self) -> onnx.ModelProto:
-        from onnx import numpy_helper
+    def trained_values(self) -> dict[str, np.ndarray]:
+        """The trained parameters and the non-trained state the steps update (BatchNormalization
+        running statistics: every other state slot named after an initializer of the model)."""
+        values = self.parameters()
+        values.update({t.name: self.store.to_numpy(t.name) for t in self.plan.model.graph.initializer
+                       if t.name not in values and t.name in self.store})
+        return values
 
+    def exported_model(self, graph: str = "plan") -> onnx.ModelProto:
+        """The trained model: `graph` "plan", the plan's (canonical) graph with the trained
+        values; "source", the user's model file itself (its nodes, names, fused recurrent ops
+        and outputs) with the trained values written into its initializers (Plan.source_values)."""
+        if graph == "source":
+            return self._trained_source()
+        if graph != "plan":
+            raise ConfigError(f"export: graph must be 'plan' or 'source', got {graph!r}")
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
-        values = self.parameters()
-        # non-trained state the steps update (BatchNormalization running statistics): every
-        # other state slot named after an initializer of the model
-        values.update({t.name: self.store.to_numpy(t.name) for t in model.graph.initializer
-                       if t.name not in values and t.name in self.store})
-        for i, t in enumerate(model.graph.initializer):
-            if t.name in values:
-                new = numpy_helper.from_array(values[t.name].astype(numpy_helper.to_array(t).dtype), t.name)
-                model.graph.initializer[i].CopyFrom(new)
+        _write_values(model, self.trained_values())
         _expose_outputs(model, self.loss.output_names(self.plan.output))
         return _in_source_float_type(model)
 
+    def _trained_source(self) -> onnx.ModelProto:
+        import warnings
+
+        from kfac_compiler.plan import file_sha256
+
+        src = self.plan.source_path
+        if not src or not os.path.isfile(src) or file_sha256(src) != self.plan.source_sha256:
+            why = "the plan was compiled from an in-memory model" if not src else (
+                f"its source {src!r} is gone" if not os.path.isfile(src) else f"its source {src!r} changed since")
+            raise PlanError(f"cannot export the source graph: {why}; export the plan's graph (graph='plan', the "
+                            "default)")
+        model = onnx.load(src)
+        values = self.plan.source_values(self.trained_values())
+        names = {t.name for t in model.graph.initializer}
+        left = [p for p in self.params if p not in names and p not in self.plan.holders_of_pieces()]
+        if left:
+            warnings.warn(f"{len(left)} trained initializers have no place in the source graph (untied copies: "
+                          f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); the source keeps each original's "
+                          "first copy, export graph='plan' keeps them all", stacklevel=3)
+        _write_values(model, {name: v for name, v in values.items() if name in names})
+        return model
+
     @_serialized
-    def export(self, path: str | os.PathLike) -> str:
-        """Write the plan's model with the trained weights (and the running statistics the
-        steps updated) as initializers (atomic)."""
+    def export(self, path: str | os.PathLike, graph: str = "plan") -> str:
+        """Write the trained model (exported_model(graph): the plan's graph, or with
+        graph="source" the user's own) with the trained weights and the running statistics the
+        steps updated as initializers (atomic)."""
         from kfac_compiler.runtime.checkpoint import atomic_write_bytes
 
         path = os.fspath(path)
         if self.rank == 0:  # every rank holds the same parameters
-            atomic_write_bytes(path, self.exported_model().SerializeToString(), what="the trained model")
+            atomic_write_bytes(path, self.exported_model(graph).SerializeToString(), what="the trained model")
         return path
 
     # ------------------------------------------------------------------ checkpoints
@@ -432,6 +460,17 @@ class Trainer:
         damping = self.policy.host_state().get("damping")
         return (f"Trainer(optimizer={self.optimizer!r}, device={self.device.name!r}, params={len(self.params)}, "
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
+
+
+def _write_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Replace the model's initializers named in `values`, each keeping its dtype."""
+    from onnx import numpy_helper
+
+    for i, t in enumerate(model.graph.initializer):
+        if t.name in values:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.asarray(values[t.name]).astype(dtype),
+                                                                        t.name))
 
 
 def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:

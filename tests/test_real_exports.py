@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import kfac_compiler as kc
-from kfac_compiler.passes.recurrent import fold_recurrent_params
+from kfac_compiler.graph import fold_recurrent_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text()) if (FIXTURES / "manifest.json").exists() else {}
@@ -271,3 +271,52 @@ def test_kfac_steps_lower_the_loss(case):
         trainer.step(inputs, targets)
     after = trainer.evaluate(inputs, targets)["loss"]
     assert np.isfinite(after) and after < 0.9 * before, f"{case}: loss {before:.4f} -> {after:.4f}"
+
+
+@pytest.mark.parametrize("case", cases("export"))
+def test_export_writes_the_users_graph_with_the_trained_values(case, tmp_path):
+    """Trainer.export(graph="source"): the fixture's own graph (node list, names, fused
+    recurrent ops, initializer names and dtypes, outputs) with the trained values; it
+    computes what the plan's trained graph computes (ONNX Runtime on both)."""
+    import onnx
+    import onnxruntime as ort
+
+    from kfac_compiler.runtime import Trainer
+
+    d, plan = fixture(case), compiled(case)
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.05, threads=1)
+    for _ in range(2):
+        tr.step({"input": d["input"]}, d["targets"])
+    source = onnx.load(str(FIXTURES / f"{case}.onnx"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # untied copies, where a fixture has them
+        ours = onnx.load(tr.export(tmp_path / "source.onnx", graph="source"))
+    assert [(n.op_type, n.name, list(n.input), list(n.output)) for n in ours.graph.node] == \
+        [(n.op_type, n.name, list(n.input), list(n.output)) for n in source.graph.node]
+    assert [(t.name, t.data_type, list(t.dims)) for t in ours.graph.initializer] == \
+        [(t.name, t.data_type, list(t.dims)) for t in source.graph.initializer]
+    assert [o.name for o in ours.graph.output] == [o.name for o in source.graph.output]
+    changed = [t.name for t, s in zip(ours.graph.initializer, source.graph.initializer)
+               if not np.array_equal(onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(s))]
+    assert changed, f"{case}: no trained value written"
+    canonical = tr.export(tmp_path / "plan.onnx")
+    run = {p: ort.InferenceSession(p, providers=["CPUExecutionProvider"]) for p in (str(tmp_path / "source.onnx"),
+                                                                                      canonical)}
+    logits = [s.run(["logits"], {"input": d["input"]})[0] for s in run.values()]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4, err_msg=case)
+
+
+def test_export_of_the_source_graph_needs_the_unchanged_source(tmp_path):
+    from kfac_compiler.errors import PlanError
+    from kfac_compiler.runtime import Trainer
+
+    src = tmp_path / "m.onnx"
+    src.write_bytes((FIXTURES / f"{CASES[0]}.onnx").read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = kc.compile(str(src), loss="softmax_cross_entropy", output="logits", emit=False)
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.05)
+    with open(src, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(PlanError, match="cannot export the source graph: its source .* changed since"):
+        tr.export(tmp_path / "out.onnx", graph="source")

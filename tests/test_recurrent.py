@@ -15,9 +15,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kfac_compiler as kc
 from kfac_compiler.errors import UnsupportedOpError
+from kfac_compiler.graph import fold_recurrent_params
 from kfac_compiler.passes.autodiff import gradient_model, jvp_model
 from kfac_compiler.passes.canonicalize import canonicalize
-from kfac_compiler.passes.recurrent import METADATA_KEY, fold_recurrent_params, lower_recurrent
+from kfac_compiler.passes.recurrent import METADATA_KEY, lower_recurrent
 from kfac_compiler.runtime import Trainer
 from recurrent_util import make_model, run, run_reference
 
