@@ -1,0 +1,251 @@
+"""The torch bridge (kfac_compiler.torch): export with a parameter manifest, the compiler's
+trainable set equal to the module's parameters, and trained values loaded back into the module
+so that torch's own forward (the independent truth) equals ONNX Runtime on the trained export."""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch (optional extra `torch`)")
+pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
+
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
+from torch import nn  # noqa: E402
+
+import kfac_compiler  # noqa: E402
+from kfac_compiler import torch as kt  # noqa: E402
+from kfac_compiler.runtime import Trainer  # noqa: E402
+
+N = 8
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    """Conv + BatchNorm (training mode: batch statistics, running statistics updated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight."""
+
+    def __init__(self, vocab=11, d=8):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(vocab, d), nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.ln(self.emb(x)))
+
+
+class RNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return self.fc(h[:, -1])
+
+
+class GPTBlock(nn.Module):
+    """Token embedding + a registered sinusoidal position buffer (the constants rule would
+    train it), one pre-LN causal attention block, a one-element learnt temperature (the rule
+    would freeze it as a lifted literal), a head."""
+
+    def __init__(self, vocab=13, d=8, t=6):
+        super().__init__()
+        self.emb, self.ln1, self.ln2 = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, vocab)
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+        pos = torch.arange(t)[:, None] / torch.pow(100.0, torch.arange(d)[None] / d)
+        self.register_buffer("pos", torch.where(torch.arange(d)[None] % 2 == 0, torch.sin(pos), torch.cos(pos)))
+        self.register_buffer("mask", torch.triu(torch.full((t, t), -1e4), 1))
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos
+        q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(1, 2) * (self.temperature / math.sqrt(q.shape[-1])) + self.mask, -1)
+        h = h + self.proj(att @ v)
+        return self.head(self.ln2(h))
+
+
+def _data(family, rng):
+    if family == "mlp":
+        return rng.standard_normal((N, 6)).astype(np.float32), rng.integers(0, 5, N)
+    if family == "cnn":
+        return rng.standard_normal((N, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, N)
+    if family == "tied":
+        return rng.integers(0, 11, (N, 5)), rng.integers(0, 11, (N, 5))
+    if family == "lstm":
+        return rng.standard_normal((N, 7, 4)).astype(np.float32), rng.integers(0, 3, N)
+    return rng.integers(0, 13, (N, 6)), rng.integers(0, 13, (N, 6))
+
+
+FAMILIES = {"mlp": MLP, "cnn": CNN, "tied": TiedLM, "lstm": RNN, "gpt": GPTBlock}
+
+
+def _round_trip(family, exporter, tmp_path, optimizer="sgd", steps=3):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    module = FAMILIES[family]()
+    module.eval()
+    if family == "cnn":
+        module.bn.train()
+    x, y = _data(family, rng)
+    path = tmp_path / f"{family}-{exporter}.onnx"
+    if exporter == FOLDED:
+        _export_folded(module, x, path)
+    else:
+        kt.export(module, (x,), path, exporter=exporter)
+    manifest = kt.read_manifest(path)
+    plan = kfac_compiler.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
+    trained_torch = {p for names in kt.plan_parameters(plan).values() for p in names}
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    kw = {"learning_rate": 0.1} if optimizer == "sgd" else {}
+    trainer = Trainer(plan, optimizer=optimizer, **kw)
+    for _ in range(steps):
+        trainer.step({"input": x}, y)
+    trained = tmp_path / "trained.onnx"
+    trainer.export(trained)
+    written = kt.load_trained(module, str(trained))
+    sess = ort.InferenceSession(str(trained), providers=["CPUExecutionProvider"])
+    x2, _ = _data(family, np.random.default_rng(1))
+    onnx_out = sess.run([plan.output], {"input": x2})[0]
+    with torch.no_grad():
+        torch_out = copy.deepcopy(module)(torch.from_numpy(x2)).numpy()  # a copy: BatchNorm's statistics stay
+    return dict(module=module, manifest=manifest, plan=plan, trained_torch=trained_torch, before=before,
+                written=written, err=float(np.abs(onnx_out - torch_out).max()), trainer=trainer, trained=trained)
+
+
+# the TorchScript exporter with constant folding on and its merge of equal initializers (not
+# what kt.export does): folded transposes, packed recurrent weights in ONNX gate order and
+# merged LayerNorm gains, mapped by value (copies, blocks, merged)
+FOLDED = "torchscript-folded"
+
+
+def _export_folded(module, x, path):
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.from_numpy(x),), buf, dynamo=False, input_names=["input"],
+                          output_names=["logits"], opset_version=17, dynamic_axes={"input": {0: "N"}},
+                          do_constant_folding=True, training=torch.onnx.TrainingMode.PRESERVE)
+    model = onnx.load_from_string(buf.getvalue())
+    kt.set_manifest(model, kt.build_manifest(module, model, FOLDED))
+    onnx.save(model, str(path))
+
+
+CASES = [(f, e) for f in FAMILIES for e in (*kt.EXPORTERS, FOLDED)]
+
+
+@pytest.mark.parametrize("family,exporter", CASES)
+def test_round_trip(family, exporter, tmp_path):
+    r = _round_trip(family, exporter, tmp_path)
+    module = r["module"]
+    params = dict(module.named_parameters())
+    # exactly the module's parameters train
+    # (a folding export can fold a parameter into a constant: GPTBlock's temperature / sqrt(d))
+    unmapped = set(r["manifest"]["unmapped"])
+    assert not unmapped or exporter == FOLDED
+    assert r["trained_torch"] == set(params) - unmapped, (r["trained_torch"] ^ set(params), r["plan"].frozen_reasons)
+    if exporter != FOLDED:  # one initializer per parameter: the exporter merged none
+        mapped = [p for names in kt.plan_parameters(r["plan"]).values() for p in names]
+        assert sorted(mapped) == sorted(params)
+    # training changed them and they were written back
+    assert set(r["written"]) >= set(params) - unmapped
+    changed = [n for n in params if not torch.equal(params[n].detach(), r["before"][n])]
+    assert changed, "no parameter changed in training"
+    # torch's forward equals ONNX Runtime on the trained export
+    assert r["err"] < 1e-4, r["err"]
+    # buffers other than BatchNorm's running statistics are not trained
+    state = module.state_dict()
+    for name, _ in module.named_buffers():
+        if not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            assert torch.equal(state[name], r["before"][name]), name
+            assert any(reason.startswith(f"torch buffer {name}") for reason in r["plan"].frozen_reasons.values())
+
+
+def test_batchnorm_running_statistics_are_loaded(tmp_path):
+    r = _round_trip("cnn", "dynamo", tmp_path)
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(r["trained"])).graph.initializer}
+    holder = {e["torch"]: i for i, e in r["manifest"]["initializers"].items() if e["role"] == "buffer"}
+    for stat in ("bn.running_mean", "bn.running_var"):
+        np.testing.assert_array_equal(r["module"].state_dict()[stat].numpy(), inits[holder[stat]])
+        assert not torch.equal(r["module"].state_dict()[stat], r["before"][stat]), stat
+
+
+def test_manifest_records_ties_buffers_and_the_learnt_scalar(tmp_path):
+    torch.manual_seed(0)
+    m = GPTBlock().eval()
+    x, _ = _data("gpt", np.random.default_rng(0))
+    model = kt.export(m, (x,), tmp_path / "gpt.onnx")
+    man = kt.read_manifest(model)
+    roles = {e.get("torch"): e["role"] for e in man["initializers"].values() if "torch" in e}
+    assert roles["pos"] == "buffer" and roles["mask"] == "buffer" and roles["temperature"] == "parameter"
+    plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    by_torch = {e["torch"]: i for i, e in man["initializers"].items() if "torch" in e and "copy_of" not in e}
+    assert by_torch["temperature"] in plan.trainable and by_torch["pos"] in plan.frozen
+    # without the manifest the rule decides: the position table trains, the temperature is frozen
+    del model.metadata_props[:]
+    rule = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    assert by_torch["pos"] in rule.trainable and by_torch["temperature"] in rule.frozen
+
+
+def test_tied_module_is_one_parameter(tmp_path):
+    torch.manual_seed(0)
+    m = TiedLM().eval()
+    x, _ = _data("tied", np.random.default_rng(0))
+    man = kt.build_manifest(m, kt.export(m, (x,), tmp_path / "t.onnx", exporter="torchscript"))
+    assert man["ties"] == {"head.weight": "emb.weight"}
+
+
+def test_selectors_apply_on_top_of_the_manifest(tmp_path):
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x, _ = _data("mlp", np.random.default_rng(0))
+    model = kt.export(m, (x,), tmp_path / "m.onnx")
+    plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False,
+                                 exclude=["fc1\\..*"])
+    assert set(plan.trainable) == {"fc2.weight", "fc2.bias"}
+    assert plan.frozen_reasons["fc1.weight"].startswith("excluded by config")
+
+
+def test_load_errors_name_what_cannot_be_mapped(tmp_path):
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x, _ = _data("mlp", np.random.default_rng(0))
+    kt.export(m, (x,), tmp_path / "m.onnx")
+    with pytest.raises(kt.BridgeError, match="fc2.bias"):
+        kt.load_trained(m, {"fc1.weight": np.zeros((16, 6), np.float32)}, manifest=tmp_path / "m.onnx")
+    with pytest.raises(kt.BridgeError, match="no torch manifest"):
+        kt.load_trained(m, {"nope": np.zeros(3)})
+
+
+def test_importing_kfac_compiler_does_not_import_torch():
+    code = "import sys, kfac_compiler, kfac_compiler.frontend; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
