@@ -93,16 +93,16 @@ class GPTBlock(nn.Module):
         return self.head(self.ln2(h))
 
 
-def _data(family, rng):
+def _data(family, rng, n=N):
     if family == "mlp":
-        return rng.standard_normal((N, 6)).astype(np.float32), rng.integers(0, 5, N)
+        return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 5, n)
     if family == "cnn":
-        return rng.standard_normal((N, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, N)
+        return rng.standard_normal((n, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, n)
     if family == "tied":
-        return rng.integers(0, 11, (N, 5)), rng.integers(0, 11, (N, 5))
+        return rng.integers(0, 11, (n, 5)), rng.integers(0, 11, (n, 5))
     if family == "lstm":
-        return rng.standard_normal((N, 7, 4)).astype(np.float32), rng.integers(0, 3, N)
-    return rng.integers(0, 13, (N, 6)), rng.integers(0, 13, (N, 6))
+        return rng.standard_normal((n, 7, 4)).astype(np.float32), rng.integers(0, 3, n)
+    return rng.integers(0, 13, (n, 6)), rng.integers(0, 13, (n, 6))
 
 
 FAMILIES = {"mlp": MLP, "cnn": CNN, "tied": TiedLM, "lstm": RNN, "gpt": GPTBlock}
@@ -133,7 +133,7 @@ def _round_trip(family, exporter, tmp_path, optimizer="sgd", steps=3):
     trainer.export(trained)
     written = kt.load_trained(module, str(trained))
     sess = ort.InferenceSession(str(trained), providers=["CPUExecutionProvider"])
-    x2, _ = _data(family, np.random.default_rng(1))
+    x2, _ = _data(family, np.random.default_rng(1), n=5)  # another batch size: the batch axis is dynamic
     onnx_out = sess.run([plan.output], {"input": x2})[0]
     with torch.no_grad():
         torch_out = copy.deepcopy(module)(torch.from_numpy(x2)).numpy()  # a copy: BatchNorm's statistics stay
@@ -232,6 +232,24 @@ def test_selectors_apply_on_top_of_the_manifest(tmp_path):
                                  exclude=["fc1\\..*"])
     assert set(plan.trainable) == {"fc2.weight", "fc2.bias"}
     assert plan.frozen_reasons["fc1.weight"].startswith("excluded by config")
+
+
+@pytest.mark.parametrize("family", ["lstm", "tied"])
+def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
+    """The same values land in the module from the Trainer, its trained file and a dict of its
+    arrays with the exported file's manifest (recurrent pieces folded back need the model: a
+    dict of the canonical parameters maps where the names are the export's)."""
+    r = _round_trip(family, FOLDED if family == "lstm" else "dynamo", tmp_path, steps=2)
+    from_file = {k: v.clone() for k, v in r["module"].state_dict().items()}
+    other = FAMILIES[family]()
+    kt.load_trained(other, r["trainer"])
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, from_file[k]), k
+    if family == "tied":
+        third = FAMILIES[family]()
+        kt.load_trained(third, r["trainer"].parameters(), manifest=tmp_path / f"{family}-dynamo.onnx")
+        for k, v in third.state_dict().items():
+            assert torch.equal(v, from_file[k]), k
 
 
 def test_load_errors_name_what_cannot_be_mapped(tmp_path):
