@@ -60,6 +60,7 @@ _FLOAT = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOA
 # the recurrent modules whose weights exporters pack (gate blocks of H rows, in ONNX's gate
 # order: LSTM i,f,g,o -> i,o,f,c; GRU r,z,n -> z,r,h): matched block by block, by value
 _RECURRENT = (nn.LSTM, nn.GRU, nn.RNN)
+_RUNNING = ("running_mean", "running_var")
 
 
 class BridgeError(KfacError):
@@ -86,18 +87,24 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     args = tuple(torch.from_numpy(np.asarray(a)) if not isinstance(a, torch.Tensor) else a for a in args)
     ins = list(input_names) if input_names else ["input" if i == 0 else f"input_{i}" for i in range(len(args))]
-    with torch.no_grad():
-        probe = module(*args)
-    n_out = len(probe) if isinstance(probe, (tuple, list)) else 1
-    outs = list(output_names) if output_names else ["logits" if i == 0 else f"output_{i}" for i in range(n_out)]
     modes = {name: m.training for name, m in module.named_modules()}
+    # the exporters run the forward: a BatchNorm in training mode updates its statistics
+    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
     try:
+        with torch.no_grad():
+            probe = module(*args)
+        n_out = len(probe) if isinstance(probe, (tuple, list)) else 1
+        outs = list(output_names) if output_names else ["logits" if i == 0 else f"output_{i}" for i in range(n_out)]
         model = _export_dynamo(module, args, ins, outs, dynamic_batch, opset) if exporter == "dynamo" else \
             _export_ts(module, args, ins, outs, dynamic_batch, opset)
     finally:
         for name, m in module.named_modules():  # the exporters may switch modes
             m.training = modes[name]
+        with torch.no_grad():
+            for k, v in module.state_dict().items():
+                v.copy_(saved[k])
     manifest = build_manifest(module, model, exporter)
+    _running_statistics(module, model, manifest)
     _batch_statistics(module, model, manifest)
     set_manifest(model, manifest)
     onnx.save(model, os.fspath(path))
@@ -146,6 +153,17 @@ def _export_ts(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelProto
     del model.graph.input[:]
     model.graph.input.extend(kept)
     return model
+
+
+def _running_statistics(module: nn.Module, model: onnx.ModelProto, manifest: dict[str, Any]) -> None:
+    """The module's running statistics (as before the export's forward passes) in the
+    initializers that hold them."""
+    state = module.state_dict()
+    for init in model.graph.initializer:
+        e = manifest["initializers"].get(init.name, {})
+        if e.get("role") == "buffer" and e["torch"].endswith(_RUNNING):
+            init.CopyFrom(numpy_helper.from_array(_np(state[e["torch"]]).astype(numpy_helper.to_array(init).dtype),
+                                                  init.name))
 
 
 def _batch_statistics(module: nn.Module, model: onnx.ModelProto, manifest: dict[str, Any]) -> None:
@@ -200,7 +218,10 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
             continue
         a = numpy_helper.to_array(t)
         name = ties.get(t.name, t.name)
-        if name in tensors and tensors[name][1].shape == a.shape and np.array_equal(tensors[name][1], a):
+        # by name where the value is the tensor's (a running statistic: where the shape is, the
+        # export's forward passes may have updated it)
+        if name in tensors and tensors[name][1].shape == a.shape and (
+                np.array_equal(tensors[name][1], a) or (name in buffers and name.endswith(_RUNNING))):
             entries[t.name] = {"role": tensors[name][0], "torch": name}
             if tensors[name][0] == "parameter":
                 entries[t.name]["transposed"] = False
@@ -381,7 +402,7 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
                 v = v.T if e["transposed"] else v
                 for p in [e["torch"]] + list(e.get("merged", [])):
                     out[p] = v
-        elif e["role"] == "buffer" and init in values and e["torch"].endswith(("running_mean", "running_var")):
+        elif e["role"] == "buffer" and init in values and e["torch"].endswith(_RUNNING):
             out[e["torch"]] = np.asarray(values[init])
     for alias, owner in man.get("ties", {}).items():
         if owner in out:
