@@ -18,6 +18,7 @@ initializer of the file what it is on the torch side:
      "unmapped": [torch parameters in no initializer (unused, or folded into constants)]}
 
     entry: {"role": "parameter", "torch": P, "transposed": bool}            the parameter (or its transpose)
+           {"role": "parameter", "torch": P, "transposed": false, "reshaped": true}  its values in another shape
            {"role": "parameter", "torch": P, "transposed": bool, "copy_of": I}  a second initializer of P (tied to I)
            {"role": "parameter", "blocks": [[P, src0, src1, d, dst0, dst1], ...]}  rows of P packed
                   (a fused LSTM/GRU/RNN weight: W[d, dst0:dst1] = P[src0:src1])
@@ -208,8 +209,16 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
         if not _uniform(a):
             by_bytes.setdefault((a.shape, a.astype(np.float32).tobytes()), []).append(n)
 
+    by_flat: dict[tuple, list[str]] = {}
+    for (shape, raw), names in by_bytes.items():
+        by_flat.setdefault((int(np.prod(shape)), raw), []).extend(names)
+
     def lookup(a: np.ndarray) -> list[str]:
         return by_bytes.get((a.shape, a.astype(np.float32).tobytes()), []) if not _uniform(a) else []
+
+    def reshaped(a: np.ndarray) -> list[str]:  # the same values in another shape (a folded Unsqueeze)
+        names = by_flat.get((a.size, a.astype(np.float32).tobytes()), []) if not _uniform(a) else []
+        return [n for n in names if tensors[n][1].shape != a.shape]
 
     entries: dict[str, dict[str, Any]] = {}
     rnn = _recurrent_rows(module, params)
@@ -235,18 +244,25 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
                 entries[t.name]["transposed"] = tr
         elif found:
             entries[t.name] = {"role": "ambiguous", "candidates": [n for n, _ in found]}
+        elif len(flat := reshaped(a)) == 1:
+            entries[t.name] = {"role": tensors[flat[0]][0], "torch": flat[0]}
+            if tensors[flat[0]][0] == "parameter":
+                entries[t.name].update(transposed=False, reshaped=True)
+        elif flat:
+            entries[t.name] = {"role": "ambiguous", "candidates": flat}
         elif (blocks := _match_blocks(a, rnn)) is not None:
             entries[t.name] = {"role": "parameter", "blocks": blocks}
         else:
             entries[t.name] = {"role": "constant"}
-    # several initializers of one parameter: the first plain one (else the first) is the
-    # parameter, the others its copies
+    # several initializers of one parameter: the first plain one (else the first not reshaped,
+    # else the first) is the parameter, the others its copies
     holders: dict[str, list[str]] = {}
     for init, e in entries.items():
         if e["role"] == "parameter" and "torch" in e:
             holders.setdefault(e["torch"], []).append(init)
     for inits in holders.values():
-        primary = next((i for i in inits if not entries[i]["transposed"]), inits[0])
+        primary = next((i for i in inits if not entries[i]["transposed"] and not entries[i].get("reshaped")),
+                       next((i for i in inits if not entries[i].get("reshaped")), inits[0]))
         for i in inits:
             if i != primary:
                 entries[i]["copy_of"] = primary
@@ -254,7 +270,7 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
     # an exporter's merge of equal tensors: a parameter in no initializer whose value (uniform
     # ones included) equals a parameter's plain initializer of the same shape
     plain = [entries[i] for inits in holders.values() for i in inits
-             if "copy_of" not in entries[i] and not entries[i]["transposed"]]
+             if "copy_of" not in entries[i] and not entries[i]["transposed"] and not entries[i].get("reshaped")]
     for pname in params:
         if pname in covered:
             continue
@@ -400,6 +416,7 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
                     out[p][s0:s1] = v[d, d0:d1]
             else:
                 v = v.T if e["transposed"] else v
+                v = v.reshape(state[e["torch"]].shape) if e.get("reshaped") else v
                 for p in [e["torch"]] + list(e.get("merged", [])):
                     out[p] = v
         elif e["role"] == "buffer" and init in values and e["torch"].endswith(_RUNNING):

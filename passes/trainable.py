@@ -148,14 +148,15 @@ def torch_roles(model: onnx.ModelProto) -> dict[str, dict[str, Any]] | None:
 
 def torch_copies(model: onnx.ModelProto, trainable: list[str]) -> dict[str, tuple[str, bool]]:
     """{copy: (its parameter's initializer, transposed)} among `trainable`, from the manifest:
-    an exporter's second initializer of one torch parameter (its transpose, a folded copy)."""
+    an exporter's second initializer of one torch parameter (its transpose, a folded copy; a copy
+    in another shape, a folded Unsqueeze, is not retied and trains apart)."""
     roles = torch_roles(model) or {}
     keep = set(trainable)
     out = {}
     for name in trainable:
         e = roles.get(name, {})
         of = e.get("copy_of")
-        if e.get("role") == "parameter" and of in keep and of not in out:
+        if e.get("role") == "parameter" and of in keep and of not in out and not e.get("reshaped"):
             out[name] = (of, bool(e.get("transposed")) != bool(roles[of].get("transposed")))
     return out
 

@@ -48,6 +48,21 @@ class CNN(nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
+class GroupNormNet(nn.Module):
+    """GroupNorm(1, C): exported as an InstanceNormalization over one group with a folded
+    one-element scale and bias, then the module's per-channel affine."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn, self.fc = nn.Conv2d(3, 4, 3), nn.GroupNorm(1, 4), nn.Linear(4 * 4 * 4, 5)
+        with torch.no_grad():
+            self.gn.weight.add_(0.1 * torch.randn(4))
+            self.gn.bias.add_(0.1 * torch.randn(4))
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.gn(self.conv(x))).flatten(1))
+
+
 class TiedLM(nn.Module):
     """An embedding and an output head sharing one weight."""
 
@@ -72,9 +87,9 @@ class RNN(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """Token embedding + a registered sinusoidal position buffer (the constants rule would
-    train it), one pre-LN causal attention block, a one-element learnt temperature (the rule
-    would freeze it as a lifted literal), a head."""
+    """Token embedding + a registered sinusoidal position buffer and rotary cos/sin buffers
+    (the constants rule would train them), one pre-LN causal attention block, a one-element
+    learnt temperature (the rule would freeze it as a lifted literal), a head."""
 
     def __init__(self, vocab=13, d=8, t=6):
         super().__init__()
@@ -84,10 +99,18 @@ class GPTBlock(nn.Module):
         pos = torch.arange(t)[:, None] / torch.pow(100.0, torch.arange(d)[None] / d)
         self.register_buffer("pos", torch.where(torch.arange(d)[None] % 2 == 0, torch.sin(pos), torch.cos(pos)))
         self.register_buffer("mask", torch.triu(torch.full((t, t), -1e4), 1))
+        angle = torch.arange(t)[:, None] * torch.pow(10.0, -torch.arange(d // 2)[None] / (d // 2))
+        self.register_buffer("cos", torch.cos(angle))
+        self.register_buffer("sin", torch.sin(angle))
+
+    def rotate(self, z):
+        a, b = z[..., 0::2], z[..., 1::2]
+        return torch.cat([a * self.cos - b * self.sin, a * self.sin + b * self.cos], -1)
 
     def forward(self, x):
         h = self.emb(x) + self.pos
         q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+        q, k = self.rotate(q), self.rotate(k)
         att = torch.softmax(q @ k.transpose(1, 2) * (self.temperature / math.sqrt(q.shape[-1])) + self.mask, -1)
         h = h + self.proj(att @ v)
         return self.head(self.ln2(h))
@@ -96,7 +119,7 @@ class GPTBlock(nn.Module):
 def _data(family, rng, n=N):
     if family == "mlp":
         return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 5, n)
-    if family == "cnn":
+    if family in ("cnn", "groupnorm"):
         return rng.standard_normal((n, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, n)
     if family == "tied":
         return rng.integers(0, 11, (n, 5)), rng.integers(0, 11, (n, 5))
@@ -105,7 +128,7 @@ def _data(family, rng, n=N):
     return rng.integers(0, 13, (n, 6)), rng.integers(0, 13, (n, 6))
 
 
-FAMILIES = {"mlp": MLP, "cnn": CNN, "tied": TiedLM, "lstm": RNN, "gpt": GPTBlock}
+FAMILIES = {"mlp": MLP, "cnn": CNN, "groupnorm": GroupNormNet, "tied": TiedLM, "lstm": RNN, "gpt": GPTBlock}
 
 
 def _round_trip(family, exporter, tmp_path, optimizer="sgd", steps=3):
@@ -233,14 +256,16 @@ def test_manifest_records_ties_buffers_and_the_learnt_scalar(tmp_path):
     model = kt.export(m, (x,), tmp_path / "gpt.onnx")
     man = kt.read_manifest(model)
     roles = {e.get("torch"): e["role"] for e in man["initializers"].values() if "torch" in e}
-    assert roles["pos"] == "buffer" and roles["mask"] == "buffer" and roles["temperature"] == "parameter"
+    assert roles["temperature"] == "parameter"
+    assert all(roles[b] == "buffer" for b in ("pos", "mask", "cos", "sin"))
     plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
     by_torch = {e["torch"]: i for i, e in man["initializers"].items() if "torch" in e and "copy_of" not in e}
-    assert by_torch["temperature"] in plan.trainable and by_torch["pos"] in plan.frozen
-    # without the manifest the rule decides: the position table trains, the temperature is frozen
+    assert by_torch["temperature"] in plan.trainable
+    assert all(by_torch[b] in plan.frozen for b in ("pos", "cos", "sin"))
+    # without the manifest the rule decides: the position tables train, the temperature is frozen
     del model.metadata_props[:]
     rule = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
-    assert by_torch["pos"] in rule.trainable and by_torch["temperature"] in rule.frozen
+    assert all(by_torch[b] in rule.trainable for b in ("pos", "cos", "sin")) and by_torch["temperature"] in rule.frozen
 
 
 def test_tied_module_is_one_parameter(tmp_path):
