@@ -174,6 +174,7 @@ def _batch_statistics(module: nn.Module, model: onnx.ModelProto, manifest: dict[
     training = {f"{n}.running_mean" for n, m in module.named_modules()
                 if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats}
     entries = manifest["initializers"]
+    taken = {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 5:
             continue
@@ -183,6 +184,15 @@ def _batch_statistics(module: nn.Module, model: onnx.ModelProto, manifest: dict[
             kept = [a for a in node.attribute if a.name != "training_mode"]
             del node.attribute[:]
             node.attribute.extend(kept + [onnx.helper.make_attribute("training_mode", 1)])
+        while len(node.output) < 3:  # the op needs its running statistics' outputs in training mode
+            node.output.append("")
+        for i, suffix in ((1, "running_mean"), (2, "running_var")):
+            if not node.output[i]:
+                name = f"{node.name or node.output[0]}/{suffix}"
+                while name in taken:
+                    name += "_"
+                taken.add(name)
+                node.output[i] = name
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

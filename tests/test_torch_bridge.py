@@ -185,6 +185,30 @@ def _export_folded(module, x, path):
 CASES = [(f, e) for f in FAMILIES for e in (*kt.EXPORTERS, FOLDED)]
 
 
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in FAMILIES for e in kt.EXPORTERS])
+def test_the_export_runs_as_the_module(family, exporter, tmp_path):
+    """The exported file itself (before any compiling) computes the module's forward in ONNX
+    Runtime: training-mode BatchNorm with its three outputs, at another batch size. ONNX
+    Runtime's graph optimizations are off: they share equal initializers (a fresh BatchNorm's
+    weight and running variance, all ones; its bias and running mean, all zeros), and its
+    training-mode BatchNormalization then computes with the statistics it updates (0.09 off
+    here with them on; docs/torch.md)."""
+    torch.manual_seed(0)
+    module = FAMILIES[family]().eval()
+    if family == "cnn":
+        module.bn.train()
+    x, _ = _data(family, np.random.default_rng(0))
+    kt.export(module, (x,), tmp_path / "m.onnx", exporter=exporter)
+    x2, _ = _data(family, np.random.default_rng(1), n=5)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"]).run(
+        ["logits"], {"input": x2})[0]
+    with torch.no_grad():
+        want = copy.deepcopy(module)(torch.from_numpy(x2)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 @pytest.mark.parametrize("family,exporter", CASES)
 def test_round_trip(family, exporter, tmp_path):
     r = _round_trip(family, exporter, tmp_path)
