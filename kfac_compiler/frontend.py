@@ -32,7 +32,7 @@ from kfac_compiler.passes.heads import attach_heads
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
-from kfac_compiler.passes.trainable import TrainableSet, split_trainable
+from kfac_compiler.passes.trainable import TrainableSet, split_trainable, torch_copies, torch_roles
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.patterns.builtin import normalization_fallback_notes
 from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
@@ -163,6 +163,9 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
 
     plan_notes: list[str] = [float_note[1]] if float_note else []
     split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
+    if torch_roles(canon) is not None:
+        plan_notes.append("torch manifest (kfac_compiler.torch.export): the trainable set is the module's parameters, "
+                          "buffers and other constants are frozen; inspect lists the torch names in the frozen reasons")
     canon, view, split, exporter_copies = _repair_ties(canon, view, split, cfg, plan_notes)
     if split.frozen:
         plan_notes.append(f"{len(split.frozen)} initializers frozen (not trained); inspect lists each with its reason")
@@ -285,7 +288,10 @@ def _repair_ties(canon: onnx.ModelProto, view: GraphView, split: TrainableSet, c
     """Retie an exporter's copies of one parameter, untie what `untie` names, report the other
     shared parameters (passes/untie.py); returns the model, its view, the trainable set and
     the retied copies."""
-    exporter_copies = find_copies(view, split.trainable) if cfg.retie else {}
+    manifest = torch_roles(canon) is not None  # the torch bridge's manifest names the copies
+    exporter_copies = {}
+    if cfg.retie:
+        exporter_copies = torch_copies(canon, split.trainable) if manifest else find_copies(view, split.trainable)
     if exporter_copies:
         canon = retie(canon, exporter_copies)
         view = GraphView(canon)

@@ -19,16 +19,27 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
 
 Everything else is a parameter. The config overrides either way: `exclude` freezes, `include`
 restricts, `train` trains a parameter the rule froze (`exclude` wins over `train`).
+
+A model exported by the torch bridge (kfac_compiler.torch) carries a manifest saying which
+initializers are torch parameters; then it decides instead of the rule: exactly the torch
+parameters (and their copies, which the front end ties to them) train, buffers and other
+constants are frozen ("torch buffer NAME", "not a torch parameter"), a parameter is still
+frozen when it holds non-finite values or reaches the output only through non-learnable inputs
+(rule 1 and 2), and an initializer the manifest calls ambiguous is left to the rule. The
+selectors apply on top as above.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
 
 from kfac_compiler.builder import live
 from kfac_compiler.config import compile_patterns
+from kfac_compiler.contract import RECURRENT_PIECES_KEY, TORCH_MANIFEST_KEY
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView
 from kfac_compiler.oprules import find as find_rule
@@ -103,8 +114,9 @@ def _is_literal(view: GraphView, name: str) -> bool:
     return True
 
 
-def constant_reason(view: GraphView, name: str, learnable: set[str]) -> str | None:
-    """Why the float initializer `name` is a constant under the rule, or None (a parameter)."""
+def constant_reason(view: GraphView, name: str, learnable: set[str], literals: bool = True) -> str | None:
+    """Why the float initializer `name` is a constant under the rule, or None (a parameter);
+    literals=False skips rule 3 (a single value in elementwise arithmetic)."""
     value = view.array(name)
     if value.size and not np.all(np.isfinite(value)):
         return "constant: holds non-finite values (a mask fill such as -inf)"
@@ -115,8 +127,53 @@ def constant_reason(view: GraphView, name: str, learnable: set[str]) -> str | No
                     return (f"constant: reaches the output only through non-learnable inputs "
                             f"({node.op_type} {node.name!r} {slot_name(node, slot, view.opset)})")
         return "constant: reaches the output only through non-learnable inputs"
-    if value.size == 1 and _is_literal(view, name):
+    if literals and value.size == 1 and _is_literal(view, name):
         return "constant: a single value in elementwise arithmetic (a literal the exporter lifted)"
+    return None
+
+
+def torch_roles(model: onnx.ModelProto) -> dict[str, dict[str, Any]] | None:
+    """{initializer: its manifest entry} from the torch bridge's manifest (None without one);
+    the lowered pieces of a fused recurrent weight get their weight's entry."""
+    props = {p.key: p.value for p in model.metadata_props}
+    if TORCH_MANIFEST_KEY not in props:
+        return None
+    roles = dict(json.loads(props[TORCH_MANIFEST_KEY]).get("initializers", {}))
+    for orig, pieces in json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).items():
+        if orig in roles:
+            for piece in pieces:
+                roles.setdefault(piece[0], roles[orig])
+    return roles
+
+
+def torch_copies(model: onnx.ModelProto, trainable: list[str]) -> dict[str, tuple[str, bool]]:
+    """{copy: (its parameter's initializer, transposed)} among `trainable`, from the manifest:
+    an exporter's second initializer of one torch parameter (its transpose, a folded copy; a copy
+    in another shape, a folded Unsqueeze, is not retied and trains apart)."""
+    roles = torch_roles(model) or {}
+    keep = set(trainable)
+    out = {}
+    for name in trainable:
+        e = roles.get(name, {})
+        of = e.get("copy_of")
+        if e.get("role") == "parameter" and of in keep and of not in out and not e.get("reshaped"):
+            out[name] = (of, bool(e.get("transposed")) != bool(roles[of].get("transposed")))
+    return out
+
+
+def _manifest_reason(entry: dict[str, Any] | None, rule: Any) -> str | None:
+    """Why a float initializer is frozen under the torch manifest (None: trained); `rule()` is
+    the constants rule's reason without rule 3."""
+    entry = entry or {}
+    role = entry.get("role")
+    if role == "parameter":
+        why = rule()
+        names = entry.get("torch") or entry["blocks"][0][0]
+        return f"torch parameter {names}, but {why}" if why else None
+    if role == "buffer":
+        return f"torch buffer {entry['torch']}"
+    if role == "constant":
+        return "not a torch parameter (a constant of the export)"
     return None
 
 
@@ -156,10 +213,15 @@ def split_trainable(
                 first = first or p
         return first
 
+    roles = torch_roles(model)
     trainable, frozen, reasons = [], [], {}
     for name in candidates:
         excluded, forced, included = hit("exclude", name), hit("train", name), hit("include", name)
-        reason = running.get(name) or constant_reason(view, name, learnable)
+        entry = roles.get(name) if roles is not None else None
+        if entry is not None and entry.get("role") in ("parameter", "buffer", "constant"):
+            reason = _manifest_reason(entry, lambda n=name: constant_reason(view, n, learnable, literals=False))
+        else:
+            reason = running.get(name) or constant_reason(view, name, learnable)
         if reason is not None and forced:
             reason = None
         if reason is None and include is not None and not included:
@@ -192,4 +254,5 @@ def trainable_params(model: onnx.ModelProto, output: str, include: list[str] | N
     return split.trainable, split.frozen
 
 
-__all__ = ["SETTING_SLOTS", "TrainableSet", "constant_reason", "split_trainable", "trainable_params"]
+__all__ = ["SETTING_SLOTS", "TrainableSet", "constant_reason", "split_trainable", "torch_copies", "torch_roles",
+           "trainable_params"]

@@ -1,0 +1,346 @@
+"""The torch bridge (kfac_compiler.torch): export with a parameter manifest, the compiler's
+trainable set equal to the module's parameters, and trained values loaded back into the module
+so that torch's own forward (the independent truth) equals ONNX Runtime on the trained export."""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch bridge needs torch (optional extra `torch`)")
+pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
+
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
+from torch import nn  # noqa: E402
+
+import kfac_compiler  # noqa: E402
+from kfac_compiler import torch as kt  # noqa: E402
+from kfac_compiler.runtime import Trainer  # noqa: E402
+
+N = 8
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    """Conv + BatchNorm (training mode: batch statistics, running statistics updated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class GroupNormNet(nn.Module):
+    """GroupNorm(1, C): exported as an InstanceNormalization over one group with a folded
+    one-element scale and bias, then the module's per-channel affine."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn, self.fc = nn.Conv2d(3, 4, 3), nn.GroupNorm(1, 4), nn.Linear(4 * 4 * 4, 5)
+        with torch.no_grad():
+            self.gn.weight.add_(0.1 * torch.randn(4))
+            self.gn.bias.add_(0.1 * torch.randn(4))
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.gn(self.conv(x))).flatten(1))
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight."""
+
+    def __init__(self, vocab=11, d=8):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(vocab, d), nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.ln(self.emb(x)))
+
+
+class RNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return self.fc(h[:, -1])
+
+
+class GPTBlock(nn.Module):
+    """Token embedding + a registered sinusoidal position buffer and rotary cos/sin buffers
+    (the constants rule would train them), one pre-LN causal attention block, a one-element
+    learnt temperature (the rule would freeze it as a lifted literal), a head."""
+
+    def __init__(self, vocab=13, d=8, t=6):
+        super().__init__()
+        self.emb, self.ln1, self.ln2 = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, vocab)
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+        pos = torch.arange(t)[:, None] / torch.pow(100.0, torch.arange(d)[None] / d)
+        self.register_buffer("pos", torch.where(torch.arange(d)[None] % 2 == 0, torch.sin(pos), torch.cos(pos)))
+        self.register_buffer("mask", torch.triu(torch.full((t, t), -1e4), 1))
+        angle = torch.arange(t)[:, None] * torch.pow(10.0, -torch.arange(d // 2)[None] / (d // 2))
+        self.register_buffer("cos", torch.cos(angle))
+        self.register_buffer("sin", torch.sin(angle))
+
+    def rotate(self, z):
+        a, b = z[..., 0::2], z[..., 1::2]
+        return torch.cat([a * self.cos - b * self.sin, a * self.sin + b * self.cos], -1)
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos
+        q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+        q, k = self.rotate(q), self.rotate(k)
+        att = torch.softmax(q @ k.transpose(1, 2) * (self.temperature / math.sqrt(q.shape[-1])) + self.mask, -1)
+        h = h + self.proj(att @ v)
+        return self.head(self.ln2(h))
+
+
+def _data(family, rng, n=N):
+    if family == "mlp":
+        return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 5, n)
+    if family in ("cnn", "groupnorm"):
+        return rng.standard_normal((n, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, n)
+    if family == "tied":
+        return rng.integers(0, 11, (n, 5)), rng.integers(0, 11, (n, 5))
+    if family == "lstm":
+        return rng.standard_normal((n, 7, 4)).astype(np.float32), rng.integers(0, 3, n)
+    return rng.integers(0, 13, (n, 6)), rng.integers(0, 13, (n, 6))
+
+
+FAMILIES = {"mlp": MLP, "cnn": CNN, "groupnorm": GroupNormNet, "tied": TiedLM, "lstm": RNN, "gpt": GPTBlock}
+
+
+def _round_trip(family, exporter, tmp_path, optimizer="sgd", steps=3):
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    module = FAMILIES[family]()
+    module.eval()
+    if family == "cnn":
+        module.bn.train()
+    x, y = _data(family, rng)
+    path = tmp_path / f"{family}-{exporter}.onnx"
+    if exporter == FOLDED:
+        _export_folded(module, x, path)
+    else:
+        kt.export(module, (x,), path, exporter=exporter)
+    manifest = kt.read_manifest(path)
+    plan = kfac_compiler.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
+    trained_torch = {p for names in kt.plan_parameters(plan).values() for p in names}
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    kw = {"learning_rate": 0.1} if optimizer == "sgd" else {}
+    trainer = Trainer(plan, optimizer=optimizer, **kw)
+    for _ in range(steps):
+        trainer.step({"input": x}, y)
+    trained = tmp_path / "trained.onnx"
+    trainer.export(trained)
+    written = kt.load_trained(module, str(trained))
+    sess = ort.InferenceSession(str(trained), providers=["CPUExecutionProvider"])
+    x2, _ = _data(family, np.random.default_rng(1), n=5)  # another batch size: the batch axis is dynamic
+    onnx_out = sess.run([plan.output], {"input": x2})[0]
+    with torch.no_grad():
+        torch_out = copy.deepcopy(module)(torch.from_numpy(x2)).numpy()  # a copy: BatchNorm's statistics stay
+    return dict(module=module, manifest=manifest, plan=plan, trained_torch=trained_torch, before=before,
+                written=written, err=float(np.abs(onnx_out - torch_out).max()), trainer=trainer, trained=trained)
+
+
+# the TorchScript exporter with constant folding on and its merge of equal initializers (not
+# what kt.export does): folded transposes, packed recurrent weights in ONNX gate order and
+# merged LayerNorm gains, mapped by value (copies, blocks, merged)
+FOLDED = "torchscript-folded"
+
+
+def _export_folded(module, x, path):
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.from_numpy(x),), buf, dynamo=False, input_names=["input"],
+                          output_names=["logits"], opset_version=17, dynamic_axes={"input": {0: "N"}},
+                          do_constant_folding=True, training=torch.onnx.TrainingMode.PRESERVE)
+    model = onnx.load_from_string(buf.getvalue())
+    kt.set_manifest(model, kt.build_manifest(module, model, FOLDED))
+    onnx.save(model, str(path))
+
+
+CASES = [(f, e) for f in FAMILIES for e in (*kt.EXPORTERS, FOLDED)]
+
+
+@pytest.mark.parametrize("family,exporter", [(f, e) for f in FAMILIES for e in kt.EXPORTERS])
+def test_the_export_runs_as_the_module(family, exporter, tmp_path):
+    """The exported file itself (before any compiling) computes the module's forward in ONNX
+    Runtime: training-mode BatchNorm with its three outputs, at another batch size. ONNX
+    Runtime's graph optimizations are off: they share equal initializers (a fresh BatchNorm's
+    weight and running variance, all ones; its bias and running mean, all zeros), and its
+    training-mode BatchNormalization then computes with the statistics it updates (0.09 off
+    here with them on; docs/torch.md)."""
+    torch.manual_seed(0)
+    module = FAMILIES[family]().eval()
+    if family == "cnn":
+        module.bn.train()
+    x, _ = _data(family, np.random.default_rng(0))
+    kt.export(module, (x,), tmp_path / "m.onnx", exporter=exporter)
+    x2, _ = _data(family, np.random.default_rng(1), n=5)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"]).run(
+        ["logits"], {"input": x2})[0]
+    with torch.no_grad():
+        want = copy.deepcopy(module)(torch.from_numpy(x2)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,exporter", CASES)
+def test_round_trip(family, exporter, tmp_path):
+    r = _round_trip(family, exporter, tmp_path)
+    module = r["module"]
+    params = dict(module.named_parameters())
+    # exactly the module's parameters train
+    # (a folding export can fold a parameter into a constant: GPTBlock's temperature / sqrt(d))
+    unmapped = set(r["manifest"]["unmapped"])
+    assert not unmapped or exporter == FOLDED
+    assert r["trained_torch"] == set(params) - unmapped, (r["trained_torch"] ^ set(params), r["plan"].frozen_reasons)
+    if exporter != FOLDED:  # one initializer per parameter: the exporter merged none
+        mapped = [p for names in kt.plan_parameters(r["plan"]).values() for p in names]
+        assert sorted(mapped) == sorted(params)
+    # training changed them and they were written back
+    assert set(r["written"]) >= set(params) - unmapped
+    changed = [n for n in params if not torch.equal(params[n].detach(), r["before"][n])]
+    assert changed, "no parameter changed in training"
+    # torch's forward equals ONNX Runtime on the trained export
+    assert r["err"] < 1e-4, r["err"]
+    # buffers other than BatchNorm's running statistics are not trained
+    state = module.state_dict()
+    for name, _ in module.named_buffers():
+        if not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            assert torch.equal(state[name], r["before"][name]), name
+            assert any(reason.startswith(f"torch buffer {name}") for reason in r["plan"].frozen_reasons.values())
+
+
+def test_batchnorm_running_statistics_are_loaded(tmp_path):
+    r = _round_trip("cnn", "dynamo", tmp_path)
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(r["trained"])).graph.initializer}
+    holder = {e["torch"]: i for i, e in r["manifest"]["initializers"].items() if e["role"] == "buffer"}
+    for stat in ("bn.running_mean", "bn.running_var"):
+        np.testing.assert_array_equal(r["module"].state_dict()[stat].numpy(), inits[holder[stat]])
+        assert not torch.equal(r["module"].state_dict()[stat], r["before"][stat]), stat
+
+
+@pytest.mark.parametrize("exporter", kt.EXPORTERS)
+def test_running_statistics_after_one_step_are_torchs(exporter, tmp_path):
+    """One training step updates BatchNorm's running statistics from the step's batch (before
+    the update): torch's own training-mode forward on that batch is the truth. The mean is
+    torch's; the variance is ONNX's biased batch variance where torch keeps the unbiased one
+    (a known difference, docs/torch.md): equal once Bessel's correction is taken out."""
+    torch.manual_seed(0)
+    m = CNN().eval()
+    m.bn.train()
+    x, y = _data("cnn", np.random.default_rng(0))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    kt.export(m, (x,), tmp_path / "c.onnx", exporter=exporter)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), "export changed the module"
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        h = ref.conv(torch.from_numpy(x))
+        ref.bn(h)
+    plan = kfac_compiler.compile(str(tmp_path / "c.onnx"), loss="softmax_cross_entropy", output="logits", emit=False)
+    trainer = Trainer(plan, optimizer="sgd", learning_rate=0.1)
+    trainer.step({"input": x}, y)
+    kt.load_trained(m, trainer)
+    got, want = m.state_dict(), ref.state_dict()
+    np.testing.assert_allclose(got["bn.running_mean"].numpy(), want["bn.running_mean"].numpy(), atol=1e-6)
+    n = h.numel() // h.shape[1]
+    bessel = 0.1 * h.var(dim=(0, 2, 3), unbiased=True) / n  # momentum * (unbiased - biased variance)
+    np.testing.assert_allclose(got["bn.running_var"].numpy(), (want["bn.running_var"] - bessel).numpy(), atol=1e-6)
+
+
+def test_manifest_records_ties_buffers_and_the_learnt_scalar(tmp_path):
+    torch.manual_seed(0)
+    m = GPTBlock().eval()
+    x, _ = _data("gpt", np.random.default_rng(0))
+    model = kt.export(m, (x,), tmp_path / "gpt.onnx")
+    man = kt.read_manifest(model)
+    roles = {e.get("torch"): e["role"] for e in man["initializers"].values() if "torch" in e}
+    assert roles["temperature"] == "parameter"
+    assert all(roles[b] == "buffer" for b in ("pos", "mask", "cos", "sin"))
+    plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    by_torch = {e["torch"]: i for i, e in man["initializers"].items() if "torch" in e and "copy_of" not in e}
+    assert by_torch["temperature"] in plan.trainable
+    assert all(by_torch[b] in plan.frozen for b in ("pos", "cos", "sin"))
+    # without the manifest the rule decides: the position tables train, the temperature is frozen
+    del model.metadata_props[:]
+    rule = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    assert all(by_torch[b] in rule.trainable for b in ("pos", "cos", "sin")) and by_torch["temperature"] in rule.frozen
+
+
+def test_tied_module_is_one_parameter(tmp_path):
+    torch.manual_seed(0)
+    m = TiedLM().eval()
+    x, _ = _data("tied", np.random.default_rng(0))
+    man = kt.build_manifest(m, kt.export(m, (x,), tmp_path / "t.onnx", exporter="torchscript"))
+    assert man["ties"] == {"head.weight": "emb.weight"}
+
+
+def test_selectors_apply_on_top_of_the_manifest(tmp_path):
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x, _ = _data("mlp", np.random.default_rng(0))
+    model = kt.export(m, (x,), tmp_path / "m.onnx")
+    plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False,
+                                 exclude=["fc1\\..*"])
+    assert set(plan.trainable) == {"fc2.weight", "fc2.bias"}
+    assert plan.frozen_reasons["fc1.weight"].startswith("excluded by config")
+
+
+@pytest.mark.parametrize("family", ["lstm", "tied"])
+def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
+    """The same values land in the module from the Trainer, its trained file and a dict of its
+    arrays with the exported file's manifest (recurrent pieces folded back need the model: a
+    dict of the canonical parameters maps where the names are the export's)."""
+    r = _round_trip(family, FOLDED if family == "lstm" else "dynamo", tmp_path, steps=2)
+    from_file = {k: v.clone() for k, v in r["module"].state_dict().items()}
+    other = FAMILIES[family]()
+    kt.load_trained(other, r["trainer"])
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, from_file[k]), k
+    if family == "tied":
+        third = FAMILIES[family]()
+        kt.load_trained(third, r["trainer"].parameters(), manifest=tmp_path / f"{family}-dynamo.onnx")
+        for k, v in third.state_dict().items():
+            assert torch.equal(v, from_file[k]), k
+
+
+def test_load_errors_name_what_cannot_be_mapped(tmp_path):
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x, _ = _data("mlp", np.random.default_rng(0))
+    kt.export(m, (x,), tmp_path / "m.onnx")
+    with pytest.raises(kt.BridgeError, match="fc2.bias"):
+        kt.load_trained(m, {"fc1.weight": np.zeros((16, 6), np.float32)}, manifest=tmp_path / "m.onnx")
+    with pytest.raises(kt.BridgeError, match="no torch manifest"):
+        kt.load_trained(m, {"nope": np.zeros(3)})
+
+
+def test_importing_kfac_compiler_does_not_import_torch():
+    code = "import sys, kfac_compiler, kfac_compiler.frontend; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
