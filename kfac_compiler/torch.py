@@ -45,8 +45,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from kfac_compiler.contract import RECURRENT_PIECES_KEY, TORCH_MANIFEST_KEY
+from kfac_compiler.contract import TORCH_MANIFEST_KEY
 from kfac_compiler.errors import KfacError
+from kfac_compiler.graph import fold_recurrent_params
 
 try:
     import torch
@@ -405,12 +406,8 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
             return list(values)
         raise BridgeError("no torch manifest: the source's model has none and no manifest= was given "
                           "(export the module with kfac_compiler.torch.export)")
-    if model is not None:
-        pieces = json.loads({p.key: p.value for p in model.metadata_props}.get(RECURRENT_PIECES_KEY, "{}"))
-        if pieces:
-            from kfac_compiler.passes.recurrent import fold_recurrent_params
-
-            values.update(fold_recurrent_params(model, values))
+    if model is not None:  # lowered recurrent pieces -> the fused op's W, R, B
+        values.update(fold_recurrent_params(model, values))
     out: dict[str, np.ndarray] = {}
     missing: list[str] = []
     for init, e in man["initializers"].items():
