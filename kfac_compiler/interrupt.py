@@ -26,6 +26,9 @@ from typing import Any
 
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run like Ctrl-C
+# a signal that stands for another: mpirun forwards SIGUSR1 to the ranks where a user's Ctrl-C
+# would kill the job, so it is a Ctrl-C (exit 130, "interrupted")
+STANDS_FOR = {signal.SIGUSR1: signal.SIGINT}
 
 
 def exit_code(signum: int) -> int:
@@ -117,6 +120,7 @@ class StopOnInterrupt:
         return describe(self.signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        signum = STANDS_FOR.get(signal.Signals(signum), signum)
         if self.signum is not None:
             raise Interrupted(signum)
         self.signum = signum

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from kfac_compiler.interrupt import Interrupted, StopOnInterrupt, deferred_stop, exit_code, raise_on_stop
+from kfac_compiler.interrupt import STOP_SIGNALS, Interrupted, StopOnInterrupt, deferred_stop, exit_code, raise_on_stop
 
 SIGNALS = [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)]
 
@@ -47,3 +47,12 @@ def test_the_first_signal_asks_to_stop_and_a_second_ends_at_once(signum, code):
             os.kill(os.getpid(), signal.SIGTERM)
     assert got.value.exit_code == 143
     assert stop.describe() == ("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
+
+
+def test_sigusr1_is_mpiruns_forwarded_ctrl_c():
+    with StopOnInterrupt((*STOP_SIGNALS, signal.SIGUSR1)) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.exit_code == 130 and stop.describe() == "interrupted"
+        with pytest.raises(Interrupted) as got:
+            os.kill(os.getpid(), signal.SIGUSR1)
+    assert got.value.exit_code == 130
