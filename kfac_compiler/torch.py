@@ -113,6 +113,19 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
     return model
 
 
+def strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop the dynamo exporter's per-node stack traces and FX node dumps (metadata_props
+    `pkg.torch.onnx.stack_trace`, `pkg.torch.onnx.fx_node`: two thirds of a small model's
+    bytes, and local paths); the namespace and class hierarchy entries are kept."""
+    drop = {"pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node"}
+    for node in model.graph.node:
+        keep = [(p.key, p.value) for p in node.metadata_props if p.key not in drop]
+        del node.metadata_props[:]
+        for k, v in keep:
+            node.metadata_props.add(key=k, value=v)
+    return model
+
+
 def _export_dynamo(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelProto:
     last: Exception | None = None
     shapes = ({0: torch.export.Dim("N", min=2)},) * len(args) if dynamic_batch else None
@@ -123,14 +136,7 @@ def _export_dynamo(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelP
                 prog = torch.onnx.export(module, args, dynamo=True, input_names=ins, output_names=outs,
                                          dynamic_shapes=dyn, optimize=False, verbose=False, opset_version=opset)
             assert prog is not None
-            model = prog.model_proto
-            drop = {"pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node"}  # bytes and local paths
-            for node in model.graph.node:
-                keep = [(p.key, p.value) for p in node.metadata_props if p.key not in drop]
-                del node.metadata_props[:]
-                for k, v in keep:
-                    node.metadata_props.add(key=k, value=v)
-            return model
+            return strip_traces(prog.model_proto)
         except Exception as e:  # noqa: BLE001 - retried with a static batch
             last = e
     assert last is not None

@@ -27,7 +27,7 @@ Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dyna
 (optimize=False); "dynamo23" (optimizer on, opset 23) for resnet, lstm and gpt2_sdpa (GPT-2 with
 transformers' SDPA attention, exported as opset 23's Attention op; also by "dynamo" at the
 default opset, where it is decomposed). The batch dimension is dynamic ("N") where the exporter accepts it. The
-dynamo exports lose their per-node stack traces (`_strip_traces`), nothing else.
+dynamo exports lose their per-node stack traces (`kfac_compiler.torch.strip_traces`), nothing else.
 
 Per fixture `<family>-<exporter>.onnx` and `.npz`:
 
@@ -406,23 +406,12 @@ def export(module: nn.Module, x: np.ndarray, exporter: str) -> onnx.ModelProto:
             try:
                 prog = torch.onnx.export(module, (xt,), dynamo=True, input_names=["input"], output_names=["logits"],
                                          dynamic_shapes=dyn, optimize=optimize, verbose=False, opset_version=opset)
-                return _strip_traces(prog.model_proto)
+                from kfac_compiler.torch import strip_traces
+
+                return strip_traces(prog.model_proto)
             except Exception as e:  # noqa: BLE001 - retried with a static batch
                 last = e
         raise last
-
-
-def _strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Drop the dynamo exporter's per-node stack traces and FX node dumps (metadata_props
-    `pkg.torch.onnx.stack_trace`, `pkg.torch.onnx.fx_node`: two thirds of a small model's
-    bytes, and local paths); the namespace and class hierarchy entries are kept."""
-    drop = {"pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node"}
-    for node in model.graph.node:
-        keep = [(p.key, p.value) for p in node.metadata_props if p.key not in drop]
-        del node.metadata_props[:]
-        for k, v in keep:
-            node.metadata_props.add(key=k, value=v)
-    return model
 
 
 DEFAULT_INIT = ("gpt2", "resnet")  # also exported at their own initialisation: "<family>_init"

@@ -45,6 +45,7 @@ LAZY = {
     "kfac_compiler.requests": {"optimizers"},             # kind(): the optimizers register their kinds
     "kfac_compiler.oprules.check": {"passes"},            # finite-difference checks run autodiff
     "kfac_compiler.runtime.data": {"models"},             # the train command's zoo datasets
+    "kfac_compiler.models.real_exports": {"torch"},       # the fixtures' dynamo exports, cleaned as the bridge's
     "kfac_compiler.plan_schema": {"config", "contract", "linalg"},
 }
 

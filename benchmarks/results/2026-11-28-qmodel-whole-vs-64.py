@@ -1,33 +1,43 @@
-"""K-FAC with the quadratic model on the whole batch (the new default) against its 64-example
-sub-batch (the old default): steps to tuned Adam's loss and interleaved step times."""
-import sys, time
-sys.path.insert(0, "benchmarks")
-import numpy as np
-import harness
+"""K-FAC with the quadratic model on the whole batch (the default since 2026-11-28) against its
+64-example sub-batch (the default before): steps to tuned Adam's loss (the targets of
+2026-11-28-to-target-digits.md) and interleaved step times. Run from the repository root:
+
+    python benchmarks/results/2026-11-28-qmodel-whole-vs-64.py
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+
 harness.import_paths()
-from bench_to_target import zoo_case, train, ours
+from bench_to_target import ours, train, zoo_case  # noqa: E402
 
 TARGETS = {"digits_autoencoder": (256, 14.32364), "mlp_classifier": (128, 0.00017)}
+VARIANTS = {"whole": {}, "q64": {"qmodel_batch_size": 64}}
+
 for name, (bs, target) in TARGETS.items():
     plan, x, y = zoo_case(name)
-    runs = {}
-    for label, kw in (("whole", {}), ("q64", {"qmodel_batch_size": 64})):
-        r = train(plan, x, y, bs, "kfac", 600, targets=[target], **kw)
-        runs[label] = r.hit(target)[0]
-    # interleaved step times
-    steppers = {label: ours(plan, x, y, bs, "kfac", **kw)[0] for label, kw in (("whole", {}), ("q64", {"qmodel_batch_size": 64}))}
-    times = {l: [] for l in steppers}
-    k = {l: 0 for l in steppers}
-    for l, s in steppers.items():
-        for _ in range(20):  # warm up
-            s(k[l]); k[l] += 1
-    for rnd in range(5):
-        for l, s in steppers.items():
+    steps = {v: train(plan, x, y, bs, "kfac", 600, targets=[target], **kw).hit(target)[0] for v, kw in VARIANTS.items()}
+    steppers = {v: ours(plan, x, y, bs, "kfac", **kw)[0] for v, kw in VARIANTS.items()}
+    done = dict.fromkeys(steppers, 0)
+    times: dict[str, list[float]] = {v: [] for v in steppers}
+    for v, step in steppers.items():  # warm up
+        for _ in range(20):
+            step(done[v])
+            done[v] += 1
+    for _ in range(5):  # rounds, interleaved
+        for v, step in steppers.items():
             t0 = time.perf_counter()
             for _ in range(40):
-                s(k[l]); k[l] += 1
-            times[l].append((time.perf_counter() - t0) / 40 * 1e3)
-    med = {l: float(np.median(v)) for l, v in times.items()}
-    print(f"{name}: steps to target whole {runs['whole']} q64 {runs['q64']}; ms/step whole {med['whole']:.2f} "
-          f"({min(times['whole']):.2f}-{max(times['whole']):.2f}) q64 {med['q64']:.2f} ({min(times['q64']):.2f}-{max(times['q64']):.2f}); "
-          f"time to target whole/q64 {runs['whole'] * med['whole'] / (runs['q64'] * med['q64']):.2f}x" if runs['whole'] and runs['q64'] else f"{name}: {runs}")
+                step(done[v])
+                done[v] += 1
+            times[v].append((time.perf_counter() - t0) / 40 * 1e3)
+    med = {v: float(np.median(t)) for v, t in times.items()}
+    span = {v: f"{min(t):.2f}-{max(t):.2f}" for v, t in times.items()}
+    ratio = steps["whole"] * med["whole"] / (steps["q64"] * med["q64"]) if all(steps.values()) else float("nan")
+    print(f"{name}: steps to target whole {steps['whole']} q64 {steps['q64']}; ms/step whole {med['whole']:.2f} "
+          f"({span['whole']}) q64 {med['q64']:.2f} ({span['q64']}); time to target whole/q64 {ratio:.2f}x")
