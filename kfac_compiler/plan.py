@@ -229,14 +229,18 @@ class Plan:
         parameter an exporter's copy is retied to, or a fused recurrent op's lowered pieces."""
         if initializer in self.retied:
             return [self.retied[initializer]["of"]]
-        props = {p.key: p.value for p in self.model.metadata_props}
-        pieces = json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).get(initializer)
+        pieces = self.recurrent_pieces().get(initializer)
         return [p[0] for p in pieces] if pieces else [initializer]
+
+    def recurrent_pieces(self) -> dict[str, list]:
+        """{fused recurrent op's initializer: [[piece, direction, start, end], ...]}: the record
+        passes/recurrent.py keeps in the plan model's metadata."""
+        props = {p.key: p.value for p in self.model.metadata_props}
+        return json.loads(props.get(RECURRENT_PIECES_KEY, "{}"))
 
     def holders_of_pieces(self) -> set[str]:
         """The plan model's initializers that are lowered pieces of a fused recurrent op's."""
-        props = {p.key: p.value for p in self.model.metadata_props}
-        return {p[0] for pieces in json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).values() for p in pieces}
+        return {p[0] for pieces in self.recurrent_pieces().values() for p in pieces}
 
     def source_values(self, values: dict[str, Any]) -> dict[str, Any]:
         """{source model initializer: value} from `values` keyed by the plan model's
