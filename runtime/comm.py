@@ -31,22 +31,23 @@ class RankError(KfacError):
     """Another rank of a data-parallel run failed; the message names it."""
 
 
-def launched_ranks() -> int:
-    """The number of ranks the MPI launcher started this process among (1 when not under one)."""
-    for var in SIZE_VARIABLES:
+def _launcher_value(variables: Sequence[str], default: int) -> int:
+    """The first of the launcher's environment `variables` holding a number, else `default`."""
+    for var in variables:
         value = os.environ.get(var, "")
         if value.isdigit():
             return int(value)
-    return 1
+    return default
+
+
+def launched_ranks() -> int:
+    """The number of ranks the MPI launcher started this process among (1 when not under one)."""
+    return _launcher_value(SIZE_VARIABLES, 1)
 
 
 def launched_rank() -> int:
     """This process's rank among those the MPI launcher started (0 when not under one)."""
-    for var in RANK_VARIABLES:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    return _launcher_value(RANK_VARIABLES, 0)
 
 
 def mpi():

@@ -3,29 +3,13 @@ TB, a checkpoint slot claiming 400 TB) is the reader's one-line error, checked b
 allocates the declared shape (npz_files.read_entry)."""
 from __future__ import annotations
 
-import io
-import zipfile
-
 import numpy as np
 import pytest
 
+from faults.harness import lying_npz
 from kfac_compiler.errors import CheckpointError, DataError
 from kfac_compiler.npz_files import read_entry
 from kfac_compiler.runtime.data import load_npz
-
-
-def lying_npz(path, arrays: dict[str, np.ndarray], liar: str, shape: tuple[int, ...]) -> None:
-    """An .npz of `arrays` whose entry `liar` has a header declaring `shape` (its data unchanged)."""
-    with zipfile.ZipFile(path, "w") as z:
-        for k, a in arrays.items():
-            f = io.BytesIO()
-            if k == liar:
-                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(a.dtype),
-                                                        "fortran_order": False, "shape": shape})
-                f.write(a.tobytes())
-            else:
-                np.lib.format.write_array(f, a)
-            z.writestr(f"{k}.npy", f.getvalue())
 
 
 def test_the_declared_size_is_checked_against_the_entry(tmp_path):

@@ -32,6 +32,7 @@ from faults.harness import (
     call,
     cli_command,
     listing,
+    lying_npz,
     metrics_rows,
     read_checkpoint,
     run_cli,
@@ -1052,23 +1053,6 @@ def by_name() -> dict[str, Case]:
 
 
 # --------------------------------------------------------------------------- sizes, nesting, shapes
-def _lying_npz(path: str, arrays: dict[str, np.ndarray], liar: str, shape: tuple[int, ...]) -> None:
-    """An .npz of `arrays` whose entry `liar` has a header declaring `shape` (data unchanged)."""
-    import io
-    import zipfile
-
-    with zipfile.ZipFile(path, "w") as z:
-        for k, a in arrays.items():
-            f = io.BytesIO()
-            if k == liar:
-                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(a.dtype),
-                                                        "fortran_order": False, "shape": shape})
-                f.write(a.tobytes())
-            else:
-                np.lib.format.write_array(f, a)
-            z.writestr(f"{k}.npy", f.getvalue())
-
-
 @case("traceback", fast=True)
 def data_file_header_claiming_51_tb(d: str) -> Verdict:
     """An .npz whose input header claims 51 TB: one line before numpy allocates it."""
@@ -1077,7 +1061,7 @@ def data_file_header_claiming_51_tb(d: str) -> Verdict:
         arrays = {k: z[k] for k in z.files}
     data = _j(d, "data.npz")
     first = next(k for k in arrays if k != "targets")
-    _lying_npz(data, arrays, first, (arrays[first].shape[0], 12_750_000_000_000 // arrays[first].shape[0]))
+    lying_npz(data, arrays, first, (arrays[first].shape[0], 12_750_000_000_000 // arrays[first].shape[0]))
     j.error_line(run_cli([*TRAIN, "--data", data]), ["data.npz", "declares"])
     return j.verdict()
 
@@ -1090,7 +1074,7 @@ def checkpoint_slot_claiming_400_tb(d: str) -> Verdict:
     with np.load(ckpt) as z:
         arrays = {k: z[k] for k in z.files}
     bad = _j(d, "run.ckpt")
-    _lying_npz(bad, arrays, "slot_00000", (10**8, 10**6))
+    lying_npz(bad, arrays, "slot_00000", (10**8, 10**6))
     j.error_line(run_cli(["train", "--steps", "3", "-q", "--resume", bad]), ["run.ckpt", "declares"])
     return j.verdict()
 

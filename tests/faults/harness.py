@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
@@ -373,3 +374,18 @@ class Assets:
 
 
 ASSETS = Assets()
+
+
+def lying_npz(path: str, arrays: dict[str, np.ndarray], liar: str, shape: tuple[int, ...]) -> None:
+    """An .npz of `arrays` whose entry `liar` has a header declaring `shape` (its data
+    unchanged): what numpy would allocate before reading, were the size not checked."""
+    with zipfile.ZipFile(path, "w") as z:
+        for k, a in arrays.items():
+            f = io.BytesIO()
+            if k == liar:
+                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(a.dtype),
+                                                        "fortran_order": False, "shape": shape})
+                f.write(a.tobytes())
+            else:
+                np.lib.format.write_array(f, a)
+            z.writestr(f"{k}.npy", f.getvalue())
