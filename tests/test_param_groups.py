@@ -92,13 +92,15 @@ def test_an_adam_group_steps_by_adam_and_kfac_steps_the_rest_with_the_group_held
                 assert metrics[k] == pytest.approx(m_frozen[k], rel=1e-5, abs=1e-7), k
 
 
-def test_an_sgd_group_with_l2_beside_fixed_rate_kfac(mlp):
-    """fc1 by heavy-ball SGD with l2, fc2 and fc3 by K-FAC's `regular` momentum type with its own
-    l2: the group's weight decay and K-FAC's do not leak into each other."""
+def test_an_sgd_group_with_l2_and_clipping_beside_fixed_rate_kfac(mlp):
+    """fc1 by heavy-ball SGD with l2 and its gradient clipped by the group's own norm, fc2 and fc3
+    by K-FAC's `regular` momentum type with its own l2: the group's settings and K-FAC's do not
+    leak into each other."""
     plan, inputs, y = mlp
-    lr, mu, l2 = 0.05, 0.9, 1e-2
+    lr, mu, l2, clip = 0.05, 0.9, 1e-2, 0.3
     kfac = dict(learning_rate=0.02, momentum=0.5, damping=0.1, l2_reg=1e-3)
-    group = {"layers": "fc1", "optimizer": "sgd", "learning_rate": lr, "momentum": mu, "l2_reg": l2}
+    group = {"layers": "fc1", "optimizer": "sgd", "learning_rate": lr, "momentum": mu, "l2_reg": l2,
+             "clip_norm": clip}
     tr = Trainer(plan, threads=1, param_groups=[group], **kfac)
     fc1 = ["fc1.weight", "fc1.bias"]
     frozen = Trainer(_compiled("mlp_classifier", exclude=fc1), threads=1, **kfac)
@@ -109,8 +111,12 @@ def test_an_sgd_group_with_l2_beside_fixed_rate_kfac(mlp):
         metrics = tr.step(batch, yb)
         assert metrics["rejected"] == 0.0
         after = _f64(tr.parameters())
+        norm = np.sqrt(sum((grads[p].astype(np.float64) ** 2).sum() for p in fc1))
+        scale = min(1.0, clip / norm)
+        assert scale < 0.9 or t > 1  # the first step's gradient is clipped
+        assert metrics["group0/grad_norm"] == pytest.approx(norm, rel=1e-4)  # before clipping
         for p in fc1:
-            vel[p] = mu * vel[p] - lr * (grads[p].astype(np.float64) + l2 * before[p])
+            vel[p] = mu * vel[p] - lr * (scale * grads[p].astype(np.float64) + l2 * before[p])
             np.testing.assert_allclose(after[p], before[p] + vel[p], rtol=1e-4, atol=1e-6, err_msg=f"step {t}: {p}")
         if t == 1:
             m_frozen = frozen.step(batch, yb)

@@ -93,6 +93,8 @@ class Emission:
         rule of its own in the same graph (first-order parameter groups,
         optimizers/groups.py). A layer is held whole or not at all."""
         held = set(params)
+        if not held:
+            return
         for layer in self.parts.layers:
             if held & set(layer.params) and not set(layer.params) <= held:
                 raise ValueError(f"hold: layer {layer.name!r} is held in part ({sorted(held & set(layer.params))})")

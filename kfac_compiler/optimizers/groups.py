@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from kfac_compiler.runtime.state import StateStore
 
 SELECTORS = ("params", "layers", "kind")
+# a group as kfac_step's `groups` option holds it: (name, optimizer, parameters, flags)
+GroupSpec = tuple[str, str, tuple[str, ...], tuple[str, ...]]
 DEFAULT_OPTIMIZER = "adam"
 # torch.optim's spellings of a group's options (betas: Adam's (beta1, beta2))
 TORCH_NAMES = {"lr": "learning_rate", "eps": "epsilon"}
@@ -239,7 +241,7 @@ class ParamGroup:
         on = {"l2": cfg.l2_reg > 0, **cfg.recipe_options()}
         return tuple(f for f in FLAGS if on[f])
 
-    def spec(self) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+    def spec(self) -> GroupSpec:
         """The group as kfac_step's `groups` option holds it (hashable, JSON as lists)."""
         return (self.name, self.optimizer, self.params, self.flags)
 
@@ -336,13 +338,13 @@ def _listing(names: Sequence[str], most: int = 12) -> str:
 
 
 # --------------------------------------------------------------------------- the step graph
-def hold(em: Emission, groups: Sequence[Sequence[Any]]) -> None:
+def hold(em: Emission, groups: Sequence[GroupSpec]) -> None:
     """Take the groups' parameters (kfac_step's `groups` option) out of the curvature, before
     the step emits anything."""
     em.hold([p for _, _, params, _ in groups for p in params])
 
 
-def emit_updates(em: Emission, groups: Sequence[Sequence[Any]], raw_grads: Mapping[str, str]) -> list[str]:
+def emit_updates(em: Emission, groups: Sequence[GroupSpec], raw_grads: Mapping[str, str]) -> list[str]:
     """Each group's update by its rule from the (reduced) gradients `raw_grads`, its metrics
     group/<name>/update_norm and grad_norm; returns the finiteness terms the step's
     metric/finite adds (a group's NaN update rejects the whole step)."""
@@ -400,6 +402,10 @@ class Groups:
     def applied(self) -> None:
         """The step whose hyper-parameters hyper_parameters() gave was applied."""
         self.last_hp = dict(self._pending)
+
+    def undone(self) -> None:
+        """The last applied update was rolled back (undo kept): nothing is left to undo."""
+        self.last_hp = {}
 
     def undo(self, store: StateStore) -> dict[str, np.ndarray]:
         """Set the groups' parameters to their values before the last applied update (each

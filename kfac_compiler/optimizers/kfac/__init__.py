@@ -369,6 +369,7 @@ class Kfac(Optimizer):
                 store.set(p, theta)
             return False
         self.unchecked_update = False
+        self.groups.undone()
         tr.applied_steps -= 1
         return True
 

@@ -29,6 +29,7 @@ from onnx import TensorProto
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers import groups
 from kfac_compiler.optimizers.base import GRADIENTS_POINT, LOSS_POINT, Gram, mean_loss_and_grads, regularized
+from kfac_compiler.optimizers.groups import GroupSpec
 from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions
 
@@ -140,7 +141,7 @@ class KfacStepOptions(SubgraphOptions):
     loss_limit: bool = False
     # first-order parameter groups ((name, optimizer, params, flags), ...; optimizers/groups.py):
     # held out of the curvature, updated by their optimizer's rule in this graph
-    groups: tuple = ()
+    groups: tuple[GroupSpec, ...] = ()
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
