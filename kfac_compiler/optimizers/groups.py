@@ -111,7 +111,7 @@ def _normalized(group: dict[str, Any], i: int) -> dict[str, Any]:
         raise ConfigError(f"{where}: name must be letters, digits, '_', '.' or '-', got {name!r}")
     where = f"{where} ({name!r})"
     opt = group.pop("optimizer", DEFAULT_OPTIMIZER)
-    if opt not in OPTIMIZERS:
+    if not isinstance(opt, str) or opt not in OPTIMIZERS:
         raise ConfigError(f"{where}: unknown optimizer {opt!r}; a group takes one of {', '.join(trainable_rules())}")
     cls = optimizer_class(opt)
     if not _is_rule(cls):
@@ -133,7 +133,7 @@ def _normalized(group: dict[str, Any], i: int) -> dict[str, Any]:
     for k in knobs:
         if stored[k] == CALLABLE:
             raise ConfigError(f"{where}: {k} is a Python callable, which a checkpoint cannot store: give its schedule "
-                              "as text (e.g. 'cosine:1e-3,0,1000') or set it on the top-level K-FAC options")
+                              "as text (e.g. 'cosine:1e-3,0,1000')")
         doc[k] = stored[k]
     return doc
 
