@@ -64,7 +64,7 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
     """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t). The
     rule is emitted per parameter or once over every parameter (o.multi_tensor)."""
     b = em.b
-    loss, raw, _ = mean_loss_and_grads(em)
+    loss, raw, _ = mean_loss_and_grads(em, accumulate=o.accumulate)
     lay = Layout(em, bool(o.multi_tensor))
     lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
     c1, c2 = em.hp(ONE_MINUS_BETA1), em.hp(ONE_MINUS_BETA2)

@@ -46,7 +46,7 @@ def emit_sgd_step(em: Emission, o: FirstOrderStepOptions) -> None:
     """Heavy-ball SGD: v = momentum v - lr g; theta += v (per parameter or once over every
     parameter: o.multi_tensor)."""
     b = em.b
-    loss, raw, _ = mean_loss_and_grads(em)
+    loss, raw, _ = mean_loss_and_grads(em, accumulate=o.accumulate)
     lay = Layout(em, bool(o.multi_tensor))
     lr, mom = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
     theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
