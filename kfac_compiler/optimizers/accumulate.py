@@ -133,13 +133,16 @@ class Accumulation:
 
     def run(self, policy: Policy, data: dict[str, Any], averaged: tuple[str, ...]) -> dict[str, float]:
         """One call of Trainer.step: a micro-batch, or the step that ends the cycle. `averaged`:
-        the metrics reported as means over the cycle (the loss and the loss's own metrics)."""
+        the metrics reported as means over the cycle (the loss and the loss's own metrics,
+        which the trainer then averages over the ranks of a data-parallel run)."""
         if self.count == 1:
             return policy.step(data)
         store = policy.trainer.store
         if not self.last:
             store.set_hp(ACCUM_KEEP, 1.0 if self.taken else 0.0)
             metrics, ok = policy.micro_batch(data)
+            # the step's loss is the ranks' mean (its reduction point); a micro-batch's is local
+            metrics["loss"] = policy.trainer.mean_over_ranks(metrics["loss"])
             self._add(metrics, averaged)
             self.poisoned = self.poisoned or not ok or not math.isfinite(metrics["loss"])
             self.taken += 1
