@@ -80,10 +80,6 @@ class Optimizer:
         statistics adds them)."""
         return AccumulateOptions(weighted=self.trainer.weighted)
 
-    def accumulate_hyper_parameters(self) -> dict[str, float]:
-        """The micro-batch's hyper-parameters besides hp/accum_keep (statistics' weights)."""
-        return {}
-
     def micro_program(self):
         """The `accumulate` session for the current batch (memoized on its options)."""
         options = self.accumulate_options()
@@ -96,11 +92,15 @@ class Optimizer:
         cycle's sum (and its statistics folded, where kept). Returns (its metrics, whether its
         loss and statistics were finite)."""
         prog = self.micro_program()
-        feed = dict(data)
-        feed.update(self.trainer.draw_noise(prog, data))
-        out = prog.run(self.trainer.store, feed, hp=self.accumulate_hyper_parameters())
+        noise, hp = self.micro_inputs(prog, data)
+        out = prog.run(self.trainer.store, {**data, **noise}, hp=hp)
         return ({"step": float(self.trainer.step_count), "loss": out[C.LOSS], **C.loss_metrics(out)},
                 out.get(C.FINITE, 1.0) > 0.5)
+
+    def micro_inputs(self, prog: Any, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """A micro-batch's noise inputs and hyper-parameters besides hp/accum_keep (an optimizer
+        that folds statistics: their weight)."""
+        return self.trainer.draw_noise(prog, data), {}
 
     def host_state(self) -> dict[str, Any]:
         """The optimizer's host-side state (checkpointed with the device state)."""

@@ -247,15 +247,19 @@ class Kfac(Optimizer):
                                  stats_batch=self.stats_batch(), with_stats=True, stats_if=self.stats_conditional)
 
     def micro_batch(self, data: dict[str, Any]) -> tuple[dict[str, float], bool]:
-        """A micro-batch other than its cycle's last: its gradient summed, its statistics folded
-        into the moving averages with the weight Accumulation.coefficient gives (on the steps
-        that take statistics), so that after the cycle the factors are those of one step on
-        the whole batch; during burn-in its statistics only."""
-        tr = self.trainer
+        """A micro-batch other than its cycle's last: its gradient summed and its statistics
+        folded (micro_inputs); during burn-in its statistics only."""
         if self.burn_in_count < self.config.burn_in_steps:
             out, ok = self.run_statistics(data, data)
-            return {"step": float(tr.step_count), "loss": out[C.LOSS], "burn_in": 1.0}, ok
-        prog = self.micro_program()
+            return {"step": float(self.trainer.step_count), "loss": out[C.LOSS], "burn_in": 1.0}, ok
+        return super().micro_batch(data)
+
+    def micro_inputs(self, prog, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """On the steps that take statistics, the micro-batch folds its own into the moving
+        averages with the weight Accumulation.coefficient gives, so that after the cycle the
+        factors are those of one step on the whole batch (and its noise is drawn, else
+        placeholders keep the random stream an uninterrupted run's)."""
+        tr = self.trainer
         stats = self.stats_due(tr.step_count)
         hp = {}
         if stats:
@@ -264,10 +268,7 @@ class Kfac(Optimizer):
             if not stats and not tr.store.has_hp(C.EMA_COEFF):  # bound, but the If skips its reader
                 hp[C.EMA_COEFF] = 0.0
             hp[C.UPDATE_STATS] = 1.0 if stats else 0.0
-        feed = dict(data)
-        feed.update(tr.draw_noise(prog, data) if stats else tr.noise_placeholders(prog, data))
-        out = prog.run(tr.store, feed, hp=hp)
-        return {"step": float(tr.step_count), "loss": out[C.LOSS], **C.loss_metrics(out)}, out.get(C.FINITE, 1.0) > 0.5
+        return (tr.draw_noise(prog, data) if stats else tr.noise_placeholders(prog, data)), hp
 
     def loss_limit(self) -> float:
         """The spike guard's limit on this step's batch loss: loss_spike_factor times the
