@@ -162,7 +162,8 @@ def _knobs(args) -> dict[str, Any]:
         knobs["damping"] = args.damping
     if args.l2 is not None:
         knobs["l2_reg"] = args.l2
-    knobs["accumulate"] = args.accumulate  # settle(): given, the checkpoint's or 1
+    if args.accumulate is not None:  # settle(): given, the checkpoint's or 1
+        knobs["accumulate"] = args.accumulate
     return knobs
 
 
