@@ -101,7 +101,7 @@ def test_kfac_accumulation_takes_the_whole_batch_steps_factors_included(mlp, k, 
         assert ma["loss"] == pytest.approx(mf["loss"], rel=1e-5)
         assert ma.get("burn_in") == mf.get("burn_in") and ma["rejected"] == mf["rejected"] == 0
         assert_state_close(acc, full, ("factor/",), rtol=2e-5)  # one accumulated step's factors: the whole batch's
-        assert_state_close(acc, full, ("inverse/", "velocity/", "grad_velocity/"), rtol=3e-4)
+        assert_state_close(acc, full, ("inverse/", "velocity/", "grad_velocity/"), rtol=5e-5)
     assert acc.policy.ema_weight == pytest.approx(full.policy.ema_weight, rel=1e-12)
 
 
@@ -121,7 +121,7 @@ def test_kfac_quadratic_model_runs_on_the_last_micro_batch(mlp):
         order = np.empty(BATCH, np.int64)  # rows 0, 2, 4, ... of the whole batch: the second micro-batch
         order[0::2], order[1::2] = np.arange(BATCH // 2, BATCH), np.arange(BATCH // 2)
         mf, ma = whole(full, xb[order], yb[order]), in_pieces(acc, xb, yb, 2)
-        rel = 1e-5 if step == 0 else 1e-3  # the 2x2 solve amplifies the rounding of the reordered sums
+        rel = 1e-5 if step == 0 else 2e-4  # the 2x2 solve amplifies the rounding of the reordered sums
         assert (ma["learning_rate"], ma["momentum"]) == (pytest.approx(mf["learning_rate"], rel=rel),
                                                          pytest.approx(mf["momentum"], rel=rel, abs=1e-6))
         assert_state_close(acc, full, ("factor/",), rtol=rel)
