@@ -114,8 +114,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="K-FAC initial damping; a schedule needs adapt_damping=off" + SCHEDULE_HELP)
     t.add_argument("--l2", type=_finite, default=None, help="weight decay coefficient")
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "
-                        "booleans: true/false, 1/0, yes/no, on/off)")
+                   help="any optimizer option, e.g. inv_update_period=10, adapt_damping=off, clip_norm=1.0 (torch's "
+                        "clip_grad_norm_) or decoupled_weight_decay=0.01 (AdamW's weight decay; every optimizer) "
+                        "(repeatable; booleans: true/false, 1/0, yes/no, on/off)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
