@@ -247,7 +247,8 @@ def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> 
     if not l2:
         return dots(key, "P"), dots(key, "v")
     b, l2_coeff = em.b, em.hp(C.L2)
-    return tuple(b.add(dots(key, x), b.mul(l2_coeff, dots("t", x))) for x in ("P", "v"))  # type: ignore[return-value]
+    along_p, along_v = (b.add(dots(key, x), b.mul(l2_coeff, dots("t", x))) for x in ("P", "v"))
+    return along_p, along_v
 
 
 def adam_momentum(em: Emission, grads: dict[str, str]) -> dict[str, str]:
