@@ -15,7 +15,8 @@ import kfac_compiler as kc
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.optimizers.accumulate import Accumulation
-from kfac_compiler.runtime import Trainer
+from kfac_compiler.runtime import Trainer, fit
+from kfac_compiler.runtime import batches as seeded
 from kfac_compiler.runtime.checkpoint import read_meta
 
 BATCH = 128
@@ -257,6 +258,20 @@ def test_an_optimizer_plugin_without_accumulation_refuses_it(mlp):
         Trainer(plan, optimizer="normalized_gd", accumulate=2)
     assert str(e.value) == ("optimizer 'normalized_gd' does not support gradient accumulation (accumulate=2): its "
                             "step graph does not read the accumulated gradient; use accumulate=1")
+
+
+def test_fit_runs_each_batch_as_the_cycles_micro_batches(mlp):
+    """runtime.fit with accumulate=4: each batch is one step's, in 4 micro-batches: the history
+    has one entry per step, equal to the plain fit's; a batch that does not split is one line."""
+    plan, x, y = mlp
+    plain = fit(Trainer(plan, optimizer="adam", threads=1), seeded({"input": x}, y, 64), steps=3)
+    pieces = fit(Trainer(plan, optimizer="adam", threads=1, accumulate=4), seeded({"input": x}, y, 64), steps=3)
+    assert [m["step"] for m in pieces.steps] == [0.0, 1.0, 2.0]
+    np.testing.assert_allclose(pieces.losses, plain.losses, rtol=1e-6)
+    with pytest.raises(ConfigError) as e:
+        fit(Trainer(plan, optimizer="adam", accumulate=4), seeded({"input": x}, y, 30), steps=1)
+    assert str(e.value) == ("fit: batch 0 has 30 rows, which do not split into accumulate=4 equal micro-batches; "
+                            "give batches of a multiple of it")
 
 
 # --------------------------------------------------------------------------- the command line
