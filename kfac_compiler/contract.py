@@ -9,7 +9,7 @@ call the constructors below (and the parsers, to read one back).
 | --- | --- | --- |
 | data inputs | the model's inputs, `targets`, `example_weights`, `noise/<s>`, `vec/<p>` | TARGETS, EXAMPLE_WEIGHTS, noise(s), vec(p) |
 | hyper-parameters | `hp/<name>`, float32 scalars | hp(name) |
-| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>` (multi-tensor updates: `velocity/*`, `adam_m/*`, `adam_v/*`, every parameter's concatenated), `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), flat(kind), factor(l, f), inverse(l, i); parse_slot |
+| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>` (multi-tensor updates: `velocity/*`, `adam_m/*`, `adam_v/*`, every parameter's concatenated), `grad_accum/<p>` (gradient accumulation's running sum; not checkpointed), `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), grad_accum(p), flat(kind), factor(l, f), inverse(l, i); parse_slot |
 | state outputs | `new/<slot>` | new(slot) |
 | metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
 | results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |
@@ -88,8 +88,11 @@ MOMENTUM = hp("momentum")
 # ------------------------------------------------------------------------------ state slots
 VELOCITY, ADAM_M, ADAM_V, FACTOR, INVERSE = "velocity", "adam_m", "adam_v", "factor", "inverse"
 GRAD_VELOCITY = "grad_velocity"  # K-FAC's momentum_type="adam": the momentum sum of raw gradients
+# gradient accumulation: the sum of a cycle's micro-batch gradients so far (optimizers/accumulate.py);
+# scratch state, meaningless between cycles, so checkpoints (taken at cycle boundaries) leave it out
+GRAD_ACCUM = "grad_accum"
 PARAM = "param"
-_PARAM_STATE = (VELOCITY, ADAM_M, ADAM_V, GRAD_VELOCITY)
+_PARAM_STATE = (VELOCITY, ADAM_M, ADAM_V, GRAD_VELOCITY, GRAD_ACCUM)
 
 
 def velocity(p: str) -> str:
@@ -98,6 +101,10 @@ def velocity(p: str) -> str:
 
 def grad_velocity(p: str) -> str:
     return f"{GRAD_VELOCITY}/{p}"
+
+
+def grad_accum(p: str) -> str:
+    return f"{GRAD_ACCUM}/{p}"
 
 
 def adam_m(p: str) -> str:

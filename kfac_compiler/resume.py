@@ -7,7 +7,8 @@ line, never ignored (docs/runtime.md has the table):
   model's initial weights, so it cannot change: refused when it differs; by default the
   checkpoint's.
 * --batch-size: by default the checkpoint's; another value is honoured (the batches from the
-  resumed step on are drawn with it).
+  resumed step on are drawn with it). So is --accumulate (a checkpoint is written between
+  accumulation cycles; by default the checkpoint's).
 * --optimizer: refused when it differs (the state slots are another optimizer's).
 * --steps: the total; below the checkpoint's step it is refused.
 * --learning-rate, --momentum, --damping, --l2, --knob: honoured (Trainer.load_checkpoint;
@@ -44,10 +45,14 @@ def resumed_step(meta: dict[str, Any]) -> int:
 
 
 def settle(args: Any, meta: dict[str, Any] | None) -> None:
-    """Fill --seed, --batch-size and (on resuming) --optimizer (None: not given) from the
-    checkpoint `meta` or the defaults, and args.resumed_data with the data record `meta` holds
-    (None: none, or not resuming; check_resumed_data); refuse what cannot change on resuming."""
+    """Fill --seed, --batch-size, --accumulate and (on resuming) --optimizer (None: not given)
+    from the checkpoint `meta` or the defaults, and args.resumed_data with the data record
+    `meta` holds (None: none, or not resuming; check_resumed_data); refuse what cannot change
+    on resuming."""
     args.resumed_data = None if meta is None else meta.get("data")
+    if args.accumulate is None:  # a stored value that is no count is refused with the knobs (load_checkpoint)
+        stored = (meta or {}).get("knobs", {}).get("accumulate", 1)
+        args.accumulate = stored if isinstance(stored, int) and not isinstance(stored, bool) and stored >= 1 else 1
     if meta is None:
         args.seed = DEFAULT_SEED if args.seed is None else args.seed
         args.batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size

@@ -98,6 +98,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=None,
                    help="examples per step (default 128; on --resume the checkpoint's)")
+    t.add_argument("--accumulate", type=int, default=None, metavar="K",
+                   help="gradient accumulation: run each step's batch as K micro-batches of --batch-size / K "
+                        "examples, one after another, and update once (the update of the whole batch; K-FAC's "
+                        "quadratic model runs on the last micro-batch); --batch-size must be divisible by K "
+                        "(default 1; on --resume the checkpoint's)")
     t.add_argument("--seed", type=int, default=None,
                    help="batch order, estimator noise and zoo init (default 0; on --resume the checkpoint's)")
     t.add_argument("--learning-rate", type=_schedule, default=None, metavar="LR",
@@ -109,8 +114,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="K-FAC initial damping; a schedule needs adapt_damping=off" + SCHEDULE_HELP)
     t.add_argument("--l2", type=_finite, default=None, help="weight decay coefficient")
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "
-                        "booleans: true/false, 1/0, yes/no, on/off)")
+                   help="any optimizer option, e.g. inv_update_period=10, adapt_damping=off, clip_norm=1.0 (torch's "
+                        "clip_grad_norm_) or decoupled_weight_decay=0.01 (AdamW's weight decay; every optimizer) "
+                        "(repeatable; booleans: true/false, 1/0, yes/no, on/off)")
     add_param_group_arg(t, "K-FAC trains the other layers")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
@@ -132,7 +138,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 # (seed and threads are not even optimizer options), so the flag is the one place to set them
 FLAG_KNOBS = {"seed": "--seed", "threads": "--threads", "batch_size": "--batch-size", "device": "--device",
               "optimizer": "--optimizer", "learning_rate": "--learning-rate", "momentum": "--momentum",
-              "damping": "--damping", "l2_reg": "--l2", "param_groups": "--param-group"}
+              "damping": "--damping", "l2_reg": "--l2", "param_groups": "--param-group",
+              "accumulate": "--accumulate"}
 
 
 def _knobs(args) -> dict[str, Any]:
@@ -165,6 +172,8 @@ def _knobs(args) -> dict[str, Any]:
             raise ConfigError(f"--param-group: optimizer {config.name!r} has no parameter groups (K-FAC's option: "
                               "the groups train with a first-order rule, the other layers with K-FAC)") from None
         knobs["param_groups"] = param_groups_arg(args)
+    if args.accumulate is not None:  # settle(): given, the checkpoint's or 1
+        knobs["accumulate"] = args.accumulate
     return knobs
 
 
@@ -432,9 +441,14 @@ def _check(args, comm, held) -> list[Output]:
         from kfac_compiler.runtime.checkpoint import read_meta
 
         meta = read_meta(args.resume)
-    settle(args, meta)  # --seed, --batch-size and --optimizer: given, the checkpoint's or the defaults
+    settle(args, meta)  # --seed, --batch-size, --accumulate, --optimizer: given, the checkpoint's or the defaults
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.accumulate < 1:
+        raise ConfigError(f"--accumulate must be >= 1, got {args.accumulate}")
+    if args.batch_size % args.accumulate:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into --accumulate {args.accumulate} equal "
+                          f"micro-batches; use a batch size divisible by {args.accumulate}")
     if comm is not None:
         _check_ranks(args, meta, comm.size)
     outputs = _outputs(args)
@@ -452,9 +466,10 @@ def _check(args, comm, held) -> list[Output]:
 def _check_ranks(args, meta: dict[str, Any] | None, ranks: int) -> None:
     """The global batch splits evenly over the ranks; a checkpoint of another number of ranks
     resumes with a note (its factors are the ranks' mean: the same run up to rounding)."""
-    if args.batch_size % ranks:
-        raise ConfigError(f"--batch-size {args.batch_size} does not split evenly over {ranks} ranks; "
-                          f"use a multiple of {ranks}")
+    if args.batch_size % (ranks * args.accumulate):
+        raise ConfigError(f"--batch-size {args.batch_size} does not split evenly over {ranks} ranks"
+                          + (f" in each of --accumulate {args.accumulate} micro-batches" if args.accumulate > 1 else "")
+                          + f"; use a multiple of {ranks * args.accumulate}")
     theirs = int((meta or {}).get("ranks", 1))
     if meta is not None and theirs != ranks:
         import warnings
@@ -492,7 +507,12 @@ def _build(args, outputs: list[Output], comm):
             held = load_data(plan, entry, args.val_data, args.seed)
         fingerprint = dataset_fingerprint(inputs, targets)  # of the training rows: another split is other data
         check_resumed_data(args, fingerprint)  # before any session is built
-        if comm is not None and min(args.batch_size, targets.shape[0]) % comm.size:
+        rows = min(args.batch_size, targets.shape[0])
+        if rows % args.accumulate:
+            raise DataError(f"the data's {targets.shape[0]} examples make a batch of {rows} rows, which does not split "
+                            f"into --accumulate {args.accumulate} equal micro-batches; use fewer micro-batches or more "
+                            "data")
+        if comm is not None and rows // args.accumulate % comm.size:
             raise DataError(f"the data's {targets.shape[0]} examples make a batch of {targets.shape[0]} rows, which "
                             f"does not split evenly over {comm.size} ranks; use a --batch-size divisible by {comm.size}")
         return knobs, plan, entry, inputs, targets, fingerprint, held
@@ -517,11 +537,12 @@ def _build(args, outputs: list[Output], comm):
             overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
                                                 ("threads", args.threads)) if v is not None})
             trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device,
-                                              batch_size=min(args.batch_size, n), comm=comm, **overrides)
+                                              batch_size=min(args.batch_size, n) // args.accumulate, comm=comm, **overrides)
         else:
             trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device,
                               learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
-                              threads=args.threads, batch_size=min(args.batch_size, n), comm=comm, **knobs)
+                              threads=args.threads, batch_size=min(args.batch_size, n) // args.accumulate, comm=comm,
+                              **knobs)
         trainer.data_fingerprint = fingerprint
         if is_root(comm):
             # room for what is written whole at the end (the metrics file grows row by row: a full
@@ -557,6 +578,8 @@ def _train(args, outputs: list[Output], comm) -> int:
     if not args.quiet and root:
         batch = min(args.batch_size, n)
         split = f"{comm.size} ranks, batch {batch} ({batch // comm.size} per rank)" if comm else f"batch {batch}"
+        if trainer.config.accumulate > 1:
+            split += f" in {trainer.config.accumulate} micro-batches of {batch // trainer.config.accumulate}"
         held_out = "" if held is None else f" ({held[1].shape[0]} held out, evaluated every {every} steps)"
         print(f"training {os.path.basename(str(name))} with {trainer.optimizer} on {trainer.device.name}: "
               f"{n} examples{held_out}, {split}, steps {done}..{args.steps}", file=sys.stderr)
@@ -575,8 +598,8 @@ def _train(args, outputs: list[Output], comm) -> int:
         try:
             for s in range(done, args.steps):
                 idx = batch_indices(n, args.batch_size, s, args.seed)
-                batch = {k: v[idx] for k, v in inputs.items()}
-                m = trainer.step(batch, targets[idx])
+                for part in np.split(idx, trainer.config.accumulate):  # gradient accumulation's micro-batches
+                    m = trainer.step({k: v[part] for k, v in inputs.items()}, targets[part])
                 m["step"] = float(s)
                 rejected += int(m.get("rejected", 0.0))
                 if root and held is not None and ((s + 1) % every == 0 or s + 1 == args.steps):

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kfac_compiler.atomic import file_target_problem, write_file
-from kfac_compiler.contract import GRAD_VELOCITY, flat_kind, parse_slot
+from kfac_compiler.contract import GRAD_ACCUM, GRAD_VELOCITY, flat_kind, parse_slot
 from kfac_compiler.errors import CheckpointError, CorruptEntry, KfacError, OutputError, npz_reason, one_line, os_errors
 from kfac_compiler.npz_files import read_entry
 from kfac_compiler.optimizers.multi_tensor import join_flat, split_flat
@@ -108,15 +108,23 @@ def _flat_kind(trainer: Trainer, slot: str) -> str | None:
     return None if slot in trainer.params else flat_kind(slot)
 
 
+def _scratch(trainer: Trainer, slot: str) -> bool:
+    """A slot no checkpoint stores: gradient accumulation's running sum (grad_accum/<p>)."""
+    return slot not in trainer.params and parse_slot(slot).kind == GRAD_ACCUM
+
+
 def _param_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
     return {p: tuple(trainer.store.spec(p)[0]) for p in trainer.params}
 
 
 def stored_state(trainer: Trainer) -> dict[str, np.ndarray]:
     """The trainer's state slots as a checkpoint stores them: each flat slot as the
-    per-parameter slots it concatenates."""
+    per-parameter slots it concatenates; gradient accumulation's running sums left out (a
+    checkpoint is taken between cycles, where they mean nothing)."""
     out: dict[str, np.ndarray] = {}
     for s in trainer.store.slots():
+        if _scratch(trainer, s):
+            continue
         kind = _flat_kind(trainer, s)
         if kind is None:
             out[s] = trainer.store.to_numpy(s)
@@ -327,7 +335,7 @@ def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
                 raise CheckpointError(f"checkpoint {path!r} is missing state slot {s!r}")
             values[s] = _read(z, key, path)
     values = _join_flat_slots(trainer, values, path)
-    missing = [s for s in trainer.store.slots() if s not in values]
+    missing = [s for s in trainer.store.slots() if s not in values and not _scratch(trainer, s)]
     fresh = [s for s in missing if parse_slot(s).kind == GRAD_VELOCITY]
     if len(fresh) < len(missing):
         raise CheckpointError(f"checkpoint {path!r} lacks state slot {next(s for s in missing if s not in fresh)!r} "

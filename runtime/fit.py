@@ -53,7 +53,8 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     `eval_every` steps and after the last. `callback(step, metrics)` sees each step's metrics
     (the held-out ones merged in under `eval_` where an evaluation ran) and stops the loop by
     returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
-    continues its numbering."""
+    continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
+    equal micro-batches (the CLI's --accumulate)."""
     if steps is not None:
         check_int(steps, "fit: steps", low=0)
     if eval_every is not None:
@@ -70,7 +71,7 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         if not isinstance(batch, tuple) or len(batch) not in (2, 3):
             raise ConfigError(f"fit: batch {taken} must be a tuple (inputs, targets) or (inputs, targets, weights)")
         step = trainer.step_count
-        metrics = dict(trainer.step(*batch))
+        metrics = _step(trainer, batch, taken)
         metrics["step"] = float(step)
         last = steps is not None and taken + 1 == steps
         if validation is not None and (last or (every is not None and (taken + 1) % every == 0)):
@@ -82,6 +83,31 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         # the batches ran out, or the callback stopped: evaluate the final parameters
         history.steps[-1].update(_evaluate(trainer, validation, eval_batch_size, int(history.steps[-1]["step"]), history))
     return history
+
+
+def _step(trainer: Trainer, batch: Batch, taken: int) -> dict[str, float]:
+    """One optimizer step on `batch`: with accumulate=k its rows as k equal micro-batches, one
+    Trainer.step each; the last call's metrics are the update's."""
+    k = trainer.config.accumulate
+    if k == 1:
+        return dict(trainer.step(*batch))
+    targets = batch[1]
+    n = len(np.asarray(next(iter(targets.values())) if isinstance(targets, Mapping) else targets))
+    if n % k:
+        raise ConfigError(f"fit: batch {taken} has {n} rows, which do not split into accumulate={k} equal "
+                          "micro-batches; give batches of a multiple of it")
+    for part in np.split(np.arange(n), k):
+        metrics = trainer.step(*(_rows(v, part) for v in batch))
+    return dict(metrics)
+
+
+def _rows(value: Any, part: np.ndarray) -> Any:
+    """Rows `part` of an array, of each array of a dict (inputs, several heads' targets), or None."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {k: np.asarray(v)[part] for k, v in value.items()}
+    return np.asarray(value)[part]
 
 
 def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int = 0,

@@ -223,11 +223,14 @@ class Trainer:
     @_serialized
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
         """One optimizer step on a batch; returns host-float metrics. `weights`: optional
-        per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n)."""
+        per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n). With the knob
+        `accumulate=k` a call takes one micro-batch and every k-th call updates, as one step on
+        the k micro-batches together (optimizers/accumulate.py); the others report
+        `accumulating: 1`."""
         data = agreed(self.comm, lambda: self._prepare(inputs, targets, weights))
         t0 = time.perf_counter()
         s0 = self.session_seconds()
-        metrics = self.policy.step(data)
+        metrics = self.policy.cycle.run(self.policy, data, ("loss", *self.loss.metrics))
         self._mean_loss_metrics(metrics)
         wall = time.perf_counter() - t0
         metrics["step_time"] = wall
@@ -244,6 +247,7 @@ class Trainer:
     @_serialized
     def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
         """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""
+        self.policy.cycle.check_boundary("burn_in")
         return self.policy.burn_in(agreed(self.comm, lambda: self._prepare(inputs, targets)))
 
     # ------------------------------------------------------------------ evaluation
@@ -376,6 +380,7 @@ class Trainer:
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         from kfac_compiler.runtime.checkpoint import save_checkpoint
 
+        self.policy.cycle.check_boundary("save_checkpoint")  # the running gradient sum is not stored
         if self.comm is not None:  # collective: the moving averages are the ranks' mean
             self.reduce_moving_averages()
             if self.rank != 0:
@@ -399,6 +404,7 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import restore_checkpoint
 
         restore_checkpoint(self, path)
+        self.policy.cycle.reset()  # a cycle in progress is dropped with the state it summed into
         return self
 
     @classmethod
@@ -445,10 +451,11 @@ class Trainer:
         return trainer
 
     def host_state(self) -> dict[str, Any]:
-        """Host counters for checkpoints; batch_size (the last batch's rows) lets a resumed
-        command line default to the batch size the run used."""
+        """Host counters for checkpoints; batch_size (the last step's rows: every rank's, every
+        micro-batch's of an accumulation cycle) lets a resumed command line default to the
+        batch size the run used."""
         return {"step_count": self.step_count, "applied_steps": self.applied_steps,
-                "batch_size": self.batch_size * self.ranks,
+                "batch_size": self.batch_size * self.ranks * self.policy.cycle.count,
                 **self.policy.host_state()}
 
     def set_host_state(self, st: Mapping[str, Any]) -> None:

@@ -2,7 +2,8 @@
 every rank (under mpirun) writes OUT/rank<r>.json with its losses, parameters, communication
 bytes and inverse owners; `train(config, comm=None)` is the same run in one process.
 
-CONFIG: model (a zoo name), optimizer, steps, batch (global), knobs (dict), seed."""
+CONFIG: model (a zoo name), optimizer, steps, batch (global), knobs (dict), seed; knobs'
+accumulate k splits each batch into k micro-batches, one step() each."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ import sys
 
 
 def train(config: dict, comm="auto") -> dict:
+    import numpy as np
+
     import kfac_compiler as kc
     from kfac_compiler import contract as C
     from kfac_compiler.models import ZOO
@@ -21,12 +24,14 @@ def train(config: dict, comm="auto") -> dict:
     plan = kc.compile(entry.build(seed=0), loss=entry.loss, output=entry.output_name)
     batch = int(config["batch"])
     trainer = Trainer(plan, optimizer=config.get("optimizer", "kfac"), seed=int(config.get("seed", 0)),
-                      batch_size=batch, comm=comm, **config.get("knobs", {}))
+                      batch_size=batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,
+                      **config.get("knobs", {}))
     inputs, targets = entry.make_data(n=256)
     losses, metrics = [], []
     for step in range(int(config["steps"])):
         idx = batch_indices(256, batch, step, 0)
-        m = trainer.step({k: v[idx] for k, v in inputs.items()}, targets[idx])
+        for part in np.split(idx, trainer.config.accumulate):
+            m = trainer.step({k: v[part] for k, v in inputs.items()}, targets[part])
         losses.append(m["loss"])
         metrics.append({k: m[k] for k in ("damping", "rejected", "learning_rate", "momentum") if k in m})
     refresher = getattr(trainer.policy, "refresher", None)

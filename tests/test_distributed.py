@@ -172,3 +172,22 @@ def test_two_ranks_take_the_one_process_steps_with_parameter_groups(tmp_path):
     ranks = on_ranks(2, config, tmp_path)
     assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
     assert sorted(ranks[0]["owners"]) == ["fc2"]
+
+
+@pytest.mark.parametrize("knobs", [
+    pytest.param({"learning_rate": 0.05, "damping": 0.1, "inv_update_period": 3}, id="kfac-regular"),
+    pytest.param({"inv_update_period": 3, "mode": "empirical", "adapt_damping": False, "max_predicted_decrease": None,
+                  "loss_spike_factor": None}, id="kfac-qmodel"),
+])
+def test_two_ranks_accumulate_as_one_process(tmp_path, knobs):
+    """Gradient accumulation on two ranks: each rank sums its share of every micro-batch, and
+    the cycle's mean gradient is averaged over the ranks at the step's reduction point (so
+    the quadratic model's terms, the last micro-batch's, are too): the one-process run with
+    the same micro-batches, and with a fixed learning rate the one-process run on the whole
+    batches."""
+    config = {"model": "mlp_classifier", "optimizer": "kfac", "steps": 4, "batch": 64, "seed": 0,
+              "knobs": {**knobs, "accumulate": 2}}
+    ranks = on_ranks(2, config, tmp_path)
+    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    if "learning_rate" in knobs:
+        assert_same_run(ranks, train({**config, "knobs": knobs}, comm=None), rtol=3e-4)

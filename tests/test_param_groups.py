@@ -280,3 +280,24 @@ def test_embeddings_and_norms_by_adam_beside_kfac_train_the_transformer(transfor
         tr.step(batch, yb)
     end = tr.evaluate(inputs, y)["loss"]
     assert end < 0.7 * start, (start, end)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_accumulated_micro_batches_with_a_group_take_the_whole_batch_step(mlp, optimizer):
+    """Gradient accumulation beside a group: the group's rule and K-FAC's preconditioning both
+    see the cycle's mean gradient, K-FAC's factors the mean statistics, so two micro-batches
+    per update take the whole-batch steps (a fixed learning rate: no quadratic model, which
+    runs on the last micro-batch)."""
+    plan, inputs, y = mlp
+    knobs = dict(optimizer="kfac", seed=0, learning_rate=0.05, damping=0.1, inv_update_period=2,
+                 stats_batch_size=None, mode="empirical",
+                 param_groups=[{"layers": "fc1", "optimizer": optimizer, "lr": 1e-2}])
+    split, whole = Trainer(plan, accumulate=2, **knobs), Trainer(plan, **knobs)
+    for xb, yb in _batches(inputs, y, 3):
+        for half in (slice(0, 32), slice(32, 64)):
+            split.step({n: a[half] for n, a in xb.items()}, yb[half])
+        whole.step(xb, yb)
+    ours, truth = split.trained_values(), whole.trained_values()
+    assert ours["fc1.weight"].shape == truth["fc1.weight"].shape
+    for p in truth:
+        assert np.abs(ours[p] - truth[p]).max() <= 2e-5 * np.abs(truth[p]).max(), p

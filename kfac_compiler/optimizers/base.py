@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers.accumulate import ACCUMULATE, AccumulateOptions, Accumulation, accumulated
 from kfac_compiler.optimizers.settings import OptimizerConfig
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions, register_kind
 
@@ -46,11 +47,20 @@ class Optimizer:
     name: ClassVar[str] = ""
     Config: ClassVar[type[OptimizerConfig]] = OptimizerConfig
     subgraphs: ClassVar[tuple[SubgraphKind, ...]] = ()
+    # whether its step graphs take the option accumulate=True (reading the cycle's gradient
+    # sum, optimizers/accumulate.py): the knob `accumulate` > 1 is refused otherwise
+    accumulates: ClassVar[bool] = False
     burn_in_count: int = 0  # statistics-only steps taken (see burn_in)
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.config = trainer.config
+        self.cycle = Accumulation(self.config.accumulate)  # where a gradient-accumulation cycle stands
+        if self.cycle.count > 1 and not self.accumulates:
+            raise ConfigError(f"optimizer {self.name!r} does not support gradient accumulation (accumulate="
+                              f"{self.cycle.count}): its step graph does not read the accumulated gradient; use "
+                              "accumulate=1")
+        self._micro_programs: dict[AccumulateOptions, Any] = {}  # micro_program's memo
 
     def build(self) -> None:
         """Create every session the steps use, so that all state exists up front
@@ -63,6 +73,34 @@ class Optimizer:
 
     def burn_in(self, data: dict[str, Any]) -> dict[str, float]:
         raise ConfigError(f"burn-in only applies to K-FAC, not {self.name!r}")
+
+    # ---------------------------------------------------------------- gradient accumulation
+    def accumulate_options(self) -> AccumulateOptions:
+        """The `accumulate` subgraph a micro-batch runs (an optimizer that keeps factor
+        statistics adds them)."""
+        return AccumulateOptions(weighted=self.trainer.weighted)
+
+    def micro_program(self):
+        """The `accumulate` session for the current batch (memoized on its options)."""
+        options = self.accumulate_options()
+        if options not in self._micro_programs:
+            self._micro_programs[options] = self.trainer.program(ACCUMULATE.name, options=options)
+        return self._micro_programs[options]
+
+    def micro_batch(self, data: dict[str, Any]) -> tuple[dict[str, float], bool]:
+        """A micro-batch of an accumulation cycle other than its last: its gradient added to the
+        cycle's sum (and its statistics folded, where kept). Returns (its metrics, whether its
+        loss and statistics were finite)."""
+        prog = self.micro_program()
+        noise, hp = self.micro_inputs(prog, data)
+        out = prog.run(self.trainer.store, {**data, **noise}, hp=hp)
+        return ({"step": float(self.trainer.step_count), "loss": out[C.LOSS], **C.loss_metrics(out)},
+                out.get(C.FINITE, 1.0) > 0.5)
+
+    def micro_inputs(self, prog: Any, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """A micro-batch's noise inputs and hyper-parameters besides hp/accum_keep (an optimizer
+        that folds statistics: their weight)."""
+        return self.trainer.draw_noise(prog, data), {}
 
     def host_state(self) -> dict[str, Any]:
         """The optimizer's host-side state (checkpointed with the device state)."""
@@ -117,7 +155,7 @@ def make_config(optimizer: str, plan: Plan | None = None, **knobs: Any) -> Optim
 class FirstOrderStepOptions(SubgraphOptions):
     """The options of a first-order step (sgd_step, adam_step): `l2` adds weight decay to the
     gradient, `clip` clips the gradient by its global norm, `decay` decays the weights
-    (decoupled, AdamW's);
+    (decoupled, AdamW's), `accumulate` takes the mean gradient of an accumulation cycle;
     `multi_tensor` emits the update once over every parameter's concatenation instead of per
     parameter (optimizers/multi_tensor.py; None: the device's default, filled by resolve)."""
 
@@ -127,6 +165,7 @@ class FirstOrderStepOptions(SubgraphOptions):
     multi_tensor: bool | None = None
     clip: bool = False  # scale the gradient to a global norm of at most hp/clip_norm
     decay: bool = False  # decoupled weight decay: theta <- theta - hp/decay theta before the update
+    accumulate: bool = False  # the gradient is the accumulation cycle's mean (optimizers/accumulate.py)
 
 
 # --------------------------------------------------------------------------- emission helpers
@@ -135,14 +174,33 @@ class FirstOrderStepOptions(SubgraphOptions):
 LOSS_POINT, GRADIENTS_POINT = "loss", "gradients"
 
 
-def mean_loss_and_grads(em: Emission, extra_wrt: Sequence[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
+def mean_loss_and_grads(em: Emission, extra_wrt: Sequence[str] = (),
+                        accumulate: bool = False) -> tuple[str, dict[str, str], dict[str, str]]:
     """The batch's loss and gradients through their reduction points (means over every
     rank's examples in a data-parallel run), and the cotangents of `extra_wrt` (local). The
-    gradients include those of the parameters `em` holds out of the curvature (Emission.hold)."""
+    gradients include those of the parameters `em` holds out of the curvature (Emission.hold);
+    with `accumulate` they are the accumulation cycle's mean (reduced_loss_and_grads)."""
+    loss, grads, cots = local_loss_and_grads(em, extra_wrt)
+    return (*reduced_loss_and_grads(em, loss, grads, accumulate), cots)
+
+
+def local_loss_and_grads(em: Emission, extra_wrt: Sequence[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
+    """This batch's loss and gradients before any reduction (the held parameters' included),
+    and the cotangents of `extra_wrt`."""
     held = [p for p in em.held if p not in extra_wrt]
     loss, _, grads, cots = em.loss_and_grads([*extra_wrt, *held])
-    grads = {**grads, **{p: cots.pop(p) or em.zeros_like_param(p) for p in held}}
-    return em.reduce_mean(LOSS_POINT, loss), em.reduce_mean(GRADIENTS_POINT, grads), cots
+    return loss, {**grads, **{p: cots.pop(p) or em.zeros_like_param(p) for p in held}}, cots
+
+
+def reduced_loss_and_grads(em: Emission, loss: str, grads: dict[str, str],
+                           accumulate: bool = False) -> tuple[str, dict[str, str]]:
+    """`loss` and `grads` (this batch's, local) through their reduction points; with
+    `accumulate`, on an accumulation cycle's last micro-batch, the gradients are the cycle's
+    mean (optimizers/accumulate.py) before they are reduced, and the loss stays this
+    micro-batch's."""
+    if accumulate:
+        grads = accumulated(em, grads)
+    return em.reduce_mean(LOSS_POINT, loss), em.reduce_mean(GRADIENTS_POINT, grads)
 
 
 def regularized(em: Emission, grads: dict[str, str], l2: bool) -> dict[str, str]:
@@ -162,6 +220,10 @@ class Gram:
     def __init__(self, em: Emission, vectors: dict[str, dict[str, str]]) -> None:
         self.b, self.params, self.vectors = em.b, list(em.parts.params), vectors
         self._dots: dict[tuple[str, str], str] = {}
+
+    def known(self, x: str, y: str, tensor: str) -> None:
+        """x.y is `tensor`, computed already (K-FAC's clipping needs |g|^2 before the Gram)."""
+        self._dots[(x, y) if x <= y else (y, x)] = tensor
 
     def __call__(self, x: str, y: str) -> str:
         key = (x, y) if x <= y else (y, x)

@@ -18,7 +18,7 @@ from onnx import TensorProto
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers.base import FirstOrderStepOptions, Optimizer, mean_loss_and_grads
 from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
-from kfac_compiler.optimizers.settings import OptimizerConfig, check_nonnegative, check_positive
+from kfac_compiler.optimizers.settings import OptimizerConfig, RecipeOptions
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -37,29 +37,19 @@ Rule = Callable[[Any, Layout, HpNames], Callable[[Chunks, Chunks], dict[str, Any
 
 
 @dataclass
-class FirstOrderConfig(OptimizerConfig):
+class FirstOrderConfig(OptimizerConfig, RecipeOptions):
     """What SGD's and Adam's settings share. `multi_tensor`: emit the update once over every
     parameter's concatenation (True) or per parameter (False); None: the device's default
     (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA, where each node is a kernel
-    launch). `clip_norm`: the gradient (before l2_reg's term) is scaled to a global norm of at
-    most this (torch's clip_grad_norm_); None: off. `decoupled_weight_decay` w: each step first
-    shrinks the weights, theta <- theta - lr w theta, apart from the gradient (AdamW's, Loshchilov
-    & Hutter; torch's AdamW weight_decay, with the step's learning rate before Adam's bias
-    correction); 0: off. `l2_reg` adds l2_reg theta to the gradient instead."""
+    launch). `clip_norm` and `decoupled_weight_decay` (RecipeOptions): here lr_eff is the step's
+    learning rate before Adam's bias correction, torch's AdamW weight_decay; `l2_reg` adds
+    l2_reg theta to the gradient instead."""
 
     multi_tensor: bool | None = None
-    clip_norm: float | None = None
-    decoupled_weight_decay: float = 0.0
 
     def validate(self) -> None:
         super().validate()
-        if self.clip_norm is not None:
-            check_positive("clip_norm", self.clip_norm)
-        check_nonnegative("decoupled_weight_decay", self.decoupled_weight_decay)
-
-    def recipe_options(self) -> dict[str, bool]:
-        """The step graph's options for clipping and decay (their nodes only where used)."""
-        return {"clip": self.clip_norm is not None, "decay": self.decoupled_weight_decay > 0}
+        self.check_recipes()
 
     def recipe_hyper_parameters(self, k: int) -> dict[str, float]:
         """hp/clip_norm and hp/decay (lr_k w) of step k, where used."""
@@ -71,14 +61,20 @@ class FirstOrderConfig(OptimizerConfig):
         return hp
 
 
+def clip_scale(em: Emission, sum_squares: str, hp: HpNames | None = None) -> str:
+    """min(1, hp/clip_norm / ||g||) from ||g||^2: the factor global-norm clipping scales the
+    gradient by (torch's clip_grad_norm_; K-FAC's step uses it too)."""
+    b, hp = em.b, hp or em.hp
+    norm = b.op("Sqrt", [sum_squares])
+    return b.op("Min", [b.const(1.0), b.div(hp(CLIP_NORM), b.op("Max", [norm, b.const(1e-30)]))])
+
+
 def clipped(em: Emission, lay: Layout, grads: Chunks, clip: bool, hp: HpNames | None = None) -> Chunks:
-    """The gradient scaled by min(1, hp/clip_norm / ||g||) (only emitted with clipping)."""
+    """The gradient scaled by clip_scale (only emitted with clipping)."""
     if not clip:
         return grads
-    b, hp = em.b, hp or em.hp
-    norm = b.op("Sqrt", [lay.sum_squares(grads)])
-    scale = b.op("Min", [b.const(1.0), b.div(hp(CLIP_NORM), b.op("Max", [norm, b.const(1e-30)]))])
-    return lay.map(lambda g: {"g": b.mul(g, scale)}, g=grads)["g"]
+    scale = clip_scale(em, lay.sum_squares(grads), hp)
+    return lay.map(lambda g: {"g": em.b.mul(g, scale)}, g=grads)["g"]
 
 
 def decayed(em: Emission, lay: Layout, theta: Chunks, decay: bool, hp: HpNames | None = None) -> Chunks:
@@ -118,7 +114,7 @@ def emit_rule(em: Emission, lay: Layout, raw: Mapping[str, str], o: FirstOrderSt
 def emit_first_order_step(em: Emission, o: FirstOrderStepOptions, rule: Rule) -> None:
     """An optimizer step that is `rule` on every parameter (per parameter or once over their
     concatenation: o.multi_tensor), with the baseline metrics."""
-    loss, raw, _ = mean_loss_and_grads(em)
+    loss, raw, _ = mean_loss_and_grads(em, accumulate=o.accumulate)
     lay = Layout(em, bool(o.multi_tensor))
     steps, g_raw = emit_rule(em, lay, raw, o, rule, em.hp)
     emit_baseline_metrics(em, loss, lay, steps, g_raw)
@@ -158,6 +154,7 @@ class FirstOrderOptimizer(Optimizer):
         state slots after it ({kind: value}) and the hyper-parameters that update used (a
         roll back, float64 on the host)."""
         raise NotImplementedError
+    accumulates = True
 
     def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
@@ -170,11 +167,14 @@ class FirstOrderOptimizer(Optimizer):
         if weighted not in self._step_programs:
             self._step_programs[weighted] = self.trainer.program(
                 self.step_subgraph, l2=self.config.l2_reg > 0, weighted=weighted,
-                multi_tensor=getattr(self.config, "multi_tensor", None), **self.config.recipe_options())
+                multi_tensor=getattr(self.config, "multi_tensor", None), accumulate=self.cycle.count > 1,
+                **self.config.recipe_options())
         return self._step_programs[weighted]
 
     def build(self) -> None:
         self._program()
+        if self.cycle.count > 1:
+            self.micro_program()
 
     def hyper_parameters(self, k: int) -> dict[str, float]:
         """Step k's hyper-parameters (schedules evaluated at k)."""

@@ -56,6 +56,9 @@ class OptimizerConfig:
     schedulable: ClassVar[tuple[str, ...]] = ()
     learning_rate: float | None = None
     l2_reg: float = 0.0
+    # gradient accumulation: one update per `accumulate` calls of Trainer.step, each on a
+    # micro-batch (optimizers/accumulate.py); 1: every call updates
+    accumulate: int = 1
 
     @classmethod
     def from_knobs(cls, plan: Plan | None = None, **knobs: Any) -> OptimizerConfig:
@@ -183,6 +186,7 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         check_nonnegative("l2_reg", self.l2_reg)
+        check_int("accumulate", self.accumulate, 1)
         self.check_schedules()
         if self.scheduled("learning_rate"):
             self.initial("learning_rate")  # at() checks a callable's step-0 value
@@ -237,6 +241,29 @@ class OptimizerConfig:
             if isinstance(v, schedules.Schedule):
                 out[k] = v.to_json()
         return out
+
+
+@dataclass
+class RecipeOptions:
+    """The everyday recipe options an optimizer's settings take by inheriting this (SGD's,
+    Adam's and K-FAC's; each optimizer's step graph implements them): `clip_norm` c, the
+    gradient (before l2_reg's term) scaled to a global norm of at most c, as torch's
+    clip_grad_norm_ (None: off); `decoupled_weight_decay` w, each step shrinks the weights by
+    lr_eff w theta outside the gradient and the preconditioner (AdamW's, Loshchilov & Hutter;
+    lr_eff is each optimizer's step size, docs/runtime.md; 0: off). A mixin rather than a
+    field of every OptimizerConfig: a plugin that does not implement them has no such option."""
+
+    clip_norm: float | None = None
+    decoupled_weight_decay: float = 0.0
+
+    def check_recipes(self) -> None:
+        if self.clip_norm is not None:
+            check_positive("clip_norm", self.clip_norm)
+        check_nonnegative("decoupled_weight_decay", self.decoupled_weight_decay)
+
+    def recipe_options(self) -> dict[str, bool]:
+        """The step graph's options for clipping and decay (their nodes only where used)."""
+        return {"clip": self.clip_norm is not None, "decay": self.decoupled_weight_decay > 0}
 
 
 def check_number(name: str, v: Any) -> float:

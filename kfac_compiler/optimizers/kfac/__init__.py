@@ -41,7 +41,9 @@ import numpy as np
 from kfac_compiler import contract as C
 from kfac_compiler.host_blocks import host_blocks, refresh_costs
 from kfac_compiler.linalg import concrete_method
+from kfac_compiler.optimizers.accumulate import AccumulateOptions
 from kfac_compiler.optimizers.base import Optimizer, register_optimizer
+from kfac_compiler.optimizers.first_order import CLIP_NORM
 from kfac_compiler.optimizers.groups import Groups
 from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac import refresh as R
@@ -58,6 +60,7 @@ class Kfac(Optimizer):
     name = "kfac"
     Config = KfacConfig
     subgraphs = (KFAC_STEP,)
+    accumulates = True
 
     def __init__(self, trainer) -> None:
         super().__init__(trainer)
@@ -78,17 +81,20 @@ class Kfac(Optimizer):
         self.groups = Groups(trainer.plan, cfg.param_groups)  # first-order parameter groups (groups.py)
 
     # ------------------------------------------------------------------ sessions
-    def _sub_batch(self, m: int | None) -> int | None:
+    def _sub_batch(self, m: int | None, shares: int = 1) -> int | None:
         """m when the current batch is larger, else None: slicing a batch that is not larger
         would only add a second forward pass. In a data-parallel run m is the global
-        sub-batch: each rank takes ceil(m / ranks) of its rows."""
+        sub-batch: each rank takes ceil(m / ranks) of its rows; `shares`: the batch is one of
+        that many (an accumulation cycle's micro-batches), each taking its part of m."""
         if m is None:
             return None
-        m = -(-int(m) // self.trainer.ranks)
+        m = -(-int(m) // (self.trainer.ranks * shares))
         return m if self.trainer.batch_size > m else None
 
     def stats_batch(self) -> int | None:
-        return self._sub_batch(self.config.stats_batch_size)
+        """The statistics' sub-batch: of an accumulation cycle's k micro-batches each takes
+        ceil(m / k) rows, every (n // that)-th, which are the whole batch's rows when k divides m."""
+        return self._sub_batch(self.config.stats_batch_size, self.cycle.count)
 
     def step_options(self, first: bool = False) -> KfacStepOptions:
         """The kfac_step this run's settings and batch need (`first`: the first step's)."""
@@ -103,7 +109,8 @@ class Kfac(Optimizer):
             loss_after=bool(cfg.adapt_damping), weighted=self.trainer.weighted,
             # only where it changes the graph (adam's predicted change)
             precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
-            loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec, **stats)
+            loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec,
+            accumulate=self.cycle.count > 1, **cfg.recipe_options(), **stats)
 
     @property
     def stats_conditional(self) -> bool:
@@ -136,6 +143,8 @@ class Kfac(Optimizer):
         if not self.stats_conditional:
             self.step_program(first=True)
         self.statistics_program()
+        if self.cycle.count > 1:
+            self.micro_program()
         method = self.inverse_method
         slots = C.layer_slots(step.state_inputs, C.INVERSE)
         layers = [layer.name for layer in tr.plan.layers if layer.name in slots]  # the plan's order, as inspect
@@ -170,13 +179,20 @@ class Kfac(Optimizer):
         self.refresher = tr.inverse_refresher(emitted, step, method, groups, owners, power=power)
 
     # ------------------------------------------------------------------ steps
-    def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data) -> tuple[dict, bool]:
-        """update_statistics on the batch (already in the store when data is None)."""
+    def run_statistics(self, data: Mapping[str, np.ndarray] | None, batch_data,
+                       micro: bool = True) -> tuple[dict, bool]:
+        """update_statistics on the batch (already in the store when data is None); `micro`:
+        the batch is a micro-batch of the accumulation cycle (the explicit burn_in's is whole).
+        The moving-average weight advances with the cycle's last micro-batch."""
         prog = self.statistics_program()
         coeff, w_new = ema_coefficient(self.ema_weight, self.config.cov_ema_decay)
+        if micro:
+            coeff = self.cycle.coefficient(coeff)
         feed = dict(data or {})
         feed.update(self.trainer.draw_noise(prog, batch_data))
         out = prog.run(self.trainer.store, feed, hp={C.EMA_COEFF: coeff})
+        if micro and not self.cycle.last:
+            return out, out.get(C.FINITE, 1.0) > 0.5
         ok = out.get(C.FINITE, 1.0) > 0.5
         if ok:
             self.ema_weight = w_new
@@ -193,9 +209,10 @@ class Kfac(Optimizer):
         """The refresher group whose inverses are refreshed after step `step`, None if none."""
         return R.due_group(step, self.config.inv_update_period, len(self.refresher.groups))
 
-    def burn_in(self, data: dict[str, Any]) -> dict[str, float]:
-        """A statistics-only step (no parameter update): the factors absorb the batch."""
-        out, ok = self.run_statistics(data, data)
+    def burn_in(self, data: dict[str, Any], micro: bool = False) -> dict[str, float]:
+        """A statistics-only step (no parameter update): the factors absorb the batch (`micro`:
+        an accumulation cycle's last micro-batch, from step())."""
+        out, ok = self.run_statistics(data, data, micro)
         self.burn_in_count += 1
         return {"step": float(self.trainer.step_count), "loss": out[C.LOSS], "burn_in": 1.0,
                 "rejected": 0.0 if ok else 1.0}
@@ -217,7 +234,45 @@ class Kfac(Optimizer):
         if cfg.momentum_type != "qmodel":
             hp[C.MOMENTUM] = cfg.at("momentum", k)
         hp.update(self.groups.hyper_parameters(self.trainer.applied_steps + 1, k))
+        if cfg.clip_norm is not None:
+            hp[CLIP_NORM] = float(cfg.clip_norm)
+        if cfg.decoupled_weight_decay > 0:
+            hp[G.DECOUPLED_DECAY] = float(cfg.decoupled_weight_decay)
         return hp
+
+    # ------------------------------------------------------------------ gradient accumulation
+    def stats_due(self, k: int) -> bool:
+        """Whether step k folds its batch's statistics into the moving averages."""
+        return k % self.config.cov_update_period == 0 or self.ema_weight == 0.0
+
+    def accumulate_options(self) -> AccumulateOptions:
+        cfg = self.config
+        return AccumulateOptions(weighted=self.trainer.weighted, mode=cfg.mode, num_samples=cfg.num_samples,
+                                 stats_batch=self.stats_batch(), with_stats=True, stats_if=self.stats_conditional)
+
+    def micro_batch(self, data: dict[str, Any]) -> tuple[dict[str, float], bool]:
+        """A micro-batch other than its cycle's last: its gradient summed and its statistics
+        folded (micro_inputs); during burn-in its statistics only."""
+        if self.burn_in_count < self.config.burn_in_steps:
+            out, ok = self.run_statistics(data, data)
+            return {"step": float(self.trainer.step_count), "loss": out[C.LOSS], "burn_in": 1.0}, ok
+        return super().micro_batch(data)
+
+    def micro_inputs(self, prog, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """On the steps that take statistics, the micro-batch folds its own into the moving
+        averages with the weight Accumulation.coefficient gives, so that after the cycle the
+        factors are those of one step on the whole batch (and its noise is drawn, else
+        placeholders keep the random stream an uninterrupted run's)."""
+        tr = self.trainer
+        stats = self.stats_due(tr.step_count)
+        hp = {}
+        if stats:
+            hp[C.EMA_COEFF] = self.cycle.coefficient(ema_coefficient(self.ema_weight, self.config.cov_ema_decay)[0])
+        if self.stats_conditional:
+            if not stats and not tr.store.has_hp(C.EMA_COEFF):  # bound, but the If skips its reader
+                hp[C.EMA_COEFF] = 0.0
+            hp[C.UPDATE_STATS] = 1.0 if stats else 0.0
+        return (tr.draw_noise(prog, data) if stats else tr.noise_placeholders(prog, data)), hp
 
     def loss_limit(self) -> float:
         """The spike guard's limit on this step's batch loss: loss_spike_factor times the
@@ -238,9 +293,9 @@ class Kfac(Optimizer):
         cfg: KfacConfig = self.config
         tr = self.trainer
         if self.burn_in_count < cfg.burn_in_steps:
-            return {**self.burn_in(data), "damping": self.damping}
+            return {**self.burn_in(data, micro=True), "damping": self.damping}
         k = tr.step_count
-        stats = (k % cfg.cov_update_period == 0) or self.ema_weight == 0.0
+        stats = self.stats_due(k)
         first = not self.inverses_ready
         tr.store.set_hp(C.L2, cfg.l2_reg)
         self.scheduled_damping(k)
@@ -261,7 +316,7 @@ class Kfac(Optimizer):
             inverse_ok = self.refresh_inverses()
         elif stats:
             coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
-            hp[C.EMA_COEFF] = coeff
+            hp[C.EMA_COEFF] = self.cycle.coefficient(coeff)
             feed.update(tr.draw_noise(prog, data))
         else:
             feed.update(tr.noise_placeholders(prog, data))

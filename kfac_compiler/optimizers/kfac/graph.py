@@ -22,13 +22,21 @@ and the same accept/reject decision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.optimizers import groups
-from kfac_compiler.optimizers.base import GRADIENTS_POINT, LOSS_POINT, Gram, mean_loss_and_grads, regularized
+from kfac_compiler.optimizers.base import (
+    GRADIENTS_POINT,
+    LOSS_POINT,
+    Gram,
+    local_loss_and_grads,
+    reduced_loss_and_grads,
+    regularized,
+)
+from kfac_compiler.optimizers.first_order import clip_scale
 from kfac_compiler.optimizers.groups import GroupSpec
 from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions
@@ -51,6 +59,7 @@ ALPHA, MU = C.metric("alpha"), C.metric("mu")  # the step's update is -alpha P +
 QMODEL_CHANGE = C.metric("qmodel_change")      # the quadratic model's predicted change
 UPDATE_SCALE = C.metric("update_scale")
 LOSS_AFTER = C.metric("loss_after")            # the batch's loss at the new parameters
+DECOUPLED_DECAY = C.hp("decoupled_weight_decay")  # w: theta <- (1 - alpha w) theta + update
 
 
 @dataclass(frozen=True)
@@ -76,12 +85,17 @@ STAGES = (
 @dataclass
 class Local:
     """What the local stage hands on: the loss, the gradients (raw and with weight decay) and
-    the finiteness terms gathered so far."""
+    the finiteness terms gathered so far. With clipping, `scale` (s, the gradient's factor) and
+    `raw_sq` (|raw|^2, its norm before clipping); with accumulation, `batch_grads`: this
+    micro-batch's own raw gradient (local), which the quadratic model's linear terms use."""
 
     loss: str
     raw_grads: dict[str, str]
     grads: dict[str, str]
     ok_terms: list[str]
+    scale: str | None = None
+    raw_sq: str | None = None
+    batch_grads: dict[str, str] | None = None
 
 
 @dataclass
@@ -110,6 +124,7 @@ class Preconditioned:
     dots: Gram
     model: QuadraticModel | None
     accumulated: dict[str, str] | None = None
+    linear: tuple[str, str] | None = None  # (o.P, o.v), o the objective's gradient the predicted change uses
 
 
 @dataclass(frozen=True)
@@ -123,7 +138,12 @@ class KfacStepOptions(SubgraphOptions):
     at the new parameters when hp/loss_after > 0; precon_power: the power the inverse slots
     hold (adam momentum's predicted change is quadratic only at -1); loss_limit: the step is
     withheld (metric/finite 0) when the batch's loss exceeds hp/loss_limit (the spike guard:
-    the host then tests the last update on this batch, docs/runtime.md "Safeguards")."""
+    the host then tests the last update on this batch, docs/runtime.md "Safeguards"); clip:
+    the gradient scaled to a global norm of at most hp/clip_norm; decay: decoupled weight
+    decay, theta <- (1 - alpha hp/decoupled_weight_decay) theta + update; accumulate: the
+    batch is an accumulation cycle's last micro-batch, the gradient the cycle's mean
+    (optimizers/accumulate.py), while the loss, the quadratic model and loss_after are this
+    micro-batch's."""
 
     resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples")
 
@@ -142,6 +162,9 @@ class KfacStepOptions(SubgraphOptions):
     # first-order parameter groups ((name, optimizer, params, flags), ...; optimizers/groups.py):
     # held out of the curvature, updated by their optimizer's rule in this graph
     groups: tuple[GroupSpec, ...] = ()
+    clip: bool = False
+    decay: bool = False
+    accumulate: bool = False
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
@@ -159,26 +182,36 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
     if kind not in MOMENTUM_TYPES or (kind in QMODEL_TYPES) != bool(qmodel):
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     groups.hold(em, o.groups)
-    local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch)
+    local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch, clip=o.clip,
+                        accumulate=o.accumulate)
     local.ok_terms += groups.emit_updates(em, o.groups, local.raw_grads)
     pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
     update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
-                 loss_limit=o.loss_limit)
+                 loss_limit=o.loss_limit, decay=o.decay)
 
 
 # --------------------------------------------------------------------------- stage 1: local
 def local_stage(em: Emission, with_stats: bool, stats_if: bool, mode: str, num_samples: int, l2: bool,
-                stats_batch: int | None) -> Local:
-    """Loss, gradients (+ l2 theta), and with_stats the factors' moving-average updates from
-    this batch's statistics on its first stats_batch examples (inside an If on
-    hp/update_stats with stats_if)."""
+                stats_batch: int | None, clip: bool = False, accumulate: bool = False) -> Local:
+    """Loss, gradients (clipped with `clip`, + l2 theta), and with_stats the factors'
+    moving-average updates from this batch's statistics on its first stats_batch examples
+    (inside an If on hp/update_stats with stats_if). With `accumulate` the gradients are the
+    accumulation cycle's mean (the loss and statistics this micro-batch's)."""
+    b = em.b
     reuse = with_stats and mode == "empirical" and stats_batch is None
-    loss, raw_grads, cots = mean_loss_and_grads(em, em.layer_cotangent_targets() if reuse else [])
-    grads = regularized(em, raw_grads, l2)
+    loss, own, cots = local_loss_and_grads(em, em.layer_cotangent_targets() if reuse else [])
+    loss, raw_grads = reduced_loss_and_grads(em, loss, own, accumulate)
+    scale = raw_sq = None
+    grads = raw_grads
+    if clip:  # torch's clip_grad_norm_, on the (reduced, accumulated) gradient before l2's term
+        raw_sq = b.sum([b.reduce("ReduceSumSquare", raw_grads[p], None) for p in em.parts.params])
+        scale = clip_scale(em, raw_sq)
+        grads = {p: b.mul(g, scale) for p, g in raw_grads.items()}
+    grads = regularized(em, grads, l2)
     ok_terms = [loss]
     if with_stats:
         em.factor_updates(em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms, conditional=stats_if)
-    return Local(loss, raw_grads, grads, ok_terms)
+    return Local(loss, raw_grads, grads, ok_terms, scale, raw_sq, own if accumulate else None)
 
 
 # --------------------------------------------------------------------------- stage 2: precondition
@@ -193,18 +226,43 @@ def precondition_stage(em: Emission, local: Local, qmodel: bool, l2: bool,
     vectors = {"g": local.grads, "P": precond, "v": velocity}
     if accumulated is not None:
         vectors["m"] = accumulated
-    if l2:
+    if l2 or local.scale is not None:
         vectors["raw"] = local.raw_grads
+    if l2:
         vectors["t"] = {p: p for p in em.parts.params}  # theta, for the regularizer's change
+    if local.batch_grads is not None:
+        vectors["k"] = local.batch_grads  # this micro-batch's own gradient
     dots = Gram(em, vectors)
+    if local.raw_sq is not None:
+        dots.known("raw", "raw", local.raw_sq)
+    linear = predicted_linear_terms(em, local, dots, l2)
     model = None
     if qmodel:
         damping = em.hp(C.DAMPING)
         if l2:
             damping = em.b.add(damping, em.hp(C.L2))
         model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity,
-                                                             dots, damping, l2))
-    return Preconditioned(precond, velocity, dots, model, accumulated)
+                                                             dots, damping, l2, linear, local.scale,
+                                                             "k" if local.batch_grads is not None else None))
+    elif local.batch_grads is not None:  # local dot products: every rank then predicts the same change
+        linear = em.reduce_mean(MODEL_POINT, linear)
+    return Preconditioned(precond, velocity, dots, model, accumulated, linear)
+
+
+def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> tuple[str, str]:
+    """(o.P, o.v), o the gradient of the objective whose change the step predicts (the change
+    rho, the decrease cap and the rejection test compare with the batch's loss): the batch's
+    gradient (+ l2 theta) before clipping (with clipping the model of the clipped gradient
+    would predict s times less decrease than the loss sees: rho ~ (2 - s) / s); with
+    accumulation this micro-batch's own, the batch loss_after runs on."""
+    if local.batch_grads is None and local.scale is None:
+        return dots("g", "P"), dots("g", "v")
+    key = "k" if local.batch_grads is not None else "raw"
+    if not l2:
+        return dots(key, "P"), dots(key, "v")
+    b, l2_coeff = em.b, em.hp(C.L2)
+    along_p, along_v = (b.add(dots(key, x), b.mul(l2_coeff, dots("t", x))) for x in ("P", "v"))
+    return along_p, along_v
 
 
 def adam_momentum(em: Emission, grads: dict[str, str]) -> dict[str, str]:
@@ -219,13 +277,20 @@ def adam_momentum(em: Emission, grads: dict[str, str]) -> dict[str, str]:
 
 
 def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str,
-                    l2: bool) -> QuadraticModel:
+                    l2: bool, linear: tuple[str, str] | None = None, scale: str | None = None,
+                    own: str | None = None) -> QuadraticModel:
     """The damped model's terms with C the exact GGN (products from forward-mode JVPs), as in
     kfac-jax, on the batch `fwd` covers.
 
     On a sub-batch S the model is the sub-batch's own: C and g both from S, with
     g_S.u = sum_{n in S} (J_n u).dl_n/dz / |S| from the same JVPs (free). Mixing the whole
-    batch's g with C_S overshoots wherever S under-represents the curvature along P."""
+    batch's g with C_S overshoots wherever S under-represents the curvature along P. So is the
+    last micro-batch of an accumulation cycle (`own`: the Gram's key of its gradient): its
+    model takes its own gradient. With clipping (`scale` s) the model's linear terms take the
+    clipped gradient s g (+ l2 theta), so that (alpha, mu) are those of the clipped gradient's
+    model (the update is s times the unclipped one; the raw gradient would rescale alpha by
+    1/s and undo the clipping); `linear` (whole_b1, whole_b2) are the terms of the predicted
+    change (predicted_linear_terms)."""
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = em.jvp(fwd, precond, [z])[z]
     j_v = em.jvp(fwd, velocity, [z])[z]
@@ -239,11 +304,16 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
     c11 = b.add(mean_dot(j_p, f_p), b.mul(damping, dots("P", "P")))
     c12 = b.add(mean_dot(j_p, f_v), b.mul(damping, dots("P", "v")))
     c22 = b.add(mean_dot(j_v, f_v), b.mul(damping, dots("v", "v")))
-    whole_b1, whole_b2 = dots("g", "P"), dots("g", "v")
-    if fwd is em.full:
-        b1, b2 = whole_b1, whole_b2
-    else:  # fwd.data_grad carries the example weights of a weighted loss
-        b1, b2 = mean_dot(j_p, fwd.data_grad), mean_dot(j_v, fwd.data_grad)
+    whole_b1, whole_b2 = linear or (dots("g", "P"), dots("g", "v"))
+    if fwd is em.full and own is None:
+        b1, b2 = dots("g", "P"), dots("g", "v")  # whole_b1, whole_b2 unless the gradient is clipped
+    else:
+        if fwd is em.full:  # accumulation: the micro-batch's own gradient
+            b1, b2 = dots(cast(str, own), "P"), dots(cast(str, own), "v")
+        else:  # fwd.data_grad carries the example weights of a weighted loss
+            b1, b2 = mean_dot(j_p, fwd.data_grad), mean_dot(j_v, fwd.data_grad)
+        if scale is not None:
+            b1, b2 = b.mul(scale, b1), b.mul(scale, b2)
         if l2:
             b1 = b.add(b1, b.mul(em.hp(C.L2), dots("t", "P")))
             b2 = b.add(b2, b.mul(em.hp(C.L2), dots("t", "v")))
@@ -252,9 +322,12 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
 
 # --------------------------------------------------------------------------- stage 3: update
 def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
-                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False) -> None:
+                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False) -> None:
     """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
     With `loss_limit` a batch loss above hp/loss_limit withholds the step (the spike guard).
+    With `decay` the new parameters are (1 - alpha w) theta + update (decoupled weight decay,
+    w = hp/decoupled_weight_decay, alpha = -a the step's learning rate, at least 0), outside
+    the preconditioner and the quadratic model; the velocity and update_norm are the update's.
 
     The predicted change without the quadratic model is TF K-FAC's
     _compute_approx_qmodel_change, u.g + u.(F + damping) u / 2 with F the approximate Fisher,
@@ -285,12 +358,19 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
         b.mul(b.mul(mu, mu), dots("v", "v")),
     )
     if pre.model is None:
-        change = b.add(b.mul(a, dots("g", "P")), b.mul(mu, dots("g", "v")))  # g.u
+        linear = pre.linear or (dots("g", "P"), dots("g", "v"))
+        change = b.add(b.mul(a, linear[0]), b.mul(mu, linear[1]))  # g.u
         if pre.accumulated is not None and power == -1:  # + a^2 m.P / 2 (mu = 0 for adam)
             change = b.add(change, b.mul(b.const(0.5), b.mul(b.mul(a, a), dots("m", "P"))))
     ok_terms = local.ok_terms + [update_sq, a, mu]
     ok_flags: list[str] = []
-    new_params = {p: b.add(p, update[p]) for p in params}
+    shrink = None  # the decay's fraction alpha w
+    if decay:
+        shrink = b.mul(b.op("Max", [b.neg(a), b.const(0.0)]), em.hp(DECOUPLED_DECAY))
+        keep = b.sub(b.const(1.0), shrink)
+        new_params = {p: b.add(b.mul(keep, p), update[p]) for p in params}
+    else:
+        new_params = {p: b.add(p, update[p]) for p in params}
     for p in params:
         em.state_output(p, new_params[p])
         em.state_output(C.velocity(p), update[p])
@@ -299,10 +379,11 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
     if loss_limit:  # NaN fails the test too (as it fails the finiteness one)
         ok_flags.append(b.op("LessOrEqual", [loss, em.hp(LOSS_LIMIT)]))
     if loss_after:
-        ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2))
+        ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2, shrink))
     em.metric(C.LOSS, loss)
     em.metric(C.UPDATE_NORM, b.op("Sqrt", [update_sq]))
-    em.metric(C.GRAD_NORM, b.op("Sqrt", [dots("raw", "raw") if l2 else dots("g", "g")]))
+    raw = l2 or local.scale is not None  # the norm before l2's term and the clipping
+    em.metric(C.GRAD_NORM, b.op("Sqrt", [dots("raw", "raw") if raw else dots("g", "g")]))
     em.metric(ALPHA, b.neg(a))
     em.metric(MU, reported_mu or mu)
     em.metric(QMODEL_CHANGE, change)
@@ -313,7 +394,7 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
 
 
 def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
-                update_sq: str, change: str, l2: bool) -> str:
+                update_sq: str, change: str, l2: bool, shrink: str | None = None) -> str:
     """metric/loss_after: the objective at the new parameters on the same batch, for
     Levenberg-Marquardt damping, inside an If on hp/loss_after > 0 so that only the
     damping-adaptation steps pay for the forward pass. With l2 it includes the regularizer's
@@ -323,7 +404,9 @@ def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, st
     change| (rho < -1) is not applied (|.|: a sub-batch model can predict a small increase of
     the whole batch's objective, and a step that then lowers it is fine). When the forward
     pass ran, a non-finite loss after the update rejects the step whatever reject_increase
-    says (NaN is also the placeholder of the steps without the forward pass)."""
+    says (NaN is also the placeholder of the steps without the forward pass). With decoupled
+    decay (`shrink` d: theta_new = theta + u - d theta) the regularizer's change is that of
+    u - d theta: (1 - d) theta.u + |u|^2 / 2 - d (1 - d / 2) |theta|^2."""
     b = em.b
     weights = C.EXAMPLE_WEIGHTS if em.parts.weighted else None
 
@@ -331,10 +414,11 @@ def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, st
         _, rename = em.clone_forward("kfac/after/", new_params)
         after = em.parts.loss.emit_loss(b, rename(em.output), em.full.y, weights)
         if l2:
-            reg = b.add(
-                b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v"))),
-                b.mul(b.const(0.5), update_sq),
-            )
+            theta_u = b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v")))
+            if shrink is not None:
+                theta_u = b.sub(b.mul(b.sub(b.const(1.0), shrink), theta_u),
+                                b.mul(b.mul(shrink, b.sub(b.const(1.0), b.mul(b.const(0.5), shrink))), dots("t", "t")))
+            reg = b.add(theta_u, b.mul(b.const(0.5), update_sq))
             after = b.add(after, b.mul(em.hp(C.L2), reg))
         return [after]
 

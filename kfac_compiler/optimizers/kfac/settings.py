@@ -12,6 +12,7 @@ from kfac_compiler.optimizers import groups
 from kfac_compiler.optimizers.kfac.refresh import check_groups
 from kfac_compiler.optimizers.settings import (
     OptimizerConfig,
+    RecipeOptions,
     check_int,
     check_number,
     check_positive,
@@ -28,7 +29,7 @@ QMODEL_TYPES = ("qmodel", "qmodel_fixedmu")  # the quadratic model chooses the l
 
 
 @dataclass
-class KfacConfig(OptimizerConfig):
+class KfacConfig(OptimizerConfig, RecipeOptions):
     """K-FAC (Martens & Grosse 2015) with kfac-jax's adaptive step and damping.
 
     momentum_type (TF K-FAC's; default "qmodel" unless learning_rate/momentum are given, then
@@ -58,6 +59,12 @@ class KfacConfig(OptimizerConfig):
     param_groups: layers trained by a first-order rule (Adam, SGD) in K-FAC's step, held out of
     its curvature (optimizers/groups.py; normalized to JSON here, resolved against the plan by
     the policy).
+    clip_norm c (RecipeOptions): the gradient is scaled to a global norm of at most c before it
+    is preconditioned, and the quadratic model chooses alpha and mu with that gradient (with the
+    raw one it would scale alpha by 1/s and undo the clipping); its predicted change, which rho,
+    the decrease cap and the rejection test compare with the loss, uses the raw gradient.
+    decoupled_weight_decay w: theta <- (1 - alpha w) theta + update, alpha the step's learning
+    rate (the quadratic model's, or lr after KL clipping; docs/runtime.md says why).
     """
 
     name: ClassVar[str] = "kfac"
@@ -181,6 +188,7 @@ class KfacConfig(OptimizerConfig):
 
     def validate(self) -> None:
         super().validate()
+        self.check_recipes()
         if self.momentum is not None:
             check_unit("momentum", self.initial("momentum"))
         damping = self.initial("damping")
