@@ -123,9 +123,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
     t.add_argument("--plot", metavar="FILE.png", help="plot the training loss (needs matplotlib)")
     t.add_argument("--save", metavar="FILE.onnx", help="write the model with the trained weights")
-    t.add_argument("--save-graph", default="plan", choices=("plan", "source"),
-                   help="--save writes the plan's graph (default) or the source model's own graph (its nodes, names "
-                        "and fused ops) with the trained values")
+    t.add_argument("--save-graph", default="auto", choices=("auto", "source", "plan"),
+                   help="--save writes the source model's own graph (its nodes, names and fused ops) with the trained "
+                        "values, or the plan's canonical graph; auto (default): the source's where it holds every "
+                        "trained value (not after --untie, not for the built-in models), else the plan's")
     t.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint at the end (and every --checkpoint-every steps)")
     t.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
     t.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (same model, data and seed)")

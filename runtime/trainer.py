@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import onnx
@@ -44,6 +44,8 @@ from kfac_compiler.runtime.program import Program, cached_program
 from kfac_compiler.runtime.state import StateStore
 
 F = TypeVar("F", bound=Callable[..., Any])
+# what Trainer.export writes: "auto" (the source graph where it holds every trained value), "source", "plan"
+EXPORT_GRAPHS = ("auto", "source", "plan")
 
 
 def _serialized(method: F) -> F:
@@ -327,47 +329,69 @@ class Trainer:
                        if t.name not in values and t.name in self.store})
         return values
 
-    def exported_model(self, graph: str = "plan") -> onnx.ModelProto:
-        """The trained model: `graph` "plan", the plan's (canonical) graph with the trained
-        values; "source", the user's model file itself (its nodes, names, fused recurrent ops
-        and outputs) with the trained values written into its initializers (Plan.source_values)."""
+    def exported_model(self, graph: str = "auto") -> onnx.ModelProto:
+        """The trained model: `graph` "source", the user's model file itself (its nodes, names,
+        fused recurrent ops and outputs) with the trained values written into its initializers
+        (Plan.source_values); "plan", the plan's (canonical) graph with the trained values;
+        "auto" (the default), the source where it holds every trained value (the plan was
+        compiled from a file that is still there, unchanged, and untied no parameter), else
+        the plan's."""
+        if graph not in EXPORT_GRAPHS:
+            raise ConfigError(f"export: graph must be one of {', '.join(map(repr, EXPORT_GRAPHS))}, got {graph!r}")
         if graph == "source":
             return self._trained_source()
-        if graph != "plan":
-            raise ConfigError(f"export: graph must be 'plan' or 'source', got {graph!r}")
+        if graph == "auto" and self._source_problem() is None:
+            source = onnx.load(cast(str, self.plan.source_path))
+            if not self._untied_copies(source):
+                return self._trained_source(source)
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
         _write_values(model, self.trained_values())
         _expose_outputs(model, self.loss.output_names(self.plan.output))
         return _in_source_float_type(model)
 
-    def _trained_source(self) -> onnx.ModelProto:
-        import warnings
-
+    def _source_problem(self) -> str | None:
+        """Why the source graph cannot take the trained values (None: it can)."""
         from kfac_compiler.plan import file_sha256
 
         src = self.plan.source_path
-        if not src or not os.path.isfile(src) or file_sha256(src) != self.plan.source_sha256:
-            why = "the plan was compiled from an in-memory model" if not src else (
-                f"its source {src!r} is gone" if not os.path.isfile(src) else f"its source {src!r} changed since")
-            raise PlanError(f"cannot export the source graph: {why}; export the plan's graph (graph='plan', the "
-                            "default)")
-        model = onnx.load(src)
-        values = self.plan.source_values(self.trained_values())
+        if not src:
+            return "the plan was compiled from an in-memory model"
+        if not os.path.isfile(src):
+            return f"its source {src!r} is gone"
+        if file_sha256(src) != self.plan.source_sha256:
+            return f"its source {src!r} changed since"
+        return None
+
+    def _untied_copies(self, model: onnx.ModelProto) -> list[str]:
         names = {t.name for t in model.graph.initializer}
-        left = [p for p in self.params if p not in names and p not in self.plan.holders_of_pieces()]
+        return [p for p in self.params if p not in names and p not in self.plan.holders_of_pieces()]
+
+    def _trained_source(self, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
+        """The source model (`model`, already loaded, or the plan's source file) with the
+        trained values in its initializers."""
+        import warnings
+
+        if model is None:
+            why = self._source_problem()
+            if why is not None:
+                raise PlanError(f"cannot export the source graph: {why}; export the plan's graph (graph='plan')")
+            model = onnx.load(cast(str, self.plan.source_path))
+        values = self.plan.source_values(self.trained_values())
+        left = self._untied_copies(model)
         if left:
             warnings.warn(f"{len(left)} trained initializers have no place in the source graph (untied copies: "
                           f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); the source keeps each original's "
                           "first copy, export graph='plan' keeps them all", stacklevel=3)
+        names = {t.name for t in model.graph.initializer}
         _write_values(model, {name: v for name, v in values.items() if name in names})
         return model
 
     @_serialized
-    def export(self, path: str | os.PathLike, graph: str = "plan") -> str:
-        """Write the trained model (exported_model(graph): the plan's graph, or with
-        graph="source" the user's own) with the trained weights and the running statistics the
-        steps updated as initializers (atomic)."""
+    def export(self, path: str | os.PathLike, graph: str = "auto") -> str:
+        """Write the trained model (exported_model(graph): by default the user's own graph
+        where it can hold every trained value, else the plan's) with the trained weights and
+        the running statistics the steps updated as initializers (atomic)."""
         from kfac_compiler.runtime.checkpoint import atomic_write_bytes
 
         path = os.fspath(path)
