@@ -1,5 +1,5 @@
 """Command-line options shared by `compile` and `train`: which initializers are trained, and untied;
-several loss heads."""
+several loss heads; the loss options that have a flag of their own."""
 from __future__ import annotations
 
 import argparse
@@ -61,3 +61,38 @@ def apply_heads_arg(cfg: CompileConfig, args: argparse.Namespace) -> None:
             head["targets"] = parts[3]
         heads.append(head)
     cfg.heads = heads
+
+
+def loss_option_flags() -> dict[str, tuple[str, object]]:
+    """{option name: (its help, its parse)} of the registered losses' options that have a
+    flag (LossOption.parse), first declaration first: the flag sets the option of whichever
+    loss the model is compiled with, which checks it (a loss without it refuses it)."""
+    from kfac_compiler.losses import LOSSES
+
+    flags: dict[str, tuple[str, object]] = {}
+    for cls in LOSSES.values():
+        for opt in cls.options:
+            if opt.parse is not None and opt.name not in flags:
+                flags[opt.name] = (f"{cls.kind}: {opt.help}", opt.parse)
+    return flags
+
+
+def add_loss_option_args(p: argparse.ArgumentParser) -> None:
+    """--<option> for every loss option with a flag (softmax cross-entropy's --ignore-index)."""
+    for name, (text, parse) in loss_option_flags().items():
+        p.add_argument("--" + name.replace("_", "-"), type=parse, default=None, dest=f"loss_option_{name}",
+                       metavar="VALUE", help=f"{text} (the config's loss_options.{name})")
+
+
+def given_loss_options(args: argparse.Namespace) -> dict[str, object]:
+    """{option name: value} of the loss-option flags given on the command line."""
+    return {name: getattr(args, f"loss_option_{name}") for name in loss_option_flags()
+            if getattr(args, f"loss_option_{name}", None) is not None}
+
+
+def apply_loss_option_args(cfg: CompileConfig, args: argparse.Namespace) -> None:
+    """The loss-option flags into the config's loss_options (a flag wins over the config);
+    the loss checks them when the plan is compiled."""
+    given = given_loss_options(args)
+    if given:
+        cfg.loss_options = {**cfg.loss_options, **given}
