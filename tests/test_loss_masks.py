@@ -405,3 +405,102 @@ def test_cli_bad_ignore_index_is_one_line(tmp_path, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+# ------------------------------------------------------------------------------ blocks
+def _masked_stats(blk, inputs, cots):
+    """The block's emitted statistics with masked=True, run in ONNX Runtime."""
+    from helpers import run_graph
+    from kfac_compiler.blocks._parts import emit_statistic
+
+    feeds = {f"x{u}": x for u, x in enumerate(inputs)}
+    feeds.update({f"d{u}_{s}": d for u, ds in enumerate(cots) for s, d in enumerate(ds)})
+    names_in = [f"x{u}" for u in range(len(inputs))]
+    names_cot = [[f"d{u}_{s}" for s in range(len(ds))] for u, ds in enumerate(cots)]
+    return run_graph(lambda b: {k: emit_statistic(b, v) for k, v in
+                                blk.emit_statistics(b, names_in, names_cot, masked=True).items()}, feeds)
+
+
+def _row_masked_cases():
+    """test_blocks' cases whose blocks mask rows, and a transposed convolution's."""
+    from test_blocks import CASES, make_block
+    from test_conv_transpose_block import convt_case
+
+    cases = []
+    for name, build in CASES:
+        layer, shapes, inputs, cots = build()
+        if make_block(layer, shapes, [np.shape(x) for x in inputs]).masks_rows:
+            cases.append(name)
+    return cases + ["convt-kron"], convt_case
+
+
+MASKED_CASES, _CONVT = _row_masked_cases()
+
+
+def _case(name):
+    from test_blocks import CASES, make_block
+
+    if name == "convt-kron":
+        layer, blk, inputs, cots = _CONVT(np.random.default_rng(0), group=2, C_out=4)
+        return layer, blk, inputs, cots
+    layer, shapes, inputs, cots = dict(CASES)[name]()
+    return layer, make_block(layer, shapes, [np.shape(x) for x in inputs]), inputs, cots
+
+
+@pytest.mark.parametrize("name", MASKED_CASES)
+def test_blocks_leave_masked_examples_out_of_their_activation_statistics(name):
+    """Every block that masks rows, with the cotangents of whole examples zeroed in every
+    seed (what a weight of 0 gives): its statistics with masked=True equal its unmasked ones
+    on the other examples alone (G scaled by N_kept / N: G stays a sum over N), emitted and
+    numpy twin (max relative error 1e-4 / 1e-10)."""
+    layer, blk, inputs, cots = _case(name)
+    n = np.shape(cots[0][0])[0]
+    kept = np.arange(n) % 3 != 1
+    cots = [[np.where(kept.reshape(-1, *[1] * (np.ndim(d) - 1)), d, 0).astype(np.float32) for d in ds] for ds in cots]
+    ref = blk.numpy_statistics([x[kept] for x in inputs], [[d[kept] for d in ds] for ds in cots])
+    got, twin = _masked_stats(blk, inputs, cots), blk.numpy_statistics(inputs, cots, masked=True)
+    for f, want in ref.items():
+        if f.startswith("G") or f in ("S", "B"):  # statistics of the cotangents: a sum over all N examples
+            want = want * kept.sum() / n
+        assert rel_err(got[f], want) < 1e-4, f
+        assert rel_err(twin[f], want) < 1e-10, f
+
+
+@pytest.mark.parametrize("name", ["fc-kron", "fc-kron_in_diag", "fc-kron_indep", "embedding-kron", "tied-kron_tied",
+                                  "conv-kron", "conv-kron-group"])
+def test_blocks_leave_masked_positions_out_of_their_activation_statistics(name):
+    """Positions (tokens; conv output locations) whose cotangent is 0 in every seed leave A:
+    A is the mean over the other positions, from the definitions (fc: a~ a~^T; embedding:
+    token frequencies; tied: the lookups' frequencies and the head's a a^T; conv: the explicit
+    patch loop's columns, per group)."""
+    from test_blocks import explicit_patches, fc_tilde
+
+    layer, blk, inputs, cots = _case(name)
+    rng = np.random.default_rng(12)
+    lives = []
+    for u, ds in enumerate(cots):
+        shape = list(np.shape(ds[0]))
+        live_shape = [shape[0], 1, *shape[2:]] if "conv" in name else shape[:-1] + [1]
+        live = rng.random(live_shape) < 0.6
+        lives.append(live)
+        cots[u] = [np.where(live, d, 0).astype(np.float32) for d in ds]
+    got = _masked_stats(blk, inputs, cots)
+    if name.startswith("fc"):
+        a = np.concatenate([fc_tilde(x, blk.n_in, blk.alpha, blk.beta, blk.has_bias).reshape(-1, blk.nA)[m.reshape(-1)]
+                            for x, m in zip(inputs, lives)])
+        want = a.T @ a / len(a)
+        assert rel_err(got["A"], np.diag(want) if blk.a_diag else want) < 1e-5
+    elif name.startswith("embedding"):
+        ids = inputs[0].reshape(-1)[lives[0].reshape(-1)]
+        assert rel_err(got["A"], np.bincount(ids, minlength=blk.vocab) / len(ids)) < 1e-6
+    elif name.startswith("tied"):
+        ids = np.concatenate([inputs[u].reshape(-1)[lives[u].reshape(-1)] for u in blk.lookups])
+        a = np.concatenate([blk.alphas[u] * inputs[u].reshape(-1, blk.dim)[lives[u].reshape(-1)] for u in blk.heads])
+        assert rel_err(got["A_V"], np.bincount(ids, minlength=blk.vocab) / len(ids)) < 1e-6
+        assert rel_err(got["A_D"], a.T @ a / len(a)) < 1e-5
+    else:
+        P = np.concatenate([explicit_patches(np.asarray(x, np.float64), layer.attrs, blk.group, blk.has_bias)
+                            * m.reshape(m.shape[0], 1, 1, -1) for x, m in zip(inputs, lives)], axis=3)
+        count = sum(m.sum() for m in lives)
+        want = np.einsum("njat,njbt->jab", P, P) / count
+        assert rel_err(got["A"], want[0] if blk.group == 1 else want) < 1e-5
