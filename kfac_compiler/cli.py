@@ -1,6 +1,6 @@
 """Command line: `kfac-compiler compile|inspect|train`.
 
-    kfac-compiler compile MODEL --loss KIND [--output NAME] [--config FILE]
+    kfac-compiler compile MODEL --loss KIND [--output NAME] [--ignore-index I] [--config FILE]
                   [--head OUTPUT,LOSS[,COEFF[,TARGETS]] ...] (several loss heads instead of --loss/--output)
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
                   [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]

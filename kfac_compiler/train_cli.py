@@ -3,6 +3,7 @@
     kfac-compiler train                                   # the zoo's mlp_classifier on digits
     kfac-compiler train digits_autoencoder --steps 500 --metrics run.csv --plot loss.png
     kfac-compiler train model.onnx --loss softmax_cross_entropy --data train.npz --save out.onnx
+    kfac-compiler train lm.onnx --loss softmax_cross_entropy --ignore-index -100 --data tokens.npz
     kfac-compiler train --checkpoint run.ckpt ...; kfac-compiler train --resume run.ckpt ...
 
 The lead wires this module into kfac_compiler/cli.py with `add_train_parser(subparsers)` and
@@ -87,7 +88,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"zoo model name, .onnx file or plan directory (default: {DEFAULT_MODEL})")
     t.add_argument("--data", default="digits", metavar="digits|FILE.npz",
                    help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets' "
-                        "(one array per loss head, named by its --head TARGETS, with several heads)")
+                        "(one array per loss head, named by its --head TARGETS, with several heads) and optionally "
+                        "'weights': loss weights or a 0/1 mask, per example or shaped like the targets")
     t.add_argument("--loss", choices=loss_kinds(), metavar="KIND",
                    help=f"for an .onnx model (zoo models know theirs): {losses_help()}")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
