@@ -29,6 +29,7 @@ from kfac_compiler.cli_options import (
     apply_loss_option_args,
     apply_selection_args,
     given_loss_options,
+    loss_option_flags,
 )
 from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError, OutputError, os_errors, os_reason
 from kfac_compiler.losses import loss_kinds, losses_help
@@ -176,7 +177,7 @@ def compile_config(args) -> CompileConfig | None:
 
     given = [args.config, args.include, args.exclude, args.train_params, args.untie]
     if args.model and os.path.isdir(args.model):
-        flags = [f"--{name.replace('_', '-')}" for name in given_loss_options(args)]
+        flags = [loss_option_flags()[name][0].flag for name in given_loss_options(args)]
         if any(g is not None for g in given) or flags:
             raise ConfigError(f"{args.model!r} is a compiled plan: --config, --include, --exclude, --train, --untie "
                               f"{'and ' + ', '.join(flags) + ' ' if flags else 'and the loss options '}apply when "

@@ -279,7 +279,8 @@ class Trainer:
                     acc[0] += value
                     acc[1] += count
         metrics = {"loss": total / n}
-        metrics.update({name: value / count for name, (value, count) in sums.items()})
+        # a metric over nothing (every target masked) is NaN, as torch's mean over no element
+        metrics.update({name: value / count if count else float("nan") for name, (value, count) in sums.items()})
         return metrics
 
     @_serialized
