@@ -4,7 +4,7 @@
                   [--head OUTPUT,LOSS[,COEFF[,TARGETS]] ...] (several loss heads instead of --loss/--output)
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
                   [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]
-    kfac-compiler inspect PLAN_DIR [--format table|json|dot] [--wide] [--ranks P]
+    kfac-compiler inspect PLAN_DIR [--format table|json|dot] [--wide] [--ranks P] [--param-group 'KEY=VALUE ...' ...]
 
 Every KfacError is printed as `error: <message>` on stderr with exit code 2 (also for bad
 command lines; options are never abbreviated); warnings are printed as `warning: <message>`.
@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kfac_compiler.cli_options import add_heads_arg, add_loss_option_args, add_selection_args
+    from kfac_compiler.cli_options import add_heads_arg, add_loss_option_args, add_param_group_arg, add_selection_args
     from kfac_compiler.losses import losses_help
 
     p = _Parser(prog="kfac-compiler", description="Compile ONNX models into K-FAC curvature plans.")
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 100 columns)")
     i.add_argument("--ranks", type=int, default=None, metavar="P",
                    help="also show how P data-parallel ranks share the inverse work (docs/distributed.md)")
+    add_param_group_arg(i, "the table shows each layer's optimizer in such a run")
 
     _add_train_parser(sub)
     return p
@@ -146,13 +147,17 @@ def _compile(args) -> int:
 
 
 def _run_inspect(args) -> int:
+    from kfac_compiler.cli_options import param_groups_arg
     from kfac_compiler.plan import load_plan
     from kfac_compiler.report import render
 
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {args.ranks}")
+    if args.param_group and args.format == "dot":
+        raise ConfigError("--param-group shows in the table and json formats, not in dot")
+    groups = param_groups_arg(args) if args.param_group else None
     plan = load_plan(args.plan)
-    sys.stdout.write(render(plan, args.format, args.ranks, wide=args.wide))
+    sys.stdout.write(render(plan, args.format, args.ranks, wide=args.wide, param_groups=groups))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Command-line options shared by `compile` and `train`: which initializers are trained, and untied;
-several loss heads; the loss options that have a flag of their own."""
+"""Command-line options shared by `compile`, `inspect` and `train`: which initializers are trained,
+and untied; several loss heads; the loss options that have a flag of their own; K-FAC's first-order
+parameter groups."""
 from __future__ import annotations
 
 import argparse
@@ -97,3 +98,20 @@ def apply_loss_option_args(cfg: CompileConfig, args: argparse.Namespace) -> None
     given = given_loss_options(args)
     if given:
         cfg.loss_options = {**cfg.loss_options, **given}
+
+
+def add_param_group_arg(p, rest: str) -> None:
+    """--param-group: a first-order parameter group of a K-FAC run (optimizers/groups.py)."""
+    p.add_argument("--param-group", action="append", default=None, metavar="'KEY=VALUE ...'",
+                   help="K-FAC: train the layers a group selects with a first-order rule, e.g. 'kind=embedding,"
+                        "scale_and_shift optimizer=adam lr=1e-3' or 'params=pos_emb|fc1\\..* optimizer=sgd "
+                        "learning_rate=0.05 momentum=0.9' (selectors: params (a name or regex), layers, kind (the "
+                        "kinds inspect shows); optional name=NAME; the optimizer's options; repeatable: one group "
+                        f"each); {rest}")
+
+
+def param_groups_arg(args) -> list[dict]:
+    """The --param-group groups, parsed (optimizers/groups.parse_text)."""
+    from kfac_compiler.optimizers.groups import parse_text
+
+    return [parse_text(text, "--param-group") for text in args.param_group]

@@ -58,7 +58,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +65,7 @@ from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
-from kfac_compiler.parsing import nesting_checked
+from kfac_compiler.parsing import compile_patterns, name_matches, nesting_checked  # noqa: F401 (names: parsing.py)
 
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
@@ -306,25 +305,6 @@ def allowed_for_key(key: str) -> tuple[str, ...]:
         if a not in allowed:
             allowed.append(a)
     return tuple(allowed)
-
-
-def compile_patterns(patterns: list[str], what: str) -> list[re.Pattern]:
-    """Compile name-or-regex patterns; a bad regex is a ConfigError naming it."""
-    out = []
-    for p in patterns:
-        try:
-            out.append(re.compile(p))
-        except re.error as e:
-            raise ConfigError(f"{what}: bad regular expression {p!r}: {e}") from None
-    return out
-
-
-def name_matches(name: str, pattern: str, compiled: re.Pattern | None = None) -> bool:
-    """Exact name, or a full regex match."""
-    if name == pattern:
-        return True
-    rx = compiled if compiled is not None else re.compile(pattern)
-    return rx.fullmatch(name) is not None
 
 
 # ---------------------------------------------------------------- helpers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -98,3 +99,22 @@ def check_float(value: Any, name: str, positive: bool = False) -> float:
     if positive and float(value) <= 0:
         raise ConfigError(f"{name} must be > 0, got {value!r}")
     return float(value)
+
+
+def compile_patterns(patterns: list[str], what: str) -> list[re.Pattern]:
+    """Compile name-or-regex patterns; a bad regex is a ConfigError naming it."""
+    out = []
+    for p in patterns:
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ConfigError(f"{what}: bad regular expression {p!r}: {e}") from None
+    return out
+
+
+def name_matches(name: str, pattern: str, compiled: re.Pattern | None = None) -> bool:
+    """Exact name, or a full regex match."""
+    if name == pattern:
+        return True
+    rx = compiled if compiled is not None else re.compile(pattern)
+    return rx.fullmatch(name) is not None

@@ -42,6 +42,19 @@ PLAN_FILE = "plan.json"
 MODEL_FILE = "model.onnx"
 
 
+@functools.cache
+def _default_options_cached(cls: type) -> tuple[tuple[str, Any], ...]:
+    try:
+        return tuple(cls().to_json().items())
+    except TypeError:  # a plugin's options type without defaults for every field
+        return ()
+
+
+def _default_options(cls: type) -> dict[str, Any]:
+    """The JSON of an options type's defaults ({} where it has none for some field)."""
+    return dict(_default_options_cached(cls))
+
+
 # ------------------------------------------------------------------------------ plan sections
 @dataclass
 class LossSpec:
@@ -209,8 +222,11 @@ class Plan:
     def _stem(self, request: Request) -> str | None:
         """The file stem stored under the resolved `request` (same kind and options), or None."""
         want = request.options.to_json()
+        # an option added since the graph was stored is absent from its entry: its default
+        # (the behaviour before the option existed) is what the graph was emitted with
+        defaults = _default_options(type(request.options))
         return next((stem for stem, info in self.subgraph_info.items()
-                     if (info.kind or stem) == request.name and info.options == want), None)
+                     if (info.kind or stem) == request.name and {**defaults, **info.options} == want), None)
 
     def stored_subgraph(self, request: Request) -> tuple[onnx.ModelProto, SubgraphInfo] | None:
         """The stored graph of the resolved `request` (same kind and resolved options), or None."""

@@ -28,13 +28,16 @@ KIND_COLORS = {
 }
 
 
-def render(plan: Plan, fmt: str = "table", ranks: int | None = None, wide: bool = False) -> str:
+def render(plan: Plan, fmt: str = "table", ranks: int | None = None, wide: bool = False,
+           param_groups: Any = None) -> str:
     """The plan in `fmt`; with `ranks`, also how a data-parallel run on that many ranks
-    shares the inverse work (table and json); `wide`: the table's every column (render_table)."""
+    shares the inverse work (table and json); `wide`: the table's every column (render_table);
+    `param_groups` (K-FAC's knob): each layer's optimizer in a run with those groups (table
+    and json)."""
     if fmt == "table":
-        return render_table(plan, wide) + ("" if ranks is None else _rank_lines(plan, ranks))
+        return render_table(plan, wide, param_groups) + ("" if ranks is None else _rank_lines(plan, ranks))
     if fmt == "json":
-        return render_json(plan, ranks)
+        return render_json(plan, ranks, param_groups)
     if fmt == "dot":
         return render_dot(plan)
     raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -88,10 +91,21 @@ def subgraph_summary(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-def summary(plan: Plan) -> dict[str, Any]:
-    """{"layers": [{name, kind, params, uses, approximation, factors, ...}], "totals", ...}."""
+def layer_optimizers(plan: Plan, param_groups: Any = None) -> tuple[dict[str, Any], list[Any]]:
+    """({layer: its ParamGroup}, the groups) of a K-FAC run with `param_groups` (optimizers/groups.py:
+    the selection the runtime makes; a layer in no group is K-FAC's)."""
+    from kfac_compiler.optimizers.groups import select
+
+    groups = select(plan, param_groups) if param_groups else []
+    return {name: g for g in groups for name in g.layers}, groups
+
+
+def summary(plan: Plan, param_groups: Any = None) -> dict[str, Any]:
+    """{"layers": [{name, kind, params, uses, approximation, factors, optimizer, group, ...}],
+    "totals", ..., "param_groups" (with param_groups)}."""
     layers = []
     costs = block_costs(plan)
+    grouped, groups = layer_optimizers(plan, param_groups)
     for layer in plan.layers:
         specs = plan.factors.get(layer.name)
         layers.append(
@@ -106,8 +120,12 @@ def summary(plan: Plan) -> dict[str, Any]:
                 ],
                 "estimator": plan.estimator.mode,
                 **costs[layer.name],
+                "optimizer": grouped[layer.name].optimizer if layer.name in grouped else "kfac",
+                "group": grouped[layer.name].name if layer.name in grouped else None,
             }
         )
+    extra = {"param_groups": [{"name": g.name, "optimizer": g.optimizer, "options": dict(g.knobs),
+                               "layers": list(g.layers), "params": list(g.params)} for g in groups]} if groups else {}
     return {
         "layers": layers,
         "totals": plan.totals(),
@@ -118,6 +136,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "frozen": [{"name": n, "reason": plan.frozen_reason(n)} for n in plan.frozen],
         "costs": {k: v for k, v in plan.costs.items() if k != "layers"},
         "subgraphs": subgraph_summary(plan),
+        **extra,
     }
 
 
@@ -154,8 +173,8 @@ def _rank_lines(plan: Plan, ranks: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(plan: Plan, ranks: int | None = None) -> str:
-    doc = summary(plan)
+def render_json(plan: Plan, ranks: int | None = None, param_groups: Any = None) -> str:
+    doc = summary(plan, param_groups)
     if ranks is not None:
         doc["ranks"] = rank_assignment(plan, ranks)
     return json.dumps(doc, indent=1)
@@ -185,44 +204,51 @@ def _cut(name: str, width: int) -> str:
     return name[:head] + "~" + name[len(name) - (width - 1 - head):]
 
 
-def render_table(plan: Plan, wide: bool = False) -> str:
+def render_table(plan: Plan, wide: bool = False, param_groups: Any = None) -> str:
     """The plan as text. By default it fits TABLE_WIDTH columns: the per-layer FLOP columns
     are left to `wide` (and the json), long layer names are cut in the middle; the inverse
-    method gets a column only when the layers differ in it."""
+    method gets a column only when the layers differ in it. With `param_groups` (a K-FAC run's
+    first-order groups) an optimizer column says which rule trains each layer, and a group's
+    layers show no factors, bytes or FLOPs: the run keeps none for them."""
     shapes = plan.param_shapes
     header = ("layer", "kind", "params", "uses", "approximation", "factors", "bytes", "inverse", "stats FLOP/ex", "inverse FLOP",
-              "precond FLOP")
+              "precond FLOP", "optimizer")
     costs = block_costs(plan)
+    grouped, groups = layer_optimizers(plan, param_groups)
+    idle = {"stats_flops_per_example": 0, "inverse_flops": 0, "apply_flops": 0, "inverse_method": "-"}
     rows = []
     tot_params = tot_uses = 0
     tot_bytes: int | None = 0
     tot_flops = [0, 0, 0]
     for layer in plan.layers:
         n = int(sum(math.prod(shapes[p]) for p in layer.params))
-        specs = plan.factors.get(layer.name)
+        group = grouped.get(layer.name)
+        specs = [] if group else plan.factors.get(layer.name)
         nbytes = None if specs is None else sum(s.nbytes for s in specs)
         tot_params += n
         tot_uses += layer.num_uses
         tot_bytes = None if tot_bytes is None or nbytes is None else tot_bytes + nbytes
-        c = costs[layer.name]
+        c = idle if group else costs[layer.name]
         tot_flops[0] += c["stats_flops_per_example"]
         tot_flops[1] += c["inverse_flops"]
         tot_flops[2] += c["apply_flops"]
         rows.append(
             (layer.name, layer.kind, f"{n:,}", str(layer.num_uses), layer.approximation or "?", _factor_text(specs),
-             human_bytes(nbytes), c["inverse_method"], f"{c['stats_flops_per_example']:,}", f"{c['inverse_flops']:,}",
-             f"{c['apply_flops']:,}")
+             "-" if group else human_bytes(nbytes), c["inverse_method"], f"{c['stats_flops_per_example']:,}", f"{c['inverse_flops']:,}",
+             f"{c['apply_flops']:,}", f"{group.optimizer} ({group.name})" if group else "kfac")
         )
     totals = (f"total ({len(plan.layers)} layers)", "", f"{tot_params:,}", str(tot_uses), "", "", human_bytes(tot_bytes),
-              "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}", f"{tot_flops[2]:,}")
-    methods = {r[7] for r in rows}
+              "", f"{tot_flops[0]:,}", f"{tot_flops[1]:,}", f"{tot_flops[2]:,}", "")
+    methods = {r[7] for r in rows if r[7] != "-"} or {"-"}
     inverse_text = f"inverses:  {plan.schedule.inverse.method} (per layer below)"
     shown = list(range(len(header)))
     if len(methods) == 1:  # one method for every layer: said once in the header, not on every row
         inverse_text = f"inverses:  {methods.pop()},"
         shown.remove(7)
     if not wide:
-        shown = [i for i in shown if i < 8]
+        shown = [i for i in shown if i < 8 or (i == 11 and groups)]
+    elif not groups:
+        shown.remove(11)
     header, totals = tuple(header[i] for i in shown), tuple(totals[i] for i in shown)
     rows = [tuple(r[i] for i in shown) for r in rows]
     right = {k for k, i in enumerate(shown) if i in (2, 3, 6, 8, 9, 10)}
@@ -247,6 +273,7 @@ def render_table(plan: Plan, wide: bool = False) -> str:
         f"statistics every {plan.schedule.stats.update_period} steps",
         f"{inverse_text} every {inv.update_period} steps",
         *_cost_lines(plan.costs),
+        *_group_lines(plan, groups),
     ]
     head = [
         f"model:     {src}",
@@ -268,6 +295,18 @@ def render_table(plan: Plan, wide: bool = False) -> str:
             for s in subs
         ]
     return "\n".join(head + body) + "\n"
+
+
+def _group_lines(plan: Plan, groups: list[Any]) -> list[str]:
+    """One line per first-order group of a K-FAC run (render_table's param_groups)."""
+    if not groups:
+        return []
+    shapes = plan.param_shapes
+    lines = [f"group {g.name}: {g.describe()} trains {len(g.layers)} layer{'s' * (len(g.layers) != 1)}, "
+             f"{sum(math.prod(shapes[p]) for p in g.params):,} values ({', '.join(g.layers)})" for g in groups]
+    kfac = sum(1 for layer in plan.layers if not any(layer.name in g.layers for g in groups))
+    return lines + [f"K-FAC preconditions the other {kfac} layer{'s' * (kfac != 1)}; the groups' layers have no "
+                    "factors, statistics or inverses in the run"]
 
 
 def _variant(sub: dict[str, Any], subs: list[dict[str, Any]]) -> str:

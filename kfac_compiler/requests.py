@@ -63,9 +63,9 @@ class SubgraphOptions:
     resolved: ClassVar[tuple[str, ...]] = ("damping_split", "conv_gather")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # lists (plan.json, callers) as tuples: hashable keys
-            if isinstance(getattr(self, f.name), list):
-                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+        for f in dataclasses.fields(self):  # lists (plan.json, callers) as tuples, nested ones too: hashable keys
+            if isinstance(getattr(self, f.name), (list, tuple)):
+                object.__setattr__(self, f.name, _hashable(getattr(self, f.name)))
 
     def unresolved(self) -> list[str]:
         """The fields resolve has yet to fill."""
@@ -92,7 +92,12 @@ class SubgraphOptions:
 
 
 def _jsonable(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
+    return [_jsonable(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _hashable(v: Any) -> Any:
+    """`v` with every list, at any depth, a tuple (plan.json gives an option's nested tuples back as lists)."""
+    return tuple(_hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 # whether an optimizer emits its update once over every parameter's concatenation
@@ -127,13 +132,16 @@ class GradientsOptions(SubgraphOptions):
 @dataclass(frozen=True)
 class StatisticsOptions(SubgraphOptions):
     """One batch's factor statistics (`statistics`) or their moving averages
-    (`update_statistics`), on the first `stats_batch` examples (None: all)."""
+    (`update_statistics`), on the first `stats_batch` examples (None: all), of every block or
+    of `layers` only (K-FAC with first-order parameter groups: the groups' layers have no
+    statistics)."""
 
     resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples")
 
     mode: str | None = None
     num_samples: int | None = None
     stats_batch: int | None = None
+    layers: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,13 @@ import numpy as np
 
 from kfac_compiler.cli_options import (
     add_loss_option_args,
+    add_param_group_arg,
     add_selection_args,
     apply_loss_option_args,
     apply_selection_args,
     given_loss_options,
     loss_option_flags,
+    param_groups_arg,
 )
 from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError, OutputError, os_errors, os_reason
 from kfac_compiler.losses import loss_kinds, losses_help
@@ -121,6 +123,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="any optimizer option, e.g. inv_update_period=10 or adapt_damping=off (repeatable; "
                         "booleans: true/false, 1/0, yes/no, on/off)")
+    add_param_group_arg(t, "K-FAC trains the other layers")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
@@ -141,7 +144,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 # (seed and threads are not even optimizer options), so the flag is the one place to set them
 FLAG_KNOBS = {"seed": "--seed", "threads": "--threads", "batch_size": "--batch-size", "device": "--device",
               "optimizer": "--optimizer", "learning_rate": "--learning-rate", "momentum": "--momentum",
-              "damping": "--damping", "l2_reg": "--l2"}
+              "damping": "--damping", "l2_reg": "--l2", "param_groups": "--param-group"}
 
 
 def _knobs(args) -> dict[str, Any]:
@@ -167,6 +170,13 @@ def _knobs(args) -> dict[str, Any]:
         knobs["damping"] = args.damping
     if args.l2 is not None:
         knobs["l2_reg"] = args.l2
+    if args.param_group:
+        try:
+            config.option_name("param_groups")
+        except ConfigError:
+            raise ConfigError(f"--param-group: optimizer {config.name!r} has no parameter groups (K-FAC's option: "
+                              "the groups train with a first-order rule, the other layers with K-FAC)") from None
+        knobs["param_groups"] = param_groups_arg(args)
     return knobs
 
 
@@ -586,6 +596,8 @@ def _train(args, outputs: list[Output], comm) -> int:
         held_out = "" if held is None else f" ({held[1].shape[0]} held out, evaluated every {every} steps)"
         print(f"training {os.path.basename(str(name))} with {trainer.optimizer} on {trainer.device.name}: "
               f"{n} examples{held_out}, {split}, steps {done}..{args.steps}", file=sys.stderr)
+        for line in trainer.policy.summary_lines():
+            print(f"  {line}", file=sys.stderr)
     writer = MetricsWriter(args.metrics if root else None, append=bool(args.resume),
                            columns=metric_columns(plan, held is not None))
     progress = Progress(args.steps, enabled=not quiet)

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kfac_compiler import oprules
 from kfac_compiler.config import compile_patterns
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import GraphView
@@ -50,16 +51,23 @@ class SharedParam:
 
 
 def shared_params(view: GraphView, params: list[str]) -> list[SharedParam]:
-    """Parameters consumed by more than one node, in `params` order."""
+    """Parameters consumed by more than one node, in `params` order. A node that carries no
+    gradient (a `Shape` of a convolution weight, which torch.export writes for padding) reads
+    the parameter without using its values: it ties nothing and is not counted."""
     found = []
     for name in params:
-        nodes = tuple(dict.fromkeys(n.name for n in view.consumers.get(name, [])))
+        nodes = tuple(dict.fromkeys(n.name for n in view.consumers.get(name, []) if not _reads_no_values(n, view.opset)))
         if len(nodes) < 2:
             continue
         value = view.array(name)
         uniform = float(value.flat[0]) if value.size > 1 and np.all(value == value.flat[0]) else None
         found.append(SharedParam(name, nodes, uniform))
     return found
+
+
+def _reads_no_values(node: onnx.NodeProto, opset: int) -> bool:
+    rule = oprules.find(node, opset)
+    return rule is not None and rule.nondiff
 
 
 def report_shared(shared: list[SharedParam], untied: set[str], notes: list[str]) -> None:

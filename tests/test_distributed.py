@@ -177,3 +177,15 @@ def test_two_ranks_take_the_one_process_steps_with_each_momentum_type(tmp_path, 
     rank computes alike): two ranks match one process."""
     config = {**KFAC, "knobs": {**KFAC["knobs"], **knobs}}
     assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_one_process_steps_with_parameter_groups(tmp_path):
+    """First-order parameter groups beside K-FAC (optimizers/groups.py): their updates read the
+    gradients after the reduction point, so the cut step's ranks take the one-process steps;
+    the groups' layers have no factors to average and no inverses to share."""
+    groups = [{"layers": "fc1", "optimizer": "adam", "lr": 3e-3}, {"layers": "fc3", "optimizer": "sgd", "lr": 0.05}]
+    config = {**KFAC, "knobs": {**KFAC["knobs"], "param_groups": groups}}
+    ranks = on_ranks(2, config, tmp_path)
+    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    assert sorted(ranks[0]["owners"]) == ["fc2"]

@@ -117,6 +117,22 @@ def test_merged_initializers_warn_by_name(rng):
     assert plan.trainable == ["ln.weight", "ln.bias", "fc.weight", "fc2.weight"]
 
 
+def test_a_shape_read_is_not_a_second_use(rng):
+    """torch.export reads a convolution weight's Shape (for its padding arithmetic): the
+    weight is still one use, with no tie noted and no untie offered."""
+    nodes = [
+        helper.make_node("Shape", ["fc.weight"], ["ws"], name="shape_of_weight", start=1),
+        helper.make_node("Concat", ["minus_one", "ws"], ["target_shape"], name="target_shape", axis=0),
+        helper.make_node("MatMul", ["x", "fc.weight"], ["a"], name="fc"),
+        helper.make_node("Reshape", ["a", "target_shape"], ["y"], name="keep"),
+    ]
+    inits = {"fc.weight": randn(rng, 4, 3), "minus_one": np.array([-1])}
+    plan = kc.compile(model(nodes, inits), loss="squared_error", emit=False)
+    assert plan.trainable == ["fc.weight"]
+    assert not any("shared by" in n for n in plan.notes)
+    assert [l.kind for l in plan.layers] == ["fully_connected"]
+
+
 def test_untie_gives_each_use_its_own_parameter_and_export_writes_them(tmp_path, rng):
     plan = kc.compile(merged_layernorms(rng), loss="squared_error", untie=["ln\\..*"])
     assert plan.trainable == ["ln.weight", "ln.weight.untied1", "ln.bias", "ln.bias.untied1", "fc.weight", "fc2.weight"]

@@ -54,6 +54,7 @@ class Emission:
     _sub_passes: dict[int, ForwardPass] = field(default_factory=dict)  # sub_batch_pass clones
     _weights: tuple[str, str] | None = None  # (w, sqrt w) of a weighted loss, shaped like the output
     reductions: list[tuple[str, Any]] = field(default_factory=list)  # reduce_mean's points, in order
+    held: list[str] = field(default_factory=list)  # parameters outside the curvature (hold)
 
     # ------------------------------------------------------------- set-up
     @classmethod
@@ -82,6 +83,25 @@ class Emission:
                 for layer in parts.layers
             }
         return em
+
+    def hold(self, params: Sequence[str]) -> None:
+        """Take `params` out of the curvature before anything is emitted: their layers leave
+        parts.layers (no statistics, inverses or preconditioning) and they leave parts.params
+        (no K-FAC update, velocity or quadratic-model terms; forward clones keep their
+        values). They stay state inputs, and a step's gradients (optimizers.base's
+        mean_loss_and_grads) still include theirs, so that an optimizer can update them by a
+        rule of its own in the same graph (first-order parameter groups,
+        optimizers/groups.py). A layer is held whole or not at all."""
+        held = set(params)
+        if not held:
+            return
+        for layer in self.parts.layers:
+            if held & set(layer.params) and not set(layer.params) <= held:
+                raise ValueError(f"hold: layer {layer.name!r} is held in part ({sorted(held & set(layer.params))})")
+        self.held += [p for p in self.parts.params if p in held]
+        self.parts = dataclasses.replace(
+            self.parts, params=[p for p in self.parts.params if p not in held],
+            layers=[layer for layer in self.parts.layers if not held & set(layer.params)])
 
     # --------------------------------------------------------- interfaces
     def data_input(self, name: str, elem_type: int, shape) -> str:
@@ -155,7 +175,7 @@ class Emission:
         momentum) (ONNX semantics; the variance is the biased batch variance). A rejected
         step leaves them as they were, like every slot. Other subgraphs read the model's
         initializers (a training-mode forward pass does not depend on them)."""
-        params = set(self.parts.params)
+        params = set(self.parts.params) | set(self.held)
         if not any(slot in params for slot in self.info.state_outputs.values()):
             return
         for slot, tensor in running_stat_outputs(self.parts.model, params):
@@ -165,7 +185,7 @@ class Emission:
     def finish(self, name: str) -> tuple[onnx.ModelProto, SubgraphInfo]:
         self.running_statistics()
         self._fold_output_identities()
-        params = set(self.parts.params)
+        params = set(self.parts.params) | set(self.held)
         state = params | set(self.info.state_specs)
         base_inits = [t for t in self.parts.model.graph.initializer if t.name not in state]
         model = self.b.make_model(

@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import FirstOrderStepOptions, mean_loss_and_grads, register_optimizer
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, register_optimizer
 from kfac_compiler.optimizers.first_order import (
+    DECAY,
     FirstOrderConfig,
     FirstOrderOptimizer,
-    clipped,
-    decayed,
-    emit_baseline_metrics,
-    regularized_chunks,
+    HpNames,
+    emit_first_order_step,
 )
-from kfac_compiler.optimizers.multi_tensor import Layout
+from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
 from kfac_compiler.optimizers.settings import check_positive, check_unit
 from kfac_compiler.requests import SubgraphKind
 
@@ -60,16 +62,12 @@ class AdamConfig(FirstOrderConfig):
         return self.at("learning_rate", k) * math.sqrt(1.0 - self.beta2**t) / (1.0 - self.at("beta1", k)**t)
 
 
-def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
-    """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t). The
-    rule is emitted per parameter or once over every parameter (o.multi_tensor)."""
+def adam_rule(em: Emission, lay: Layout, hp: HpNames) -> Callable[[Chunks, Chunks], dict[str, Any]]:
+    """Adam's update (first_order.emit_rule's rule): m, v moving averages of g and g^2 in
+    adam_m/<p>, adam_v/<p>; theta - lr m / (sqrt v + eps) with the bias-corrected lr of the host."""
     b = em.b
-    loss, raw, _ = mean_loss_and_grads(em)
-    lay = Layout(em, bool(o.multi_tensor))
-    lr, b1, b2, eps = em.hp(C.LEARNING_RATE), em.hp(BETA1), em.hp(BETA2), em.hp(EPSILON)
-    c1, c2 = em.hp(ONE_MINUS_BETA1), em.hp(ONE_MINUS_BETA2)
-    theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
-    g = regularized_chunks(em, lay, clipped(em, lay, g_raw, o.clip), theta, o.l2)
+    lr, b1, b2, eps = hp(C.LEARNING_RATE), hp(BETA1), hp(BETA2), hp(EPSILON)
+    c1, c2 = hp(ONE_MINUS_BETA1), hp(ONE_MINUS_BETA2)
 
     def rule(g: str, m: str, v: str, p: str) -> dict[str, str]:
         m_new = b.add(b.mul(b1, m), b.mul(c1, g))
@@ -77,12 +75,17 @@ def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
         size = b.mul(lr, b.div(m_new, b.add(b.op("Sqrt", [v_new]), eps)))  # the step is -size
         return {"m": m_new, "v": v_new, "size": size, "p": b.sub(p, size)}
 
-    new = lay.map(rule, g=g, m=lay.state(em, C.ADAM_M), v=lay.state(em, C.ADAM_V), p=decayed(em, lay, theta, o.decay))
-    for p, t in lay.unpack(new["p"]).items():
-        em.state_output(p, t)
-    lay.write_state(em, C.ADAM_M, new["m"])
-    lay.write_state(em, C.ADAM_V, new["v"])
-    emit_baseline_metrics(em, loss, lay, new["size"], g_raw)
+    def update(g: Chunks, theta: Chunks) -> dict[str, Any]:
+        new = lay.map(rule, g=g, m=lay.state(em, C.ADAM_M), v=lay.state(em, C.ADAM_V), p=theta)
+        return {"p": new["p"], "step": new["size"], "state": {C.ADAM_M: new["m"], C.ADAM_V: new["v"]}}
+
+    return update
+
+
+def emit_adam_step(em: Emission, o: FirstOrderStepOptions) -> None:
+    """Adam; the host passes the bias-corrected learning rate lr sqrt(1-b2^t)/(1-b1^t). The
+    rule is emitted per parameter or once over every parameter (o.multi_tensor)."""
+    emit_first_order_step(em, o, adam_rule)
 
 
 ADAM_STEP = SubgraphKind("adam_step", FirstOrderStepOptions, every_step=True, emit=emit_adam_step)
@@ -94,9 +97,19 @@ class Adam(FirstOrderOptimizer):
     Config = AdamConfig
     subgraphs = (ADAM_STEP,)
     step_subgraph = ADAM_STEP.name
+    rule = staticmethod(adam_rule)
+    state_kinds = (C.ADAM_M, C.ADAM_V)
 
-    def hyper_parameters(self, k: int) -> dict[str, float]:
-        cfg = self.config
+    @classmethod
+    def rule_hyper_parameters(cls, cfg: AdamConfig, t: int, k: int) -> dict[str, float]:
         beta1 = cfg.at("beta1", k)
-        return {C.LEARNING_RATE: cfg.lr_at(self.trainer.applied_steps + 1, k), BETA1: beta1, BETA2: cfg.beta2,
-                EPSILON: cfg.epsilon, ONE_MINUS_BETA1: 1.0 - beta1, ONE_MINUS_BETA2: 1.0 - cfg.beta2}
+        return {C.LEARNING_RATE: cfg.lr_at(t, k), BETA1: beta1, BETA2: cfg.beta2, EPSILON: cfg.epsilon,
+                ONE_MINUS_BETA1: 1.0 - beta1, ONE_MINUS_BETA2: 1.0 - cfg.beta2}
+
+    @classmethod
+    def previous_parameters(cls, theta: np.ndarray, state: Mapping[str, np.ndarray],
+                            hp: Mapping[str, float]) -> np.ndarray:
+        """theta_new = (1 - decay) theta - lr m / (sqrt v + eps), solved for theta."""
+        m, v = (np.asarray(state[k], np.float64) for k in (C.ADAM_M, C.ADAM_V))
+        size = hp[C.LEARNING_RATE] * m / (np.sqrt(v) + hp[EPSILON])
+        return (np.asarray(theta, np.float64) + size) / (1.0 - hp.get(DECAY, 0.0))

@@ -68,6 +68,11 @@ class Optimizer:
         """The optimizer's host-side state (checkpointed with the device state)."""
         return {}
 
+    def summary_lines(self) -> list[str]:
+        """What the train command says about this run's setup under its first line (K-FAC: its
+        parameter groups)."""
+        return []
+
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state() (keys another optimizer wrote are ignored)."""
 
@@ -132,8 +137,11 @@ LOSS_POINT, GRADIENTS_POINT = "loss", "gradients"
 
 def mean_loss_and_grads(em: Emission, extra_wrt: Sequence[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
     """The batch's loss and gradients through their reduction points (means over every
-    rank's examples in a data-parallel run), and the cotangents of `extra_wrt` (local)."""
-    loss, _, grads, cots = em.loss_and_grads(list(extra_wrt))
+    rank's examples in a data-parallel run), and the cotangents of `extra_wrt` (local). The
+    gradients include those of the parameters `em` holds out of the curvature (Emission.hold)."""
+    held = [p for p in em.held if p not in extra_wrt]
+    loss, _, grads, cots = em.loss_and_grads([*extra_wrt, *held])
+    grads = {**grads, **{p: cots.pop(p) or em.zeros_like_param(p) for p in held}}
     return em.reduce_mean(LOSS_POINT, loss), em.reduce_mean(GRADIENTS_POINT, grads), cots
 
 

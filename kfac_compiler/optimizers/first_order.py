@@ -1,14 +1,22 @@
-"""What SGD and Adam share: the metrics their graphs report and their host-side step (one
-session per step, hyper-parameters from the settings, no host state of their own)."""
+"""What SGD and Adam share: their update rule's frame (gradient clipping, weight decay, the
+new parameters), the metrics their graphs report and their host-side step (one session per
+step, hyper-parameters from the settings, no host state of their own).
+
+A first-order optimizer's rule also trains a parameter group inside another optimizer's step
+(K-FAC's param_groups, optimizers/groups.py): the rule reads its hyper-parameters through a
+name map (`hp`), its own step's names or the group's, and says how to undo its last update
+on the host (`previous_parameters`)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
-from kfac_compiler.optimizers.base import Optimizer
+from kfac_compiler.optimizers.base import FirstOrderStepOptions, Optimizer, mean_loss_and_grads
 from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
 from kfac_compiler.optimizers.settings import OptimizerConfig, check_nonnegative, check_positive
 
@@ -18,6 +26,14 @@ if TYPE_CHECKING:
 
 
 CLIP_NORM, DECAY = C.hp("clip_norm"), C.hp("decay")  # a first-order step's clipping and decoupled decay
+
+# the graph input of a rule's hyper-parameter (C.LEARNING_RATE, ...): Emission.hp in the
+# optimizer's own step, a group's own names inside another step (optimizers/groups.py)
+HpNames = Callable[[str], str]
+# a rule: (em, layout, hp) -> update(g, theta) -> {"p": new parameters, "step": the update
+# (or its negative, for its norm), "state": {slot kind: new chunks}}, each in layout's chunks;
+# declaring its hyper-parameters when made and reading its state slots when called
+Rule = Callable[[Any, Layout, HpNames], Callable[[Chunks, Chunks], dict[str, Any]]]
 
 
 @dataclass
@@ -55,31 +71,57 @@ class FirstOrderConfig(OptimizerConfig):
         return hp
 
 
-def clipped(em: Emission, lay: Layout, grads: Chunks, clip: bool) -> Chunks:
+def clipped(em: Emission, lay: Layout, grads: Chunks, clip: bool, hp: HpNames | None = None) -> Chunks:
     """The gradient scaled by min(1, hp/clip_norm / ||g||) (only emitted with clipping)."""
     if not clip:
         return grads
-    b = em.b
+    b, hp = em.b, hp or em.hp
     norm = b.op("Sqrt", [lay.sum_squares(grads)])
-    scale = b.op("Min", [b.const(1.0), b.div(em.hp(CLIP_NORM), b.op("Max", [norm, b.const(1e-30)]))])
+    scale = b.op("Min", [b.const(1.0), b.div(hp(CLIP_NORM), b.op("Max", [norm, b.const(1e-30)]))])
     return lay.map(lambda g: {"g": b.mul(g, scale)}, g=grads)["g"]
 
 
-def decayed(em: Emission, lay: Layout, theta: Chunks, decay: bool) -> Chunks:
+def decayed(em: Emission, lay: Layout, theta: Chunks, decay: bool, hp: HpNames | None = None) -> Chunks:
     """theta - hp/decay theta: decoupled weight decay (only emitted with it)."""
     if not decay:
         return theta
     b = em.b
-    keep = b.sub(b.const(1.0), em.hp(DECAY))
+    keep = b.sub(b.const(1.0), (hp or em.hp)(DECAY))
     return lay.map(lambda p: {"p": b.mul(keep, p)}, p=theta)["p"]
 
 
-def regularized_chunks(em: Emission, lay: Layout, grads: Chunks, theta: Chunks, l2: bool) -> Chunks:
+def regularized_chunks(em: Emission, lay: Layout, grads: Chunks, theta: Chunks, l2: bool,
+                       hp: HpNames | None = None) -> Chunks:
     """g + l2 * theta in `lay`'s chunks (only emitted with weight decay)."""
     if not l2:
         return grads
-    coeff = em.hp(C.L2)
+    coeff = (hp or em.hp)(C.L2)
     return lay.map(lambda g, p: {"g": em.b.add(g, em.b.mul(coeff, p))}, g=grads, p=theta)["g"]
+
+
+def emit_rule(em: Emission, lay: Layout, raw: Mapping[str, str], o: FirstOrderStepOptions, rule: Rule,
+              hp: HpNames) -> tuple[Chunks, Chunks]:
+    """`rule` on `lay`'s parameters with gradients `raw` (clipped, plus l2 theta, as `o` says;
+    the parameters decayed first with o.decay): writes the new parameters and the rule's state
+    slots; returns (the update or its negative, the raw gradients), both in `lay`'s chunks."""
+    update = rule(em, lay, hp)
+    theta, g_raw = lay.pack({p: p for p in lay.params}), lay.pack(raw)
+    g = regularized_chunks(em, lay, clipped(em, lay, g_raw, o.clip, hp), theta, o.l2, hp)
+    new = update(g, decayed(em, lay, theta, o.decay, hp))
+    for p, t in lay.unpack(new["p"]).items():
+        em.state_output(p, t)
+    for kind, chunks in new["state"].items():
+        lay.write_state(em, kind, chunks)
+    return new["step"], g_raw
+
+
+def emit_first_order_step(em: Emission, o: FirstOrderStepOptions, rule: Rule) -> None:
+    """An optimizer step that is `rule` on every parameter (per parameter or once over their
+    concatenation: o.multi_tensor), with the baseline metrics."""
+    loss, raw, _ = mean_loss_and_grads(em)
+    lay = Layout(em, bool(o.multi_tensor))
+    steps, g_raw = emit_rule(em, lay, raw, o, rule, em.hp)
+    emit_baseline_metrics(em, loss, lay, steps, g_raw)
 
 
 def emit_baseline_metrics(em: Emission, loss: str, lay: Layout, steps: Chunks, raw: Chunks) -> None:
@@ -94,9 +136,28 @@ def emit_baseline_metrics(em: Emission, loss: str, lay: Layout, steps: Chunks, r
 
 
 class FirstOrderOptimizer(Optimizer):
-    """A step is one run of `step_subgraph` with `hyper_parameters()`."""
+    """A step is one run of `step_subgraph` with `hyper_parameters()`. `rule` is the update
+    (emit_rule's), `state_kinds` the slot kinds it keeps per parameter; both, with
+    rule_hyper_parameters and previous_parameters, let the rule train a parameter group of
+    another optimizer (optimizers/groups.py)."""
 
     step_subgraph = ""
+    rule: ClassVar[Rule]
+    state_kinds: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def rule_hyper_parameters(cls, cfg: Any, t: int, k: int) -> dict[str, float]:
+        """The rule's hyper-parameters for its t-th applied update (t >= 1) at step count k
+        (the schedules' clock), by their names in the optimizer's own step."""
+        raise NotImplementedError
+
+    @classmethod
+    def previous_parameters(cls, theta: np.ndarray, state: Mapping[str, np.ndarray],
+                            hp: Mapping[str, float]) -> np.ndarray:
+        """The parameter before the last update, from its value `theta` after it, the rule's
+        state slots after it ({kind: value}) and the hyper-parameters that update used (a
+        roll back, float64 on the host)."""
+        raise NotImplementedError
 
     def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
@@ -117,7 +178,7 @@ class FirstOrderOptimizer(Optimizer):
 
     def hyper_parameters(self, k: int) -> dict[str, float]:
         """Step k's hyper-parameters (schedules evaluated at k)."""
-        raise NotImplementedError
+        return self.rule_hyper_parameters(self.config, self.trainer.applied_steps + 1, k)
 
     def step(self, data: dict[str, Any]) -> dict[str, float]:
         tr, cfg = self.trainer, self.config

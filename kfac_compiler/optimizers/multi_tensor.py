@@ -72,8 +72,8 @@ def join_flat(values: Mapping[str, np.ndarray], shapes: Mapping[str, Sequence[in
 
 
 class Layout:
-    """How an update addresses the parameters: `multi_tensor` False, one chunk per parameter
-    (in em.parts.params' order); True, one chunk, the concatenation of every parameter's
+    """How an update addresses the parameters (em.parts.params, or `params`): `multi_tensor`
+    False, one chunk per parameter (in their order); True, one chunk, the concatenation of every parameter's
     flattened values, the parameters grouped by their shape less its first dimension.
 
     The concatenation reads each parameter through a Reshape to 1-D (none for a 1-D one): ONNX
@@ -85,9 +85,9 @@ class Layout:
     parameter, which copies into its output (as the one parameter of a group of its own of
     rank >= 2 still does)."""
 
-    def __init__(self, em: Emission, multi_tensor: bool) -> None:
+    def __init__(self, em: Emission, multi_tensor: bool, params: Sequence[str] | None = None) -> None:
         self.b = em.b
-        self.params = list(em.parts.params)
+        self.params = list(em.parts.params if params is None else params)  # a parameter group's: `params`
         self.shapes = {p: tuple(int(d) for d in em.view.static_shape(p)) for p in self.params}
         self.multi_tensor = bool(multi_tensor) and len(self.params) > 0
         self.groups = concat_groups(self.shapes)

@@ -823,6 +823,37 @@ def resume_with_a_changed_knob(d: str) -> Verdict:
     return _resume_with(d, [], ["--knob", "inv_update_period=7"], check, "inv_update_period")
 
 
+@case("silent")
+def resume_with_changed_param_group_options(d: str) -> Verdict:
+    """A K-FAC parameter group's options given anew on resuming are honoured."""
+    def check(meta: dict[str, Any]) -> str | None:
+        got = (meta["knobs"].get("param_groups") or [{}])[0].get("learning_rate")
+        return None if got == 0.01 else f"the group's learning_rate {got}"
+
+    return _resume_with(d, ["--param-group", "layers=fc1 lr=0.001"], ["--param-group", "layers=fc1 lr=0.01"], check,
+                        "param_groups")
+
+
+@case("silent")
+def resume_with_another_param_group_selection(d: str) -> Verdict:
+    """A group selecting other layers on resuming: refused with one line (the state slots are the
+    checkpoint's groups'), or honoured."""
+    def check(meta: dict[str, Any]) -> str | None:
+        got = (meta["knobs"].get("param_groups") or [{}])[0].get("layers")
+        return None if got == ["fc2"] else f"the group's layers {got}"
+
+    return _resume_with(d, ["--param-group", "layers=fc1"], ["--param-group", "layers=fc2"], check, "param_groups")
+
+
+@case("traceback", fast=True)
+def param_group_with_part_of_a_layer(d: str) -> Verdict:
+    """--param-group selecting a bias without its weight: one line naming the layer."""
+    j = Judge()
+    r = run_cli([*TRAIN, "--param-group", r"params=fc1\.bias optimizer=adam"])
+    j.error_line(r, ["'fc1'"])
+    return j.verdict()
+
+
 @case("silent", fast=True)
 def resume_after_a_crash_repeats_no_metrics_rows(d: str) -> Verdict:
     """Rows written after the last checkpoint (a crash) are not duplicated by the resumed run."""

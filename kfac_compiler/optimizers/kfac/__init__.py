@@ -42,6 +42,7 @@ from kfac_compiler import contract as C
 from kfac_compiler.host_blocks import host_blocks, refresh_costs
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers.base import Optimizer, register_optimizer
+from kfac_compiler.optimizers.groups import Groups
 from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac import refresh as R
 from kfac_compiler.optimizers.kfac.graph import KFAC_STEP, STAGES, KfacStepOptions, emit_kfac_step
@@ -74,6 +75,7 @@ class Kfac(Optimizer):
         # predicted change of the last applied update
         self.recent_losses: deque[float] = deque(maxlen=cfg.loss_spike_window)
         self.last_change = 0.0
+        self.groups = Groups(trainer.plan, cfg.param_groups)  # first-order parameter groups (groups.py)
 
     # ------------------------------------------------------------------ sessions
     def _sub_batch(self, m: int | None) -> int | None:
@@ -101,7 +103,7 @@ class Kfac(Optimizer):
             loss_after=bool(cfg.adapt_damping), weighted=self.trainer.weighted,
             # only where it changes the graph (adam's predicted change)
             precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
-            loss_limit=cfg.loss_spike_factor is not None, **stats)
+            loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec, **stats)
 
     @property
     def stats_conditional(self) -> bool:
@@ -125,7 +127,8 @@ class Kfac(Optimizer):
     def statistics_program(self):
         cfg = self.config
         return self.trainer.program(C.UPDATE_STATISTICS, options=StatisticsOptions(
-            mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self.stats_batch(), weighted=self.trainer.weighted))
+            mode=cfg.mode, num_samples=cfg.num_samples, stats_batch=self.stats_batch(), weighted=self.trainer.weighted,
+            layers=self.groups.kfac_layers))
 
     def build(self) -> None:
         tr = self.trainer
@@ -157,7 +160,7 @@ class Kfac(Optimizer):
                         default=0)
             threads = R.refresh_threads(width, tr.device.name)
             # one program per group; the options tuple keys tr.program's memo
-            subset = tuple(g) if len(g) < len(layers) else None
+            subset = tuple(g) if len(g) < len(layers) or self.groups else None  # with groups: K-FAC's blocks only
             if power == -1:
                 emitted.append(tr.program(C.INVERSE_UPDATE, threads=threads,
                                           options=InverseOptions(method=method, layers=subset)))
@@ -213,6 +216,7 @@ class Kfac(Optimizer):
             hp[G.NORM_CONSTRAINT] = cfg.norm_constraint or 0.0
         if cfg.momentum_type != "qmodel":
             hp[C.MOMENTUM] = cfg.at("momentum", k)
+        hp.update(self.groups.hyper_parameters(self.trainer.applied_steps + 1, k))
         return hp
 
     def loss_limit(self) -> float:
@@ -296,6 +300,7 @@ class Kfac(Optimizer):
             "inverse_ok": inverse_ok,
             "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first else float("nan"),
             **C.loss_metrics(out),
+            **self.groups.metrics(out, ok, k),
         }
         if spike:
             metrics["spike"] = 1.0
@@ -316,6 +321,7 @@ class Kfac(Optimizer):
         else:
             self.unchecked_update = not adapt
             tr.applied_steps += 1
+            self.groups.applied()
             self.recent_losses.append(float(metrics["loss"]))
             if math.isfinite(metrics["qmodel_change"]):
                 self.last_change = float(metrics["qmodel_change"])
@@ -337,18 +343,21 @@ class Kfac(Optimizer):
 
     def roll_back(self, data: dict[str, Any], keep: Callable[[float], bool] = math.isfinite) -> bool:
         """Undo the last applied update (theta -= velocity, the update; velocity = 0, and adam
-        momentum's gradient sum = 0) when keep(the loss of this batch without it) holds
-        (default: it is finite); else the batch itself is bad and the update stays. A host
-        round trip and a forward pass: only after a divergence or a loss spike."""
+        momentum's gradient sum = 0; a parameter group's by its rule, Groups.undo) when keep(the
+        loss of this batch without it) holds (default: it is finite); else the batch itself is
+        bad and the update stays. A host round trip and a forward pass: only after a divergence
+        or a loss spike."""
         tr = self.trainer
         store = tr.store
-        kept = {p: (store.to_numpy(p), store.to_numpy(C.velocity(p))) for p in tr.params}
-        sums = {s: store.to_numpy(s) for s in map(C.grad_velocity, tr.params) if s in store}
+        params = self.groups.kfac_params
+        kept = {p: (store.to_numpy(p), store.to_numpy(C.velocity(p))) for p in params}
+        sums = {s: store.to_numpy(s) for s in map(C.grad_velocity, params) if s in store}
         for p, (theta, v) in kept.items():
             store.set(p, theta - v)
             store.set(C.velocity(p), np.zeros_like(v))
         for s, m in sums.items():
             store.set(s, np.zeros_like(m))
+        grouped = self.groups.undo(store)
         loss = tr.mean_over_ranks(tr.program(C.LOSS_GRAPH).run(store, data, results=False, channel="eval")[C.LOSS])
         if not keep(float(loss)):
             for p, (theta, v) in kept.items():
@@ -356,17 +365,23 @@ class Kfac(Optimizer):
                 store.set(C.velocity(p), v)
             for s, m in sums.items():
                 store.set(s, m)
+            for p, theta in grouped.items():
+                store.set(p, theta)
             return False
         self.unchecked_update = False
+        self.groups.undone()
         tr.applied_steps -= 1
         return True
+
+    def summary_lines(self) -> list[str]:
+        return self.groups.summary_lines()
 
     # ------------------------------------------------------------------ checkpoints
     def host_state(self) -> dict[str, Any]:
         return {"burn_in_count": self.burn_in_count, "ema_weight": self.ema_weight,
                 "inverses_ready": self.inverses_ready, "damping": self.damping,
                 "unchecked_update": self.unchecked_update, "recent_losses": list(self.recent_losses),
-                "last_change": self.last_change}
+                "last_change": self.last_change, **self.groups.host_state()}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces (a checkpoint names it)."""
@@ -385,6 +400,7 @@ class Kfac(Optimizer):
         self.recent_losses = deque(recent[-self.config.loss_spike_window:], maxlen=self.config.loss_spike_window)
         self.last_change = float(state.get("last_change", 0.0))
         self.inverses_ready = bool(state["inverses_ready"])
+        self.groups.set_host_state(state)
 
     def resumed(self, knobs) -> None:
         if "damping" in knobs:  # the adapted damping restarts from the value given (a schedule: its value)

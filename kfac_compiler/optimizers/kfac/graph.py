@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, ClassVar
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
+from kfac_compiler.optimizers import groups
 from kfac_compiler.optimizers.base import GRADIENTS_POINT, LOSS_POINT, Gram, mean_loss_and_grads, regularized
+from kfac_compiler.optimizers.groups import GroupSpec
 from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions
 
@@ -137,6 +139,9 @@ class KfacStepOptions(SubgraphOptions):
     momentum_type: str | None = None
     precon_power: float = -1.0
     loss_limit: bool = False
+    # first-order parameter groups ((name, optimizer, params, flags), ...; optimizers/groups.py):
+    # held out of the curvature, updated by their optimizer's rule in this graph
+    groups: tuple[GroupSpec, ...] = ()
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
@@ -153,7 +158,9 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
     kind = o.momentum_type or ("qmodel" if qmodel else "regular")
     if kind not in MOMENTUM_TYPES or (kind in QMODEL_TYPES) != bool(qmodel):
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
+    groups.hold(em, o.groups)
     local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch)
+    local.ok_terms += groups.emit_updates(em, o.groups, local.raw_grads)
     pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
     update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
                  loss_limit=o.loss_limit)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers import groups
 from kfac_compiler.optimizers.kfac.refresh import check_groups
 from kfac_compiler.optimizers.settings import (
     OptimizerConfig,
@@ -54,6 +55,9 @@ class KfacConfig(OptimizerConfig):
     test, on a fresh batch); else the step runs again without the limit. None: off.
     inverse_groups: "auto" or k >= 1 groups of
     blocks whose inverses are refreshed after different steps of the period (refresh.py).
+    param_groups: layers trained by a first-order rule (Adam, SGD) in K-FAC's step, held out of
+    its curvature (optimizers/groups.py; normalized to JSON here, resolved against the plan by
+    the policy).
     """
 
     name: ClassVar[str] = "kfac"
@@ -86,6 +90,7 @@ class KfacConfig(OptimizerConfig):
     loss_spike_factor: float | None = 10.0
     loss_spike_window: int = 10
     precon_power: float = -1.0  # kfac-jax's name: the step preconditions with (F + damping)^precon_power
+    param_groups: list[Any] | None = None  # first-order groups: [{"kind"/"params"/"layers": ..., "optimizer": "adam", ...}]
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
@@ -138,6 +143,10 @@ class KfacConfig(OptimizerConfig):
         and the stored learning_rate/momentum/norm_constraint the new qmodel type refuses go
         too (it chooses them itself). adapt_damping, which a fresh run derives from the type
         (on with the qmodel), is derived again for the new type unless given."""
+        if "param_groups" in given and not groups.same_selection(stored.get("param_groups"),
+                                                                  groups.normalize(given["param_groups"])):
+            raise ConfigError("param_groups: a resumed run trains the groups of its checkpoint (their names, "
+                              "optimizers and selections; the state slots are theirs): only their options may change")
         stored = dict(stored)
         kind = stored.get("momentum_type")
         refused = {"qmodel": ("learning_rate", "momentum"), "qmodel_fixedmu": ("learning_rate",)}
@@ -210,6 +219,7 @@ class KfacConfig(OptimizerConfig):
                 and math.isfinite(self.precon_power) and self.precon_power < 0):
             raise ConfigError(f"precon_power must be a negative number (kfac-jax's default -1), got {self.precon_power!r}")
         self.mode = estimation_mode(self.mode)
+        self.param_groups = groups.normalize(self.param_groups)
 
     @property
     def omega(self) -> float:

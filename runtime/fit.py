@@ -1,0 +1,107 @@
+"""`fit`: the API's training loop with held-out evaluation.
+
+The CLI's `train` has its own loop (metrics file, checkpoints, ranks, signals); an API user who
+wants "train on these batches, evaluate on this held-out set every N steps, stop when I say"
+gets it here instead of rewriting it, with the CLI's conventions: the held-out metrics are the
+evaluation's under an `eval_` prefix, evaluated every `eval_every` steps (default steps / 20)
+and after the last step. The evaluation runs on its own non-spinning session channel
+(`Trainer.evaluate`), so it does not slow the training step that follows it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.parsing import check_int
+from kfac_compiler.runtime.data import batch_indices
+
+if TYPE_CHECKING:
+    from kfac_compiler.runtime.trainer import Trainer
+
+EVAL_PREFIX = "eval_"
+Batch = tuple[Mapping[str, Any], Any] | tuple[Mapping[str, Any], Any, Any]
+
+
+@dataclass
+class History:
+    """What `fit` recorded: every step's metrics (with "step"), and every evaluation's
+    held-out metrics (with "step", the step after which it ran)."""
+
+    steps: list[dict[str, float]] = field(default_factory=list)
+    evaluations: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        """The training batches' losses, step by step."""
+        return [m["loss"] for m in self.steps]
+
+    def best(self) -> dict[str, float] | None:
+        """The evaluation with the lowest held-out loss (None without evaluations)."""
+        return min(self.evaluations, key=lambda m: m[EVAL_PREFIX + "loss"], default=None)
+
+
+def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
+        validation: tuple[Mapping[str, Any], Any] | None = None, eval_every: int | None = None,
+        eval_batch_size: int = 1024,
+        callback: Callable[[int, dict[str, float]], bool | None] | None = None) -> History:
+    """Step `trainer` on `batches` ((inputs, targets) or (inputs, targets, weights) each) until
+    they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets)) every
+    `eval_every` steps and after the last. `callback(step, metrics)` sees each step's metrics
+    (the held-out ones merged in under `eval_` where an evaluation ran) and stops the loop by
+    returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
+    continues its numbering."""
+    if steps is not None:
+        check_int(steps, "fit: steps", low=0)
+    if eval_every is not None:
+        check_int(eval_every, "fit: eval_every", low=1)
+    if eval_every is not None and validation is None:
+        raise ConfigError("fit: eval_every needs validation=(inputs, targets) to evaluate on")
+    if validation is not None and (not isinstance(validation, tuple) or len(validation) != 2):
+        raise ConfigError("fit: validation must be a tuple (inputs, targets)")
+    every = eval_every or (max(1, steps // 20) if steps else None)
+    history = History()
+    for taken, batch in enumerate(batches):
+        if steps is not None and taken >= steps:
+            break
+        if not isinstance(batch, tuple) or len(batch) not in (2, 3):
+            raise ConfigError(f"fit: batch {taken} must be a tuple (inputs, targets) or (inputs, targets, weights)")
+        step = trainer.step_count
+        metrics = dict(trainer.step(*batch))
+        metrics["step"] = float(step)
+        last = steps is not None and taken + 1 == steps
+        if validation is not None and (last or (every is not None and (taken + 1) % every == 0)):
+            metrics.update(_evaluate(trainer, validation, eval_batch_size, step, history))
+        history.steps.append(metrics)
+        if callback is not None and callback(step, metrics) is False:
+            break
+    if validation is not None and history.steps and EVAL_PREFIX + "loss" not in history.steps[-1]:
+        # the batches ran out, or the callback stopped: evaluate the final parameters
+        history.steps[-1].update(_evaluate(trainer, validation, eval_batch_size, int(history.steps[-1]["step"]), history))
+    return history
+
+
+def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int = 0,
+            start: int = 0) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Endless (inputs, targets) batches: the CLI's, epochs of a seeded permutation with the last
+    partial batch dropped; batch s is a pure function of (s, seed), so a resumed run passes
+    `start=trainer.step_count` and sees the batches an uninterrupted one would."""
+    check_int(batch_size, "batches: batch_size", low=1)
+    y = np.asarray(targets)
+    n = y.shape[0]
+    arrays = {k: np.asarray(v) for k, v in inputs.items()}
+    s = check_int(start, "batches: start", low=0)
+    while True:
+        idx = batch_indices(n, batch_size, s, seed)
+        yield {k: v[idx] for k, v in arrays.items()}, y[idx]
+        s += 1
+
+
+def _evaluate(trainer: Trainer, validation: tuple[Mapping[str, Any], Any], batch_size: int, step: int,
+              history: History) -> dict[str, float]:
+    held = {EVAL_PREFIX + k: v for k, v in trainer.evaluate(*validation, batch_size=batch_size).items()}
+    history.evaluations.append({"step": float(step), **held})
+    return held

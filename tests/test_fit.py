@@ -1,0 +1,82 @@
+"""runtime.fit: the API's loop with held-out evaluation, against the same loop written by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import zoo_case
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.runtime import Trainer, batches, fit
+from kfac_compiler.runtime.data import batch_indices
+
+
+@pytest.fixture(scope="module")
+def case():
+    plan, inputs, y = zoo_case("mlp_classifier", 300, hidden=(16,))
+    train = ({k: v[:240] for k, v in inputs.items()}, y[:240])
+    held = ({k: v[240:] for k, v in inputs.items()}, y[240:])
+    return plan, train, held
+
+
+def _trainer(plan):
+    return Trainer(plan, optimizer="sgd", learning_rate=0.2, seed=0)
+
+
+def test_fit_is_the_hand_written_loop(case):
+    plan, (x, y), held = case
+    history = fit(_trainer(plan), batches(x, y, 32, seed=3), steps=7, validation=held, eval_every=3)
+
+    by_hand = _trainer(plan)
+    losses, evaluations = [], []
+    for s in range(7):
+        idx = batch_indices(240, 32, s, 3)
+        losses.append(by_hand.step({k: v[idx] for k, v in x.items()}, y[idx])["loss"])
+        if s in (2, 5, 6):  # every 3rd step and the last
+            evaluations.append(by_hand.evaluate(*held, batch_size=1024))
+
+    assert history.losses == losses
+    assert [m["step"] for m in history.evaluations] == [2.0, 5.0, 6.0]
+    assert [m["eval_loss"] for m in history.evaluations] == [e["loss"] for e in evaluations]
+    assert [m["eval_accuracy"] for m in history.evaluations] == [e["accuracy"] for e in evaluations]
+    assert history.steps[5]["eval_loss"] == evaluations[1]["loss"] and "eval_loss" not in history.steps[4]
+    assert history.best() == min(history.evaluations, key=lambda m: m["eval_loss"])
+    assert losses[-1] < losses[0]
+
+
+def test_a_callback_stops_and_the_last_parameters_are_evaluated(case):
+    plan, (x, y), held = case
+    seen = []
+    trainer = _trainer(plan)
+    history = fit(trainer, batches(x, y, 32), steps=50, validation=held,
+                  callback=lambda step, m: seen.append(step) or step < 3)
+    assert seen == [0, 1, 2, 3] and len(history.steps) == 4 and trainer.step_count == 4
+    assert history.evaluations[-1]["step"] == 3.0
+    assert history.evaluations[-1]["eval_loss"] == trainer.evaluate(*held, batch_size=1024)["loss"]
+
+
+def test_batches_run_out_and_resume_where_they_stopped(case):
+    plan, (x, y), held = case
+    finite = [(xb, yb) for (xb, yb), _ in zip(batches(x, y, 32, seed=1), range(3))]
+    history = fit(_trainer(plan), finite, validation=held)  # no steps: until the batches run out
+    assert len(history.steps) == 3 and [m["step"] for m in history.evaluations] == [2.0]
+
+    resumed = next(batches(x, y, 32, seed=1, start=2))
+    np.testing.assert_array_equal(resumed[1], finite[2][1])
+    np.testing.assert_array_equal(resumed[0]["input"], finite[2][0]["input"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"eval_every": 2}, "fit: eval_every needs validation=(inputs, targets)"),
+    ({"steps": -1}, "fit: steps must be an integer >= 0"),
+    ({"validation": [1, 2, 3]}, "fit: validation must be a tuple (inputs, targets)"),
+])
+def test_bad_arguments_are_one_line(case, kwargs, message):
+    plan, (x, y), _ = case
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fit(_trainer(plan), batches(x, y, 32), **kwargs)
+
+
+def test_a_batch_that_is_not_a_tuple_is_named(case):
+    plan, (x, y), _ = case
+    with pytest.raises(ConfigError, match="fit: batch 0 must be a tuple"):
+        fit(_trainer(plan), [x], steps=1)
