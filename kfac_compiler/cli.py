@@ -1,6 +1,6 @@
 """Command line: `kfac-compiler compile|inspect|train`.
 
-    kfac-compiler compile MODEL --loss KIND [--output NAME] [--config FILE]
+    kfac-compiler compile MODEL --loss KIND [--output NAME] [--ignore-index I] [--config FILE]
                   [--head OUTPUT,LOSS[,COEFF[,TARGETS]] ...] (several loss heads instead of --loss/--output)
                   [--approx KIND=APPROX ...] [--include P ...] [--exclude P ...] [--train P ...]
                   [--untie P|all ...] [--frontend-only] -o PLAN_DIR [--force]
@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kfac_compiler.cli_options import add_heads_arg, add_param_group_arg, add_selection_args
+    from kfac_compiler.cli_options import add_heads_arg, add_loss_option_args, add_param_group_arg, add_selection_args
     from kfac_compiler.losses import losses_help
 
     p = _Parser(prog="kfac-compiler", description="Compile ONNX models into K-FAC curvature plans.")
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--loss", metavar="KIND", help=f"{losses_help()} (optional when the graph ends in a loss op; "
                    "options go in the config's loss_options table)")
     c.add_argument("--output", help="the tensor the loss applies to (default: the only graph output)")
+    add_loss_option_args(c)
     c.add_argument("--config", help="a TOML or JSON config file")
     c.add_argument("--approx", action="append", default=[], metavar="KEY=APPROX",
                    help="approximation for a layer kind (e.g. conv=diagonal) or a layer name/regex; repeatable")
@@ -111,7 +112,7 @@ def _run_compile(args) -> int:
 
 
 def _compile(args) -> int:
-    from kfac_compiler.cli_options import apply_heads_arg, apply_selection_args
+    from kfac_compiler.cli_options import apply_heads_arg, apply_loss_option_args, apply_selection_args
     from kfac_compiler.config import load_config
     from kfac_compiler.frontend import compile_frontend
     from kfac_compiler.report import render_table
@@ -129,6 +130,7 @@ def _compile(args) -> int:
             cfg.layers[key] = value
     apply_selection_args(cfg, args)
     apply_heads_arg(cfg, args)
+    apply_loss_option_args(cfg, args)
     cfg.validate("command line")
     if args.frontend_only:
         plan = compile_frontend(args.model, loss=args.loss, output=args.output, config=cfg)

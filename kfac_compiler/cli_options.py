@@ -1,5 +1,6 @@
 """Command-line options shared by `compile`, `inspect` and `train`: which initializers are trained,
-and untied; several loss heads; K-FAC's first-order parameter groups."""
+and untied; several loss heads; the loss options that have a flag of their own; K-FAC's first-order
+parameter groups."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kfac_compiler.config import CompileConfig
+    from kfac_compiler.losses import LossOption
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,41 @@ def apply_heads_arg(cfg: CompileConfig, args: argparse.Namespace) -> None:
             head["targets"] = parts[3]
         heads.append(head)
     cfg.heads = heads
+
+
+def loss_option_flags() -> dict[str, tuple[LossOption, str]]:
+    """{option name: (the option, its loss kind)} of the registered losses' options that have
+    a flag (LossOption.parse), first declaration first: the flag sets the option of whichever
+    loss the model is compiled with, which checks it (a loss without it refuses it)."""
+    from kfac_compiler.losses import LOSSES
+
+    flags: dict[str, tuple[LossOption, str]] = {}
+    for cls in LOSSES.values():
+        for opt in cls.options:
+            if opt.parse is not None and opt.name not in flags:
+                flags[opt.name] = (opt, cls.kind)
+    return flags
+
+
+def add_loss_option_args(p: argparse.ArgumentParser) -> None:
+    """--<option> for every loss option with a flag (softmax cross-entropy's --ignore-index)."""
+    for name, (opt, kind) in loss_option_flags().items():
+        p.add_argument(opt.flag, type=opt.parse, default=None, dest=f"loss_option_{name}", metavar="VALUE",
+                       help=f"{kind}: {opt.help} (the config's loss_options.{name})")
+
+
+def given_loss_options(args: argparse.Namespace) -> dict[str, object]:
+    """{option name: value} of the loss-option flags given on the command line."""
+    values = {name: getattr(args, f"loss_option_{name}", None) for name in loss_option_flags()}
+    return {name: v for name, v in values.items() if v is not None}
+
+
+def apply_loss_option_args(cfg: CompileConfig, args: argparse.Namespace) -> None:
+    """The loss-option flags into the config's loss_options (a flag wins over the config);
+    the loss checks them when the plan is compiled."""
+    given = given_loss_options(args)
+    if given:
+        cfg.loss_options = {**cfg.loss_options, **given}
 
 
 def add_param_group_arg(p, rest: str) -> None:

@@ -45,7 +45,7 @@ TORCH_MANIFEST_KEY = "kfac_compiler.torch_manifest"
 
 # ------------------------------------------------------------------------------ data inputs
 TARGETS = "targets"
-EXAMPLE_WEIGHTS = "example_weights"  # optional per-example loss weights [N]
+EXAMPLE_WEIGHTS = "example_weights"  # optional loss weights, [N] or per position (Loss.weight_shape)
 NOISE_PREFIX = "noise/"
 VEC_PREFIX = "vec/"
 

@@ -117,6 +117,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     output = check_output(model, output, source)
     rec = recognise_loss(model, output) if heads is None else None
     recognised: dict[str, Any] = {}
+    recognised_options: dict[str, Any] = {}
     target_input = None
     if rec is not None:
         if loss is not None and loss != rec.kind:
@@ -127,6 +128,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         loss = rec.kind
         output = rec.scores
         target_input = rec.target_input
+        recognised_options = dict(rec.options)
         recognised = {"recognised_from": rec.op, "recognised_node": rec.node, "notes": list(rec.notes)}
     elif loss is None:
         raise ConfigError(
@@ -134,7 +136,13 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
             f"pass a loss kind ({', '.join(loss_kinds())})"
         )
     cls = loss_class(loss)
-    given = {"heads": heads} if heads is not None else cfg.loss_options_for(cls)
+    if heads is not None:
+        if cfg.loss_options:
+            raise ConfigError(f"loss_options {sorted(cfg.loss_options)} apply to the plan's only loss; with several "
+                              "heads give each head's options in its [[heads]] table")
+        given = {"heads": heads}
+    else:
+        given = {**recognised_options, **cfg.loss_options_for(cls)}
     loss_fn = cls(**cls.resolve_options(given, where="loss_options: "))
 
     model, float_note = _as_float32(model, source)

@@ -67,6 +67,12 @@ class LossSpec:
     recognised_node: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # an option left at None (its default: "off", e.g. ignore_index) is not recorded, so
+        # that a plan's entry, and its checkpoints' fingerprint, stay what they were before
+        # the option existed (from_json reads a missing option as its default)
+        self.options = {k: v for k, v in self.options.items() if v is not None}
+
     def to_json(self) -> dict[str, Any]:
         """plan.json's loss entry (its layout predates this class: checkpoints fingerprint it;
         the "variance" slot, squared_error's option, is written as null for the other kinds)."""

@@ -48,8 +48,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class SubgraphOptions:
-    """The options every subgraph has. `weighted`: an example_weights [N] input scales each
-    example's loss; `damping_split`: how blocks split damping between Kronecker factors (the
+    """The options every subgraph has. `weighted`: an example_weights input weights the loss,
+    per example [N] or per position (shaped like Loss.weight_shape of the targets); `damping_split`: how blocks split damping between Kronecker factors (the
     plan's, filled by resolve); `conv_gather`: Conv and its gradients may use the Gather
     im2col forms (oprules/conv.py; False: the Slice/Conv forms only; the plan's compile
     option, filled by resolve)."""

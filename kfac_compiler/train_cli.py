@@ -3,6 +3,7 @@
     kfac-compiler train                                   # the zoo's mlp_classifier on digits
     kfac-compiler train digits_autoencoder --steps 500 --metrics run.csv --plot loss.png
     kfac-compiler train model.onnx --loss softmax_cross_entropy --data train.npz --save out.onnx
+    kfac-compiler train lm.onnx --loss softmax_cross_entropy --ignore-index -100 --data tokens.npz
     kfac-compiler train --checkpoint run.ckpt ...; kfac-compiler train --resume run.ckpt ...
 
 The lead wires this module into kfac_compiler/cli.py with `add_train_parser(subparsers)` and
@@ -22,7 +23,16 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from kfac_compiler.cli_options import add_param_group_arg, add_selection_args, apply_selection_args, param_groups_arg
+from kfac_compiler.cli_options import (
+    add_loss_option_args,
+    add_param_group_arg,
+    add_selection_args,
+    apply_loss_option_args,
+    apply_selection_args,
+    given_loss_options,
+    loss_option_flags,
+    param_groups_arg,
+)
 from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError, OutputError, os_errors, os_reason
 from kfac_compiler.losses import loss_kinds, losses_help
 from kfac_compiler.optimizers import OPTIMIZERS
@@ -81,10 +91,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"zoo model name, .onnx file or plan directory (default: {DEFAULT_MODEL})")
     t.add_argument("--data", default="digits", metavar="digits|FILE.npz",
                    help="scikit-learn digits (default) or an .npz with arrays named after the model inputs plus 'targets' "
-                        "(one array per loss head, named by its --head TARGETS, with several heads)")
+                        "(one array per loss head, named by its --head TARGETS, with several heads) and optionally "
+                        "'weights': loss weights or a 0/1 mask, per example or shaped like the targets")
     t.add_argument("--loss", choices=loss_kinds(), metavar="KIND",
                    help=f"for an .onnx model (zoo models know theirs): {losses_help()}")
     t.add_argument("--output", metavar="NAME", help="the model output the loss applies to")
+    add_loss_option_args(t)
     t.add_argument("--config", metavar="FILE", help="compile options (TOML or JSON) for an .onnx or zoo model")
     add_selection_args(t)
     t.add_argument("--val-data", metavar="FILE.npz",
@@ -185,14 +197,17 @@ def compile_config(args) -> CompileConfig | None:
 
     given = [args.config, args.include, args.exclude, args.train_params, args.untie]
     if args.model and os.path.isdir(args.model):
-        if any(g is not None for g in given):
-            raise ConfigError(f"{args.model!r} is a compiled plan: --config, --include, --exclude, --train and --untie "
-                              "apply when compiling; pass the .onnx file instead")
+        flags = [loss_option_flags()[name][0].flag for name in given_loss_options(args)]
+        if any(g is not None for g in given) or flags:
+            raise ConfigError(f"{args.model!r} is a compiled plan: --config, --include, --exclude, --train, --untie "
+                              f"{'and ' + ', '.join(flags) + ' ' if flags else 'and the loss options '}apply when "
+                              "compiling; pass the .onnx file instead")
         return None
     cfg = load_config(args.config)
     if cfg.budget.batch_size is None:
         cfg.budget.batch_size = args.batch_size
     apply_selection_args(cfg, args)
+    apply_loss_option_args(cfg, args)
     cfg.validate("command line")
     return cfg
 
@@ -222,8 +237,17 @@ def load_model_and_plan(model: str | None, loss: str | None, output: str | None,
     )
 
 
+WEIGHTS_ARRAY = "weights"  # the data file's loss weights or mask (docs/runtime.md, "Weights and masks")
+
+
 def load_data(plan: Plan, entry: ZooEntry | None, data: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(inputs, targets) checked; a data file's array "weights" (loss weights or a 0/1 mask,
+    per example or shaped like the targets' leading axes) rides along in the inputs under
+    the reserved name "example_weights", so that splitting and batching carry it by rows
+    (take it out with `split_weights`)."""
+    from kfac_compiler import contract as C
     from kfac_compiler.runtime.data import (
+        check_weights,
         digits_for,
         index_bounds,
         input_spec,
@@ -246,15 +270,27 @@ def load_data(plan: Plan, entry: ZooEntry | None, data: str, seed: int) -> tuple
     elif data.endswith(".npz") or os.path.isfile(data):
         inputs, targets = load_npz(data, loss.target_arrays())
         source = data
-        checked = validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
+        weights = inputs.pop(WEIGHTS_ARRAY) if WEIGHTS_ARRAY in inputs and WEIGHTS_ARRAY not in specs else None
+        checked, y = validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
         extra = [k for k in inputs if k not in specs]
         if extra:
             raise DataError(f"{data}: array {extra[0]!r} is not a model input (inputs: {list(specs)}, "
-                            f"plus {target_arrays_phrase(loss)})")
-        return checked
+                            f"plus {target_arrays_phrase(loss)} and the optional {WEIGHTS_ARRAY!r})")
+        if weights is not None:
+            shape = loss.weight_shape(tuple(loss.mask_targets(y)[0].shape))
+            checked[C.EXAMPLE_WEIGHTS] = check_weights(weights, shape, f"{data}: array {WEIGHTS_ARRAY!r}")
+        return checked, y
     else:
         raise DataError(f"--data {data!r}: expected 'digits' or an existing .npz file")
     return validate_dataset(specs, loss, inputs, targets, out, source=source, index_bounds=bounds)
+
+
+def split_weights(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """(the model inputs, the loss weights or None) of load_data's inputs."""
+    from kfac_compiler import contract as C
+
+    rest = dict(inputs)
+    return rest, rest.pop(C.EXAMPLE_WEIGHTS, None)
 
 
 def metric_columns(plan: Plan, held_out: bool) -> tuple[str, ...]:
@@ -600,11 +636,13 @@ def _train(args, outputs: list[Output], comm) -> int:
             for s in range(done, args.steps):
                 idx = batch_indices(n, args.batch_size, s, args.seed)
                 for part in np.split(idx, trainer.config.accumulate):  # gradient accumulation's micro-batches
-                    m = trainer.step({k: v[part] for k, v in inputs.items()}, targets[part])
+                    batch, weights = split_weights({k: v[part] for k, v in inputs.items()})
+                    m = trainer.step(batch, targets[part], weights=weights)
                 m["step"] = float(s)
                 rejected += int(m.get("rejected", 0.0))
                 if root and held is not None and ((s + 1) % every == 0 or s + 1 == args.steps):
-                    held_final = trainer.evaluate(held[0], held[1], batch_size=1024)  # rank 0's: no collective
+                    held_in, held_w = split_weights(held[0])
+                    held_final = trainer.evaluate(held_in, held[1], batch_size=1024, weights=held_w)  # rank 0's only
                     m.update({f"eval_{k}": v for k, v in held_final.items()})
                     evaluated.append((s, held_final["loss"]))
                 try:
@@ -637,7 +675,10 @@ def _train(args, outputs: list[Output], comm) -> int:
         title = f"{os.path.basename(str(name))} ({trainer.optimizer})"
         written, failed = _write_outputs(args, trainer, title, steps_seen, losses if root else [],
                                          metrics_ok=stopped is None or stopped[0] != "--metrics", evaluated=evaluated)
-        final = None if interrupted or not root else trainer.evaluate(inputs, targets, batch_size=1024)
+        final = None
+        if not interrupted and root:
+            train_in, train_w = split_weights(inputs)
+            final = trainer.evaluate(train_in, targets, batch_size=1024, weights=train_w)
     return _finish(args, comm, trainer, final, written, failed, stopped, interrupt if interrupted else None,
                    (last, last - done, elapsed, rejected), losses[0] if losses else None,
                    held_final=None if interrupted else held_final)

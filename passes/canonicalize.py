@@ -18,12 +18,14 @@
      ops (passes/recurrent.py, after the first shape inference).
 
 `recognise_loss(model, output)` detects a loss op at the end of the graph (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss(LogSoftmax), a mean
-squared difference) and returns the scores tensor, loss kind and labels input.
+squared difference) and returns the scores tensor, loss kind, labels input and the loss options the op
+sets (its ignore_index).
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -359,6 +361,7 @@ class RecognisedLoss:
     op: str  # op type(s) recognised, e.g. "SoftmaxCrossEntropyLoss"
     node: str  # node name of the loss op
     notes: tuple[str, ...] = ()
+    options: tuple[tuple[str, Any], ...] = ()  # the loss options the op sets (its ignore_index)
 
 
 def recognise_loss(model: onnx.ModelProto, output: str) -> RecognisedLoss | None:
@@ -375,10 +378,14 @@ def recognise_loss(model: onnx.ModelProto, output: str) -> RecognisedLoss | None
         return _trace_to_input(view, name)
 
     notes: list[str] = []
+    # the op's ignore_index is the loss's (targets equal to it count for nothing, the mean is
+    # over the others: the op's reduction="mean")
+    options = (("ignore_index", int(attrs["ignore_index"])),) if "ignore_index" in attrs else ()
     if node.op_type == "SoftmaxCrossEntropyLoss":
         notes.extend(_loss_notes(node, attrs))
         return RecognisedLoss(
-            SoftmaxCrossEntropy.kind, node.input[0], label_input(node.input[1]), node.op_type, node.name, tuple(notes)
+            SoftmaxCrossEntropy.kind, node.input[0], label_input(node.input[1]), node.op_type, node.name, tuple(notes),
+            options,
         )
     if node.op_type == "NegativeLogLikelihoodLoss":
         prev = view.producer.get(node.input[0])
@@ -386,7 +393,7 @@ def recognise_loss(model: onnx.ModelProto, output: str) -> RecognisedLoss | None
             notes.extend(_loss_notes(node, attrs))
             return RecognisedLoss(
                 SoftmaxCrossEntropy.kind, prev.input[0], label_input(node.input[1]),
-                "NegativeLogLikelihoodLoss(LogSoftmax)", node.name, tuple(notes),
+                "NegativeLogLikelihoodLoss(LogSoftmax)", node.name, tuple(notes), options,
             )
         return None
     if node.op_type in ("ReduceMean", "ReduceSum"):
@@ -428,7 +435,8 @@ def _loss_notes(node: onnx.NodeProto, attrs: dict) -> list[str]:
     if len(node.input) > 2 and node.input[2]:
         notes.append(f"loss op {node.name!r} has class weights {node.input[2]!r}; they are ignored")
     if "ignore_index" in attrs:
-        notes.append(f"loss op {node.name!r} has ignore_index={attrs['ignore_index']}; it is ignored")
+        notes.append(f"loss op {node.name!r} has ignore_index={attrs['ignore_index']}: the loss's ignore_index option "
+                     "(unless loss_options sets it)")
     return notes
 
 

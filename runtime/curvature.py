@@ -110,27 +110,30 @@ class Curvature:
     # ---------------------------------------------------------------- estimates
     def gradients(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
         data = self._check_batch(inputs, targets, weights)
-        out = self.program(C.GRADIENTS, weighted=weights is not None).run(self.store, data, results=True)
+        out = self.program(C.GRADIENTS, weighted=C.EXAMPLE_WEIGHTS in data).run(self.store, data, results=True)
         return out[C.LOSS], {p: out[C.grad(p)] for p in self.params}
 
     def estimate(self, inputs: Mapping[str, Any], targets: Any, mode: str | None = None,
                  num_samples: int | None = None, weights: Any = None) -> dict[str, dict[str, np.ndarray]]:
         """One batch's curvature factors per layer (no moving average); `weights`: optional
-        per-example loss weights or mask (the output factors G become sum_n w_n ...)."""
+        loss weights or mask, per example or per position (Trainer.step's): the output
+        factors G become 1/N sum w ..., and masked positions leave the input factors A."""
         mode = estimation_mode(mode or self.mode)
         num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
-        prog = self.program(C.STATISTICS, mode=mode, num_samples=num_samples,
-                            weighted=weights is not None)
         data = self._check_batch(inputs, targets, weights)
+        prog = self.program(C.STATISTICS, mode=mode, num_samples=num_samples,
+                            weighted=C.EXAMPLE_WEIGHTS in data)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         out = prog.run(self.store, data, results=True)
         self.last_loss = out[C.LOSS]
         return _group_stats(out)
 
-    def update(self, inputs: Mapping[str, Any], targets: Any) -> float:
-        """Fold one batch into the zero-debiased moving averages; returns the batch loss."""
-        prog = self.program(C.UPDATE_STATISTICS, mode=self.mode, num_samples=self.num_samples)
-        data = self._check_batch(inputs, targets)
+    def update(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> float:
+        """Fold one batch into the zero-debiased moving averages; returns the batch loss.
+        `weights` as estimate's."""
+        data = self._check_batch(inputs, targets, weights)
+        prog = self.program(C.UPDATE_STATISTICS, mode=self.mode, num_samples=self.num_samples,
+                            weighted=C.EXAMPLE_WEIGHTS in data)
         data.update(draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name))
         coeff, w = ema_coefficient(self.ema_weight, self.ema_decay)
         out = prog.run(self.store, data, hp={C.EMA_COEFF: coeff})

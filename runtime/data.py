@@ -87,8 +87,9 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
 
 
 class BatchChecker:
-    """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN):
-    a one-line DataError instead of an ONNX Runtime error deep inside a session. O(batch)."""
+    """Checks every batch handed to the runtime API (structure, dtypes, label ranges, NaN,
+    weights): a one-line DataError instead of an ONNX Runtime error deep inside a session.
+    O(batch)."""
 
     def __init__(self, plan: Plan, loss: Loss | None = None) -> None:
         self.input_specs = {vi.name: input_spec(vi) for vi in plan.data_inputs}
@@ -97,27 +98,52 @@ class BatchChecker:
         self.index_bounds = index_bounds(plan.model)
 
     def __call__(self, inputs: Any, targets: Any, weights: Any = None) -> dict[str, np.ndarray]:
+        """The batch's arrays by graph input name; "example_weights" where the batch is
+        weighted (weights given, or targets the loss masks: add_weights)."""
         data = prepare_batch(self.input_specs, inputs, self.loss.pack_targets(targets, "batch"))
         y = data.pop(C.TARGETS)
         conv, y = validate_dataset(self.input_specs, self.loss, data, y, self.out_spec, source="batch",
                                    index_bounds=self.index_bounds, packed=True)
-        return add_weights({**conv, C.TARGETS: y}, weights)
+        return add_weights({**conv, C.TARGETS: y}, weights, self.loss)
 
 
-def add_weights(data: dict[str, np.ndarray], weights: Any) -> dict[str, np.ndarray]:
-    """data plus "example_weights": per-example loss weights or a 0/1 mask, one per row (DataError)."""
-    if weights is None:
+def check_weights(weights: Any, shape: tuple, what: str = "weights") -> np.ndarray:
+    """Loss weights or a 0/1 mask as float32 of `shape` (a loss's weight_shape for the batch's
+    targets): given with that shape or its leading axes ([N]: one per example), broadcast to
+    it; numbers, finite, >= 0 (one-line DataError naming `what`)."""
+    w = as_array(weights, what)
+    if w.dtype == object or w.dtype.kind not in "biuf":
+        raise DataError(f"{what}: got dtype {w.dtype}; expected numbers")
+    if w.ndim == 0 or w.shape != tuple(shape[:w.ndim]):
+        per = f"one weight per example ([{shape[0]}])"
+        if len(shape) > 1:
+            per += f" or per position ({list(shape)}, or its leading axes)"
+        raise DataError(f"{what}: got shape {list(w.shape)}; expected {per}")
+    if w.dtype.kind == "f" and not np.all(np.isfinite(w)):
+        raise DataError(f"{what} must be finite and >= 0; got {int(np.sum(~np.isfinite(w)))} NaN/Inf value(s)")
+    if w.size and np.min(w) < 0:
+        raise DataError(f"{what} must be finite and >= 0; got a minimum of {np.min(w).item()}")
+    check_range(w, np.float32, what)
+    return np.broadcast_to(w.reshape(w.shape + (1,) * (len(shape) - w.ndim)), tuple(shape)).astype(np.float32)
+
+
+def add_weights(data: dict[str, np.ndarray], weights: Any, loss: Loss) -> dict[str, np.ndarray]:
+    """data plus "example_weights" [loss.weight_shape(targets)]: the given loss weights or 0/1
+    mask (per example, or per position where the loss has positions), times the loss's own
+    mask of the targets that count (Loss.mask_targets: ignore_index), which also makes the
+    loss the mean over the positions that count: w m N / sum(m). Unweighted, unmasked: data
+    as it was."""
+    y, mask = loss.mask_targets(data[C.TARGETS])
+    data[C.TARGETS] = y
+    if weights is None and mask is None:
         return data
-    w = as_array(weights, "weights")
-    if w.dtype.kind not in "biuf":
-        raise DataError(f"weights have dtype {w.dtype}; expected numbers")
-    w = w.astype(np.float32)
-    n = data[C.TARGETS].shape[0]
-    if w.shape != (n,):
-        raise DataError(f"weights have shape {list(w.shape)}; expected one weight per example ({n})")
-    if not np.all(np.isfinite(w)) or (w < 0).any():
-        raise DataError("weights must be finite and >= 0")
-    data[C.EXAMPLE_WEIGHTS] = w
+    shape = loss.weight_shape(tuple(y.shape))
+    w = None if weights is None else check_weights(weights, shape)
+    if mask is not None:
+        kept = float(np.sum(mask))
+        scaled = mask * np.float32(shape[0] / kept if kept else 0.0)  # all ignored: the batch weighs nothing
+        w = scaled if w is None else w * scaled
+    data[C.EXAMPLE_WEIGHTS] = np.ascontiguousarray(w, dtype=np.float32)
     return data
 
 

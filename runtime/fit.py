@@ -45,13 +45,14 @@ class History:
 
 
 def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
-        validation: tuple[Mapping[str, Any], Any] | None = None, eval_every: int | None = None,
+        validation: Batch | None = None, eval_every: int | None = None,
         eval_batch_size: int = 1024,
         callback: Callable[[int, dict[str, float]], bool | None] | None = None) -> History:
     """Step `trainer` on `batches` ((inputs, targets) or (inputs, targets, weights) each) until
-    they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets)) every
-    `eval_every` steps and after the last. `callback(step, metrics)` sees each step's metrics
-    (the held-out ones merged in under `eval_` where an evaluation ran) and stops the loop by
+    they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets), or
+    (inputs, targets, weights): Trainer.evaluate's) every `eval_every` steps and after the
+    last. `callback(step, metrics)` sees each step's metrics (the held-out ones merged in
+    under `eval_` where an evaluation ran) and stops the loop by
     returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
     continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
     equal micro-batches (the CLI's --accumulate)."""
@@ -61,8 +62,8 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         check_int(eval_every, "fit: eval_every", low=1)
     if eval_every is not None and validation is None:
         raise ConfigError("fit: eval_every needs validation=(inputs, targets) to evaluate on")
-    if validation is not None and (not isinstance(validation, tuple) or len(validation) != 2):
-        raise ConfigError("fit: validation must be a tuple (inputs, targets)")
+    if validation is not None and (not isinstance(validation, tuple) or len(validation) not in (2, 3)):
+        raise ConfigError("fit: validation must be a tuple (inputs, targets) or (inputs, targets, weights)")
     every = eval_every or (max(1, steps // 20) if steps else None)
     history = History()
     for taken, batch in enumerate(batches):
@@ -111,23 +112,27 @@ def _rows(value: Any, part: np.ndarray) -> Any:
 
 
 def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int = 0,
-            start: int = 0) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+            start: int = 0, weights: Any = None) -> Iterator[Batch]:
     """Endless (inputs, targets) batches: the CLI's, epochs of a seeded permutation with the last
     partial batch dropped; batch s is a pure function of (s, seed), so a resumed run passes
-    `start=trainer.step_count` and sees the batches an uninterrupted one would."""
+    `start=trainer.step_count` and sees the batches an uninterrupted one would. With `weights`
+    (loss weights or a mask, one row per example: Trainer.step's) (inputs, targets, weights)."""
     check_int(batch_size, "batches: batch_size", low=1)
     y = np.asarray(targets)
     n = y.shape[0]
     arrays = {k: np.asarray(v) for k, v in inputs.items()}
+    w = None if weights is None else np.asarray(weights)
     s = check_int(start, "batches: start", low=0)
     while True:
         idx = batch_indices(n, batch_size, s, seed)
-        yield {k: v[idx] for k, v in arrays.items()}, y[idx]
+        yield ({k: v[idx] for k, v in arrays.items()}, y[idx]) if w is None else \
+            ({k: v[idx] for k, v in arrays.items()}, y[idx], w[idx])
         s += 1
 
 
-def _evaluate(trainer: Trainer, validation: tuple[Mapping[str, Any], Any], batch_size: int, step: int,
-              history: History) -> dict[str, float]:
-    held = {EVAL_PREFIX + k: v for k, v in trainer.evaluate(*validation, batch_size=batch_size).items()}
+def _evaluate(trainer: Trainer, validation: Batch, batch_size: int, step: int, history: History) -> dict[str, float]:
+    inputs, targets, *weights = validation
+    held = {EVAL_PREFIX + k: v for k, v in trainer.evaluate(inputs, targets, batch_size=batch_size,
+                                                            weights=weights[0] if weights else None).items()}
     history.evaluations.append({"step": float(step), **held})
     return held

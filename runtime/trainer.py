@@ -213,7 +213,7 @@ class Trainer:
                 raise DataError(f"a batch of {n} rows does not split evenly over {self.ranks} ranks; use a batch size "
                                 f"divisible by {self.ranks}")
             data = {k: self._share(v) for k, v in data.items()}
-        self.weighted = weights is not None
+        self.weighted = C.EXAMPLE_WEIGHTS in data
         self.batch_size = int(data[C.TARGETS].shape[0])
         return data
 
@@ -224,8 +224,11 @@ class Trainer:
 
     @_serialized
     def step(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
-        """One optimizer step on a batch; returns host-float metrics. `weights`: optional
-        per-example loss weights or a 0/1 mask (L = 1/N sum_n w_n l_n). With the knob
+        """One optimizer step on a batch; returns host-float metrics. `weights`: optional loss
+        weights or a 0/1 mask, one per example ([N]) or per position (shaped like the targets
+        of softmax cross-entropy, or the output of an elementwise loss, or their leading
+        axes): L = 1/N sum_n sum_t w_nt l_nt; masked positions count for nothing in the loss,
+        the gradients and the curvature (docs/runtime.md, "Weights and masks"). With the knob
         `accumulate=k` a call takes one micro-batch and every k-th call updates, as one step on
         the k micro-batches together (optimizers/accumulate.py); the others report
         `accumulating: 1`."""
@@ -247,20 +250,24 @@ class Trainer:
             metrics.update({k: float(v) for k, v in zip(names, means)})
 
     @_serialized
-    def burn_in(self, inputs: Mapping[str, Any], targets: Any) -> dict[str, float]:
-        """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch)."""
+    def burn_in(self, inputs: Mapping[str, Any], targets: Any, weights: Any = None) -> dict[str, float]:
+        """A statistics-only step (K-FAC: no parameter update, the factors absorb the batch);
+        `weights` as step's."""
         self.policy.cycle.check_boundary("burn_in")
-        return self.policy.burn_in(agreed(self.comm, lambda: self._prepare(inputs, targets)))
+        return self.policy.burn_in(agreed(self.comm, lambda: self._prepare(inputs, targets, weights)))
 
     # ------------------------------------------------------------------ evaluation
     @_serialized
-    def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None) -> dict[str, float]:
+    def evaluate(self, inputs: Mapping[str, Any], targets: Any, batch_size: int | None = None,
+                 weights: Any = None) -> dict[str, float]:
         """Mean loss and the loss's metrics (Loss.metrics, e.g. softmax cross-entropy's
-        accuracy) at the current parameters."""
+        accuracy) at the current parameters; `weights` as step's, over all the examples
+        given (chunking by batch_size does not change the result)."""
         if batch_size is not None and check_int(batch_size, "evaluate: batch_size") < 1:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
-        data = self._check_batch(inputs, targets)
-        prog = self.program(C.LOSS_GRAPH)
+        data = self._check_batch(inputs, targets, weights)
+        weighted = C.EXAMPLE_WEIGHTS in data
+        prog = self.program(C.LOSS_GRAPH, weighted=weighted)
         n = data[C.TARGETS].shape[0]
         bs = n if not batch_size else int(batch_size)
         result = prog.results[0] if prog.results and self.loss.metrics else None
@@ -272,12 +279,14 @@ class Trainer:
             m = chunk[C.TARGETS].shape[0]
             total += out[C.LOSS] * m
             if result:
-                for name, (value, count) in self.loss.metric_totals(out[result], chunk[C.TARGETS]).items():
+                extra = (chunk[C.EXAMPLE_WEIGHTS],) if weighted else ()
+                for name, (value, count) in self.loss.metric_totals(out[result], chunk[C.TARGETS], *extra).items():
                     acc = sums.setdefault(name, [0, 0])
                     acc[0] += value
                     acc[1] += count
         metrics = {"loss": total / n}
-        metrics.update({name: value / count for name, (value, count) in sums.items()})
+        # a metric over nothing (every target masked) is NaN, as torch's mean over no element
+        metrics.update({name: value / count if count else float("nan") for name, (value, count) in sums.items()})
         return metrics
 
     @_serialized

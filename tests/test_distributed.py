@@ -118,6 +118,23 @@ def test_owners_balance_the_refresh_cost():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_two_ranks_weigh_ignored_targets_over_the_global_batch(tmp_path):
+    """softmax cross-entropy with ignore_index, batches whose ignored targets fall unevenly on
+    the two ranks: the loss and gradients are the mean over the global batch's targets that
+    count (the runtime weighs them before splitting the batch), so the first loss is one
+    process's (a mean of the ranks' own means would be 0.3% off). The input factors A are
+    each rank's mean over its own rows that count (docs/distributed.md), so the steps are not
+    one process's (2% apart after the first here); the ranks agree bitwise."""
+    config = {**KFAC, "ignore_index": -100}
+    ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    for p, v in ranks[0]["params"].items():
+        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
+    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
+    assert ranks[0]["losses"][-1] < 0.2 * ranks[0]["losses"][0]
+
+
 def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
     """Batch 256 on two ranks: statistics and the quadratic model on a 64-example sub-batch,
     32 of each rank's rows (other examples than one process's first 64, so only the

@@ -337,10 +337,10 @@ def test_cli_compile_inspect_and_train_with_heads(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'values'" in err[0] and "'aux'" in err[0]
     # a stray array, and a missing input, name the heads' target arrays (not 'targets')
-    np.savez(tmp_path / "extra.npz", input=x, labels=labels, values=values, weights=values)
+    np.savez(tmp_path / "extra.npz", input=x, labels=labels, values=values, stray=values)
     assert main(["train", str(plan_dir), "--data", str(tmp_path / "extra.npz"), "--steps", "1", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "array 'weights' is not a model input" in err[0] and "plus 'labels', 'values'" in err[0]
+    assert len(err) == 1 and "array 'stray' is not a model input" in err[0] and "plus 'labels', 'values'" in err[0]
     np.savez(tmp_path / "noinput.npz", labels=labels, values=values)
     assert main(["train", str(plan_dir), "--data", str(tmp_path / "noinput.npz"), "--steps", "1", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -231,15 +231,18 @@ class Emission:
         return self.data_input(C.TARGETS, loss.target_type(), list(loss.target_shape(tuple(out_shape))))
 
     def example_weights(self) -> tuple[str, str] | tuple[None, None]:
-        """With parts.weighted: the "example_weights" [N] input (loss L = 1/N sum_n w_n l_n) as
-        (w, sqrt(w)), each shaped to broadcast against the model output."""
+        """With parts.weighted: the "example_weights" input, shaped like the loss's
+        weight_shape (per example [N], or per position: loss L = 1/N sum_n sum_t w_nt l_nt),
+        as (w, sqrt(w)), each shaped to broadcast against the model output."""
         if not self.parts.weighted:
             return None, None
         if WEIGHTS not in self.info.data_inputs:
-            out_shape = self.view.shape(self.output) or ("N",)
-            self.data_input(WEIGHTS, self.b.float_type, [out_shape[0]])
-            rank = len(out_shape)
-            w = self.b.unsqueeze(WEIGHTS, list(range(1, rank))) if rank > 1 else WEIGHTS
+            loss = self.parts.loss
+            out_shape = tuple(self.view.shape(self.output) or ("N",))
+            shape = list(loss.weight_shape(tuple(loss.target_shape(out_shape))))
+            self.data_input(WEIGHTS, self.b.float_type, shape)
+            trailing = list(range(len(shape), len(out_shape)))  # the axes within a position
+            w = self.b.unsqueeze(WEIGHTS, trailing) if trailing else WEIGHTS
             self._weights = (w, self.b.op("Sqrt", [w]))
         return cast("tuple[str, str]", self._weights)  # set with the input, above
 

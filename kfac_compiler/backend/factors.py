@@ -3,7 +3,7 @@ mode), their moving-average updates as state outputs, and preconditioning by the
 inverse state."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kfac_compiler import contract as C
 from kfac_compiler.blocks._parts import GramStatistic
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 class _StateStatistics(Protocol):
     def emit_statistics(self, b: GraphBuilder, inputs: list[str], cotangents: list[list[str]],
-                        state: dict[str, str]) -> dict[str, str | GramStatistic]: ...
+                        state: dict[str, str], **kw: Any) -> dict[str, str | GramStatistic]: ...
 
 
 def inverse_init(spec) -> str:
@@ -75,11 +75,14 @@ def batch_statistics(
             inputs = [fwd.name(u.input) for u in layer.uses]
             outs = [fwd.name(u.output) for u in layer.uses]
             cots = [[d.get(o) or _zeros_like(em.b, o) for d in per_seed] for o in outs]
+        # a weighted loss: rows no weighted term depends on leave the activation statistics
+        kw: dict[str, Any] = {"masked": True} if fwd.weight is not None and block.masks_rows else {}
         if block.state_statistics:  # statistics that read the inverse state (ekfac's eigenbases)
             stateful = cast(_StateStatistics, block)  # blocks with state_statistics take `state` (blocks/base.py)
-            stats[layer.name] = stateful.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block))
+            stats[layer.name] = stateful.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block),
+                                                         **kw)
         else:
-            stats[layer.name] = block.emit_statistics(b, inputs, cots)
+            stats[layer.name] = block.emit_statistics(b, inputs, cots, **kw)
     return stats
 
 

@@ -27,7 +27,7 @@ class PlanParts:
     num_samples: int = 1
     inverse_method: str = "auto"
     blocks: dict[str, FisherBlock] | None = None
-    weighted: bool = False  # an "example_weights" [N] data input scales each example's loss
+    weighted: bool = False  # an "example_weights" data input ([N], or per position) weights the loss
     damping_split: str = "pi"  # how the blocks split damping between Kronecker factors
     conv_gather: bool = True  # the plan's compile option (requests.Settings)
 

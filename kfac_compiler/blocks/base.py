@@ -66,6 +66,14 @@ class FisherBlock:
     # into the inverse slots with the factors' moving-average coefficient, and a graph that
     # updates them preconditions with the updated value. Empty: statistics see no state.
     state_statistics: ClassVar[tuple[str, ...]] = ()
+    # True: emit_statistics / numpy_statistics take `masked` (bool). The back end passes
+    # masked=True for a weighted loss: a row (position) of a use whose cotangent is 0 in every
+    # seed (a masked position or an example of weight 0: nothing of the loss depends on it)
+    # is then left out of the statistics of the layer's activations (A: the mean over the
+    # other rows; ops.emit_live). Statistics of the cotangents (G) and of per-example
+    # gradients leave such rows out anyway. False: a weighted run's activation statistics
+    # still count every row.
+    masks_rows: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -125,7 +133,8 @@ class FisherBlock:
         Returns {factor name: tensor name, or a statistics.GramStatistic (X^T X / count left
         as its operands; statistics.emit_statistic materializes it)} for every factor_specs()
         entry. A block with `state_statistics` is called with the keyword `state` (its
-        inverse slots) and returns those names too.
+        inverse slots) and returns those names too; a block with `masks_rows` is called
+        with the keyword `masked` for a weighted loss.
         """
         raise NotImplementedError
 

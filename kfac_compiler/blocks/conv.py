@@ -33,7 +33,15 @@ from onnx import TensorProto
 
 from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_append_const, emit_concat, emit_dim, emit_gram, prod
+from kfac_compiler.blocks.ops import (
+    emit_append_const,
+    emit_concat,
+    emit_dim,
+    emit_gram,
+    emit_live,
+    np_live,
+    prod,
+)
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
@@ -217,6 +225,7 @@ class ConvMixin:
 
 class ConvKronBase(ConvMixin, KronBlock):
     layer_kinds = ("conv",)
+    masks_rows = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -234,11 +243,18 @@ class ConvKronBase(ConvMixin, KronBlock):
         # + the patches: a depthwise conv with prod(kernel) one-hot taps per output channel
         return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * prod(self.kernel)
 
-    def emit_statistics(self, b, inputs, cotangents):
+    def emit_statistics(self, b, inputs, cotangents, masked=False):
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
+        count = None
+        if masked:  # the output locations some seed's cotangent (of the group's channels) depends on
+            live = emit_concat(b, [emit_live(b, [self._emit_delta(b, d) for d in ds], [2]) for ds in cotangents],
+                               axis=3)  # [N, g, 1, sum T]
+            P = b.mul(P, live)
+            per_group = b.reduce_sum(live, [0, 2, 3], keepdims=False)  # [g]
+            count = b.op("Max", [b.reshape(per_group, [-1, 1] if self.a_diag else [-1, 1, 1]), b.const(1.0)])
         P = b.reshape(b.transpose(P, [1, 2, 0, 3]), [0, 0, -1])  # [g, nA, N sum T]
         A = b.reduce_sum(b.mul(P, P), [2]) if self.a_diag else emit_gram(b, P, 3)
-        A = b.div(A, emit_dim(b, P, 2))
+        A = b.div(A, count or emit_dim(b, P, 2))
         D = emit_concat(
             b,
             [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [0, 0, -1]) for ds in cotangents for d in ds],
@@ -251,11 +267,16 @@ class ConvKronBase(ConvMixin, KronBlock):
             G = b.reshape(G, [self.nG] if self.g_diag else [self.nG, self.nG])
         return {"A": A, "G": G}
 
-    def numpy_statistics(self, inputs, cotangents):
+    def numpy_statistics(self, inputs, cotangents, masked=False):
         P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)
+        count = None
+        if masked:
+            live = np.concatenate([np_live([self._np_delta(d) for d in ds], [2]) for ds in cotangents], axis=3)
+            P = P * live
+            count = np.maximum(live.sum(axis=(0, 2, 3)), 1.0).reshape((-1, 1) if self.a_diag else (-1, 1, 1))
         P = P.transpose(1, 2, 0, 3).reshape(self.group, self.nA, -1)
         A = (P * P).sum(2) if self.a_diag else P @ P.transpose(0, 2, 1)
-        A = A / P.shape[2]
+        A = A / (count if count is not None else P.shape[2])
         D = np.concatenate(
             [self._np_delta(d).transpose(1, 2, 0, 3).reshape(self.group, self.nG, -1) for ds in cotangents for d in ds],
             axis=2,

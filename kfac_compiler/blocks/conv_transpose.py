@@ -34,7 +34,15 @@ from kfac_compiler.blocks._parts import Part
 from kfac_compiler.blocks.conv import ConvMixin, read_kernel_geometry
 from kfac_compiler.blocks.flat import FlatBlock
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim, emit_gram, prod
+from kfac_compiler.blocks.ops import (
+    emit_add_all,
+    emit_concat,
+    emit_dim,
+    emit_gram,
+    emit_live,
+    np_live,
+    prod,
+)
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.errors import ConfigError
 
@@ -146,6 +154,7 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
 
     name = "kron"
     layer_kinds = ("conv_transpose",)
+    masks_rows = True
     uses = "any"
     menu_rank = 0
 
@@ -168,10 +177,16 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
         cols = batch * self._positions()
         return 2 * cols * self.group * (self.nA**2 + self.nG**2) + 2 * batch * self.C_out**2
 
-    def emit_statistics(self, b, inputs, cotangents):
+    def emit_statistics(self, b, inputs, cotangents, masked=False):
         X = emit_concat(b, [self._emit_x(b, x) for x in inputs], axis=3)  # [N, g, Cg, sum T]
+        count = None
+        if masked:  # the input locations whose output patches some seed's cotangent depends on
+            live = emit_concat(b, [emit_live(b, [self._emit_dpatches(b, d) for d in ds], [2]) for ds in cotangents],
+                               axis=3)  # [N, g, 1, sum T]
+            X = b.mul(X, live)
+            count = b.op("Max", [b.reshape(b.reduce_sum(live, [0, 2, 3], keepdims=False), [-1, 1, 1]), b.const(1.0)])
         X = b.reshape(b.transpose(X, [1, 2, 0, 3]), [0, 0, -1])  # [g, Cg, N sum T]
-        A = b.div(emit_gram(b, X, 3), emit_dim(b, X, 2))
+        A = b.div(emit_gram(b, X, 3), count or emit_dim(b, X, 2))
         D = emit_concat(
             b,
             [b.reshape(b.transpose(self._emit_dpatches(b, d), [1, 2, 0, 3]), [0, 0, -1]) for ds in cotangents for d in ds],
@@ -188,10 +203,15 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
             out["B"] = b.div(emit_add_all(b, [emit_gram(b, g) for g in gbs]), n)
         return out
 
-    def numpy_statistics(self, inputs, cotangents):
+    def numpy_statistics(self, inputs, cotangents, masked=False):
         X = np.concatenate([self._np_x(x) for x in inputs], axis=3)
+        count = None
+        if masked:
+            live = np.concatenate([np_live([self._np_dpatches(d) for d in ds], [2]) for ds in cotangents], axis=3)
+            X = X * live
+            count = np.maximum(live.sum(axis=(0, 2, 3)), 1.0).reshape(-1, 1, 1)
         X = X.transpose(1, 2, 0, 3).reshape(self.group, self.nA, -1)
-        A = X @ X.transpose(0, 2, 1) / X.shape[2]
+        A = X @ X.transpose(0, 2, 1) / (count if count is not None else X.shape[2])
         D = np.concatenate(
             [self._np_dpatches(d).transpose(1, 2, 0, 3).reshape(self.group, self.nG, -1) for ds in cotangents for d in ds],
             axis=2,

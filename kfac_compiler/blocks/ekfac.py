@@ -134,16 +134,16 @@ class EkfacMixin:
         return super().numpy_power(vectors, -1, state={"A_Q": state["A_Q"], "G_Q": state["G_Q"], "D_inv": scale})
 
     # ---- S from one batch: project, then the per-example gradients' squares
-    def emit_statistics(self, b, inputs, cotangents, state=None):
+    def emit_statistics(self, b, inputs, cotangents, state=None, masked=False):
         """A, G and S in the eigenbases of `state` (None: the identity, where S is the diagonal
         Fisher; the back end always passes the inverse slots)."""
-        out = super().emit_statistics(b, inputs, cotangents)
+        out = super().emit_statistics(b, inputs, cotangents, masked)
         A_Q, G_Q = (state["A_Q"], state["G_Q"]) if state is not None else (None, None)
         out["S"] = self._emit_second_moments(b, inputs, cotangents, A_Q, G_Q)
         return out
 
-    def numpy_statistics(self, inputs, cotangents, state=None):
-        out = super().numpy_statistics(inputs, cotangents)
+    def numpy_statistics(self, inputs, cotangents, state=None, masked=False):
+        out = super().numpy_statistics(inputs, cotangents, masked)
         eye = (np.eye(self.nA), np.eye(self.nG))
         A_Q, G_Q = (state["A_Q"], state["G_Q"]) if state is not None else eye
         g = self._np_projected_gradients(inputs, cotangents, np.asarray(A_Q, np.float64), np.asarray(G_Q, np.float64))

@@ -14,7 +14,7 @@ import numpy as np
 
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_concat, emit_dim
+from kfac_compiler.blocks.ops import emit_concat, emit_dim, emit_live, emit_token_counts, np_live, np_token_counts
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
@@ -28,6 +28,7 @@ class EmbeddingKron(KronBlock):
     layer_kinds = ("embedding",)
     menu_rank = 0
     a_diag = True
+    masks_rows = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -59,26 +60,23 @@ class EmbeddingKron(KronBlock):
         rows = batch * self._positions()
         return 2 * rows * self.dim * self.dim + 2 * rows
 
-    def emit_statistics(self, b, inputs, cotangents):
+    def emit_statistics(self, b, inputs, cotangents, masked=False):
         idx = emit_concat(b, [b.reshape(x, [-1]) for x in inputs], axis=0)
-        rows = emit_dim(b, idx, 0)
-        if b.opset >= 16:
-            ones = b.op("Expand", [b.const(np.ones(1)), b.op("Shape", [idx])])
-            counts = b.op(
-                "ScatterElements", [b.const(np.zeros(self.vocab)), idx, ones], axis=0, reduction="add", hint="counts"
-            )
-        else:
-            onehot = b.op(
-                "OneHot", [idx, b.const(np.asarray([self.vocab], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1
-            )
-            counts = b.reduce_sum(onehot, [0])
+        live = None
+        if masked:  # the lookups some seed's cotangent depends on
+            live = emit_concat(b, [b.reshape(emit_live(b, [b.reshape(d, [-1, self.dim]) for d in ds], [1]), [-1])
+                                   for ds in cotangents], axis=0)
+        counts, rows = emit_token_counts(b, idx, self.vocab, live)
         A = b.div(counts, rows)
         D = emit_concat(b, [b.reshape(d, [-1, self.dim]) for ds in cotangents for d in ds], axis=0)
         G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0))
         return {"A": A, "G": G}
 
-    def numpy_statistics(self, inputs, cotangents):
+    def numpy_statistics(self, inputs, cotangents, masked=False):
         idx = np.concatenate([np.asarray(x).reshape(-1) for x in inputs]) % self.vocab
-        A = np.bincount(idx, minlength=self.vocab).astype(np.float64) / len(idx)
+        live = None
+        if masked:
+            live = np.concatenate([np_live([np.reshape(d, (-1, self.dim)) for d in ds], [1]) for ds in cotangents])
+        A = np_token_counts(idx, self.vocab, live)
         D = np.concatenate([np.asarray(d, np.float64).reshape(-1, self.dim) for ds in cotangents for d in ds])
         return {"A": A, "G": D.T @ D / np.shape(cotangents[0][0])[0]}

@@ -23,7 +23,7 @@ import numpy as np
 from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_append_const, emit_concat, emit_dim, prod
+from kfac_compiler.blocks.ops import emit_append_const, emit_concat, emit_dim, emit_live, emit_live_count, np_live, prod
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
@@ -82,6 +82,29 @@ class FullyConnectedMixin:
         x = b.scale(b.reshape(x, [0, -1, self.n_in]), self.alpha)
         return emit_append_const(b, x, 3, 2, self.beta) if self.has_bias else x
 
+    def _emit_live_rows(self, b, cotangents):
+        """[R*N*T, 1]: 1.0 for the rows (positions of each use, in _emit_rows' order) some
+        seed's cotangent depends on (ops.emit_live)."""
+        return emit_concat(b, [emit_live(b, [b.reshape(d, [-1, self.n_out]) for d in ds], [1]) for ds in cotangents],
+                           axis=0)
+
+    def _emit_masked_rows(self, b, inputs, cotangents, masked):
+        """(a~ rows [R*N*T, in(+1)], their count): every row, or with `masked` the rows some
+        seed depends on (the others zeroed) and their number (at least 1)."""
+        X = emit_concat(b, [self._emit_rows(b, x) for x in inputs], axis=0)
+        if not masked:
+            return X, emit_dim(b, X, 0)
+        live = self._emit_live_rows(b, cotangents)
+        return b.mul(X, live), emit_live_count(b, live)
+
+    def _np_masked_rows(self, inputs, cotangents, masked):
+        """numpy twin of _emit_masked_rows."""
+        X = np.concatenate([self._np_rows(x) for x in inputs])
+        if not masked:
+            return X, len(X)
+        live = np.concatenate([np_live([np.reshape(d, (-1, self.n_out)) for d in ds], [1]) for ds in cotangents])
+        return X * live, max(float(live.sum()), 1.0)
+
     def _emit_delta_rows(self, b, cotangents):
         """All uses and seeds stacked: [S*R*N*T, out]."""
         return emit_concat(b, [b.reshape(d, [-1, self.n_out]) for ds in cotangents for d in ds], axis=0)
@@ -117,6 +140,7 @@ class FullyConnectedMixin:
 
 class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
     layer_kinds = ("fully_connected",)
+    masks_rows = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -129,9 +153,8 @@ class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
         fg = rows * self.nG * (1 if self.g_diag else self.nG)
         return 2 * (fa + fg)
 
-    def emit_statistics(self, b, inputs, cotangents):
-        X = emit_concat(b, [self._emit_rows(b, x) for x in inputs], axis=0)
-        rows = emit_dim(b, X, 0)
+    def emit_statistics(self, b, inputs, cotangents, masked=False):
+        X, rows = self._emit_masked_rows(b, inputs, cotangents, masked)
         D = self._emit_delta_rows(b, cotangents)
         n = emit_dim(b, cotangents[0][0], 0)
         if self.a_diag:
@@ -144,11 +167,11 @@ class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
             G = GramStatistic(D, n)
         return {"A": A, "G": G}
 
-    def numpy_statistics(self, inputs, cotangents):
-        X = np.concatenate([self._np_rows(x) for x in inputs])
+    def numpy_statistics(self, inputs, cotangents, masked=False):
+        X, rows = self._np_masked_rows(inputs, cotangents, masked)
         D = np.concatenate([np.asarray(d, np.float64).reshape(-1, self.n_out) for ds in cotangents for d in ds])
         n = np.shape(cotangents[0][0])[0]
-        A = (X * X).sum(0) / len(X) if self.a_diag else X.T @ X / len(X)
+        A = (X * X).sum(0) / rows if self.a_diag else X.T @ X / rows
         G = (D * D).sum(0) / n if self.g_diag else D.T @ D / n
         return {"A": A, "G": G}
 

@@ -69,3 +69,46 @@ def emit_add_all(b: GraphBuilder, xs: Sequence[str]) -> str:
 
 
 __all__ = ["emit_add_all", "emit_append_const", "emit_concat", "emit_dim", "emit_gram", "emit_shape_with", "prod"]
+
+
+def emit_live(b: GraphBuilder, deltas: Sequence[str], axes: Sequence[int]) -> str:
+    """1.0 where some seed's cotangent is nonzero along `axes` (kept as size 1), else 0.0: the
+    rows (positions) a weighted loss depends on. A row whose cotangent is 0 in every seed (a
+    masked position, an example of weight 0) contributes nothing to the Fisher, so the blocks
+    leave it out of their activation statistics (`masked=True`; kfac-jax masks repeated dense
+    layers the same way)."""
+    peaks = [b.reduce("ReduceMax", b.op("Abs", [d]), list(axes), keepdims=True) for d in deltas]
+    peak = peaks[0] if len(peaks) == 1 else b.op("Max", peaks)
+    return b.cast(b.op("Greater", [peak, b.const(0.0)]), b.float_type)
+
+
+def emit_live_count(b: GraphBuilder, live: str) -> str:
+    """The number of live rows, at least 1 (a batch whose rows are all masked gives 0 / 1)."""
+    return b.op("Max", [b.reduce_sum(live, None), b.const(1.0)])
+
+
+def np_live(deltas: Sequence, axes: Sequence[int]) -> np.ndarray:
+    """numpy twin of emit_live (float64)."""
+    peak = np.max([np.max(np.abs(np.asarray(d, np.float64)), axis=tuple(axes), keepdims=True) for d in deltas], axis=0)
+    return (peak > 0).astype(np.float64)
+
+
+def emit_token_counts(b: GraphBuilder, idx: str, vocab: int, live: str | None = None) -> tuple[str, str]:
+    """(counts [vocab] of the ids `idx` [rows], their total): how often each row of an
+    embedding table is looked up, the diagonal of its one-hot input's second moment. `live`
+    [rows] (0/1): count only those rows (a weighted loss's masked positions left out)."""
+    ones = b.op("Expand", [b.const(np.ones(1)), b.op("Shape", [idx])]) if live is None else live
+    if b.opset >= 16:
+        counts = b.op("ScatterElements", [b.const(np.zeros(vocab)), idx, ones], axis=0, reduction="add", hint="counts")
+    else:
+        onehot = b.op("OneHot", [idx, b.const(np.asarray([vocab], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1)
+        counts = b.reduce_sum(onehot if live is None else b.mul(onehot, b.unsqueeze(live, [1])), [0])
+    return counts, (emit_dim(b, idx, 0) if live is None else emit_live_count(b, live))
+
+
+def np_token_counts(idx: np.ndarray, vocab: int, live: np.ndarray | None = None) -> np.ndarray:
+    """numpy twin of emit_token_counts: counts / total (float64)."""
+    if live is None:
+        return np.bincount(idx, minlength=vocab).astype(np.float64) / len(idx)
+    live = np.reshape(live, -1)
+    return np.bincount(idx, weights=live, minlength=vocab) / max(float(live.sum()), 1.0)

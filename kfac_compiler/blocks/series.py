@@ -40,7 +40,7 @@ import scipy.linalg
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
-from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim
+from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim, emit_live, emit_live_count, np_live
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
@@ -124,12 +124,18 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         return 30 * (self.nA**3 + self.nG**3)  # host eigh whatever the method
 
     # ---- statistics
-    def emit_statistics(self, b, inputs, cotangents):
-        out = super().emit_statistics(b, inputs, cotangents)
+    def emit_statistics(self, b, inputs, cotangents, masked=False):
+        out = super().emit_statistics(b, inputs, cotangents, masked)
         rows = [self._emit_rows(b, x) for x in inputs]
+        count = None
+        if masked:  # A_1: the mean over consecutive pairs of rows that are both live
+            live = [emit_live(b, [b.reshape(d, [-1, self.n_out]) for d in ds], [1]) for ds in cotangents]
+            rows = [b.mul(r, m) for r, m in zip(rows, live)]
+            pairs = emit_concat(b, [b.mul(live[u + 1], live[u]) for u in range(self.R - 1)], axis=0)
+            count = emit_live_count(b, pairs)
         X1 = emit_concat(b, rows[1:], axis=0)
         X0 = emit_concat(b, rows[:-1], axis=0)
-        out["A_1"] = b.div(b.matmul(b.transpose(X1, [1, 0]), X0), emit_dim(b, X1, 0))
+        out["A_1"] = b.div(b.matmul(b.transpose(X1, [1, 0]), X0), count or emit_dim(b, X1, 0))
         S = len(cotangents[0])
         drows = [[b.reshape(cotangents[u][s], [-1, self.n_out]) for s in range(S)] for u in range(self.R)]
         D1 = emit_concat(b, [drows[u + 1][s] for u in range(self.R - 1) for s in range(S)], axis=0)
@@ -139,11 +145,16 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         out["G_1"] = b.scale(G1, self.R / (self.R - 1))
         return out
 
-    def numpy_statistics(self, inputs, cotangents):
-        out = super().numpy_statistics(inputs, cotangents)
+    def numpy_statistics(self, inputs, cotangents, masked=False):
+        out = super().numpy_statistics(inputs, cotangents, masked)
         rows = [self._np_rows(x) for x in inputs]
+        count = None
+        if masked:
+            live = [np_live([np.reshape(d, (-1, self.n_out)) for d in ds], [1]) for ds in cotangents]
+            rows = [r * m for r, m in zip(rows, live)]
+            count = max(float(sum((live[u + 1] * live[u]).sum() for u in range(self.R - 1))), 1.0)
         X1, X0 = np.concatenate(rows[1:]), np.concatenate(rows[:-1])
-        out["A_1"] = X1.T @ X0 / len(X1)
+        out["A_1"] = X1.T @ X0 / (count or len(X1))
         S = len(cotangents[0])
         d = [[np.asarray(cotangents[u][s], np.float64).reshape(-1, self.n_out) for s in range(S)] for u in range(self.R)]
         D1 = np.concatenate([d[u + 1][s] for u in range(self.R - 1) for s in range(S)])

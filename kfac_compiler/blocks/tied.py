@@ -37,7 +37,16 @@ from kfac_compiler import linalg
 from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_concat, emit_dim, prod
+from kfac_compiler.blocks.ops import (
+    emit_concat,
+    emit_dim,
+    emit_live,
+    emit_live_count,
+    emit_token_counts,
+    np_live,
+    np_token_counts,
+    prod,
+)
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
@@ -150,6 +159,7 @@ class TiedKronBase(TiedMixin, KronBlock):
     Parts (what is damped and inverted): "A" = L [V, V] (or [V]), "G" = R [D, D]."""
 
     layer_kinds = ("tied_embedding",)
+    masks_rows = True
     vocab_diag: bool = False
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
@@ -177,36 +187,45 @@ class TiedKronBase(TiedMixin, KronBlock):
         return 2 * rl * (self.dim**2 + 1) + 2 * rh * (self.dim**2 + (self.vocab if self.vocab_diag else self.vocab**2))
 
     # ---- statistics
-    def emit_statistics(self, b, inputs, cotangents):
+    def emit_statistics(self, b, inputs, cotangents, masked=False):
         V, D = self.vocab, self.dim
         n = emit_dim(b, cotangents[0][0], 0)
         idx = self._emit_indices(b, inputs)
-        rows = emit_dim(b, idx, 0)
-        if b.opset >= 16:
-            ones = b.op("Expand", [b.const(np.ones(1)), b.op("Shape", [idx])])
-            counts = b.op("ScatterElements", [b.const(np.zeros(V)), idx, ones], axis=0, reduction="add", hint="counts")
-        else:
-            onehot = b.op("OneHot", [idx, b.const(np.asarray([V], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1)
-            counts = b.reduce_sum(onehot, [0])
+        X = self._emit_head_rows(b, inputs)
+        live_ids = live_rows = None
+        if masked:  # the lookups and head rows some seed's cotangent depends on
+            live_ids = b.reshape(self._emit_live(b, cotangents, self.lookups, D), [-1])
+            live_rows = self._emit_live(b, cotangents, self.heads, V)
+            X = b.mul(X, live_rows)
+        counts, rows = emit_token_counts(b, idx, V, live_ids)
         A_V = b.div(counts, rows)
         G_D = GramStatistic(self._emit_delta_rows(b, cotangents, self.lookups, D), n)
-        X = self._emit_head_rows(b, inputs)
-        A_D = GramStatistic(X, emit_dim(b, X, 0))
+        A_D = GramStatistic(X, emit_dim(b, X, 0) if live_rows is None else emit_live_count(b, live_rows))
         Dh = self._emit_delta_rows(b, cotangents, self.heads, V)
         G_V = b.div(b.reduce_sum(b.mul(Dh, Dh), [0]), n) if self.vocab_diag else GramStatistic(Dh, n)
         return {"A_V": A_V, "G_D": G_D, "A_D": A_D, "G_V": G_V}
 
-    def numpy_statistics(self, inputs, cotangents):
+    def _emit_live(self, b, cotangents, uses, width):
+        """[rows of `uses`, 1]: ops.emit_live per row of each use, in _emit_delta_rows' order."""
+        return emit_concat(b, [emit_live(b, [b.reshape(d, [-1, width]) for d in cotangents[u]], [1]) for u in uses],
+                           axis=0)
+
+    def numpy_statistics(self, inputs, cotangents, masked=False):
         V, D = self.vocab, self.dim
         n = np.shape(cotangents[0][0])[0]
         idx = self._np_indices(inputs)
         Dl = self._np_delta_rows(cotangents, self.lookups, D)
         X = self._np_head_rows(inputs)
         Dh = self._np_delta_rows(cotangents, self.heads, V)
+        live_ids = rows = None
+        if masked:
+            live_ids = np.concatenate([np_live([np.reshape(d, (-1, D)) for d in cotangents[u]], [1]) for u in self.lookups])
+            live_rows = np.concatenate([np_live([np.reshape(d, (-1, V)) for d in cotangents[u]], [1]) for u in self.heads])
+            X, rows = X * live_rows, max(float(live_rows.sum()), 1.0)
         return {
-            "A_V": np.bincount(idx, minlength=V).astype(np.float64) / len(idx),
+            "A_V": np_token_counts(idx, V, live_ids),
             "G_D": Dl.T @ Dl / n,
-            "A_D": X.T @ X / len(X),
+            "A_D": X.T @ X / (rows or len(X)),
             "G_V": (Dh * Dh).sum(0) / n if self.vocab_diag else Dh.T @ Dh / n,
         }
 

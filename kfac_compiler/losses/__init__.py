@@ -13,6 +13,7 @@ from kfac_compiler.losses.base import (
     loss_kinds,
     losses_help,
     make_loss,
+    optional_int,
     positive_int,
     positive_number,
     reduce_rows,
@@ -25,6 +26,6 @@ from kfac_compiler.losses.heads import Head, MultiHead, parse_heads
 
 __all__ = [
     "LOSSES", "ElementwiseLoss", "Head", "Loss", "MultiHead", "LossOption", "SigmoidCrossEntropy", "SoftmaxCrossEntropy", "SquaredError",
-    "loss_class", "loss_kinds", "losses_help", "make_loss", "parse_heads", "positive_int", "positive_number",
+    "loss_class", "loss_kinds", "losses_help", "make_loss", "optional_int", "parse_heads", "positive_int", "positive_number",
     "reduce_rows", "register_loss",
 ]

@@ -1,7 +1,9 @@
 """The loss contract (`Loss`, `LossOption`) and the loss registry.
 
-A loss is L = 1/N sum_n w_n l_n(z_n, y_n) over the batch (mean reduction; optional per-example
-weights or masks w_n), with l_n summed over every non-batch coordinate of the model output z.
+A loss is L = 1/N sum_n sum_t w_nt l_nt(z_n, y_n) over the batch (mean reduction over the N
+examples), with l_n = sum_t l_nt summed over every non-batch coordinate of the model output z
+and optional weights or a 0/1 mask w at the loss's weight positions t (`weight_shape`: per
+example by default; softmax cross-entropy's targets, an elementwise loss's coordinates).
 A loss class owns everything the compiler and the runtime know about its kind, so that no
 other module compares loss names:
 
@@ -9,8 +11,10 @@ other module compares loss names:
 - options: `options`, each a LossOption (default, help, check); the instance holds the
   checked values as attributes and `option_values()` is what the plan records;
 - targets: their ONNX type and shape in the graphs, their dtype in the plan, the output
-  shapes the loss accepts, the host-side check and conversion of target arrays, and the
-  targets it derives from the demo digits data (`kfac-compiler train --data digits`);
+  shapes the loss accepts, the host-side check and conversion of target arrays, the
+  positions its weights may address and the targets that count (`mask_targets`: softmax
+  cross-entropy's ignore_index), and the targets it derives from the demo digits data
+  (`kfac-compiler train --data digits`);
 - ONNX emitters (through a GraphBuilder): the loss, the per-example gradient dl_n/dz_n for
   given targets, the gradient for a target sampled from the predictive distribution with
   host noise (`noise` names its distribution, so that runs are reproducible and
@@ -47,6 +51,13 @@ class LossOption:
     help: str
     check: Callable[[Any], Any]
     config_alias: str | None = None
+    # the command line's text -> value for an option with a flag of its own on `compile` and
+    # `train` (--ignore-index for ignore_index); None: set in the config's loss_options only
+    parse: Callable[[str], Any] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
 
 def positive_number(value: Any) -> float:
@@ -56,6 +67,16 @@ def positive_number(value: Any) -> float:
     if not value > 0:
         raise ValueError("must be > 0")
     return float(value)
+
+
+def optional_int(value: Any) -> int | None:
+    """Check for options that name an integer value or none (softmax cross-entropy's
+    ignore_index)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError("must be an integer or none")
+    return int(value)
 
 
 def positive_int(value: Any) -> int:
@@ -141,6 +162,13 @@ class Loss:
     def noise_shape(self, output_shape: tuple) -> tuple:
         return tuple(output_shape)
 
+    def weight_shape(self, target_shape: tuple) -> tuple:
+        """The positions a weight (or a mask) can address, from the targets' shape: one weight
+        per example by default; a loss whose l_n is a sum of per-position terms over its
+        targets' axes (emit_per_position) returns more of the targets' shape. Weights given
+        with fewer axes (a prefix of it, [N] at least) are broadcast to it on the host."""
+        return tuple(target_shape[:1])
+
     def output_problem(self, output_shape: Sequence[Any]) -> str | None:
         """Why an output of this shape (rank >= 1) cannot carry this loss; None if it can."""
         return None
@@ -169,6 +197,18 @@ class Loss:
     def check_target_values(self, y: np.ndarray, source: str) -> None:
         """The loss's own range check of target values (DataError)."""
 
+    @property
+    def masks_targets(self) -> bool:
+        """Whether mask_targets may return a mask (an option such as ignore_index is set)."""
+        return False
+
+    def mask_targets(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the targets the graphs take, the 0/1 mask [weight_shape] of the positions that count,
+        or None when all count) from checked targets. With a mask the runtime also divides
+        the loss by the number of positions that count instead of N (softmax cross-entropy's
+        ignore_index: torch's mean over the targets that are not ignored)."""
+        return y, None
+
     def digits_targets(self, pixels: np.ndarray, labels: np.ndarray, output_dims: list[Any] | None) -> np.ndarray:
         """Targets for the demo digits data (pixels in [0, 1], [n, 64]; labels 0..9): by
         default the pixels, for a model that reconstructs them (64 values per example)."""
@@ -189,9 +229,12 @@ class Loss:
         splits it per head)."""
         return outputs
 
-    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
-        """{metric: (sum, count)} over a chunk of examples (outputs: the model output z);
-        the evaluation reports sum / count over all chunks, so chunking does not change it."""
+    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray,
+                      weights: np.ndarray | None = None) -> dict[str, tuple[float, float]]:
+        """{metric: (sum, count)} over a chunk of examples (outputs: the model output z;
+        targets as mask_targets returns them; weights: None, or the weights [weight_shape]
+        of a weighted evaluation, 0 where a position does not count); the evaluation reports
+        sum / count over all chunks, so chunking does not change it."""
         return {}
 
     # -- ONNX emitters (z: model output, y: targets)
@@ -220,16 +263,21 @@ class Loss:
         raise NotImplementedError
 
     def emit_loss(self, b: GraphBuilder, z: str, y: str, weights: str | None = None) -> str:
-        """Mean loss over the batch (weights: optional per-example weights/mask [N])."""
+        """Mean loss over the batch (weights: optional weights/mask shaped like
+        weight_shape(targets), or fewer axes ready to broadcast against emit_per_position's)."""
         if weights is None:
             total = self.emit_per_example_loss_sum(b, z, y)
             return b.div(total, b.batch_size(z))
-        per = self.emit_per_example(b, z, y)
+        per = self.emit_per_position(b, z, y)
         return b.div(b.reduce_sum(b.mul(per, weights), None), b.batch_size(z))
 
     def emit_per_example(self, b: GraphBuilder, z: str, y: str) -> str:
         """l_n as a [N] tensor."""
         raise NotImplementedError
+
+    def emit_per_position(self, b: GraphBuilder, z: str, y: str) -> str:
+        """l_nt shaped like weight_shape(targets) (sum over t: l_n); per example by default."""
+        return self.emit_per_example(b, z, y)
 
     # -- numpy twins (float64)
     def np_per_example(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -259,6 +307,14 @@ class ElementwiseLoss(Loss):
 
     def emit_per_example(self, b: GraphBuilder, z: str, y: str) -> str:
         return reduce_rows(b, self.emit_terms(b, z, y))
+
+    def weight_shape(self, target_shape: tuple) -> tuple:
+        """A weight per output coordinate (kfac-jax's mask on a Bernoulli's logits), or per
+        leading axes of them."""
+        return tuple(target_shape)
+
+    def emit_per_position(self, b: GraphBuilder, z: str, y: str) -> str:
+        return self.emit_terms(b, z, y)
 
     def np_per_example(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
         return self.np_terms(z, y).reshape(len(z), -1).sum(axis=1)

@@ -144,6 +144,11 @@ class MultiHead(Loss):
         self.offsets = np.concatenate([[0], np.cumsum(self.widths)]).astype(int).tolist()
         self.target_offsets = np.concatenate([[0], np.cumsum(self.target_widths)]).astype(int).tolist()
         self.width = self.offsets[-1]
+        for h, p in zip(self.heads, self.parts):
+            if p.masks_targets:
+                raise ConfigError(f"head {h['output']!r}: {p.kind} cannot mask targets in a plan with several heads "
+                                  f"(its weights are per example: {h['options']}); give the head per-example "
+                                  "weights, or use the loss as the plan's only loss")
         for h, p, shape in zip(self.heads, self.parts, self.shapes):  # the packed noise's layout
             if p.noise not in ("uniform", "normal"):
                 raise ConfigError(f"head {h['output']!r}: loss {p.kind!r} samples with {p.noise!r} noise; a head can "
@@ -261,12 +266,23 @@ class MultiHead(Loss):
         """{head output: its array [N, *shape]}."""
         return {h["output"]: zh for h, (zh, _) in zip(self.heads, self.split(outputs))}
 
-    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
-        """Each head's own mean loss (loss_<targets name>, without its coefficient) and metrics."""
-        totals: dict[str, tuple[float, int]] = {}
+    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray,
+                      weights: np.ndarray | None = None) -> dict[str, tuple[float, float]]:
+        """Each head's own mean loss (loss_<targets name>, without its coefficient) and metrics;
+        `weights` [N] weight each example's loss (the mean stays over the N examples, like
+        the loss) and each head's metrics."""
+        totals: dict[str, tuple[float, float]] = {}
         for h, part, (zh, yh) in zip(self.heads, self.parts, self.split(outputs, targets)):
-            totals[f"loss_{h['targets']}"] = (float(np.sum(part.np_per_example(zh.astype(np.float64), yh))), len(zh))
-            for name, value in part.metric_totals(zh, yh).items():
+            per = part.np_per_example(zh.astype(np.float64), yh)
+            if weights is not None:
+                per = per * np.asarray(weights, np.float64)
+            totals[f"loss_{h['targets']}"] = (float(np.sum(per)), len(zh))
+            if weights is None:
+                own = part.metric_totals(zh, yh)
+            else:
+                rank = len(part.weight_shape(yh.shape))
+                own = part.metric_totals(zh, yh, np.asarray(weights).reshape(-1, *[1] * (rank - 1)))
+            for name, value in own.items():
                 totals[f"{name}_{h['targets']}"] = value
         return totals
 
@@ -296,8 +312,16 @@ class MultiHead(Loss):
                       for i, (p, c) in enumerate(zip(self.parts, self.coefficients))])
 
     def emit_metrics(self, b: GraphBuilder, z: str, y: str, weights: str | None = None) -> dict[str, str]:
-        return {f"loss_{h['targets']}": p.emit_loss(b, self._z(b, z, i), self._y(b, y, i), weights)
-                for i, (h, p) in enumerate(zip(self.heads, self.parts))}
+        """Each head's loss; the per-example weights [N] broadcast against each head's
+        per-position terms (emit_per_position: its weight_shape)."""
+        out = {}
+        for i, (h, p) in enumerate(zip(self.heads, self.parts)):
+            w = weights
+            rank = len(p.weight_shape((1, *self.target_rests[i])))
+            if w is not None and rank > 1:
+                w = b.unsqueeze(w, list(range(1, rank)))
+            out[f"loss_{h['targets']}"] = p.emit_loss(b, self._z(b, z, i), self._y(b, y, i), w)
+        return out
 
     def emit_grad(self, b, z, y):
         return self._concat(b, [b.scale(p.emit_grad(b, self._z(b, z, i), self._y(b, y, i)), c)

@@ -9,17 +9,35 @@ from onnx import TensorProto
 
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import DataError
-from kfac_compiler.losses.base import Loss, is_static, reduce_rows, register_loss
+from kfac_compiler.losses.base import Loss, LossOption, is_static, optional_int, reduce_rows, register_loss
+
+
+def integer(text: str) -> int:
+    """The command line's --ignore-index value (argparse names this function in its error)."""
+    return int(text.strip())
 
 
 @register_loss
 class SoftmaxCrossEntropy(Loss):
-    """Categorical distribution over the last axis of z; targets are int64 class indices."""
+    """Categorical distribution over the last axis of z; targets are int64 class indices.
+
+    ignore_index (torch's): a target equal to it counts for nothing, in the loss, the
+    gradients, the curvature and the accuracy, and the loss is the mean over the targets
+    that count (torch's reduction="mean"): the runtime turns the targets into a 0/1 mask m
+    and weights w = m N / sum(m) over the batch it is given (mask_targets; the graphs never
+    see the ignored value), so L = 1/N sum w l = sum_kept l / #kept."""
 
     kind = "softmax_cross_entropy"
     description = "categorical over the output's last axis, targets are class indices"
+    options = (LossOption("ignore_index", None, "targets equal to it count for nothing and the loss is the mean "
+                          "over the others (torch's cross_entropy ignore_index, e.g. -100)", optional_int,
+                          parse=integer),)
     lower_bound = 0.0  # -log p >= 0
     metrics = ("accuracy",)
+    ignore_index: int | None
+
+    def summary(self) -> str:
+        return self.kind if self.ignore_index is None else f"{self.kind} (ignore_index {self.ignore_index})"
 
     # -- targets
     def target_type(self) -> int:
@@ -31,6 +49,9 @@ class SoftmaxCrossEntropy(Loss):
     def target_dtype(self, output_dtype: str) -> str:
         return "int64"
 
+    def weight_shape(self, target_shape: tuple) -> tuple:
+        return tuple(target_shape)  # a weight per target (token, pixel, example)
+
     def output_problem(self, output_shape: Sequence[Any]) -> str | None:
         return f"{self.kind} needs [N, ..., classes]" if len(output_shape) < 2 else None
 
@@ -41,21 +62,41 @@ class SoftmaxCrossEntropy(Loss):
         if output_dims is not None and y.ndim != len(output_dims) - 1:
             raise DataError(f"{source}: 'targets' has shape {list(y.shape)}; {self.kind} expects class "
                             f"indices shaped like the output {output_dims} without its last axis")
-        lo, hi = int(np.min(y)), int(np.max(y))
+        labels = y if self.ignore_index is None else y[y != self.ignore_index]
+        if not labels.size:
+            return y.astype(np.int64)
+        lo, hi = int(np.min(labels)), int(np.max(labels))
         if lo < 0 or (classes is not None and hi >= classes):
-            raise DataError(f"{source}: 'targets' has labels in [{lo}, {hi}]; the model has {classes} classes "
-                            f"(0..{(classes or 1) - 1})")
+            ignored = "" if self.ignore_index is None else f" besides ignore_index {self.ignore_index}"
+            raise DataError(f"{source}: 'targets' has labels in [{lo}, {hi}]{ignored}; the model has {classes} "
+                            f"classes (0..{(classes or 1) - 1})")
         return y.astype(np.int64)
+
+    @property
+    def masks_targets(self) -> bool:
+        return self.ignore_index is not None
+
+    def mask_targets(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Ignored targets become class 0 (any class: their weight is 0) under a 0/1 mask."""
+        if self.ignore_index is None:
+            return y, None
+        keep = y != self.ignore_index
+        return np.where(keep, y, 0).astype(y.dtype), keep.astype(np.float32)
 
     def digits_targets(self, pixels: np.ndarray, labels: np.ndarray, output_dims: list[Any] | None) -> np.ndarray:
         return labels
 
     # -- evaluation
-    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
+    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray,
+                      weights: np.ndarray | None = None) -> dict[str, tuple[float, float]]:
         """accuracy: the fraction of targets (examples, or positions of sequence outputs)
-        whose class has the largest score."""
-        correct = int(np.sum(np.argmax(outputs, axis=-1) == targets))
-        return {"accuracy": (correct, int(targets.size))}
+        whose class has the largest score; weighted: sum w [correct] / sum w (a 0/1 mask:
+        over the targets that count)."""
+        correct = np.argmax(outputs, axis=-1) == targets
+        if weights is None:
+            return {"accuracy": (int(np.sum(correct)), int(targets.size))}
+        w = np.broadcast_to(np.asarray(weights, np.float64), correct.shape)
+        return {"accuracy": (float(np.sum(w * correct)), float(np.sum(w)))}
 
     # -- ONNX emitters
     def _onehot(self, b: GraphBuilder, z: str, y: str) -> str:
@@ -71,6 +112,10 @@ class SoftmaxCrossEntropy(Loss):
         logp = b.op("LogSoftmax", [z], axis=-1)
         picked = b.mul(logp, self._onehot(b, z, y))
         return b.neg(reduce_rows(b, picked))
+
+    def emit_per_position(self, b, z, y):
+        logp = b.op("LogSoftmax", [z], axis=-1)
+        return b.neg(b.reduce_sum(b.mul(logp, self._onehot(b, z, y)), [-1], keepdims=False))
 
     def emit_grad(self, b, z, y):
         return b.sub(b.op("Softmax", [z], axis=-1), self._onehot(b, z, y))

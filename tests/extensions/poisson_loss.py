@@ -46,9 +46,15 @@ class PoissonLoss(ElementwiseLoss):
         return np.round(super().digits_targets(pixels, labels, output_dims) * MAX_PIXEL)
 
     # -- evaluation
-    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray) -> dict[str, tuple[float, int]]:
-        """mean_absolute_error: |predicted mean exp(z) - y| over every output coordinate."""
-        return {"mean_absolute_error": (float(np.sum(np.abs(np.exp(outputs) - targets))), int(targets.size))}
+    def metric_totals(self, outputs: np.ndarray, targets: np.ndarray,
+                      weights: np.ndarray | None = None) -> dict[str, tuple[float, float]]:
+        """mean_absolute_error: |predicted mean exp(z) - y| over every output coordinate
+        (weighted: sum w |.| / sum w)."""
+        err = np.abs(np.exp(outputs) - targets)
+        if weights is None:
+            return {"mean_absolute_error": (float(np.sum(err)), int(targets.size))}
+        w = np.broadcast_to(np.asarray(weights, np.float64), err.shape)  # weight_shape: the targets'
+        return {"mean_absolute_error": (float(np.sum(w * err)), float(np.sum(w)))}
 
     # -- ONNX emitters
     def emit_terms(self, b: GraphBuilder, z: str, y: str) -> str:
