@@ -15,7 +15,9 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
      Max, Where, ...) or Expand (a zero initial state broadcast to the batch) and it is not a bias added to a MatMul / Gemm / Conv output: exporters
      lift Python scalars this way (a 1x1 weight, a bias of one unit or a PRelu slope stay
      parameters);
-  4. it is a BatchNormalization running mean or variance.
+  4. it is a BatchNormalization running mean or variance;
+  5. it is the scale of ones or the shift of zeros of an InstanceNormalization between two
+     Reshapes: how exporters write torch's GroupNorm (the real affine follows as Mul/Add).
 
 Everything else is a parameter. The config overrides either way: `exclude` freezes, `include`
 restricts, `train` trains a parameter the rule froze (`exclude` wins over `train`).
@@ -25,8 +27,8 @@ initializers are torch parameters; then it decides instead of the rule: exactly 
 parameters (and their copies, which the front end ties to them) train, buffers and other
 constants are frozen ("torch buffer NAME", "not a torch parameter"), a parameter is still
 frozen when it holds non-finite values or reaches the output only through non-learnable inputs
-(rule 1 and 2), and an initializer the manifest calls ambiguous is left to the rule. The
-selectors apply on top as above.
+(rules 1 and 2; rules 3 and 5 are the heuristics the manifest replaces), and an initializer the
+manifest calls ambiguous is left to the rule. The selectors apply on top as above.
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ import onnx
 
 from kfac_compiler.builder import live
 from kfac_compiler.config import compile_patterns
-from kfac_compiler.contract import RECURRENT_PIECES_KEY, TORCH_MANIFEST_KEY
+from kfac_compiler.contract import TORCH_MANIFEST_KEY
 from kfac_compiler.errors import ConfigError
-from kfac_compiler.graph import FLOAT_TYPES, GraphView
+from kfac_compiler.graph import FLOAT_TYPES, GraphView, source_holders
 from kfac_compiler.oprules import find as find_rule
 
 # Input slots that are an op's settings, never data to learn (beyond what the gradient
@@ -114,9 +116,35 @@ def _is_literal(view: GraphView, name: str) -> bool:
     return True
 
 
+def _group_norm_placeholder(view: GraphView, name: str) -> str | None:
+    """Rule 5: exporters write torch's GroupNorm as InstanceNormalization over the input
+    reshaped to [N, groups, -1] with a scale of ones and a shift of zeros (one element for
+    GroupNorm(1), one per group otherwise), reshape back and apply the GroupNorm's own weight
+    and bias as Mul/Add. Those placeholders are constants: `name` is one when every use is
+    such a node's scale or shift, the node's scale is all ones and its shift all zeros, and
+    the node reads a Reshape and is read only by Reshapes."""
+    uses = view.consumers.get(name, [])
+    if not uses:
+        return None
+    for node in uses:
+        if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+            return None
+        scale, shift = (view.constant_value(t) for t in node.input[1:3])
+        producer = view.producer.get(node.input[0])
+        readers = view.consumers.get(node.output[0], [])
+        if (name not in node.input[1:3] or scale is None or shift is None or not np.all(scale == 1)
+                or not np.all(shift == 0) or producer is None or producer.op_type != "Reshape"
+                or not readers or any(r.op_type != "Reshape" for r in readers)):
+            return None
+    what = "unit scale" if name == uses[0].input[1] else "zero shift"
+    return (f"constant: the {what} of InstanceNormalization {uses[0].name!r} between Reshapes (an exporter's "
+            "GroupNorm; its own weight and bias follow as Mul/Add)")
+
+
 def constant_reason(view: GraphView, name: str, learnable: set[str], literals: bool = True) -> str | None:
     """Why the float initializer `name` is a constant under the rule, or None (a parameter);
-    literals=False skips rule 3 (a single value in elementwise arithmetic)."""
+    literals=False skips rules 3 and 5 (a single value in elementwise arithmetic, a GroupNorm's
+    placeholder scale or shift: the heuristics a torch manifest replaces)."""
     value = view.array(name)
     if value.size and not np.all(np.isfinite(value)):
         return "constant: holds non-finite values (a mask fill such as -inf)"
@@ -129,20 +157,21 @@ def constant_reason(view: GraphView, name: str, learnable: set[str], literals: b
         return "constant: reaches the output only through non-learnable inputs"
     if literals and value.size == 1 and _is_literal(view, name):
         return "constant: a single value in elementwise arithmetic (a literal the exporter lifted)"
-    return None
+    return _group_norm_placeholder(view, name) if literals else None
 
 
 def torch_roles(model: onnx.ModelProto) -> dict[str, dict[str, Any]] | None:
     """{initializer: its manifest entry} from the torch bridge's manifest (None without one);
-    the lowered pieces of a fused recurrent weight get their weight's entry."""
+    the lowered pieces of a fused recurrent weight, and a weight folded from the exporter's
+    run-time assembly of torch tensors, get their source's entry (the first source's)."""
     props = {p.key: p.value for p in model.metadata_props}
     if TORCH_MANIFEST_KEY not in props:
         return None
     roles = dict(json.loads(props[TORCH_MANIFEST_KEY]).get("initializers", {}))
-    for orig, pieces in json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).items():
+    for orig, holders in source_holders(model).items():
         if orig in roles:
-            for piece in pieces:
-                roles.setdefault(piece[0], roles[orig])
+            for holder in holders:
+                roles.setdefault(holder, roles[orig])
     return roles
 
 

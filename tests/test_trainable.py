@@ -96,6 +96,61 @@ def test_constants_do_not_move_in_training(rng):
     assert not np.allclose(exported["fc.weight"], numpy_helper.to_array(plan.model.graph.initializer[0]))
 
 
+# ------------------------------------------------------ GroupNorm's placeholders (rule 5)
+def group_norm_like(rng, groups: int = 1, reshaped: bool = True, scale=None, shift=None) -> onnx.ModelProto:
+    """torch.export's GroupNorm(groups, 4): InstanceNormalization over x reshaped to [N, groups,
+    -1] with a placeholder scale of ones and shift of zeros (`groups` elements each), reshaped
+    back, then the GroupNorm's weight and bias as Mul/Add; mean over the spatial axes and a head.
+    reshaped=False: an InstanceNorm2d(4, affine=True) at its initialisation (ones and zeros,
+    a parameter)."""
+    c = 4 if not reshaped else groups
+    scale = np.ones(c, np.float32) if scale is None else scale
+    shift = np.zeros(c, np.float32) if shift is None else shift
+    inits = {"gn.in_scale": scale, "gn.in_shift": shift, "gn.weight": randn(rng, 4, 1, 1),
+             "gn.bias": randn(rng, 4, 1, 1), "head.weight": randn(rng, 4, 3), "grouped": np.array([0, groups, -1]),
+             "spatial": np.array([2, 3])}
+    if reshaped:
+        nodes = [helper.make_node("Reshape", ["x", "grouped"], ["xg"], name="gn/Reshape"),
+                 helper.make_node("InstanceNormalization", ["xg", "gn.in_scale", "gn.in_shift"], ["ng"], name="gn/in"),
+                 helper.make_node("Shape", ["x"], ["xs"], name="gn/Shape"),
+                 helper.make_node("Reshape", ["ng", "xs"], ["n"], name="gn/Reshape_back")]
+    else:
+        nodes = [helper.make_node("InstanceNormalization", ["x", "gn.in_scale", "gn.in_shift"], ["n"], name="gn/in")]
+    nodes += [helper.make_node("Mul", ["n", "gn.weight"], ["s"], name="gn/Mul"),
+              helper.make_node("Add", ["s", "gn.bias"], ["a"], name="gn/Add"),
+              helper.make_node("ReduceMean", ["a", "spatial"], ["p"], keepdims=0, name="pool"),
+              helper.make_node("MatMul", ["p", "head.weight"], ["y"], name="head")]
+    return model(nodes, inits, x_shape=("N", 4, 3, 3), opset=18)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_norm_placeholders_are_frozen_with_their_reason(rng, groups):
+    plan = kc.compile(group_norm_like(rng, groups), loss="squared_error", emit=False)
+    assert plan.trainable == ["gn.weight", "gn.bias", "head.weight"]
+    assert plan.frozen_reasons == {
+        "gn.in_scale": "constant: the unit scale of InstanceNormalization 'gn/in' between Reshapes (an exporter's "
+                       "GroupNorm; its own weight and bias follow as Mul/Add)",
+        "gn.in_shift": "constant: the zero shift of InstanceNormalization 'gn/in' between Reshapes (an exporter's "
+                       "GroupNorm; its own weight and bias follow as Mul/Add)"}
+    assert [(layer.kind, layer.params) for layer in plan.layers] == [
+        ("scale_and_shift", ("gn.weight", "gn.bias")), ("fully_connected", ("head.weight",))]
+    table = render(plan, "table")
+    assert "gn.in_scale  constant: the unit scale of InstanceNormalization 'gn/in' between Reshapes" in table
+    forced = kc.compile(group_norm_like(rng, groups), loss="squared_error", emit=False, train=["gn.in_.*"])
+    assert forced.trainable == ["gn.in_scale", "gn.in_shift", "gn.weight", "gn.bias", "head.weight"]
+
+
+@pytest.mark.parametrize("case", ["instance_norm", "trained_scale", "trained_shift"])
+def test_instance_norms_that_are_not_group_norm_placeholders_stay_parameters(rng, case):
+    """A real InstanceNorm2d at its initialisation (ones and zeros, no reshapes around it), and a
+    GroupNorm decomposition whose scale or shift is not ones / zeros (trained: it means something)."""
+    kw = {"instance_norm": {"reshaped": False}, "trained_scale": {"scale": np.array([1.0, 1.5], np.float32)},
+          "trained_shift": {"shift": np.array([0.0, 0.25], np.float32)}}[case]
+    plan = kc.compile(group_norm_like(rng, 2, **kw), loss="squared_error", emit=False)
+    assert plan.trainable == ["gn.in_scale", "gn.in_shift", "gn.weight", "gn.bias", "head.weight"]
+    assert plan.frozen == []
+
+
 # ----------------------------------------------------------------------- untie
 def merged_layernorms(rng) -> onnx.ModelProto:
     """Two LayerNorms sharing one all-ones gain and one all-zeros bias, as exporters merge them."""
