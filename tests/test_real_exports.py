@@ -53,10 +53,9 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt2_sdpa-dynamo*", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
     ("gpt-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
     ("bert-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
-    # torch.export without its optimizer builds W/R/B from torch's tensors with Concat at run
-    # time: the lowered weights are computed tensors, so they are generic layers
-    ("lstm-dynamo_noopt", "blocks"): "LSTM weights concatenated at run time (no initializer to match): generic",
-    ("gru-dynamo_noopt", "blocks"): "GRU weights concatenated at run time (no initializer to match): generic",
+    # torch.export without its optimizer applies a GroupNorm's weight and bias through
+    # Unsqueeze + CastLike at run time: no initializer reaches the Mul/Add, so they are generic
+    ("groupnorm-dynamo_noopt", "blocks"): "GroupNorm affine unsqueezed at run time (no initializer to match): generic",
     # the optimizer drops the folded all-zero conv biases altogether (180 elements): nothing
     # in the graph to train; only a compiler that adds biases back could pass this one
     ("resnet_init-dynamo", "merged"): "exporter's optimizer removed the zero folded conv biases (not in the graph)",
@@ -74,7 +73,7 @@ _IMAGE = [
 ]
 _RNN = [
     (r"emb\.weight", "embedding", "kron"),
-    (r"rnn\.weight_(ih|hh)_l\d", "fully_connected", "kron_indep"),  # several uses (time steps)
+    (r"rnn\.weight_(ih|hh)_l\d(_reverse)?", "fully_connected", "kron_indep"),  # several uses (time steps)
     (r"rnn\.bias_.*", _TIED, None),                                 # whatever goes with the weights
     (r"head\..*", "fully_connected", "kron"),
 ]
@@ -106,7 +105,12 @@ EXPECTED_BLOCKS: dict[str, list] = {
         (r".*ln_(1|2|f)\..*", "scale_and_shift", "full"),
         (r".*\.(qkv|proj|fc|fc_out)\..*", "fully_connected", "kron"),
     ],
-    "lstm": _RNN, "gru": _RNN,
+    "lstm": _RNN, "gru": _RNN, "bilstm": _RNN,
+    "groupnorm": [
+        (r"(stem|fc1|fc2)\..*", "conv", "kron"),
+        (r"norm\d\..*", "scale_and_shift", "full"),  # the GroupNorm's affine (Mul/Add after the reshape back)
+        (r"head\..*", "fully_connected", "kron"),
+    ],
 }
 
 
