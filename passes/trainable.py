@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from kfac_compiler.builder import live
+from kfac_compiler.builder import live, outer_reads, subgraphs
 from kfac_compiler.config import compile_patterns
 from kfac_compiler.contract import TORCH_MANIFEST_KEY
-from kfac_compiler.errors import ConfigError
+from kfac_compiler.errors import ConfigError, UnsupportedOpError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, source_holders
 from kfac_compiler.oprules import find as find_rule
 
@@ -100,7 +100,35 @@ def _learnable_tensors(view: GraphView, output: str) -> set[str]:
         for slot, name in enumerate(node.input):
             if name and _learnable_slot(node, slot, view.opset) and view.dtypes.get(name, 0) in (0, *FLOAT_TYPES):
                 learnable.add(name)
+        for sub in subgraphs(node):  # what an If/Loop/Scan body reads from here is on the path too
+            learnable |= {n for n in outer_reads(sub) if view.dtypes.get(n, 0) in (0, *FLOAT_TYPES)}
     return learnable
+
+
+def _check_outer_scope_reads(view: GraphView, trainable: list[str], learnable: set[str]) -> None:
+    """Gradients do not flow into If/Loop/Scan bodies (the autodiff pass differentiates the
+    node's inputs, and a body reads the enclosing graph's tensors by name): a body on the path to
+    the output that reads a trainable parameter, or a tensor computed from one, would leave that
+    parameter's gradient without the body's share. That is one line naming the node, the tensor
+    and the parameter, not a silently frozen or wrong gradient."""
+    origin = {p: p for p in trainable}  # tensor -> a trainable parameter it depends on
+    for node in view.nodes:
+        reads = [n for n in node.input if n] + [n for sub in subgraphs(node) for n in sorted(outer_reads(sub))]
+        src = next((origin[n] for n in reads if n in origin), None)
+        if src is not None:
+            origin.update({o: src for o in node.output if o})
+        if not any(o in learnable for o in node.output if o):
+            continue
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):  # by name
+                hit = next((n for n in sorted(outer_reads(sub)) if n in origin), None)
+                if hit is not None:
+                    param = origin[hit]
+                    what = "is a trainable parameter" if hit == param else f"is computed from the trainable parameter {param!r}"
+                    raise UnsupportedOpError(
+                        f"node {node.name!r} ({node.op_type}) reads {hit!r} inside its {attr.name} from the enclosing "
+                        f"graph, and {hit!r} {what}: gradients do not flow into If/Loop/Scan bodies; freeze {param!r} "
+                        f"(exclude = [{param!r}], CLI --exclude {param}) or export the model without control flow")
 
 
 
@@ -269,6 +297,7 @@ def split_trainable(
                     f"{key}: {p!r} matches no float initializer reaching {output!r} "
                     f"(initializers: {', '.join(candidates[:12])}{', ...' if len(candidates) > 12 else ''})"
                 )
+    _check_outer_scope_reads(view, trainable, learnable)
     if not trainable:
         raise ConfigError(f"no trainable parameters reach {output!r} after include/exclude and the constants rule "
                           f"(frozen: {', '.join(f'{n}: {reasons[n]}' for n in frozen[:4])}); "
