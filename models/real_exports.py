@@ -20,8 +20,8 @@ parameter elements it holds):
   (2 layers, width 32, 2 heads, vocab 32, 8 positions; eager attention), logits [N, 8, 32];
 * gpt: models/torch_exports.gpt at width 16, 2 layers, vocab 32, 8 positions (tied head);
 * lstm, gru: Embedding(32, 16) -> nn.LSTM / nn.GRU (2 layers, hidden 16, batch_first) ->
-  Linear(16, 32); bilstm: the LSTM bidirectional (Linear(32, 32)), torch.export only (without
-  its optimizer the exporter concatenates both directions' weights at run time);
+  Linear(16, 32); bilstm: one bidirectional LSTM layer (then Linear(32, 32)), torch.export
+  without its optimizer only (it concatenates both directions' weights at run time);
 * groupnorm: timm's PoolFormer block at width 8 (GroupNorm(1, C) norms, AvgPool token
   mixer, 1x1-conv MLP) with a GroupNorm(4, C), 16x16 RGB digits: exporters write GroupNorm as
   InstanceNormalization with placeholder scale and shift between Reshapes.
@@ -84,7 +84,7 @@ BATCH = 8
 EXPORTERS = ("ts", "dynamo", "dynamo_noopt", "dynamo23")
 # "dynamo23" (torch.export at opset 23: Attention for scaled_dot_product_attention) only for a
 # few families, and gpt2_sdpa (transformers' SDPA attention) only through torch.export
-FAMILY_EXPORTERS = {"gpt2_sdpa": ("dynamo", "dynamo23"), "bilstm": ("dynamo", "dynamo_noopt")}
+FAMILY_EXPORTERS = {"gpt2_sdpa": ("dynamo", "dynamo23"), "bilstm": ("dynamo_noopt",)}
 OPSET23_FAMILIES = ("resnet", "lstm", "gpt2_sdpa")
 
 
@@ -201,10 +201,10 @@ def _bert():
 
 
 class _RNNLM(nn.Module):
-    def __init__(self, cell, vocab=VOCAB, d=16, bidirectional=False):
+    def __init__(self, cell, vocab=VOCAB, d=16, bidirectional=False, num_layers=2):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.rnn = cell(d, d, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.rnn = cell(d, d, num_layers=num_layers, batch_first=True, bidirectional=bidirectional)
         self.head = nn.Linear(2 * d if bidirectional else d, vocab)
 
     def forward(self, input):  # noqa: A002
@@ -251,7 +251,7 @@ FAMILIES = {
     "gpt": (_gpt, "tokens"),
     "lstm": (lambda: _RNNLM(nn.LSTM), "tokens"),
     "gru": (lambda: _RNNLM(nn.GRU), "tokens"),
-    "bilstm": (lambda: _RNNLM(nn.LSTM, bidirectional=True), "tokens"),
+    "bilstm": (lambda: _RNNLM(nn.LSTM, bidirectional=True, num_layers=1), "tokens"),
     "groupnorm": (lambda: _PoolFormer(), "image"),
 }
 
