@@ -238,9 +238,10 @@ LIGHT_ELEMENTS = 1024  # float initializers larger than this are declared, not c
 
 
 def _light_copy(model: onnx.ModelProto, for_checker: bool = False) -> onnx.ModelProto:
-    """The model without the values of its large float initializers (declared as graph inputs
-    of their type and shape instead: all the checker and shape inference read of them), so that
-    checking a model does not serialize its weights (2 s and 6 s for 400 MB). `for_checker`:
+    """The model without the values of its large float initializers and of those in external
+    data not loaded (declared as graph inputs of their type and shape instead: all the checker
+    and shape inference read of them), so that checking a model does not serialize its weights
+    (2 s and 6 s for 400 MB) or look for external files. `for_checker`:
     graph inputs and outputs without a type or shape get an unknown-shape float declaration,
     untyped value_info is dropped, the IR version is at least 4 and deprecated ops are left out
     of the schema check (`_hide_deprecated`)."""
@@ -257,7 +258,8 @@ def _light_copy(model: onnx.ModelProto, for_checker: bool = False) -> onnx.Model
     g.sparse_initializer.extend(src.sparse_initializer)
     declared = {i.name for i in src.input}
     for t in src.initializer:
-        if t.data_type in FLOAT_TYPES and math.prod(t.dims) > LIGHT_ELEMENTS:
+        if t.data_location == onnx.TensorProto.EXTERNAL or (t.data_type in FLOAT_TYPES
+                                                             and math.prod(t.dims) > LIGHT_ELEMENTS):
             if t.name not in declared:
                 g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
         else:

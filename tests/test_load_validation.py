@@ -127,6 +127,16 @@ def with_external_data(model_path: str, folder, location: str) -> str:
     return out
 
 
+def test_an_in_memory_model_with_external_data_not_loaded_is_checked_without_it(base, tmp_path):
+    """The checks read types and shapes, not values: external data not loaded (every weight,
+    small ones too) is not looked for, and the model is valid."""
+    from kfac_compiler.passes.load import validate_model
+
+    model = onnx.load(with_external_data(base[0], tmp_path / "m", "w.bin"), load_external_data=False)
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    validate_model(model, None)
+
+
 @pytest.mark.parametrize("where", ["parent", "absolute"])
 def test_external_data_outside_the_models_folder_is_refused(base, tmp_path, where, capsys):
     outside = tmp_path / "w.bin"
