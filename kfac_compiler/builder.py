@@ -301,6 +301,18 @@ def node_reads(node: onnx.NodeProto) -> set[str]:
     return out
 
 
+def outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """The names a subgraph reads from its enclosing scopes: read by its nodes (and by their
+    own subgraphs) and defined by none of its inputs, initializers or nodes."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {s.values.name for s in graph.sparse_initializer} | {o for n in graph.node for o in n.output}
+    reads = {t for n in graph.node for t in n.input if t}
+    for n in graph.node:
+        for g in subgraphs(n):
+            reads |= outer_reads(g)
+    return reads - defined
+
+
 def live(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:
     """The nodes (in their given order) that the tensors `outputs` depend on, and every tensor
     name on the way (`outputs` included). Used to drop dead nodes from emitted models: ONNX

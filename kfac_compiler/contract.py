@@ -39,6 +39,9 @@ MULTIPLY = "multiply"                    # (F + damping)^exp v from the factors
 
 # the plan model's metadata key recording the lowered pieces of each fused recurrent weight
 RECURRENT_PIECES_KEY = "kfac_compiler.recurrent_params"
+# the plan model's metadata key recording which source initializers' elements an initializer
+# folded from an exporter's run-time assembly (Slice/Concat of initializers) holds
+FOLDED_PARAMS_KEY = "kfac_compiler.folded_params"
 # the source model's metadata key holding the torch bridge's parameter manifest (JSON; written
 # by kfac_compiler.torch.export, honoured by the front end's trainable split: docs/torch.md)
 TORCH_MANIFEST_KEY = "kfac_compiler.torch_manifest"

@@ -6,6 +6,7 @@ never mutate the model they were given (they copy it first).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from kfac_compiler.contract import RECURRENT_PIECES_KEY
+from kfac_compiler.contract import FOLDED_PARAMS_KEY, RECURRENT_PIECES_KEY
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -200,21 +201,70 @@ def float_types(model: onnx.ModelProto) -> set[int]:
     return types & set(FLOAT_TYPES)
 
 
-def fold_recurrent_params(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The original recurrent initializers (W, R, B, P) assembled from the values of their
-    lowered pieces (e.g. a trained model's or gradients keyed by piece name); `model` is the
-    lowered (canonical) model, whose metadata records the pieces (passes/recurrent.py). Directions
-    or pieces absent from `values` are left at 0."""
+def _records(model: onnx.ModelProto) -> tuple[dict[str, list], dict[str, dict]]:
+    """(recurrent pieces, folded assemblies): the two records a compiled model's metadata
+    keeps of initializers that replaced the source's (passes/recurrent.py, passes/fold_params.py)."""
     props = {p.key: p.value for p in model.metadata_props}
-    record = json.loads(props.get(RECURRENT_PIECES_KEY, "{}"))
+    return json.loads(props.get(RECURRENT_PIECES_KEY, "{}")), json.loads(props.get(FOLDED_PARAMS_KEY, "{}"))
+
+
+def fold_recurrent_params(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The source model's recurrent initializers assembled from the values of the compiled
+    model's (e.g. a trained model's or gradients keyed by piece name); `model` is the lowered
+    (canonical) model, whose metadata records the pieces: a fused op's W, R, B, P from their
+    per-direction pieces (passes/recurrent.py), and the initializers an exporter assembled them
+    from at run time (passes/fold_params.py) from those. The result holds both levels.
+    Directions or pieces of a fused op's weight absent from `values` are left at 0; a source of
+    an assembly is left out unless every element's holder has a value."""
+    record, folded = _records(model)
     out = {}
     for orig, pieces in record.items():
+        present = [np.asarray(values[p]) for p, _, _, _ in pieces if p in values]
+        if not present:
+            continue
         D = 1 + max(d for _, d, _, _ in pieces)
         width = max(e for _, _, _, e in pieces)
-        ref = next(np.asarray(values[p]) for p, _, _, _ in pieces if p in values)
-        arr = np.zeros((D, width) + ref.shape[1:], dtype=ref.dtype)
+        arr = np.zeros((D, width) + present[0].shape[1:], dtype=present[0].dtype)
         for p, d, s, e in pieces:
             if p in values:
                 arr[d, s:e] = values[p]
         out[orig] = arr
+    have = {**values, **out}
+    assembled: dict[str, np.ndarray] = {}
+    filled: dict[str, int] = {}
+    for target, rec in folded.items():
+        if target not in have:
+            continue
+        flat = np.asarray(have[target]).reshape(-1)
+        for src, dst, at, n in rec["runs"]:
+            if src not in assembled:
+                assembled[src] = np.zeros(math.prod(rec["sources"][src]), dtype=flat.dtype)
+                filled[src] = 0
+            assembled[src][at:at + n] = flat[dst:dst + n]
+            filled[src] += n
+    shapes = {s: dims for rec in folded.values() for s, dims in rec["sources"].items()}
+    for src, arr in assembled.items():
+        if filled[src] == arr.size:
+            out[src] = arr.reshape(shapes[src])
+    return out
+
+
+def source_holders(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """{source model initializer: the compiled model's initializers holding its elements} for
+    the initializers the compiled `model` replaced: a fused recurrent op's weight by its
+    lowered pieces, an exporter's run-time assembly's sources by the folded initializer (or
+    the lowered pieces of it that hold their elements)."""
+    record, folded = _records(model)
+    out: dict[str, list[str]] = {orig: [p[0] for p in pieces] for orig, pieces in record.items()}
+    for target, rec in folded.items():
+        inner = math.prod(rec["shape"][2:])
+        rows = rec["shape"][1] if len(rec["shape"]) > 1 else 1
+        for src, dst, _, n in rec["runs"]:
+            holders = out.setdefault(src, [])
+            pieces = record.get(target)
+            if pieces is None:  # not lowered: the folded initializer itself
+                found = [target]
+            else:  # pieces [d, s:e] of a [D, rows, *inner] weight: flat [(d rows + s) inner, (d rows + e) inner)
+                found = [p for p, d, s, e in pieces if (d * rows + s) * inner < dst + n and dst < (d * rows + e) * inner]
+            holders.extend(h for h in found if h not in holders)
     return out

@@ -23,9 +23,9 @@ from google.protobuf.message import DecodeError
 from onnx import helper
 
 from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
-from kfac_compiler.contract import RECURRENT_PIECES_KEY, TARGETS, SubgraphInfo
+from kfac_compiler.contract import TARGETS, SubgraphInfo
 from kfac_compiler.errors import PlanError, one_line, os_errors, os_reason
-from kfac_compiler.graph import GraphView, fold_recurrent_params
+from kfac_compiler.graph import GraphView, fold_recurrent_params, source_holders
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
 from kfac_compiler.onnx_files import inside, outside_locations
@@ -248,21 +248,21 @@ class Plan:
 
     def holders(self, initializer: str) -> list[str]:
         """The initializers of the plan's model holding a SOURCE model initializer: itself, the
-        parameter an exporter's copy is retied to, or a fused recurrent op's lowered pieces."""
+        parameter an exporter's copy is retied to, a fused recurrent op's lowered pieces, or
+        the initializer (or its pieces) folded from an exporter's run-time assembly of it."""
         if initializer in self.retied:
             return [self.retied[initializer]["of"]]
-        pieces = self.recurrent_pieces().get(initializer)
-        return [p[0] for p in pieces] if pieces else [initializer]
+        return self.source_holders().get(initializer) or [initializer]
 
-    def recurrent_pieces(self) -> dict[str, list]:
-        """{fused recurrent op's initializer: [[piece, direction, start, end], ...]}: the record
-        passes/recurrent.py keeps in the plan model's metadata."""
-        props = {p.key: p.value for p in self.model.metadata_props}
-        return json.loads(props.get(RECURRENT_PIECES_KEY, "{}"))
+    def source_holders(self) -> dict[str, list[str]]:
+        """{source initializer the plan's model replaced: its holders} (graph.source_holders:
+        the records passes/recurrent.py and passes/fold_params.py keep in the model's metadata)."""
+        return source_holders(self.model)
 
     def holders_of_pieces(self) -> set[str]:
-        """The plan model's initializers that are lowered pieces of a fused recurrent op's."""
-        return {p[0] for pieces in self.recurrent_pieces().values() for p in pieces}
+        """The plan model's initializers that hold pieces of source initializers it replaced
+        (lowered recurrent weights, folded assemblies)."""
+        return {h for holders in self.source_holders().values() for h in holders}
 
     def source_values(self, values: dict[str, Any]) -> dict[str, Any]:
         """{source model initializer: value} from `values` keyed by the plan model's
@@ -303,6 +303,9 @@ class Plan:
             "trainable_params": len(self.trainable),
             "frozen_params": len(self.frozen),
             "param_elements": int(sum(math.prod(shapes[p]) for p in self.trainable)),
+            # coverage: the parameter elements in layers of a structured kind (not generic)
+            "structured_elements": int(sum(math.prod(shapes[p]) for layer in self.layers if layer.kind != "generic"
+                                           for p in layer.params)),
             "factors": n_factors,
             "factor_bytes": int(factor_bytes),
             "layers_without_factors": unknown,

@@ -272,6 +272,7 @@ def render_table(plan: Plan, wide: bool = False, param_groups: Any = None) -> st
         f"ema_decay {plan.schedule.ema_decay}   damping {plan.schedule.damping}   "
         f"statistics every {plan.schedule.stats.update_period} steps",
         f"{inverse_text} every {inv.update_period} steps",
+        _coverage_line(plan),
         *_cost_lines(plan.costs),
         *_group_lines(plan, groups),
     ]
@@ -316,6 +317,18 @@ def _variant(sub: dict[str, Any], subs: list[dict[str, Any]]) -> str:
     mine = sub["options"]
     keys = sorted({k for o in others for k in mine if o.get(k) != mine[k]})
     return ", ".join(f"{k}: {len(mine[k])}" if isinstance(mine[k], (list, tuple)) else f"{k}={mine[k]}" for k in keys)
+
+
+def _coverage_line(plan: Plan) -> str:
+    """How much of the model the structured blocks cover: the share of parameter elements in
+    layers of a kind other than generic (whose blocks know nothing of the layer's structure)."""
+    t = plan.totals()
+    total, structured = t["param_elements"], t["structured_elements"]
+    generic = [layer.name for layer in plan.layers if layer.kind == "generic"]
+    share = 100.0 * structured / total if total else 100.0
+    rest = (f"; generic: {total - structured:,} in {len(generic)} layer{'s' if len(generic) != 1 else ''}"
+            if generic else "")
+    return f"coverage:  {share:.1f}% of the {total:,} parameter elements in structured blocks{rest}"
 
 
 def _cost_lines(costs: dict[str, Any]) -> list[str]:

@@ -20,7 +20,11 @@ parameter elements it holds):
   (2 layers, width 32, 2 heads, vocab 32, 8 positions; eager attention), logits [N, 8, 32];
 * gpt: models/torch_exports.gpt at width 16, 2 layers, vocab 32, 8 positions (tied head);
 * lstm, gru: Embedding(32, 16) -> nn.LSTM / nn.GRU (2 layers, hidden 16, batch_first) ->
-  Linear(16, 32).
+  Linear(16, 32); bilstm: one bidirectional LSTM layer (then Linear(32, 32)), torch.export
+  without its optimizer only (it concatenates both directions' weights at run time);
+* groupnorm: timm's PoolFormer block at width 8 (GroupNorm(1, C) norms, AvgPool token
+  mixer, 1x1-conv MLP) with a GroupNorm(4, C), 16x16 RGB digits: exporters write GroupNorm as
+  InstanceNormalization with placeholder scale and shift between Reshapes.
 
 Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dynamo"
 (dynamo=True, the exporter's default opset, its optimizer on) and "dynamo_noopt"
@@ -80,7 +84,7 @@ BATCH = 8
 EXPORTERS = ("ts", "dynamo", "dynamo_noopt", "dynamo23")
 # "dynamo23" (torch.export at opset 23: Attention for scaled_dot_product_attention) only for a
 # few families, and gpt2_sdpa (transformers' SDPA attention) only through torch.export
-FAMILY_EXPORTERS = {"gpt2_sdpa": ("dynamo", "dynamo23")}
+FAMILY_EXPORTERS = {"gpt2_sdpa": ("dynamo", "dynamo23"), "bilstm": ("dynamo_noopt",)}
 OPSET23_FAMILIES = ("resnet", "lstm", "gpt2_sdpa")
 
 
@@ -197,14 +201,38 @@ def _bert():
 
 
 class _RNNLM(nn.Module):
-    def __init__(self, cell, vocab=VOCAB, d=16):
+    def __init__(self, cell, vocab=VOCAB, d=16, bidirectional=False, num_layers=2):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.rnn = cell(d, d, num_layers=2, batch_first=True)
-        self.head = nn.Linear(d, vocab)
+        self.rnn = cell(d, d, num_layers=num_layers, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(2 * d if bidirectional else d, vocab)
 
     def forward(self, input):  # noqa: A002
         return self.head(self.rnn(self.emb(input))[0])
+
+
+class _PoolFormer(nn.Module):
+    """timm's PoolFormer block at width 8: GroupNorm(1, C) norms (timm's PoolFormer and
+    MobileViTv2 normalize so), the pooling token mixer (AvgPool - x) and a 1x1-conv MLP with
+    GELU, then a GroupNorm(4, C) (statistics per group of channels) and a linear head."""
+
+    def __init__(self, c=8, num_classes=10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, 2, 1)
+        self.norm1 = nn.GroupNorm(1, c)
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.norm2 = nn.GroupNorm(1, c)
+        self.fc1 = nn.Conv2d(c, 2 * c, 1)
+        self.fc2 = nn.Conv2d(2 * c, c, 1)
+        self.norm3 = nn.GroupNorm(4, c)
+        self.head = nn.Linear(c, num_classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.norm1(x)
+        x = x + self.pool(y) - y
+        x = x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+        return self.head(self.norm3(x).mean((2, 3)))
 
 
 def _gpt():
@@ -223,6 +251,8 @@ FAMILIES = {
     "gpt": (_gpt, "tokens"),
     "lstm": (lambda: _RNNLM(nn.LSTM), "tokens"),
     "gru": (lambda: _RNNLM(nn.GRU), "tokens"),
+    "bilstm": (lambda: _RNNLM(nn.LSTM, bidirectional=True, num_layers=1), "tokens"),
+    "groupnorm": (lambda: _PoolFormer(), "image"),
 }
 
 

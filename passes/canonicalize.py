@@ -15,7 +15,9 @@
   6. shape inference (strict off, data_prop on) fills value_info; ir_version is pinned to
      kfac_compiler.builder.IR_VERSION;
   7. fused LSTM/GRU/RNN nodes with a static sequence length are unrolled into primitive
-     ops (passes/recurrent.py, after the first shape inference).
+     ops (passes/recurrent.py, after the first shape inference); weights the exporter
+     assembles from initializers at run time (Slice/Concat, torch.export without its
+     optimizer) are folded into initializers first (passes/fold_params.py).
 
 `recognise_loss(model, output)` detects a loss op at the end of the graph (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss(LogSoftmax), a mean
 squared difference) and returns the scores tensor, loss kind, labels input and the loss options the op
@@ -35,7 +37,8 @@ from kfac_compiler.builder import IR_VERSION, live
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
-from kfac_compiler.passes.recurrent import lower_recurrent
+from kfac_compiler.passes.fold_params import fold_assembled
+from kfac_compiler.passes.recurrent import lower_recurrent, weight_inputs
 
 # Ops never folded: random, or with side effects / sequences.
 _NO_FOLD = {
@@ -54,6 +57,7 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _rewrite_gemm_trans_a(m)
     m = infer_shapes(m, keep_going=True)
     _split_sequences(m)
+    m = fold_assembled(m, weight_inputs(m))
     m = lower_recurrent(m)
     _collapse_noops(m, output)
     _fold_constants(m, output)

@@ -80,6 +80,19 @@ def _is_recurrent(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in RECURRENT_OPS
 
 
+def _weight_slot(node: onnx.NodeProto, slot: int) -> bool:
+    """W, R, B (and an LSTM's peepholes P): the inputs lowered into per-direction pieces."""
+    return slot in (1, 2, 3) or (slot == 7 and node.op_type == "LSTM")
+
+
+def weight_inputs(model: onnx.ModelProto) -> list[str]:
+    """The recurrent ops' weight inputs (W, R, B, P) that are computed, not initializers: what
+    passes/fold_params.py may fold into initializers before the lowering."""
+    inits = {t.name for t in model.graph.initializer}
+    return [name for node in model.graph.node if _is_recurrent(node)
+            for slot, name in enumerate(node.input) if name and _weight_slot(node, slot) and name not in inits]
+
+
 def _attr(a: dict, name: str, default=None):
     v = a.get(name, default)
     if isinstance(v, bytes):
@@ -144,7 +157,7 @@ class _Params:
             for i, name in enumerate(node.input):
                 if not name:
                     continue
-                if _is_recurrent(node) and i in (1, 2, 3) + ((7,) if node.op_type == "LSTM" else ()):
+                if _is_recurrent(node) and _weight_slot(node, i):
                     ours[name] = ours.get(name, 0) + 1
                 else:
                     other.add(name)

@@ -15,7 +15,9 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
      Max, Where, ...) or Expand (a zero initial state broadcast to the batch) and it is not a bias added to a MatMul / Gemm / Conv output: exporters
      lift Python scalars this way (a 1x1 weight, a bias of one unit or a PRelu slope stay
      parameters);
-  4. it is a BatchNormalization running mean or variance.
+  4. it is a BatchNormalization running mean or variance;
+  5. it is the scale of ones or the shift of zeros of an InstanceNormalization between two
+     Reshapes: how exporters write torch's GroupNorm (the real affine follows as Mul/Add).
 
 Everything else is a parameter. The config overrides either way: `exclude` freezes, `include`
 restricts, `train` trains a parameter the rule froze (`exclude` wins over `train`).
@@ -25,8 +27,8 @@ initializers are torch parameters; then it decides instead of the rule: exactly 
 parameters (and their copies, which the front end ties to them) train, buffers and other
 constants are frozen ("torch buffer NAME", "not a torch parameter"), a parameter is still
 frozen when it holds non-finite values or reaches the output only through non-learnable inputs
-(rule 1 and 2), and an initializer the manifest calls ambiguous is left to the rule. The
-selectors apply on top as above.
+(rules 1 and 2; rules 3 and 5 are the heuristics the manifest replaces), and an initializer the
+manifest calls ambiguous is left to the rule. The selectors apply on top as above.
 """
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from kfac_compiler.builder import live
+from kfac_compiler.builder import live, outer_reads, subgraphs
 from kfac_compiler.config import compile_patterns
-from kfac_compiler.contract import RECURRENT_PIECES_KEY, TORCH_MANIFEST_KEY
-from kfac_compiler.errors import ConfigError
-from kfac_compiler.graph import FLOAT_TYPES, GraphView
+from kfac_compiler.contract import TORCH_MANIFEST_KEY
+from kfac_compiler.errors import ConfigError, UnsupportedOpError
+from kfac_compiler.graph import FLOAT_TYPES, GraphView, source_holders
 from kfac_compiler.oprules import find as find_rule
 
 # Input slots that are an op's settings, never data to learn (beyond what the gradient
@@ -98,7 +100,35 @@ def _learnable_tensors(view: GraphView, output: str) -> set[str]:
         for slot, name in enumerate(node.input):
             if name and _learnable_slot(node, slot, view.opset) and view.dtypes.get(name, 0) in (0, *FLOAT_TYPES):
                 learnable.add(name)
+        for sub in subgraphs(node):  # what an If/Loop/Scan body reads from here is on the path too
+            learnable |= {n for n in outer_reads(sub) if view.dtypes.get(n, 0) in (0, *FLOAT_TYPES)}
     return learnable
+
+
+def _check_outer_scope_reads(view: GraphView, trainable: list[str], learnable: set[str]) -> None:
+    """Gradients do not flow into If/Loop/Scan bodies (the autodiff pass differentiates the
+    node's inputs, and a body reads the enclosing graph's tensors by name): a body on the path to
+    the output that reads a trainable parameter, or a tensor computed from one, would leave that
+    parameter's gradient without the body's share. That is one line naming the node, the tensor
+    and the parameter, not a silently frozen or wrong gradient."""
+    origin = {p: p for p in trainable}  # tensor -> a trainable parameter it depends on
+    for node in view.nodes:
+        reads = [n for n in node.input if n] + [n for sub in subgraphs(node) for n in sorted(outer_reads(sub))]
+        src = next((origin[n] for n in reads if n in origin), None)
+        if src is not None:
+            origin.update({o: src for o in node.output if o})
+        if not any(o in learnable for o in node.output if o):
+            continue
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):  # by name
+                hit = next((n for n in sorted(outer_reads(sub)) if n in origin), None)
+                if hit is not None:
+                    param = origin[hit]
+                    what = "is a trainable parameter" if hit == param else f"is computed from the trainable parameter {param!r}"
+                    raise UnsupportedOpError(
+                        f"node {node.name!r} ({node.op_type}) reads {hit!r} inside its {attr.name} from the enclosing "
+                        f"graph, and {hit!r} {what}: gradients do not flow into If/Loop/Scan bodies; freeze {param!r} "
+                        f"(exclude = [{param!r}], CLI --exclude {param}) or export the model without control flow")
 
 
 
@@ -114,9 +144,35 @@ def _is_literal(view: GraphView, name: str) -> bool:
     return True
 
 
+def _group_norm_placeholder(view: GraphView, name: str) -> str | None:
+    """Rule 5: exporters write torch's GroupNorm as InstanceNormalization over the input
+    reshaped to [N, groups, -1] with a scale of ones and a shift of zeros (one element for
+    GroupNorm(1), one per group otherwise), reshape back and apply the GroupNorm's own weight
+    and bias as Mul/Add. Those placeholders are constants: `name` is one when every use is
+    such a node's scale or shift, the node's scale is all ones and its shift all zeros, and
+    the node reads a Reshape and is read only by Reshapes."""
+    uses = view.consumers.get(name, [])
+    if not uses:
+        return None
+    for node in uses:
+        if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+            return None
+        scale, shift = (view.constant_value(t) for t in node.input[1:3])
+        producer = view.producer.get(node.input[0])
+        readers = view.consumers.get(node.output[0], [])
+        if (name not in node.input[1:3] or scale is None or shift is None or not np.all(scale == 1)
+                or not np.all(shift == 0) or producer is None or producer.op_type != "Reshape"
+                or not readers or any(r.op_type != "Reshape" for r in readers)):
+            return None
+    what = "unit scale" if name == uses[0].input[1] else "zero shift"
+    return (f"constant: the {what} of InstanceNormalization {uses[0].name!r} between Reshapes (an exporter's "
+            "GroupNorm; its own weight and bias follow as Mul/Add)")
+
+
 def constant_reason(view: GraphView, name: str, learnable: set[str], literals: bool = True) -> str | None:
     """Why the float initializer `name` is a constant under the rule, or None (a parameter);
-    literals=False skips rule 3 (a single value in elementwise arithmetic)."""
+    literals=False skips rules 3 and 5 (a single value in elementwise arithmetic, a GroupNorm's
+    placeholder scale or shift: the heuristics a torch manifest replaces)."""
     value = view.array(name)
     if value.size and not np.all(np.isfinite(value)):
         return "constant: holds non-finite values (a mask fill such as -inf)"
@@ -129,20 +185,21 @@ def constant_reason(view: GraphView, name: str, learnable: set[str], literals: b
         return "constant: reaches the output only through non-learnable inputs"
     if literals and value.size == 1 and _is_literal(view, name):
         return "constant: a single value in elementwise arithmetic (a literal the exporter lifted)"
-    return None
+    return _group_norm_placeholder(view, name) if literals else None
 
 
 def torch_roles(model: onnx.ModelProto) -> dict[str, dict[str, Any]] | None:
     """{initializer: its manifest entry} from the torch bridge's manifest (None without one);
-    the lowered pieces of a fused recurrent weight get their weight's entry."""
+    the lowered pieces of a fused recurrent weight, and a weight folded from the exporter's
+    run-time assembly of torch tensors, get their source's entry (the first source's)."""
     props = {p.key: p.value for p in model.metadata_props}
     if TORCH_MANIFEST_KEY not in props:
         return None
     roles = dict(json.loads(props[TORCH_MANIFEST_KEY]).get("initializers", {}))
-    for orig, pieces in json.loads(props.get(RECURRENT_PIECES_KEY, "{}")).items():
+    for orig, holders in source_holders(model).items():
         if orig in roles:
-            for piece in pieces:
-                roles.setdefault(piece[0], roles[orig])
+            for holder in holders:
+                roles.setdefault(holder, roles[orig])
     return roles
 
 
@@ -240,6 +297,7 @@ def split_trainable(
                     f"{key}: {p!r} matches no float initializer reaching {output!r} "
                     f"(initializers: {', '.join(candidates[:12])}{', ...' if len(candidates) > 12 else ''})"
                 )
+    _check_outer_scope_reads(view, trainable, learnable)
     if not trainable:
         raise ConfigError(f"no trainable parameters reach {output!r} after include/exclude and the constants rule "
                           f"(frozen: {', '.join(f'{n}: {reasons[n]}' for n in frozen[:4])}); "

@@ -127,6 +127,16 @@ def with_external_data(model_path: str, folder, location: str) -> str:
     return out
 
 
+def test_an_in_memory_model_with_external_data_not_loaded_is_checked_without_it(base, tmp_path):
+    """The checks read types and shapes, not values: external data not loaded (every weight,
+    small ones too) is not looked for, and the model is valid."""
+    from kfac_compiler.passes.load import validate_model
+
+    model = onnx.load(with_external_data(base[0], tmp_path / "m", "w.bin"), load_external_data=False)
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    validate_model(model, None)
+
+
 @pytest.mark.parametrize("where", ["parent", "absolute"])
 def test_external_data_outside_the_models_folder_is_refused(base, tmp_path, where, capsys):
     outside = tmp_path / "w.bin"
@@ -422,6 +432,117 @@ def _input_narrower_than_its_weight(m):  # the input declared 32 wide; fc1's wei
     m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 32
 
 
+def _unknown_attribute(m):
+    m.graph.node[1].attribute.append(onnx.helper.make_attribute("foo", 1))
+
+
+def _extra_input(m):
+    m.graph.node[1].input.append(m.graph.node[1].input[0])
+
+
+def _input_of_another_type(m):  # int64 pixels into a float Gemm
+    m.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.INT64
+
+
+def _duplicate_initializer(m):
+    m.graph.initializer.append(_first_weight(m))
+
+
+def _duplicate_input(m):
+    m.graph.input.append(m.graph.input[0])
+
+
+def _initializer_input_of_another_shape(m):  # a default value that does not fit its declaration
+    m.graph.input.append(onnx.helper.make_tensor_value_info(_first_weight(m).name, onnx.TensorProto.FLOAT, [7]))
+
+
+def _with_if(m, body_nodes, *, first=False):
+    """An If (unused: validation reads every node) whose two branches are `body_nodes`."""
+    body = onnx.helper.make_graph(body_nodes, "body", [], [onnx.helper.make_tensor_value_info(
+        body_nodes[-1].output[0], onnx.TensorProto.FLOAT, None)])
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), "cond"))
+    node = onnx.helper.make_node("If", ["cond"], ["unused"], then_branch=body, else_branch=body, name="branch")
+    m.graph.node.insert(0, node) if first else m.graph.node.append(node)
+
+
+def _if_reads_an_undefined_name(m):
+    _with_if(m, [onnx.helper.make_node("Identity", ["ghost"], ["t"], name="inner")])
+
+
+def _if_reads_a_later_tensor(m):  # the outer tensor exists, but only after the If
+    _with_if(m, [onnx.helper.make_node("Identity", [m.graph.node[-1].output[0]], ["t"], name="inner")], first=True)
+
+
+def _if_body_with_two_producers(m):
+    _with_if(m, [onnx.helper.make_node("Identity", ["fc1.bias"], ["t"], name="a"),
+                 onnx.helper.make_node("Identity", ["fc1.bias"], ["t"], name="b")])
+
+
+def _if_body_redefines_an_outer_tensor(m):
+    _with_if(m, [onnx.helper.make_node("Identity", ["fc1.bias"], [m.graph.node[0].output[0]], name="a")])
+
+
+INVALID = " is not a valid ONNX model: "
+
+
+@pytest.mark.parametrize("edit,want", [
+    (_unknown_attribute, INVALID + "node 'fc1/Relu' (Relu): Unrecognized attribute: foo for operator Relu "
+                                   "(onnx.checker); fix or re-export the model"),
+    (_extra_input, INVALID + "node 'fc1/Relu' (Relu): Node(fc1/Relu) with schema(::Relu:14) has input size 2 not in "
+                             "range [min=1, max=1]. (onnx.checker); fix or re-export the model"),
+    (_input_of_another_type, ": shapes or types that contradict each other at node 'fc1/Gemm' (Gemm): B has "
+                             "inconsistent type tensor(float); fix the declared input or output shapes or types, or "
+                             "re-export the model"),
+    (_duplicate_initializer, INVALID + "initializer 'fc1.weight' is defined twice (a tensor has one definition); "
+                                       "re-export the model"),
+    (_duplicate_input, INVALID + "graph input 'input' is defined twice (a tensor has one definition); re-export the "
+                                 "model"),
+    (_initializer_input_of_another_shape, ": initializer 'fc1.weight' is also a graph input declared float[7] but holds "
+                                          "float[128, 64] (an initializer that is an input is its default value); "
+                                          "declare the input as the initializer or drop the input"),
+    (_if_reads_an_undefined_name, INVALID + "input 'ghost' of node 'inner' in the else_branch of node 'branch' is not "
+                                            "defined anywhere"),
+    (_if_reads_a_later_tensor, INVALID + "input 'logits' of node 'inner' in the else_branch of node 'branch' is "
+                                         "produced only after it"),
+    (_if_body_with_two_producers, INVALID + "tensor 't' is an output of node 'b' in the else_branch of node 'branch' "
+                                            "and of node 'a' (a tensor has one producer)"),
+    (_if_body_redefines_an_outer_tensor, INVALID + "tensor '{out}', an output of node 'a' in the else_branch of node "
+                                                   "'branch', is already a tensor of an enclosing graph (names are "
+                                                   "unique across nested graphs)"),
+], ids=["unknown-attribute", "extra-input", "input-type", "duplicate-initializer", "duplicate-input",
+        "default-value-shape", "if-undefined", "if-later", "if-two-producers", "if-redefines"])
+def test_invalid_onnx_is_one_line_naming_the_node_or_tensor(tmp_path, capsys, edit, want):
+    """What ONNX (onnx.checker, its SSA and scoping rules, strict type inference) calls invalid:
+    refused at compile in one line naming the node or tensor, before anything is written."""
+    _refused_in_one_line(tmp_path, capsys, edit, want)
+
+
+def test_an_initializer_that_is_also_a_graph_input_is_a_parameter(tmp_path):
+    """Valid ONNX (the initializer is the input's default value): trained as a parameter with the
+    input dropped from the plan, exactly as the model without the input declaration (the same
+    loss and gradients); the source graph exported keeps the declaration with the trained value."""
+    from kfac_compiler.runtime import Trainer
+
+    plain = _mlp()
+    declared = _mlp()
+    w = _first_weight(declared)
+    declared.graph.input.append(onnx.helper.make_tensor_value_info(w.name, onnx.TensorProto.FLOAT, list(w.dims)))
+    path = tmp_path / "declared.onnx"
+    onnx.save(declared, str(path))
+    plans = [kc.compile(m, loss="softmax_cross_entropy", emit=False) for m in (plain, str(path))]
+    assert plans[1].trainable == plans[0].trainable and w.name in plans[1].trainable
+    assert [i.name for i in plans[1].inputs] == ["input"]
+    x, y = np.random.default_rng(0).random((5, 64), np.float32), np.arange(5)
+    (l0, g0), (l1, g1) = (kc.gradients(p, {"input": x}, y) for p in plans)
+    assert l0 == l1 and all(np.array_equal(g0[k], g1[k]) for k in g0)
+    tr = Trainer(plans[1], optimizer="sgd", learning_rate=0.1)
+    tr.step({"input": x}, y)
+    out = onnx.load(tr.export(tmp_path / "trained.onnx", graph="source"))
+    assert w.name in [i.name for i in out.graph.input]
+    trained = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+    np.testing.assert_array_equal(trained[w.name], tr.parameters()[w.name])
+
+
 @pytest.mark.parametrize("edit,want", [
     (_lie_raw, ": initializer 'fc1.weight' declares a 128000x64 tensor (32768000 bytes) but holds 32768 bytes; "
                "re-export the model"),
@@ -433,11 +554,17 @@ def _input_narrower_than_its_weight(m):  # the input declared 32 wide; fc1's wei
                      "'{first}' (a tensor has one producer)"),
     (_produces_an_initializer, " is not a valid ONNX model: tensor 'fc1.weight' is an output of node '{first}' "
                                "and of an initializer (a tensor has one producer)"),
-    (_input_narrower_than_its_weight, ": shapes that contradict each other at node 'fc1/Gemm' (Gemm): Dimension "
+    (_input_narrower_than_its_weight, ": shapes or types that contradict each other at node 'fc1/Gemm' (Gemm): Dimension "
                                       "mismatch in unification between 64 and 32; fix the declared input or output "
-                                      "shapes, or re-export the model"),
+                                      "shapes or types, or re-export the model"),
 ], ids=["raw-data", "40-TB", "typed-field", "two-producers", "produces-an-initializer", "input-shape"])
 def test_models_that_contradict_themselves_are_one_line(tmp_path, capsys, edit, want):
+    _refused_in_one_line(tmp_path, capsys, edit, want)
+
+
+def _refused_in_one_line(tmp_path, capsys, edit, want):
+    """`compile` of the digits MLP edited by `edit`: exit 2, exactly `want` after the file's
+    name ({out}, {first}, {second}: the first nodes' names), no plan written."""
     m = _mlp()
     g = m.graph
     names = {"out": g.node[0].output[0], "first": g.node[0].name or g.node[0].op_type,

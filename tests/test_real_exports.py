@@ -1,6 +1,7 @@
 """Real exports: models nobody here wrote (a torchvision-layout ResNet, MobileNet v2/v3 blocks,
 Hugging Face GPT-2 (eager and SDPA attention) and BERT, the hand-written GPT, nn.LSTM and
-nn.GRU language models), from both torch exporters (TorchScript at opset 17; torch.export at
+nn.GRU language models, a bidirectional LSTM, timm's PoolFormer block with GroupNorms), from both
+torch exporters (TorchScript at opset 17; torch.export at
 its default opset 20 with and without its optimizer, and at opset 23 for a few), compiled and checked against torch autograd. No torch needed: the fixtures
 (tests/fixtures/real, made by `python -m kfac_compiler.models.real_exports`) hold the ONNX
 files and the torch reference values (models/real_exports.py documents the .npz keys).
@@ -53,10 +54,9 @@ XFAIL: dict[tuple[str, str], str] = {
     ("gpt2_sdpa-dynamo*", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
     ("gpt-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
     ("bert-dynamo", "blocks"): "positional embedding looked up with constant batch-less indices: generic",
-    # torch.export without its optimizer builds W/R/B from torch's tensors with Concat at run
-    # time: the lowered weights are computed tensors, so they are generic layers
-    ("lstm-dynamo_noopt", "blocks"): "LSTM weights concatenated at run time (no initializer to match): generic",
-    ("gru-dynamo_noopt", "blocks"): "GRU weights concatenated at run time (no initializer to match): generic",
+    # torch.export without its optimizer applies a GroupNorm's weight and bias through
+    # Unsqueeze + CastLike at run time: no initializer reaches the Mul/Add, so they are generic
+    ("groupnorm-dynamo_noopt", "blocks"): "GroupNorm affine unsqueezed at run time (no initializer to match): generic",
     # the optimizer drops the folded all-zero conv biases altogether (180 elements): nothing
     # in the graph to train; only a compiler that adds biases back could pass this one
     ("resnet_init-dynamo", "merged"): "exporter's optimizer removed the zero folded conv biases (not in the graph)",
@@ -74,7 +74,7 @@ _IMAGE = [
 ]
 _RNN = [
     (r"emb\.weight", "embedding", "kron"),
-    (r"rnn\.weight_(ih|hh)_l\d", "fully_connected", "kron_indep"),  # several uses (time steps)
+    (r"rnn\.weight_(ih|hh)_l\d(_reverse)?", "fully_connected", "kron_indep"),  # several uses (time steps)
     (r"rnn\.bias_.*", _TIED, None),                                 # whatever goes with the weights
     (r"head\..*", "fully_connected", "kron"),
 ]
@@ -106,7 +106,12 @@ EXPECTED_BLOCKS: dict[str, list] = {
         (r".*ln_(1|2|f)\..*", "scale_and_shift", "full"),
         (r".*\.(qkv|proj|fc|fc_out)\..*", "fully_connected", "kron"),
     ],
-    "lstm": _RNN, "gru": _RNN,
+    "lstm": _RNN, "gru": _RNN, "bilstm": _RNN,
+    "groupnorm": [
+        (r"(stem|fc1|fc2)\..*", "conv", "kron"),
+        (r"norm\d\..*", "scale_and_shift", "full"),  # the GroupNorm's affine (Mul/Add after the reshape back)
+        (r"head\..*", "fully_connected", "kron"),
+    ],
 }
 
 
@@ -229,6 +234,26 @@ def test_blocks(case):
     holding = {h for i in fixture(case)["inits"] for h in plan.holders(i)}
     extra = sorted({layer.name for layer in plan.layers if not set(layer.params) & holding})
     assert not wrong and not extra, f"{case}: {'; '.join(wrong)}; layers of constants: {extra}"
+
+
+def test_inspect_reports_the_share_of_parameters_in_structured_blocks():
+    """`inspect` says how much of the model the structured blocks cover: on the GroupNorm model
+    without the exporter's optimizer every torch parameter but the norms' weights and biases
+    (generic, XFAIL above), counted from torch's parameter sizes."""
+    case = "groupnorm-dynamo_noopt"
+    if case not in CASES:
+        pytest.skip(f"no fixture {case}")
+    from kfac_compiler.report import render
+
+    d = fixture(case)
+    sizes = {str(n): int(k) for n, k in zip(d["ref_names"], d["ref_sizes"])}
+    norms = {n: k for n, k in sizes.items() if re.fullmatch(r"norm\d\.(weight|bias)", n)}
+    total, generic = sum(sizes.values()), sum(norms.values())
+    plan = compiled(case)
+    assert (plan.totals()["param_elements"], plan.totals()["structured_elements"]) == (total, total - generic)
+    line = (f"coverage:  {100 * (total - generic) / total:.1f}% of the {total:,} parameter elements in structured "
+            f"blocks; generic: {generic:,} in {len(norms)} layers")
+    assert line in render(plan, "table").splitlines()
 
 
 @pytest.mark.parametrize("case", cases("merged", INIT_CASES))

@@ -96,6 +96,116 @@ def test_constants_do_not_move_in_training(rng):
     assert not np.allclose(exported["fc.weight"], numpy_helper.to_array(plan.model.graph.initializer[0]))
 
 
+# ------------------------------------------------------ GroupNorm's placeholders (rule 5)
+def group_norm_like(rng, groups: int = 1, reshaped: bool = True, scale=None, shift=None) -> onnx.ModelProto:
+    """torch.export's GroupNorm(groups, 4): InstanceNormalization over x reshaped to [N, groups,
+    -1] with a placeholder scale of ones and shift of zeros (`groups` elements each), reshaped
+    back, then the GroupNorm's weight and bias as Mul/Add; mean over the spatial axes and a head.
+    reshaped=False: an InstanceNorm2d(4, affine=True) at its initialisation (ones and zeros,
+    a parameter)."""
+    c = 4 if not reshaped else groups
+    scale = np.ones(c, np.float32) if scale is None else scale
+    shift = np.zeros(c, np.float32) if shift is None else shift
+    inits = {"gn.in_scale": scale, "gn.in_shift": shift, "gn.weight": randn(rng, 4, 1, 1),
+             "gn.bias": randn(rng, 4, 1, 1), "head.weight": randn(rng, 4, 3), "grouped": np.array([0, groups, -1]),
+             "spatial": np.array([2, 3])}
+    if reshaped:
+        nodes = [helper.make_node("Reshape", ["x", "grouped"], ["xg"], name="gn/Reshape"),
+                 helper.make_node("InstanceNormalization", ["xg", "gn.in_scale", "gn.in_shift"], ["ng"], name="gn/in"),
+                 helper.make_node("Shape", ["x"], ["xs"], name="gn/Shape"),
+                 helper.make_node("Reshape", ["ng", "xs"], ["n"], name="gn/Reshape_back")]
+    else:
+        nodes = [helper.make_node("InstanceNormalization", ["x", "gn.in_scale", "gn.in_shift"], ["n"], name="gn/in")]
+    nodes += [helper.make_node("Mul", ["n", "gn.weight"], ["s"], name="gn/Mul"),
+              helper.make_node("Add", ["s", "gn.bias"], ["a"], name="gn/Add"),
+              helper.make_node("ReduceMean", ["a", "spatial"], ["p"], keepdims=0, name="pool"),
+              helper.make_node("MatMul", ["p", "head.weight"], ["y"], name="head")]
+    return model(nodes, inits, x_shape=("N", 4, 3, 3), opset=18)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_norm_placeholders_are_frozen_with_their_reason(rng, groups):
+    plan = kc.compile(group_norm_like(rng, groups), loss="squared_error", emit=False)
+    assert plan.trainable == ["gn.weight", "gn.bias", "head.weight"]
+    assert plan.frozen_reasons == {
+        "gn.in_scale": "constant: the unit scale of InstanceNormalization 'gn/in' between Reshapes (an exporter's "
+                       "GroupNorm; its own weight and bias follow as Mul/Add)",
+        "gn.in_shift": "constant: the zero shift of InstanceNormalization 'gn/in' between Reshapes (an exporter's "
+                       "GroupNorm; its own weight and bias follow as Mul/Add)"}
+    assert [(layer.kind, layer.params) for layer in plan.layers] == [
+        ("scale_and_shift", ("gn.weight", "gn.bias")), ("fully_connected", ("head.weight",))]
+    table = render(plan, "table")
+    assert "gn.in_scale  constant: the unit scale of InstanceNormalization 'gn/in' between Reshapes" in table
+    forced = kc.compile(group_norm_like(rng, groups), loss="squared_error", emit=False, train=["gn.in_.*"])
+    assert forced.trainable == ["gn.in_scale", "gn.in_shift", "gn.weight", "gn.bias", "head.weight"]
+
+
+@pytest.mark.parametrize("case", ["instance_norm", "trained_scale", "trained_shift"])
+def test_instance_norms_that_are_not_group_norm_placeholders_stay_parameters(rng, case):
+    """A real InstanceNorm2d at its initialisation (ones and zeros, no reshapes around it), and a
+    GroupNorm decomposition whose scale or shift is not ones / zeros (trained: it means something)."""
+    kw = {"instance_norm": {"reshaped": False}, "trained_scale": {"scale": np.array([1.0, 1.5], np.float32)},
+          "trained_shift": {"shift": np.array([0.0, 0.25], np.float32)}}[case]
+    plan = kc.compile(group_norm_like(rng, 2, **kw), loss="squared_error", emit=False)
+    assert plan.trainable == ["gn.in_scale", "gn.in_shift", "gn.weight", "gn.bias", "head.weight"]
+    assert plan.frozen == []
+
+
+# ------------------------------------------------- outer-scope reads of If/Loop/Scan bodies
+def branching(rng) -> onnx.ModelProto:
+    """h = x W0; y = If(cond) {h W1} else {h W1}; logits = y Wb: both branches read `h` and
+    `W1` from the enclosing graph, as exported control flow does."""
+    body = helper.make_graph([helper.make_node("MatMul", ["h", "W1"], ["t"], name="inner")], "body", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("MatMul", ["x", "W0"], ["h"], name="pre"),
+             helper.make_node("If", ["cond"], ["b"], then_branch=body, else_branch=body, name="branch"),
+             helper.make_node("MatMul", ["b", "Wb"], ["y"], name="head")]
+    inits = {"W0": randn(rng, 4, 4), "W1": randn(rng, 4, 3), "Wb": randn(rng, 3, 3), "cond": np.array(True)}
+    return model(nodes, inits)
+
+
+@pytest.mark.parametrize("exclude,want", [
+    ([], "node 'branch' (If) reads 'W1' inside its else_branch from the enclosing graph, and 'W1' is a trainable "
+         "parameter: gradients do not flow into If/Loop/Scan bodies; freeze 'W1' (exclude = ['W1'], CLI --exclude W1) "
+         "or export the model without control flow"),
+    (["W1"], "node 'branch' (If) reads 'h' inside its else_branch from the enclosing graph, and 'h' is computed from "
+             "the trainable parameter 'W0': gradients do not flow into If/Loop/Scan bodies; freeze 'W0' (exclude = "
+             "['W0'], CLI --exclude W0) or export the model without control flow"),
+])
+def test_a_body_reading_a_parameter_from_the_enclosing_graph_is_refused(rng, tmp_path, capsys, exclude, want):
+    """Not silently frozen (before: W0 and W1 were frozen as 'reaching the output only through
+    non-learnable inputs', and the gradients lacked the body's share)."""
+    from kfac_compiler.errors import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError) as e:
+        kc.compile(branching(rng), loss="softmax_cross_entropy", emit=False, exclude=exclude)
+    assert str(e.value) == want
+    path = tmp_path / "m.onnx"
+    onnx.save(branching(rng), str(path))
+    code = main(["compile", str(path), "--loss", "softmax_cross_entropy", *[a for x in exclude for a in ("--exclude", x)],
+                 "-o", str(tmp_path / "plan")])
+    assert code == 2 and capsys.readouterr().err == f"error: {want}\n"
+
+
+def test_a_body_reading_only_frozen_tensors_trains_the_rest(rng):
+    """With what the bodies read frozen, the model compiles and the head's gradient is the
+    numpy float64 twin's: softmax cross-entropy of ((x W0) W1) Wb, mean over the batch."""
+    m = branching(rng)
+    plan = kc.compile(m, loss="softmax_cross_entropy", emit=False, exclude=["W0", "W1"])
+    assert plan.trainable == ["Wb"]
+    x, y = randn(rng, 6, 4), rng.integers(0, 3, 6)
+    loss, grads = kc.gradients(plan, {"x": x}, y)
+    w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in m.graph.initializer}
+    b = x.astype(np.float64) @ w["W0"] @ w["W1"]
+    z = b @ w["Wb"]
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want_loss = -np.mean(np.log(p[np.arange(6), y]))
+    p[np.arange(6), y] -= 1
+    assert abs(float(loss) - want_loss) <= 1e-5 * max(1.0, want_loss)
+    np.testing.assert_allclose(grads["Wb"], b.T @ p / 6, rtol=1e-4, atol=1e-6)
+
+
 # ----------------------------------------------------------------------- untie
 def merged_layernorms(rng) -> onnx.ModelProto:
     """Two LayerNorms sharing one all-ones gain and one all-zeros bias, as exporters merge them."""

@@ -1152,6 +1152,96 @@ def model_input_shape_contradicting_its_weight(d: str) -> Verdict:
     return j.verdict()
 
 
+def _edited_model(d: str, edit: Callable[[Any], None]) -> str:
+    """The census model edited by `edit(model)`, saved as model.onnx in `d`."""
+    import onnx
+
+    m = onnx.load(ASSETS.model())
+    edit(m)
+    path = _j(d, "model.onnx")
+    onnx.save(m, path)
+    return path
+
+
+def _if_reading(m: Any, name: str) -> None:
+    """Route the first layer's activations through an If whose branches multiply them by `name`
+    (a tensor of the enclosing graph) and add the result."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    act = m.graph.node[1].output[0]
+    body = helper.make_graph([helper.make_node("Mul", [act, name], ["branch_out"], name="branch/Mul")], "body", [],
+                             [helper.make_tensor_value_info("branch_out", TensorProto.FLOAT, None)])
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), "branch_cond"))
+    nodes = list(m.graph.node)
+    nodes.insert(2, helper.make_node("If", ["branch_cond"], ["branched"], then_branch=body, else_branch=body,
+                                     name="branch"))
+    for node in nodes[3:]:
+        node.input[:] = ["branched" if i == act else i for i in node.input]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+
+
+@case("silent", fast=True)
+def model_if_reading_a_parameter_from_the_enclosing_graph(d: str) -> Verdict:
+    """An If whose branches read a trainable bias from the enclosing graph: its gradient lacked
+    the branches' share (the parameter was frozen as reaching the output only through settings);
+    now one line naming the node and the parameter."""
+    j = Judge()
+    path = _edited_model(d, lambda m: _if_reading(m, "fc1.bias"))
+    j.error_line(run_cli(["compile", path, *MODEL_ARGS, "-o", _j(d, "plan")]), ["'branch'"])
+    return j.verdict()
+
+
+@case("silent", fast=True)
+def model_node_with_an_unknown_attribute(d: str) -> Verdict:
+    """A node with an attribute its op does not have (onnx.checker's node spec): compiled, then
+    refused by ONNX Runtime when training started; now one line naming the node."""
+    from onnx import helper
+
+    j = Judge()
+    path = _edited_model(d, lambda m: m.graph.node[1].attribute.append(helper.make_attribute("alpha", 0.5)))
+    j.error_line(run_cli(["compile", path, *MODEL_ARGS, "-o", _j(d, "plan")]), ["fc1/Relu"])
+    return j.verdict()
+
+
+@case("silent", fast=True)
+def model_with_a_duplicate_initializer(d: str) -> Verdict:
+    """Two initializers of one name (ONNX Runtime uses the later one, with a warning): now one
+    line naming the tensor."""
+    j = Judge()
+    path = _edited_model(d, lambda m: m.graph.initializer.append(m.graph.initializer[0]))
+    j.error_line(run_cli(["compile", path, *MODEL_ARGS, "-o", _j(d, "plan")]), ["defined twice"])
+    return j.verdict()
+
+
+@case("silent", fast=True)
+def model_initializer_that_is_an_input_of_another_shape(d: str) -> Verdict:
+    """An initializer also declared as a graph input of another shape: compiled, then refused by
+    ONNX Runtime when training started; now one line naming the tensor."""
+    from onnx import TensorProto, helper
+
+    j = Judge()
+    path = _edited_model(d, lambda m: m.graph.input.append(helper.make_tensor_value_info(
+        m.graph.initializer[0].name, TensorProto.FLOAT, [3])))
+    j.error_line(run_cli(["compile", path, *MODEL_ARGS, "-o", _j(d, "plan")]), ["also a graph input"])
+    return j.verdict()
+
+
+@case("silent", fast=True)
+def model_input_type_contradicting_its_weight(d: str) -> Verdict:
+    """The input declared int64 where the first layer takes float: compiled, then refused by
+    ONNX Runtime when training started; now one line naming the node."""
+    from onnx import TensorProto
+
+    def edit(m: Any) -> None:
+        m.graph.input[0].type.tensor_type.elem_type = TensorProto.INT64
+
+    j = Judge()
+    j.error_line(run_cli(["compile", _edited_model(d, edit), *MODEL_ARGS, "-o", _j(d, "plan")]), ["contradict"])
+    return j.verdict()
+
+
 @case("overwritten", fast=True)
 def api_export_onto_a_device(d: str) -> Verdict:
     """Trainer.export('/dev/null') replaced the device by a regular file (as root)."""
