@@ -161,7 +161,8 @@ def _round_trip(family, exporter, tmp_path, optimizer="sgd", steps=3):
     with torch.no_grad():
         torch_out = copy.deepcopy(module)(torch.from_numpy(x2)).numpy()  # a copy: BatchNorm's statistics stay
     return dict(module=module, manifest=manifest, plan=plan, trained_torch=trained_torch, before=before,
-                written=written, err=float(np.abs(onnx_out - torch_out).max()), trainer=trainer, trained=trained)
+                written=written, err=float(np.abs(onnx_out - torch_out).max()), trainer=trainer, trained=trained,
+                path=path)
 
 
 # the TorchScript exporter with constant folding on and its merge of equal initializers (not
@@ -228,6 +229,10 @@ def test_round_trip(family, exporter, tmp_path):
     assert changed, "no parameter changed in training"
     # torch's forward equals ONNX Runtime on the trained export
     assert r["err"] < 1e-4, r["err"]
+    # which is the exported file's own graph (Trainer.export's default): its nodes and initializers
+    source, trained = onnx.load(r["path"]).graph, onnx.load(r["trained"]).graph
+    assert [(n.name, n.op_type) for n in trained.node] == [(n.name, n.op_type) for n in source.node]
+    assert [i.name for i in trained.initializer] == [i.name for i in source.initializer]
     # buffers other than BatchNorm's running statistics are not trained
     state = module.state_dict()
     for name, _ in module.named_buffers():
