@@ -1,6 +1,6 @@
 """docs/tutorial_torch.md runs as written: its Python blocks, in order, in one namespace (the
-blocks assert what the text claims). Needs torch, onnxscript and transformers (CI installs
-them); skipped without them."""
+blocks assert what the text claims). Needs torch, onnxscript, torchvision and transformers
+(CI installs them); skipped without them."""
 from __future__ import annotations
 
 import re
@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
+pytest.importorskip("torchvision")
 pytest.importorskip("transformers")
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial_torch.md"
