@@ -7,7 +7,9 @@ held-out loss every 50 steps, for 2026-11-28-gpt-spikes.md.
 Model: kfac_compiler.models.torch_exports.gpt (2 layers of width 128, 4 heads, tied head, context
 64, vocabulary 256) exported by kfac_compiler.torch.export; data: the bytes of the Python
 standard library's json and email packages (the interpreter's own files), windows of 65 bytes
-every 64, a seeded permutation, 256 windows held out; batch 32; 600 steps, seed 0. Needs torch.
+every 64, a seeded permutation, 256 windows held out; batch 32; 600 steps; knobs "seed" (default
+0: the GPT's initialization, the batch order, the trainer's), "optimizer" (default kfac) and
+"steps"; the others are the optimizer's. Needs torch.
 """
 from __future__ import annotations
 
@@ -45,14 +47,17 @@ def main() -> None:
     knobs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     out = sys.argv[2] if len(sys.argv) > 2 else "rows.json"
     steps = int(knobs.pop("steps", 600))
+    seed = int(knobs.pop("seed", 0))  # the GPT's initialization, the batch order and the trainer's
+    optimizer = knobs.pop("optimizer", "kfac")
     train, held = windows()
     path = os.path.join(tempfile.mkdtemp(), "gpt.onnx")
-    kt.export(gpt(vocab=256, seq_len=T, d_model=128, n_layer=2, n_head=4, seed=0).eval(),
+    kt.export(gpt(vocab=256, seq_len=T, d_model=128, n_layer=2, n_head=4, seed=seed).eval(),
               (torch.from_numpy(train[:2, :-1]),), path)
-    trainer = Trainer(kfac_compiler.compile(path, loss="softmax_cross_entropy"), optimizer="kfac", seed=0, **knobs)
+    trainer = Trainer(kfac_compiler.compile(path, loss="softmax_cross_entropy"), optimizer=optimizer, seed=seed,
+                      **knobs)
     rows, t0 = [], time.time()
     for s in range(steps):
-        idx = batch_indices(len(train), BS, s, 0)
+        idx = batch_indices(len(train), BS, s, seed)
         m = trainer.step({"input": train[idx, :-1]}, train[idx, 1:])
         m["step"] = s
         if (s + 1) % 50 == 0:
