@@ -118,7 +118,6 @@ def test_owners_balance_the_refresh_cost():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_two_ranks_weigh_ignored_targets_over_the_global_batch(tmp_path):
     """softmax cross-entropy with ignore_index, batches whose ignored targets fall unevenly on
     the two ranks: the loss and gradients are the mean over the global batch's targets that
@@ -191,6 +190,7 @@ def test_two_ranks_take_the_one_process_steps_with_parameter_groups(tmp_path):
     assert sorted(ranks[0]["owners"]) == ["fc2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", [
     pytest.param({"learning_rate": 0.05, "damping": 0.1, "inv_update_period": 3}, id="kfac-regular"),
     pytest.param({"inv_update_period": 3, "mode": "empirical", "adapt_damping": False, "max_predicted_decrease": None,
