@@ -24,7 +24,7 @@ from kfac_compiler.blocks import FisherBlock, make_block
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
 from kfac_compiler.contract import SlotSpec, SubgraphInfo
-from kfac_compiler.errors import ModelError
+from kfac_compiler.errors import ModelError, PlanError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.oprules.conv import lower_forward
 from kfac_compiler.passes.autodiff import jvp
@@ -83,6 +83,16 @@ class Emission:
                 for layer in parts.layers
             }
         return em
+
+    def keep_layers(self, layers: Sequence[str] | None) -> None:
+        """The blocks of `layers` only (None: every block): the others' parameters held out
+        (hold), as a statistics subgraph for K-FAC with parameter groups asks."""
+        if layers is None:
+            return
+        unknown = sorted(set(layers) - {layer.name for layer in self.parts.layers})
+        if unknown:
+            raise PlanError(f"statistics: the plan has no layer {unknown[0]!r}")
+        self.hold([p for layer in self.parts.layers if layer.name not in layers for p in layer.params])
 
     def hold(self, params: Sequence[str]) -> None:
         """Take `params` out of the curvature before anything is emitted: their layers leave

@@ -43,18 +43,9 @@ def gradients(em: Emission, o: GradientsOptions) -> None:
         em.result(C.grad(p), grads[p])
 
 
-def _only(em: Emission, layers: tuple[str, ...] | None) -> None:
-    """Statistics of `layers` only (None: every block): the others' parameters are held out."""
-    if layers is not None:
-        unknown = sorted(set(layers) - {layer.name for layer in em.parts.layers})
-        if unknown:
-            raise PlanError(f"statistics: the plan has no layer {unknown[0]!r}")
-        em.hold([p for layer in em.parts.layers if layer.name not in layers for p in layer.params])
-
-
 @subgraph(C.STATISTICS)
 def statistics(em: Emission, o: StatisticsOptions) -> None:
-    _only(em, o.layers)
+    em.keep_layers(o.layers)
     mode, num_samples, stats_batch = o.mode or em.parts.mode, o.num_samples or em.parts.num_samples, o.stats_batch
     targets = em.layer_cotangent_targets() if mode == "empirical" and stats_batch is None else []
     loss, n, _, cots = em.loss_and_grads(targets)
@@ -68,7 +59,7 @@ def statistics(em: Emission, o: StatisticsOptions) -> None:
 @subgraph(C.UPDATE_STATISTICS)
 def update_statistics(em: Emission, o: StatisticsOptions) -> None:
     """Moving-average factor update only (first step, burn-in, before an inverse refresh)."""
-    _only(em, o.layers)
+    em.keep_layers(o.layers)
     mode, num_samples, stats_batch = o.mode or em.parts.mode, o.num_samples or em.parts.num_samples, o.stats_batch
     reuse = mode == "empirical" and stats_batch is None
     loss, n, _, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])

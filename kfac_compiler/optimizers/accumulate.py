@@ -55,11 +55,14 @@ def emit_accumulate(em: Emission, o: AccumulateOptions) -> None:
     statistics: a run that fails it writes nothing (the host then rejects the cycle's update,
     Accumulation); a non-finite gradient with a finite loss reaches the sum and makes the
     step's own check reject the update."""
+    from kfac_compiler.optimizers.base import local_loss_and_grads  # base imports this module
+
     b = em.b
+    em.keep_layers(o.layers)  # K-FAC's parameter groups: their layers keep no statistics
     reuse = o.with_stats and o.mode == "empirical" and o.stats_batch is None  # as K-FAC's step
-    loss, _, grads, cots = em.loss_and_grads(em.layer_cotangent_targets() if reuse else [])
+    loss, grads, cots = local_loss_and_grads(em, em.layer_cotangent_targets() if reuse else [])
     keep = b.op("Greater", [em.hp(ACCUM_KEEP), b.const(0.0)])
-    for p in em.parts.params:
+    for p in [*em.parts.params, *em.held]:
         total = em.state_input(C.grad_accum(p), tuple(em.view.shapes[p]), "zeros")
         em.state_output(C.grad_accum(p), b.op("Where", [keep, b.add(total, grads[p]), grads[p]]))
     ok = [loss]

@@ -248,7 +248,8 @@ class Kfac(Optimizer):
     def accumulate_options(self) -> AccumulateOptions:
         cfg = self.config
         return AccumulateOptions(weighted=self.trainer.weighted, mode=cfg.mode, num_samples=cfg.num_samples,
-                                 stats_batch=self.stats_batch(), with_stats=True, stats_if=self.stats_conditional)
+                                 stats_batch=self.stats_batch(), with_stats=True, stats_if=self.stats_conditional,
+                                 layers=self.groups.kfac_layers)
 
     def micro_batch(self, data: dict[str, Any]) -> tuple[dict[str, float], bool]:
         """A micro-batch other than its cycle's last: its gradient summed and its statistics
