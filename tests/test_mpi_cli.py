@@ -45,15 +45,16 @@ sys.exit(main(sys.argv[1:]))
 
 
 def ours(stderr: str) -> list[str]:
-    """stderr's lines without mpirun's reports (blocks between lines of dashes) and the Open
-    MPI runtime's own "[host:pid] PMIX ERROR: ..." lines (seen on a loaded machine)."""
+    """stderr's lines without mpirun's reports (blocks between lines of dashes), the Open MPI
+    runtime's own "[host:pid] PMIX ERROR: ..." lines (seen on a loaded machine) and the NULs
+    its abort report interleaves (seen in CI at the start of our own error line)."""
     lines, inside = [], False
-    for line in stderr.splitlines():
+    for line in stderr.replace("\x00", "").splitlines():
         if line.startswith("-----"):
             inside = not inside
         elif "] PMIX ERROR:" in line and line.startswith("["):
             continue
-        elif not inside and line.strip(" \t\x00"):  # mpirun's abort report may leave a NUL
+        elif not inside and line.strip():
             lines.append(line)
     return lines
 
