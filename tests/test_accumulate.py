@@ -60,6 +60,7 @@ def assert_state_close(a: Trainer, b: Trainer, prefixes: tuple[str, ...], rtol: 
     ("adam", dict(learning_rate=1e-2), ("adam_m/", "adam_v/")),
     ("adam", dict(learning_rate=1e-2, clip_norm=0.5, decoupled_weight_decay=0.1), ("adam_m/", "adam_v/")),
 ], ids=["sgd", "sgd-recipes-multi-tensor", "adam", "adamw-clipped"])
+@pytest.mark.slow
 def test_first_order_accumulation_takes_the_whole_batch_steps(mlp, optimizer, knobs, state):
     """Three updates from 4 micro-batches of 32 each equal three steps on the 128-example
     batches: parameters and optimizer state to float32 rounding, and the update's metrics
@@ -86,6 +87,7 @@ KFAC_FIXED = dict(learning_rate=0.1, momentum=0.5, damping=0.1, inv_update_perio
              decoupled_weight_decay=0.1)),
     (2, dict(KFAC_FIXED, momentum_type="adam", mode="empirical", stats_batch_size=None)),
 ], ids=["regular-sampled-sub-batch", "statistics-every-2nd-burn-in-recipes", "adam-momentum-empirical"])
+@pytest.mark.slow
 def test_kfac_accumulation_takes_the_whole_batch_steps_factors_included(mlp, k, knobs):
     """K-FAC with a fixed learning rate: after every update (the first, whose inverses come
     from its own batch; inverse refreshes every 2nd step) the factors, the inverses, the
@@ -106,6 +108,7 @@ def test_kfac_accumulation_takes_the_whole_batch_steps_factors_included(mlp, k, 
     assert acc.policy.ema_weight == pytest.approx(full.policy.ema_weight, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_kfac_quadratic_model_runs_on_the_last_micro_batch(mlp):
     """With the quadratic model (the default) the gradient, the factors and P are the whole
     batch's and the model's curvature and gradient terms are the last micro-batch's: the
@@ -166,6 +169,7 @@ def test_micro_batch_calls_report_accumulating_and_the_update_the_cycle_mean(mlp
     assert all(not np.array_equal(before[p], v) for p, v in tr.parameters().items())
 
 
+@pytest.mark.slow
 def test_accumulation_holds_one_gradient_sized_sum_and_no_activations(mlp):
     """What accumulation keeps between micro-batches: a running sum per parameter, of its
     shape (no slot sized by the batch: a micro-batch's activations live only in its run)."""
@@ -204,6 +208,7 @@ def test_a_non_finite_micro_batch_rejects_the_update(mlp):
             np.testing.assert_array_equal(tr.parameters()[p], v, err_msg=p)
 
 
+@pytest.mark.slow
 def test_checkpoints_come_between_cycles_and_resume_the_run_bit_for_bit(mlp, tmp_path):
     """save_checkpoint in the middle of a cycle is refused with one line (the running sum is
     not stored); between cycles it stores no running sum, and a trainer loaded from it
@@ -283,6 +288,7 @@ def train(argv, capsys):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_train_accumulate_gives_the_plain_runs_metrics(tmp_path, capsys):
     """`--accumulate 4` runs each 64-example batch as 4 micro-batches: the same batches, the
     same metrics rows (to float32 rounding) as the plain run; the checkpoint records the step's

@@ -59,6 +59,7 @@ def zoo_case(request):
     return name, model32, model64, feeds
 
 
+@pytest.mark.slow
 def test_zoo_gradients_fd(zoo_case):
     name, model32, model64, feeds = zoo_case
     params = _params(model32)

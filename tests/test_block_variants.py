@@ -104,6 +104,7 @@ def test_depthwise_kron_factors_are_per_channel_moments():
         np.testing.assert_allclose(out["G"][c], G, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_depthwise_cnn_trains_with_kron():
     from kfac_compiler.models import data, get_model
     from kfac_compiler.runtime import Trainer

@@ -581,6 +581,7 @@ def test_multiply_inverse_of_multiply_is_identity(name, case):
 EMITTED_CASES = [c for c in CASES if "series" not in c[0] and "ekfac" not in c[0]]  # their inverses are host-side
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,case", EMITTED_CASES, ids=[c[0] for c in EMITTED_CASES])
 def test_emitted_inverse_matches_numpy_and_guards_nan(name, case):
     layer, shapes, inputs, cots = case()

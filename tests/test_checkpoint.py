@@ -36,6 +36,7 @@ KNOBS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(KNOBS))
 def test_resume_is_bit_for_bit(mlp, tmp_path, name):
     plan, x, y = mlp
@@ -66,6 +67,7 @@ def test_resume_is_bit_for_bit(mlp, tmp_path, name):
     assert straight.rng.bit_generator.state == resumed.rng.bit_generator.state
 
 
+@pytest.mark.slow
 def test_restore_into_existing_trainer_and_contents(mlp, tmp_path):
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac", seed=1, damping=0.01)

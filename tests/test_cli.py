@@ -262,6 +262,7 @@ def test_unsupported_op_error_names_parameters_to_exclude(tmp_path, capsys):
     assert main(argv + ["--exclude", "enc.weight"]) == 0
 
 
+@pytest.mark.slow
 def test_compile_with_stdout_closed_writes_the_plan_and_exits_0(tmp_path, models):
     """`kfac-compiler compile ... >&-`: Python's sys.stdout is None; the table is discarded,
     as asked (was: an AttributeError traceback after the plan was written)."""

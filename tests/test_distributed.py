@@ -50,6 +50,7 @@ KFAC = {"model": "mlp_classifier", "optimizer": "kfac", "steps": 8, "batch": 64,
         "knobs": {"inv_update_period": 3, "cov_update_period": 2, "inverse_groups": 2}}
 
 
+@pytest.mark.slow
 def test_two_ranks_take_the_one_process_steps_and_share_the_inverse_work(tmp_path):
     """K-FAC with the quadratic model, damping adaptation, sampled Fisher targets and
     statistics every other step: two ranks match one process; each block's inverse is
@@ -134,6 +135,7 @@ def test_two_ranks_weigh_ignored_targets_over_the_global_batch(tmp_path):
     assert ranks[0]["losses"][-1] < 0.2 * ranks[0]["losses"][0]
 
 
+@pytest.mark.slow
 def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
     """Batch 256 on two ranks: statistics and the quadratic model on a 64-example sub-batch,
     32 of each rank's rows (other examples than one process's first 64, so only the

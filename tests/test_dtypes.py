@@ -25,6 +25,7 @@ def losses(model: onnx.ModelProto, x, y, steps: int = 6) -> tuple[list[float], T
     return [tr.step({"input": x[k * 64:(k + 1) * 64]}, y[k * 64:(k + 1) * 64])["loss"] for k in range(steps)], tr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_a_model_in_another_float_type_trains_as_its_float32_twin_and_exports_in_its_type(kind, tmp_path):
     e = ZOO["mlp_classifier"]
@@ -54,6 +55,7 @@ def test_a_model_in_another_float_type_trains_as_its_float32_twin_and_exports_in
         np.testing.assert_allclose(logits.astype(np.float32), expected, atol=2e-2 if kind == "float16" else 1e-5)
 
 
+@pytest.mark.slow
 def test_float16_data_trains_a_float16_model_from_the_command_line(tmp_path, capsys):
     from kfac_compiler.cli import main
 

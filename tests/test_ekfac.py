@@ -241,6 +241,7 @@ def _batch(x, y, s, bs=64):
     return {"input": x[idx]}, y[idx]
 
 
+@pytest.mark.slow
 def test_zoo_mlp_trains_with_ekfac_and_resumes_bit_for_bit(tmp_path):
     e = ZOO["mlp_classifier"]
     plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,

@@ -97,6 +97,7 @@ def test_compile_stores_exactly_what_a_default_run_at_its_batch_requests():
     assert wanted <= stored and len(plan.subgraphs) == len(wanted) == 4
 
 
+@pytest.mark.slow
 def test_an_older_plan_without_kinds_still_trains(tmp_path):
     """A plan written before the typed requests (entries keyed by kind, options with "auto"
     unresolved) loads; the runtime does not take its stale graphs for resolved requests and
@@ -139,6 +140,7 @@ def test_refresh_costs_are_the_blocks_own_for_the_plans_damping_split():
     assert own["fc1"] > 5 * plan.costs["layers"]["fc1"]["inverse"]  # exact, against the budget's pi price
 
 
+@pytest.mark.slow
 def test_compile_stores_nothing_where_a_default_run_refuses_the_plan():
     """A compile damping below K-FAC's default min_damping is a valid plan: compile succeeds,
     says why it stored no graphs, and a run that widens min_damping emits them and trains."""
@@ -184,6 +186,7 @@ def saved_plan(tmp_path_factory):
     return plan, plan.save(str(tmp_path_factory.mktemp("plan") / "plan"))
 
 
+@pytest.mark.slow
 def test_training_a_stored_plan_emits_nothing_and_loads_no_compiler_internals(saved_plan):
     """A default K-FAC run at the batch the plan was compiled for (96: statistics and the
     quadratic model on a 64-example sub-batch, not the batch-32 defaults) finds every graph
@@ -196,6 +199,7 @@ def test_training_a_stored_plan_emits_nothing_and_loads_no_compiler_internals(sa
     assert np.isfinite(run["losses"]).all() and run["losses"][2] < run["losses"][0]
 
 
+@pytest.mark.slow
 def test_other_settings_emit_only_what_differs(saved_plan):
     """At batch 48 the statistics run on the whole batch (no 64-example sub-batch), so the two
     steps and the statistics graph are emitted through the service; the inverse refresh's
@@ -206,6 +210,7 @@ def test_other_settings_emit_only_what_differs(saved_plan):
     assert other["emitted"] == ["kfac_step", "kfac_step", "update_statistics"]
 
 
+@pytest.mark.slow
 def test_the_step_sessions_come_from_the_kinds_registry(tmp_path, monkeypatch):
     """Which sessions spin, keep the arena and are profiled as the steady step is the kind's
     every_step flag (an optimizer plugin's declaration), not a list of names: a plugin step

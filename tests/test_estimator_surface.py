@@ -74,6 +74,7 @@ def _random(curv, seed=2):
     return {p: rng.normal(size=a.shape).astype(np.float32) for p, a in curv.parameters().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("approx,scale_shift", [("kron", False), ("diagonal", False), ("kron", True)])
 def test_emitted_powers_equal_eigh_powers_of_the_dense_block(approx, scale_shift):
     """-1/2, 1/2, -3/2 (the emitted square root) and 2 (MatMuls) in the `multiply` subgraph
@@ -173,6 +174,7 @@ def test_params_stats_is_the_empirical_gradient():
         np.testing.assert_array_equal(stats[p], grads[p])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("power", [-0.5, -0.75])
 def test_precon_power_first_step_is_the_numpy_matrix_power(power):
     """precon_power with a fixed learning rate and no momentum: the first update is
@@ -202,6 +204,7 @@ def test_precon_power_first_step_is_the_numpy_matrix_power(power):
 
 @pytest.mark.parametrize("model,menu,approx", [("unrolled_rnn", "fully_connected_multi", "kron_series_1"),
                                                ("mlp_classifier", "fully_connected", "ekfac")])
+@pytest.mark.slow
 def test_precon_power_is_refused_by_a_block_without_it(model, menu, approx):
     e = ZOO[model]
     plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,
@@ -227,6 +230,7 @@ def _foreign_loop(curv, x, y, lr, steps, damping=1e-2):
     return oks
 
 
+@pytest.mark.slow
 def test_foreign_loop_with_damping_1e2_stays_finite_with_the_floor_and_stops_cleanly_without():
     """Reproduced (issue 26): a numpy loop at damping 1e-2 and lr 3 overshoots (nothing checks
     the step's quadratic model, as K-FAC's Trainer does), the logits and so the factors grow
@@ -290,6 +294,7 @@ def test_a_sane_foreign_loop_is_unchanged_by_the_floor():
     ("unrolled_rnn", "fully_connected_multi", "kron_series_1", "a series"),
     ("unrolled_rnn", "fully_connected_multi", "kron_series_2", "a series"),
     ("mlp_classifier", "fully_connected", "ekfac", "damps its eigenvalues exactly")])
+@pytest.mark.slow
 def test_cholesky_is_refused_by_series_and_ekfac_blocks(model, menu, approx, why):
     """Their F + damping is not the product of two damped factors (the series adds A_1, G_1
     terms; EKFAC damps S exactly), so compute_cholesky(_inverse) refuses in one line naming the

@@ -131,6 +131,7 @@ def test_sampled_targets_are_poisson_quantiles_of_the_host_noise(poisson):
     assert (want == loss.max_count).any()  # the clipping is exercised
 
 
+@pytest.mark.slow
 def test_zoo_model_trains_with_kfac_and_evaluates_its_metric(poisson):
     entry = ZOO["digits_autoencoder"]
     with warnings.catch_warnings():
@@ -163,6 +164,7 @@ def test_zoo_model_trains_with_kfac_and_evaluates_its_metric(poisson):
     assert after["mean_absolute_error"] < before["mean_absolute_error"]
 
 
+@pytest.mark.slow
 def test_train_command_makes_digits_counts_and_prints_the_metric(poisson, tmp_path, capsys):
     from kfac_compiler.cli import main
 

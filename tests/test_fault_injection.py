@@ -264,6 +264,7 @@ def _assert_fuzz_clean(kind: str, n: int, quick: bool) -> None:
     assert not bad, f"{len(bad)} of {len(results)} {kind} not clean:\n" + "\n".join(bad[:15])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [_fuzz_param(k, False) for k in KINDS])
 def test_fuzz_quick(kind):
     _assert_fuzz_clean(kind, FAST_N[kind], quick=True)
@@ -308,6 +309,7 @@ def test_injected_read_only_folder_refuses_writes(tmp_path, monkeypatch):
         assert open(os.path.join(ro, "kept.txt")).read() == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["disk-full-during-checkpoint-write", "save-into-read-only-folder"])
 def test_injected_faults_give_the_real_outcome(name, monkeypatch):
     """Where mounting works, a case under the injected fallback ends as under the real mount

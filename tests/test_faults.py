@@ -22,6 +22,7 @@ def test_census_names_are_unique():
     assert len(names) == len(set(names))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_fault_case(case, record_property):
     verdict = run_case(case)

@@ -276,6 +276,7 @@ def test_a_head_loss_whose_noise_does_not_fit_the_packing_is_refused(monkeypatch
     kc.compile(model, heads=[HEADS[0], ("aux", "custom_se", 0.3, "values")], emit=False)
 
 
+@pytest.mark.slow
 def test_config_heads_tables_compile_the_same_plan(tmp_path, two_heads):
     model, _ = _two_head_model()
     cfg = tmp_path / "heads.toml"
@@ -307,6 +308,7 @@ def test_one_loss_plans_keep_their_plan_json(tmp_path):
     assert "heads" not in plan.config and plan.output == "aux" and plan.loss.to_json()["kind"] == "squared_error"
 
 
+@pytest.mark.slow
 def test_cli_compile_inspect_and_train_with_heads(tmp_path, capsys):
     from kfac_compiler.cli import main
 

@@ -109,6 +109,7 @@ def _damped_inverse_error(tr, layer: str, damping: float) -> float:
     return err
 
 
+@pytest.mark.slow
 def test_a_group_refresh_writes_exactly_its_blocks_inverses(mlp):
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac", seed=0, inverse_groups=3, inv_update_period=4)
@@ -140,6 +141,7 @@ def test_a_group_refresh_writes_exactly_its_blocks_inverses(mlp):
         assert _damped_inverse_error(tr, layer, damping) < 1e-3
 
 
+@pytest.mark.slow
 def test_every_block_is_refreshed_once_per_period(mlp):
     plan, x, y = mlp
     period = 4
@@ -169,6 +171,7 @@ def test_every_block_is_refreshed_once_per_period(mlp):
         assert len(steps) == 3
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_zoo_refresh_in_one_group(mlp):
     plan, _, _ = mlp
     tr = Trainer(plan, optimizer="kfac", seed=0)

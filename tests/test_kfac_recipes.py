@@ -100,6 +100,7 @@ def first_steps(mlp):
     return knobs, theta0, m, f64(tr.parameters())
 
 
+@pytest.mark.slow
 def test_qmodel_takes_the_clipped_gradient_and_predicts_with_the_raw_one(mlp, first_steps):
     """The quadratic model minimizes its value with the clipped gradient s g: on the first step
     (no velocity) alpha is the unclipped model's and the update s times its update (with the
@@ -137,6 +138,7 @@ def test_qmodel_decays_the_weights_by_its_learning_rate(mlp, first_steps):
     assert_close(f64({p: tr.store.to_numpy(f"velocity/{p}") for p in theta0}), u, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_loss_after_with_l2_and_decay_is_the_objective_at_the_decayed_parameters(mlp):
     """Damping adaptation's loss after the step with l2_reg and decoupled decay: the batch's
     loss at the new (decayed) parameters plus l2 (|theta1|^2 - |theta0|^2) / 2, the change of

@@ -69,6 +69,7 @@ def softmax_cross_entropy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
 @pytest.mark.parametrize("qmodel_batch,max_momentum,l2,max_decrease", [
     (None, 1.0, 0.0, 1.0), (24, 1.0, 0.0, 1.0), (None, 0.05, 0.0, 1.0), (24, 1.0, 1e-2, 1.0),
     (None, 1.0, 0.0, 1e-3), (24, 1.0, 1e-2, 1e-3)])
+@pytest.mark.slow
 def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2,
                                                                               max_decrease):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
@@ -128,6 +129,7 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
         assert abs(a_mixed - a) > 10 * 2e-4 * abs(a)
 
 
+@pytest.mark.slow
 def test_loss_after_runs_only_on_damping_adaptation_steps(mlp):
     """The forward pass at the new parameters sits in an If: metric/loss_after is the
     objective on adaptation steps (every damping_adaptation_interval-th) and NaN otherwise."""
@@ -153,6 +155,7 @@ def test_loss_after_runs_only_on_damping_adaptation_steps(mlp):
             assert m["new_loss"] == v and math.isfinite(m["rho"])
 
 
+@pytest.mark.slow
 def test_statistics_and_qmodel_sub_batches_of_different_sizes(mlp):
     """Two sub-batch forward clones (statistics on 16, quadratic model on 24 examples) live
     side by side in one step graph (distinct node names) and train; the statistics sub-batch
@@ -183,6 +186,7 @@ def test_a_step_that_raises_the_objective_is_rejected_on_adaptation_steps(mlp, r
         assert tr.damping == pytest.approx(10 * m["damping"])
 
 
+@pytest.mark.slow
 def test_statistics_run_only_on_the_steps_that_update_them(mlp):
     """The step's factor statistics sit in an If on hp/update_stats: with cov_update_period=2
     a step that skips them leaves every factor bit-for-bit as it was, and the next one gives
@@ -222,6 +226,7 @@ def test_statistics_run_only_on_the_steps_that_update_them(mlp):
     assert not any(np.array_equal(tr.store.to_numpy(s), before[s]) for s in factors)
 
 
+@pytest.mark.slow
 def test_step_program_follows_the_batch_size_and_weights(mlp):
     """The trainer's memoized step program is the one its options call for after every change
     of batch size (a batch no larger than the sub-batch needs no slice) and of weighting; a

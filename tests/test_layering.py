@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> package (pyproject's package-dir)
 FOLDERS = {"kfac_compiler": "kfac_compiler", "passes": "kfac_compiler.passes", "runtime": "kfac_compiler.runtime",
@@ -110,11 +112,13 @@ def _violations(arrows) -> list[str]:
     return sorted(set(bad))
 
 
+@pytest.mark.slow
 def test_imports_follow_the_documented_arrows():
     bad = _violations(_arrows())
     assert not bad, "imports outside docs/architecture.md's arrows:\n" + "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_the_runtime_side_never_names_the_compilers_internals():
     """No module of the runtime, the optimizers, the plan or the contract imports the back end,
     the blocks, the op rules, the passes or the patterns, eagerly or lazily, but at the two

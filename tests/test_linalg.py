@@ -204,6 +204,7 @@ def test_schur_inverse_of_a_correlated_factor():
     np.testing.assert_allclose(out64["X"], linalg.np_schur_inverse(sym), rtol=1e-8, atol=1e-10 * np.abs(ref).max())
 
 
+@pytest.mark.slow
 def test_schur_inverse_batched_and_guarded(rng):
     """A stack of 150 x 150 matrices (75 + 75, then blocks of 37 and 38): accurate where the
     matrix is SPD; a NaN or a singular matrix is not ok (the probe residual catches it)."""

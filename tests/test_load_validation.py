@@ -226,6 +226,7 @@ META_EDITS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(META_EDITS))
 def test_hand_edited_checkpoint_metadata_is_one_line(trained, tmp_path, case, capsys):
     tr, path = trained

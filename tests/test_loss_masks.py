@@ -256,6 +256,7 @@ def test_kfac_training_does_not_see_the_padding(how):
     assert first[0][-1] < first[0][0]
 
 
+@pytest.mark.slow
 def test_padded_batches_train_like_the_unpadded_data():
     """A model of any length (tokens [N, "T"]) trained by K-FAC (empirical Fisher: no noise,
     whose shape would follow the length) on batches padded from 4 to 6 positions with
@@ -356,6 +357,7 @@ def test_a_recognised_loss_op_brings_its_ignore_index():
 
 
 # ------------------------------------------------------------------------------ command line
+@pytest.mark.slow
 def test_cli_trains_with_ignore_index_and_a_weights_array(tmp_path, capsys):
     """`train model.onnx --ignore-index -100` on an .npz with per-position `weights`, held-out
     data with its own: the summary's losses are the saved model's sum w l / #kept over the
@@ -506,6 +508,7 @@ def test_blocks_leave_masked_positions_out_of_their_activation_statistics(name):
         assert rel_err(got["A"], want[0] if blk.group == 1 else want) < 1e-5
 
 
+@pytest.mark.slow
 def test_fit_takes_weighted_batches_and_a_weighted_validation():
     """runtime.fit on batches(..., weights=mask) with validation (inputs, targets, mask): the
     same losses, parameters and held-out metrics as the hand-written loop of step(weights=)

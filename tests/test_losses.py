@@ -76,6 +76,7 @@ def test_loss_value_and_gradient_match_numpy_and_finite_differences(kind):
     np.testing.assert_allclose(loss.np_grad(z64, y), fd, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(LOSSES))
 def test_fisher_sqrt_squares_to_fisher_and_fisher_times(kind):
     rng = np.random.default_rng(1)

@@ -97,6 +97,7 @@ def relative_gap(a: dict, b: dict, ref: dict) -> float:
     ("regular", 0.05, None), ("regular", 0.2, 1e-3), ("adam", 0.02, None), ("adam", 0.05, 1e-3),
     ("qmodel", None, None), ("qmodel_fixedmu", None, None),
     ("regular_scheduled", lambda k: 0.08 * 0.5 ** k, None)])
+@pytest.mark.slow
 def test_update_sequence_equals_tf_kfacs_rule(mlp, kind, lr, norm_constraint):
     """Five steps (inverses refreshed after step 2 and 4) of each momentum type equal TF
     K-FAC's rule run in numpy from the same initial parameters and batches: every step's
@@ -217,6 +218,7 @@ def qmodel_checkpoint(mlp, tmp_path_factory):
     (dict(learning_rate=0.01), "regular"),  # a learning rate means regular, as on a fresh run
     (dict(use_adaptive_learning_rate=False, learning_rate=0.01, momentum=0.5), "regular"),  # TF's alias
 ])
+@pytest.mark.slow
 def test_resume_switches_from_qmodel_to_regular(mlp, qmodel_checkpoint, overrides, kind):
     """An override of momentum_type, use_qmodel or a learning rate the stored qmodel refuses
     decides the type: the stored derived pair is dropped, and the step uses the fresh run's
@@ -231,6 +233,7 @@ def test_resume_switches_from_qmodel_to_regular(mlp, qmodel_checkpoint, override
     assert tr.step_count == 3
 
 
+@pytest.mark.slow
 def test_resume_switches_from_qmodel_to_adam_with_empty_gradient_sums(mlp, qmodel_checkpoint):
     """qmodel -> adam: the checkpoint has no grad_velocity slots; they start at zero (a
     warning says so), so after the first resumed step the sum is that step's gradient."""
@@ -246,6 +249,7 @@ def test_resume_switches_from_qmodel_to_adam_with_empty_gradient_sums(mlp, qmode
         np.testing.assert_allclose(tr.store.to_numpy(f"grad_velocity/{p}"), g[p], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_resume_switches_from_regular_to_qmodel(mlp, tmp_path):
     """regular -> use_qmodel=True: the stored learning rate and momentum (which the qmodel
     chooses itself) are dropped with the stored type."""
@@ -260,6 +264,7 @@ def test_resume_switches_from_regular_to_qmodel(mlp, tmp_path):
     assert kept.config.adapt_damping is False  # given: honoured
 
 
+@pytest.mark.slow
 def test_resume_without_a_type_switch_keeps_the_stored_adapt_damping(mlp, tmp_path):
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac", learning_rate=0.01, adapt_damping=True, batch_size=BATCH)
@@ -268,6 +273,7 @@ def test_resume_without_a_type_switch_keeps_the_stored_adapt_damping(mlp, tmp_pa
     assert (resumed.config.momentum_type, resumed.config.adapt_damping) == ("regular", True)
 
 
+@pytest.mark.slow
 def test_cli_resume_switches_momentum_type_with_a_knob(tmp_path, capsys):
     """`train --resume C --knob momentum_type=regular --learning-rate 0.01` continues a qmodel
     run as regular K-FAC: the resumed steps report lr 0.01 and momentum 0.9."""
@@ -282,6 +288,7 @@ def test_cli_resume_switches_momentum_type_with_a_knob(tmp_path, capsys):
                    (3.0, pytest.approx(0.01, rel=1e-6), pytest.approx(0.9, rel=1e-6))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("power,quadratic", [(-1.0, True), (-0.5, False)])
 def test_adam_momentums_predicted_change_is_tf_approx_qmodel_change(mlp, power, quadratic):
     """TF K-FAC's _compute_approx_qmodel_change for adam momentum: u.g + u.(F + damping) u / 2

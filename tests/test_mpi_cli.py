@@ -23,7 +23,7 @@ from kfac_compiler.locks import lock_path
 from kfac_compiler.runtime.checkpoint import read_meta
 from mpi_util import rank_command, run_ranks
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # mpirun subprocesses: CI runs these
 TRAIN = [sys.executable, "-m", "kfac_compiler.train_cli"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -373,6 +373,7 @@ def test_no_note_for_matched_normalizations():
 
 
 # ------------------------------------------------------------------ running statistics
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "kfac"])
 def test_running_statistics_are_updated_exported_and_checkpointed(optimizer, tmp_path):
     from kfac_compiler.runtime import Trainer
@@ -521,7 +522,6 @@ def test_shufflenet_training_mode_gradients_are_torchs_in_float64():
     import warnings
 
     import onnx
-    from onnx import numpy_helper
 
     import kfac_compiler as kc
 

@@ -389,6 +389,7 @@ def _ort_agrees(model64, feeds, wrt, outs, jvp: bool) -> None:
                                        err_msg=f"ORT float32 vs float64 for {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,symbolic", _params())
 def test_rule_fd(case: Case, symbolic):
     model, feeds = one_node_model(case.op, case.inputs, case.attrs, n_out=case.n_out, opset=case.opset,

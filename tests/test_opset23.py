@@ -12,6 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 from kfac_compiler.builder import MAX_OPSET
 from test_blocks import assert_close, emitted_stats, ss_brute, ss_case
 
+pytestmark = pytest.mark.slow  # torch exports and third-party models: CI runs these (`pytest` without -m)
+
 
 def rms_ref(x, axis, eps):
     x = np.asarray(x, np.float64)

@@ -56,6 +56,7 @@ def _f64(params):
     return {p: v.astype(np.float64) for p, v in params.items()}
 
 
+@pytest.mark.slow
 def test_an_adam_group_steps_by_adam_and_kfac_steps_the_rest_with_the_group_held(transformer):
     plan, inputs, y = transformer
     tr = Trainer(plan, threads=1, param_groups=[ADAM])
@@ -127,6 +128,7 @@ def test_an_sgd_group_with_l2_and_clipping_beside_fixed_rate_kfac(mlp):
                 np.sqrt(sum((vel[p] ** 2).sum() for p in fc1)), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_groups_layers_have_no_curvature_state_or_work(transformer):
     plan, inputs, y = transformer
     tr = Trainer(plan, threads=1, param_groups=[ADAM], batch_size=64)
@@ -254,6 +256,7 @@ def test_bad_groups_are_one_line_errors(transformer, groups, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_the_command_line_trains_groups_and_refuses_bad_ones(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     assert main(["train", "transformer_block", "--steps", "4", "--batch-size", "64", "--metrics", str(metrics),
@@ -272,6 +275,7 @@ def test_the_command_line_trains_groups_and_refuses_bad_ones(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+@pytest.mark.slow
 def test_embeddings_and_norms_by_adam_beside_kfac_train_the_transformer(transformer):
     plan, inputs, y = transformer
     tr = Trainer(plan, threads=1, param_groups=[{**ADAM, "decoupled_weight_decay": 0.0}])
@@ -282,6 +286,7 @@ def test_embeddings_and_norms_by_adam_beside_kfac_train_the_transformer(transfor
     assert end < 0.7 * start, (start, end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_accumulated_micro_batches_with_a_group_take_the_whole_batch_step(mlp, optimizer):
     """Gradient accumulation beside a group: the group's rule and K-FAC's preconditioning both

@@ -39,6 +39,8 @@ import pytest
 import kfac_compiler as kc
 from kfac_compiler.graph import fold_recurrent_params
 
+pytestmark = pytest.mark.slow  # torch exports and third-party models: CI runs these (`pytest` without -m)
+
 FIXTURES = Path(__file__).parent / "fixtures" / "real"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text()) if (FIXTURES / "manifest.json").exists() else {}
 CASES = sorted(k for k, v in MANIFEST.items() if v.get("status") == "ok" and not v.get("default_init"))

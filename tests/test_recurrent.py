@@ -66,6 +66,7 @@ def _id(case):
     return op + "-" + "-".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in kw.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=[_id(c) for c in FORWARD_CASES])
 def test_forward_matches_onnxruntime(case):
     op, kw = case
@@ -198,6 +199,7 @@ def _loss(model, feeds):
     return float(run(model, feeds, ["loss"])[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", GRAD_CASES, ids=[_id(c) for c in GRAD_CASES])
 def test_gradients_match_finite_differences(case):
     op, kw = case

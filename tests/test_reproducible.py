@@ -29,6 +29,7 @@ def trajectory(name: str, optimizer: str, threads: int, steps: int = 12) -> tupl
     return losses, digest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["kfac", "adam"])
 def test_a_rerun_is_bit_identical_and_the_thread_count_does_not_matter(optimizer):
     """The transformer block's token embedding (a Gather) has repeated tokens in every batch."""

@@ -207,6 +207,7 @@ def test_disk_full_at_the_end_still_writes_the_other_outputs(tmp_path, capsys):
         assert sorted(os.listdir(small)) == ["filler"]
 
 
+@pytest.mark.slow
 def test_disk_full_on_the_metrics_file_stops_the_run_and_writes_the_rest(tmp_path, capsys):
     small = tmp_path / "small"
     with tmpfs(small, "size=16k") as mounted:
@@ -349,6 +350,7 @@ except OutputError:
 """
 
 
+@pytest.mark.slow
 def test_runs_racing_for_a_stale_lock_get_exactly_one_holder(tmp_path):
     from kfac_compiler.locks import lock_path
 
@@ -413,6 +415,7 @@ plan.save(sys.argv[2])
 
 @pytest.mark.parametrize("point", [pytest.param("writing", marks=pytest.mark.slow), "before_swap",
                                    pytest.param("after_swap", marks=pytest.mark.slow), "between_renames"])
+@pytest.mark.slow
 def test_kill_during_plan_save(tmp_path, capsys, point):
     plan = tmp_path / "plan"
     assert _compiled(tmp_path, capsys, plan)[0] == 0
@@ -496,6 +499,7 @@ tr.save_checkpoint(sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_keeps_it_and_the_next_run_removes_the_temp_file(tmp_path, capsys):
     ck = tmp_path / "c.ckpt"
     r = subprocess.run([sys.executable, "-c", KILL_CHECKPOINT, str(ck)], capture_output=True)
@@ -601,6 +605,7 @@ def test_resume_continues_metrics_without_repeating_steps(tmp_path, capsys, name
     assert (tmp_path / "bad.csv").read_text() == "not,a,metrics,file\n"
 
 
+@pytest.mark.slow
 def test_resume_defaults_to_the_checkpoints_batch_size_and_seed(tmp_path, capsys):
     a, b, ck = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "c.ckpt"
     common = ["--batch-size", "32", "--seed", "3", "-q"]
@@ -651,6 +656,7 @@ def test_resume_refuses_other_data_and_takes_the_same(tmp_path, capsys, inputs):
     assert read_meta(str(ck))["host"]["step_count"] == 3 and read_meta(str(ck))["data"]["examples"] == 1797
 
 
+@pytest.mark.slow
 def test_damping_given_on_resume_is_used_from_the_resumed_step(tmp_path, capsys):
     ck, m = tmp_path / "c.ckpt", tmp_path / "m.csv"
     assert run(["train", "--steps", "2", "--batch-size", "64", "-q", "--checkpoint", str(ck)], capsys)[0] == 0

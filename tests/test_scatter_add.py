@@ -22,6 +22,7 @@ def run_threads(model, feeds, threads: int = 2, reps: int = 40) -> list[np.ndarr
     return [sess.run(["grad/x"], feeds)[0] for _ in range(reps)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 def test_gather_gradient_sums_repeated_rows_exactly_on_threads(rng, symbolic):
     V, D, N, T = 17, 128, 64, 256  # 16384 lookups of 17 rows (ScatterND lost updates in 30% of the runs)
@@ -36,6 +37,7 @@ def test_gather_gradient_sums_repeated_rows_exactly_on_threads(rng, symbolic):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_gather_nd_gradient_sums_repeated_rows_exactly_on_threads(rng):
     A, B, D, K = 5, 4, 128, 16384
     x = rng.standard_normal((A, B, D)).astype(np.float32)

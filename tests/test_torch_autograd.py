@@ -20,6 +20,8 @@ nn = torch.nn
 from kfac_compiler.oprules.check import run_ort  # noqa: E402
 from kfac_compiler.passes.autodiff import gradient_model, jvp_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torch exports and third-party models: CI runs these (`pytest` without -m)
+
 
 class _Attn(nn.Module):
     def __init__(self, vocab=11, d=8, t=5):

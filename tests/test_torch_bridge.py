@@ -25,6 +25,8 @@ import kfac_compiler  # noqa: E402
 from kfac_compiler import torch as kt  # noqa: E402
 from kfac_compiler.runtime import Trainer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torch exports and third-party models: CI runs these (`pytest` without -m)
+
 N = 8
 
 

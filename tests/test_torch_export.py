@@ -47,6 +47,7 @@ def table(plan):
     return [(l.name, l.kind, l.params, l.num_uses, l.approximation) for l in plan.layers]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamo", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_export_matches_helper_twin(tmp_path, name, dynamo):

@@ -119,6 +119,7 @@ def test_bad_data_is_one_line_error_before_training(tmp_path, capsys, case):
     assert not m.exists()  # nothing trained
 
 
+@pytest.mark.slow
 def test_unknown_model_and_missing_matplotlib_message(tmp_path, capsys):
     code, out, err = run(["no_such_model", "--steps", "1"], capsys)
     assert code == 2 and "error:" in err and "zoo" in err
@@ -166,6 +167,7 @@ def test_holdout_evaluates_the_held_out_rows_and_trains_on_the_rest(tmp_path, ca
     assert float(train_line.split()[3]) == pytest.approx(_held_out_loss(model, train["input"], ty)[0], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_data_file_and_resume_keep_the_columns(tmp_path, capsys):
     x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
     ev = tmp_path / "held.npz"

@@ -147,6 +147,7 @@ def test_kfac_step_keeps_state_on_device_and_reports_metrics(mlp):
     assert tr.step_count == 3
 
 
+@pytest.mark.slow
 def test_factor_moving_average_matches_numpy(mlp):
     """factor/fc1/A after two steps = (1 - c) A_0 + c A_1 with A_k = [x 1]^T [x 1] / 64 over
     the statistics sub-batch (every other one of 128 examples: 64) and c the zero-debiased
@@ -276,6 +277,7 @@ def test_burn_in_and_stats_period(mlp):
     assert tr.step_count == 6 and tr.burn_in_count == 2
 
 
+@pytest.mark.slow
 def test_evaluate_export_and_predict(mlp, tmp_path):
     plan, x, y = mlp
     tr = train(plan, x, y, "kfac", 20, 128)
@@ -409,6 +411,7 @@ def test_curvature_estimate_update_and_precondition(mlp):
         curv.estimate({"input": xb}, yb, mode="bogus")
 
 
+@pytest.mark.slow
 def test_host_side_eigh_inverses_match_emitted_inverses(mlp):
     """The host methods (eigh; cholesky, LAPACK on the host in float32) and the emitted
     schur ("auto" = the CPU default) follow the emitted inverse_op's trajectory."""
@@ -454,6 +457,7 @@ def damped_inverse_errors(tr, layer, damping):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,tol", [("cholesky", 1e-5), ("auto", 1e-4)])
 def test_cpu_inverse_is_the_damped_factors_inverse(mlp, method, tol):
     """After a refresh the inverse slots hold (A + pi sqrt(lambda) I)^-1 and
@@ -469,6 +473,7 @@ def test_cpu_inverse_is_the_damped_factors_inverse(mlp, method, tol):
             assert err <= tol, (layer, name, err)  # a 10% damping error: 5e-2
 
 
+@pytest.mark.slow
 def test_emitted_inverse_beyond_its_accuracy_falls_back_to_host_cholesky(mlp):
     """With damping 1e-9 the first refresh meets factors of cond > 1e5, where the CPU
     default schur's float32 probe residual exceeds linalg.SCHUR_TOL: those blocks are redone
