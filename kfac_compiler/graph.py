@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from kfac_compiler.contract import FOLDED_PARAMS_KEY, RECURRENT_PIECES_KEY
+from kfac_compiler.onnx_files import tensor_array
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -95,8 +96,8 @@ class GraphView:
         return [o.name for o in self.model.graph.output]
 
     def array(self, name: str) -> np.ndarray:
-        """The value of an initializer as a numpy array."""
-        return numpy_helper.to_array(self.initializers[name])
+        """The value of an initializer as a numpy array (read from disk if it was left there)."""
+        return tensor_array(self.initializers[name])
 
     def constant_value(self, name: str) -> np.ndarray | None:
         """Value of an initializer or a Constant node's output, else None."""

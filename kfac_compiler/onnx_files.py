@@ -8,9 +8,12 @@ such name is resolved here (symbolic links followed) and refused unless it lies 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import BinaryIO
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import TensorProto
 
 
@@ -37,3 +40,204 @@ def external_locations(model: onnx.ModelProto) -> Iterator[str]:
 def outside_locations(model: onnx.ModelProto, folder: str | os.PathLike) -> list[str]:
     """The external-data locations of `model` that do not lie inside `folder` (sorted)."""
     return sorted({loc for loc in external_locations(model) if inside(folder, loc) is None})
+
+
+LAZY_EXTERNAL_BYTES = 1 << 30
+"""External data over this many bytes in total stays on disk after loading: protobuf cannot
+hold a message over 2 GiB, so a ModelProto with such values inside could not be copied, checked
+or written (it failed with an `EncodeError` after 27 s and 6.4 GB of memory)."""
+
+
+def _entries(t: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[TensorProto]:
+    return [t for t in onnx.external_data_helper._get_all_tensors(model)
+            if t.HasField("data_location") and t.data_location == TensorProto.EXTERNAL]
+
+
+def _nbytes(t: TensorProto) -> int:
+    return int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+def load_external(model: onnx.ModelProto, folder: str) -> None:
+    """Read `model`'s external data from `folder` (its locations already checked to lie inside):
+    into the tensors when it totals LAZY_EXTERNAL_BYTES at most; else it stays on disk, each
+    tensor's location made the real absolute path of its file (`on_disk`), read by
+    `tensor_array` and copied by `write_onnx`."""
+    tensors = _external_tensors(model)
+    if sum(_nbytes(t) for t in tensors) <= LAZY_EXTERNAL_BYTES:
+        onnx.external_data_helper.load_external_data_for_model(model, folder)
+        return
+    for t in tensors:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = os.path.realpath(os.path.join(folder, e.value))
+        tensor_array(t, check_only=True)
+
+
+def on_disk(t: TensorProto) -> bool:
+    """Whether `t`'s values were left on disk by load_external (an absolute location)."""
+    return (t.HasField("data_location") and t.data_location == TensorProto.EXTERNAL
+            and os.path.isabs(_entries(t).get("location", "")))
+
+
+def has_data_on_disk(model: onnx.ModelProto) -> bool:
+    return any(on_disk(t) for t in model.graph.initializer)
+
+
+def with_relative_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
+    """(a copy of `model` whose tensors left on disk name their files relative to one folder,
+    that folder): what ONNX Runtime, which refuses absolute external-data paths, loads from
+    bytes with its `session.model_external_initializers_file_folder_path`. (`model`, None)
+    when it has none on disk; an error when they lie in several folders."""
+    folders = {os.path.dirname(_entries(t)["location"]) for t in model.graph.initializer if on_disk(t)}
+    if not folders:
+        return model, None
+    if len(folders) > 1:
+        from kfac_compiler.errors import ModelError
+
+        raise ModelError(f"the model's external data lies in {len(folders)} folders ({', '.join(sorted(folders))}); "
+                         "put its data files in one folder")
+    folder = folders.pop()
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        if on_disk(t):
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = os.path.basename(e.value)
+    return m, folder
+
+
+def _region(t: TensorProto) -> tuple[str, int, int]:
+    """(file, offset, bytes) of a tensor left on disk, its file checked to hold them."""
+    from kfac_compiler.errors import ModelError
+
+    e = _entries(t)
+    path, offset, need = e["location"], int(e.get("offset") or 0), _nbytes(t)
+    size = os.path.getsize(path) if os.path.isfile(path) else -1
+    if size < 0:
+        raise ModelError(f"initializer {t.name!r}: its external data file {path!r} is gone; reload the model")
+    if "length" in e and int(e["length"]) != need or offset + need > size:
+        raise ModelError(f"initializer {t.name!r}: dims {list(t.dims)} need {need} bytes of external data, "
+                         f"{path!r} holds {max(size - offset, 0)} from offset {offset}"
+                         + (f" (length says {e['length']})" if "length" in e else "") + "; re-export the model")
+    return path, offset, need
+
+
+def tensor_array(t: TensorProto, check_only: bool = False) -> np.ndarray:
+    """numpy_helper.to_array, also for a tensor left on disk (read from its file)."""
+    if not on_disk(t):
+        return onnx.numpy_helper.to_array(t)
+    path, offset, need = _region(t)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    if check_only:
+        return np.empty(0, dtype)
+    return np.fromfile(path, dtype=dtype, count=need // dtype.itemsize, offset=offset).reshape(tuple(t.dims))
+
+
+def write_onnx(model: onnx.ModelProto, out: BinaryIO, data_path: str, data_name: str,
+               values: Mapping[str, np.ndarray] | None = None) -> dict[str, tuple[int, int]]:
+    """Write `model` to the open `out`, with `values` replacing its initializers' (each keeping
+    its dtype). Tensors left on disk and, where `needs_external`, values over LIGHT_VALUE_BYTES
+    go to the file `data_path` instead, which the model names `data_name` (its name relative to
+    the model's folder): with them inside, a model could pass protobuf's 2 GiB. Returns where each tensor
+    written there lies in it, {name: (offset, length)} ({}: no data file written)."""
+    values = values or {}
+    big = {t.name for t in model.graph.initializer if on_disk(t)}
+    if needs_external(model, values):
+        big |= {n for n, v in values.items() if np.asarray(v).nbytes > LIGHT_VALUE_BYTES}
+    regions: dict[str, tuple[int, int]] = {}
+    if not big and not values:
+        out.write(model.SerializeToString())
+        return regions
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    if big:
+        data = open(data_path, "wb")
+    try:
+        offset = 0
+        for t in m.graph.initializer:
+            if t.name in values and t.name not in big:
+                v = np.asarray(values[t.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+                t.CopyFrom(onnx.numpy_helper.from_array(v, t.name))
+            elif t.name in big:
+                offset += -offset % 64  # aligned, as onnx's own writer does
+                data.seek(offset)
+                if t.name in values:
+                    v = np.ascontiguousarray(np.asarray(values[t.name]),
+                                             onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+                    data.write(memoryview(v).cast("B"))
+                    length = v.nbytes
+                else:
+                    length = _copy_region(t, data)
+                _point(t, data_name, offset, length)
+                regions[t.name] = (offset, length)
+                offset += length
+        if big:
+            data.flush()
+            os.fsync(data.fileno())
+    finally:
+        if big:
+            data.close()
+    out.write(m.SerializeToString())
+    return regions
+
+
+def _point(t: TensorProto, location: str, offset: int, length: int) -> None:
+    t.ClearField("raw_data")
+    del t.external_data[:]
+    t.data_location = TensorProto.EXTERNAL
+    for k, val in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, val
+
+
+def pointing_into(model: onnx.ModelProto, regions: Mapping[str, tuple[int, int]], data_name: str) -> onnx.ModelProto:
+    """`model` (a subgraph of a plan) with its tensors left on disk naming their copies that
+    write_onnx put in `data_name` (`regions`) instead: the plan's subgraphs share its model's
+    data file."""
+    if not has_data_on_disk(model):
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        if on_disk(t):
+            if t.name not in regions:
+                raise ValueError(f"initializer {t.name!r} lies on disk but not in the plan model's data")
+            _point(t, data_name, *regions[t.name])
+    return m
+
+
+LIGHT_VALUE_BYTES = 1 << 20
+"""In a model written with external data, the values over this size go there."""
+
+
+def needs_external(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | None = None) -> bool:
+    """Whether `model` with `values` must be written with external data: some of its values
+    were left on disk, or the values total over LAZY_EXTERNAL_BYTES."""
+    return has_data_on_disk(model) or sum(np.asarray(v).nbytes for v in (values or {}).values()) > LAZY_EXTERNAL_BYTES
+
+
+def load_onnx(path: str) -> onnx.ModelProto:
+    """onnx.load of a file we wrote or checked before, its external data (from its folder)
+    loaded or left on disk as load_external decides."""
+    model = onnx.load(path, load_external_data=False)
+    load_external(model, os.path.dirname(os.path.abspath(path)))
+    return model
+
+
+def _copy_region(t: TensorProto, data: BinaryIO) -> int:
+    path, offset, need = _region(t)
+    with open(path, "rb") as src:
+        src.seek(offset)
+        left = need
+        while left:
+            chunk = src.read(min(left, 64 << 20))
+            if not chunk:
+                raise OSError(f"{path!r} ended early")
+            data.write(chunk)
+            left -= len(chunk)
+    return need

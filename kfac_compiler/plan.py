@@ -28,7 +28,15 @@ from kfac_compiler.errors import PlanError, one_line, os_errors, os_reason
 from kfac_compiler.graph import GraphView, fold_recurrent_params, source_holders
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
-from kfac_compiler.onnx_files import inside, outside_locations
+from kfac_compiler.onnx_files import (
+    has_data_on_disk,
+    inside,
+    load_external,
+    outside_locations,
+    pointing_into,
+    tensor_array,
+    write_onnx,
+)
 from kfac_compiler.parsing import nesting_checked
 from kfac_compiler.plan_schema import SUBGRAPH_NAME, check_document, check_plan
 
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
 MODEL_FILE = "model.onnx"
+MODEL_DATA_FILE = "model.onnx.data"  # its external data, for a model over 1 GiB
 
 
 @functools.cache
@@ -201,13 +210,11 @@ class Plan:
 
     def parameter_values(self) -> dict[str, np.ndarray]:
         """The trainable parameters' initial values (copies of the model's initializers)."""
-        from onnx import numpy_helper
-
         inits = {t.name: t for t in self.model.graph.initializer}
         missing = [p for p in self.trainable if p not in inits]
         if missing:
             raise PlanError(f"trainable parameter {missing[0]!r} is not an initializer of the plan's model")
-        return {p: numpy_helper.to_array(inits[p]).copy() for p in self.trainable}
+        return {p: tensor_array(inits[p]).copy() for p in self.trainable}
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:
@@ -373,6 +380,8 @@ class Plan:
             if not SUBGRAPH_NAME.match(name) or name in ("model", "plan"):
                 raise PlanError(f"subgraph name {name!r} cannot be a file name in a plan directory")
         files = [PLAN_FILE, MODEL_FILE, *(f"{name}.onnx" for name in self.subgraphs)]
+        if has_data_on_disk(self.model):  # a model over 1 GiB: its values beside it, not inside
+            files.insert(2, MODEL_DATA_FILE)
         real = os.path.realpath(target)
         check_plan_target(target, overwrite)
         if self.source_path and os.path.isfile(self.source_path):
@@ -382,27 +391,31 @@ class Plan:
                                 "save it to another folder")
         doc = self.to_json()
 
-        def fill_one(file: str, out) -> None:
+        regions: dict[str, tuple[int, int]] = {}
+
+        def fill_one(file: str, out, folder: str) -> None:
             if file == PLAN_FILE:
                 out.write((json.dumps(doc, indent=1) + "\n").encode("utf-8"))
             elif file == MODEL_FILE:
-                out.write(self.model.SerializeToString())
-            else:
-                out.write(self.subgraphs[file[:-len(".onnx")]].SerializeToString())
+                regions.update(write_onnx(self.model, out, os.path.join(folder, MODEL_DATA_FILE), MODEL_DATA_FILE))
+            else:  # after MODEL_FILE: a frozen value of the model left on disk names its copy in MODEL_DATA_FILE
+                out.write(pointing_into(self.subgraphs[file[:-len(".onnx")]], regions, MODEL_DATA_FILE).SerializeToString())
 
-        def fill(tmp: str) -> None:  # plan.json last
-            for f in files[1:] + files[:1]:
+        written = [f for f in files[1:] + files[:1] if f != MODEL_DATA_FILE]  # plan.json last; the data with the model
+
+        def fill(tmp: str) -> None:
+            for f in written:
                 with open(os.path.join(tmp, f), "wb") as out:
-                    fill_one(f, out)
+                    fill_one(f, out, tmp)
                     out.flush()
                     os.fsync(out.fileno())
 
         try:
             if os.path.isdir(real) and _plan_doc(real) is None and os.listdir(real):
                 # overwrite: the folder is the user's, not swapped; plan.json last makes it a plan
-                for f in files[1:] + files[:1]:
+                for f in written:
                     remove_stale(os.path.join(real, f))
-                    write_file(os.path.join(real, f), functools.partial(fill_one, f))
+                    write_file(os.path.join(real, f), functools.partial(fill_one, f, folder=real))
             else:
                 replace_folder(real, fill, set(files) | _own_files(real))
         except OSError as e:
@@ -570,7 +583,7 @@ def _load_onnx(file: str, plan_dir: str) -> onnx.ModelProto:
             if outside:
                 raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} names external data {outside[0]!r} "
                                 "outside the plan directory; recompile the model")
-            onnx.load_external_data_for_model(model, os.path.dirname(file))
+            load_external(model, os.path.dirname(file))
             return model
     except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError, onnx.checker.ValidationError) as e:
         raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} is unreadable ({type(e).__name__}); "

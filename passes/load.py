@@ -17,13 +17,14 @@ from google.protobuf.message import DecodeError
 from kfac_compiler.builder import MAX_OPSET, MIN_OPSET, subgraphs
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, default_opset
-from kfac_compiler.onnx_files import external_locations, outside_locations
+from kfac_compiler.onnx_files import external_locations, load_external, outside_locations
 
 _MAX_LISTED = 12
 
 
 def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.ModelProto:
-    """Load `path` with its external data and validate it (see validate_model)."""
+    """Load `path` with its external data (over 1 GiB: left on disk, onnx_files.load_external)
+    and validate it (see validate_model)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ModelError(f"model file {path!r} does not exist")
@@ -54,7 +55,7 @@ def load_model(path: str | os.PathLike, output: str | None = None) -> onnx.Model
                          f"{base!r})")
     if any(True for _ in external_locations(model)):
         try:
-            onnx.external_data_helper.load_external_data_for_model(model, base)
+            load_external(model, base)
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelError(f"{path!r}: cannot load external data ({_one_line(e)})") from None
     validate_model(model, output, source=path)

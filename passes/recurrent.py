@@ -51,6 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kfac_compiler import contract as C
 from kfac_compiler.errors import UnsupportedOpError
 from kfac_compiler.graph import GraphView, attrs_of
+from kfac_compiler.onnx_files import tensor_array
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 METADATA_KEY = C.RECURRENT_PIECES_KEY
@@ -172,7 +173,7 @@ class _Params:
         if key in self._cache:
             return self._cache[key]
         if name in self.replaceable:
-            arr = numpy_helper.to_array(self.inits[name])[d, start:end]
+            arr = tensor_array(self.inits[name])[d, start:end]
             out = self.em.fresh(piece_name)
             self.new_inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), out))
             self.replaced.add(name)

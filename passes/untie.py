@@ -38,6 +38,7 @@ from kfac_compiler import oprules
 from kfac_compiler.config import compile_patterns
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import GraphView
+from kfac_compiler.onnx_files import tensor_array
 
 UNTIE_ALL = "all"
 UNTIE_UNIFORM = "uniform"  # the shared parameters whose values are all equal (likely merges)
@@ -123,7 +124,7 @@ def untie(model: onnx.ModelProto, shared: list[SharedParam], names: list[str]) -
     nodes = {n.name: n for n in m.graph.node}
     copies: dict[str, list[str]] = {}
     for name in names:
-        value = numpy_helper.to_array(inits[name])
+        value = tensor_array(inits[name])
         for k, node_name in enumerate(by_name[name].nodes[1:], start=1):
             new = f"{name}.untied{k}"
             while new in taken:

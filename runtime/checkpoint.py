@@ -25,6 +25,7 @@ Loading a checkpoint of another plan (different fingerprint) raises CheckpointEr
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -33,9 +34,11 @@ import tokenize
 import warnings
 import zipfile
 import zlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 
 from kfac_compiler.atomic import file_target_problem, write_file
 from kfac_compiler.contract import GRAD_ACCUM, GRAD_VELOCITY, flat_kind, parse_slot
@@ -55,6 +58,37 @@ VERSION = 1
 # --------------------------------------------------------------------------- atomic files
 def atomic_write_bytes(path: str, data: bytes, error: type[KfacError] = OutputError, what: str = "the file") -> None:
     _atomic(path, lambda f: f.write(data), error, what)
+
+
+def write_with_external_data(path: str, model: onnx.ModelProto, values: Mapping[str, np.ndarray],
+                             what: str = "the trained model") -> None:
+    """Write `model` with `values` (onnx_files.write_onnx) to `path`, its large values to the
+    external-data file `path` + ".data" beside it, each through a temp file of ours that
+    replaces its target only once complete (the data first: a model file never names data
+    that is not there)."""
+    from kfac_compiler.atomic import temp_path
+    from kfac_compiler.graph import SOURCE_FLOAT_KEY
+    from kfac_compiler.onnx_files import write_onnx
+
+    data_path = path + ".data"
+    for p in (path, data_path):
+        problem = file_target_problem(p)
+        if problem:
+            raise OutputError(f"cannot write {what} {p!r}: it {problem}")
+    if any(prop.key == SOURCE_FLOAT_KEY for prop in model.metadata_props):
+        raise OutputError(f"cannot write {what} {path!r}: a model over 1 GiB is exported in float32, not converted "
+                          "back to its source float type")
+    tmp = temp_path(os.path.realpath(data_path))
+    with os_errors(OutputError, what, data_path, writing=True):
+        try:
+            buf = io.BytesIO()
+            write_onnx(model, buf, tmp, os.path.basename(data_path), values)
+            os.replace(tmp, os.path.realpath(data_path))
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    atomic_write_bytes(path, buf.getvalue(), what=what)
 
 
 def _atomic(path: str, write, error: type[KfacError] = CheckpointError, what: str = "the checkpoint") -> None:

@@ -288,12 +288,19 @@ def memory_options(options: ort.SessionOptions, device: Device, name: str) -> No
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
                  threads: int | None = None) -> ort.InferenceSession:
     """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError."""
+    from kfac_compiler.onnx_files import with_relative_data
+
     dev = get_device(device)
+    folder = None
+    if not isinstance(model, bytes):
+        model, folder = with_relative_data(model)  # frozen values of a model over 1 GiB, left on disk
     data = model if isinstance(model, bytes) else model.SerializeToString()
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
     # a stage of a step does not spin: the next stage's session runs right after it
     options = session_options(threads, spin=every_step(name) and "/" not in name)
     memory_options(options, dev, name)
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
     sess = ort.InferenceSession(data, options, providers=list(dev.providers))
     if dev.name == "cuda" and CUDA_EP not in sess.get_providers():
         raise DeviceError(f"subgraph {name!r}: ONNX Runtime fell back to CPU although CUDA was requested")

@@ -248,11 +248,11 @@ def _bind(bound: dict, how: Callable[[str, ort.OrtValue], None], name: str, valu
 def _model_value(plan: Plan, slot: str) -> np.ndarray:
     """A state slot initialized from the plan model's initializer of the same name (init
     "model": non-trained state such as BatchNormalization running statistics)."""
-    from onnx import numpy_helper
+    from kfac_compiler.onnx_files import tensor_array
 
     for t in plan.model.graph.initializer:
         if t.name == slot:
-            return numpy_helper.to_array(t).copy()
+            return tensor_array(t).copy()
     raise ContractError(f"state slot {slot!r} (init 'model') is not an initializer of the plan's model")
 
 

@@ -29,8 +29,9 @@ import numpy as np
 import onnx
 
 from kfac_compiler import contract as C
-from kfac_compiler.errors import CheckpointError, ConfigError, DataError, PlanError
+from kfac_compiler.errors import CheckpointError, ConfigError, DataError, OutputError, PlanError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, with_float_type
+from kfac_compiler.onnx_files import load_onnx, needs_external
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
@@ -345,19 +346,27 @@ class Trainer:
         "auto" (the default), the source where it holds every trained value (the plan was
         compiled from a file that is still there, unchanged, and untied no parameter), else
         the plan's."""
+        model, values = self._export_parts(graph)
+        if needs_external(model, values):
+            raise OutputError("the trained model is over 1 GiB, too large for one ONNX protobuf: write it with "
+                              "Trainer.export(path), which puts its values in external data beside it")
+        _write_values(model, values)
+        return _in_source_float_type(model)
+
+    def _export_parts(self, graph: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """The model exported_model(graph) writes the trained values into, and those values."""
         if graph not in EXPORT_GRAPHS:
             raise ConfigError(f"export: graph must be one of {', '.join(map(repr, EXPORT_GRAPHS))}, got {graph!r}")
         if graph == "source":
             return self._trained_source()
         if graph == "auto" and self._source_problem() is None:
-            source = onnx.load(cast(str, self.plan.source_path))
+            source = load_onnx(cast(str, self.plan.source_path))
             if not self._untied_copies(source):
                 return self._trained_source(source)
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
-        _write_values(model, self.trained_values())
         _expose_outputs(model, self.loss.output_names(self.plan.output))
-        return _in_source_float_type(model)
+        return model, self.trained_values()
 
     def _source_problem(self) -> str | None:
         """Why the source graph cannot take the trained values (None: it can)."""
@@ -376,16 +385,16 @@ class Trainer:
         names = {t.name for t in model.graph.initializer}
         return [p for p in self.params if p not in names and p not in self.plan.holders_of_pieces()]
 
-    def _trained_source(self, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
-        """The source model (`model`, already loaded, or the plan's source file) with the
-        trained values in its initializers."""
+    def _trained_source(self, model: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """The source model (`model`, already loaded, or the plan's source file) and the
+        trained values of its initializers."""
         import warnings
 
         if model is None:
             why = self._source_problem()
             if why is not None:
                 raise PlanError(f"cannot export the source graph: {why}; export the plan's graph (graph='plan')")
-            model = onnx.load(cast(str, self.plan.source_path))
+            model = load_onnx(cast(str, self.plan.source_path))
         values = self.plan.source_values(self.trained_values())
         left = self._untied_copies(model)
         if left:
@@ -393,19 +402,24 @@ class Trainer:
                           f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); the source keeps each original's "
                           "first copy, export graph='plan' keeps them all", stacklevel=3)
         names = {t.name for t in model.graph.initializer}
-        _write_values(model, {name: v for name, v in values.items() if name in names})
-        return model
+        return model, {name: v for name, v in values.items() if name in names}
 
     @_serialized
     def export(self, path: str | os.PathLike, graph: str = "auto") -> str:
         """Write the trained model (exported_model(graph): by default the user's own graph
         where it can hold every trained value, else the plan's) with the trained weights and
         the running statistics the steps updated as initializers (atomic)."""
-        from kfac_compiler.runtime.checkpoint import atomic_write_bytes
+        from kfac_compiler.runtime.checkpoint import atomic_write_bytes, write_with_external_data
 
         path = os.fspath(path)
-        if self.rank == 0:  # every rank holds the same parameters
-            atomic_write_bytes(path, self.exported_model(graph).SerializeToString(), what="the trained model")
+        if self.rank != 0:  # every rank holds the same parameters
+            return path
+        model, values = self._export_parts(graph)
+        if not needs_external(model, values):
+            _write_values(model, values)
+            atomic_write_bytes(path, _in_source_float_type(model).SerializeToString(), what="the trained model")
+        else:
+            write_with_external_data(path, model, values)
         return path
 
     # ------------------------------------------------------------------ checkpoints
