@@ -87,6 +87,11 @@ def has_data_on_disk(model: onnx.ModelProto) -> bool:
     return any(on_disk(t) for t in model.graph.initializer)
 
 
+def stored_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of `model` written out: its proto and its values left on disk."""
+    return model.ByteSize() + sum(_nbytes(t) for t in model.graph.initializer if on_disk(t))
+
+
 def with_relative_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | None]:
     """(a copy of `model` whose tensors left on disk name their files relative to one folder,
     that folder): what ONNX Runtime, which refuses absolute external-data paths, loads from

@@ -35,6 +35,7 @@ from kfac_compiler.cli_options import (
 )
 from kfac_compiler.errors import ConfigError, DataError, DivergedError, ModelError, OutputError, os_errors, os_reason
 from kfac_compiler.losses import loss_kinds, losses_help
+from kfac_compiler.onnx_files import stored_bytes
 from kfac_compiler.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -585,7 +586,7 @@ def _build(args, outputs: list[Output], comm):
             # room for what is written whole at the end (the metrics file grows row by row: a full
             # disk there stops the run at that step, the other outputs still written)
             sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16),
-                     "--save": plan.model.ByteSize() + (1 << 16), "--plot": 1 << 18}
+                     "--save": stored_bytes(plan.model) + (1 << 16), "--plot": 1 << 18}
             check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
             if args.resume:
                 continue_metrics(args.metrics, trainer.step_count + trainer.burn_in_count,
