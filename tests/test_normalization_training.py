@@ -415,6 +415,29 @@ def test_running_statistics_are_updated_exported_and_checkpointed(optimizer, tmp
     np.testing.assert_allclose(again.parameters()["fc.weight"], tr.parameters()["fc.weight"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "kfac"])
+def test_accumulation_updates_running_statistics_once_per_micro_batch(optimizer):
+    """As torch does when it accumulates gradients (every micro-batch's forward in training
+    mode moves the running statistics): k micro-batches, k momentum updates, each on its own
+    micro-batch's statistics (numpy, float64). Was: only the last micro-batch's."""
+    from kfac_compiler.runtime import Trainer
+
+    model, _ = _norm_model("bn")
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    rng = np.random.default_rng(1)
+    tr = Trainer(plan, optimizer=optimizer, learning_rate=0.05, accumulate=3, batch_size=4)
+    mean, var = np.zeros(C_IN), np.ones(C_IN)
+    for _ in range(2):  # two cycles of three micro-batches
+        for _ in range(3):
+            x, y = rng.normal(size=(4, C_IN, L)).astype(np.float32) * 2 + 1, rng.integers(0, K, 4)
+            tr.step({"x": x}, y)
+            mean = 0.8 * mean + 0.2 * x.astype(np.float64).mean((0, 2))
+            var = 0.8 * var + 0.2 * x.astype(np.float64).var((0, 2))
+    state = tr.state()
+    np.testing.assert_allclose(state["norm.running_mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["norm.running_var"], var, rtol=1e-5, atol=1e-6)
+
+
 def test_only_training_steps_write_running_statistics():
     model, _ = _norm_model("bn")
     plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)

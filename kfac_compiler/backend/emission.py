@@ -183,10 +183,13 @@ class Emission:
         their initializers, init "model": the plan's values) updated with the op's own
         running outputs on the whole batch, running = input * momentum + batch * (1 -
         momentum) (ONNX semantics; the variance is the biased batch variance). A rejected
-        step leaves them as they were, like every slot. Other subgraphs read the model's
-        initializers (a training-mode forward pass does not depend on them)."""
+        step leaves them as they were, like every slot. A micro-batch of an accumulation cycle
+        (a subgraph that writes gradient sums) updates them too, as torch's forward in training
+        mode does on every micro-batch. Other subgraphs read the model's initializers (a
+        training-mode forward pass does not depend on them)."""
         params = set(self.parts.params) | set(self.held)
-        if not any(slot in params for slot in self.info.state_outputs.values()):
+        if not any(slot in params or C.parse_slot(slot).kind == C.GRAD_ACCUM
+                   for slot in self.info.state_outputs.values()):
             return
         for slot, tensor in running_stat_outputs(self.parts.model, params):
             self.state_input(slot, self.view.static_shape(slot), "model")
