@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
 
 DEFAULT_MODEL = "mlp_classifier"
+SETUP_NOTICE_NODES = 10_000  # a plan this large spends seconds in ONNX Runtime's session setup: say so
 CSV_COLUMNS = ("step", "loss", "learning_rate", "momentum", "damping", "update_norm", "grad_norm",
                "qmodel_change", "update_scale", "rho", "rejected", "burn_in", "step_time")
 
@@ -569,6 +570,13 @@ def _build(args, outputs: list[Output], comm):
         warnings.warn(f"--batch-size {args.batch_size} is larger than the {n} training examples; every batch is "
                       f"all {n}", stacklevel=2)
 
+    nodes = sum(len(g.graph.node) for g in plan.subgraphs.values())
+    slow_setup = nodes >= SETUP_NOTICE_NODES and not args.quiet and is_root(comm)
+    if slow_setup:  # ONNX Runtime's setup grows faster than the graphs (2x nodes: ~3-4x time)
+        print(f"setting up ONNX Runtime sessions for {nodes:,} nodes of {len(plan.subgraphs)} subgraphs ...",
+              file=sys.stderr, flush=True)
+    began = time.perf_counter()
+
     def start() -> Trainer:  # Trainer() enters a collective only after its option checks
         if args.resume:
             overrides = dict(knobs)
@@ -582,6 +590,8 @@ def _build(args, outputs: list[Output], comm):
                               threads=args.threads, batch_size=min(args.batch_size, n) // args.accumulate, comm=comm,
                               **knobs)
         trainer.data_fingerprint = fingerprint
+        if slow_setup:
+            print(f"sessions ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
         if is_root(comm):
             # room for what is written whole at the end (the metrics file grows row by row: a full
             # disk there stops the run at that step, the other outputs still written)

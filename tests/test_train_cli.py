@@ -206,3 +206,26 @@ def test_a_batch_larger_than_the_data_is_said(capsys):
     code, out, err = run(["mlp_classifier", "--steps", "1", "--batch-size", "5000", "-q"], capsys)
     assert code == 0 and ("warning: --batch-size 5000 is larger than the 1797 training examples; every batch is "
                           "all 1797") in err
+
+
+def test_a_large_plan_says_it_is_setting_up_sessions(monkeypatch, capsys, tmp_path):
+    """ONNX Runtime's setup of a large plan takes long (100 layers: ~18 s here, growing faster
+    than the graphs): `train` says what it is doing before and how long it took after."""
+    from kfac_compiler import train_cli
+    from kfac_compiler.cli import main
+    from kfac_compiler.models import ZOO, save_model
+
+    x, y = ZOO["mlp_classifier"].make_data(256, seed=0)
+    np.savez(tmp_path / "d.npz", targets=y, **x)
+    model = save_model("mlp_classifier", tmp_path / "m.onnx")
+    assert main(["compile", str(model), "--loss", "softmax_cross_entropy", "-q", "-o", str(tmp_path / "plan")]) == 0
+    run = ["train", str(tmp_path / "plan"), "--data", str(tmp_path / "d.npz"), "--steps", "1"]
+    monkeypatch.setattr(train_cli, "SETUP_NOTICE_NODES", 1)  # any plan counts as large
+    capsys.readouterr()
+    assert main(run) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("setting up ONNX Runtime sessions for ") and err[0].endswith(" subgraphs ...")
+    assert err[1].startswith("sessions ready in ") and err[1].endswith(" s")
+    monkeypatch.setattr(train_cli, "SETUP_NOTICE_NODES", 10 ** 9)
+    assert main(run) == 0
+    assert "setting up" not in capsys.readouterr().err
