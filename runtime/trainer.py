@@ -272,6 +272,10 @@ class Trainer:
         n = data[C.TARGETS].shape[0]
         bs = n if not batch_size else int(batch_size)
         result = prog.results[0] if prog.results and self.loss.metrics else None
+        if result and weighted and not self.loss.metrics_take_weights():
+            raise ConfigError(f"evaluate: loss {self.loss.kind!r} computes its metrics with metric_totals(outputs, "
+                              "targets), without weights: a weighted evaluation needs metric_totals(outputs, targets, "
+                              "weights=None) (docs/extending_losses.md); evaluate without weights")
         total = 0.0
         sums: dict[str, list] = {}  # metric: [sum, count]
         for s in range(0, n, bs):

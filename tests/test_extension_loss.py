@@ -17,7 +17,7 @@ from scipy.stats import poisson as scipy_poisson
 
 import kfac_compiler as kc
 from kfac_compiler.config import CompileConfig
-from kfac_compiler.errors import ConfigError, DataError
+from kfac_compiler.errors import ConfigError, DataError, one_line
 from kfac_compiler.losses import LOSSES, loss_kinds, register_loss
 from kfac_compiler.models import ZOO, save_model
 from kfac_compiler.runtime import Trainer
@@ -162,6 +162,27 @@ def test_zoo_model_trains_with_kfac_and_evaluates_its_metric(poisson):
         assert after[k] == pytest.approx(want[k], rel=1e-5)
     assert after["loss"] < 0.5 * before["loss"]
     assert after["mean_absolute_error"] < before["mean_absolute_error"]
+
+
+def test_a_metric_without_weights_serves_plain_evaluations_and_refuses_weighted_ones(poisson):
+    """A plugin written before weighted evaluation, metric_totals(outputs, targets): unweighted
+    evaluation uses it; a weighted one is one line (it would report unweighted metrics)."""
+    entry = ZOO["digits_autoencoder"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = kc.compile(entry.build(seed=0), loss="poisson", output="logits")
+    inputs, pixels = entry.make_data(64, seed=0)
+    y = np.round(pixels * 16).astype(np.float32)
+    trainer = Trainer(plan, optimizer="sgd", batch_size=64)
+    assert trainer.loss.metrics_take_weights()
+    trainer.loss.metric_totals = lambda outputs, targets: {  # type: ignore[method-assign]
+        "mean_absolute_error": (float(np.abs(np.exp(outputs) - targets).sum()), targets.size)}
+    assert not trainer.loss.metrics_take_weights()
+    z = trainer.predict(inputs).astype(np.float64)
+    assert trainer.evaluate(inputs, y)["mean_absolute_error"] == pytest.approx(np.abs(np.exp(z) - y).mean(), rel=1e-5)
+    with pytest.raises(ConfigError) as e:
+        trainer.evaluate(inputs, y, weights=np.ones(64, np.float32))
+    assert "metric_totals(outputs, targets, weights=None)" in one_line(e.value)
 
 
 @pytest.mark.slow

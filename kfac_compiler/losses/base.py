@@ -237,6 +237,14 @@ class Loss:
         sum / count over all chunks, so chunking does not change it."""
         return {}
 
+    def metrics_take_weights(self) -> bool:
+        """Whether metric_totals takes `weights` (a loss written before weighted evaluation
+        existed may override it with (outputs, targets) only)."""
+        import inspect
+
+        params = inspect.signature(self.metric_totals).parameters.values()
+        return len(params) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
     # -- ONNX emitters (z: model output, y: targets)
     def emit_per_example_loss_sum(self, b: GraphBuilder, z: str, y: str) -> str:
         """sum_n l_n as a scalar."""
