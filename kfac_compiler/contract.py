@@ -254,6 +254,9 @@ def split_layer_item(name: str, prefix: str) -> tuple[str, str] | None:
 # Emission.reduce_mean's point for a batch's factor statistics (the back end's factor updates,
 # inside an optimizer's step); an optimizer names its other points itself.
 FACTOR_STATISTICS_POINT = "factor statistics"
+# ... and for the statistics a block keeps in its inverse state (ekfac's S), which the same
+# step's preconditioner reads at their new average: a data-parallel step cuts there
+STATE_STATISTICS_POINT = "state statistics"
 
 
 # ------------------------------------------------------------------------------ plan vocabulary

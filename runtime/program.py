@@ -184,6 +184,7 @@ class Program(SubgraphIO):
             b.bind_output(r, "cpu")
         for name, value in (carried or {}).items():
             b.bind_ortvalue_input(name, value)
+        keep = [r for r in keep if r not in self.metrics]  # a metric a later stage reads: bound above
         for r in keep:
             b.bind_output(r, self.device.ort_device, self.device.device_id)
         t0 = time.perf_counter()

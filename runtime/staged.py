@@ -39,10 +39,11 @@ class StagedProgram(SubgraphIO):
         self.comm = comm
         for slot in info.state_outputs.values():  # ekfac's S: a per-step average every rank's update reads
             parsed = C.parse_slot(slot)
-            if parsed.kind == C.INVERSE:
-                raise PlanError(f"layer {parsed.owner!r}: its block re-estimates inverse state {parsed.item!r} in "
-                                "every step (ekfac), which a data-parallel run cannot keep equal on the ranks; "
-                                "choose another approximation for it or train in one process")
+            if parsed.kind == C.INVERSE and C.STATE_STATISTICS_POINT not in info.reductions:
+                raise PlanError(f"layer {parsed.owner!r}: its block re-estimates inverse state {parsed.item!r} on "
+                                "statistics steps (ekfac), inside the If of periodic statistics, where a data-parallel "
+                                "step cannot average it over the ranks; use cov_update_period 1, another "
+                                "approximation for it, or one process")
         self.stages: list[Stage] = split_stages(model, info)
         for k, stage in enumerate(self.stages[1:], 1):  # a rank's own factor averages feed no update
             local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR]
@@ -78,7 +79,10 @@ class StagedProgram(SubgraphIO):
                            keep=stage.info.results, flip=False)
             seconds += prog.last_seconds
             out.update({m: got[m] for m in prog.metrics})
-            values.update({n: got[n] for n in stage.carried_out})
+            values.update({n: got[n] if isinstance(got[n], ort.OrtValue) else  # a metric (host) a later stage reads
+                           ort.OrtValue.ortvalue_from_numpy(np.asarray(got[n], np.float32), self.device.ort_device,
+                                                            self.device.device_id)
+                           for n in stage.carried_out})
             if stage.reduce_after:
                 reduced = list(stage.reduce_after)
                 means = self.comm.mean([got[stage.reduce_after[r]].numpy() for r in reduced],

@@ -210,3 +210,30 @@ def test_two_ranks_accumulate_as_one_process(tmp_path, knobs):
     assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
     if "learning_rate" in knobs:
         assert_same_run(ranks, train({**config, "knobs": knobs}, comm=None), rtol=3e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_one_process_ekfac_steps(tmp_path):
+    """EKFAC's eigenbasis statistics S are averaged over the ranks at their own reduction point
+    before the step's preconditioner reads them (statistics on every step, cov_update_period
+    1): two ranks match one process, including the refreshes that restart S. On full-rank
+    factors (statistics on all 256 rows): the eigenbases then differ only in their vectors'
+    signs, which S and the update do not see. A rank-deficient factor (64 rows for fc1's 128
+    outputs) has a degenerate null space whose basis the eigensolver picks from rounding-level
+    differences (the ranks' reduced factors differ from one process's in the 7th digit), and
+    S depends on that basis: there the runs differ by ~10% within 4 steps."""
+    config = {**KFAC, "batch": 256, "approximations": {"fully_connected": "ekfac"},
+              "knobs": {"inv_update_period": 3, "cov_update_period": 1, "inverse_groups": 1, "stats_batch_size": 256}}
+    assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_ekfac_with_periodic_statistics_is_refused_on_ranks_in_one_line(tmp_path):
+    """With cov_update_period > 1 the statistics (S with them) sit inside an If, which a
+    data-parallel step cannot cut: every rank refuses in one line instead of training apart."""
+    require_mpi()
+    config = {**KFAC, "approximations": {"fully_connected": "ekfac"}}
+    proc = run_ranks(2, [sys.executable, WORKER, str(tmp_path), json.dumps(config)])
+    assert proc.returncode != 0
+    assert "use cov_update_period 1, another approximation for it, or one process" in proc.stderr
+

@@ -12,6 +12,7 @@ from onnx import numpy_helper
 from scipy.linalg import block_diag
 
 import kfac_compiler as kc
+from kfac_compiler import contract as C
 from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.blocks import make_block, plan_blocks
 from kfac_compiler.errors import PlanError
@@ -230,9 +231,14 @@ def test_step_graph_preconditions_with_the_updated_S():
         new_w, new_b = out[f"new/{layer}.weight"], out[f"new/{layer}.bias"]
         np.testing.assert_allclose(params[f"{layer}.weight"] - new_w, P[:, :-1], rtol=2e-3, atol=2e-5)
         np.testing.assert_allclose(params[f"{layer}.bias"] - new_b, P[:, -1], rtol=2e-3, atol=2e-5)
-    # a data-parallel run refuses the step: S would be each rank's own average
-    with pytest.raises(PlanError, match=r"^layer 'fc1': .*ekfac.*one process$"):
-        StagedProgram(onnx_model, info, "cpu", None)
+    # a data-parallel step averages S's batch statistic at a cut of its own, before the EMA the
+    # preconditioner reads; inside the If of periodic statistics no cut can: refused
+    staged = StagedProgram(onnx_model, info, "cpu", None)
+    cut = set(info.reductions[C.STATE_STATISTICS_POINT].values())
+    assert len(cut) == 2 and cut <= set(staged.stages[0].reduce_after.values())
+    periodic, periodic_info = emit_subgraph(plan, "kfac_step", qmodel=False, mode="empirical", stats_if=True)
+    with pytest.raises(PlanError, match=r"^layer 'fc1': .*ekfac.*cov_update_period 1.*one process$"):
+        StagedProgram(periodic, periodic_info, "cpu", None)
 
 
 # ------------------------------------------------------------------ training

@@ -24,7 +24,7 @@ def points(parts, **options):
 
 
 def test_a_full_step_reduces_at_every_declared_point_in_stage_order(parts):
-    declared = [p for stage in STAGES for p in stage.reduces]
+    declared = [p for stage in STAGES for p in stage.reduces if p != C.STATE_STATISTICS_POINT]  # no ekfac block
     em, got = points(parts, with_stats=True, qmodel=True, loss_after=True, stats_batch=16, qmodel_batch=16)
     assert got == declared
     values = dict(em.reductions)
@@ -41,3 +41,21 @@ def test_points_follow_the_options(parts):
     assert points(parts, with_stats=False, qmodel=False, loss_after=False)[1] == ["loss", "gradients"]
     assert points(parts, with_stats=True, qmodel=False, loss_after=False)[1] == [
         "loss", "gradients", C.FACTOR_STATISTICS_POINT]
+
+
+def test_ekfac_cuts_the_step_after_its_eigenbasis_statistics():
+    """ekfac's S (kept in its inverse state, read at its new average by the same step's
+    preconditioner) passes a reduction point of its own after the factor statistics; inside
+    the If of periodic statistics it cannot, and the step has none (runtime/staged.py refuses
+    it in a data-parallel run)."""
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output="logits", emit=False,
+                      config={"approximations": {"fully_connected": "ekfac"}})
+    parts = plan_parts(plan)
+    em, got = points(parts, with_stats=True, qmodel=True, loss_after=True, stats_batch=16, qmodel_batch=16)
+    assert got == [p for stage in STAGES for p in stage.reduces]
+    stated = dict(em.reductions)[C.STATE_STATISTICS_POINT]
+    assert set(stated) == {l.name for l in parts.layers} and all(set(d) == {"S"} for d in stated.values())
+    assert set(em.info.reductions[C.STATE_STATISTICS_POINT].values()) == {d["S"] for d in stated.values()}
+    em, got = points(parts, with_stats=True, stats_if=True, qmodel=True, loss_after=True)
+    assert C.STATE_STATISTICS_POINT not in got and C.STATE_STATISTICS_POINT not in em.info.reductions

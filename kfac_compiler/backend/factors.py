@@ -110,15 +110,23 @@ def _zeros_like(b: GraphBuilder, t: str) -> str:
 
 
 def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
-                    num_samples: int) -> tuple[list[tuple[str, str]], list[str]]:
+                    num_samples: int, cut: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """The moving-average update (1 - c) F + c S of every factor slot F with this batch's
     statistic S, as (slot, new value) pairs, and finiteness terms. A GramStatistic
     S = X^T X / count becomes one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is
-    that of |X|^2, which bounds every entry of X^T X."""
+    that of |X|^2, which bounds every entry of X^T X. The statistics a block keeps in its
+    inverse state pass a reduction point (`cut`; not inside an If, which a data-parallel step
+    cannot cut: runtime/staged.py then refuses such blocks)."""
     b = em.b
     coeff = em.hp(C.EMA_COEFF)
     keep = b.sub(b.const(1.0), coeff)
     stats = em.reduce_through_state(C.FACTOR_STATISTICS_POINT, batch_statistics(em, fwd, mode, num_samples, cots))
+    stated = {name: {f: s for f, s in d.items() if f in em.blocks[name].state_statistics}
+              for name, d in stats.items()}
+    stated = {name: d for name, d in stated.items() if d}
+    if cut and stated:
+        for name, reduced in em.reduce_mean(C.STATE_STATISTICS_POINT, stated).items():
+            stats[name] = {**stats[name], **reduced}
     updates, ok = [], []
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
@@ -157,7 +165,7 @@ def conditional_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode:
     slots: list[str] = []
 
     def statistics() -> list[str]:
-        updates, terms = factor_updates(em, fwd, cots, mode, num_samples)
+        updates, terms = factor_updates(em, fwd, cots, mode, num_samples, cut=False)
         slots.extend(slot for slot, _ in updates)
         return [new for _, new in updates] + [b.sum(terms)]
 

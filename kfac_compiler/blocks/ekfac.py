@@ -38,8 +38,10 @@ single-use fully connected layer with one position per example, a batched matmul
 Cost per statistics step: 2 N T (nA^2 + nG^2) for the projections + 2 N T nA nG for the
 per-example gradients (T > 1); per step: four matmuls as kron's exact damping.
 
-Data-parallel runs refuse the block (runtime/staged.py): S is read by every step's
-preconditioner, which would see each rank's own average.
+Data-parallel runs: S's batch statistic passes its own reduction point
+(C.STATE_STATISTICS_POINT, backend/factors.py), so every rank's step reads the average over
+all ranks' examples, as one process's does. Statistics inside the If of periodic statistics
+(cov_update_period > 1) cannot be cut there: runtime/staged.py refuses the block then.
 """
 from __future__ import annotations
 
