@@ -5,7 +5,9 @@ Policies (docs/frontend.md, "Linking"):
   * the matches of ONE weight with ONE kind (and the same attributes) become one layer with
     several uses (an unrolled RNN's W_x: 8 uses); its bias is linked only if every use adds
     the same bias, otherwise the bias is released (it gets its own generic layer);
-  * a bias linked to several different weights is released from all of them;
+  * a bias linked to several different weights is released from all of them; a released
+    bias that other matches use as their weight (a broadcast layer: the bias added alone
+    elsewhere) gets one generic layer holding all its uses;
   * a weight matched by exactly the kinds embedding and fully_connected, every fully connected
     use reading it as "out_in" (a tied embedding table E [V, D]: Gather(E, ids) and the output
     head MatMul(h, Transpose(E)) or Gemm(h, E, transB=1)) becomes ONE layer of kind
@@ -159,6 +161,12 @@ def link_params(
                 why = f"bias {b!r} is not linked to {w!r}: it is also used with {', '.join(x for x in ws if x != w) or 'another layer'}"
                 released[b] = why
                 notes.setdefault(w, []).append(why)
+
+    # a weight that is also a released bias elsewhere (an RNN bias added alone at later steps,
+    # as the fully connected bias at the first): its layer would miss the bias's uses
+    for w in [w for w in weight_groups if w in released]:
+        del weight_groups[w]
+        generic_params[w] = (released[w],)
 
     for w, ms in weight_groups.items():
         b = bias_of[w]

@@ -47,7 +47,7 @@ EXPECTED = {
         # tok_emb: Gather (embedding) and Transpose -> head MatMul (fully_connected): a tied
         # embedding -> one tied_embedding layer with both uses.
         ("tok_emb", "tied_embedding", ("tok_emb",), 2, "diagonal"),
-        ("pos_emb", "generic", ("pos_emb",), 1, "diagonal"),
+        ("pos_emb", "broadcast", ("pos_emb",), 1, "diagonal"),
         ("ln1", "scale_and_shift", ("ln1.scale", "ln1.bias"), 1, "full"),
         ("attn.q", "fully_connected", ("attn.q.weight", "attn.q.bias"), 1, "kron"),
         ("attn.k", "fully_connected", ("attn.k.weight", "attn.k.bias"), 1, "kron"),
