@@ -169,8 +169,8 @@ def test_tied_table_links_into_one_tied_embedding_layer_and_the_plan_shows_it():
     assert (layer.kind, layer.approximation, layer.params, layer.num_uses) == ("tied_embedding", "kron_tied", ("emb",), 2)
     assert tuple(layer.attrs["use_kinds"]) == ("embedding", "fully_connected")
     assert [u.input for u in layer.uses] == ["input", "h"]
-    # the head bias is its own (generic) layer, and the tied layer says so
-    assert plan.layer("head.bias").kind == "generic"
+    # the head bias is its own layer (added to the logits: broadcast), and the tied layer says so
+    assert plan.layer("head.bias").kind == "broadcast"
     assert any("head.bias" in n for n in layer.notes)
     assert APPROXIMATIONS["tied_embedding"] == ("diagonal", "kron_tied_vocab_diag", "kron_tied")
     table = render(plan, "table")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import onnx
 
 from kfac_compiler.graph import GraphView, attrs_of
+from kfac_compiler.ir import LayerMatch, LayerUse
 from kfac_compiler.patterns.core import (
     PARAM,
     Binding,
@@ -517,6 +518,26 @@ def _expand_pattern() -> Pattern:
     )
 
 
+def bias_broadcast_matches(view: GraphView, bias: str) -> list[LayerMatch] | None:
+    """A bias released from its layers (a tied head's, an RNN's added alone at later steps) as
+    broadcast matches, one per consumer: None unless every consumer is an Add that the
+    broadcast_add pattern accepts (the bias Add a larger match gave up)."""
+    pattern = _BROADCAST_ADD
+    if not any(p is pattern for p in patterns()):  # unregistered by the user
+        return None
+    out = []
+    for node in view.consumers.get(bias, []):
+        b = Binding(pattern, view, {"add": node.name, "P": bias})
+        try:
+            if node.op_type != "Add" or pattern.where is None or not pattern.where(b):
+                return None
+            use = LayerUse(nodes=(node.name,), input=b.input(), output=b.output())
+            attrs = dict(pattern.attrs(b)) if pattern.attrs is not None else {}
+        except NoMatch:
+            return None
+        out.append(LayerMatch(kind=pattern.kind, pattern=pattern.name, weight=bias, bias=None, use=use, attrs=attrs))
+    return out or None
+
 # ------------------------------------------------------ normalization fallback notes
 NORMALIZATION_OPS = ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization")
 
@@ -643,7 +664,7 @@ for _bias in (False, True):
     register_builtin(_batch_stat_pattern("instance_norm", "InstanceNormalization", _bias))
     register_builtin(_batch_stat_pattern("group_norm", "GroupNormalization", _bias, norm=_group_norm_spec))
 register_builtin(_mul_add_pattern())
-register_builtin(_broadcast_add_pattern())
+_BROADCAST_ADD = register_builtin(_broadcast_add_pattern())
 register_builtin(_gather_add_pattern())
 register_builtin(_expand_pattern())
 register_builtin(_rms_norm_pattern())
