@@ -1,6 +1,7 @@
 """Parameters broadcast over the batch (layer kind "broadcast"): a position table added to
 the activations ([1, T, D] or [T, D]), a table looked up with constant, batch-less indices and
-then added (repeated, negative and unused rows), a class token Expand-ed to [N, 1, D] and
+then added (repeated, negative and unused rows), or with indices computed from the sequence
+length (a position buffer sliced to it), a class token Expand-ed to [N, 1, D] and
 concatenated. Truth, in float64 numpy, independent of the compiler: a numpy forward pass of
 each tiny model, per-example loss gradients and per-example logit Jacobians with respect to the
 parameter by central finite differences; the Fisher blocks are then brute-force sums of those.
@@ -22,6 +23,7 @@ FORMS = {  # form -> (parameter, its shape, pattern)
     "add3": ("pos", (1, T, D), "broadcast_add"),
     "add2": ("pos", (T, D), "broadcast_add"),
     "gather": ("table", (ROWS, D), "broadcast_gather_add"),
+    "gather_dyn": ("table", (ROWS, D), "broadcast_gather_add"),  # indices: the first T of a range
     "expand": ("cls", (1, 1, D), "broadcast_expand"),
 }
 
@@ -54,6 +56,15 @@ def _model(form: str, seed: int = 0):
         consts.append(numpy_helper.from_array(INDICES.astype(np.int64), "idx"))
         nodes += [helper.make_node("Gather", ["table", "idx"], ["rows"], name="lookup", axis=0),
                   helper.make_node("Add", ["x", "rows"], ["y"], name="add")]
+    elif form == "gather_dyn":  # TorchScript's positions: a buffer sliced to the sequence length
+        consts += [numpy_helper.from_array(np.arange(ROWS, dtype=np.int64), "positions"),
+                   numpy_helper.from_array(np.array([0]), "zero"), numpy_helper.from_array(np.array([1]), "one"),
+                   numpy_helper.from_array(np.array([2]), "two")]
+        nodes += [helper.make_node("Shape", ["x"], ["x_shape"], name="shape"),
+                  helper.make_node("Slice", ["x_shape", "one", "two"], ["t"], name="t"),
+                  helper.make_node("Slice", ["positions", "zero", "t"], ["idx"], name="idx"),
+                  helper.make_node("Gather", ["table", "idx"], ["rows"], name="lookup", axis=0),
+                  helper.make_node("Add", ["x", "rows"], ["y"], name="add")]
     else:
         extra, inits = _batch_shape("target", "x", [1, D])
         nodes += extra
@@ -78,6 +89,8 @@ def _forward(form: str, params: dict, x: np.ndarray) -> np.ndarray:
         y = x + p
     elif form == "gather":
         y = x + p[INDICES]
+    elif form == "gather_dyn":
+        y = x + p[:T]
     else:
         y = np.concatenate([np.broadcast_to(p, (len(x), 1, D)), x], axis=1)
     f = np.tanh(y).reshape(len(x), -1)
@@ -147,8 +160,8 @@ def test_empirical_statistics_are_the_per_example_gradients_outer_products(form,
     plan, params = _compile(form, approx)
     x, y = _data()
     g = _per_example_grads(form, params, x, y)
-    if form == "gather":
-        assert not g.reshape(len(x), ROWS, D)[:, [1, 2, 4]].any()  # the truth's unused rows
+    if form.startswith("gather"):  # the truth's unused rows
+        assert not g.reshape(len(x), ROWS, D)[:, [1, 2, 4] if form == "gather" else [4, 5]].any()
     want = g.T @ g / len(x)
     stats = _statistics(plan, x, y, "empirical")
     name = FORMS[form][0]
