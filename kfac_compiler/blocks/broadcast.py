@@ -24,6 +24,8 @@ from kfac_compiler.errors import ConfigError
 
 
 class BroadcastBlock(AxisSum, FlatBlock):
+    """Full or diagonal Fisher of one broadcast parameter from its exact per-example gradients."""
+
     layer_kinds = ("broadcast",)
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):

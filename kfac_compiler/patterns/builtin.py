@@ -538,6 +538,7 @@ def bias_broadcast_matches(view: GraphView, bias: str) -> list[LayerMatch] | Non
         out.append(LayerMatch(kind=pattern.kind, pattern=pattern.name, weight=bias, bias=None, use=use, attrs=attrs))
     return out or None
 
+
 # ------------------------------------------------------ normalization fallback notes
 NORMALIZATION_OPS = ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization")
 
