@@ -114,6 +114,16 @@ class GraphView:
                     return np.asarray(onnx.helper.get_attribute_value(attr))
         return None
 
+    @cached_property
+    def from_inputs(self) -> frozenset[str]:
+        """Tensors computed from a graph input (the data): a parameter broadcast against one of
+        them is broadcast over the batch. Nodes are in topological order."""
+        seen = set(self.graph_inputs)
+        for node in self.nodes:
+            if any(i in seen for i in node.input if i):
+                seen.update(o for o in node.output if o)
+        return frozenset(seen)
+
     def shape(self, name: str) -> tuple[Dim, ...] | None:
         return self.shapes.get(name)
 

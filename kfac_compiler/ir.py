@@ -19,6 +19,7 @@ LAYER_KINDS = (
     "conv_transpose",
     "embedding",
     "scale_and_shift",
+    "broadcast",  # a parameter broadcast over the batch (position table, class token, lone bias)
     "tied_embedding",  # made by linking (an embedding table also read by the output head), no pattern
     "generic",
 )
@@ -53,6 +54,10 @@ class LayerMatch:
       embedding: vocab, dim (weight [vocab, dim], read as "in_out" with one-hot inputs).
       scale_and_shift: axes the scale broadcasts over, and `scale_input` (the normalized
         tensor that the scale multiplies, equal to `use.input`).
+      broadcast: `scale_axes` (the output axes along which the tensor broadcast over the
+        batch varies: the parameter, or its Gather), `output_rank`, and `indexed` for a Gather
+        with batch-less indices (then `use.input` is the indices; else the data the parameter
+        is added to, or the parameter an Expand broadcasts).
     """
 
     kind: str

@@ -24,6 +24,7 @@ KIND_COLORS = {
     "conv_transpose": "#74c476",
     "embedding": "#fdd0a2",
     "scale_and_shift": "#dadaeb",
+    "broadcast": "#fcbba1",
     "generic": "#d9d9d9",
 }
 

@@ -4,14 +4,17 @@ Policies (docs/frontend.md, "Linking"):
   * weight + bias of a match are linked into one layer;
   * the matches of ONE weight with ONE kind (and the same attributes) become one layer with
     several uses (an unrolled RNN's W_x: 8 uses); its bias is linked only if every use adds
-    the same bias, otherwise the bias is released (it gets its own generic layer);
-  * a bias linked to several different weights is released from all of them;
+    the same bias, otherwise the bias is released (it gets its own layer, see below);
+  * a bias linked to several different weights is released from all of them; a released
+    bias whose every use is an Add to the data (a tied head's bias, an RNN bias added alone
+    at the later steps and after the first step's MatMul) becomes one "broadcast" layer over
+    all its uses (exact per-example gradients), any other a generic layer;
   * a weight matched by exactly the kinds embedding and fully_connected, every fully connected
     use reading it as "out_in" (a tied embedding table E [V, D]: Gather(E, ids) and the output
     head MatMul(h, Transpose(E)) or Gemm(h, E, transB=1)) becomes ONE layer of kind
     "tied_embedding" with all its uses (block "kron_tied" by default, docs/conventions.md
-    "Tied embeddings"); a head bias is not linked to it (it gets its own generic layer, with
-    a note on the tied layer);
+    "Tied embeddings"); a head bias is not linked to it (it gets its own layer, with a note on
+    the tied layer);
   * any other weight matched by several kinds, or with different attributes, gets ONE generic
     layer holding it with all its uses (approximation "diagonal" by default) and a warning
     naming the parameter and the kinds;
@@ -35,6 +38,7 @@ import onnx
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import Layer, LayerMatch, LayerUse
+from kfac_compiler.patterns import bias_broadcast_matches
 
 WEIGHT_SUFFIXES = (".weight", ".kernel", ".scale", ".gamma", "/weight", "/kernel", "/scale", "/gamma", "_weight")
 # attrs that describe one use, not the layer (ignored when checking the uses agree)
@@ -159,6 +163,18 @@ def link_params(
                 why = f"bias {b!r} is not linked to {w!r}: it is also used with {', '.join(x for x in ws if x != w) or 'another layer'}"
                 released[b] = why
                 notes.setdefault(w, []).append(why)
+
+    # a weight that is also a released bias elsewhere (an RNN bias added alone at later steps,
+    # as the fully connected bias at the first): its layer would miss the bias's uses
+    for w in [w for w in weight_groups if w in released]:
+        del weight_groups[w]
+    # released biases added by Adds to the data: one broadcast layer over all their uses
+    for p in released:
+        ms = bias_broadcast_matches(view, p) if view is not None and p not in generic_params else None
+        if ms and all(_layer_attrs(m) == _layer_attrs(ms[0]) for m in ms):
+            weight_groups[p] = ms
+            notes.setdefault(p, []).append(released[p])
+            bias_of[p] = None
 
     for w, ms in weight_groups.items():
         b = bias_of[w]

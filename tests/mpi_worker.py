@@ -3,7 +3,8 @@ every rank (under mpirun) writes OUT/rank<r>.json with its losses, parameters, c
 bytes and inverse owners; `train(config, comm=None)` is the same run in one process.
 
 CONFIG: model (a zoo name), optimizer, steps, batch (global), knobs (dict), seed, optionally
-approximations (the compile config's {layer kind: block}); knobs' accumulate k splits each batch into k micro-batches, one step() each; optionally ignore_index
+approximations (the compile config's {layer kind: block}) and links (compile's: user-linked,
+generic layers); knobs' accumulate k splits each batch into k micro-batches, one step() each; optionally ignore_index
 (softmax cross-entropy's: the targets of every example whose index is a multiple of 3 or
 below 40 are set to it, so that the ranks' shares hold different numbers of them)."""
 from __future__ import annotations
@@ -27,7 +28,8 @@ def train(config: dict, comm="auto") -> dict:
     options = {} if ignore is None else {"ignore_index": int(ignore)}
     approximations = config.get("approximations")
     plan = kc.compile(entry.build(seed=0), loss=entry.loss, output=entry.output_name, loss_options=options,
-                      config={"approximations": approximations} if approximations else None)
+                      config={"approximations": approximations} if approximations else None,
+                      links=config.get("links", []))
     batch = int(config["batch"])
     trainer = Trainer(plan, optimizer=config.get("optimizer", "kfac"), seed=int(config.get("seed", 0)),
                       batch_size=batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,

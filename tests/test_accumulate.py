@@ -109,6 +109,32 @@ def test_kfac_accumulation_takes_the_whole_batch_steps_factors_included(mlp, k, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["empirical", "gradients"])
+def test_broadcast_layers_accumulate_to_the_whole_batch_statistics(mode):
+    """The transformer block's position table (a broadcast layer: exact per-example gradients)
+    and every other factor: 2 micro-batches fold into the moving average the statistics of the
+    whole batch, so the accumulated steps are the whole-batch steps. (The sqrt(N) x batch
+    gradient of the generic fallback was not: its u u^T is not linear in the batch.)"""
+    entry = ZOO["transformer_block"]
+    plan = kc.compile(get_model("transformer_block"), loss=entry.loss, output="logits", emit=False)
+    assert plan.layer("pos_emb").kind == "broadcast"
+    x, y = entry.make_data(3 * 64, seed=0)
+    knobs = dict(KFAC_FIXED, mode=mode, stats_batch_size=None)
+    full = Trainer(plan, optimizer="kfac", threads=1, **knobs)
+    acc = Trainer(plan, optimizer="kfac", threads=1, accumulate=2, **knobs)
+    for xb, yb in batches(x["input"], y, 3, 64):
+        mf, ma = whole(full, xb, yb), in_pieces(acc, xb, yb, 2)
+        assert ma["loss"] == pytest.approx(mf["loss"], rel=1e-5)
+        sa, sf = acc.state(), full.state()
+        factors = [s for s in sf if s.startswith("factor/")]
+        assert "factor/pos_emb/diag" in factors
+        for s in factors:
+            np.testing.assert_allclose(sa[s], sf[s], rtol=2e-5, atol=2e-5 * np.abs(sf[s]).max(), err_msg=s)
+        # parameters and inverses: the transformer's float32 rounding, amplified by the steps
+        assert_state_close(acc, full, ("inverse/", "velocity/"), rtol=2e-4)
+
+
+@pytest.mark.slow
 def test_kfac_quadratic_model_runs_on_the_last_micro_batch(mlp):
     """With the quadratic model (the default) the gradient, the factors and P are the whole
     batch's and the model's curvature and gradient terms are the last micro-batch's: the

@@ -23,6 +23,7 @@ MENU = {
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
+    "broadcast": ("diagonal", "full"),
     "tied_embedding": ("diagonal", "kron_tied_vocab_diag", "kron_tied"),
     "generic": ("diagonal", "full"),
 }

@@ -149,15 +149,17 @@ def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["transformer_block", "unrolled_rnn"])
-def test_generic_layers_are_estimated_per_rank(tmp_path, model):
-    """A generic-fallback block (a parameter without per-example structure: the transformer's
-    broadcast position embedding, the RNN's merged bias) is estimated from one pseudo-example
-    per batch, u = sum_n g_n / sqrt(N), and u u^T is not linear in the batch: each rank's factor
-    is its own rows' estimate, their mean an estimate of the same expectation but not one
-    process's number (docs/distributed.md). The ranks still agree bitwise, and the shared
-    first step, preconditioned by its own batch before any such difference, matches."""
-    config = {"model": model, "optimizer": "kfac", "steps": 6, "batch": 32, "seed": 0, "knobs": {}}
+@pytest.mark.parametrize("model,param", [("transformer_block", "pos_emb"), ("unrolled_rnn", "rnn.b")])
+def test_generic_layers_are_estimated_per_rank(tmp_path, model, param):
+    """A generic-fallback block (a parameter without per-example gradients: here the
+    transformer's position table or the RNN's bias, linked by the user) is estimated from one
+    pseudo-example per batch, u = sum_n g_n / sqrt(N), and u u^T is not linear in the batch:
+    each rank's factor is its own rows' estimate, their mean an estimate of the same
+    expectation but not one process's number (docs/distributed.md). The ranks still agree
+    bitwise, and the shared first step, preconditioned by its own batch before any such
+    difference, matches."""
+    config = {"model": model, "optimizer": "kfac", "steps": 6, "batch": 32, "seed": 0, "knobs": {},
+              "links": [{"params": [param], "name": "linked"}]}
     ranks = on_ranks(2, config, tmp_path)
     single = train(config, comm=None)
     for p, v in ranks[0]["params"].items():
@@ -165,6 +167,16 @@ def test_generic_layers_are_estimated_per_rank(tmp_path, model):
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["transformer_block", "unrolled_rnn"])
+def test_two_ranks_take_the_one_process_steps_with_broadcast_layers(tmp_path, model):
+    """The same models without the links: the position table and the RNN's bias are broadcast
+    layers, whose exact per-example gradients make every factor a mean over examples, so two
+    ranks take the one-process steps."""
+    config = {"model": model, "optimizer": "kfac", "steps": 6, "batch": 32, "seed": 0, "knobs": {}}
+    assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=3e-4)
 
 
 @pytest.mark.slow

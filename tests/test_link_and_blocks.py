@@ -58,8 +58,8 @@ def test_same_weight_different_biases_releases_the_biases(rng):
     layers = link(shared_weight_model(rng, "b2"))
     assert table(layers) == [
         ("W", "fully_connected", ("W",), 2, "kron_indep"),
-        ("b", "generic", ("b",), 1, "diagonal"),
-        ("b2", "generic", ("b2",), 1, "diagonal"),
+        ("b", "broadcast", ("b",), 1, "diagonal"),  # released biases added to the data
+        ("b2", "broadcast", ("b2",), 1, "diagonal"),
     ]
     # the bias Adds are trimmed from the weight's uses
     assert [u.nodes for u in layers[0].uses] == [("mm1",), ("mm2",)]
@@ -78,7 +78,7 @@ def test_bias_shared_by_two_weights_is_released(rng):
     layers = link(onnx_model(nodes, {"x": ["N", 4]}, inits))
     assert table(layers) == [
         ("W1", "fully_connected", ("W1",), 1, "kron"),
-        ("b", "generic", ("b",), 2, "diagonal"),
+        ("b", "broadcast", ("b",), 2, "diagonal"),  # added to the data twice: one broadcast layer
         ("W2", "fully_connected", ("W2",), 1, "kron"),
     ]
 

@@ -223,7 +223,7 @@ def test_inspect_shows_each_layers_optimizer(transformer, tmp_path, capsys):
     assert main(["inspect", str(out), "--param-group", "kind=norm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: param_groups[0] ('group0'): kind 'norm' matches no layer of this plan (its kinds: "
-                   "fully_connected, generic, scale_and_shift, tied_embedding; kfac-compiler inspect shows each "
+                   "broadcast, fully_connected, scale_and_shift, tied_embedding; kfac-compiler inspect shows each "
                    "layer's)"]
 
 

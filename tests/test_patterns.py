@@ -131,16 +131,17 @@ def test_matmul_add_largest_pattern_wins_but_not_when_output_is_shared(rng):
     add = helper.make_node("Add", ["h", "b"], ["a"], name="add")
     other = helper.make_node("Mul", ["h", "a"], ["y"], name="mul")
     layers, _ = layers_of(onnx_model([mm, add, other], {"x": ["N", 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 6)}))
-    # h also feeds `mul`: the MatMul output is not only biased, so the bias is not linked
+    # h also feeds `mul`: the MatMul output is not only biased, so the bias is not linked: a
+    # parameter added to the data by itself (broadcast over the batch)
     assert [(l.kind, l.params, l.pattern) for l in layers] == [
-        ("fully_connected", ("W",), "matmul"), ("generic", ("b",), "generic")]
+        ("fully_connected", ("W",), "matmul"), ("broadcast", ("b",), "broadcast_add")]
 
 
 def test_matmul_add_with_wrong_bias_shape_is_not_a_bias(rng):
     mm = helper.make_node("MatMul", ["x", "W"], ["h"], name="mm")
     add = helper.make_node("Add", ["h", "b"], ["y"], name="add")
     layers, _ = layers_of(onnx_model([mm, add], {"x": ["N", 3, 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 3, 6)}))
-    assert [(l.kind, l.params) for l in layers] == [("fully_connected", ("W",)), ("generic", ("b",))]
+    assert [(l.kind, l.params) for l in layers] == [("fully_connected", ("W",)), ("broadcast", ("b",))]
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -37,9 +37,10 @@ EXPECTED = {
     ],
     "unrolled_rnn": [
         # rnn.b is added after Add(x W_x, h W_h) at steps 1..7 but right after x W_x at step 0:
-        # not the same bias on every use of W_x, so it is released to a generic layer.
+        # not the same bias on every use of W_x, so it is released: every use adds it to the
+        # data, so it is a broadcast layer over its 8 Adds.
         ("rnn.W_x", "fully_connected", ("rnn.W_x",), 8, "kron_indep"),
-        ("rnn.b", "generic", ("rnn.b",), 8, "diagonal"),
+        ("rnn.b", "broadcast", ("rnn.b",), 8, "diagonal"),
         ("rnn.W_h", "fully_connected", ("rnn.W_h",), 7, "kron_indep"),
         ("out", "fully_connected", ("out.weight", "out.bias"), 1, "kron"),
     ],
@@ -47,7 +48,7 @@ EXPECTED = {
         # tok_emb: Gather (embedding) and Transpose -> head MatMul (fully_connected): a tied
         # embedding -> one tied_embedding layer with both uses.
         ("tok_emb", "tied_embedding", ("tok_emb",), 2, "diagonal"),
-        ("pos_emb", "generic", ("pos_emb",), 1, "diagonal"),
+        ("pos_emb", "broadcast", ("pos_emb",), 1, "diagonal"),
         ("ln1", "scale_and_shift", ("ln1.scale", "ln1.bias"), 1, "full"),
         ("attn.q", "fully_connected", ("attn.q.weight", "attn.q.bias"), 1, "kron"),
         ("attn.k", "fully_connected", ("attn.k.weight", "attn.k.bias"), 1, "kron"),

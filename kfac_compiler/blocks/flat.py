@@ -1,5 +1,6 @@
 """Blocks over the flat parameter vector built from per-example gradients:
-scale_and_shift (normalization affine / Mul+Add) and generic parameters.
+scale_and_shift (normalization affine / Mul+Add) and generic parameters; AxisSum, the
+per-example sums of a cotangent down to a broadcast tensor's entries (also blocks/broadcast.py).
 
 For M per-example gradient vectors g_m (the layer's parameters flattened and concatenated
 in layer.params order), summed over seeds s:
@@ -37,6 +38,7 @@ from kfac_compiler.blocks.ops import emit_add_all, emit_dim, emit_gram, prod
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import FlatView
 from kfac_compiler.errors import ConfigError
+from kfac_compiler.ir import Layer
 
 BATCH_STAT_NORMS = ("BatchNormalization", "InstanceNormalization", "GroupNormalization")
 """Normalizations whose x_hat the block computes in the [N, K, L] layout (K the scale's size)."""
@@ -92,43 +94,16 @@ class FlatBlock(PartsBlock):
 
 
 # =====================================================================================
-class ScaleShiftBlock(FlatBlock):
-    layer_kinds = ("scale_and_shift",)
+class AxisSum:
+    """Per-example sums of a [N, *out] cotangent (or x_hat * cotangent) down to the S entries
+    of the tensor broadcast over it (scale_and_shift's scale, broadcast's shift): the sum over
+    the non-batch axes outside `scale_axes`, as [N, prod(S)]. Subclasses set layer, S and
+    scale_axes."""
 
-    def __init__(self, layer, param_shapes, input_shapes=None, **options):
-        super().__init__(layer, param_shapes, input_shapes, **options)
-        self.scale = layer.params[0]
-        self.shift = layer.params[1] if len(layer.params) > 1 else None
-        self.S = tuple(int(d) for d in param_shapes[self.scale])
-        if self.shift is not None and prod(param_shapes[self.shift]) != prod(self.S):
-            raise ConfigError(f"layer {layer.name!r}: shift {self.shift!r} and scale {self.scale!r} differ in size")
-        self._flat_setup(list(layer.params[:2]))
-        norm = layer.attrs.get("normalization") or None
-        self.norm = dict(norm) if norm else None
-        self.norm_op = self.norm.get("op") if self.norm else None
-        if self.norm_op not in (None, "LayerNormalization", "RMSNormalization", *BATCH_STAT_NORMS):
-            raise ConfigError(f"layer {layer.name!r}: normalization {self.norm_op!r} is not supported")
-        axes = layer.attrs.get("scale_axes", layer.attrs.get("axes"))
-        if axes is None:
-            if self.norm_op in BATCH_STAT_NORMS:
-                axes = (1,)
-            else:  # numpy broadcasting: the scale's non-1 dims align with the trailing axes
-                axes = tuple(i - len(self.S) for i, d in enumerate(self.S) if d != 1) or (-1,)
-        self.scale_axes = tuple(int(a) for a in axes)
-        shapes = input_shapes or [layer.attrs.get("input_shape")] * len(layer.uses)
-        ranks = {len(s) for s in shapes if s is not None}
-        self.rank = ranks.pop() if len(ranks) == 1 else layer.attrs.get("input_rank")
-        self.norm_values: dict = {}
+    layer: Layer
+    S: tuple[int, ...]
+    scale_axes: tuple[int, ...]
 
-    def _grad_flops(self, batch: int) -> int:
-        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
-        total = 0
-        for s in shapes:
-            n = prod(d if isinstance(d, int) and d > 0 else 1 for d in list(s or [1])[1:])
-            total += 6 * batch * max(n, self.P // 2)
-        return total
-
-    # ---- reductions to the scale's axes
     def _reduce_plan(self, rank: int | None):
         """(pre-reduce axes, layout) so that sum(pre) then reshape gives [N, P_scale]."""
         axes = self.scale_axes
@@ -163,6 +138,43 @@ class ScaleShiftBlock(FlatBlock):
         axes = tuple(sorted(a % rank for a in self.scale_axes))
         others = tuple(i for i in range(1, rank) if i not in axes)
         return z.sum(axis=others).reshape(z.shape[0], -1)
+
+
+class ScaleShiftBlock(AxisSum, FlatBlock):
+    layer_kinds = ("scale_and_shift",)
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        self.scale = layer.params[0]
+        self.shift = layer.params[1] if len(layer.params) > 1 else None
+        self.S = tuple(int(d) for d in param_shapes[self.scale])
+        if self.shift is not None and prod(param_shapes[self.shift]) != prod(self.S):
+            raise ConfigError(f"layer {layer.name!r}: shift {self.shift!r} and scale {self.scale!r} differ in size")
+        self._flat_setup(list(layer.params[:2]))
+        norm = layer.attrs.get("normalization") or None
+        self.norm = dict(norm) if norm else None
+        self.norm_op = self.norm.get("op") if self.norm else None
+        if self.norm_op not in (None, "LayerNormalization", "RMSNormalization", *BATCH_STAT_NORMS):
+            raise ConfigError(f"layer {layer.name!r}: normalization {self.norm_op!r} is not supported")
+        axes = layer.attrs.get("scale_axes", layer.attrs.get("axes"))
+        if axes is None:
+            if self.norm_op in BATCH_STAT_NORMS:
+                axes = (1,)
+            else:  # numpy broadcasting: the scale's non-1 dims align with the trailing axes
+                axes = tuple(i - len(self.S) for i, d in enumerate(self.S) if d != 1) or (-1,)
+        self.scale_axes = tuple(int(a) for a in axes)
+        shapes = input_shapes or [layer.attrs.get("input_shape")] * len(layer.uses)
+        ranks = {len(s) for s in shapes if s is not None}
+        self.rank = ranks.pop() if len(ranks) == 1 else layer.attrs.get("input_rank")
+        self.norm_values: dict = {}
+
+    def _grad_flops(self, batch: int) -> int:
+        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
+        total = 0
+        for s in shapes:
+            n = prod(d if isinstance(d, int) and d > 0 else 1 for d in list(s or [1])[1:])
+            total += 6 * batch * max(n, self.P // 2)
+        return total
 
     # ---- x_hat
     def _emit_xhat(self, b, x, rank):

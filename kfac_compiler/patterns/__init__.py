@@ -13,14 +13,18 @@ Patterns are matched with networkx.algorithms.isomorphism.MultiDiGraphMatcher
 Variants are enumerated (one Pattern each): Gemm transB 0/1 with or without bias C,
 MatMul / MatMul+Add / Transpose(W)+MatMul (tied heads) / with Add, Conv 1-d/2-d/3-d with or
 without bias (plain, grouped, depthwise), Gather embedding, LayerNormalization,
-BatchNormalization (inference and training form), InstanceNormalization, GroupNormalization
-and Mul+Add scale-and-shift.
+BatchNormalization (inference and training form), InstanceNormalization, GroupNormalization,
+Mul+Add scale-and-shift and parameters broadcast over the batch (Add, Gather + Add, Expand).
 
 Register your own with `register_pattern(Pattern(...))`; see docs/frontend.md.
 
 Modules: core.py (the machinery, the registry, predicates), builtin.py (the library).
 """
-from kfac_compiler.patterns.builtin import BUILTIN_PATTERN_NAMES, broadcast_axes  # registers the library
+from kfac_compiler.patterns.builtin import (  # registers the library
+    BUILTIN_PATTERN_NAMES,
+    bias_broadcast_matches,
+    broadcast_axes,
+)
 from kfac_compiler.patterns.core import (
     PARAM,
     Binding,
@@ -38,6 +42,7 @@ from kfac_compiler.patterns.core import (
 )
 
 __all__ = [
-    "PARAM", "Binding", "NoMatch", "PEdge", "PNode", "Pattern", "all_of", "attr_eq", "broadcast_axes",
+    "PARAM", "Binding", "NoMatch", "PEdge", "PNode", "Pattern", "all_of", "attr_eq", "bias_broadcast_matches",
+    "broadcast_axes",
     "num_inputs", "param_rank", "patterns", "register_pattern", "unregister_pattern", "BUILTIN_PATTERN_NAMES",
 ]

@@ -2,13 +2,15 @@
 0/1 with or without bias, MatMul / MatMul+Add / Transpose(W)+MatMul, Conv 1-d/2-d/3-d plain,
 grouped and depthwise with or without bias, Gather embedding, LayerNormalization,
 BatchNormalization in inference and training form, InstanceNormalization,
-GroupNormalization, Mul+Add scale-and-shift; RMSNormalization scale and ConvTranspose
+GroupNormalization, Mul+Add scale-and-shift; parameters broadcast over the batch by Add,
+constant-index Gather + Add, or Expand; RMSNormalization scale and ConvTranspose
 1-d/2-d/3-d with or without bias)."""
 from __future__ import annotations
 
 import onnx
 
 from kfac_compiler.graph import GraphView, attrs_of
+from kfac_compiler.ir import LayerMatch, LayerUse
 from kfac_compiler.patterns.core import (
     PARAM,
     Binding,
@@ -425,6 +427,118 @@ def _mul_add_pattern() -> Pattern:
     )
 
 
+# ------------------------------------------------------ broadcast over the batch
+def _batch_free(shift_shape, out_rank: int | None) -> bool:
+    """A tensor of `shift_shape` broadcast to rank `out_rank` does not vary along axis 0 (the
+    batch): it is missing there or has size 1."""
+    if out_rank is None or len(shift_shape) > out_rank:
+        return False
+    return len(shift_shape) < out_rank or shift_shape[0] == 1
+
+
+def _broadcast_attrs(b: Binding, shift_shape) -> dict:
+    rank = b.view.rank(b.output())
+    return {"scale_axes": broadcast_axes(shift_shape, rank), "output_rank": rank}
+
+
+def _adds_to_data(b: Binding, shift: str, shift_shape) -> bool:
+    """The Add's other operand than `shift` is data of the output's rank and the shift has no
+    batch axis."""
+    others = [t for t in b.node("add").input if t != shift]
+    if len(others) != 1:
+        return False
+    x, rank = others[0], b.view.rank(b.output())
+    return (x in b.view.from_inputs and b.view.rank(x) in (None, rank) and b.view.is_float(x)
+            and _batch_free(shift_shape, rank))
+
+
+def _broadcast_add_pattern() -> Pattern:
+    """Add(x[N, ...], P): a position table [1, T, D] / [T, D], a bias added alone."""
+    return Pattern(
+        name="broadcast_add",
+        kind="broadcast",
+        nodes=(PNode("add", "Add"), PNode("P", PARAM)),
+        edges=(PEdge("P", "add", (0, 1)),),
+        weight="P",
+        input=("add", None),
+        output="add",
+        where=lambda b: _adds_to_data(b, b.weight, b.view.shape(b.weight)),
+        attrs=lambda b: _broadcast_attrs(b, b.view.shape(b.weight)),
+    )
+
+
+def _gathered_shape(b: Binding) -> tuple | None:
+    """Gather(P, indices) output shape: indices' shape + P's rows' shape (dims may be symbolic)."""
+    idx = b.view.shape(b.node("gather").input[1])
+    return None if idx is None else tuple(idx) + tuple(b.view.shape(b.weight)[1:])
+
+
+def _gather_add_pattern() -> Pattern:
+    """Add(x[N, ...], Gather(P, indices)) with indices that have no batch axis (constant, or
+    computed from the sequence length): positions looked up the same for every example. The
+    use's input is the indices."""
+
+    def where(b: Binding) -> bool:
+        idx = b.node("gather").input[1]
+        shape = _gathered_shape(b)
+        return shape is not None and not b.view.is_float(idx) and _adds_to_data(b, b.tensor("gather"), shape)
+
+    return Pattern(
+        name="broadcast_gather_add",
+        kind="broadcast",
+        nodes=(PNode("gather", "Gather", where=attr_eq("axis", 0, 0)), PNode("P", PARAM), PNode("add", "Add")),
+        edges=(PEdge("P", "gather", (0,)), PEdge("gather", "add", (0, 1))),
+        weight="P",
+        input=("gather", 1),
+        output="add",
+        where=where,
+        attrs=lambda b: {**_broadcast_attrs(b, _gathered_shape(b)), "indexed": True},
+    )
+
+
+def _expand_pattern() -> Pattern:
+    """Expand(P, shape) with a shape computed from the data (the batch size): a class token
+    [1, 1, D] made [N, 1, D] before a Concat. (Tile with such repeats has no gradient rule:
+    oprules/tensor.py needs constant repeats.)"""
+
+    def where(b: Binding) -> bool:
+        shape_input = b.node("expand").input[1]
+        return shape_input in b.view.from_inputs and _batch_free(b.view.shape(b.weight), b.view.rank(b.output()))
+
+    return Pattern(
+        name="broadcast_expand",
+        kind="broadcast",
+        nodes=(PNode("expand", "Expand"), PNode("P", PARAM)),
+        edges=(PEdge("P", "expand", (0,)),),
+        weight="P",
+        input=("expand", 0),
+        output="expand",
+        where=where,
+        attrs=lambda b: _broadcast_attrs(b, b.view.shape(b.weight)),
+    )
+
+
+def bias_broadcast_matches(view: GraphView, bias: str) -> list[LayerMatch] | None:
+    """A bias released from its layers (a tied head's, an RNN's added alone at later steps) as
+    broadcast matches, one per consumer: None unless every consumer is an Add that the
+    broadcast_add pattern accepts (the bias Add a larger match gave up)."""
+    pattern = _BROADCAST_ADD
+    if not any(p is pattern for p in patterns()):  # unregistered by the user
+        return None
+    out = []
+    for node in view.consumers.get(bias, []):
+        b = Binding(pattern, view, {"add": node.name, "P": bias})
+        try:
+            if node.op_type != "Add" or pattern.where is None or not pattern.where(b):
+                return None
+            use = LayerUse(nodes=(node.name,), input=b.input(), output=b.output())
+            attrs = dict(pattern.attrs(b)) if pattern.attrs is not None else {}
+        except NoMatch:
+            return None
+        out.append(LayerMatch(kind=pattern.kind, pattern=pattern.name, weight=bias, bias=None, use=use, attrs=attrs))
+    return out or None
+
+
 # ------------------------------------------------------ normalization fallback notes
 NORMALIZATION_OPS = ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization")
 
@@ -551,6 +665,9 @@ for _bias in (False, True):
     register_builtin(_batch_stat_pattern("instance_norm", "InstanceNormalization", _bias))
     register_builtin(_batch_stat_pattern("group_norm", "GroupNormalization", _bias, norm=_group_norm_spec))
 register_builtin(_mul_add_pattern())
+_BROADCAST_ADD = register_builtin(_broadcast_add_pattern())
+register_builtin(_gather_add_pattern())
+register_builtin(_expand_pattern())
 register_builtin(_rms_norm_pattern())
 for _nd in (1, 2, 3):
     for _bias in (False, True):
