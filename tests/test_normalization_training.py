@@ -470,13 +470,28 @@ def test_unnamed_running_outputs_are_named(outputs):
 
 
 # ------------------------------------------------------------------ a torch export (optional)
+def export_in_training_mode(net, x):
+    """torch's TorchScript export of `net` with TrainingMode.TRAINING (batch axis dynamic)."""
+    import io
+    import warnings
+
+    import onnx
+    import torch
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), buf, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          opset_version=17, dynamo=False, input_names=["x"], output_names=["logits"],
+                          dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
+    return onnx.load_from_string(buf.getvalue())
+
+
 def test_torch_training_mode_export_end_to_end(tmp_path):
     """A torch model exported with TrainingMode.TRAINING: BatchNorm2d is a scale_and_shift
     layer, our gradients equal torch autograd's in train mode, and one SGD step updates the
     running statistics as torch does (torch keeps the unbiased variance, ONNX the biased)."""
     torch = pytest.importorskip("torch")
-    import io
-    import warnings
 
     torch.manual_seed(0)
 
@@ -496,15 +511,7 @@ def test_torch_training_mode_export_end_to_end(tmp_path):
         net.bn.bias.uniform_(-0.5, 0.5)
     x = torch.randn(6, 2, 6, 6)
     y = torch.tensor([0, 1, 2, 3, 1, 0])
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, (x,), buf, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                          opset_version=17, dynamo=False, input_names=["x"], output_names=["logits"],
-                          dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
-    import onnx
-
-    plan = kc.compile(onnx.load_from_string(buf.getvalue()), loss="softmax_cross_entropy", output="logits", emit=False)
+    plan = kc.compile(export_in_training_mode(net, x), loss="softmax_cross_entropy", output="logits", emit=False)
     assert (plan.layer("bn").kind, plan.layer("bn").pattern) == ("scale_and_shift", "batch_norm_train")
     assert "bn.running_mean" in plan.frozen
     # the export traced the module in training mode (its running statistics moved): start
@@ -541,24 +548,13 @@ def test_shufflenet_training_mode_gradients_are_torchs_in_float64():
     torch = pytest.importorskip("torch")
     torchvision = pytest.importorskip("torchvision")
     import copy
-    import io
-    import warnings
-
-    import onnx
 
     import kfac_compiler as kc
 
     torch.manual_seed(0)
     net = torchvision.models.shufflenet_v2_x0_5(num_classes=10)
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, (x,), buf, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                          opset_version=17, dynamo=False, input_names=["x"], output_names=["logits"],
-                          dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
-    plan = kc.compile(onnx.load_from_string(buf.getvalue()), loss="softmax_cross_entropy", output="logits",
-                      emit=False)
+    plan = kc.compile(export_in_training_mode(net, x), loss="softmax_cross_entropy", output="logits", emit=False)
     loss, grads = kc.gradients(plan, inputs={"x": x.numpy()}, targets=y.numpy())
     net64 = copy.deepcopy(net).double().train()  # the export's trace moved the running statistics: unused here
     ref = torch.nn.functional.cross_entropy(net64(x.double()), y)
