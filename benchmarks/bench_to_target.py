@@ -423,17 +423,19 @@ def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int,
         return row
     for opt in ("kfac", "adam"):
         try:
-            row["loss0"], row[opt], seconds = held_out_run(plan, opt, entry["kind"], steps, bs)
-            row[f"{opt}_ms"] = 1e3 * seconds / max(steps, 1)
+            row["loss0"], r = held_out_run(plan, opt, entry["kind"], steps, bs)
+            row[opt], row[f"{opt}_ms"] = r.loss, 1e3 * r.seconds / max(steps, 1)
         except Exception as e:  # noqa: BLE001 - reported
             row[opt] = _one_line(e)
     return row
 
 
-def held_out_run(plan, optimizer: str, kind: str, steps: int, bs: int, **knobs) -> tuple[float, float, float]:
-    """(held-out loss before, after `steps` steps, their seconds) of `optimizer` (the Trainer's
-    defaults, seed 0; knobs: e.g. learning_rate) on models/real_data's batches of `kind`: batch
-    s starts at s bs in the examples before the last HELD_OUT, the held-out ones."""
+def held_out_run(plan, optimizer: str, kind: str, steps: int, bs: int, every: int | None = None, targets=(),
+                 **knobs) -> tuple[float, harness.TargetRun]:
+    """(held-out loss before, the run: its loss after `steps` steps, evaluated every `every`
+    (default: at the end only), when it first reached each target) of `optimizer` (the
+    Trainer's defaults, seed 0; knobs: e.g. learning_rate) on models/real_data's batches of
+    `kind`: batch s starts at s bs in the examples before the last HELD_OUT, the held-out ones."""
     from kfac_compiler.models.real_data import batch
     from kfac_compiler.runtime import Trainer
 
@@ -446,8 +448,8 @@ def held_out_run(plan, optimizer: str, kind: str, steps: int, bs: int, **knobs) 
         lo = (s * bs) % (len(y) - HELD_OUT - bs)
         tr.step({"input": x[lo:lo + bs]}, y[lo:lo + bs])
 
-    r = harness.to_target(step, lambda: tr.evaluate({"input": ex}, ey)["loss"], max_steps=steps, every=max(steps, 1))
-    return loss0, r.loss, r.seconds
+    return loss0, harness.to_target(step, lambda: tr.evaluate({"input": ex}, ey)["loss"], max_steps=steps,
+                                    every=every or max(steps, 1), targets=targets, stop_at_target=False)
 
 
 def _real_table(rows: list[dict], steps: int) -> str:

@@ -23,6 +23,8 @@ C_in times the FLOPs; benchmarks/bench_step.py patches, docs/conventions.md).
       and keeps A over all channels, [C_in kk, C_in kk]; not offered: (C_in kk)^3 a refresh).
   diagonal (conv and depthwise_conv): per-example gradients g_n = delta_n patches_n^T
       ([N, C_out, T] x [N, T, K+1]), diag = 1/N sum_n g_n^2, stored [C_out, K+1].
+  channel_full (depthwise_conv): the same g_n; per output channel c the full
+      F_c = 1/N sum_n g_nc g_nc^T [K+1, K+1], stored [C_out, K+1, K+1].
 """
 from __future__ import annotations
 
