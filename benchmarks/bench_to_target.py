@@ -62,6 +62,16 @@ def zoo_case(name: str, seed: int = 0, config=None):
     return plan, inputs["input"], y
 
 
+def approx_config(args) -> dict | None:
+    """The compile config of `--approx KIND=NAME` (each layer kind's block, as config
+    `approximations`), None without one."""
+    pairs = [a.split("=", 1) for a in getattr(args, "approx", None) or []]
+    bad = [a for a, p in zip(args.approx or [], pairs) if len(p) != 2 or not all(p)]
+    if bad:
+        raise SystemExit(f"--approx {bad[0]!r}: give KIND=NAME, e.g. depthwise_conv=channel_full")
+    return {"approximations": dict(pairs)} if pairs else None
+
+
 def ours(plan, x, y, bs, optimizer, device="cpu", batches=None, **kw):
     """(step, loss, trainer) for harness.to_target: our Trainer on batch_indices' batches (or
     batches(k) -> indices), the loss on all the data."""
@@ -219,7 +229,7 @@ def cmd_zoo(args, say, run):
         raise SystemExit(f"not zoo models: {', '.join(unknown)} (the zoo: {', '.join(list_models())})")
     rows, table = [], []
     for name in names:
-        plan, x, y = zoo_case(name)
+        plan, x, y = zoo_case(name, config=approx_config(args))
         adam = tuned_adam(plan, x, y, args.batch_size, args.steps, args.device)
         best = min(adam, key=lambda lr: adam[lr].loss)
         target, adam_s = adam[best].loss, adam[best].seconds
@@ -241,7 +251,8 @@ def cmd_zoo(args, say, run):
         rows.append(r)
         table.append(row)
         print(row, file=sys.stderr, flush=True)
-    say(f"batch {args.batch_size}, {args.steps} steps of Adam (the target) and at most as many of K-FAC:")
+    say(f"batch {args.batch_size}, {args.steps} steps of Adam (the target) and at most as many of K-FAC"
+        + (f" (blocks: {', '.join(args.approx)})" if args.approx else "") + ":")
     say()
     say(harness.table(["model", "Adam lr", "Adam loss", "Adam s", "K-FAC loss", "K-FAC steps", "K-FAC s", "time ratio",
                        "step ms K-FAC / Adam"] + (["peers"] if args.peers else []), table))
@@ -366,14 +377,12 @@ def _compile_quiet(path, **kw):
         return kc.compile(str(path), loss="softmax_cross_entropy", output="logits", **kw)
 
 
-def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int) -> dict:
+def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int, config=None) -> dict:
     """Compiles (or the one-line error; the columns up to "frozen" then come from the front end
     alone), layers by kind, blocks, trainable initializers against those holding torch
     parameters, constants trained, frozen initializers, then `steps` steps of K-FAC (defaults)
-    and of Adam (lr 1e-3) on the same batch stream, and the held-out loss before and after."""
-    from kfac_compiler.models.real_data import batch
-    from kfac_compiler.runtime import Trainer
-
+    and of Adam (lr 1e-3) on the same batch stream, and the held-out loss before and after.
+    `config`: the compile config (e.g. approx_config's block choices)."""
     row = {"fixture": case, "family": entry["family"], "exporter": entry["exporter"], "opset": entry.get("opset")}
     with np.load(fixtures / f"{case}.npz") as d:
         if "init_names" in d.files:
@@ -384,11 +393,11 @@ def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int)
             row["expected_elements"] = int(d["expected_elements"])
     t = time.perf_counter()
     try:
-        plan = _compile_quiet(fixtures / f"{case}.onnx")
+        plan = _compile_quiet(fixtures / f"{case}.onnx", config=config)
     except Exception as e:  # noqa: BLE001 - reported
         row["compiles"] = _one_line(e)
         try:  # what the front end alone makes of it
-            plan = _compile_quiet(fixtures / f"{case}.onnx", emit=False)
+            plan = _compile_quiet(fixtures / f"{case}.onnx", config=config, emit=False)
         except Exception:  # noqa: BLE001 - the error above is the one reported
             return row
         row["frontend_only"] = True
@@ -404,7 +413,7 @@ def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int)
         row["missing"] = sorted(holding - set(plan.trainable))
         row["constants_trained"] = sorted(set(plan.trainable) & consts) + sorted(set(plan.trainable) - holding - consts)
     else:
-        plan = _compile_quiet(fixtures / f"{case}.onnx", untie="uniform")  # one flag unties the exporter's merges
+        plan = _compile_quiet(fixtures / f"{case}.onnx", config=config, untie="uniform")  # one flag unties the exporter's merges
         values = plan.parameter_values()
         row["elements"] = int(sum(values[p].size for p in plan.trainable)) + int(
             sum(np.prod(plan.param_shapes[v["of"]]) for v in plan.retied.values()))  # the twin counts an exporter's copy
@@ -412,24 +421,35 @@ def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int)
     row["warnings"] = len(plan.notes)
     if row.get("frontend_only"):
         return row
-    x, y = batch(entry["kind"], None, seed=0)
-    ex, ey = x[-HELD_OUT:], y[-HELD_OUT:]
     for opt in ("kfac", "adam"):
         try:
-            tr = Trainer(plan, optimizer=opt, device="cpu", seed=0, batch_size=bs)
-            row["loss0"] = tr.evaluate({"input": ex}, ey)["loss"]
-
-            def step(s, tr=tr):
-                lo = (s * bs) % (len(y) - HELD_OUT - bs)
-                tr.step({"input": x[lo:lo + bs]}, y[lo:lo + bs])
-
-            r = harness.to_target(step, lambda tr=tr: tr.evaluate({"input": ex}, ey)["loss"], max_steps=steps,
-                                  every=max(steps, 1))
-            row[opt] = r.loss
-            row[f"{opt}_ms"] = 1e3 * r.seconds / max(steps, 1)
+            row["loss0"], r = held_out_run(plan, opt, entry["kind"], steps, bs)
+            row[opt], row[f"{opt}_ms"] = r.loss, 1e3 * r.seconds / max(steps, 1)
         except Exception as e:  # noqa: BLE001 - reported
             row[opt] = _one_line(e)
     return row
+
+
+def held_out_run(plan, optimizer: str, kind: str, steps: int, bs: int, every: int | None = None, targets=(),
+                 **knobs) -> tuple[float, harness.TargetRun]:
+    """(held-out loss before, the run: its loss after `steps` steps, evaluated every `every`
+    (default: at the end only), when it first reached each target) of `optimizer` (the
+    Trainer's defaults, seed 0; knobs: e.g. learning_rate) on models/real_data's batches of
+    `kind`: batch s starts at s bs in the examples before the last HELD_OUT, the held-out ones."""
+    from kfac_compiler.models.real_data import batch
+    from kfac_compiler.runtime import Trainer
+
+    x, y = batch(kind, None, seed=0)
+    ex, ey = x[-HELD_OUT:], y[-HELD_OUT:]
+    tr = Trainer(plan, optimizer=optimizer, device="cpu", seed=0, batch_size=bs, **knobs)
+    loss0 = tr.evaluate({"input": ex}, ey)["loss"]
+
+    def step(s):
+        lo = (s * bs) % (len(y) - HELD_OUT - bs)
+        tr.step({"input": x[lo:lo + bs]}, y[lo:lo + bs])
+
+    return loss0, harness.to_target(step, lambda: tr.evaluate({"input": ex}, ey)["loss"], max_steps=steps,
+                                    every=every or max(steps, 1), targets=targets, stop_at_target=False)
 
 
 def _real_table(rows: list[dict], steps: int) -> str:
@@ -476,7 +496,7 @@ def cmd_real_exports(args, say, run):
         if entry.get("status") != "ok":
             rows.append({"fixture": case, "compiles": f"not exported: {entry.get('status')}"})
             continue
-        rows.append(real_export_row(case, entry, fixtures, args.steps, args.batch_size))
+        rows.append(real_export_row(case, entry, fixtures, args.steps, args.batch_size, approx_config(args)))
         r = rows[-1]
         print(case, r.get("compiles"), r.get("loss0"), r.get("kfac"), r.get("adam"), file=sys.stderr, flush=True)
     say(f"Fixtures {os.path.relpath(fixtures, ROOT)} (models/real_exports.py). Losses: mean over {HELD_OUT} held-out "
@@ -484,7 +504,7 @@ def cmd_real_exports(args, say, run):
         "settings (K-FAC: the Trainer's defaults; Adam: lr 1e-3). 'held': initializers holding torch parameters (the "
         "fixture's record); 'constants trained': trained float initializers holding none; `<family>_init`: the model "
         "at its own initialisation (equal tensors merged by the exporter), trainable elements against those of the "
-        "random-weight twin's export.")
+        "random-weight twin's export." + (f" Blocks: {', '.join(args.approx)}." if args.approx else ""))
     say()
     say(_real_table(rows, args.steps))
     return rows
@@ -584,12 +604,17 @@ def parser() -> argparse.ArgumentParser:
                    help="rounds of interleaved step timing for the steps x mean step ratio (0: skip)")
     peers(p)
 
+    def approx(p):
+        p.add_argument("--approx", action="append", metavar="KIND=NAME",
+                       help="a layer kind's block (config approximations), e.g. depthwise_conv=channel_full; repeatable")
+
     p = add("zoo", cmd_zoo, "K-FAC (defaults) to tuned Adam's loss on every zoo model")
     p.add_argument("--models", help="comma-separated zoo names (default: all)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--steps", type=int, default=300, help="Adam's steps, and K-FAC's budget")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     peers(p)
+    approx(p)
 
     p = add("ekfac", cmd_ekfac, "EKFAC vs K-FAC: steps and seconds to tuned Adam's loss")
     p.add_argument("--models", default="mlp_classifier,digits_autoencoder")
@@ -615,6 +640,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--only", nargs="*", help="families")
+    approx(p)
     return ap
 
 

@@ -175,6 +175,26 @@ def test_micro_batch_weights_fold_into_the_whole_batch_moving_average():
             np.testing.assert_allclose(f, (1 - c) * f0 + c * stats.mean(axis=0), rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.slow  # as the other K-FAC accumulation comparisons
+def test_kfac_accumulation_of_per_example_blocks_takes_the_whole_batch_steps():
+    """The same on the depthwise CNN with its depthwise conv's channel_full block, a mean of
+    per-example outer products [C_out, K+1, K+1]: folded per micro-batch it equals the whole
+    batch's (factors, inverses, parameters, velocity)."""
+    entry = ZOO["depthwise_cnn"]
+    plan = kc.compile(get_model("depthwise_cnn"), loss=entry.loss, output="logits", emit=False,
+                      layers={"dwconv": "channel_full"})
+    assert {s.name for s in plan.factors["dwconv"]} == {"full"}
+    x, y = entry.make_data(2 * BATCH, seed=0)
+    knobs = dict(KFAC_FIXED, stats_batch_size=32)
+    full = Trainer(plan, optimizer="kfac", threads=1, **knobs)
+    acc = Trainer(plan, optimizer="kfac", threads=1, accumulate=2, **knobs)
+    for xb, yb in batches(x["input"], y, 2):
+        mf, ma = whole(full, xb, yb), in_pieces(acc, xb, yb, 2)
+        assert ma["loss"] == pytest.approx(mf["loss"], rel=1e-5) and ma["rejected"] == mf["rejected"] == 0
+        assert_state_close(acc, full, ("factor/",), rtol=2e-5)
+        assert_state_close(acc, full, ("inverse/", "velocity/"), rtol=5e-5)
+
+
 def test_micro_batch_calls_report_accumulating_and_the_update_the_cycle_mean(mlp):
     """Every call but the cycle's last returns accumulating 1, its index and its own loss, and
     changes no parameter; the last returns the update's metrics with the mean loss; the step

@@ -19,7 +19,7 @@ MENU = {
     "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "conv_multi": ("kron_indep", "kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag", "diagonal",
                    "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
-    "depthwise_conv": ("diagonal", "kron"),
+    "depthwise_conv": ("diagonal", "kron", "channel_full"),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
@@ -83,8 +83,8 @@ def test_a_multi_only_class_creates_the_kinds_multi_menu_and_rank_zero_is_the_de
         uses = "multi"
         menu_rank = 0
 
-    assert APPROXIMATIONS["depthwise_conv"] == ("diagonal", "kron")
-    assert APPROXIMATIONS["depthwise_conv_multi"] == ("depthwise_multi", "diagonal", "kron")
+    assert APPROXIMATIONS["depthwise_conv"] == MENU["depthwise_conv"]
+    assert APPROXIMATIONS["depthwise_conv_multi"] == ("depthwise_multi", *MENU["depthwise_conv"])
     assert list(APPROXIMATIONS).index("depthwise_conv_multi") == list(APPROXIMATIONS).index("depthwise_conv") + 1
     assert menu_key("depthwise_conv", 2) == "depthwise_conv_multi"
     (chosen,) = choose_blocks([layer("depthwise_conv", uses=2)])

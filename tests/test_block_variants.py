@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kfac_compiler as kc
 import test_blocks
+from kfac_compiler import linalg
 from kfac_compiler.blocks import APPROXIMATIONS, make_block, series
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.losses import make_loss
@@ -109,9 +110,100 @@ def test_depthwise_cnn_trains_with_kron():
     from kfac_compiler.models import data, get_model
     from kfac_compiler.runtime import Trainer
 
-    assert APPROXIMATIONS["depthwise_conv"] == ("diagonal", "kron")  # the default stays diagonal
+    assert APPROXIMATIONS["depthwise_conv"][0] == "diagonal"  # the default stays diagonal
     plan = kc.compile(get_model("depthwise_cnn"), loss="softmax_cross_entropy", emit=False, layers={"dwconv": "kron"})
     assert {s.name: tuple(s.shape) for s in plan.factors["dwconv"]} == {"A": (8, 10, 10), "G": (8, 1, 1)}
+    x, y = data.make_image_classification(256, seed=0)
+    tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=64, seed=0)
+    batches = [slice(i * 64, (i + 1) * 64) for i in range(4)]
+    losses = [float(tr.step({"input": x["input"][batches[i % 4]]}, y[batches[i % 4]])["loss"]) for i in range(12)]
+    assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0]
+
+
+# ------------------------------------------------------------------------- depthwise channel_full
+def test_depthwise_channel_full_is_the_exact_fisher_of_each_output_channel():
+    """Compiled statistics of the tiny depthwise model (one position, 3 examples): block c is
+    the mean over the examples of the exact Fisher of output channel c's [w_c | b_c]
+    (finite-difference Jacobians, J^T F_z J), the diagonal block of the per-input-channel one."""
+    model, w, b = _tiny_depthwise()
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, layers={"dw": "channel_full"})
+    (layer,) = plan.layers
+    assert (layer.kind, layer.approximation) == ("depthwise_conv", "channel_full")
+    x = np.random.default_rng(4).normal(size=(3, C, K, K))
+    F = _statistics(plan, x, np.array([1, 0, 3]), "exact")["stat/dw/full"]
+    n = K * K + 1
+    assert F.shape == (C * MULT, n, n)
+    for c in range(C):
+        exact = np.mean([_channel_fisher(w, b, xn, c) for xn in x], axis=0)  # [MULT n, MULT n]
+        for m in range(MULT):
+            np.testing.assert_allclose(F[c * MULT + m], exact[m * n:(m + 1) * n, m * n:(m + 1) * n], rtol=1e-4, atol=1e-6)
+
+
+CHANNEL_FULL_CASES = [
+    dict(C_in=3, C_out=6, group=3, spatial=(5, 4), strides=(2, 1), pads=(1, 0, 1, 1)),  # multiplier 2
+    dict(C_in=4, C_out=4, group=4, spatial=(6, 5), pads=(2, 2, 2, 2), dil=(2, 1), bias=False, uses=2, seeds=1),
+    dict(C_in=2, C_out=2, group=2, k=(3,), spatial=(7,), pads=(1, 1), N=4),
+]
+
+
+def _brute_channel_blocks(layer, blk, inputs, cots):
+    """Per-output-channel blocks [C_out, K+1, K+1] of the brute-force Fisher 1/N sum vec(g) vec(g)^T
+    over per-example gradients from the conv definition (loops; summed over uses)."""
+    gs = [sum(test_blocks.explicit_conv_weight_grads(np.asarray(x, np.float64), np.asarray(cots[u][s], np.float64),
+                                                     layer.attrs, blk.group, blk.has_bias, blk.C_out)
+              for u, x in enumerate(inputs)) for s in range(len(cots[0]))]
+    F, n = test_blocks.brute_fisher(gs), blk.nK  # vec(g) of [C_out, K+1] row-major: channel c at c n .. c n + n
+    return np.stack([F[c * n:(c + 1) * n, c * n:(c + 1) * n] for c in range(blk.C_out)])
+
+
+@pytest.mark.parametrize("kw", CHANNEL_FULL_CASES)
+def test_channel_full_is_the_brute_force_fisher_of_each_output_channel(kw):
+    layer, blk, inputs, cots = conv_case(approx="channel_full", kind="depthwise_conv", **kw)
+    want = _brute_channel_blocks(layer, blk, inputs, cots)
+    test_blocks.assert_close(emitted_stats(blk, inputs, cots)["full"], want, what="emitted")
+    test_blocks.assert_close(blk.numpy_statistics(inputs, cots)["full"], want, 1e-10, 1e-10, what="numpy")
+    assert tuple(blk.factor_specs()[0].shape) == want.shape
+
+
+@pytest.mark.parametrize("kw", CHANNEL_FULL_CASES[:2])
+def test_channel_full_preconditions_by_a_solve_of_each_damped_channel_block(kw):
+    """(F_c + lambda I)^-1 [w_c | b_c] per output channel, against numpy.linalg.solve of the
+    brute-force blocks: the emitted inverse (every emitted method) and the host one."""
+    layer, blk, inputs, cots = conv_case(approx="channel_full", kind="depthwise_conv", **kw)
+    F, lam = _brute_channel_blocks(layer, blk, inputs, cots), 0.05
+    v = _vec_feeds({p: blk.param_shapes[p] for p in layer.params})
+    V = np.concatenate([np.asarray(v["W"], np.float64).reshape(blk.C_out, -1)]
+                       + ([np.asarray(v["b"], np.float64)[:, None]] if blk.has_bias else []), axis=1)
+    X = np.linalg.solve(F + lam * np.eye(blk.nK), V[..., None])[..., 0]
+    want = {"W": X[:, :blk.K].reshape(blk.param_shapes["W"])}
+    if blk.has_bias:
+        want["b"] = X[:, blk.K]
+    factors = {"full": f32(F)}
+    state, ok = blk.numpy_inverse(factors, lam, "eigh")
+    host = blk.numpy_multiply_inverse(v, state)
+    assert ok
+    for p in want:
+        test_blocks.assert_close(host[p], want[p], 2e-3, 2e-4, what=f"host {p}")
+    for method in linalg.EMITTED_METHODS:
+        def build(b, method=method):
+            inv = blk.emit_inverse(b, {"full": "f_full"}, "lam", method)
+            out = blk.emit_multiply_inverse(b, {p: p for p in v}, inv)
+            out["ok"] = inv.ok
+            return out
+
+        res = run_graph(build, {**v, "f_full": factors["full"], "lam": f32(lam)})
+        assert bool(res["ok"]), method
+        for p in want:
+            test_blocks.assert_close(res[p], want[p], 2e-3, 2e-4, what=f"{method} {p}")
+
+
+def test_depthwise_cnn_trains_with_channel_full():
+    from kfac_compiler.models import data, get_model
+    from kfac_compiler.runtime import Trainer
+
+    plan = kc.compile(get_model("depthwise_cnn"), loss="softmax_cross_entropy", emit=False,
+                      layers={"dwconv": "channel_full"})
+    assert {s.name: tuple(s.shape) for s in plan.factors["dwconv"]} == {"full": (8, 10, 10)}
     x, y = data.make_image_classification(256, seed=0)
     tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=64, seed=0)
     batches = [slice(i * 64, (i + 1) * 64) for i in range(4)]

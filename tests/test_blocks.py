@@ -476,6 +476,8 @@ def all_block_cases():
     cases.append(("conv-ekfac-group", lambda: conv(approx="ekfac", group=2)))
     cases.append(("depthwise-diagonal", lambda: conv(approx="diagonal", kind="depthwise_conv", C_in=4, C_out=4, group=4)))
     cases.append(("depthwise-kron", lambda: conv(approx="kron", kind="depthwise_conv", C_in=3, C_out=6, group=3)))
+    cases.append(("depthwise-channel_full", lambda: conv(approx="channel_full", kind="depthwise_conv", C_in=3, C_out=6,
+                                                         group=3, pads=(1, 1, 1, 1))))
     cases.append(("conv-kron_indep_both_diag", lambda: conv(approx="kron_indep_both_diag", uses=2)))
     cases.append(("conv-kron_indep_in_diag", lambda: conv(approx="kron_indep_in_diag", uses=2, group=2)))
 

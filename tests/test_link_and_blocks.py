@@ -206,7 +206,7 @@ def test_impossible_choices_name_the_layer_and_the_allowed_values():
         choose_blocks([_layer("rnn", "fully_connected", 3)], CompileConfig(approximations={"fully_connected": "kron"}))
     msg = str(e.value)
     assert "'rnn'" in msg and "kron_indep, kron_series_1, kron_series_2, kron_indep_in_diag" in msg and "\n" not in msg
-    with pytest.raises(ConfigError, match="layer 'dw'.*choose one of diagonal, kron$"):
+    with pytest.raises(ConfigError, match="layer 'dw'.*choose one of diagonal, kron, channel_full$"):
         choose_blocks([_layer("dw", "depthwise_conv")], CompileConfig(layers={"dw": "kron_in_diag"}))
     with pytest.raises(ConfigError, match=r"layers\['nothing.\*'\] matches no layer"):
         choose_blocks([_layer("a", "conv")], CompileConfig(layers={"nothing.*": "kron"}))

@@ -23,6 +23,8 @@ C_in times the FLOPs; benchmarks/bench_step.py patches, docs/conventions.md).
       and keeps A over all channels, [C_in kk, C_in kk]; not offered: (C_in kk)^3 a refresh).
   diagonal (conv and depthwise_conv): per-example gradients g_n = delta_n patches_n^T
       ([N, C_out, T] x [N, T, K+1]), diag = 1/N sum_n g_n^2, stored [C_out, K+1].
+  channel_full (depthwise_conv): the same g_n; per output channel c the full
+      F_c = 1/N sum_n g_nc g_nc^T [K+1, K+1], stored [C_out, K+1, K+1].
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from onnx import TensorProto
 from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.kron import KronBlock
 from kfac_compiler.blocks.ops import (
+    emit_add_all,
     emit_append_const,
     emit_concat,
     emit_dim,
@@ -178,25 +181,30 @@ class ConvMixin:
         """[N, C_out, *out] -> [N, group, C_out/group, T]."""
         return b.reshape(d, [0, self.group, self.Co_g, -1])
 
-    def _emit_gradient_moments(self, b, inputs, cotangents, shape, A_Q=None, G_Q=None):
-        """1/N sum_{n,s} (G_Q^T g_ns A_Q)^2 elementwise per group, g_ns = delta patches^T (seed
-        s's per-example gradient [C_out/g, K+1], summed over positions and uses) in the bases
-        A_Q, G_Q ([K+1]^2 / [C_out/g]^2, or [g, ...] per group; None: the identity), reshaped
-        to `shape`: the diagonal block's statistic, and ekfac's S in its eigenbases."""
+    def _emit_per_example_gradients(self, b, inputs, cotangents, A_Q=None, G_Q=None) -> list[str]:
+        """Per seed s the per-example gradients g_ns = delta patches^T [N, g, C_out/g, K+1]
+        (summed over positions and uses), in the bases A_Q, G_Q ([K+1]^2 / [C_out/g]^2, or
+        [g, ...] per group; None: the identity): what the diagonal, channel_full and ekfac
+        statistics are moments of."""
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nK, T]
         last = [0, 2, 1] if self.group > 1 else [1, 0]
         if A_Q is not None:
             P = b.matmul(b.transpose(A_Q, last), P)  # a' = A_Q^T a~ per group
         Pt = b.transpose(P, [0, 1, 3, 2])
-        total = None
+        out = []
         for s in range(len(cotangents[0])):
             D = emit_concat(b, [self._emit_delta(b, cotangents[u][s]) for u in range(len(inputs))], axis=3)
             if G_Q is not None:
                 D = b.matmul(b.transpose(G_Q, last), D)  # d' = G_Q^T delta per group
-            g = b.matmul(D, Pt)  # [N, g, Co_g, nK] per-example gradients
-            sq = b.reduce_sum(b.mul(g, g), [0])
-            total = sq if total is None else b.add(total, sq)
-        return b.div(b.reshape(total, list(shape)), emit_dim(b, P, 0))
+            out.append(b.matmul(D, Pt))  # [N, g, Co_g, nK]
+        return out
+
+    def _emit_gradient_moments(self, b, inputs, cotangents, shape, A_Q=None, G_Q=None):
+        """1/N sum_{n,s} (G_Q^T g_ns A_Q)^2 elementwise per group (_emit_per_example_gradients),
+        reshaped to `shape`: the diagonal block's statistic, and ekfac's S in its eigenbases."""
+        gs = self._emit_per_example_gradients(b, inputs, cotangents, A_Q, G_Q)
+        total = emit_add_all(b, [b.reduce_sum(b.mul(g, g), [0]) for g in gs])
+        return b.div(b.reshape(total, list(shape)), emit_dim(b, gs[0], 0))
 
     # ---- numpy
     def np_patches(self, x) -> np.ndarray:
@@ -221,6 +229,13 @@ class ConvMixin:
     def _np_delta(self, d):
         d = np.asarray(d, np.float64)
         return d.reshape(d.shape[0], self.group, self.Co_g, -1)
+
+    def _np_per_example_gradients(self, inputs, cotangents) -> list[np.ndarray]:
+        """numpy twin of _emit_per_example_gradients (identity bases): per seed [N, g, C_out/g, K+1]."""
+        P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)
+        return [np.einsum("ngot,ngkt->ngok", np.concatenate([self._np_delta(cotangents[u][s]) for u in range(len(inputs))],
+                                                           axis=3), P)
+                for s in range(len(cotangents[0]))]
 
 
 class ConvKronBase(ConvMixin, KronBlock):
@@ -397,16 +412,56 @@ class ConvDiagonal(ConvMixin, PartsBlock):
         return {"diag": self._emit_gradient_moments(b, inputs, cotangents, (self.C_out, self.nK))}
 
     def numpy_statistics(self, inputs, cotangents):
-        P = np.concatenate([self.np_patches(x) for x in inputs], axis=3)
-        total = 0.0
-        for s in range(len(cotangents[0])):
-            D = np.concatenate([self._np_delta(cotangents[u][s]) for u in range(len(inputs))], axis=3)
-            g = np.einsum("ngot,ngkt->ngok", D, P)
-            total = total + (g * g).sum(0)
-        return {"diag": total.reshape(self.C_out, self.nK) / P.shape[0]}
+        gs = self._np_per_example_gradients(inputs, cotangents)
+        return {"diag": sum((g * g).sum(0) for g in gs).reshape(self.C_out, self.nK) / gs[0].shape[0]}
 
     def _emit_apply(self, b, vectors, mats):
         return self.view.emit_from(b, b.mul(self.view.emit_to(b, vectors), mats["diag"]))
 
     def _np_apply(self, vectors, mats):
         return self.view.np_from(self.view.np_to(vectors) * mats["diag"])
+
+
+@register_block
+class DepthwiseConvChannelFull(ConvMixin, PartsBlock):
+    """The exact Fisher of each output channel's own parameters [w_c | b_c] (K+1 of them:
+    kk taps and the bias), F_c = 1/N sum_{n,s} g_nc g_nc^T from the diagonal block's
+    per-example gradients, stored [C_out, K+1, K+1] and preconditioned by a batched solve.
+    Keeps what the diagonal drops (the taps of one filter are strongly correlated: they see
+    overlapping pixels) at (K+1) times its memory, 100 floats per 3x3 channel. Grouped per
+    output channel, not per input channel: with a channel multiplier m the blocks stay
+    [K+1]^2 (not [m (K+1)]^2), laid out as the diagonal's [C_out, K+1]. A mean of per-example
+    outer products, so exact under data parallelism and accumulation."""
+
+    name = "channel_full"
+    layer_kinds = ("depthwise_conv",)
+    uses = "any"  # depthwise_conv has no multi-use menu: per-example gradients sum the uses
+    menu_rank = 12
+
+    def __init__(self, layer, param_shapes, input_shapes=None, **options):
+        super().__init__(layer, param_shapes, input_shapes, **options)
+        self._conv_setup()
+        self.view = MatrixView(self.layer.weight, self.wshape, (self.C_out, self.K), False, self.bias_name, self._bias_shape())
+
+    def parts(self):
+        return [Part("full", (self.C_out, self.nK, self.nK), "full")]
+
+    def stats_flops(self, batch: int) -> int:
+        return 2 * batch * self._out_positions() * self.C_out * self.nK + 2 * batch * self.C_out * self.nK * self.nK
+
+    def emit_statistics(self, b, inputs, cotangents):
+        gs = self._emit_per_example_gradients(b, inputs, cotangents)  # per seed [N, g, Co_g, nK]
+        rows = emit_concat(b, [b.transpose(b.reshape(g, [0, self.C_out, self.nK]), [1, 2, 0]) for g in gs], axis=2)
+        return {"full": b.div(emit_gram(b, rows, 3), emit_dim(b, gs[0], 0))}  # [C_out, nK, N S] -> per-channel Gram
+
+    def numpy_statistics(self, inputs, cotangents):
+        gs = [g.reshape(g.shape[0], self.C_out, self.nK) for g in self._np_per_example_gradients(inputs, cotangents)]
+        return {"full": sum(np.einsum("nck,ncl->ckl", g, g) for g in gs) / gs[0].shape[0]}
+
+    def _emit_apply(self, b, vectors, mats):
+        v = b.unsqueeze(self.view.emit_to(b, vectors), [2])  # [C_out, nK, 1]
+        return self.view.emit_from(b, b.reshape(b.matmul(mats["full"], v), [self.C_out, self.nK]))
+
+    def _np_apply(self, vectors, mats):
+        v = self.view.np_to(vectors).astype(np.float64)
+        return self.view.np_from(np.einsum("ckl,cl->ck", mats["full"], v))
