@@ -63,18 +63,24 @@ def _nbytes(t: TensorProto) -> int:
 
 def load_external(model: onnx.ModelProto, folder: str) -> None:
     """Read `model`'s external data from `folder` (its locations already checked to lie inside):
-    into the tensors when it totals LAZY_EXTERNAL_BYTES at most; else it stays on disk, each
-    tensor's location made the real absolute path of its file (`on_disk`), read by
-    `tensor_array` and copied by `write_onnx`."""
+    into the tensors when it totals LAZY_EXTERNAL_BYTES at most; else the initializers' stay on
+    disk, each tensor's location made the real absolute path of its file (`on_disk`, its size
+    checked), read by `tensor_array` and copied by `write_onnx` (a Constant node's is read in)."""
     tensors = _external_tensors(model)
     if sum(_nbytes(t) for t in tensors) <= LAZY_EXTERNAL_BYTES:
         onnx.external_data_helper.load_external_data_for_model(model, folder)
         return
+    initializers = {id(t) for t in model.graph.initializer}
     for t in tensors:
+        if id(t) not in initializers:
+            onnx.external_data_helper.load_external_data_for_tensor(t, folder)
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+            continue
         for e in t.external_data:
             if e.key == "location":
                 e.value = os.path.realpath(os.path.join(folder, e.value))
-        tensor_array(t, check_only=True)
+        _region(t)
 
 
 def on_disk(t: TensorProto) -> bool:
@@ -132,14 +138,12 @@ def _region(t: TensorProto) -> tuple[str, int, int]:
     return path, offset, need
 
 
-def tensor_array(t: TensorProto, check_only: bool = False) -> np.ndarray:
+def tensor_array(t: TensorProto) -> np.ndarray:
     """numpy_helper.to_array, also for a tensor left on disk (read from its file)."""
     if not on_disk(t):
         return onnx.numpy_helper.to_array(t)
     path, offset, need = _region(t)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-    if check_only:
-        return np.empty(0, dtype)
     return np.fromfile(path, dtype=dtype, count=need // dtype.itemsize, offset=offset).reshape(tuple(t.dims))
 
 

@@ -168,3 +168,27 @@ def test_a_model_over_2_gib_compiles_trains_and_exports_from_the_command_line(tm
     ids = np.array([[0, 1, 2, 3]])
     emb = np.fromfile(tmp_path / "big.data", np.float32, count=4 * width).reshape(4, width)
     np.testing.assert_allclose(sess.run(None, {"ids": ids})[0], emb.mean(0, keepdims=True) @ w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_constant_nodes_external_value_is_read_in(lazy, tmp_path):
+    """Only initializers stay on disk: a Constant node's external value (a logit offset here) is
+    read into the node, so ONNX Runtime, which refuses the absolute paths of values left on disk,
+    runs the graphs that hold it."""
+    path = write_model(tmp_path)
+    offset = np.arange(CLASSES, dtype=np.float32)
+    (tmp_path / "offset.bin").write_bytes(offset.tobytes())
+    m = onnx.load(path, load_external_data=False)
+    m.graph.node[2].output[0] = "mm"
+    value = external_tensor("offset", [CLASSES], "offset.bin")
+    m.graph.node.extend([helper.make_node("Constant", [], ["c"], value=value),
+                         helper.make_node("Add", ["mm", "c"], ["logits"])])
+    onnx.save(m, path)
+    plan = kc.compile(path, loss="softmax_cross_entropy")
+    assert onnx_files.on_disk(next(t for t in plan.model.graph.initializer if t.name == "emb"))
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.5, batch_size=32)
+    tr.step({"ids": IDS[:32]}, TARGETS[:32])
+    out = tmp_path / "trained.onnx"
+    tr.export(out, graph="plan")
+    logits = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"ids": IDS[:4]})[0]
+    p = tr.parameters()
+    np.testing.assert_allclose(logits, p["emb"][IDS[:4]].mean(axis=1) @ p["W"] + offset, rtol=1e-5, atol=1e-5)
