@@ -77,10 +77,14 @@ def load_external(model: onnx.ModelProto, folder: str) -> None:
             del t.external_data[:]
             t.data_location = TensorProto.DEFAULT
             continue
-        for e in t.external_data:
-            if e.key == "location":
-                e.value = os.path.realpath(os.path.join(folder, e.value))
+        _relocate(t, os.path.realpath(os.path.join(folder, _entries(t)["location"])))
         _region(t)
+
+
+def _relocate(t: TensorProto, location: str) -> None:
+    for e in t.external_data:
+        if e.key == "location":
+            e.value = location
 
 
 def on_disk(t: TensorProto) -> bool:
@@ -116,9 +120,7 @@ def with_relative_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str | N
     m.CopyFrom(model)
     for t in m.graph.initializer:
         if on_disk(t):
-            for e in t.external_data:
-                if e.key == "location":
-                    e.value = os.path.basename(e.value)
+            _relocate(t, os.path.basename(_entries(t)["location"]))
     return m, folder
 
 
@@ -164,15 +166,13 @@ def write_onnx(model: onnx.ModelProto, out: BinaryIO, data_path: str, data_name:
         return regions
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    set_values(m, {n: v for n, v in values.items() if n not in big})
     if big:
         data = open(data_path, "wb")
     try:
         offset = 0
         for t in m.graph.initializer:
-            if t.name in values and t.name not in big:
-                v = np.asarray(values[t.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
-                t.CopyFrom(onnx.numpy_helper.from_array(v, t.name))
-            elif t.name in big:
+            if t.name in big:
                 offset += -offset % 64  # aligned, as onnx's own writer does
                 data.seek(offset)
                 if t.name in values:
@@ -193,6 +193,14 @@ def write_onnx(model: onnx.ModelProto, out: BinaryIO, data_path: str, data_name:
             data.close()
     out.write(m.SerializeToString())
     return regions
+
+
+def set_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Replace the model's initializers named in `values`, each keeping its dtype."""
+    for t in model.graph.initializer:
+        if t.name in values:
+            v = np.asarray(values[t.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+            t.CopyFrom(onnx.numpy_helper.from_array(v, t.name))
 
 
 def _point(t: TensorProto, location: str, offset: int, length: int) -> None:

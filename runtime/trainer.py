@@ -31,7 +31,7 @@ import onnx
 from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, OutputError, PlanError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, with_float_type
-from kfac_compiler.onnx_files import load_onnx, needs_external
+from kfac_compiler.onnx_files import load_onnx, needs_external, set_values
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
@@ -354,8 +354,7 @@ class Trainer:
         if needs_external(model, values):
             raise OutputError("the trained model is over 1 GiB, too large for one ONNX protobuf: write it with "
                               "Trainer.export(path), which puts its values in external data beside it")
-        _write_values(model, values)
-        return _in_source_float_type(model)
+        return _with_values(model, values)
 
     def _export_parts(self, graph: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         """The model exported_model(graph) writes the trained values into, and those values."""
@@ -419,11 +418,10 @@ class Trainer:
         if self.rank != 0:  # every rank holds the same parameters
             return path
         model, values = self._export_parts(graph)
-        if not needs_external(model, values):
-            _write_values(model, values)
-            atomic_write_bytes(path, _in_source_float_type(model).SerializeToString(), what="the trained model")
-        else:
+        if needs_external(model, values):
             write_with_external_data(path, model, values)
+        else:
+            atomic_write_bytes(path, _with_values(model, values).SerializeToString(), what="the trained model")
         return path
 
     # ------------------------------------------------------------------ checkpoints
@@ -520,15 +518,10 @@ class Trainer:
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
 
 
-def _write_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
-    """Replace the model's initializers named in `values`, each keeping its dtype."""
-    from onnx import numpy_helper
-
-    for i, t in enumerate(model.graph.initializer):
-        if t.name in values:
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.asarray(values[t.name]).astype(dtype),
-                                                                        t.name))
+def _with_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """`model` holding the trained `values`, in its source's float type: what export writes."""
+    set_values(model, values)
+    return _in_source_float_type(model)
 
 
 def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:
