@@ -131,14 +131,20 @@ def test_sampled_targets_are_poisson_quantiles_of_the_host_noise(poisson):
     assert (want == loss.max_count).any()  # the clipping is exercised
 
 
-@pytest.mark.slow
-def test_zoo_model_trains_with_kfac_and_evaluates_its_metric(poisson):
+def poisson_autoencoder(n: int):
+    """(plan, inputs, counts): the zoo's digits autoencoder with the poisson loss, n examples
+    whose pixels 0..16 are the counts."""
     entry = ZOO["digits_autoencoder"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = kc.compile(entry.build(seed=0), loss="poisson", output="logits")
-    inputs, pixels = entry.make_data(400, seed=0)
-    y = np.round(pixels * 16).astype(np.float32)
+    inputs, pixels = entry.make_data(n, seed=0)
+    return plan, inputs, np.round(pixels * 16).astype(np.float32)
+
+
+@pytest.mark.slow
+def test_zoo_model_trains_with_kfac_and_evaluates_its_metric(poisson):
+    plan, inputs, y = poisson_autoencoder(400)
     # exp(z) makes the curvature grow fast away from the current point: start well damped
     trainer = Trainer(plan, optimizer="kfac", device="cpu", seed=0, batch_size=128, damping=1.0)
 
@@ -167,12 +173,7 @@ def test_zoo_model_trains_with_kfac_and_evaluates_its_metric(poisson):
 def test_a_metric_without_weights_serves_plain_evaluations_and_refuses_weighted_ones(poisson):
     """A plugin written before weighted evaluation, metric_totals(outputs, targets): unweighted
     evaluation uses it; a weighted one is one line (it would report unweighted metrics)."""
-    entry = ZOO["digits_autoencoder"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = kc.compile(entry.build(seed=0), loss="poisson", output="logits")
-    inputs, pixels = entry.make_data(64, seed=0)
-    y = np.round(pixels * 16).astype(np.float32)
+    plan, inputs, y = poisson_autoencoder(64)
     trainer = Trainer(plan, optimizer="sgd", batch_size=64)
     assert trainer.loss.metrics_take_weights()
     trainer.loss.metric_totals = lambda outputs, targets: {  # type: ignore[method-assign]
