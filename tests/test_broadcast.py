@@ -162,12 +162,7 @@ def test_empirical_statistics_are_the_per_example_gradients_outer_products(form,
     g = _per_example_grads(form, params, x, y)
     if form.startswith("gather"):  # the truth's unused rows
         assert not g.reshape(len(x), ROWS, D)[:, [1, 2, 4] if form == "gather" else [4, 5]].any()
-    want = g.T @ g / len(x)
-    stats = _statistics(plan, x, y, "empirical")
-    name = FORMS[form][0]
-    got = stats[f"stat/{name}/full"] if approx == "full" else stats[f"stat/{name}/diag"].reshape(-1)
-    want = want if approx == "full" else np.diag(want)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+    _assert_statistic(plan, form, approx, x, y, "empirical", g.T @ g / len(x))
 
 
 @pytest.mark.parametrize("approx", ["diagonal", "full"])
@@ -178,11 +173,17 @@ def test_exact_statistics_are_the_brute_force_fisher(form, approx):
     x, y = _data(6, seed=3)
     loss = make_loss("softmax_cross_entropy")
     z, J = _forward(form, params, x), _jacobians(form, params, x)
-    want = sum(J[n].T @ loss.np_fisher(z[n]) @ J[n] for n in range(len(x))) / len(x)
-    stats = _statistics(plan, x, y, "exact")
+    _assert_statistic(plan, form, approx, x, y, "exact",
+                      sum(J[n].T @ loss.np_fisher(z[n]) @ J[n] for n in range(len(x))) / len(x))
+
+
+def _assert_statistic(plan, form, approx, x, y, mode, fisher):
+    """The plan's statistic of `form`'s parameter in `mode` is `fisher` (its diagonal for
+    the diagonal block)."""
+    stats = _statistics(plan, x, y, mode)
     name = FORMS[form][0]
     got = stats[f"stat/{name}/full"] if approx == "full" else stats[f"stat/{name}/diag"].reshape(-1)
-    want = want if approx == "full" else np.diag(want)
+    want = fisher if approx == "full" else np.diag(fisher)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
 
 
