@@ -190,5 +190,6 @@ def test_multi_tensor_resolves_by_device_and_the_knob_forces_it(cnn):
     assert make_config("adam", plan).parse_option("multi_tensor", "no") == ("multi_tensor", False)
     with pytest.raises(ConfigError, match="multi_tensor"):
         make_config("adam", plan, multi_tensor="maybe")
+    assert make_config("kfac", plan, multi_tensor=True).multi_tensor is True  # tests/test_kfac_multi_tensor.py
     with pytest.raises(ConfigError, match="multi_tensor"):
-        make_config("kfac", plan, multi_tensor=True)  # K-FAC's step is not a first-order step (yet)
+        make_config("kfac", plan, multi_tensor="maybe")

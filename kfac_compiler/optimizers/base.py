@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kfac_compiler import contract as C
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers.accumulate import ACCUMULATE, AccumulateOptions, Accumulation, accumulated
+from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
 from kfac_compiler.optimizers.settings import OptimizerConfig
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions, register_kind
 
@@ -101,6 +102,12 @@ class Optimizer:
         """A micro-batch's noise inputs and hyper-parameters besides hp/accum_keep (an optimizer
         that folds statistics: their weight)."""
         return self.trainer.draw_noise(prog, data), {}
+
+    def flat_params(self) -> list[str]:
+        """The parameters, in order, whose values a flat state slot of its step (<kind>/*,
+        multi_tensor) concatenates: every trainable one (K-FAC: those its parameter groups
+        leave it). Checkpoints and the host's roll back split the slot by them."""
+        return list(self.trainer.params)
 
     def host_state(self) -> dict[str, Any]:
         """The optimizer's host-side state (checkpointed with the device state)."""
@@ -212,13 +219,16 @@ def regularized(em: Emission, grads: dict[str, str], l2: bool) -> dict[str, str]
 
 
 class Gram:
-    """Dot products of parameter-shaped vectors, each emitted on first use: per parameter a
-    ReduceSumSquare (x.x) or Mul + ReduceSum (x.y), then one Sum. (One MatMul of the
-    flattened vectors' concatenation needs fewer nodes, but the concatenation copies every
-    vector and the k x k product over all parameters runs memory-bound.)"""
+    """Dot products of parameter-shaped vectors, each emitted on first use (Layout.dot and
+    Layout.sum_squares): `vectors` {name: {param: tensor}} over em.parts.params, per parameter
+    a ReduceSumSquare (x.x) or Mul + ReduceSum (x.y), then one Sum; or, with `lay`, {name:
+    Chunks of lay}, in the multi-tensor layout one ReduceSumSquare or MatMul of the flat
+    vectors per product."""
 
-    def __init__(self, em: Emission, vectors: dict[str, dict[str, str]]) -> None:
-        self.b, self.params, self.vectors = em.b, list(em.parts.params), vectors
+    def __init__(self, em: Emission, vectors: Mapping[str, Any], lay: Layout | None = None) -> None:
+        self.lay = lay or Layout(em, False)
+        self.vectors: dict[str, Chunks] = {k: list(v) if lay is not None else self.lay.pack(v)
+                                           for k, v in vectors.items()}
         self._dots: dict[tuple[str, str], str] = {}
 
     def known(self, x: str, y: str, tensor: str) -> None:
@@ -228,8 +238,6 @@ class Gram:
     def __call__(self, x: str, y: str) -> str:
         key = (x, y) if x <= y else (y, x)
         if key not in self._dots:
-            b, u, v = self.b, self.vectors[x], self.vectors[y]
-            terms = [b.reduce("ReduceSumSquare", u[p], None) if x == y else b.reduce_sum(b.mul(u[p], v[p]), None)
-                     for p in self.params]
-            self._dots[key] = b.sum(terms)
+            u, v = self.vectors[x], self.vectors[y]
+            self._dots[key] = self.lay.sum_squares(u) if x == y else self.lay.dot(u, v)
         return self._dots[key]

@@ -34,6 +34,7 @@ from kfac_compiler import contract as C
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
+    from kfac_compiler.runtime.state import StateStore
 
 Chunks = list[str]  # a parameter-shaped vector in a Layout: one tensor per chunk
 
@@ -69,6 +70,30 @@ def join_flat(values: Mapping[str, np.ndarray], shapes: Mapping[str, Sequence[in
             raise ValueError(f"{p!r} is {list(np.shape(values[p]))}, its parameter {list(shape)}")
     order = [p for group in concat_groups(shapes) for p in group]
     return np.concatenate([np.asarray(values[p]).reshape(-1) for p in order]) if order else np.zeros(0)
+
+
+def state_values(store: StateStore, kind: str, shapes: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray] | None:
+    """{param: its <kind>/<param> value} for the parameters `shapes`, whichever layout the
+    store holds them in: the flat slot <kind>/* split (split_flat), else the per-parameter
+    slots; None where it holds neither (an optimizer state this run does not keep). The host
+    side's one way to read a kind's values (K-FAC's roll back)."""
+    if C.flat(kind) in store:
+        return split_flat(store.to_numpy(C.flat(kind)), shapes)
+    names = {p: f"{kind}/{p}" for p in shapes}
+    if not all(n in store for n in names.values()):
+        return None
+    return {p: store.to_numpy(n) for p, n in names.items()}
+
+
+def set_state_values(store: StateStore, kind: str, values: Mapping[str, np.ndarray],
+                     shapes: Mapping[str, Sequence[int]]) -> None:
+    """Write {param: value} into the <kind> slots state_values read (joined into the flat slot
+    where the store holds one)."""
+    if C.flat(kind) in store:
+        store.set(C.flat(kind), join_flat(values, shapes).astype(store.spec(C.flat(kind))[1]))
+        return
+    for p in shapes:
+        store.set(f"{kind}/{p}", values[p])
 
 
 class Layout:
@@ -151,3 +176,13 @@ class Layout:
     def sum_squares(self, chunks: Chunks) -> str:
         """The scalar sum of the squares of every element of a vector."""
         return self.b.sum([self.b.reduce("ReduceSumSquare", c, None) for c in chunks])
+
+    def dot(self, x: Chunks, y: Chunks) -> str:
+        """The scalar x.y of two vectors: per parameter a Mul and a ReduceSum, then a Sum; over
+        the concatenation one MatMul of the two 1-D vectors (a dot product: one node, reading
+        each vector once; a stacked [k, N] Gram in one MatMul would copy the k vectors into
+        the stack and need a node per entry to read it back out)."""
+        b = self.b
+        if self.multi_tensor:
+            return b.matmul(x[0], y[0])
+        return b.sum([b.reduce_sum(b.mul(u, v), None) for u, v in zip(x, y)])

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac import refresh as R
 from kfac_compiler.optimizers.kfac.graph import KFAC_STEP, STAGES, KfacStepOptions, emit_kfac_step
 from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
+from kfac_compiler.optimizers.multi_tensor import set_state_values, state_values
 from kfac_compiler.requests import InverseOptions, PowerOptions, StatisticsOptions
 
 __all__ = ["KFAC_STEP", "STAGES", "Kfac", "KfacConfig", "KfacStepOptions", "ema_coefficient", "emit_kfac_step",
@@ -110,7 +111,7 @@ class Kfac(Optimizer):
             # only where it changes the graph (adam's predicted change)
             precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
             loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec,
-            accumulate=self.cycle.count > 1, **cfg.recipe_options(), **stats)
+            accumulate=self.cycle.count > 1, multi_tensor=cfg.multi_tensor, **cfg.recipe_options(), **stats)
 
     @property
     def stats_conditional(self) -> bool:
@@ -405,24 +406,26 @@ class Kfac(Optimizer):
         or a loss spike."""
         tr = self.trainer
         store = tr.store
-        params = self.groups.kfac_params
-        kept = {p: (store.to_numpy(p), store.to_numpy(C.velocity(p))) for p in params}
-        sums = {s: store.to_numpy(s) for s in map(C.grad_velocity, params) if s in store}
-        for p, (theta, v) in kept.items():
-            store.set(p, theta - v)
-            store.set(C.velocity(p), np.zeros_like(v))
-        for s, m in sums.items():
-            store.set(s, np.zeros_like(m))
+        shapes = {p: tuple(store.spec(p)[0]) for p in self.flat_params()}
+        theta = {p: store.to_numpy(p) for p in shapes}
+        # velocity/<p> or the multi-tensor step's flat velocity/* (and adam momentum's grad_velocity)
+        kept = {kind: state_values(store, kind, shapes) for kind in (C.VELOCITY, C.GRAD_VELOCITY)}
+        velocity = cast(dict, kept[C.VELOCITY])
+        for p in shapes:
+            store.set(p, theta[p] - velocity[p])
+        for kind, values in kept.items():
+            if values is not None:
+                set_state_values(store, kind, {p: np.zeros_like(v) for p, v in values.items()}, shapes)
         grouped = self.groups.undo(store)
         loss = tr.mean_over_ranks(tr.program(C.LOSS_GRAPH).run(store, data, results=False, channel="eval")[C.LOSS])
         if not keep(float(loss)):
-            for p, (theta, v) in kept.items():
-                store.set(p, theta)
-                store.set(C.velocity(p), v)
-            for s, m in sums.items():
-                store.set(s, m)
-            for p, theta in grouped.items():
-                store.set(p, theta)
+            for p in shapes:
+                store.set(p, theta[p])
+            for kind, values in kept.items():
+                if values is not None:
+                    set_state_values(store, kind, values, shapes)
+            for p, value in grouped.items():
+                store.set(p, value)
             return False
         self.unchecked_update = False
         self.groups.undone()
@@ -431,6 +434,10 @@ class Kfac(Optimizer):
 
     def summary_lines(self) -> list[str]:
         return self.groups.summary_lines()
+
+    def flat_params(self) -> list[str]:
+        """K-FAC's own parameters: a parameter group's keep their per-parameter state."""
+        return list(self.groups.kfac_params)
 
     # ------------------------------------------------------------------ checkpoints
     def host_state(self) -> dict[str, Any]:

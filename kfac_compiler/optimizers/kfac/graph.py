@@ -36,9 +36,10 @@ from kfac_compiler.optimizers.base import (
     reduced_loss_and_grads,
     regularized,
 )
-from kfac_compiler.optimizers.first_order import clip_scale
+from kfac_compiler.optimizers.first_order import clip_scale, regularized_chunks
 from kfac_compiler.optimizers.groups import GroupSpec
 from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
+from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions
 
 if TYPE_CHECKING:
@@ -87,7 +88,10 @@ class Local:
     """What the local stage hands on: the loss, the gradients (raw and with weight decay) and
     the finiteness terms gathered so far. With clipping, `scale` (s, the gradient's factor) and
     `raw_sq` (|raw|^2, its norm before clipping); with accumulation, `batch_grads`: this
-    micro-batch's own raw gradient (local), which the quadratic model's linear terms use."""
+    micro-batch's own raw gradient (local), which the quadratic model's linear terms use. In
+    the multi-tensor layout `flat` holds the vectors over the concatenation ("raw", "g", and
+    "t", theta), in the step Layout's chunks, and `grads` is the per-parameter gradient only
+    once precondition_stage needs it (per_param_gradient)."""
 
     loss: str
     raw_grads: dict[str, str]
@@ -96,6 +100,7 @@ class Local:
     scale: str | None = None
     raw_sq: str | None = None
     batch_grads: dict[str, str] | None = None
+    flat: dict[str, Chunks] | None = None
 
 
 @dataclass
@@ -125,6 +130,7 @@ class Preconditioned:
     model: QuadraticModel | None
     accumulated: dict[str, str] | None = None
     linear: tuple[str, str] | None = None  # (o.P, o.v), o the objective's gradient the predicted change uses
+    flat: dict[str, Chunks] | None = None  # multi-tensor: the vectors over the concatenation (Local.flat's, P, v, m)
 
 
 @dataclass(frozen=True)
@@ -143,9 +149,13 @@ class KfacStepOptions(SubgraphOptions):
     decay, theta <- (1 - alpha hp/decoupled_weight_decay) theta + update; accumulate: the
     batch is an accumulation cycle's last micro-batch, the gradient the cycle's mean
     (optimizers/accumulate.py), while the loss, the quadratic model and loss_after are this
-    micro-batch's."""
+    micro-batch's; multi_tensor: the gradient's clipping and l2 term, the dot products, the
+    update, the new parameters and the velocity once over the concatenation of every K-FAC
+    parameter (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each;
+    None: the device's default, filled by resolve), the preconditioning and the quadratic
+    model's JVPs per parameter as before."""
 
-    resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples")
+    resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples", "multi_tensor")
 
     with_stats: bool = True
     stats_if: bool = False
@@ -165,6 +175,7 @@ class KfacStepOptions(SubgraphOptions):
     clip: bool = False
     decay: bool = False
     accumulate: bool = False
+    multi_tensor: bool | None = None
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
@@ -182,57 +193,85 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
     if kind not in MOMENTUM_TYPES or (kind in QMODEL_TYPES) != bool(qmodel):
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     groups.hold(em, o.groups)
+    lay = Layout(em, bool(o.multi_tensor))  # K-FAC's own parameters (the groups' keep their layout)
     local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch, clip=o.clip,
-                        accumulate=o.accumulate)
+                        accumulate=o.accumulate, lay=lay)
     local.ok_terms += groups.emit_updates(em, o.groups, local.raw_grads)
-    pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
+    pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam", lay=lay)
     update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
-                 loss_limit=o.loss_limit, decay=o.decay)
+                 loss_limit=o.loss_limit, decay=o.decay, lay=lay)
 
 
 # --------------------------------------------------------------------------- stage 1: local
 def local_stage(em: Emission, with_stats: bool, stats_if: bool, mode: str, num_samples: int, l2: bool,
-                stats_batch: int | None, clip: bool = False, accumulate: bool = False) -> Local:
+                stats_batch: int | None, clip: bool = False, accumulate: bool = False,
+                lay: Layout | None = None) -> Local:
     """Loss, gradients (clipped with `clip`, + l2 theta), and with_stats the factors'
     moving-average updates from this batch's statistics on its first stats_batch examples
     (inside an If on hp/update_stats with stats_if). With `accumulate` the gradients are the
-    accumulation cycle's mean (the loss and statistics this micro-batch's)."""
+    accumulation cycle's mean (the loss and statistics this micro-batch's). With a
+    multi-tensor `lay` the clipping and the l2 term run once over the concatenation."""
     b = em.b
     reuse = with_stats and mode == "empirical" and stats_batch is None
     loss, own, cots = local_loss_and_grads(em, em.layer_cotangent_targets() if reuse else [])
     loss, raw_grads = reduced_loss_and_grads(em, loss, own, accumulate)
     scale = raw_sq = None
     grads = raw_grads
-    if clip:  # torch's clip_grad_norm_, on the (reduced, accumulated) gradient before l2's term
+    flat = None
+    if lay is not None and lay.multi_tensor:
+        flat = {"raw": lay.pack(raw_grads), "t": lay.pack({p: p for p in lay.params})}
+        g = flat["raw"]
+        if clip:
+            raw_sq = lay.sum_squares(g)
+            scale = clip_scale(em, raw_sq)
+            g = lay.map(lambda x: {"g": b.mul(x, scale)}, x=g)["g"]
+        flat["g"] = regularized_chunks(em, lay, g, flat["t"], l2)
+    elif clip:  # torch's clip_grad_norm_, on the (reduced, accumulated) gradient before l2's term
         raw_sq = b.sum([b.reduce("ReduceSumSquare", raw_grads[p], None) for p in em.parts.params])
         scale = clip_scale(em, raw_sq)
         grads = {p: b.mul(g, scale) for p, g in raw_grads.items()}
-    grads = regularized(em, grads, l2)
+    if flat is None:
+        grads = regularized(em, grads, l2)
     ok_terms = [loss]
     if with_stats:
         em.factor_updates(em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms, conditional=stats_if)
-    return Local(loss, raw_grads, grads, ok_terms, scale, raw_sq, own if accumulate else None)
+    return Local(loss, raw_grads, grads, ok_terms, scale, raw_sq, own if accumulate else None, flat)
+
+
+def per_param_gradient(lay: Layout, local: Local) -> dict[str, str]:
+    """The gradient the step preconditions, per parameter: in the multi-tensor layout the
+    concatenation's, split back where clipping or l2 changed it (a Split per group of one
+    trailing shape, not a node per parameter)."""
+    if local.flat is None or local.flat["g"] is local.flat["raw"]:
+        return local.grads
+    return lay.unpack(local.flat["g"])
 
 
 # --------------------------------------------------------------------------- stage 2: precondition
 def precondition_stage(em: Emission, local: Local, qmodel: bool, l2: bool,
-                       qmodel_batch: int | None, adam: bool = False) -> Preconditioned:
+                       qmodel_batch: int | None, adam: bool = False, lay: Layout | None = None) -> Preconditioned:
     """P, the velocity, their dot products with g, and with qmodel the quadratic model's
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
-    shared). With `adam` (TF K-FAC's momentum_type) P preconditions m = mu m + g instead."""
-    accumulated = adam_momentum(em, local.grads) if adam else None
-    precond = em.precondition(accumulated or local.grads)
-    velocity = {p: em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros") for p in em.parts.params}
-    vectors = {"g": local.grads, "P": precond, "v": velocity}
-    if accumulated is not None:
-        vectors["m"] = accumulated
-    if l2 or local.scale is not None:
-        vectors["raw"] = local.raw_grads
-    if l2:
-        vectors["t"] = {p: p for p in em.parts.params}  # theta, for the regularizer's change
-    if local.batch_grads is not None:
-        vectors["k"] = local.batch_grads  # this micro-batch's own gradient
-    dots = Gram(em, vectors)
+    shared). With `adam` (TF K-FAC's momentum_type) P preconditions m = mu m + g instead. In
+    the multi-tensor layout (local.flat) the velocity and adam's m are flat slots and the dot
+    products run over the concatenation (flat_preconditioned)."""
+    if lay is not None and local.flat is not None:
+        accumulated, precond, velocity, dots, flat = flat_preconditioned(em, lay, local, adam)
+    else:
+        flat = None
+        accumulated = adam_momentum(em, local.grads) if adam else None
+        precond = em.precondition(accumulated or local.grads)
+        velocity = {p: em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros") for p in em.parts.params}
+        vectors = {"g": local.grads, "P": precond, "v": velocity}
+        if accumulated is not None:
+            vectors["m"] = accumulated
+        if l2 or local.scale is not None:
+            vectors["raw"] = local.raw_grads
+        if l2:
+            vectors["t"] = {p: p for p in em.parts.params}  # theta, for the regularizer's change
+        if local.batch_grads is not None:
+            vectors["k"] = local.batch_grads  # this micro-batch's own gradient
+        dots = Gram(em, vectors)
     if local.raw_sq is not None:
         dots.known("raw", "raw", local.raw_sq)
     linear = predicted_linear_terms(em, local, dots, l2)
@@ -241,12 +280,36 @@ def precondition_stage(em: Emission, local: Local, qmodel: bool, l2: bool,
         damping = em.hp(C.DAMPING)
         if l2:
             damping = em.b.add(damping, em.hp(C.L2))
+        if flat is not None:  # the JVPs take per-parameter tangents: v split back
+            velocity = cast(Layout, lay).unpack(flat["v"])
         model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity,
                                                              dots, damping, l2, linear, local.scale,
                                                              "k" if local.batch_grads is not None else None))
     elif local.batch_grads is not None:  # local dot products: every rank then predicts the same change
         linear = em.reduce_mean(MODEL_POINT, linear)
-    return Preconditioned(precond, velocity, dots, model, accumulated, linear)
+    return Preconditioned(precond, velocity, dots, model, accumulated, linear, flat)
+
+
+def flat_preconditioned(em: Emission, lay: Layout, local: Local,
+                        adam: bool) -> tuple[dict[str, str] | None, dict[str, str], dict[str, str], Gram,
+                                             dict[str, Chunks]]:
+    """precondition_stage's vectors in the multi-tensor layout: (adam's m per parameter or
+    None, P per parameter, {} for the velocity (a flat slot: split back only for the JVPs),
+    the Gram over the concatenation, the flat vectors: Local.flat's, "P", "v", "m" with adam,
+    "k" with accumulation). P is per block, so per parameter; it is concatenated once."""
+    b, flat = em.b, dict(cast(dict, local.flat))
+    accumulated = None
+    if adam:  # m <- hp/momentum m + g over the concatenation, in grad_velocity/*
+        mu = em.hp(C.MOMENTUM)
+        flat["m"] = lay.map(lambda m, g: {"m": b.add(b.mul(mu, m), g)},
+                            m=lay.state(em, C.GRAD_VELOCITY), g=flat["g"])["m"]
+        accumulated = lay.unpack(flat["m"])
+    precond = em.precondition(accumulated or per_param_gradient(lay, local))
+    flat["P"] = lay.pack(precond)
+    flat["v"] = lay.state(em, C.VELOCITY)
+    if local.batch_grads is not None:
+        flat["k"] = lay.pack(local.batch_grads)  # this micro-batch's own gradient
+    return accumulated, precond, {}, Gram(em, flat, lay), flat
 
 
 def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> tuple[str, str]:
@@ -322,7 +385,8 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
 
 # --------------------------------------------------------------------------- stage 3: update
 def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
-                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False) -> None:
+                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False,
+                 lay: Layout | None = None) -> None:
     """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
     With `loss_limit` a batch loss above hp/loss_limit withholds the step (the spike guard).
     With `decay` the new parameters are (1 - alpha w) theta + update (decoupled weight decay,
@@ -351,7 +415,8 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
         lr, mu = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
         a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("g", "P"))))
     params = em.parts.params
-    update = {p: b.add(b.mul(a, pre.precond[p]), b.mul(mu, pre.velocity[p])) for p in params}
+    if pre.flat is None:
+        update = {p: b.add(b.mul(a, pre.precond[p]), b.mul(mu, pre.velocity[p])) for p in params}
     # |a P + mu v|^2 and g . update from the Gram entries
     update_sq = b.add(
         b.add(b.mul(b.mul(a, a), dots("P", "P")), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), dots("P", "v"))),
@@ -367,15 +432,19 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
     shrink = None  # the decay's fraction alpha w
     if decay:
         shrink = b.mul(b.op("Max", [b.neg(a), b.const(0.0)]), em.hp(DECOUPLED_DECAY))
-        keep = b.sub(b.const(1.0), shrink)
-        new_params = {p: b.add(b.mul(keep, p), update[p]) for p in params}
+    if pre.flat is not None:
+        new_params = flat_update(em, cast(Layout, lay), pre.flat, a, mu, shrink)
     else:
-        new_params = {p: b.add(p, update[p]) for p in params}
-    for p in params:
-        em.state_output(p, new_params[p])
-        em.state_output(C.velocity(p), update[p])
-        if pre.accumulated is not None:
-            em.state_output(C.grad_velocity(p), pre.accumulated[p])
+        if shrink is not None:
+            keep = b.sub(b.const(1.0), shrink)
+            new_params = {p: b.add(b.mul(keep, p), update[p]) for p in params}
+        else:
+            new_params = {p: b.add(p, update[p]) for p in params}
+        for p in params:
+            em.state_output(p, new_params[p])
+            em.state_output(C.velocity(p), update[p])
+            if pre.accumulated is not None:
+                em.state_output(C.grad_velocity(p), pre.accumulated[p])
     if loss_limit:  # NaN fails the test too (as it fails the finiteness one)
         ok_flags.append(b.op("LessOrEqual", [loss, em.hp(LOSS_LIMIT)]))
     if loss_after:
@@ -391,6 +460,26 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
     for flag in ok_flags:
         ok = b.op("And", [ok, flag])
     em.metric(C.FINITE, b.cast(ok, FLOAT))
+
+
+def flat_update(em: Emission, lay: Layout, flat: dict[str, Chunks], a: str, mu: str,
+                shrink: str | None) -> dict[str, str]:
+    """The update a P + mu v over the concatenation, written to velocity/*, the new parameters
+    theta + update (with decoupled decay (1 - shrink) theta + update) split back into the
+    parameters' state outputs, adam's m to grad_velocity/*; returns the new parameters."""
+    b = em.b
+    update = lay.map(lambda p, v: {"u": b.add(b.mul(a, p), b.mul(mu, v))}, p=flat["P"], v=flat["v"])["u"]
+    theta = flat["t"]
+    if shrink is not None:
+        keep = b.sub(b.const(1.0), shrink)
+        theta = lay.map(lambda t: {"t": b.mul(keep, t)}, t=theta)["t"]
+    new_params = lay.unpack(lay.map(lambda t, u: {"p": b.add(t, u)}, t=theta, u=update)["p"])
+    for p, t in new_params.items():
+        em.state_output(p, t)
+    lay.write_state(em, C.VELOCITY, update)
+    if "m" in flat:
+        lay.write_state(em, C.GRAD_VELOCITY, flat["m"])
+    return new_params
 
 
 def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,

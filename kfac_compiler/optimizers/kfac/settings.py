@@ -65,6 +65,10 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     the decrease cap and the rejection test compare with the loss, uses the raw gradient.
     decoupled_weight_decay w: theta <- (1 - alpha w) theta + update, alpha the step's learning
     rate (the quadratic model's, or lr after KL clipping; docs/runtime.md says why).
+    multi_tensor: the step's per-parameter chains (the gradient's clipping and l2 term, the dot
+    products, the update, the new parameters, the velocity) emitted once over every K-FAC
+    parameter's concatenation, the velocity one flat slot (as SGD's and Adam's knob); None: the
+    device's default (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA).
     """
 
     name: ClassVar[str] = "kfac"
@@ -98,6 +102,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     loss_spike_window: int = 10
     precon_power: float = -1.0  # kfac-jax's name: the step preconditions with (F + damping)^precon_power
     param_groups: list[Any] | None = None  # first-order groups: [{"kind"/"params"/"layers": ..., "optimizer": "adam", ...}]
+    multi_tensor: bool | None = None  # the step over the parameters' concatenation (None: the device's default)
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 
