@@ -110,6 +110,18 @@ def test_two_ranks_take_the_one_process_multi_tensor_adam_steps(tmp_path):
     assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=3e-4)
 
 
+@pytest.mark.slow
+def test_two_ranks_take_the_one_process_multi_tensor_kfac_steps(tmp_path):
+    """K-FAC's multi-tensor step (flat velocity and adam momentum's flat gradient sum, its SGD
+    group per parameter) cut at its reduction points: the concatenations read the ranks' mean
+    gradients, v is split back for the quadratic model's JVPs before its terms are averaged."""
+    groups = [{"layers": "fc3", "optimizer": "sgd", "lr": 0.05}]
+    for knobs in ({"multi_tensor": True, "clip_norm": 0.5, "l2_reg": 1e-3, "param_groups": groups},
+                  {"multi_tensor": True, "momentum_type": "adam", "learning_rate": 0.02}):
+        config = {**KFAC, "knobs": {**KFAC["knobs"], **knobs}}
+        assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=3e-4)
+
+
 def test_owners_balance_the_refresh_cost():
     """Longest processing time first, by hand: 9 -> rank 0, 7 -> 1, 6 -> 2, 5 -> 2 (load 11),
     5 -> 1 (12), 4 -> 0 (13); the dearest rank carries 13 of the optimum 12 (<= 4/3)."""

@@ -17,8 +17,9 @@ from kfac_compiler.runtime.data import draw_noise
 from kfac_compiler.runtime.stages import StageError, split_stages
 
 
-def _feeds(model: onnx.ModelProto, trainer: Trainer, data: dict, hp: dict) -> dict:
-    """Every graph input: the trainer's state, the batch, the hyper-parameters."""
+def _feeds(model: onnx.ModelProto, trainer: Trainer, data: dict, hp: dict, specs: dict) -> dict:
+    """Every graph input: the trainer's state (zeros for a zero-initialized slot its runs have
+    not made: adam momentum's gradient sum), the batch, the hyper-parameters."""
     feeds = {}
     for vi in model.graph.input:
         n = vi.name
@@ -28,6 +29,8 @@ def _feeds(model: onnx.ModelProto, trainer: Trainer, data: dict, hp: dict) -> di
             feeds[n] = np.float32(hp[n])
         elif n in trainer.store:
             feeds[n] = trainer.store.to_numpy(n)
+        elif n in specs and specs[n].init == "zeros":
+            feeds[n] = np.zeros(specs[n].shape, np.float32)
         else:
             raise KeyError(n)
     return feeds
@@ -58,13 +61,40 @@ def trained():
     dict(with_stats=True, qmodel=True, loss_after=True, stats_batch=16, qmodel_batch=16),
 ], ids=["qmodel+stats_if+loss_after", "fixed_lr+l2", "sub_batches"])
 def test_stages_compute_what_the_fused_step_computes(trained, options):
-    plan, tr, data = trained
+    assert_stages_compute_the_fused_step(*trained, options)
+
+
+@pytest.fixture(scope="module")
+def trained_flat():
+    """`trained` with the multi-tensor K-FAC step (its velocity one flat slot velocity/*)."""
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    tr = Trainer(plan, seed=0, batch_size=32, comm=None, multi_tensor=True)
+    x, y = e.make_data(n=32)
+    for _ in range(3):
+        tr.step(x, y)
+    assert C.flat(C.VELOCITY) in tr.store
+    return plan, tr, {**x, C.TARGETS: y}
+
+
+@pytest.mark.parametrize("options", [
+    dict(with_stats=True, qmodel=True, loss_after=True, l2=True, clip=True, decay=True),
+    dict(with_stats=True, qmodel=False, momentum_type="adam", l2=True),
+], ids=["qmodel+l2+clip+decay", "adam_momentum"])
+def test_multi_tensor_stages_compute_what_the_fused_step_computes(trained_flat, options):
+    """The concatenations and splits of the multi-tensor step land in the stages their inputs
+    allow: the gradient's after the gradients' reduction point, v's split before the JVPs."""
+    assert_stages_compute_the_fused_step(*trained_flat, {**options, "multi_tensor": True})
+
+
+def assert_stages_compute_the_fused_step(plan, tr, data, options):
     model, info = emit_subgraph(plan, "kfac_step", **options)
     hp = {n: 1.0 for n in info.hp_inputs}
     hp.update({C.DAMPING: 0.1, C.hp("max_momentum"): 0.9, C.hp("max_predicted_decrease"): 0.0, C.L2: 1e-3,
+               C.hp("clip_norm"): 0.05, C.hp("decoupled_weight_decay"): 0.1,
                C.EMA_COEFF: 0.2, C.LEARNING_RATE: 0.05, C.MOMENTUM: 0.5, C.hp("norm_constraint"): 0.0})
     noise = draw_noise(np.random.default_rng(0), info, info.data_inputs, data[C.TARGETS])
-    feeds = _feeds(model, tr, {**data, **noise}, hp)
+    feeds = _feeds(model, tr, {**data, **noise}, hp, info.state_specs)
     outputs = [o.name for o in model.graph.output]
     fused = _run(model, feeds, outputs)
 
