@@ -1197,6 +1197,15 @@ def graph_nodes(plan, name: str, **options) -> tuple[int, int]:
     return total, other
 
 
+def kfac_graph_nodes(plan, bs: int, multi: bool) -> tuple[int, int]:
+    """graph_nodes of the steady kfac_step a default K-FAC trainer at batch `bs` requests."""
+    from kfac_compiler.runtime import Trainer
+
+    tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=bs, sessions=False, multi_tensor=multi)
+    options = tr.policy.step_options().to_json()
+    return graph_nodes(plan, "kfac_step", **{k: v for k, v in options.items() if v is not None})
+
+
 def ort_graph_nodes(plan, name: str, **options) -> tuple[int, int]:
     """(nodes, of which Reshape) of subgraph `name` as ONNX Runtime's CPU session holds it
     after its graph optimizations (the runtime's session options; If branches included):
@@ -1290,9 +1299,9 @@ def layout_step_times(plan, x, y, bs: int, rounds: int, block: int, threads: int
 
 def cmd_nodes(args, say, run):
     """Nodes per step (issue 40): in the emitted graphs (the forward+backward's `gradients`
-    graph, SGD's and Adam's steps per parameter and multi-tensor) and, with --profile,
-    executed per steady step in ONNX Runtime's CPU profile (K-FAC's default schedule over one
-    inverse period, its refreshes amortized)."""
+    graph, SGD's, Adam's and K-FAC's steps per parameter and multi-tensor; K-FAC's the default
+    steady step's request) and, with --profile, executed per steady step in ONNX Runtime's CPU
+    profile (K-FAC's default schedule over one inverse period, its refreshes amortized)."""
     from kfac_compiler.optimizers import make_config
 
     names = args.models.split(",")
@@ -1301,10 +1310,13 @@ def cmd_nodes(args, say, run):
         for name in names:
             plan, x, y = _nodes_case(name, work)
             r: dict = {"params": len(plan.trainable), "graph": {"fwd+bwd": graph_nodes(plan, "gradients")}}
-            for opt in ("sgd", "adam"):
+            for opt in ("sgd", "adam", "kfac"):
                 for multi in (False, True):
                     label = f"{opt}[{'multi' if multi else 'per-param'}]"
-                    r["graph"][label] = graph_nodes(plan, f"{opt}_step", multi_tensor=multi)
+                    if opt == "kfac":
+                        r["graph"][label] = kfac_graph_nodes(plan, min(args.batch, len(y)), multi)
+                    else:
+                        r["graph"][label] = graph_nodes(plan, f"{opt}_step", multi_tensor=multi)
             if args.profile:
                 r["executed"] = {"fwd+bwd": ort_graph_nodes(plan, "gradients")}
                 bs = min(args.batch, len(y))
@@ -1313,7 +1325,8 @@ def cmd_nodes(args, say, run):
                                                  ("sgd[multi]", "sgd", {"multi_tensor": True}, 2),
                                                  ("adam[per-param]", "adam", {"multi_tensor": False}, 2),
                                                  ("adam[multi]", "adam", {"multi_tensor": True}, 2),
-                                                 ("kfac", "kfac", {}, period)):
+                                                 ("kfac[per-param]", "kfac", {"multi_tensor": False}, period),
+                                                 ("kfac[multi]", "kfac", {"multi_tensor": True}, period)):
                     if opt == "kfac" and args.no_kfac:
                         continue
                     r["executed"][label] = profiled_nodes(plan, opt, x, y, bs, steps, knobs)
@@ -1328,7 +1341,8 @@ def cmd_nodes(args, say, run):
             out[name] = r
             g, e = r["graph"], r.get("executed", {})
             fb, efb = g["fwd+bwd"], e.get("fwd+bwd")
-            for label in ("sgd[per-param]", "sgd[multi]", "adam[per-param]", "adam[multi]", "kfac"):
+            for label in ("sgd[per-param]", "sgd[multi]", "adam[per-param]", "adam[multi]", "kfac[per-param]",
+                          "kfac[multi]"):
                 ex = e.get(label)
                 graph = g.get(label)
                 rows.append([name, r["params"], label,
@@ -1422,7 +1436,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="the training batch (the plan is compiled for it)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, interleaved")
     p.add_argument("--child", nargs=2, metavar=("PLAN", "MODEL"), help=argparse.SUPPRESS)
-    p = add("nodes", cmd_nodes, "nodes per step of SGD, Adam (per-parameter, multi-tensor) and K-FAC")
+    p = add("nodes", cmd_nodes, "nodes per step of SGD, Adam and K-FAC (per-parameter, multi-tensor)")
     p.add_argument("--models", default=",".join([*_zoo_names(), "resnet18", "gpt"]),
                    help="comma-separated zoo names, resnet18, gpt (torch)")
     p.add_argument("--profile", action="store_true", help="also node executions from ORT's CPU profile")
