@@ -9,7 +9,7 @@ call the constructors below (and the parsers, to read one back).
 | --- | --- | --- |
 | data inputs | the model's inputs, `targets`, `example_weights`, `noise/<s>`, `vec/<p>` | TARGETS, EXAMPLE_WEIGHTS, noise(s), vec(p) |
 | hyper-parameters | `hp/<name>`, float32 scalars | hp(name) |
-| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>` (multi-tensor updates: `velocity/*`, `adam_m/*`, `adam_v/*`, every parameter's concatenated), `grad_accum/<p>` (gradient accumulation's running sum; not checkpointed), `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), grad_accum(p), flat(kind), factor(l, f), inverse(l, i); parse_slot |
+| state slots | parameters (initializer names), `velocity/<p>`, `grad_velocity/<p>`, `adam_m/<p>`, `adam_v/<p>` (multi-tensor updates: `velocity/*`, `grad_velocity/*`, `adam_m/*`, `adam_v/*`, the optimizer's parameters' concatenated: Optimizer.flat_params), `grad_accum/<p>` (gradient accumulation's running sum; not checkpointed), `factor/<layer>/<f>`, `inverse/<layer>/<i>` | velocity(p), grad_velocity(p), adam_m(p), adam_v(p), grad_accum(p), flat(kind), factor(l, f), inverse(l, i); parse_slot |
 | state outputs | `new/<slot>` | new(slot) |
 | metrics | `loss`, `metric/<name>` | LOSS, metric(name) |
 | results | `grad/<p>`, `stat/<layer>/<f>`, `precond/<p>`, `product/<p>`, `kfac/output` | grad(p), stat(l, f), precond(p), product(p), MODEL_OUTPUT |

@@ -8,8 +8,9 @@ final name; the next run writing that name removes the temp file a dead writer l
     slot_00000    the value of state slot meta["slots"][0] (parameters, velocity/<p>,
     slot_00001    adam_m/<p>, adam_v/<p>, factor/<layer>/<f>, inverse/<layer>/<i>), ...
 
-A multi-tensor update's flat slots (velocity/*, adam_m/*, adam_v/*; optimizers/multi_tensor.py)
-are stored as the per-parameter slots they concatenate and joined again on loading, so a
+A multi-tensor update's flat slots (velocity/*, grad_velocity/*, adam_m/*, adam_v/*;
+optimizers/multi_tensor.py) are stored as the per-parameter slots they concatenate (those of
+the optimizer's flat_params) and joined again on loading, so a
 checkpoint resumes in either layout.
 
 meta = {"format": "kfac_compiler.checkpoint", "version": 1,
