@@ -1206,6 +1206,37 @@ def kfac_graph_nodes(plan, bs: int, multi: bool) -> tuple[int, int]:
     return graph_nodes(plan, "kfac_step", **{k: v for k, v in options.items() if v is not None})
 
 
+def kfac_parts(plan, bs: int, multi: bool) -> dict[str, int]:
+    """Where the default steady kfac_step's emitted nodes (other than Reshape/Identity) go, by
+    removing one piece at a time from its options: the statistics (with_stats), the loss
+    after the update (loss_after's If and the spike guard's test), the quadratic model (its
+    JVPs and terms; without it the fixed-learning-rate step), and what is left over the
+    forward+backward (preconditioning, dot products, update). Also the `precondition`
+    subgraph alone (P from vec/<p>: the per-block products) and the refresh: every
+    inverse_update graph's nodes over inv_update_period (amortized per step)."""
+    from kfac_compiler.runtime import Trainer
+
+    tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=bs, sessions=False, multi_tensor=multi)
+    base = {k: v for k, v in tr.policy.step_options().to_json().items() if v is not None}
+    steps = [("step", base)]
+    for label, change in (("statistics", dict(with_stats=False, stats_if=False)),
+                          ("loss after", dict(loss_after=False, loss_limit=False)),
+                          ("quadratic model", dict(qmodel=False, momentum_type="regular"))):
+        steps.append((label, {**steps[-1][1], **change}))
+    counts = {label: graph_nodes(plan, "kfac_step", **o)[1] for label, o in steps}
+    out = {"step": counts["step"]}
+    for (label, _), (prev, _) in zip(steps[1:], steps):
+        out[label] = counts[prev] - counts[label]
+    out["rest over fwd+bwd"] = counts["quadratic model"] - graph_nodes(plan, "gradients")[1]
+    out["precondition graph"] = graph_nodes(plan, "precondition")[1]
+    refresh = [r for r in tr.requests() if r.name in ("inverse_update", "power_update")]
+    period = tr.config.inv_update_period
+    out["refresh per step"] = round(sum(graph_nodes(plan, r.name, **{k: v for k, v in r.options.to_json().items()
+                                                                      if v is not None})[1] for r in refresh) / period)
+    return out
+
+
+
 def ort_graph_nodes(plan, name: str, **options) -> tuple[int, int]:
     """(nodes, of which Reshape) of subgraph `name` as ONNX Runtime's CPU session holds it
     after its graph optimizations (the runtime's session options; If branches included):
@@ -1317,6 +1348,12 @@ def cmd_nodes(args, say, run):
                         r["graph"][label] = kfac_graph_nodes(plan, min(args.batch, len(y)), multi)
                     else:
                         r["graph"][label] = graph_nodes(plan, f"{opt}_step", multi_tensor=multi)
+            if args.kfac_parts:
+                r["kfac_parts"] = {label: kfac_parts(plan, min(args.batch, len(y)), multi)
+                                   for label, multi in (("per-param", False), ("multi", True))}
+                for label, parts in r["kfac_parts"].items():
+                    say(f"{name} kfac[{label}] emitted nodes other than Reshape/Identity: "
+                        + ", ".join(f"{k} {v}" for k, v in parts.items()))
             if args.profile:
                 r["executed"] = {"fwd+bwd": ort_graph_nodes(plan, "gradients")}
                 bs = min(args.batch, len(y))
@@ -1441,6 +1478,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated zoo names, resnet18, gpt (torch)")
     p.add_argument("--profile", action="store_true", help="also node executions from ORT's CPU profile")
     p.add_argument("--no-kfac", action="store_true", help="profile SGD and Adam only")
+    p.add_argument("--kfac-parts", action="store_true",
+                   help="also where K-FAC's emitted step nodes go (statistics, loss after, quadratic model, rest)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--time-rounds", type=int, default=0,
                    help="also SGD's and Adam's step times, per-parameter vs multi-tensor, in N interleaved rounds")
