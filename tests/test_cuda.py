@@ -124,15 +124,19 @@ def test_steady_step_moves_only_the_batch(tmp_path, name, monkeypatch):
 
 
 def test_checkpoint_moves_between_devices(tmp_path):
+    """K-FAC's step is multi-tensor on CUDA by default (one flat velocity/*), per parameter on
+    the CPU: the checkpoint stores the per-parameter slots, which both resume."""
     plan, inputs, y = zoo_plan("mlp_classifier")
     tr = Trainer(plan, optimizer="kfac", device="cuda", seed=0, batch_size=64)
+    assert C.flat(C.VELOCITY) in tr.store
     for s in range(3):
         tr.step(*batch(inputs, y, s, 64))
     path = tr.save_checkpoint(tmp_path / "ck.npz")
     on_cpu = Trainer.load_checkpoint(path, plan, device="cpu", batch_size=64)
     on_gpu = Trainer.load_checkpoint(path, plan, device="cuda", batch_size=64)
-    for k, v in on_gpu.state().items():
-        np.testing.assert_array_equal(on_cpu.state()[k], v)
+    assert C.velocity(tr.params[0]) in on_cpu.store
+    for k, v in stored_state(on_gpu).items():
+        np.testing.assert_array_equal(stored_state(on_cpu)[k], v)
     losses = {d: [t.step(*batch(inputs, y, s, 64))["loss"] for s in range(3, 6)] for d, t in
               (("cpu", on_cpu), ("cuda", on_gpu))}
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-3)
