@@ -3,6 +3,8 @@ benchmarks/bench_to_target.py real-exports); numpy only.
 
 * "image": 16x16 RGB digits (the 8x8 digits scaled up by pixel repetition, three equal
   channels, values in [0, 1]) and their labels;
+* "waveform": the 16x16 image read row by row as a 256-sample signal, centred (-0.5),
+  with the digit's label;
 * "tokens": a row of a digit's pixel intensities (0..16) as SEQ tokens with the next pixels as
   next-token targets (example i takes rows starting at row 1 + i % 6: a learnable task).
 """
@@ -23,8 +25,11 @@ def batch(kind: str, n: int | None = 8, seed: int = 0) -> tuple[np.ndarray, np.n
         img = pixels.reshape(-1, 8, 8)
         x = np.repeat(np.repeat(img, 2, axis=1), 2, axis=2)
         return np.ascontiguousarray(np.broadcast_to(x[:, None], (len(x), 3, 16, 16))).astype(np.float32), labels
+    if kind == "waveform":
+        img = np.repeat(np.repeat(pixels.reshape(-1, 8, 8), 2, axis=1), 2, axis=2)
+        return (img.reshape(len(img), 256) - 0.5).astype(np.float32), labels
     if kind != "tokens":
-        raise ValueError(f"kind must be 'image' or 'tokens', got {kind!r}")
+        raise ValueError(f"kind must be 'image', 'waveform' or 'tokens', got {kind!r}")
     tokens = np.rint(pixels * MAX_PIXEL).astype(np.int64)
     rows = 8 + 8 * (np.arange(len(tokens)) % 6)  # start of rows 1..6
     seq = np.take_along_axis(tokens, rows[:, None] + np.arange(SEQ + 1)[None], axis=1)
