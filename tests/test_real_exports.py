@@ -69,9 +69,6 @@ XFAIL_STRICT: dict[tuple[str, str], str] = {
     ("wav2vec2-dynamo", "trainable"): "GroupNorm(C, C) as InstanceNormalization(ones, zeros) without Reshapes: "
                                       "placeholders trained (rule 5 needs the Reshapes)",
     ("wav2vec2-dynamo", "blocks"): "the placeholders above form layers of constants",
-    # HF's LlamaRMSNorm is decomposed (Pow, ReduceMean, Add, Sqrt/Rsqrt, Mul) and ends in a Mul
-    # by the weight alone: no scale-only pattern for it (mul_add needs the Add of a shift)
-    ("llama-*", "blocks"): "RMSNorm's weight is a bare Mul by a per-feature parameter: no scale-only pattern, generic",
     # torch.export without the optimizer reads the relative position bias table through
     # Transpose + GatherND (constant indices); the broadcast pattern knows Gather only
     ("swin-dynamo_noopt", "blocks"): "relative position bias table read by Transpose + GatherND: generic",
@@ -146,7 +143,7 @@ EXPECTED_BLOCKS: dict[str, list] = {
     ],
     "llama": [
         (r".*embed_tokens\.weight", "embedding", "kron"),
-        (r".*norm\.weight", "scale_and_shift", "full"),
+        (r".*norm\.weight", "scale_and_shift", "full"),  # RMSNorm: pattern mul_scale
         (r".*(_proj|lm_head)\.weight", "fully_connected", "kron"),
     ],
     "wav2vec2": [
