@@ -1,5 +1,5 @@
 """Batches for the real-export fixtures (models/real_exports.py, tests/test_real_exports.py,
-benchmarks/bench_to_target.py real-exports); numpy only.
+benchmarks/bench_to_target.py real-exports), and their gradients against torch's; numpy only.
 
 * "image": 16x16 RGB digits (the 8x8 digits scaled up by pixel repetition, three equal
   channels, values in [0, 1]) and their labels;
@@ -34,3 +34,30 @@ def batch(kind: str, n: int | None = 8, seed: int = 0) -> tuple[np.ndarray, np.n
     rows = 8 + 8 * (np.arange(len(tokens)) % 6)  # start of rows 1..6
     seq = np.take_along_axis(tokens, rows[:, None] + np.arange(SEQ + 1)[None], axis=1)
     return seq[:, :SEQ].copy(), seq[:, 1:].copy()
+
+
+def gradient_errors(fixture: dict, grads: dict[str, np.ndarray],
+                    retied=()) -> tuple[dict[str, tuple[float, float]], float]:
+    """({torch parameter: (|ours - torch's|, |torch's|)}, |torch's gradient| over all held
+    elements) for a real-export fixture's .npz contents (models/real_exports.py documents its
+    keys) and the gradients of its initializers (`grads`; lowered recurrent pieces already
+    folded back): each initializer's gradient is summed into the reference elements it holds.
+    `retied`: copies computed from their original, whose gradient has both uses."""
+    sizes = fixture["ref_sizes"]
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    want = fixture["ref_grads"]
+    got, held = np.zeros_like(want), np.zeros(want.shape, bool)
+    for i, name in enumerate(str(n) for n in fixture["init_names"]):
+        idx = fixture[f"init_index_{i}"]
+        held[idx] = True
+        if name in retied:
+            continue
+        if name not in grads:
+            raise KeyError(f"no gradient for the initializer {name!r}")
+        np.add.at(got, idx, grads[name].ravel().astype(np.float32))
+    out = {}
+    for o, name in enumerate(fixture["ref_names"]):
+        sel = held & (owner == o)
+        if sel.any():
+            out[str(name)] = (float(np.linalg.norm(got[sel] - want[sel])), float(np.linalg.norm(want[sel])))
+    return out, float(np.linalg.norm(want[held]))

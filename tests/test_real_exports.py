@@ -39,6 +39,7 @@ import pytest
 
 import kfac_compiler as kc
 from kfac_compiler.graph import fold_recurrent_params
+from kfac_compiler.models.real_data import gradient_errors
 
 pytestmark = pytest.mark.slow  # torch exports and third-party models: CI runs these (`pytest` without -m)
 
@@ -239,23 +240,9 @@ def test_gradients_match_torch(case):
     loss, grads = kc.gradients(plan, inputs={"input": d["input"]}, targets=d["targets"])
     np.testing.assert_allclose(loss, d["loss"], rtol=1e-4, err_msg=case)
     grads = {**grads, **fold_recurrent_params(plan.model, grads)}  # lowered pieces -> W, R, B
-    got = np.zeros_like(d["ref_grads"])
-    held = np.zeros(got.shape, bool)
-    for name, idx in d["inits"].items():
-        held[idx] = True
-        if name in plan.retied:  # computed from its original, whose gradient has both uses
-            continue
-        assert name in grads, f"{case}: no gradient for {name}"
-        np.add.at(got, idx, grads[name].ravel().astype(np.float32))
-    want = d["ref_grads"]
-    scale = float(np.linalg.norm(want[held]))
-    bad = []
-    for o, name in enumerate(d["ref_names"]):
-        sel = held & (d["owner"] == o)
-        if sel.any():
-            err = float(np.linalg.norm(got[sel] - want[sel]))
-            if err > 1e-4 * scale + 1e-3 * float(np.linalg.norm(want[sel])):
-                bad.append(f"{name}: |diff| {err:.2e} (|grad| {np.linalg.norm(want[sel]):.2e})")
+    errors, scale = gradient_errors(d, grads, retied=plan.retied)
+    bad = [f"{name}: |diff| {err:.2e} (|grad| {norm:.2e})" for name, (err, norm) in errors.items()
+           if err > 1e-4 * scale + 1e-3 * norm]
     assert not bad, f"{case} (gradient norm {scale:.3e}): " + "; ".join(bad)
 
 
