@@ -25,6 +25,18 @@ parameter elements it holds):
 * groupnorm: timm's PoolFormer block at width 8 (GroupNorm(1, C) norms, AvgPool token
   mixer, 1x1-conv MLP) with a GroupNorm(4, C), 16x16 RGB digits: exporters write GroupNorm as
   InstanceNormalization with placeholder scale and shift between Reshapes.
+* vit: torchvision's VisionTransformer (16x16 images, 4x4 patches, one layer of width 16:
+  class token, position embeddings, nn.MultiheadAttention); swin: torchvision's
+  SwinTransformer (2x2 patches of width 8, stages of 2 and 1 blocks in 4x4 windows: the
+  shifted-window mask, relative position bias tables, patch merging); efficientnet:
+  torchvision's EfficientNet from two MBConv settings (depthwise convs, squeeze-excitation,
+  SiLU, BatchNorm, stochastic depth off) (torchvision loads with this torch build now);
+* llama: transformers' LlamaForCausalLM (2 layers, width 16, 2 heads, 1 key/value head:
+  rotary embeddings, RMSNorm, SiLU-gated MLP); wav2vec2: Wav2Vec2ForSequenceClassification
+  (2-conv feature extractor with GroupNorm, the weight_norm'd positional conv, one layer of
+  width 16, 10 classes) on "waveform" batches (the 16x16 digit read as 256 samples). Its
+  weight_norm'd weight is referenced as `fused:<module>.weight` (g v / |v| and its gradient):
+  TorchScript and torch.export's optimizer fold g and v into it.
 
 Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dynamo"
 (dynamo=True, the exporter's default opset, its optimizer on) and "dynamo_noopt"

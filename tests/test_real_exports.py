@@ -1,6 +1,7 @@
 """Real exports: models nobody here wrote (a torchvision-layout ResNet, MobileNet v2/v3 blocks,
 Hugging Face GPT-2 (eager and SDPA attention) and BERT, the hand-written GPT, nn.LSTM and
-nn.GRU language models, a bidirectional LSTM, timm's PoolFormer block with GroupNorms), from both
+nn.GRU language models, a bidirectional LSTM, timm's PoolFormer block with GroupNorms,
+torchvision's ViT, Swin and EfficientNet, transformers' Llama and Wav2Vec2), from both
 torch exporters (TorchScript at opset 17; torch.export at
 its default opset 20 with and without its optimizer, and at opset 23 for a few), compiled and checked against torch autograd. No torch needed: the fixtures
 (tests/fixtures/real, made by `python -m kfac_compiler.models.real_exports`) hold the ONNX
