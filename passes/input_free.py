@@ -143,7 +143,8 @@ def _selected(free: InputFree, nodes: dict[int, onnx.NodeProto], values: dict[st
         if node.op_type == "Where" and node.output[0] in need:
             out, cond = need[node.output[0]], values[node.input[0]].astype(bool)
             for slot, sel in ((1, out & cond), (2, out & ~cond)):
-                add(node.input[slot], _reduce_to(sel, values[node.input[slot]].shape))
+                if node.input[slot] in values:  # (not a static Shape's value)
+                    add(node.input[slot], _reduce_to(sel, values[node.input[slot]].shape))
             continue
         for slot, t in enumerate(node.input):
             if t and t in values and free.learnable_slot(node, slot):

@@ -30,7 +30,7 @@ initializers are torch parameters; then it decides instead of the rule: exactly 
 parameters (and their copies, which the front end ties to them) train, buffers and other
 constants are frozen ("torch buffer NAME", "not a torch parameter"), a parameter is still
 frozen when it holds non-finite values or reaches the output only through non-learnable inputs
-(rules 1 and 2; rules 3 and 5 are the heuristics the manifest replaces), and an initializer the
+(rules 1 and 2; rules 3, 5 and 6 are the heuristics the manifest replaces), and an initializer the
 manifest calls ambiguous is left to the rule. The selectors apply on top as above.
 """
 from __future__ import annotations
