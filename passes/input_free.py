@@ -37,7 +37,7 @@ _DEFAULT_DOMAINS = ("", "ai.onnx")
 # input slots read for their element type or shape, not their values
 _TYPE_ONLY = {"CastLike": (1,), "Shape": (0,), "Size": (0,)}
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
-_MAX_ELEMENTS = 1 << 20  # evaluated twice: larger initializers are left to the other rules
+_MAX_ELEMENTS = 1 << 20  # evaluated with onnx.reference: larger initializers are left to the other rules
 
 
 class InputFree:
@@ -59,7 +59,7 @@ class InputFree:
                     self.shapes[node.output[0]] = value
                     self.tensors.add(node.output[0])
                 continue
-            typed = _TYPE_ONLY.get(node.op_type, ()) if node.op_type == "CastLike" else ()
+            typed = _TYPE_ONLY["CastLike"] if node.op_type == "CastLike" else ()  # Shape: above
             if all(i in self.tensors for k, i in enumerate(node.input) if i and k not in typed):
                 for k in typed:  # read for its element type only: an empty tensor of it will do
                     like = node.input[k] if k < len(node.input) else ""
@@ -102,9 +102,9 @@ class InputFree:
                         self._tables.setdefault(a.shape, {})[n] = a
         return {n: a for n, a in self._tables.get(shape, {}).items() if n != but}
 
-    def _evaluate(self, nodes: dict[int, onnx.NodeProto], name: str, value: np.ndarray,
-                  targets: list[str]) -> list[np.ndarray] | None:
-        """The targets with `name` set to `value`: the cone's nodes and what else they read."""
+    def evaluate(self, nodes: dict[int, onnx.NodeProto], targets: list[str]) -> list[np.ndarray] | None:
+        """The targets' values (onnx.reference) from the cone's nodes and the input-free nodes
+        computing what else they read; None when it cannot run."""
         needed = dict(nodes)
         stack = [i for n in nodes.values() for i in n.input if i]
         while stack:  # input-free tensors the cone reads from outside it
@@ -116,7 +116,7 @@ class InputFree:
             stack.extend(i for i in node.input if i)
             if len(needed) > MAX_NODES:
                 return None
-        return evaluate_nodes(self.view, needed, self.shapes, {name: value}, targets)
+        return evaluate_nodes(self.view, needed, self.shapes, {}, targets)
 
 
 def _reduce_to(mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -190,19 +190,17 @@ def input_free_reason(free: InputFree, name: str) -> str | None:
         return None
     inner = sorted({o for n in nodes.values() for o in n.output if o} | {i for n in nodes.values() for i in n.input
                                                                            if i and i not in free.shapes})
-    got = free._evaluate(nodes, name, value, inner)
+    got = free.evaluate(nodes, inner)
     if got is None:
         return None
     values = dict(zip(inner, map(np.asarray, got)))
     if {"Cos", "Sin"} <= ops and _rotation_partners({t: values[t] for t in frontier}, {}):
         return ("constant: computes rotation tables (Cos and Sin with cos^2 + sin^2 = 1: rotary embeddings' "
                 "inverse frequencies)")
-    if {"Cos", "Sin"} <= ops and _rotation_partners(dict(zip(frontier, map(np.asarray, got))), {}):
-        return ("constant: computes rotation tables (Cos and Sin with cos^2 + sin^2 = 1: rotary embeddings' "
-                "inverse frequencies)")
     if "Where" in ops and not _selected(free, nodes, values, name, frontier):
         return (f"constant: has no influence on the output (the Where nodes between it and the data "
                 f"({', '.join(frontier[:2])}) select none of its elements: a mask overwritten)")
+    return None
 
 
 __all__ = ["InputFree", "input_free_reason"]
