@@ -11,8 +11,8 @@ that no two initializers are equal and every initializer's values identify the t
 parameter elements it holds):
 
 * resnet: the ResNet-18 twin's BasicBlock (models/torch_exports) in a ResNet of [1,1,1,1]
-  blocks of widths 8/12/16/24 with BatchNorm (torchvision is not used: its wheel does not
-  load with this torch build; the layers and names are torchvision's), 16x16 RGB digits;
+  blocks of widths 8/12/16/24 with BatchNorm (written when torchvision's wheel did not load
+  with the torch build; the layers and names are torchvision's), 16x16 RGB digits;
 * mobilenet_v2: inverted residual blocks (1x1 expand, 3x3 depthwise, 1x1 project) with
   BatchNorm and ReLU6; mobilenet_v3: the same with Hardswish and squeeze-excitation
   (avg-pool, 1x1 convs, ReLU, Hardsigmoid, Mul);
@@ -30,7 +30,7 @@ parameter elements it holds):
   SwinTransformer (2x2 patches of width 8, stages of 2 and 1 blocks in 4x4 windows: the
   shifted-window mask, relative position bias tables, patch merging); efficientnet:
   torchvision's EfficientNet from two MBConv settings (depthwise convs, squeeze-excitation,
-  SiLU, BatchNorm, stochastic depth off) (torchvision loads with this torch build now);
+  SiLU, BatchNorm, stochastic depth off);
 * llama: transformers' LlamaForCausalLM (2 layers, width 16, 2 heads, 1 key/value head:
   rotary embeddings, RMSNorm, SiLU-gated MLP); wav2vec2: Wav2Vec2ForSequenceClassification
   (2-conv feature extractor with GroupNorm, the weight_norm'd positional conv, one layer of
