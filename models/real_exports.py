@@ -11,8 +11,8 @@ that no two initializers are equal and every initializer's values identify the t
 parameter elements it holds):
 
 * resnet: the ResNet-18 twin's BasicBlock (models/torch_exports) in a ResNet of [1,1,1,1]
-  blocks of widths 8/12/16/24 with BatchNorm (torchvision is not used: its wheel does not
-  load with this torch build; the layers and names are torchvision's), 16x16 RGB digits;
+  blocks of widths 8/12/16/24 with BatchNorm (written when torchvision's wheel did not load
+  with the torch build; the layers and names are torchvision's), 16x16 RGB digits;
 * mobilenet_v2: inverted residual blocks (1x1 expand, 3x3 depthwise, 1x1 project) with
   BatchNorm and ReLU6; mobilenet_v3: the same with Hardswish and squeeze-excitation
   (avg-pool, 1x1 convs, ReLU, Hardsigmoid, Mul);
@@ -25,6 +25,18 @@ parameter elements it holds):
 * groupnorm: timm's PoolFormer block at width 8 (GroupNorm(1, C) norms, AvgPool token
   mixer, 1x1-conv MLP) with a GroupNorm(4, C), 16x16 RGB digits: exporters write GroupNorm as
   InstanceNormalization with placeholder scale and shift between Reshapes.
+* vit: torchvision's VisionTransformer (16x16 images, 4x4 patches, one layer of width 16:
+  class token, position embeddings, nn.MultiheadAttention); swin: torchvision's
+  SwinTransformer (2x2 patches of width 8, stages of 2 and 1 blocks in 4x4 windows: the
+  shifted-window mask, relative position bias tables, patch merging); efficientnet:
+  torchvision's EfficientNet from two MBConv settings (depthwise convs, squeeze-excitation,
+  SiLU, BatchNorm, stochastic depth off);
+* llama: transformers' LlamaForCausalLM (2 layers, width 16, 2 heads, 1 key/value head:
+  rotary embeddings, RMSNorm, SiLU-gated MLP); wav2vec2: Wav2Vec2ForSequenceClassification
+  (2-conv feature extractor with GroupNorm, the weight_norm'd positional conv, one layer of
+  width 16, 10 classes) on "waveform" batches (the 16x16 digit read as 256 samples). Its
+  weight_norm'd weight is referenced as `fused:<module>.weight` (g v / |v| and its gradient):
+  TorchScript and torch.export's optimizer fold g and v into it.
 
 Exporters (`EXPORTERS`): "ts" (torch.onnx.export(dynamo=False), opset 17), "dynamo"
 (dynamo=True, the exporter's default opset, its optimizer on) and "dynamo_noopt"
@@ -171,14 +183,14 @@ class _MobileNet(nn.Module):
 
 
 class _Logits(nn.Module):
-    """A Hugging Face model as tokens -> logits tensor."""
+    """A Hugging Face model as tokens (or `key`: its input's keyword) -> logits tensor."""
 
-    def __init__(self, model):
+    def __init__(self, model, key: str = "input_ids"):
         super().__init__()
-        self.model = model
+        self.model, self.key = model, key
 
     def forward(self, input):  # noqa: A002 - the graph input's name
-        return self.model(input_ids=input, return_dict=False)[0]
+        return self.model(**{self.key: input}, return_dict=False)[0]
 
 
 def _gpt2(attn: str = "eager"):
@@ -235,6 +247,60 @@ class _PoolFormer(nn.Module):
         return self.head(self.norm3(x).mean((2, 3)))
 
 
+def _vit():
+    """torchvision's VisionTransformer: 16x16 images in 4x4 patches, one encoder layer of width
+    16 (class token, learnt position embeddings, nn.MultiheadAttention)."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=16, patch_size=4, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
+                             num_classes=10)
+
+
+def _swin():
+    """torchvision's SwinTransformer: 2x2 patches of width 8, a stage of two blocks on 8x8
+    tokens in 4x4 windows (the second shifted: the attention mask path), patch merging, a
+    stage of one block; relative position bias tables."""
+    from torchvision.models import SwinTransformer
+
+    return SwinTransformer(patch_size=[2, 2], embed_dim=8, depths=[2, 1], num_heads=[2, 2], window_size=[4, 4],
+                           stochastic_depth_prob=0.0, num_classes=10)
+
+
+def _llama():
+    """transformers' LlamaForCausalLM, tiny: rotary position embeddings, RMSNorm, SiLU-gated MLP,
+    grouped-query attention (2 heads, 1 key/value head), untied head; eager attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+                      attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    return _Logits(LlamaForCausalLM(cfg))
+
+
+def _wav2vec2():
+    """transformers' Wav2Vec2ForSequenceClassification, tiny: a 2-conv feature extractor (the
+    first GroupNorm'd), feature projection, the weight-normed positional conv embedding, one
+    encoder layer of width 16, mean pooling, projector and classifier; on 256-sample waveforms."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    cfg = Wav2Vec2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                         num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, num_labels=10,
+                         classifier_proj_size=8, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                         feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0,
+                         attn_implementation="eager")
+    return _Logits(Wav2Vec2ForSequenceClassification(cfg), key="input_values")
+
+
+def _efficientnet():
+    """torchvision's EfficientNet from a tiny MBConv setting (expand 1 then 4, 3x3 depthwise,
+    squeeze-excitation with SiLU and Sigmoid, BatchNorm, stochastic depth off)."""
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+    setting = [MBConvConfig(1, 3, 1, 8, 8, 1), MBConvConfig(4, 3, 2, 8, 16, 1)]
+    return EfficientNet(setting, dropout=0.0, stochastic_depth_prob=0.0, num_classes=10)
+
+
 def _gpt():
     from kfac_compiler.models.torch_exports import gpt
 
@@ -253,6 +319,11 @@ FAMILIES = {
     "gru": (lambda: _RNNLM(nn.GRU), "tokens"),
     "bilstm": (lambda: _RNNLM(nn.LSTM, bidirectional=True, num_layers=1), "tokens"),
     "groupnorm": (lambda: _PoolFormer(), "image"),
+    "vit": (_vit, "image"),
+    "swin": (_swin, "image"),
+    "llama": (_llama, "tokens"),
+    "wav2vec2": (_wav2vec2, "waveform"),
+    "efficientnet": (_efficientnet, "image"),
 }
 
 
@@ -326,18 +397,40 @@ def _fused_twin(module: nn.Module):
     return twin, dict(sorted(fused.items()))
 
 
+def _weight_normed(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{module name: its weight g v / |v|} for the modules whose weight is a weight_norm
+    parametrization (TorchScript and torch.export's optimizer fold it into one tensor);
+    call inside `parametrize.cached()` so that the forward uses these very tensors."""
+    from torch.nn.utils import parametrize
+
+    return {n: m.weight for n, m in module.named_modules() if parametrize.is_parametrized(m, "weight")}
+
+
 def reference(module: nn.Module, x: np.ndarray, y: np.ndarray) -> dict:
-    """Loss, and the reference parameters with their gradients (module's, then the fused
-    twin's folded convs)."""
+    """Loss, and the reference parameters with their gradients (module's, then each
+    weight_norm'd weight g v / |v| as `fused:<module>.weight`, then the fused twin's folded
+    convs)."""
+    from torch.nn.utils import parametrize
+
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     module.zero_grad()
-    loss = torch_loss(module(xt), yt)
-    loss.backward()
+    with parametrize.cached():
+        normed = _weight_normed(module)
+        for w in normed.values():
+            w.retain_grad()
+        loss = torch_loss(module(xt), yt)
+        loss.backward()
     names, values, grads = [], [], []
     for n, p in module.named_parameters():
         names.append(n)
         values.append(p.detach().numpy().ravel())
-        grads.append(p.grad.numpy().ravel())
+        # a parameter the eval forward does not use (Wav2Vec2's masked_spec_embed) has none
+        grads.append((p.grad if p.grad is not None else torch.zeros_like(p)).numpy().ravel())
+    for m, w in normed.items():  # weight_norm folded: the weight's gradient
+        names.append(f"fused:{m}.weight")
+        values.append(w.detach().numpy().ravel())
+        grads.append(w.grad.numpy().ravel())
+    ref_extra = []
     if any(isinstance(m, nn.BatchNorm2d) for m in module.modules()):
         twin, convs = _fused_twin(module)
         twin.zero_grad()
@@ -352,7 +445,8 @@ def reference(module: nn.Module, x: np.ndarray, y: np.ndarray) -> dict:
                 names.append(f"fused:{c}.{suffix}")
                 values.append(p.detach().numpy().ravel())
                 grads.append(p.grad.numpy().ravel())
-    extra = {"fused_pairs": np.array(ref_extra)} if any(n.startswith("fused:") for n in names) else {}
+    extra = {"fused_pairs": np.array(ref_extra)} if ref_extra else {}
+    extra.update({"weight_normed": np.array(list(normed))} if normed else {})
     return {**extra, "loss": np.float32(loss.item()), "ref_names": np.array(names),
             "ref_sizes": np.array([v.size for v in values], np.int64),
             "ref_values": np.concatenate(values).astype(np.float32),
@@ -407,6 +501,9 @@ def match_initializers(model: onnx.ModelProto, ref: dict) -> dict:
         conv, bn = str(pair).split("|")
         if covered[list(ref["ref_names"]).index(f"fused:{conv}.weight")]:
             folded |= {f"{conv}.weight", f"{conv}.bias", f"{bn}.weight", f"{bn}.bias"}
+    for m in ref.get("weight_normed", []):
+        if covered[list(ref["ref_names"]).index(f"fused:{m}.weight")]:
+            folded |= {f"{m}.parametrizations.weight.original0", f"{m}.parametrizations.weight.original1"}
     out["unmatched_params"] = [n for n, c in zip(ref["ref_names"], covered)
                                if not c and not str(n).startswith("fused:") and str(n) not in folded]
     out["fused_params"] = [n for n, c in zip(ref["ref_names"], covered) if c and str(n).startswith("fused:")]

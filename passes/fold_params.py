@@ -110,7 +110,7 @@ def _cone(view: GraphView, target: str) -> _Cone | None:
         if node is None or node.domain not in _DEFAULT_DOMAINS or subgraphs(node):
             return None  # a graph input, another domain's op, control flow
         if node.op_type == "Shape":
-            value = _static_shape(view, node)
+            value = static_shape(view, node)
             if value is None:
                 return None
             cone.shapes[t] = value
@@ -122,7 +122,7 @@ def _cone(view: GraphView, target: str) -> _Cone | None:
     return cone if cone.sources else None
 
 
-def _static_shape(view: GraphView, node: onnx.NodeProto) -> np.ndarray | None:
+def static_shape(view: GraphView, node: onnx.NodeProto) -> np.ndarray | None:
     """Shape(x)'s value when the dims it asks for are static in the inferred shapes."""
     shape = view.shape(node.input[0])
     if shape is None:
@@ -183,8 +183,8 @@ def _fold_group(view: GraphView, group: list[tuple[str, _Cone]]):
     rng = np.random.default_rng(0)
     probe = rng.standard_normal(total)
     noise = {s: probe[offsets[i]:offsets[i + 1]].reshape(arrays[s].shape) for i, s in enumerate(order)}
-    got_index = _evaluate(view, nodes, shapes, index, targets)
-    got_noise = _evaluate(view, nodes, shapes, noise, targets)
+    got_index = evaluate_nodes(view, nodes, shapes, index, targets)
+    got_noise = evaluate_nodes(view, nodes, shapes, noise, targets)
     if got_index is None or got_noise is None:
         return None
     idx = {}
@@ -210,7 +210,7 @@ def _fold_group(view: GraphView, group: list[tuple[str, _Cone]]):
     return values, record, dead
 
 
-def _evaluate(view: GraphView, nodes: dict[int, onnx.NodeProto], shapes: dict[str, np.ndarray],
+def evaluate_nodes(view: GraphView, nodes: dict[int, onnx.NodeProto], shapes: dict[str, np.ndarray],
               sources: dict[str, np.ndarray], targets: list[str]) -> list | None:
     """The targets computed by the cone's nodes from `sources` (onnx.reference), or None."""
     from onnx.reference import ReferenceEvaluator

@@ -18,6 +18,9 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
   4. it is a BatchNormalization running mean or variance;
   5. it is the scale of ones or the shift of zeros of an InstanceNormalization between two
      Reshapes: how exporters write torch's GroupNorm (the real affine follows as Mul/Add).
+  6. what it computes before meeting the data selects none of its elements (a mask built by
+     scattering constants, then overwritten by Where), or is rotation tables (cos^2 + sin^2 = 1:
+     rotary embeddings' tables or inverse frequencies): passes/input_free.py.
 
 Everything else is a parameter. The config overrides either way: `exclude` freezes, `include`
 restricts, `train` trains a parameter the rule froze (`exclude` wins over `train`).
@@ -27,7 +30,7 @@ initializers are torch parameters; then it decides instead of the rule: exactly 
 parameters (and their copies, which the front end ties to them) train, buffers and other
 constants are frozen ("torch buffer NAME", "not a torch parameter"), a parameter is still
 frozen when it holds non-finite values or reaches the output only through non-learnable inputs
-(rules 1 and 2; rules 3 and 5 are the heuristics the manifest replaces), and an initializer the
+(rules 1 and 2; rules 3, 5 and 6 are the heuristics the manifest replaces), and an initializer the
 manifest calls ambiguous is left to the rule. The selectors apply on top as above.
 """
 from __future__ import annotations
@@ -45,6 +48,7 @@ from kfac_compiler.contract import TORCH_MANIFEST_KEY
 from kfac_compiler.errors import ConfigError, UnsupportedOpError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, source_holders
 from kfac_compiler.oprules import find as find_rule
+from kfac_compiler.passes.input_free import InputFree, input_free_reason
 
 # Input slots that are an op's settings, never data to learn (beyond what the gradient
 # rules already say: rules' `inputs` and nondiff ops are consulted too). Slots are 0-based.
@@ -271,6 +275,7 @@ def split_trainable(
         return first
 
     roles = torch_roles(model)
+    free: InputFree | None = None  # rule 6's tables, built on first need
     trainable, frozen, reasons = [], [], {}
     for name in candidates:
         excluded, forced, included = hit("exclude", name), hit("train", name), hit("include", name)
@@ -279,6 +284,9 @@ def split_trainable(
             reason = _manifest_reason(entry, lambda n=name: constant_reason(view, n, learnable, literals=False))
         else:
             reason = running.get(name) or constant_reason(view, name, learnable)
+            if reason is None:
+                free = free or InputFree(view, lambda node, slot: _learnable_slot(node, slot, view.opset))
+                reason = input_free_reason(free, name)
         if reason is not None and forced:
             reason = None
         if reason is None and include is not None and not included:

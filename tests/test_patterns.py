@@ -48,7 +48,7 @@ def test_builtin_library_enumerates_variants():
     names = set(BUILTIN_PATTERN_NAMES)
     for n in ["gemm_in_out", "gemm_out_in", "gemm_in_out_bias", "gemm_out_in_bias", "matmul", "matmul_add",
               "matmul_transposed", "matmul_transposed_add", "embedding", "layer_norm", "layer_norm_scale",
-              "batch_norm", "batch_norm_scale", "mul_add"]:
+              "batch_norm", "batch_norm_scale", "mul_add", "mul_scale"]:
         assert n in names
     for nd in (1, 2, 3):
         for k in ("conv", "depthwise_conv"):
@@ -309,6 +309,36 @@ def test_mul_add_that_broadcasts_data_up_is_not_scale_and_shift(rng):
     add = helper.make_node("Add", ["h", "b"], ["y"], name="add")
     layers, _ = layers_of(onnx_model([mul, add], {"x": ["N", 1]}, {"s": randn(rng, 5, 7), "b": randn(rng, 5, 7)}))
     assert [l.kind for l in layers] == ["generic", "generic"]
+
+
+def test_mul_scale_the_weight_of_a_decomposed_rms_norm(rng):
+    """Hugging Face's LlamaRMSNorm as exported: x / sqrt(mean(x^2) + eps), then a Mul by the
+    weight alone (no shift): scale_and_shift "mul_scale" over the last axis."""
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"], name="sq"),
+             helper.make_node("ReduceMean", ["sq", "last"], ["ms"], name="ms"),
+             helper.make_node("Add", ["ms", "eps"], ["mse"], name="eps_add"),
+             helper.make_node("Sqrt", ["mse"], ["rms"], name="rms"),
+             helper.make_node("Div", ["x", "rms"], ["xn"], name="div"),
+             helper.make_node("Mul", ["xn", "w"], ["y"], name="scale")]
+    inits = {"last": np.array([-1], np.int64), "eps": np.array(1e-6, np.float32), "w": randn(rng, 6)}
+    layers, _ = layers_of(onnx_model(nodes, {"x": ["N", 4, 6]}, inits))
+    assert [(l.kind, l.pattern, l.params) for l in layers] == [("scale_and_shift", "mul_scale", ("w",))]
+    assert layers[0].attrs["scale_axes"] == (2,) and layers[0].attrs["normalization"] is None
+    assert layers[0].uses[0].input == "xn" and layers[0].uses[0].output == "y"
+
+
+@pytest.mark.parametrize("case", ["varies_over_batch", "scales_a_parameter"])
+def test_mul_scale_needs_a_per_feature_scale_of_the_data(rng, case):
+    """A parameter with the data's batch axis ([4, 6] on [N=4, 6]), or a Mul of two parameters
+    (one scaling the other before a MatMul): not a scale_and_shift."""
+    if case == "varies_over_batch":
+        layers, _ = layers_of(onnx_model([helper.make_node("Mul", ["x", "w"], ["y"], name="m")], {"x": [4, 6]},
+                                         {"w": randn(rng, 4, 6)}))
+    else:
+        nodes = [helper.make_node("Mul", ["a", "w"], ["aw"], name="m"),
+                 helper.make_node("MatMul", ["x", "aw"], ["y"], name="mm")]
+        layers, _ = layers_of(onnx_model(nodes, {"x": ["N", 6]}, {"a": randn(rng, 6, 3), "w": randn(rng, 3)}))
+    assert "scale_and_shift" not in [l.kind for l in layers]
 
 
 # ---------------------------------------------------------------------- generic

@@ -384,14 +384,24 @@ def broadcast_axes(param_shape, data_rank: int | None) -> tuple[int, ...]:
     return tuple(off + i for i, d in enumerate(ps) if d != 1)
 
 
-def _mul_add_pattern() -> Pattern:
-    nodes = (PNode("mul", "Mul"), PNode("scale", PARAM), PNode("add", "Add"), PNode("B", PARAM))
-    edges = (PEdge("scale", "mul", (0, 1)), PEdge("mul", "add", (0, 1)), PEdge("B", "add", (0, 1)))
+def _mul_pattern(with_bias: bool) -> Pattern:
+    """Mul by a parameter, then (with_bias) Add of one of its shape: a decomposed
+    normalization's affine ("mul_add"); without the Add ("mul_scale"), a scale alone such as
+    the weight of a decomposed RMSNorm (Hugging Face's LlamaRMSNorm), on data of the batch."""
+    nodes = [PNode("mul", "Mul"), PNode("scale", PARAM)]
+    edges = [PEdge("scale", "mul", (0, 1))]
+    if with_bias:
+        nodes += [PNode("add", "Add"), PNode("B", PARAM)]
+        edges += [PEdge("mul", "add", (0, 1)), PEdge("B", "add", (0, 1))]
 
     def where(b: Binding) -> bool:
-        s, bias = b.view.shape(b.weight), b.view.shape(b.bias)
-        if static_size(s) != static_size(bias) or broadcast_axes(s, 8) != broadcast_axes(bias, 8):
-            return False
+        s = b.view.shape(b.weight)
+        if with_bias:
+            bias = b.view.shape(b.bias)
+            if static_size(s) != static_size(bias) or broadcast_axes(s, 8) != broadcast_axes(bias, 8):
+                return False
+        elif b.input() not in b.view.from_inputs:
+            return False  # scales a parameter or a constant, not the data
         x_shape, y_shape = b.view.shape(b.input()), b.view.shape(b.output())
         if x_shape is not None and y_shape is not None:
             if len(x_shape) != len(y_shape):
@@ -399,11 +409,13 @@ def _mul_add_pattern() -> Pattern:
             if any(isinstance(a, int) and isinstance(c, int) and a != c for a, c in zip(x_shape, y_shape)):
                 return False
         if x_shape is not None:
-            if len(s) > len(x_shape):
-                return False
+            if len(s) > len(x_shape) or (not with_bias and len(s) == len(x_shape) and s[0] != 1):
+                return False  # (a scale alone) varies along the batch axis: not per feature
             aligned = x_shape[len(x_shape) - len(s):]
             if any(isinstance(xd, int) and sd not in (1, xd) for sd, xd in zip(s, aligned)):
                 return False
+        elif not with_bias:
+            return False
         return True
 
     def attrs(b: Binding) -> dict:
@@ -414,14 +426,14 @@ def _mul_add_pattern() -> Pattern:
         }
 
     return Pattern(
-        name="mul_add",
+        name="mul_add" if with_bias else "mul_scale",
         kind="scale_and_shift",
-        nodes=nodes,
-        edges=edges,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
         weight="scale",
-        bias="B",
+        bias="B" if with_bias else None,
         input=("mul", None),
-        output="add",
+        output="add" if with_bias else "mul",
         where=where,
         attrs=attrs,
     )
@@ -664,7 +676,8 @@ for _bias in (False, True):
                                          lambda b: {"training": True}))
     register_builtin(_batch_stat_pattern("instance_norm", "InstanceNormalization", _bias))
     register_builtin(_batch_stat_pattern("group_norm", "GroupNormalization", _bias, norm=_group_norm_spec))
-register_builtin(_mul_add_pattern())
+register_builtin(_mul_pattern(True))
+register_builtin(_mul_pattern(False))
 _BROADCAST_ADD = register_builtin(_broadcast_add_pattern())
 register_builtin(_gather_add_pattern())
 register_builtin(_expand_pattern())
