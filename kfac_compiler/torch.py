@@ -96,19 +96,22 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
     path = os.fspath(path)
     # a large module goes through a file with external data (protobuf holds 2 GiB at most),
     # written by the exporter into a folder of ours beside `path`
-    folder = temp_path(path) if _state_bytes(module) > onnx_files.LAZY_EXTERNAL_BYTES else None
+    folder = temp_path(path + ".export") if _state_bytes(module) > onnx_files.LAZY_EXTERNAL_BYTES else None
     try:
         model = _exported(module, args, ins, output_names, exporter, dynamic_batch, opset, folder)
         manifest = build_manifest(module, model, exporter)
         _running_statistics(module, model, manifest)
         _batch_statistics(module, model, manifest)
         set_manifest(model, manifest)
-        if not onnx_files.has_data_on_disk(model):
+        values: dict[str, np.ndarray] = {}
+        if onnx_files.stored_bytes(model) > onnx_files.LAZY_EXTERNAL_BYTES:  # what the exporter held in memory
+            values = {t.name: onnx_files.tensor_array(t) for t in model.graph.initializer if not onnx_files.on_disk(t)}
+        if not onnx_files.needs_external(model, values):
             onnx.save(model, path)
             return model
         from kfac_compiler.runtime.checkpoint import write_with_external_data
 
-        write_with_external_data(path, model, {}, what="the exported model")
+        write_with_external_data(path, model, values, what="the exported model")
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
