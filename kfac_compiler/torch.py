@@ -129,8 +129,9 @@ def _exported(module: nn.Module, args: tuple, ins: list[str], output_names: Sequ
     """The exporter's model of `module` (in `folder`, with external data, where given), the
     module's modes and state left as they were."""
     modes = {name: m.training for name, m in module.named_modules()}
-    # the exporters run the forward: a BatchNorm in training mode updates its statistics
-    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # the exporters run the forward: a BatchNorm in training mode updates its statistics (the
+    # buffers only: a copy of the parameters would double a large module's memory)
+    saved = {k: v.detach().clone() for k, v in module.named_buffers()}
     try:
         with torch.no_grad():
             probe = module(*args)
@@ -144,9 +145,10 @@ def _exported(module: nn.Module, args: tuple, ins: list[str], output_names: Sequ
     finally:
         for name, m in module.named_modules():  # the exporters may switch modes
             m.training = modes[name]
+        buffers = dict(module.named_buffers())
         with torch.no_grad():
-            for k, v in module.state_dict().items():
-                v.copy_(saved[k])
+            for k, v in saved.items():
+                buffers[k].copy_(v)
 
 
 def strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
