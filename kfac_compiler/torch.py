@@ -28,6 +28,9 @@ initializer of the file what it is on the torch side:
     an entry may carry "merged": [Q, ...]: parameters the exporter merged into this initializer
     (equal values, no initializer of their own); they are trained as one and all get its value back.
 
+A module over onnx_files.LAZY_EXTERNAL_BYTES (1 GiB) is written as path + path.data (external
+data), and load_trained reads such a file tensor by tensor (docs/torch.md, "Models over 2 GB").
+
 The mapping comes from the exporter's names where the initializer holds that torch tensor's
 value, and from exact value equality (or its transpose, or row blocks of a recurrent module's
 weights) otherwise; a tensor whose elements are all equal is matched by name only.
@@ -139,7 +142,7 @@ def _exported(module: nn.Module, args: tuple, ins: list[str], output_names: Sequ
         outs = list(output_names) if output_names else ["logits" if i == 0 else f"output_{i}" for i in range(n_out)]
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)  # a stale one of a killed export with our pid
-            os.makedirs(folder)
+            os.mkdir(folder)
         run = _export_dynamo if exporter == "dynamo" else _export_ts
         return run(module, args, ins, outs, dynamic_batch, opset, folder)
     finally:

@@ -129,3 +129,25 @@ def test_a_large_export_trains_and_loads_back(lazy, tmp_path, exporter):
     with torch.no_grad():
         theirs = copy.deepcopy(from_file)(torch.from_numpy(x)).numpy()
     assert np.abs(ours - theirs).max() < 1e-5
+
+
+def test_a_file_whose_data_lies_outside_its_folder_is_one_line(lazy, tmp_path):
+    torch.manual_seed(2)
+    net = Net()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    kt.export(net, (X[:8],), tmp_path / "a" / "net.onnx")
+    os.replace(tmp_path / "a" / "net.onnx.data", tmp_path / "b" / "net.onnx.data")
+    m = onnx.load(tmp_path / "a" / "net.onnx", load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../b/net.onnx.data"
+    onnx.save(m, tmp_path / "a" / "net.onnx")
+    before = state(net)
+    with pytest.raises(kt.BridgeError) as e:
+        kt.load_trained(net, str(tmp_path / "a" / "net.onnx"))
+    msg = str(e.value)
+    assert "\n" not in msg and "outside its folder" in msg and "../b/net.onnx.data" in msg
+    for name, value in state(net).items():  # nothing written
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
