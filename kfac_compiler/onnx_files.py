@@ -149,6 +149,17 @@ def tensor_array(t: TensorProto) -> np.ndarray:
     return np.fromfile(path, dtype=dtype, count=need // dtype.itemsize, offset=offset).reshape(tuple(t.dims))
 
 
+def tensor_view(t: TensorProto) -> np.ndarray:
+    """tensor_array, but a tensor left on disk is mapped (copy-on-write) rather than read: its
+    pages are read when used, so a caller going through a model's tensors one by one never
+    holds them all in memory."""
+    if not on_disk(t) or not t.dims or not _nbytes(t):
+        return tensor_array(t)
+    path, offset, _ = _region(t)
+    return np.memmap(path, dtype=onnx.helper.tensor_dtype_to_np_dtype(t.data_type), mode="c", offset=offset,
+                     shape=tuple(t.dims))
+
+
 def write_onnx(model: onnx.ModelProto, out: BinaryIO, data_path: str, data_name: str,
                values: Mapping[str, np.ndarray] | None = None) -> dict[str, tuple[int, int]]:
     """Write `model` to the open `out`, with `values` replacing its initializers' (each keeping

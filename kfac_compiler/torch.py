@@ -28,15 +28,20 @@ initializer of the file what it is on the torch side:
     an entry may carry "merged": [Q, ...]: parameters the exporter merged into this initializer
     (equal values, no initializer of their own); they are trained as one and all get its value back.
 
+A module over onnx_files.LAZY_EXTERNAL_BYTES (1 GiB) is written as path + path.data (external
+data), and load_trained reads such a file tensor by tensor (docs/torch.md, "Models over 2 GB").
+
 The mapping comes from the exporter's names where the initializer holds that torch tensor's
 value, and from exact value equality (or its transpose, or row blocks of a recurrent module's
 weights) otherwise; a tensor whose elements are all equal is matched by name only.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -45,6 +50,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kfac_compiler import onnx_files
+from kfac_compiler.atomic import temp_path
 from kfac_compiler.contract import TORCH_MANIFEST_KEY
 from kfac_compiler.errors import KfacError
 from kfac_compiler.graph import fold_recurrent_params
@@ -89,28 +96,62 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     args = tuple(torch.from_numpy(np.asarray(a)) if not isinstance(a, torch.Tensor) else a for a in args)
     ins = list(input_names) if input_names else ["input" if i == 0 else f"input_{i}" for i in range(len(args))]
+    path = os.fspath(path)
+    # a large module goes through a file with external data (protobuf holds 2 GiB at most),
+    # written by the exporter into a folder of ours beside `path`
+    folder = temp_path(path + ".export") if _state_bytes(module) > onnx_files.LAZY_EXTERNAL_BYTES else None
+    try:
+        model = _exported(module, args, ins, output_names, exporter, dynamic_batch, opset, folder)
+        manifest = build_manifest(module, model, exporter)
+        _running_statistics(module, model, manifest)
+        _batch_statistics(module, model, manifest)
+        set_manifest(model, manifest)
+        values: dict[str, np.ndarray] = {}
+        if onnx_files.stored_bytes(model) > onnx_files.LAZY_EXTERNAL_BYTES:  # what the exporter held in memory
+            values = {t.name: onnx_files.tensor_array(t) for t in model.graph.initializer if not onnx_files.on_disk(t)}
+        if not onnx_files.needs_external(model, values):
+            onnx.save(model, path)
+            return model
+        from kfac_compiler.runtime.checkpoint import write_with_external_data
+
+        write_with_external_data(path, model, values, what="the exported model")
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return onnx_files.load_onnx(path)  # its values left in path + ".data"
+
+
+def _state_bytes(module: nn.Module) -> int:
+    """The bytes of the module's parameters and buffers (each tensor once)."""
+    seen = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _exported(module: nn.Module, args: tuple, ins: list[str], output_names: Sequence[str] | None, exporter: str,
+              dynamic_batch: bool, opset: int | None, folder: str | None) -> onnx.ModelProto:
+    """The exporter's model of `module` (in `folder`, with external data, where given), the
+    module's modes and state left as they were."""
     modes = {name: m.training for name, m in module.named_modules()}
-    # the exporters run the forward: a BatchNorm in training mode updates its statistics
-    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # the exporters run the forward: a BatchNorm in training mode updates its statistics (the
+    # buffers only: a copy of the parameters would double a large module's memory)
+    saved = {k: v.detach().clone() for k, v in module.named_buffers()}
     try:
         with torch.no_grad():
             probe = module(*args)
         n_out = len(probe) if isinstance(probe, (tuple, list)) else 1
         outs = list(output_names) if output_names else ["logits" if i == 0 else f"output_{i}" for i in range(n_out)]
-        model = _export_dynamo(module, args, ins, outs, dynamic_batch, opset) if exporter == "dynamo" else \
-            _export_ts(module, args, ins, outs, dynamic_batch, opset)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # a stale one of a killed export with our pid
+            os.mkdir(folder)
+        run = _export_dynamo if exporter == "dynamo" else _export_ts
+        return run(module, args, ins, outs, dynamic_batch, opset, folder)
     finally:
         for name, m in module.named_modules():  # the exporters may switch modes
             m.training = modes[name]
+        buffers = dict(module.named_buffers())
         with torch.no_grad():
-            for k, v in module.state_dict().items():
-                v.copy_(saved[k])
-    manifest = build_manifest(module, model, exporter)
-    _running_statistics(module, model, manifest)
-    _batch_statistics(module, model, manifest)
-    set_manifest(model, manifest)
-    onnx.save(model, os.fspath(path))
-    return model
+            for k, v in saved.items():
+                buffers[k].copy_(v)
 
 
 def strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -126,8 +167,9 @@ def strip_traces(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _export_dynamo(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelProto:
+def _export_dynamo(module, args, ins, outs, dynamic_batch, opset, folder: str | None) -> onnx.ModelProto:
     last: Exception | None = None
+    prog = None
     shapes = ({0: torch.export.Dim("N", min=2)},) * len(args) if dynamic_batch else None
     for dyn in ((shapes, None) if dynamic_batch else (None,)):
         try:
@@ -135,15 +177,29 @@ def _export_dynamo(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelP
                 warnings.simplefilter("ignore")
                 prog = torch.onnx.export(module, args, dynamo=True, input_names=ins, output_names=outs,
                                          dynamic_shapes=dyn, optimize=False, verbose=False, opset_version=opset)
-            assert prog is not None
-            return strip_traces(prog.model_proto)
+            break
         except Exception as e:  # noqa: BLE001 - retried with a static batch
             last = e
-    assert last is not None
-    raise BridgeError(f"the dynamo exporter failed: {type(last).__name__}: {str(last).splitlines()[0][:300]}") from last
+    if prog is None:
+        assert last is not None
+        raise BridgeError(f"the dynamo exporter failed: {type(last).__name__}: {str(last).splitlines()[0][:300]}") \
+            from last
+    if folder is None:
+        return strip_traces(prog.model_proto)
+    prog.save(os.path.join(folder, _EXPORTED), external_data=True)  # its tensors written one by one
+    return strip_traces(_load_exported(folder))
 
 
-def _export_ts(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelProto:
+_EXPORTED = "model.onnx"  # the exporter's file in the folder of a large export
+
+
+def _load_exported(folder: str) -> onnx.ModelProto:
+    """The exporter's file in `folder`, its external data left there above
+    onnx_files.LAZY_EXTERNAL_BYTES (onnx_files.load_external)."""
+    return onnx_files.load_onnx(os.path.join(folder, _EXPORTED))
+
+
+def _export_ts(module, args, ins, outs, dynamic_batch, opset, folder: str | None) -> onnx.ModelProto:
     buf = io.BytesIO()
     axes = {n: {0: "N"} for n in ins + outs} if dynamic_batch else None
     with warnings.catch_warnings():
@@ -151,11 +207,13 @@ def _export_ts(module, args, ins, outs, dynamic_batch, opset) -> onnx.ModelProto
         # constant folding off: on, it folds a weight's Transpose and a recurrent module's
         # packed weights into new initializers (still mapped, by value) and BatchNorm into Conv;
         # initializers as inputs: else an eval-mode export merges equal initializers (every
-        # fresh LayerNorm gain into one), tying what the module never tied
-        torch.onnx.export(module, args, cast(Any, buf), dynamo=False, input_names=ins, output_names=outs,
+        # fresh LayerNorm gain into one), tying what the module never tied. To a file path
+        # (a large module's), it writes external data itself where the model passes 2 GiB.
+        torch.onnx.export(module, args, os.path.join(folder, _EXPORTED) if folder else cast(Any, buf), dynamo=False,
+                          input_names=ins, output_names=outs,
                           opset_version=opset or 17, dynamic_axes=axes, do_constant_folding=False,
                           training=torch.onnx.TrainingMode.PRESERVE, keep_initializers_as_inputs=True)
-    model = onnx.load_from_string(buf.getvalue())
+    model = _load_exported(folder) if folder else onnx.load_from_string(buf.getvalue())
     inits = {t.name for t in model.graph.initializer}
     kept = [i for i in model.graph.input if i.name not in inits]
     del model.graph.input[:]
@@ -170,8 +228,8 @@ def _running_statistics(module: nn.Module, model: onnx.ModelProto, manifest: dic
     for init in model.graph.initializer:
         e = manifest["initializers"].get(init.name, {})
         if e.get("role") == "buffer" and e["torch"].endswith(_RUNNING):
-            init.CopyFrom(numpy_helper.from_array(_np(state[e["torch"]]).astype(numpy_helper.to_array(init).dtype),
-                                                  init.name))
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+            init.CopyFrom(numpy_helper.from_array(_np(state[e["torch"]]).astype(dtype), init.name))
 
 
 def _batch_statistics(module: nn.Module, model: onnx.ModelProto, manifest: dict[str, Any]) -> None:
@@ -206,6 +264,12 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32).numpy()
 
 
+def _digest(a: np.ndarray) -> bytes:
+    """A digest of `a`'s float32 values in C order: a key for matching by value that does not
+    hold a copy of every tensor (a model may pass 2 GiB)."""
+    return hashlib.blake2b(np.ascontiguousarray(a, np.float32).data, digest_size=32).digest()
+
+
 def _uniform(a: np.ndarray) -> bool:
     return a.size < 2 or bool(np.all(a == a.flat[0]))
 
@@ -224,17 +288,17 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
     by_bytes: dict[tuple, list[str]] = {}
     for n, (_, a) in tensors.items():
         if not _uniform(a):
-            by_bytes.setdefault((a.shape, a.astype(np.float32).tobytes()), []).append(n)
+            by_bytes.setdefault((a.shape, _digest(a)), []).append(n)
 
     by_flat: dict[tuple, list[str]] = {}
     for (shape, raw), names in by_bytes.items():
         by_flat.setdefault((int(np.prod(shape)), raw), []).extend(names)
 
     def lookup(a: np.ndarray) -> list[str]:
-        return by_bytes.get((a.shape, a.astype(np.float32).tobytes()), []) if not _uniform(a) else []
+        return by_bytes.get((a.shape, _digest(a)), []) if not _uniform(a) else []
 
     def reshaped(a: np.ndarray) -> list[str]:  # the same values in another shape (a folded Unsqueeze)
-        names = by_flat.get((a.size, a.astype(np.float32).tobytes()), []) if not _uniform(a) else []
+        names = by_flat.get((a.size, _digest(a)), []) if not _uniform(a) else []
         return [n for n in names if tensors[n][1].shape != a.shape]
 
     entries: dict[str, dict[str, Any]] = {}
@@ -242,7 +306,7 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
     for t in model.graph.initializer:
         if t.data_type not in _FLOAT:
             continue
-        a = numpy_helper.to_array(t)
+        a = onnx_files.tensor_view(t)  # mapped, not read, where the export left it on disk
         name = ties.get(t.name, t.name)
         # by name where the value is the tensor's (a running statistic: where the shape is, the
         # export's forward passes may have updated it)
@@ -448,6 +512,19 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     return list(out)
 
 
+def _load_file(path: str) -> onnx.ModelProto:
+    """A trained .onnx file, its external data (which must lie in its folder) loaded or left
+    on disk as onnx_files.load_external decides."""
+    model = onnx.load(path, load_external_data=False)
+    folder = os.path.dirname(os.path.abspath(path))
+    outside = onnx_files.outside_locations(model, folder)
+    if outside:
+        raise BridgeError(f"{path!r} names external data outside its folder ({', '.join(outside[:3])}); "
+                          "move the data files beside the model")
+    onnx_files.load_external(model, folder)
+    return model
+
+
 def _write(module: nn.Module, state: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> None:
     with torch.no_grad():
         for name, v in values.items():
@@ -455,19 +532,25 @@ def _write(module: nn.Module, state: Mapping[str, Any], values: Mapping[str, np.
             arr = np.asarray(v)
             if tuple(arr.shape) != tuple(t.shape):
                 raise BridgeError(f"trained value for {name!r} has shape {list(arr.shape)}, the module's {list(t.shape)}")
-            t.copy_(torch.from_numpy(np.array(arr, copy=True)).to(t.dtype))
+            # copied straight from the array (a value mapped from a file is read here, page by
+            # page); through a copy where torch cannot take the array as it is
+            ok = arr.flags.writeable and arr.dtype.isnative and all(st >= 0 for st in arr.strides)
+            t.copy_(torch.from_numpy(arr if ok else np.array(arr, copy=True)))
 
 
 def _source_values(source: Any) -> tuple[dict[str, np.ndarray], onnx.ModelProto | None]:
+    """The trained values (keyed by initializer) and the model that names them. A file's
+    values left on disk (over onnx_files.LAZY_EXTERNAL_BYTES) are mapped, read tensor by tensor
+    as they are written into the module; a Trainer's come from its store, with its plan's model
+    (Trainer.exported_model refuses a model over that size)."""
     if isinstance(source, Mapping):
         return {k: np.asarray(v) for k, v in source.items()}, None
     if isinstance(source, (str, os.PathLike)):
-        source = onnx.load(os.fspath(source))
+        source = _load_file(os.fspath(source))
     if isinstance(source, onnx.ModelProto):
-        return {t.name: numpy_helper.to_array(t) for t in source.graph.initializer}, source
-    if hasattr(source, "exported_model"):  # a Trainer
-        model = source.exported_model()
-        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, model
+        return {t.name: onnx_files.tensor_view(t) for t in source.graph.initializer}, source
+    if hasattr(source, "trained_values") and hasattr(source, "plan"):  # a Trainer
+        return source.trained_values(), source.plan.model
     raise BridgeError(f"load_trained takes a Trainer, a trained .onnx file or model, or a dict of arrays; "
                       f"got {type(source).__name__}")
 

@@ -84,6 +84,22 @@ def test_values_stay_on_disk_and_train_as_in_memory(lazy, tmp_path):
     assert not np.array_equal(tr.parameters()["emb"], EMB)  # the table trained
 
 
+def test_tensor_view_maps_what_tensor_array_reads(lazy, tmp_path):
+    """A value left on disk is mapped (read page by page when used: the torch bridge writes a
+    file's values into a module tensor by tensor), equal to what tensor_array reads; one in
+    memory is the array itself."""
+    m = onnx_files.load_onnx(write_model(tmp_path))
+    emb, w = m.graph.initializer
+    view = onnx_files.tensor_view(emb)
+    assert isinstance(view, np.memmap) and view.flags.writeable  # copy-on-write: the file is never changed
+    np.testing.assert_array_equal(view, onnx_files.tensor_array(emb))
+    np.testing.assert_array_equal(view, EMB)
+    view[0, 0] = 42.0
+    np.testing.assert_array_equal(onnx_files.tensor_array(emb), EMB)
+    assert not isinstance(onnx_files.tensor_view(w), np.memmap)
+    np.testing.assert_array_equal(onnx_files.tensor_view(w), W)
+
+
 @pytest.mark.parametrize("graph", ["auto", "plan"])
 def test_export_writes_the_values_beside_the_model(lazy, tmp_path, graph):
     _, tr = sgd_run(write_model(tmp_path))
