@@ -118,14 +118,29 @@ def test_owners_balance_the_refresh_cost():
     assert inverse_owners(costs, 1) == {layer: 0 for layer in costs}
 
 
+MASKED = {**KFAC, "ignore_index": -100, "knobs": {"inv_update_period": 3, "inverse_groups": 2}}
+
+
 @pytest.mark.slow
-def test_two_ranks_weigh_ignored_targets_over_the_global_batch(tmp_path):
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, id="4")])
+def test_ranks_take_the_one_process_steps_with_ignored_targets(tmp_path, ranks):
     """softmax cross-entropy with ignore_index, batches whose ignored targets fall unevenly on
-    the two ranks: the loss and gradients are the mean over the global batch's targets that
-    count (the runtime weighs them before splitting the batch), so the first loss is one
-    process's (a mean of the ranks' own means would be 0.3% off). The input factors A are
-    each rank's mean over its own rows that count (docs/distributed.md), so the steps are not
-    one process's (2% apart after the first here); the ranks agree bitwise."""
+    the ranks: the loss and gradients are the mean over the global batch's targets that count
+    (the runtime weighs them before splitting the batch), and an input factor A, the mean over
+    the rows that count, divides each rank's sum over its own by the ranks' mean number of them
+    (reduced at the statistics-terms point before the fold), so the ranks' mean A is one
+    process's: the runs match (before, each rank divided by its own number: 10% apart in loss
+    within 8 steps on two ranks)."""
+    assert_same_run(on_ranks(ranks, MASKED, tmp_path), train(MASKED, comm=None), rtol=3e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_weigh_ignored_targets_over_the_global_batch_with_periodic_statistics(tmp_path):
+    """The same with statistics every other step: they sit inside an If, which a data-parallel
+    step cannot cut, so there each rank's A is still its own mean over its rows that count
+    (docs/distributed.md, Limits) and the steps depart after the first; the loss and gradients
+    are the global batch's, so the first loss is one process's (a mean of the ranks' own means
+    would be 0.3% off), and the ranks agree bitwise."""
     config = {**KFAC, "ignore_index": -100}
     ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
     assert ranks[0]["losses"] == ranks[1]["losses"]
@@ -150,23 +165,18 @@ def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,param", [("transformer_block", "pos_emb"), ("unrolled_rnn", "rnn.b")])
-def test_generic_layers_are_estimated_per_rank(tmp_path, model, param):
+def test_two_ranks_take_the_one_process_steps_with_generic_layers(tmp_path, model, param):
     """A generic-fallback block (a parameter without per-example gradients: here the
     transformer's position table or the RNN's bias, linked by the user) is estimated from one
-    pseudo-example per batch, u = sum_n g_n / sqrt(N), and u u^T is not linear in the batch:
-    each rank's factor is its own rows' estimate, their mean an estimate of the same
-    expectation but not one process's number (docs/distributed.md). The ranks still agree
-    bitwise, and the shared first step, preconditioned by its own batch before any such
-    difference, matches."""
+    pseudo-example per batch, u = sum_n g_n / sqrt(N), whose square is not linear in the batch:
+    each rank's u_r times sqrt(P) is averaged over the ranks before it is squared, which is
+    the global batch's u, so two ranks take the one-process steps (before, each rank squared
+    its own u_r: 7.5% (transformer) and 23% (RNN) apart in loss within 6 steps)."""
     config = {"model": model, "optimizer": "kfac", "steps": 6, "batch": 32, "seed": 0, "knobs": {},
               "links": [{"params": [param], "name": "linked"}]}
     ranks = on_ranks(2, config, tmp_path)
-    single = train(config, comm=None)
-    for p, v in ranks[0]["params"].items():
-        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
-    assert ranks[0]["losses"] == ranks[1]["losses"]
-    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
-    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    assert ranks[0]["sent"]["statistics terms"] > 0  # the pseudo-examples travel with the gradients
 
 
 @pytest.mark.slow
