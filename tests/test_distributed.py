@@ -136,18 +136,12 @@ def test_ranks_take_the_one_process_steps_with_ignored_targets(tmp_path, ranks):
 
 @pytest.mark.slow
 def test_two_ranks_weigh_ignored_targets_over_the_global_batch_with_periodic_statistics(tmp_path):
-    """The same with statistics every other step: they sit inside an If, which a data-parallel
-    step cannot cut, so there each rank's A is still its own mean over its rows that count
-    (docs/distributed.md, Limits) and the steps depart after the first; the loss and gradients
-    are the global batch's, so the first loss is one process's (a mean of the ranks' own means
-    would be 0.3% off), and the ranks agree bitwise."""
+    """The same with statistics every other step: one process runs them inside an If on the
+    step, which a data-parallel step cannot cut, so the ranks run a statistics-free step on
+    the other steps instead and cut the statistics steps: the one-process steps (before, each
+    rank's A was its own mean: 2% apart after the first step)."""
     config = {**KFAC, "ignore_index": -100}
-    ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
-    assert ranks[0]["losses"] == ranks[1]["losses"]
-    for p, v in ranks[0]["params"].items():
-        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
-    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
-    assert ranks[0]["losses"][-1] < 0.2 * ranks[0]["losses"][0]
+    assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=3e-4)
 
 
 @pytest.mark.slow
@@ -250,12 +244,22 @@ def test_two_ranks_take_the_one_process_ekfac_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_ekfac_with_periodic_statistics_is_refused_on_ranks_in_one_line(tmp_path):
-    """With cov_update_period > 1 the statistics (S with them) sit inside an If, which a
-    data-parallel step cannot cut: every rank refuses in one line instead of training apart."""
-    require_mpi()
-    config = {**KFAC, "approximations": {"fully_connected": "ekfac"}}
-    proc = run_ranks(2, [sys.executable, WORKER, str(tmp_path), json.dumps(config)])
-    assert proc.returncode != 0
-    assert "use cov_update_period 1, another approximation for it, or one process" in proc.stderr
+def test_two_ranks_take_the_one_process_ekfac_steps_with_periodic_statistics(tmp_path):
+    """With cov_update_period > 1 one process's statistics (S with them) sit inside an If, which
+    a data-parallel step cannot cut (a run was refused): the ranks run a statistics-free step
+    on the steps without statistics and average S on the others. The losses are one process's
+    to 2e-4 (measured 1.9e-5); the parameters only to 5e-3 of their largest: after the refresh
+    of step 3 the factors hold fewer batches than with statistics on every step, and fc2's
+    have exact zero rows (dead ReLU units: 7 of A's 129 eigenvalues and 3 of G's 128 below 1e-6
+    of the largest after 5 steps), a degenerate null space whose eigenbasis, and S in it, the
+    eigensolver picks from rounding-level differences (as above): fc2's parameters then differ
+    by up to 1.3e-3 of their largest after step 5 (the others' by 9e-5 at most), 3.4e-3 after 8."""
+    config = {**KFAC, "batch": 256, "approximations": {"fully_connected": "ekfac"},
+              "knobs": {"inv_update_period": 3, "cov_update_period": 2, "inverse_groups": 1, "stats_batch_size": 256}}
+    ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=2e-4)
+    for p, v in single["params"].items():
+        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(ranks[0]["params"][p])), p
+        np.testing.assert_allclose(ranks[0]["params"][p], v, rtol=0, atol=5e-3 * np.abs(v).max(), err_msg=p)
 
