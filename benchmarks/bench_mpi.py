@@ -20,8 +20,10 @@ and load; benchmarks/harness.py; `--out -` prints only).
 default settings on one process and under `mpirun -n P`, the same global batch and seed, and
 the worst relative loss gap over the steps, max_t |loss_P(t) - loss_1(t)| / |loss_1(t)|, is
 reported per model, optimizer and P (docs/distributed.md, "Same math as one process"),
-beside the gap of one process on one thread against one process on the default threads: the
-same math summed in another order, the size of float32 rounding as the optimizer carries it.
+beside two one-process references: on one thread against the default threads (the same math,
+where ONNX Runtime's kernels sum in another order: a lower bound of rounding), and with every
+initial parameter moved by one float32 ulp (np.nextafter): how far the optimizer carries a
+rounding-sized difference in 30 steps.
 Writes <out>/<date>-mpi-gap.{md,json}.
 """
 from __future__ import annotations
@@ -88,6 +90,10 @@ def worker(args: argparse.Namespace) -> None:
     batch = args.batch or BATCH[args.model]
     inputs, targets = data_for(args.model, 4 * batch)
     trainer = Trainer(plan, optimizer=args.optimizer, seed=0, batch_size=batch, comm=comm, threads=args.threads)
+    if args.ulp:  # a rounding-sized start: every parameter one float32 ulp up
+        import numpy as np
+
+        trainer.set_parameters({p: np.nextafter(v, np.float32(np.inf)) for p, v in trainer.parameters().items()})
     n = targets.shape[0]
     times, comm_s, losses = [], [], []
     sent0 = None
@@ -114,13 +120,15 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(model: str, plan: str, ranks: int, staged_one: bool, args: argparse.Namespace,
-           threads: int | None = None) -> dict:
+           threads: int | None = None, ulp: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--plan", plan,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--optimizer", args.optimizer]
     if args.batch:
         cmd += ["--batch", str(args.batch)]
     if threads:
         cmd += ["--threads", str(threads)]
+    if ulp:
+        cmd.append("--ulp")
     if staged_one:
         cmd.append("--staged-one")
     if ranks > 1 or staged_one:
@@ -175,6 +183,12 @@ def gap(args: argparse.Namespace) -> None:
                             "worst_relative_gap": worst, "at_step": at, "losses": threaded["losses"],
                             "one_process_losses": one["losses"]})
             cells.append(f"{worst:.1e} (step {at + 1})")
+            moved = launch(model, plan, 1, False, args, ulp=True)
+            worst, at = worst_gap(moved["losses"], one["losses"])
+            results.append({"model": model, "optimizer": optimizer, "ranks": 1, "ulp": True, "batch": one["batch"],
+                            "worst_relative_gap": worst, "at_step": at, "losses": moved["losses"],
+                            "one_process_losses": one["losses"]})
+            cells.append(f"{worst:.1e} (step {at + 1})")
             for ranks in [r for r in args.ranks if r > 1]:
                 got = launch(model, plan, ranks, False, args)
                 worst, at = worst_gap(got["losses"], one["losses"])
@@ -185,7 +199,7 @@ def gap(args: argparse.Namespace) -> None:
                 print(json.dumps(results[-1]), flush=True)
             rows.append(cells)
     head = ["model", "optimizer", "loss, step 1", f"loss, step {args.steps} (1 process)",
-            "1 process on 1 thread: worst gap", *[f"{r} ranks: worst gap" for r in args.ranks if r > 1]]
+            "1 process on 1 thread: worst gap", "1 process, parameters 1 ulp up: worst gap", *[f"{r} ranks: worst gap" for r in args.ranks if r > 1]]
     table = harness.table(head, rows)
     run.write(f"Global batch {args.batch or 'per model'}, seed 0, default settings, {args.steps} steps; worst "
               "relative loss gap max_t |loss_P - loss_1| / |loss_1| against one process (the step where it "
@@ -206,6 +220,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="the global batch (default: per model; --gap: 128)")
     p.add_argument("--optimizer", default="kfac", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ulp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--staged-one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
