@@ -171,8 +171,7 @@ def _rank_lines(plan: Plan, ranks: int) -> str:
     if generic and ranks > 1:
         lines.append(f"  note: the generic blocks ({', '.join(generic)}) all-reduce their pseudo-example (4 bytes "
                      "a parameter) on every statistics step before squaring it, so their factors are one "
-                     "process's; statistics every k > 1 steps (cov_update_period) leave them each rank's own "
-                     "(docs/distributed.md)")
+                     "process's (docs/distributed.md)")
     return "\n".join(lines) + "\n"
 
 
