@@ -13,6 +13,18 @@ Ranks on one machine share its cores (threads per rank = cores / P), so on a 2-c
 this measures the overheads of the data-parallel step, not a speed-up: docs/distributed.md
 models many GPUs. Writes <out>/<date>-mpi-scaling.{md,json} (with the date, machine, commit
 and load; benchmarks/harness.py; `--out -` prints only).
+
+    python benchmarks/bench_mpi.py --gap [--models ...] [--ranks 2 4] [--batch 128] [--steps 30]
+
+`--gap`: no timing; every model (default: the whole zoo) trains with K-FAC and with Adam at
+default settings on one process and under `mpirun -n P`, the same global batch and seed, and
+the worst relative loss gap over the steps, max_t |loss_P(t) - loss_1(t)| / |loss_1(t)|, is
+reported per model, optimizer and P (docs/distributed.md, "Same math as one process"),
+beside two one-process references: on one thread against the default threads (the same math,
+where ONNX Runtime's kernels sum in another order: a lower bound of rounding), and with every
+initial parameter moved by one float32 ulp (np.nextafter): how far the optimizer carries a
+rounding-sized difference in 30 steps.
+Writes <out>/<date>-mpi-gap.{md,json}.
 """
 from __future__ import annotations
 
@@ -75,17 +87,21 @@ def worker(args: argparse.Namespace) -> None:
     if args.staged_one:
         comm = Communicator(mpi().COMM_WORLD)
     plan = load_plan(args.plan)
-    batch = BATCH[args.model]
+    batch = args.batch or BATCH[args.model]
     inputs, targets = data_for(args.model, 4 * batch)
-    trainer = Trainer(plan, seed=0, batch_size=batch, comm=comm)
+    trainer = Trainer(plan, optimizer=args.optimizer, seed=0, batch_size=batch, comm=comm, threads=args.threads)
+    if args.ulp:  # a rounding-sized start: every parameter one float32 ulp up
+        import numpy as np
+
+        trainer.set_parameters({p: np.nextafter(v, np.float32(np.inf)) for p, v in trainer.parameters().items()})
     n = targets.shape[0]
-    times, comm_s = [], []
+    times, comm_s, losses = [], [], []
     sent0 = None
     for step in range(args.steps):
         idx = batch_indices(n, batch, step, 0)
         c0 = trainer.comm.seconds if trainer.comm else 0.0
         t0 = time.perf_counter()
-        trainer.step({k: v[idx] for k, v in inputs.items()}, targets[idx])
+        losses.append(trainer.step({k: v[idx] for k, v in inputs.items()}, targets[idx])["loss"])
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             comm_s.append((trainer.comm.seconds if trainer.comm else 0.0) - c0)
@@ -99,12 +115,20 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"model": args.model, "ranks": trainer.ranks, "staged": trainer.comm is not None,
                           "threads": trainer.threads, "batch": batch, "median_step_s": harness.median(times),
                           "median_comm_s": harness.median(comm_s), "bytes_per_step": sent,
-                          "parameters": int(sum(v.size for v in trainer.parameters().values()))}))
+                          "parameters": int(sum(v.size for v in trainer.parameters().values())),
+                          "optimizer": args.optimizer, "losses": losses}))
 
 
-def launch(model: str, plan: str, ranks: int, staged_one: bool, args: argparse.Namespace) -> dict:
+def launch(model: str, plan: str, ranks: int, staged_one: bool, args: argparse.Namespace,
+           threads: int | None = None, ulp: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--plan", plan,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--optimizer", args.optimizer]
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if ulp:
+        cmd.append("--ulp")
     if staged_one:
         cmd.append("--staged-one")
     if ranks > 1 or staged_one:
@@ -133,14 +157,70 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def worst_gap(losses: list[float], reference: list[float]) -> tuple[float, int]:
+    """(max_t |losses[t] - reference[t]| / |reference[t]|, the first step t reaching it)."""
+    gaps = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    worst = max(gaps)
+    return worst, gaps.index(worst)
+
+
+def gap(args: argparse.Namespace) -> None:
+    """The worst relative loss gap of P ranks against one process, per model and optimizer."""
+    from kfac_compiler.models import ZOO
+
+    run = harness.Run("mpi-gap")
+    os.makedirs(args.cache, exist_ok=True)
+    results, rows = [], []
+    for model in args.models or list(ZOO):
+        plan = plan_dir(model, args.cache)
+        for optimizer in ("kfac", "adam"):
+            args.optimizer = optimizer
+            one = launch(model, plan, 1, False, args)
+            cells = [model, optimizer, f"{one['losses'][0]:.4f}", f"{one['losses'][-1]:.4f}"]
+            threaded = launch(model, plan, 1, False, args, threads=1)
+            worst, at = worst_gap(threaded["losses"], one["losses"])
+            results.append({"model": model, "optimizer": optimizer, "ranks": 1, "threads": 1, "batch": one["batch"],
+                            "worst_relative_gap": worst, "at_step": at, "losses": threaded["losses"],
+                            "one_process_losses": one["losses"]})
+            cells.append(f"{worst:.1e} (step {at + 1})")
+            moved = launch(model, plan, 1, False, args, ulp=True)
+            worst, at = worst_gap(moved["losses"], one["losses"])
+            results.append({"model": model, "optimizer": optimizer, "ranks": 1, "ulp": True, "batch": one["batch"],
+                            "worst_relative_gap": worst, "at_step": at, "losses": moved["losses"],
+                            "one_process_losses": one["losses"]})
+            cells.append(f"{worst:.1e} (step {at + 1})")
+            for ranks in [r for r in args.ranks if r > 1]:
+                got = launch(model, plan, ranks, False, args)
+                worst, at = worst_gap(got["losses"], one["losses"])
+                results.append({"model": model, "optimizer": optimizer, "ranks": ranks, "batch": one["batch"],
+                                "worst_relative_gap": worst, "at_step": at, "losses": got["losses"],
+                                "one_process_losses": one["losses"]})
+                cells.append(f"{worst:.1e} (step {at + 1})")
+                print(json.dumps(results[-1]), flush=True)
+            rows.append(cells)
+    head = ["model", "optimizer", "loss, step 1", f"loss, step {args.steps} (1 process)",
+            "1 process on 1 thread: worst gap", "1 process, parameters 1 ulp up: worst gap", *[f"{r} ranks: worst gap" for r in args.ranks if r > 1]]
+    table = harness.table(head, rows)
+    run.write(f"Global batch {args.batch or 'per model'}, seed 0, default settings, {args.steps} steps; worst "
+              "relative loss gap max_t |loss_P - loss_1| / |loss_1| against one process (the step where it "
+              "is reached).\n\n" + table, results, args.out, title="Data-parallel runs against one process")
+    print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["mlp_classifier", "small_cnn", "resnet18"])
+    p.add_argument("--models", nargs="+", default=None,
+                   help="default: mlp_classifier small_cnn resnet18 (timing), the whole zoo (--gap)")
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     harness.add_out_argument(p)
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "kfac-bench-mpi"))
+    p.add_argument("--gap", action="store_true", help="the loss gap against one process instead of step times")
+    p.add_argument("--batch", type=int, default=None, help="the global batch (default: per model; --gap: 128)")
+    p.add_argument("--optimizer", default="kfac", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ulp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--staged-one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -149,6 +229,11 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.gap:
+        args.batch = args.batch or 128
+        gap(args)
+        return
+    args.models = args.models or ["mlp_classifier", "small_cnn", "resnet18"]
     run = harness.Run("mpi-scaling")
     os.makedirs(args.cache, exist_ok=True)
     rows = []

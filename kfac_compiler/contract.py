@@ -83,6 +83,9 @@ def hp(name: str) -> str:
 DAMPING = hp("damping")            # the damping every block's inverse and product use
 EMA_COEFF = hp("ema_coeff")        # this batch's weight in the factors' moving average
 UPDATE_STATS = hp("update_stats")  # > 0: the step's statistics run (its If on them)
+# the number of data-parallel ranks (1 in one process; every StateStore holds it): the generic
+# fallback's pseudo-example scales by its square root before the ranks average it
+RANKS = hp("ranks")
 L2 = hp("l2")                      # weight decay
 LEARNING_RATE = hp("learning_rate")
 MOMENTUM = hp("momentum")
@@ -257,6 +260,11 @@ FACTOR_STATISTICS_POINT = "factor statistics"
 # ... and for the statistics a block keeps in its inverse state (ekfac's S), which the same
 # step's preconditioner reads at their new average: a data-parallel step cuts there
 STATE_STATISTICS_POINT = "state statistics"
+# ... and for the terms a batch statistic is built from that are not linear in the batch: the
+# generic fallback's pseudo-example (squared after the ranks' mean) and a masked activation
+# statistic's number of live rows (its divisor); a data-parallel step cuts there, so that
+# every rank folds the global batch's statistic (backend/factors.py)
+STATISTICS_TERMS_POINT = "statistics terms"
 
 
 # ------------------------------------------------------------------------------ plan vocabulary

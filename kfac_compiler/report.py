@@ -169,8 +169,9 @@ def _rank_lines(plan: Plan, ranks: int) -> str:
                      f"broadcasts {human_bytes(r['inverse_bytes'])}: {', '.join(r['blocks']) or '-'}")
     generic = [layer.name for layer in plan.layers if layer.kind == "generic" and plan.factors.get(layer.name)]
     if generic and ranks > 1:
-        lines.append(f"  note: the generic blocks ({', '.join(generic)}) are estimated on each rank's rows: "
-                     "their factors are not one process's (docs/distributed.md)")
+        lines.append(f"  note: the generic blocks ({', '.join(generic)}) all-reduce their pseudo-example (4 bytes "
+                     "a parameter) on every statistics step before squaring it, so their factors are one "
+                     "process's (docs/distributed.md)")
     return "\n".join(lines) + "\n"
 
 

@@ -46,7 +46,9 @@ class StagedProgram(SubgraphIO):
                                 "approximation for it, or one process")
         self.stages: list[Stage] = split_stages(model, info)
         for k, stage in enumerate(self.stages[1:], 1):  # a rank's own factor averages feed no update
-            local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR]
+            # (a stage may fold a statistic into a factor's average: it reads the slot it writes)
+            folded = set(stage.info.state_outputs.values())
+            local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR and s not in folded]
             if local:
                 raise ContractError(f"subgraph {self.name!r}: stage {k} reads factor slot {local[0]!r}, which "
                                     "holds this rank's moving average until it is averaged over the ranks")

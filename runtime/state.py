@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from kfac_compiler.contract import SlotSpec
+from kfac_compiler.contract import RANKS, SlotSpec
 from kfac_compiler.runtime.device import Device, get_device
 
 _GENERATIONS = itertools.count(1)
@@ -57,7 +57,8 @@ def init_value(spec: SlotSpec) -> np.ndarray:
 class StateStore:
     """Named device buffers for one training run (shared by all its subgraph programs)."""
 
-    def __init__(self, device: str | Device = "cpu") -> None:
+    def __init__(self, device: str | Device = "cpu", ranks: int = 1) -> None:
+        """`ranks`: a data-parallel run's number of ranks, the hp/ranks its statistics read."""
         self.device = get_device(device)
         self._buf: dict[str, list[ort.OrtValue]] = {}
         self._cur: dict[str, int] = {}
@@ -73,6 +74,7 @@ class StateStore:
         # input, a new hp): a program's IOBinding made at the same generation is still valid.
         # Drawn from one process-wide counter, so two stores never share a generation.
         self.generation = next(_GENERATIONS)
+        self.set_hp(RANKS, float(ranks))
 
     # ------------------------------------------------------------ state slots
     def add(self, slot: str, array: Any) -> None:

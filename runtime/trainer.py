@@ -110,7 +110,7 @@ class Trainer:
             self.threads = cpu_share(self.comm)  # ranks on one machine share its cores
         self.seed = check_int(seed, "seed", low=0)
         self.rng = np.random.default_rng(self.seed)
-        self.store = StateStore(self.device)
+        self.store = StateStore(self.device, self.ranks)
         self.sessions = bool(sessions)
         self.params = list(plan.trainable)
         self.loss = plan.loss.build()

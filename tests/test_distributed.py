@@ -130,21 +130,30 @@ def test_owners_balance_the_refresh_cost():
     assert inverse_owners(costs, 1) == {layer: 0 for layer in costs}
 
 
+MASKED = {**KFAC, "ignore_index": -100, "knobs": {"inv_update_period": 3, "inverse_groups": 2}}
+
+
 @pytest.mark.slow
-def test_two_ranks_weigh_ignored_targets_over_the_global_batch(tmp_path):
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, id="4")])
+def test_ranks_take_the_one_process_steps_with_ignored_targets(tmp_path, ranks):
     """softmax cross-entropy with ignore_index, batches whose ignored targets fall unevenly on
-    the two ranks: the loss and gradients are the mean over the global batch's targets that
-    count (the runtime weighs them before splitting the batch), so the first loss is one
-    process's (a mean of the ranks' own means would be 0.3% off). The input factors A are
-    each rank's mean over its own rows that count (docs/distributed.md), so the steps are not
-    one process's (2% apart after the first here); the ranks agree bitwise."""
+    the ranks: the loss and gradients are the mean over the global batch's targets that count
+    (the runtime weighs them before splitting the batch), and an input factor A, the mean over
+    the rows that count, divides each rank's sum over its own by the ranks' mean number of them
+    (reduced at the statistics-terms point before the fold), so the ranks' mean A is one
+    process's: the runs match (before, each rank divided by its own number: 10% apart in loss
+    within 8 steps on two ranks)."""
+    assert_same_run(on_ranks(ranks, MASKED, tmp_path), train(MASKED, comm=None), rtol=3e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_weigh_ignored_targets_over_the_global_batch_with_periodic_statistics(tmp_path):
+    """The same with statistics every other step: one process runs them inside an If on the
+    step, which a data-parallel step cannot cut, so the ranks run a statistics-free step on
+    the other steps instead and cut the statistics steps: the one-process steps (before, each
+    rank's A was its own mean: 11% apart in loss within 8 steps)."""
     config = {**KFAC, "ignore_index": -100}
-    ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
-    assert ranks[0]["losses"] == ranks[1]["losses"]
-    for p, v in ranks[0]["params"].items():
-        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
-    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
-    assert ranks[0]["losses"][-1] < 0.2 * ranks[0]["losses"][0]
+    assert_same_run(on_ranks(2, config, tmp_path), train(config, comm=None), rtol=3e-4)
 
 
 @pytest.mark.slow
@@ -162,23 +171,18 @@ def test_sub_batches_on_two_ranks_stay_in_step(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,param", [("transformer_block", "pos_emb"), ("unrolled_rnn", "rnn.b")])
-def test_generic_layers_are_estimated_per_rank(tmp_path, model, param):
+def test_two_ranks_take_the_one_process_steps_with_generic_layers(tmp_path, model, param):
     """A generic-fallback block (a parameter without per-example gradients: here the
     transformer's position table or the RNN's bias, linked by the user) is estimated from one
-    pseudo-example per batch, u = sum_n g_n / sqrt(N), and u u^T is not linear in the batch:
-    each rank's factor is its own rows' estimate, their mean an estimate of the same
-    expectation but not one process's number (docs/distributed.md). The ranks still agree
-    bitwise, and the shared first step, preconditioned by its own batch before any such
-    difference, matches."""
+    pseudo-example per batch, u = sum_n g_n / sqrt(N), whose square is not linear in the batch:
+    each rank's u_r times sqrt(P) is averaged over the ranks before it is squared, which is
+    the global batch's u, so two ranks take the one-process steps (before, each rank squared
+    its own u_r: 7.5% (transformer) and 23% (RNN) apart in loss within 6 steps)."""
     config = {"model": model, "optimizer": "kfac", "steps": 6, "batch": 32, "seed": 0, "knobs": {},
               "links": [{"params": [param], "name": "linked"}]}
     ranks = on_ranks(2, config, tmp_path)
-    single = train(config, comm=None)
-    for p, v in ranks[0]["params"].items():
-        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
-    assert ranks[0]["losses"] == ranks[1]["losses"]
-    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
-    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    assert ranks[0]["sent"]["statistics terms"] > 0  # the pseudo-examples travel with the gradients
 
 
 @pytest.mark.slow
@@ -252,12 +256,22 @@ def test_two_ranks_take_the_one_process_ekfac_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_ekfac_with_periodic_statistics_is_refused_on_ranks_in_one_line(tmp_path):
-    """With cov_update_period > 1 the statistics (S with them) sit inside an If, which a
-    data-parallel step cannot cut: every rank refuses in one line instead of training apart."""
-    require_mpi()
-    config = {**KFAC, "approximations": {"fully_connected": "ekfac"}}
-    proc = run_ranks(2, [sys.executable, WORKER, str(tmp_path), json.dumps(config)])
-    assert proc.returncode != 0
-    assert "use cov_update_period 1, another approximation for it, or one process" in proc.stderr
+def test_two_ranks_take_the_one_process_ekfac_steps_with_periodic_statistics(tmp_path):
+    """With cov_update_period > 1 one process's statistics (S with them) sit inside an If, which
+    a data-parallel step cannot cut (a run was refused): the ranks run a statistics-free step
+    on the steps without statistics and average S on the others. The losses are one process's
+    to 2e-4 (measured 1.9e-5); the parameters only to 5e-3 of their largest: after the refresh
+    of step 3 the factors hold fewer batches than with statistics on every step, and fc2's
+    have exact zero rows (dead ReLU units: 7 of A's 129 eigenvalues and 3 of G's 128 below 1e-6
+    of the largest after 5 steps), a degenerate null space whose eigenbasis, and S in it, the
+    eigensolver picks from rounding-level differences (as above): fc2's parameters then differ
+    by up to 1.3e-3 of their largest after step 5 (the others' by 9e-5 at most), 3.4e-3 after 8."""
+    config = {**KFAC, "batch": 256, "approximations": {"fully_connected": "ekfac"},
+              "knobs": {"inv_update_period": 3, "cov_update_period": 2, "inverse_groups": 1, "stats_batch_size": 256}}
+    ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=2e-4)
+    for p, v in single["params"].items():
+        assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(ranks[0]["params"][p])), p
+        np.testing.assert_allclose(ranks[0]["params"][p], v, rtol=0, atol=5e-3 * np.abs(v).max(), err_msg=p)
 

@@ -2,6 +2,9 @@
 are those STAGES declares, and the values at each point are what the stage hands on."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 import kfac_compiler as kc
@@ -18,13 +21,17 @@ def parts():
 
 
 def points(parts, **options):
+    """The emission and the points it passed, in order (a point passed several times in a row,
+    once per value, listed once)."""
     em = Emission.start(parts)
     emit_kfac_step(em, KfacStepOptions(**options))
-    return em, [p for p, _ in em.reductions]
+    return em, [p for p, _ in itertools.groupby(p for p, _ in em.reductions)]
 
 
 def test_a_full_step_reduces_at_every_declared_point_in_stage_order(parts):
-    declared = [p for stage in STAGES for p in stage.reduces if p != C.STATE_STATISTICS_POINT]  # no ekfac block
+    # no ekfac block, no generic block, no weights
+    declared = [p for stage in STAGES for p in stage.reduces if p not in (C.STATE_STATISTICS_POINT,
+                                                                          C.STATISTICS_TERMS_POINT)]
     em, got = points(parts, with_stats=True, qmodel=True, loss_after=True, stats_batch=16, qmodel_batch=16)
     assert got == declared
     values = dict(em.reductions)
@@ -35,6 +42,18 @@ def test_a_full_step_reduces_at_every_declared_point_in_stage_order(parts):
     produced = {o for n in em.b.nodes for o in n.output}
     assert values["loss"] in produced and values["loss after the update"] in produced
     assert all(g in produced for g in values["gradients"].values())
+
+
+def test_a_weighted_step_reduces_its_masked_row_counts_before_the_factor_statistics(parts):
+    """A weighted loss's fully connected A divide by the ranks' mean number of rows that count:
+    one count per layer passes the statistics-terms point, before the factor statistics and
+    outside an If (where there is none)."""
+    weighted = dataclasses.replace(parts, weighted=True)
+    em, got = points(weighted, with_stats=True, qmodel=True, loss_after=True)
+    assert got == [p for stage in STAGES for p in stage.reduces if p != C.STATE_STATISTICS_POINT]
+    assert len(em.info.reductions[C.STATISTICS_TERMS_POINT]) == len(parts.layers)
+    em, got = points(weighted, with_stats=True, stats_if=True, qmodel=True, loss_after=True)
+    assert C.STATISTICS_TERMS_POINT not in got
 
 
 def test_points_follow_the_options(parts):
@@ -53,7 +72,7 @@ def test_ekfac_cuts_the_step_after_its_eigenbasis_statistics():
                       config={"approximations": {"fully_connected": "ekfac"}})
     parts = plan_parts(plan)
     em, got = points(parts, with_stats=True, qmodel=True, loss_after=True, stats_batch=16, qmodel_batch=16)
-    assert got == [p for stage in STAGES for p in stage.reduces]
+    assert got == [p for stage in STAGES for p in stage.reduces if p != C.STATISTICS_TERMS_POINT]
     stated = dict(em.reductions)[C.STATE_STATISTICS_POINT]
     assert set(stated) == {l.name for l in parts.layers} and all(set(d) == {"S"} for d in stated.values())
     assert set(em.info.reductions[C.STATE_STATISTICS_POINT].values()) == {d["S"] for d in stated.values()}

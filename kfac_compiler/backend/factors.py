@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kfac_compiler import contract as C
 from kfac_compiler.blocks._parts import GramStatistic
+from kfac_compiler.blocks.ops import LiveCount
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.contract import NoiseSpec
 from kfac_compiler.passes.autodiff import backward
@@ -40,11 +41,16 @@ def layer_cotangent_targets(em: Emission) -> list[str]:
 
 
 def batch_statistics(
-    em: Emission, fwd: ForwardPass, mode: str, num_samples: int, data_cots: dict[str, str] | None = None
+    em: Emission, fwd: ForwardPass, mode: str, num_samples: int, data_cots: dict[str, str] | None = None,
+    shared: LiveCount | None = None,
 ) -> dict[str, dict[str, str | GramStatistic]]:
     """One batch's factor estimates {layer: {factor: tensor}} for `mode` on pass `fwd`.
     `data_cots`: cotangents of the mean loss at the layer outputs from the full-batch
-    backward, reused by the empirical mode when fwd is the full batch."""
+    backward, reused by the empirical mode when fwd is the full batch. `shared`: a reduction
+    point (factor_updates') the terms that are not linear in the batch pass through before
+    they are squared or divide, so that a data-parallel rank computes the global batch's
+    statistic: the generic fallback's pseudo-example and a weighted loss's numbers of live
+    rows (None: this process's batch alone, the lower-level API's statistics)."""
     b, loss, z, n = em.b, em.parts.loss, fwd.z, fwd.n
     spec = noise_spec(mode, num_samples, loss)
     z_shape = tuple(em.view.shape(em.output) or ())
@@ -65,18 +71,19 @@ def batch_statistics(
             seeds = [b.mul(sd, fwd.seed_scale) for sd in seeds]
         per_seed = [backward(b, fwd.view, {z: s}, targets) for s in seeds]
     inv_sqrt_n = b.op("Reciprocal", [b.op("Sqrt", [n])])
+    pseudo = _pseudo_example(em, inv_sqrt_n, shared)
     stats: dict[str, dict[str, str | GramStatistic]] = {}
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
         if layer.kind == "generic":
             inputs = list(layer.params)
-            cots = [[_per_example_fallback(em, d.get(p), p, inv_sqrt_n) for d in per_seed] for p in layer.params]
+            cots = [[pseudo(d.get(p), p) for d in per_seed] for p in layer.params]
         else:
             inputs = [fwd.name(u.input) for u in layer.uses]
             outs = [fwd.name(u.output) for u in layer.uses]
             cots = [[d.get(o) or _zeros_like(em.b, o) for d in per_seed] for o in outs]
         # a weighted loss: rows no weighted term depends on leave the activation statistics
-        kw: dict[str, Any] = {"masked": True} if fwd.weight is not None and block.masks_rows else {}
+        kw: dict[str, Any] = {"masked": shared or True} if fwd.weight is not None and block.masks_rows else {}
         if block.state_statistics:  # statistics that read the inverse state (ekfac's eigenbases)
             stateful = cast(_StateStatistics, block)  # blocks with state_statistics take `state` (blocks/base.py)
             stats[layer.name] = stateful.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block),
@@ -99,10 +106,24 @@ def current_inverses(em: Emission, layer: str, block) -> dict[str, str]:
     return {name: C.new(slot) if C.new(slot) in written else slot for name, slot in slots.items()}
 
 
-def _per_example_fallback(em: Emission, cot: str | None, p: str, inv_sqrt_n: str) -> str:
-    """[1, *shape] = sum_n g_n / sqrt(N): unbiased for sampled targets (E g_n = 0)."""
-    g = cot or em.zeros_like_param(p)
-    return em.b.unsqueeze(em.b.mul(g, inv_sqrt_n), [0])
+def _pseudo_example(em: Emission, inv_sqrt_n: str, shared: LiveCount | None):
+    """The generic fallback's one pseudo-example per seed, (cotangent sum_n g_n, param) ->
+    [1, *shape] u = sum_n g_n / sqrt(N): unbiased for sampled targets (E g_n = 0), but u u^T is
+    not linear in the batch. With `shared`, rank r's u_r (its N/P rows) times sqrt(hp/ranks)
+    passes through it first: the ranks' mean of sqrt(P) u_r is the global batch's u, which
+    every rank then squares (in one process sqrt(1) u, bitwise u)."""
+    b = em.b
+    scale = None
+    if shared is not None and any(layer.kind == "generic" for layer in em.parts.layers):
+        scale = b.op("Sqrt", [em.hp(C.RANKS)])
+
+    def pseudo(cot: str | None, p: str) -> str:
+        u = b.mul(cot or em.zeros_like_param(p), inv_sqrt_n)
+        if shared is not None and scale is not None:
+            u = shared(b.mul(u, scale))
+        return b.unsqueeze(u, [0])
+
+    return pseudo
 
 
 def _zeros_like(b: GraphBuilder, t: str) -> str:
@@ -116,11 +137,17 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     S = X^T X / count becomes one Gemm(X * c / count, X, (1 - c) F, transA): its finiteness is
     that of |X|^2, which bounds every entry of X^T X. The statistics a block keeps in its
     inverse state pass a reduction point (`cut`; not inside an If, which a data-parallel step
-    cannot cut: runtime/staged.py then refuses such blocks)."""
+    cannot cut: runtime/staged.py then refuses such blocks), as do the terms that are not
+    linear in the batch (batch_statistics' `shared`; inside an If each rank's own)."""
     b = em.b
     coeff = em.hp(C.EMA_COEFF)
     keep = b.sub(b.const(1.0), coeff)
-    stats = em.reduce_through_state(C.FACTOR_STATISTICS_POINT, batch_statistics(em, fwd, mode, num_samples, cots))
+
+    def shared(term: str) -> str:
+        return em.reduce_mean(C.STATISTICS_TERMS_POINT, term)
+
+    stats = em.reduce_through_state(C.FACTOR_STATISTICS_POINT,
+                                    batch_statistics(em, fwd, mode, num_samples, cots, shared if cut else None))
     stated = {name: {f: s for f, s in d.items() if f in em.blocks[name].state_statistics}
               for name, d in stats.items()}
     stated = {name: d for name, d in stated.items() if d}

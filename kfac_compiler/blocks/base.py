@@ -72,7 +72,9 @@ class FisherBlock:
     # is then left out of the statistics of the layer's activations (A: the mean over the
     # other rows; ops.emit_live). Statistics of the cotangents (G) and of per-example
     # gradients leave such rows out anyway. False: a weighted run's activation statistics
-    # still count every row.
+    # still count every row. emit_statistics may get an ops.LiveCount instead of True (a
+    # step a data-parallel run cuts): the number of live rows then passes through it before
+    # it divides (ops.emit_live_count, ops.emit_token_counts do that).
     masks_rows: ClassVar[bool] = False
 
     def __init__(

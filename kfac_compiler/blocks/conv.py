@@ -42,6 +42,7 @@ from kfac_compiler.blocks.ops import (
     emit_dim,
     emit_gram,
     emit_live,
+    emit_live_count,
     np_live,
     prod,
 )
@@ -265,8 +266,8 @@ class ConvKronBase(ConvMixin, KronBlock):
             live = emit_concat(b, [emit_live(b, [self._emit_delta(b, d) for d in ds], [2]) for ds in cotangents],
                                axis=3)  # [N, g, 1, sum T]
             P = b.mul(P, live)
-            per_group = b.reduce_sum(live, [0, 2, 3], keepdims=False)  # [g]
-            count = b.op("Max", [b.reshape(per_group, [-1, 1] if self.a_diag else [-1, 1, 1]), b.const(1.0)])
+            per_group = emit_live_count(b, live, masked, [0, 2, 3])  # [g]
+            count = b.reshape(per_group, [-1, 1] if self.a_diag else [-1, 1, 1])
         P = b.reshape(b.transpose(P, [1, 2, 0, 3]), [0, 0, -1])  # [g, nA, N sum T]
         A = b.reduce_sum(b.mul(P, P), [2]) if self.a_diag else emit_gram(b, P, 3)
         A = b.div(A, count or emit_dim(b, P, 2))

@@ -40,6 +40,7 @@ from kfac_compiler.blocks.ops import (
     emit_dim,
     emit_gram,
     emit_live,
+    emit_live_count,
     np_live,
     prod,
 )
@@ -184,7 +185,7 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
             live = emit_concat(b, [emit_live(b, [self._emit_dpatches(b, d) for d in ds], [2]) for ds in cotangents],
                                axis=3)  # [N, g, 1, sum T]
             X = b.mul(X, live)
-            count = b.op("Max", [b.reshape(b.reduce_sum(live, [0, 2, 3], keepdims=False), [-1, 1, 1]), b.const(1.0)])
+            count = b.reshape(emit_live_count(b, live, masked, [0, 2, 3]), [-1, 1, 1])
         X = b.reshape(b.transpose(X, [1, 2, 0, 3]), [0, 0, -1])  # [g, Cg, N sum T]
         A = b.div(emit_gram(b, X, 3), count or emit_dim(b, X, 2))
         D = emit_concat(

@@ -66,7 +66,7 @@ class EmbeddingKron(KronBlock):
         if masked:  # the lookups some seed's cotangent depends on
             live = emit_concat(b, [b.reshape(emit_live(b, [b.reshape(d, [-1, self.dim]) for d in ds], [1]), [-1])
                                    for ds in cotangents], axis=0)
-        counts, rows = emit_token_counts(b, idx, self.vocab, live)
+        counts, rows = emit_token_counts(b, idx, self.vocab, live, masked)
         A = b.div(counts, rows)
         D = emit_concat(b, [b.reshape(d, [-1, self.dim]) for ds in cotangents for d in ds], axis=0)
         G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0))

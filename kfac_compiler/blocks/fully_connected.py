@@ -90,12 +90,12 @@ class FullyConnectedMixin:
 
     def _emit_masked_rows(self, b, inputs, cotangents, masked):
         """(a~ rows [R*N*T, in(+1)], their count): every row, or with `masked` the rows some
-        seed depends on (the others zeroed) and their number (at least 1)."""
+        seed depends on (the others zeroed) and their number (ops.emit_live_count)."""
         X = emit_concat(b, [self._emit_rows(b, x) for x in inputs], axis=0)
         if not masked:
             return X, emit_dim(b, X, 0)
         live = self._emit_live_rows(b, cotangents)
-        return b.mul(X, live), emit_live_count(b, live)
+        return b.mul(X, live), emit_live_count(b, live, masked)
 
     def _np_masked_rows(self, inputs, cotangents, masked):
         """numpy twin of _emit_masked_rows."""

@@ -5,7 +5,7 @@ statistics.py, can import them without importing either.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -82,9 +82,27 @@ def emit_live(b: GraphBuilder, deltas: Sequence[str], axes: Sequence[int]) -> st
     return b.cast(b.op("Greater", [peak, b.const(0.0)]), b.float_type)
 
 
-def emit_live_count(b: GraphBuilder, live: str) -> str:
-    """The number of live rows, at least 1 (a batch whose rows are all masked gives 0 / 1)."""
-    return b.op("Max", [b.reduce_sum(live, None), b.const(1.0)])
+LiveCount = Callable[[str], str]
+"""`masked` as a block with masks_rows may receive it: True, or a callable the number of live
+rows passes through before it divides an activation statistic: a data-parallel step's
+reduction point (backend/factors.py), which makes it the ranks' mean number, so that the
+ranks' mean of (sum over their live rows) / (that number) is the global batch's mean over its
+live rows, where ranks hold different numbers of them."""
+
+SHARED_COUNT_FLOOR = 1e-9
+"""The divisor's floor after a LiveCount: the ranks' mean number of live rows is 1/P at least
+when any rank has one (a floor of 1 would then be wrong); when none has, every sum over live
+rows is 0 and so is the statistic."""
+
+
+def emit_live_count(b: GraphBuilder, live: str, masked: bool | LiveCount = True,
+                    axes: Sequence[int] | None = None) -> str:
+    """The number of live rows (summed over `axes`, None: all), at least 1 (a batch whose rows
+    are all masked gives 0 / 1); with a LiveCount `masked`, that number passed through it."""
+    total = b.reduce_sum(live, axes)
+    if callable(masked):
+        return b.op("Max", [masked(total), b.const(SHARED_COUNT_FLOOR)])
+    return b.op("Max", [total, b.const(1.0)])
 
 
 def np_live(deltas: Sequence, axes: Sequence[int]) -> np.ndarray:
@@ -93,17 +111,19 @@ def np_live(deltas: Sequence, axes: Sequence[int]) -> np.ndarray:
     return (peak > 0).astype(np.float64)
 
 
-def emit_token_counts(b: GraphBuilder, idx: str, vocab: int, live: str | None = None) -> tuple[str, str]:
+def emit_token_counts(b: GraphBuilder, idx: str, vocab: int, live: str | None = None,
+                      masked: bool | LiveCount = True) -> tuple[str, str]:
     """(counts [vocab] of the ids `idx` [rows], their total): how often each row of an
     embedding table is looked up, the diagonal of its one-hot input's second moment. `live`
-    [rows] (0/1): count only those rows (a weighted loss's masked positions left out)."""
+    [rows] (0/1): count only those rows (a weighted loss's masked positions left out), their
+    total by emit_live_count(live, masked)."""
     ones = b.op("Expand", [b.const(np.ones(1)), b.op("Shape", [idx])]) if live is None else live
     if b.opset >= 16:
         counts = b.op("ScatterElements", [b.const(np.zeros(vocab)), idx, ones], axis=0, reduction="add", hint="counts")
     else:
         onehot = b.op("OneHot", [idx, b.const(np.asarray([vocab], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1)
         counts = b.reduce_sum(onehot if live is None else b.mul(onehot, b.unsqueeze(live, [1])), [0])
-    return counts, (emit_dim(b, idx, 0) if live is None else emit_live_count(b, live))
+    return counts, (emit_dim(b, idx, 0) if live is None else emit_live_count(b, live, masked))
 
 
 def np_token_counts(idx: np.ndarray, vocab: int, live: np.ndarray | None = None) -> np.ndarray:

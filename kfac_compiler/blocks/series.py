@@ -132,7 +132,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
             live = [emit_live(b, [b.reshape(d, [-1, self.n_out]) for d in ds], [1]) for ds in cotangents]
             rows = [b.mul(r, m) for r, m in zip(rows, live)]
             pairs = emit_concat(b, [b.mul(live[u + 1], live[u]) for u in range(self.R - 1)], axis=0)
-            count = emit_live_count(b, pairs)
+            count = emit_live_count(b, pairs, masked)
         X1 = emit_concat(b, rows[1:], axis=0)
         X0 = emit_concat(b, rows[:-1], axis=0)
         out["A_1"] = b.div(b.matmul(b.transpose(X1, [1, 0]), X0), count or emit_dim(b, X1, 0))

@@ -197,10 +197,10 @@ class TiedKronBase(TiedMixin, KronBlock):
             live_ids = b.reshape(self._emit_live(b, cotangents, self.lookups, D), [-1])
             live_rows = self._emit_live(b, cotangents, self.heads, V)
             X = b.mul(X, live_rows)
-        counts, rows = emit_token_counts(b, idx, V, live_ids)
+        counts, rows = emit_token_counts(b, idx, V, live_ids, masked)
         A_V = b.div(counts, rows)
         G_D = GramStatistic(self._emit_delta_rows(b, cotangents, self.lookups, D), n)
-        A_D = GramStatistic(X, emit_dim(b, X, 0) if live_rows is None else emit_live_count(b, live_rows))
+        A_D = GramStatistic(X, emit_dim(b, X, 0) if live_rows is None else emit_live_count(b, live_rows, masked))
         Dh = self._emit_delta_rows(b, cotangents, self.heads, V)
         G_V = b.div(b.reduce_sum(b.mul(Dh, Dh), [0]), n) if self.vocab_diag else GramStatistic(Dh, n)
         return {"A_V": A_V, "G_D": G_D, "A_D": A_D, "G_V": G_V}

@@ -98,7 +98,8 @@ class Kfac(Optimizer):
         return self._sub_batch(self.config.stats_batch_size, self.cycle.count)
 
     def step_options(self, first: bool = False) -> KfacStepOptions:
-        """The kfac_step this run's settings and batch need (`first`: the first step's)."""
+        """The kfac_step this run's settings and batch need (`first`: the first step's, or
+        without the If (stats_conditional) a step's that takes no statistics)."""
         cfg = self.config
         # momentum_type only where qmodel does not imply it: one graph serves regular and qmodel
         kind = cfg.momentum_type if cfg.momentum_type in ("adam", "qmodel_fixedmu") else None
@@ -118,8 +119,12 @@ class Kfac(Optimizer):
         """With cov_update_period > 1 the step's statistics sit in an If on hp/update_stats, so
         that the steps without them (and the first step) share its session; with statistics
         on every step they run unconditionally (the If costs a little on every step), and the
-        first step has a statistics-free variant."""
-        return self.config.cov_update_period > 1
+        first step has a statistics-free variant. A data-parallel run does without the If: its
+        statistics' terms that are not linear in the batch (generic blocks, masked rows) and
+        ekfac's S are averaged over the ranks at cuts inside the statistics, which no If
+        admits, so its steps without statistics run the statistics-free variant instead (a
+        second session; docs/distributed.md)."""
+        return self.config.cov_update_period > 1 and self.trainer.ranks == 1
 
     def step_program(self, first: bool = False):
         """The fused K-FAC step (see stats_conditional), memoized on what its options depend
@@ -249,7 +254,9 @@ class Kfac(Optimizer):
     def accumulate_options(self) -> AccumulateOptions:
         cfg = self.config
         return AccumulateOptions(weighted=self.trainer.weighted, mode=cfg.mode, num_samples=cfg.num_samples,
-                                 stats_batch=self.stats_batch(), with_stats=True, stats_if=self.stats_conditional,
+                                 stats_batch=self.stats_batch(),
+                                 with_stats=self.stats_conditional or self.stats_due(self.trainer.step_count),
+                                 stats_if=self.stats_conditional,
                                  layers=self.groups.kfac_layers)
 
     def micro_batch(self, data: dict[str, Any]) -> tuple[dict[str, float], bool]:
@@ -310,7 +317,7 @@ class Kfac(Optimizer):
         feed: dict[str, np.ndarray] = dict(data)
         inverse_ok = float("nan")
         w_new = None
-        prog = self.step_program(first)
+        prog = self.step_program(first or not stats)  # (with the If, one program whatever first)
         if first:
             # the very first step is preconditioned by its own batch: statistics, inverses, step
             self.run_statistics(data, data)

@@ -76,7 +76,8 @@ class Stage:
 MODEL_POINT, LOSS_AFTER_POINT = "quadratic model terms", "loss after the update"
 STAGES = (
     Stage("local", "loss, gradients and this batch's factor statistics",
-          (LOSS_POINT, GRADIENTS_POINT, C.FACTOR_STATISTICS_POINT, C.STATE_STATISTICS_POINT)),
+          (LOSS_POINT, GRADIENTS_POINT, C.STATISTICS_TERMS_POINT, C.FACTOR_STATISTICS_POINT,
+           C.STATE_STATISTICS_POINT)),
     Stage("precondition", "P = (F + damping)^-1 g, dot products, the quadratic model's terms", (MODEL_POINT,)),
     Stage("update", "(alpha, mu), the update, new parameters and velocity, the loss after it, metrics",
           (LOSS_AFTER_POINT,)),
