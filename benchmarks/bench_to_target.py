@@ -200,7 +200,8 @@ def cmd_digits(args, say, run):
         marks = tuple(max(1, k // args.scale) for k in marks)
         last = max(marks)
         plan, x, y = zoo_case(name)
-        say(f"\n== {name} (batch {bs}, {len(y)} examples, device {args.device}) ==")
+        say(f"\n== {name} (batch {bs}, {len(y)} examples, device {args.device}"
+            + (f"; K-FAC with {json.dumps(knobs)}" if knobs else "") + ") ==")
         if name not in cached:
             adam = tuned_adam(plan, x, y, bs, last, args.device, checkpoints=marks)
             goals = {}  # Adam's steps -> (best lr, target loss, Adam seconds)
