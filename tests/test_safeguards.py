@@ -117,8 +117,8 @@ def spike_trainer(**kw) -> Trainer:
 
 def test_an_update_that_spikes_the_next_loss_is_undone():
     """Without damping adaptation no update is checked by a loss after it. Step 0 (lr 11)
-    raises the batch loss ~100x; step 1 on the same batch sees the spike (above 10x the
-    last applied step's loss), is withheld, and finds the batch's loss without the update
+    raises the batch loss ~100x; step 1 on the same batch sees the spike (above the default
+    3x the last applied step's loss), is withheld, and finds the batch's loss without the update
     back at step 0's: the update is undone (theta - velocity, in float32 as numpy computes
     it), the damping is multiplied by damping_rejection_factor, nothing counts as applied."""
     tr = spike_trainer(learning_rate=11.0)

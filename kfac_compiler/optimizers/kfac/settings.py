@@ -98,7 +98,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     max_momentum: float = 1.0
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
-    loss_spike_factor: float | None = 10.0
+    loss_spike_factor: float | None = 3.0  # 10 until benchmarks/results/2026-11-29-damping-ablation.md
     loss_spike_window: int = 10
     precon_power: float = -1.0  # kfac-jax's name: the step preconditions with (F + damping)^precon_power
     param_groups: list[Any] | None = None  # first-order groups: [{"kind"/"params"/"layers": ..., "optimizer": "adam", ...}]
