@@ -519,17 +519,20 @@ def _real_table(rows: list[dict], steps: int) -> str:
     return harness.table(head, out)
 
 
+def fixture_cases(fixtures: Path, only) -> list[tuple[str, dict]]:
+    """(case, manifest entry) of every real-export fixture, of the families `only` (None: all)."""
+    manifest = json.loads((fixtures / "manifest.json").read_text())
+    return [(case, entry) for case, entry in manifest.items() if not only or entry["family"] in only]
+
+
 def cmd_real_exports(args, say, run):
     """Real exports (tests/fixtures/real: ResNet, MobileNet v2/v3, HF GPT-2/BERT, the
     hand-written GPT, nn.LSTM/nn.GRU LMs from both torch exporters): what the compiler makes of
     each, and K-FAC against Adam on the digits (16x16 RGB images for the CNNs, rows of pixel
     tokens with next-pixel targets for the LMs; models/real_data.py). No torch needed."""
     fixtures = Path(args.fixtures)
-    manifest = json.loads((fixtures / "manifest.json").read_text())
     rows = []
-    for case, entry in manifest.items():
-        if args.only and entry["family"] not in args.only:
-            continue
+    for case, entry in fixture_cases(fixtures, args.only):
         if entry.get("status") != "ok":
             rows.append({"fixture": case, "compiles": f"not exported: {entry.get('status')}"})
             continue
@@ -591,11 +594,8 @@ def cmd_real_exports_check(args, say, run):
     """Every real export (tests/fixtures/real): compiles, coverage, gradients against torch's
     (the table of issue 38's "Measured"). No training, no torch needed."""
     fixtures = Path(args.fixtures)
-    manifest = json.loads((fixtures / "manifest.json").read_text())
     rows = []
-    for case, entry in manifest.items():
-        if args.only and entry["family"] not in args.only:
-            continue
+    for case, entry in fixture_cases(fixtures, args.only):
         if entry.get("status") != "ok":
             rows.append({"fixture": case, "family": entry["family"], "exporter": entry["exporter"],
                          "compiles": f"not exported: {entry.get('status')}"})
