@@ -293,10 +293,12 @@ def test_manifest_records_ties_buffers_and_the_learnt_scalar(tmp_path):
     by_torch = {e["torch"]: i for i, e in man["initializers"].items() if "torch" in e and "copy_of" not in e}
     assert by_torch["temperature"] in plan.trainable
     assert all(by_torch[b] in plan.frozen for b in ("pos", "cos", "sin"))
-    # without the manifest the rule decides: the position tables train, the temperature is frozen
+    # without the manifest the constants rule decides: the position table trains, the rotary
+    # cos/sin tables are constants (rule 6: cos^2 + sin^2 = 1), the temperature is frozen
     del model.metadata_props[:]
     rule = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
-    assert all(by_torch[b] in rule.trainable for b in ("pos", "cos", "sin")) and by_torch["temperature"] in rule.frozen
+    assert by_torch["pos"] in rule.trainable and by_torch["temperature"] in rule.frozen
+    assert all(by_torch[b] in rule.frozen for b in ("cos", "sin"))
 
 
 def test_lstm_weights_get_structured_blocks(tmp_path):
