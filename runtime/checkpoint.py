@@ -151,7 +151,7 @@ def _scratch(trainer: Trainer, slot: str) -> bool:
 def _param_shapes(trainer: Trainer) -> dict[str, tuple[int, ...]]:
     """The shapes of the parameters a flat slot concatenates (the optimizer's flat_params: K-FAC's
     leave out its parameter groups', which keep per-parameter slots)."""
-    return {p: tuple(trainer.store.spec(p)[0]) for p in trainer.policy.flat_params()}
+    return trainer.policy.flat_shapes()
 
 
 def stored_state(trainer: Trainer) -> dict[str, np.ndarray]:

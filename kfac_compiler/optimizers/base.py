@@ -109,6 +109,10 @@ class Optimizer:
         leave it). Checkpoints and the host's roll back split the slot by them."""
         return list(self.trainer.params)
 
+    def flat_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{param: shape} of flat_params, in order: how a flat slot splits (checkpoints, roll back)."""
+        return {p: tuple(self.trainer.store.spec(p)[0]) for p in self.flat_params()}
+
     def host_state(self) -> dict[str, Any]:
         """The optimizer's host-side state (checkpointed with the device state)."""
         return {}

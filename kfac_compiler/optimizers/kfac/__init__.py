@@ -413,7 +413,7 @@ class Kfac(Optimizer):
         or a loss spike."""
         tr = self.trainer
         store = tr.store
-        shapes = {p: tuple(store.spec(p)[0]) for p in self.flat_params()}
+        shapes = self.flat_shapes()
         theta = {p: store.to_numpy(p) for p in shapes}
         # velocity/<p> or the multi-tensor step's flat velocity/* (and adam momentum's grad_velocity)
         kept = {kind: state_values(store, kind, shapes) for kind in (C.VELOCITY, C.GRAD_VELOCITY)}
