@@ -117,6 +117,7 @@ class Layout:
         self.multi_tensor = bool(multi_tensor) and len(self.params) > 0
         self.groups = concat_groups(self.shapes)
         self.order = [p for group in self.groups for p in group]  # the concatenation's order
+        self._packed: dict[tuple[str, ...], dict[str, str]] = {}  # pack's chunks -> what it packed
 
     def __len__(self) -> int:
         return 1 if self.multi_tensor else len(self.params)
@@ -130,12 +131,17 @@ class Layout:
             return [per_param[p] for p in self.params]
         b = self.b
         flat = [per_param[p] if len(self.shapes[p]) == 1 else b.reshape(per_param[p], [-1]) for p in self.order]
-        return [flat[0] if len(flat) == 1 else b.op("Concat", flat, axis=0, hint="multi_tensor")]
+        chunks = [flat[0] if len(flat) == 1 else b.op("Concat", flat, axis=0, hint="multi_tensor")]
+        self._packed[tuple(chunks)] = {p: per_param[p] for p in self.params}
+        return chunks
 
     def unpack(self, chunks: Chunks) -> dict[str, str]:
-        """{param: tensor} of a vector's chunks."""
+        """{param: tensor} of a vector's chunks; a vector `pack` made unpacks to the tensors it
+        packed (no Split: an emitter need not track which of its vectors it changed)."""
         if not self.multi_tensor:
             return dict(zip(self.params, chunks))
+        if tuple(chunks) in self._packed:
+            return dict(self._packed[tuple(chunks)])
         b, (flat,) = self.b, chunks
         sizes = [sum(self.size(p) for p in group) for group in self.groups]
         pieces = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]

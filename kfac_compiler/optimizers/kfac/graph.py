@@ -34,7 +34,6 @@ from kfac_compiler.optimizers.base import (
     Gram,
     local_loss_and_grads,
     reduced_loss_and_grads,
-    regularized,
 )
 from kfac_compiler.optimizers.first_order import clip_scale, regularized_chunks
 from kfac_compiler.optimizers.groups import GroupSpec
@@ -86,22 +85,21 @@ STAGES = (
 
 @dataclass
 class Local:
-    """What the local stage hands on: the loss, the gradients (raw and with weight decay) and
-    the finiteness terms gathered so far. With clipping, `scale` (s, the gradient's factor) and
-    `raw_sq` (|raw|^2, its norm before clipping); with accumulation, `batch_grads`: this
-    micro-batch's own raw gradient (local), which the quadratic model's linear terms use. In
-    the multi-tensor layout `flat` holds the vectors over the concatenation ("raw", "g", and
-    "t", theta), in the step Layout's chunks, and `grads` is the per-parameter gradient only
-    once precondition_stage needs it (per_param_gradient)."""
+    """What the local stage hands on: the loss, the raw gradients of every parameter (a
+    parameter group's included: the groups' rules read theirs), `vectors` over K-FAC's own
+    parameters in the step Layout's chunks ("raw", "g" the gradient clipped and with weight
+    decay, "t" theta) and the finiteness terms gathered so far. With clipping, `scale` (s, the
+    gradient's factor) and `raw_sq` (|raw|^2, its norm before clipping); with accumulation,
+    `batch_grads`: this micro-batch's own raw gradient (local), which the quadratic model's
+    linear terms use."""
 
     loss: str
     raw_grads: dict[str, str]
-    grads: dict[str, str]
+    vectors: dict[str, Chunks]
     ok_terms: list[str]
     scale: str | None = None
     raw_sq: str | None = None
     batch_grads: dict[str, str] | None = None
-    flat: dict[str, Chunks] | None = None
 
 
 @dataclass
@@ -122,16 +120,14 @@ class QuadraticModel:
 
 @dataclass
 class Preconditioned:
-    """P (of g, or of m with adam momentum), the last update v, their dot products, the model;
-    `accumulated`: adam momentum's new m (None otherwise)."""
+    """The vectors in the step Layout's chunks (Local.vectors', "P" of g, or of m with adam
+    momentum, "v" the last update, "m" adam momentum's new gradient sum, "k" with
+    accumulation), their dot products and the model."""
 
-    precond: dict[str, str]
-    velocity: dict[str, str]
+    vectors: dict[str, Chunks]
     dots: Gram
     model: QuadraticModel | None
-    accumulated: dict[str, str] | None = None
     linear: tuple[str, str] | None = None  # (o.P, o.v), o the objective's gradient the predicted change uses
-    flat: dict[str, Chunks] | None = None  # multi-tensor: the vectors over the concatenation (Local.flat's, P, v, m)
 
 
 @dataclass(frozen=True)
@@ -195,84 +191,60 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
         raise ValueError(f"kfac_step: momentum_type {kind!r} does not go with qmodel={qmodel}")
     groups.hold(em, o.groups)
     lay = Layout(em, bool(o.multi_tensor))  # K-FAC's own parameters (the groups' keep their layout)
-    local = local_stage(em, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch, clip=o.clip,
-                        accumulate=o.accumulate, lay=lay)
+    local = local_stage(em, lay, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch, clip=o.clip,
+                        accumulate=o.accumulate)
     local.ok_terms += groups.emit_updates(em, o.groups, local.raw_grads)
-    pre = precondition_stage(em, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam", lay=lay)
-    update_stage(em, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
-                 loss_limit=o.loss_limit, decay=o.decay, lay=lay)
+    pre = precondition_stage(em, lay, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
+    update_stage(em, lay, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
+                 loss_limit=o.loss_limit, decay=o.decay)
 
 
 # --------------------------------------------------------------------------- stage 1: local
-def local_stage(em: Emission, with_stats: bool, stats_if: bool, mode: str, num_samples: int, l2: bool,
-                stats_batch: int | None, clip: bool = False, accumulate: bool = False,
-                lay: Layout | None = None) -> Local:
-    """Loss, gradients (clipped with `clip`, + l2 theta), and with_stats the factors'
-    moving-average updates from this batch's statistics on its first stats_batch examples
-    (inside an If on hp/update_stats with stats_if). With `accumulate` the gradients are the
-    accumulation cycle's mean (the loss and statistics this micro-batch's). With a
-    multi-tensor `lay` the clipping and the l2 term run once over the concatenation."""
+def local_stage(em: Emission, lay: Layout, with_stats: bool, stats_if: bool, mode: str, num_samples: int,
+                l2: bool, stats_batch: int | None, clip: bool = False, accumulate: bool = False) -> Local:
+    """Loss, gradients (clipped with `clip`, + l2 theta, in `lay`'s chunks: once over the
+    concatenation in the multi-tensor layout), and with_stats the factors' moving-average
+    updates from this batch's statistics on its first stats_batch examples (inside an If on
+    hp/update_stats with stats_if). With `accumulate` the gradients are the accumulation
+    cycle's mean (the loss and statistics this micro-batch's)."""
     b = em.b
     reuse = with_stats and mode == "empirical" and stats_batch is None
     loss, own, cots = local_loss_and_grads(em, em.layer_cotangent_targets() if reuse else [])
     loss, raw_grads = reduced_loss_and_grads(em, loss, own, accumulate)
     scale = raw_sq = None
-    grads = raw_grads
-    flat = None
-    if lay is not None and lay.multi_tensor:
-        flat = {"raw": lay.pack(raw_grads), "t": lay.pack({p: p for p in lay.params})}
-        g = flat["raw"]
-        if clip:
-            raw_sq = lay.sum_squares(g)
-            scale = clip_scale(em, raw_sq)
-            g = lay.map(lambda x: {"g": b.mul(x, scale)}, x=g)["g"]
-        flat["g"] = regularized_chunks(em, lay, g, flat["t"], l2)
-    elif clip:  # torch's clip_grad_norm_, on the (reduced, accumulated) gradient before l2's term
-        raw_sq = b.sum([b.reduce("ReduceSumSquare", raw_grads[p], None) for p in em.parts.params])
+    vectors = {"raw": lay.pack(raw_grads), "t": lay.pack({p: p for p in lay.params})}
+    g = vectors["raw"]
+    if clip:  # torch's clip_grad_norm_, on the (reduced, accumulated) gradient before l2's term
+        raw_sq = lay.sum_squares(g)
         scale = clip_scale(em, raw_sq)
-        grads = {p: b.mul(g, scale) for p, g in raw_grads.items()}
-    if flat is None:
-        grads = regularized(em, grads, l2)
+        g = lay.map(lambda x: {"g": b.mul(x, scale)}, x=g)["g"]
+    vectors["g"] = regularized_chunks(em, lay, g, vectors["t"], l2)
     ok_terms = [loss]
     if with_stats:
         em.factor_updates(em.sub_batch_pass(stats_batch), cots, mode, num_samples, ok_terms, conditional=stats_if)
-    return Local(loss, raw_grads, grads, ok_terms, scale, raw_sq, own if accumulate else None, flat)
-
-
-def per_param_gradient(lay: Layout, local: Local) -> dict[str, str]:
-    """The gradient the step preconditions, per parameter: in the multi-tensor layout the
-    concatenation's, split back where clipping or l2 changed it (a Split per group of one
-    trailing shape, not a node per parameter)."""
-    if local.flat is None or local.flat["g"] is local.flat["raw"]:
-        return local.grads
-    return lay.unpack(local.flat["g"])
+    return Local(loss, raw_grads, vectors, ok_terms, scale, raw_sq, own if accumulate else None)
 
 
 # --------------------------------------------------------------------------- stage 2: precondition
-def precondition_stage(em: Emission, local: Local, qmodel: bool, l2: bool,
-                       qmodel_batch: int | None, adam: bool = False, lay: Layout | None = None) -> Preconditioned:
+def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2: bool,
+                       qmodel_batch: int | None, adam: bool = False) -> Preconditioned:
     """P, the velocity, their dot products with g, and with qmodel the quadratic model's
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
-    shared). With `adam` (TF K-FAC's momentum_type) P preconditions m = mu m + g instead. In
-    the multi-tensor layout (local.flat) the velocity and adam's m are flat slots and the dot
-    products run over the concatenation (flat_preconditioned)."""
-    if lay is not None and local.flat is not None:
-        accumulated, precond, velocity, dots, flat = flat_preconditioned(em, lay, local, adam)
-    else:
-        flat = None
-        accumulated = adam_momentum(em, local.grads) if adam else None
-        precond = em.precondition(accumulated or local.grads)
-        velocity = {p: em.state_input(C.velocity(p), tuple(em.view.shapes[p]), "zeros") for p in em.parts.params}
-        vectors = {"g": local.grads, "P": precond, "v": velocity}
-        if accumulated is not None:
-            vectors["m"] = accumulated
-        if l2 or local.scale is not None:
-            vectors["raw"] = local.raw_grads
-        if l2:
-            vectors["t"] = {p: p for p in em.parts.params}  # theta, for the regularizer's change
-        if local.batch_grads is not None:
-            vectors["k"] = local.batch_grads  # this micro-batch's own gradient
-        dots = Gram(em, vectors)
+    shared). With `adam` (TF K-FAC's momentum_type) P preconditions m <- hp/momentum m + g
+    (the objective's gradient, l2 included; state grad_velocity) instead. The velocity and m
+    are `lay`'s state slots and the dot products run in its chunks; P is per block, so per
+    parameter (packed once), as are the JVPs' tangents."""
+    b, vectors = em.b, dict(local.vectors)
+    if adam:
+        mu = em.hp(C.MOMENTUM)
+        vectors["m"] = lay.map(lambda m, g: {"m": b.add(b.mul(mu, m), g)},
+                               m=lay.state(em, C.GRAD_VELOCITY), g=vectors["g"])["m"]
+    precond = em.precondition(lay.unpack(vectors["m" if adam else "g"]))
+    vectors["P"] = lay.pack(precond)
+    vectors["v"] = lay.state(em, C.VELOCITY)
+    if local.batch_grads is not None:
+        vectors["k"] = lay.pack(local.batch_grads)  # this micro-batch's own gradient
+    dots = Gram(em, vectors, lay)
     if local.raw_sq is not None:
         dots.known("raw", "raw", local.raw_sq)
     linear = predicted_linear_terms(em, local, dots, l2)
@@ -280,37 +252,14 @@ def precondition_stage(em: Emission, local: Local, qmodel: bool, l2: bool,
     if qmodel:
         damping = em.hp(C.DAMPING)
         if l2:
-            damping = em.b.add(damping, em.hp(C.L2))
-        if flat is not None:  # the JVPs take per-parameter tangents: v split back
-            velocity = cast(Layout, lay).unpack(flat["v"])
-        model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond, velocity,
-                                                             dots, damping, l2, linear, local.scale,
+            damping = b.add(damping, em.hp(C.L2))
+        model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond,
+                                                             lay.unpack(vectors["v"]), dots, damping, l2, linear,
+                                                             local.scale,
                                                              "k" if local.batch_grads is not None else None))
     elif local.batch_grads is not None:  # local dot products: every rank then predicts the same change
         linear = em.reduce_mean(MODEL_POINT, linear)
-    return Preconditioned(precond, velocity, dots, model, accumulated, linear, flat)
-
-
-def flat_preconditioned(em: Emission, lay: Layout, local: Local,
-                        adam: bool) -> tuple[dict[str, str] | None, dict[str, str], dict[str, str], Gram,
-                                             dict[str, Chunks]]:
-    """precondition_stage's vectors in the multi-tensor layout: (adam's m per parameter or
-    None, P per parameter, {} for the velocity (a flat slot: split back only for the JVPs),
-    the Gram over the concatenation, the flat vectors: Local.flat's, "P", "v", "m" with adam,
-    "k" with accumulation). P is per block, so per parameter; it is concatenated once."""
-    b, flat = em.b, dict(cast(dict, local.flat))
-    accumulated = None
-    if adam:  # m <- hp/momentum m + g over the concatenation, in grad_velocity/*
-        mu = em.hp(C.MOMENTUM)
-        flat["m"] = lay.map(lambda m, g: {"m": b.add(b.mul(mu, m), g)},
-                            m=lay.state(em, C.GRAD_VELOCITY), g=flat["g"])["m"]
-        accumulated = lay.unpack(flat["m"])
-    precond = em.precondition(accumulated or per_param_gradient(lay, local))
-    flat["P"] = lay.pack(precond)
-    flat["v"] = lay.state(em, C.VELOCITY)
-    if local.batch_grads is not None:
-        flat["k"] = lay.pack(local.batch_grads)  # this micro-batch's own gradient
-    return accumulated, precond, {}, Gram(em, flat, lay), flat
+    return Preconditioned(vectors, dots, model, linear)
 
 
 def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> tuple[str, str]:
@@ -327,17 +276,6 @@ def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> 
     b, l2_coeff = em.b, em.hp(C.L2)
     along_p, along_v = (b.add(dots(key, x), b.mul(l2_coeff, dots("t", x))) for x in ("P", "v"))
     return along_p, along_v
-
-
-def adam_momentum(em: Emission, grads: dict[str, str]) -> dict[str, str]:
-    """TF K-FAC's "adam" momentum: m <- hp/momentum * m + g (the objective's gradient, l2
-    included), in the state slots grad_velocity/<p>."""
-    b, mu = em.b, em.hp(C.MOMENTUM)
-    out = {}
-    for p in em.parts.params:
-        m = em.state_input(C.grad_velocity(p), tuple(em.view.shapes[p]), "zeros")
-        out[p] = b.add(b.mul(mu, m), grads[p])
-    return out
 
 
 def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str,
@@ -385,9 +323,8 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
 
 
 # --------------------------------------------------------------------------- stage 3: update
-def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
-                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False,
-                 lay: Layout | None = None) -> None:
+def update_stage(em: Emission, lay: Layout, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
+                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False) -> None:
     """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
     With `loss_limit` a batch loss above hp/loss_limit withholds the step (the spike guard).
     With `decay` the new parameters are (1 - alpha w) theta + update (decoupled weight decay,
@@ -409,15 +346,12 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
                 gap = b.add(gap, b.mul(b.mul(b.const(0.5), em.hp(C.L2)), dots("t", "t")))
         solve = solve_fixed_mu if fixed_mu else solve_quadratic_model
         a, mu, change = solve(em, pre.model, gap)
-    elif pre.accumulated is not None:  # adam momentum: -lr (F + damping)^-1 m, clipped by m.F^-1 m
+    elif "m" in pre.vectors:  # adam momentum: -lr (F + damping)^-1 m, clipped by m.F^-1 m
         lr, reported_mu, mu = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM), b.const(0.0)
         a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("m", "P"))))
     else:
         lr, mu = em.hp(C.LEARNING_RATE), em.hp(C.MOMENTUM)
         a = b.neg(b.mul(lr, norm_constraint(em, lr, dots("g", "P"))))
-    params = em.parts.params
-    if pre.flat is None:
-        update = {p: b.add(b.mul(a, pre.precond[p]), b.mul(mu, pre.velocity[p])) for p in params}
     # |a P + mu v|^2 and g . update from the Gram entries
     update_sq = b.add(
         b.add(b.mul(b.mul(a, a), dots("P", "P")), b.mul(b.mul(b.const(2.0), b.mul(a, mu)), dots("P", "v"))),
@@ -426,26 +360,14 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
     if pre.model is None:
         linear = pre.linear or (dots("g", "P"), dots("g", "v"))
         change = b.add(b.mul(a, linear[0]), b.mul(mu, linear[1]))  # g.u
-        if pre.accumulated is not None and power == -1:  # + a^2 m.P / 2 (mu = 0 for adam)
+        if "m" in pre.vectors and power == -1:  # + a^2 m.P / 2 (mu = 0 for adam)
             change = b.add(change, b.mul(b.const(0.5), b.mul(b.mul(a, a), dots("m", "P"))))
     ok_terms = local.ok_terms + [update_sq, a, mu]
     ok_flags: list[str] = []
     shrink = None  # the decay's fraction alpha w
     if decay:
         shrink = b.mul(b.op("Max", [b.neg(a), b.const(0.0)]), em.hp(DECOUPLED_DECAY))
-    if pre.flat is not None:
-        new_params = flat_update(em, cast(Layout, lay), pre.flat, a, mu, shrink)
-    else:
-        if shrink is not None:
-            keep = b.sub(b.const(1.0), shrink)
-            new_params = {p: b.add(b.mul(keep, p), update[p]) for p in params}
-        else:
-            new_params = {p: b.add(p, update[p]) for p in params}
-        for p in params:
-            em.state_output(p, new_params[p])
-            em.state_output(C.velocity(p), update[p])
-            if pre.accumulated is not None:
-                em.state_output(C.grad_velocity(p), pre.accumulated[p])
+    new_params = apply_update(em, lay, pre.vectors, a, mu, shrink)
     if loss_limit:  # NaN fails the test too (as it fails the finiteness one)
         ok_flags.append(b.op("LessOrEqual", [loss, em.hp(LOSS_LIMIT)]))
     if loss_after:
@@ -463,14 +385,15 @@ def update_stage(em: Emission, local: Local, pre: Preconditioned, l2: bool, loss
     em.metric(C.FINITE, b.cast(ok, FLOAT))
 
 
-def flat_update(em: Emission, lay: Layout, flat: dict[str, Chunks], a: str, mu: str,
-                shrink: str | None) -> dict[str, str]:
-    """The update a P + mu v over the concatenation, written to velocity/*, the new parameters
-    theta + update (with decoupled decay (1 - shrink) theta + update) split back into the
-    parameters' state outputs, adam's m to grad_velocity/*; returns the new parameters."""
+def apply_update(em: Emission, lay: Layout, vectors: dict[str, Chunks], a: str, mu: str,
+                 shrink: str | None) -> dict[str, str]:
+    """The update a P + mu v in `lay`'s chunks, written to the velocity slots, the new
+    parameters theta + update (with decoupled decay (1 - shrink) theta + update) to the
+    parameters' state outputs, adam's m to the grad_velocity slots; returns the new
+    parameters."""
     b = em.b
-    update = lay.map(lambda p, v: {"u": b.add(b.mul(a, p), b.mul(mu, v))}, p=flat["P"], v=flat["v"])["u"]
-    theta = flat["t"]
+    update = lay.map(lambda p, v: {"u": b.add(b.mul(a, p), b.mul(mu, v))}, p=vectors["P"], v=vectors["v"])["u"]
+    theta = vectors["t"]
     if shrink is not None:
         keep = b.sub(b.const(1.0), shrink)
         theta = lay.map(lambda t: {"t": b.mul(keep, t)}, t=theta)["t"]
@@ -478,8 +401,8 @@ def flat_update(em: Emission, lay: Layout, flat: dict[str, Chunks], a: str, mu: 
     for p, t in new_params.items():
         em.state_output(p, t)
     lay.write_state(em, C.VELOCITY, update)
-    if "m" in flat:
-        lay.write_state(em, C.GRAD_VELOCITY, flat["m"])
+    if "m" in vectors:
+        lay.write_state(em, C.GRAD_VELOCITY, vectors["m"])
     return new_params
 
 
