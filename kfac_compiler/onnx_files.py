@@ -8,7 +8,7 @@ such name is resolved here (symbolic links followed) and refused unless it lies 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import BinaryIO
 
 import numpy as np
@@ -249,11 +249,18 @@ def needs_external(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | No
     return has_data_on_disk(model) or sum(np.asarray(v).nbytes for v in (values or {}).values()) > LAZY_EXTERNAL_BYTES
 
 
-def load_onnx(path: str) -> onnx.ModelProto:
-    """onnx.load of a file we wrote or checked before, its external data (from its folder)
-    loaded or left on disk as load_external decides."""
+def load_onnx(path: str, outside_error: Callable[[list[str]], Exception] | None = None) -> onnx.ModelProto:
+    """onnx.load of an ONNX file, its external data (from its folder) loaded or left on disk as
+    load_external decides. With `outside_error` (a file we did not write or check before: a
+    plan's, a user's) its external data must lie inside its folder: otherwise
+    outside_error(outside_locations) is raised before anything is read."""
     model = onnx.load(path, load_external_data=False)
-    load_external(model, os.path.dirname(os.path.abspath(path)))
+    folder = os.path.dirname(os.path.abspath(path))
+    if outside_error is not None:
+        outside = outside_locations(model, folder)
+        if outside:
+            raise outside_error(outside)
+    load_external(model, folder)
     return model
 
 

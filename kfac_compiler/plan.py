@@ -31,8 +31,7 @@ from kfac_compiler.losses import Loss, make_loss
 from kfac_compiler.onnx_files import (
     has_data_on_disk,
     inside,
-    load_external,
-    outside_locations,
+    load_onnx,
     pointing_into,
     tensor_array,
     write_onnx,
@@ -578,13 +577,9 @@ def _load_onnx(file: str, plan_dir: str) -> onnx.ModelProto:
     """An ONNX file of the plan, its external data (if any) read from the plan directory only."""
     try:
         with os_errors(PlanError, f"plan {plan_dir!r}: file", file, writing=False):
-            model = onnx.load(file, load_external_data=False)
-            outside = outside_locations(model, os.path.dirname(file))
-            if outside:
-                raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} names external data {outside[0]!r} "
-                                "outside the plan directory; recompile the model")
-            load_external(model, os.path.dirname(file))
-            return model
+            return load_onnx(file, lambda outside: PlanError(
+                f"plan {plan_dir!r}: {os.path.basename(file)!r} names external data {outside[0]!r} outside the plan "
+                "directory; recompile the model"))
     except (DecodeError, ValueError, RuntimeError, UnicodeDecodeError, onnx.checker.ValidationError) as e:
         raise PlanError(f"plan {plan_dir!r}: {os.path.basename(file)!r} is unreadable ({type(e).__name__}); "
                         "recompile the model") from None

@@ -515,14 +515,9 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
 def _load_file(path: str) -> onnx.ModelProto:
     """A trained .onnx file, its external data (which must lie in its folder) loaded or left
     on disk as onnx_files.load_external decides."""
-    model = onnx.load(path, load_external_data=False)
-    folder = os.path.dirname(os.path.abspath(path))
-    outside = onnx_files.outside_locations(model, folder)
-    if outside:
-        raise BridgeError(f"{path!r} names external data outside its folder ({', '.join(outside[:3])}); "
-                          "move the data files beside the model")
-    onnx_files.load_external(model, folder)
-    return model
+    return onnx_files.load_onnx(path, lambda outside: BridgeError(
+        f"{path!r} names external data outside its folder ({', '.join(outside[:3])}); move the data files beside "
+        "the model"))
 
 
 def _write(module: nn.Module, state: Mapping[str, Any], values: Mapping[str, np.ndarray]) -> None:
