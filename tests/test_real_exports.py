@@ -65,12 +65,6 @@ XFAIL: dict[tuple[str, str], str] = {
 
 # (fixture glob, check) -> the reason; strict: an xpass fails, so a fix is noticed
 XFAIL_STRICT: dict[tuple[str, str], str] = {
-    # GroupNorm(8, 8) on [N, C, T]: the optimizer writes InstanceNormalization(ones, zeros) then
-    # the affine Mul/Add, without the Reshapes of rule 5; tests/test_trainable.py keeps such an
-    # InstanceNorm at its initialisation a parameter (an InstanceNorm2d(affine=True) looks the same)
-    ("wav2vec2-dynamo", "trainable"): "GroupNorm(C, C) as InstanceNormalization(ones, zeros) without Reshapes: "
-                                      "placeholders trained (rule 5 needs the Reshapes)",
-    ("wav2vec2-dynamo", "blocks"): "the placeholders above form layers of constants",
     # torch.export without the optimizer reads the relative position bias table through
     # Transpose + GatherND (constant indices); the broadcast pattern knows Gather only
     ("swin-dynamo_noopt", "blocks"): "relative position bias table read by Transpose + GatherND: generic",
