@@ -4,14 +4,20 @@
   1. every node has a unique name (no clash with other nodes, initializers or inputs);
   2. the graph is restricted to what feeds `output` (the only graph output), dead nodes,
      unused inputs and initializers are dropped;
-  3. Identity, no-op Cast (to the type it already has) and inference-form Dropout are
-     collapsed (the output name is kept: the producer is renamed instead);
+  3. Identity, no-op Cast / CastLike (to the type it already has), identity Transpose and
+     inference-form Dropout are collapsed (the output name is kept: the producer is renamed
+     instead); a float initializer re-laid out at run time (Reshape, Unsqueeze, Squeeze,
+     Transpose, Flatten: torch.export's unsqueezed GroupNorm affine) is folded into an
+     initializer of the re-laid shape (passes/fold_params.py, `relayout_ends`), after a
+     constant-index lookup of one (Swin's GatherND of its position bias table) is rewritten
+     as a Gather of its flattened elements (passes/index_views.py);
   4. Gemm with transA=1 is rewritten as Transpose + Gemm(transA=0), so that every
      fully connected layer has its input activations as a tensor of shape [batch, in];
      SplitToSequence read only by SequenceAt at constant positions becomes Split;
   5. constant subgraphs (nodes whose inputs are all Constant-node outputs or NON-float
      initializers, e.g. shape arithmetic) are evaluated with onnx.reference and replaced
      by Constant nodes; float initializers are never folded (they may be parameters);
+     Gather(Shape(x), constant indices) of dims static in the inferred shapes is a constant;
   6. shape inference (strict off, data_prop on) fills value_info; ir_version is pinned to
      kfac_compiler.builder.IR_VERSION;
   7. fused LSTM/GRU/RNN nodes with a static sequence length are unrolled into primitive
@@ -37,7 +43,8 @@ from kfac_compiler.builder import IR_VERSION, live
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
-from kfac_compiler.passes.fold_params import fold_assembled
+from kfac_compiler.passes.fold_params import fold_assembled, relayout_ends, shape_dims
+from kfac_compiler.passes.index_views import index_views
 from kfac_compiler.passes.recurrent import lower_recurrent, weight_inputs
 
 # Ops never folded: random, or with side effects / sequences.
@@ -60,7 +67,10 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     m = fold_assembled(m, weight_inputs(m))
     m = lower_recurrent(m)
     _collapse_noops(m, output)
+    _fold_static_dims(m)
     _fold_constants(m, output)
+    m = index_views(m)
+    m = fold_assembled(m, relayout_ends(m), keep_source_name=True)
     _restrict(m, output)
     m.ir_version = IR_VERSION
     return infer_shapes(m, keep_going=True)
@@ -230,6 +240,12 @@ def _collapse_noops(m: onnx.ModelProto, output: str) -> None:
         elif op == "Cast" and len(node.input) == 1:
             src_type = types.get(node.input[0])
             noop = src_type is not None and src_type != 0 and src_type == attrs_of(node).get("to")
+        elif op == "CastLike" and len(node.input) == 2:  # torch.export's cast of an affine to the data's type
+            src_type = types.get(node.input[0])
+            noop = src_type is not None and src_type != 0 and src_type == types.get(node.input[1])
+        elif op == "Transpose" and len(node.input) == 1:  # torch.export's perm=[0, 1] before an index lookup
+            perm = attrs_of(node).get("perm")
+            noop = perm is not None and list(perm) == list(range(len(perm)))
         elif op == "Dropout":
             mask_used = len(node.output) > 1 and node.output[1] and (node.output[1] in consumed or node.output[1] == output)
             training = node.input[2] if len(node.input) > 2 else ""
@@ -274,6 +290,27 @@ def _collapse_noops(m: onnx.ModelProto, output: str) -> None:
     vis = [v for v in g.value_info if v.name not in rename]
     del g.value_info[:]
     g.value_info.extend(vis)
+
+
+def _fold_static_dims(m: onnx.ModelProto) -> None:
+    """Gather(Shape(x), constant indices) picking dims that are static in the inferred shapes
+    becomes a Constant: TorchScript reads a sequence length as `x.size(1)` even where the
+    model declares it, and a position lookup's indices are then constants (batch-less)."""
+    view = GraphView(m)
+    for idx, node in enumerate(m.graph.node):
+        shape_node = view.producer.get(node.input[0]) if node.input else None
+        if node.op_type != "Gather" or shape_node is None or shape_node.op_type != "Shape" \
+                or attrs_of(node).get("axis", 0) != 0 or len(node.input) < 2:
+            continue
+        dims, picks = shape_dims(view, shape_node), view.constant_value(node.input[1])
+        if dims is None or picks is None or picks.dtype.kind not in "iu":
+            continue
+        picked = [dims[int(i)] if -len(dims) <= int(i) < len(dims) else None for i in picks.reshape(-1)]
+        if any(not isinstance(d, int) for d in picked):
+            continue
+        value = np.asarray(picked, np.int64).reshape(picks.shape)
+        m.graph.node[idx].CopyFrom(helper.make_node("Constant", [], [node.output[0]], name=node.name,
+                                                    value=numpy_helper.from_array(value)))
 
 
 def _fold_constants(m: onnx.ModelProto, output: str) -> None:

@@ -33,16 +33,18 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kfac_compiler.builder import subgraphs
-from kfac_compiler.contract import FOLDED_PARAMS_KEY
+from kfac_compiler.contract import FOLDED_PARAMS_KEY, RECURRENT_PIECES_KEY
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 MAX_NODES = 2000  # a construction larger than this is left alone (evaluated three times otherwise)
 
 
-def fold_assembled(model: onnx.ModelProto, targets: Sequence[str]) -> onnx.ModelProto:
+def fold_assembled(model: onnx.ModelProto, targets: Sequence[str], keep_source_name: bool = False) -> onnx.ModelProto:
     """A copy of `model` with the foldable `targets` turned into initializers (the model
-    itself when none is)."""
+    itself when none is). `keep_source_name`: a target that re-lays out one source alone takes
+    the source's name (the tensor is renamed where it is read), so that a layer keeps the
+    torch parameter's name."""
     view = GraphView(model)
     cones: dict[str, _Cone] = {}
     for t in dict.fromkeys(targets):
@@ -64,6 +66,12 @@ def fold_assembled(model: onnx.ModelProto, targets: Sequence[str]) -> onnx.Model
         drop_sources |= {s for t in group for s in cones[t].sources}
     if not folded:
         return model
+    outputs = set(view.graph_outputs)
+    rename = {t: next(iter(rec["sources"])) for t, rec in record.items()
+              if keep_source_name and len(rec["sources"]) == 1 and t not in outputs
+              and sum(next(iter(rec["sources"])) in r["sources"] for r in record.values()) == 1}
+    folded = {rename.get(t, t): v for t, v in folded.items()}
+    record = {rename.get(t, t): r for t, r in record.items()}
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -79,6 +87,11 @@ def fold_assembled(model: onnx.ModelProto, targets: Sequence[str]) -> onnx.Model
         keep = [vi for vi in field if vi.name not in gone]
         del field[:]
         field.extend(keep)
+    for vi in g.value_info:
+        vi.name = rename.get(vi.name, vi.name)
+    for node in g.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
     old = {p.key: p.value for p in m.metadata_props}
     merged = {**json.loads(old.get(FOLDED_PARAMS_KEY, "{}")), **record}
     helper.set_model_props(m, {**old, FOLDED_PARAMS_KEY: json.dumps(merged, sort_keys=True)})
@@ -122,14 +135,50 @@ def _cone(view: GraphView, target: str) -> _Cone | None:
     return cone if cone.sources else None
 
 
-def static_shape(view: GraphView, node: onnx.NodeProto) -> np.ndarray | None:
-    """Shape(x)'s value when the dims it asks for are static in the inferred shapes."""
+# ops whose first output is a re-layout of their first input (the others: constant settings)
+RELAYOUT_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Transpose", "Flatten"})
+
+
+def relayout_ends(model: onnx.ModelProto) -> list[str]:
+    """The ends of chains of re-layout ops (RELAYOUT_OPS) that start at a float initializer
+    read by nothing else: what patterns looking for an initializer in an op's slot cannot see
+    through (torch.export writes a GroupNorm's affine as Unsqueeze of torch's [C] tensor).
+    `fold_assembled` folds those that are a permutation of the initializer."""
+    view = GraphView(model)
+    record = json.loads({p.key: p.value for p in model.metadata_props}.get(RECURRENT_PIECES_KEY, "{}"))
+    pieces = {p[0] for ps in record.values() for p in ps}  # the lowering's record names them
+    outputs = set(view.graph_outputs)
+    ends = []
+    for name, t in view.initializers.items():
+        if t.data_type not in FLOAT_TYPES or name in pieces:
+            continue
+        end, ops = name, []
+        while end not in outputs:
+            readers = view.consumers.get(end, [])
+            if len(readers) != 1 or readers[0].op_type not in RELAYOUT_OPS or readers[0].domain not in _DEFAULT_DOMAINS \
+                    or list(readers[0].input).count(end) != 1 or readers[0].input[0] != end:
+                break
+            ops.append(readers[0].op_type)
+            end = readers[0].output[0]
+        known = ops == ["Transpose"] and all(r.op_type == "MatMul" for r in view.consumers.get(end, []))
+        if ops and not known:  # Transpose(W) + MatMul: the matmul_transposed pattern reads it as it is
+            ends.append(end)
+    return ends
+
+
+def shape_dims(view: GraphView, node: onnx.NodeProto) -> list | None:
+    """The dims a Shape node asks for in the inferred shapes (ints where static), or None."""
     shape = view.shape(node.input[0])
     if shape is None:
         return None
     a = attrs_of(node)
-    dims = shape[slice(a.get("start", 0), a.get("end"))]
-    if not all(isinstance(d, int) for d in dims):
+    return list(shape[slice(a.get("start", 0), a.get("end"))])
+
+
+def static_shape(view: GraphView, node: onnx.NodeProto) -> np.ndarray | None:
+    """Shape(x)'s value when the dims it asks for are static in the inferred shapes."""
+    dims = shape_dims(view, node)
+    if dims is None or not all(isinstance(d, int) for d in dims):
         return None
     return np.asarray(dims, np.int64)
 
@@ -245,4 +294,4 @@ def _runs(k: np.ndarray, owner: np.ndarray, offsets: np.ndarray, order: list[str
     return out
 
 
-__all__ = ["MAX_NODES", "fold_assembled"]
+__all__ = ["MAX_NODES", "RELAYOUT_OPS", "fold_assembled", "relayout_ends", "shape_dims", "static_shape"]

@@ -17,7 +17,9 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
      parameters);
   4. it is a BatchNormalization running mean or variance;
   5. it is the scale of ones or the shift of zeros of an InstanceNormalization between two
-     Reshapes: how exporters write torch's GroupNorm (the real affine follows as Mul/Add).
+     Reshapes: how exporters write torch's GroupNorm (the real affine follows as Mul/Add);
+     with one group per channel the reshape back is a no-op an optimizer drops, and the
+     InstanceNormalization after a Reshape is read by that per-channel Mul/Add directly.
   6. what it computes before meeting the data selects none of its elements (a mask built by
      scattering constants, then overwritten by Where), or is rotation tables (cos^2 + sin^2 = 1:
      rotary embeddings' tables or inverse frequencies): passes/input_free.py.
@@ -165,12 +167,36 @@ def _group_norm_placeholder(view: GraphView, name: str) -> str | None:
         producer = view.producer.get(node.input[0])
         readers = view.consumers.get(node.output[0], [])
         if (name not in node.input[1:3] or scale is None or shift is None or not np.all(scale == 1)
-                or not np.all(shift == 0) or producer is None or producer.op_type != "Reshape"
-                or not readers or any(r.op_type != "Reshape" for r in readers)):
+                or not np.all(shift == 0) or producer is None or producer.op_type != "Reshape" or not readers):
+            return None
+        if any(r.op_type != "Reshape" for r in readers) and not _affine_follows(view, node, scale.size):
             return None
     what = "unit scale" if name == uses[0].input[1] else "zero shift"
-    return (f"constant: the {what} of InstanceNormalization {uses[0].name!r} between Reshapes (an exporter's "
+    back = all(r.op_type == "Reshape" for r in view.consumers[uses[0].output[0]])
+    where = "between Reshapes" if back else "after a Reshape, before a per-channel Mul/Add"
+    return (f"constant: the {what} of InstanceNormalization {uses[0].name!r} {where} (an exporter's "
             "GroupNorm; its own weight and bias follow as Mul/Add)")
+
+
+def _affine_follows(view: GraphView, node: onnx.NodeProto, channels: int) -> bool:
+    """GroupNorm(C, C) (one group per channel, e.g. Wav2Vec2's feature extractor): the
+    reshape back to the input's shape is a no-op the exporter's optimizer drops, so the
+    InstanceNormalization's only reader is the GroupNorm's own affine, Mul then Add by
+    `channels`-element tensors computed without the data. A real InstanceNorm reads the
+    activations themselves (no Reshape before it), and one that does read a Reshape with a
+    per-channel affine after its own would be two affines in a row."""
+    t = node.output[0]
+    for op in ("Mul", "Add"):
+        readers = view.consumers.get(t, [])
+        if len(readers) != 1 or readers[0].op_type != op or list(readers[0].input).count(t) != 1:
+            return False
+        other = next(i for i in readers[0].input if i != t)
+        shape = view.shape(other)
+        if other in view.from_inputs or shape is None or not all(isinstance(d, int) for d in shape) \
+                or int(np.prod(shape, dtype=np.int64)) != channels:
+            return False
+        t = readers[0].output[0]
+    return True
 
 
 def constant_reason(view: GraphView, name: str, learnable: set[str], literals: bool = True) -> str | None:

@@ -151,6 +151,47 @@ def test_instance_norms_that_are_not_group_norm_placeholders_stay_parameters(rng
     assert plan.frozen == []
 
 
+def group_norm_per_channel(rng, reshape: bool = True, affine: bool = True) -> onnx.ModelProto:
+    """torch.export's optimized GroupNorm(4, 4) on [N, 4, T] (Wav2Vec2's feature extractor): x
+    reshaped to [N, 4, -1], InstanceNormalization(ones, zeros), and no reshape back (a no-op
+    the optimizer drops): the GroupNorm's [4, 1] weight and bias follow as Mul/Add.
+    reshape=False: an InstanceNorm1d(4, affine=True) at its initialisation, then a per-channel
+    affine; affine=False: after the InstanceNorm a Relu, no affine."""
+    inits = {"gn.in_scale": np.ones(4, np.float32), "gn.in_shift": np.zeros(4, np.float32),
+             "gn.weight": randn(rng, 4, 1), "gn.bias": randn(rng, 4, 1), "head.weight": randn(rng, 4, 3),
+             "grouped": np.array([0, 4, -1]), "time": np.array([2])}
+    nodes = [helper.make_node("Reshape", ["x", "grouped"], ["xg"], name="gn/Reshape")] if reshape else []
+    nodes += [helper.make_node("InstanceNormalization", ["xg" if reshape else "x", "gn.in_scale", "gn.in_shift"], ["n"],
+                               name="gn/in")]
+    if affine:
+        nodes += [helper.make_node("Mul", ["n", "gn.weight"], ["s"], name="gn/Mul"),
+                  helper.make_node("Add", ["s", "gn.bias"], ["a"], name="gn/Add")]
+    else:
+        nodes += [helper.make_node("Relu", ["n"], ["a"], name="relu")]
+    nodes += [helper.make_node("ReduceMean", ["a", "time"], ["p"], keepdims=0, name="pool"),
+              helper.make_node("MatMul", ["p", "head.weight"], ["y"], name="head")]
+    return model(nodes, inits, x_shape=("N", 4, 5), opset=18)
+
+
+def test_group_norm_placeholders_without_the_reshape_back_are_frozen(rng):
+    """GroupNorm(C, C): a Reshape before the InstanceNormalization and the GroupNorm's own
+    per-channel Mul/Add after it tell the placeholders from a real InstanceNorm (which reads the
+    activations themselves); tests/fixtures/real/wav2vec2-dynamo checks it on torch's export."""
+    plan = kc.compile(group_norm_per_channel(rng), loss="squared_error", emit=False)
+    assert plan.trainable == ["gn.weight", "gn.bias", "head.weight"]
+    assert plan.frozen_reasons["gn.in_scale"] == (
+        "constant: the unit scale of InstanceNormalization 'gn/in' after a Reshape, before a per-channel Mul/Add "
+        "(an exporter's GroupNorm; its own weight and bias follow as Mul/Add)")
+    assert [(layer.kind, layer.params) for layer in plan.layers] == [
+        ("scale_and_shift", ("gn.weight", "gn.bias")), ("fully_connected", ("head.weight",))]
+
+
+@pytest.mark.parametrize("kw", [{"reshape": False}, {"affine": False}], ids=["no_reshape", "no_affine"])
+def test_an_instance_norm_without_both_signs_of_a_group_norm_stays_a_parameter(rng, kw):
+    plan = kc.compile(group_norm_per_channel(rng, **kw), loss="squared_error", emit=False)
+    assert {"gn.in_scale", "gn.in_shift"} <= set(plan.trainable)
+
+
 # ------------------------------------------------- outer-scope reads of If/Loop/Scan bodies
 def branching(rng) -> onnx.ModelProto:
     """h = x W0; y = If(cond) {h W1} else {h W1}; logits = y Wb: both branches read `h` and
