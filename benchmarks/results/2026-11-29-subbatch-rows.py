@@ -4,6 +4,7 @@ digits and LeNet-5 workloads of 2026-11-29-autoencoder-bisect.md. Run it from a 
 
     python benchmarks/results/2026-11-29-subbatch-rows.py seeds digits_autoencoder 0,1,2,3,4,5,6,7
     python benchmarks/results/2026-11-29-subbatch-rows.py seeds mlp_classifier 0,1,2,3,4,5
+    python benchmarks/results/2026-11-29-subbatch-rows.py seeds digits_autoencoder 0,1,2,3,4,5,6,7 '{"cov_ema_decay": 0.8}'
     python benchmarks/results/2026-11-29-subbatch-rows.py exact
     python benchmarks/results/2026-11-29-subbatch-rows.py reorder SEED R1,R2,... STEPS ADAM_CACHE
 
@@ -33,15 +34,15 @@ from kfac_compiler.runtime import Trainer  # noqa: E402
 TARGETS = {"digits_autoencoder": (256, 14.32364, 300), "mlp_classifier": (128, 5.85e-5, 400)}
 
 
-def seeds(name: str, which: str) -> None:
-    """Steps to the target per seed (init and batch order)."""
+def seeds(name: str, which: str, knobs: dict) -> None:
+    """Steps to the target per seed (init and batch order), K-FAC's defaults or `knobs`."""
     bs, target, max_steps = TARGETS[name]
     found = []
     for s in (int(a) for a in which.split(",")):
         plan, x, y = bt.zoo_case(name, seed=s)
         n = len(y)
         r = bt.train(plan, x, y, bs, "kfac", max_steps, targets=[target],
-                     batches=lambda k, s=s, n=n: data_mod.batch_indices(n, bs, k, s))
+                     batches=lambda k, s=s, n=n: data_mod.batch_indices(n, bs, k, s), **knobs)
         found.append(r.hit(target)[0])
         print(name, "seed", s, "steps", found[-1], f"final {r.loss:.5g}", flush=True)
     print("all", name, found, "mean", np.mean([f for f in found if f is not None]))
@@ -93,7 +94,7 @@ def reorder(seed: int, which: str, steps: int, cache: str) -> None:
 if __name__ == "__main__":
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "seeds":
-        seeds(args[0], args[1])
+        seeds(args[0], args[1], json.loads(args[2]) if len(args) > 2 else {})
     elif cmd == "exact":
         exact()
     else:
