@@ -371,9 +371,11 @@ def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
 
 def _map_tensors(values: Any, fn) -> Any:
     """`values` with every tensor name (str) replaced by fn(name): through dicts, lists,
-    tuples and dataclasses, keeping their types."""
+    tuples and dataclasses, keeping their types (numbers and None as they are)."""
     if isinstance(values, str):
         return fn(values)
+    if values is None or isinstance(values, (bool, int, float)):  # a field that is no tensor (GramStatistic's)
+        return values
     if isinstance(values, dict):
         return {k: _map_tensors(v, fn) for k, v in values.items()}
     if isinstance(values, (list, tuple)):
