@@ -18,6 +18,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.backend import factors, forward
+from kfac_compiler.backend.dedupe import merge_duplicates
 from kfac_compiler.backend.forward import ForwardPass
 from kfac_compiler.backend.plan_parts import PlanParts
 from kfac_compiler.blocks import FisherBlock, make_block
@@ -209,6 +210,9 @@ class Emission:
             base_initializers=base_inits,
             extra_opsets=self.parts.model.opset_import,
         )
+        # the reductions' tensors are named in info: they keep their producers
+        merge_duplicates(model.graph, [t for pairs in self.info.reductions.values() for pair in pairs.items()
+                                       for t in pair])
         made = {o for n in model.graph.node for o in n.output}
         for point, pairs in list(self.info.reductions.items()):  # less the points no output reads
             kept = {r: local for r, local in pairs.items() if r in made}
