@@ -165,7 +165,11 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
                 slot = C.inverse(layer.name, fname)
             else:
                 slot = em.state_input(C.factor(layer.name, fname), specs[fname].shape, "zeros")
-            if isinstance(stat, GramStatistic):
+            if isinstance(stat, GramStatistic) and stat.diag:
+                sums = stat.emit_square_sums(b)
+                updates.append((slot, b.add(b.mul(sums, scale(stat)), b.mul(slot, keep))))
+                ok.append(b.reduce_sum(sums, None))
+            elif isinstance(stat, GramStatistic):
                 scaled = b.mul(stat.rows, scale(stat))
                 gemm = [scaled, stat.rows, b.mul(slot, keep)]
                 new = (b.op("Gemm", gemm, transB=1) if stat.cols  # rows holds X^T

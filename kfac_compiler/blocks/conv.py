@@ -299,9 +299,9 @@ class ConvKronBase(ConvMixin, KronBlock):
 
     def _emit_gram_statistics(self, b, P, cotangents, masked):
         """emit_statistics of a group-1 conv: A and G as GramStatistic columns [nA, N sum T]
-        and [C_out, S R N sum T] (cols), their counts N sum T and N, where not diagonal;
-        the moving average then takes each in one Gemm (no k x k product, division or
-        reshape of its own)."""
+        and [C_out, S R N sum T] (cols), their counts N sum T and N (diag for a diagonal
+        factor): the moving average then takes each in one Gemm, or a diagonal in one
+        ReduceSumSquare (no product, division or reshape of their own)."""
         count = None
         if masked:
             live = emit_concat(b, [emit_live(b, [self._emit_delta(b, d) for d in ds], [2]) for ds in cotangents],
@@ -309,18 +309,13 @@ class ConvKronBase(ConvMixin, KronBlock):
             P = b.mul(P, live)
             count = emit_live_count(b, live, masked)
         cols = b.reshape(b.transpose(P, [1, 2, 0, 3]), [self.nA, -1])  # [nA, N sum T]
-        A: str | GramStatistic
-        if self.a_diag:
-            A = b.div(b.reduce_sum(b.mul(cols, cols), [1]), count or emit_dim(b, cols, 1))
-        elif count is not None:
-            A = GramStatistic(cols, count, cols=True)
+        if count is not None:
+            A = GramStatistic(cols, count, cols=True, diag=self.a_diag)
         else:
-            A = GramStatistic(cols, emit_dim(b, cols, 1), self._static_positions(), cols=True)
+            A = GramStatistic(cols, emit_dim(b, cols, 1), self._static_positions(), cols=True, diag=self.a_diag)
         D = emit_concat(b, [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [self.nG, -1])
                             for ds in cotangents for d in ds], axis=1)  # [C_out, S R N sum T]
-        n = emit_dim(b, cotangents[0][0], 0)
-        G: str | GramStatistic
-        G = b.div(b.reduce_sum(b.mul(D, D), [1]), n) if self.g_diag else GramStatistic(D, n, 1.0, cols=True)
+        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0), 1.0, cols=True, diag=self.g_diag)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

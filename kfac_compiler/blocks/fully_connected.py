@@ -168,14 +168,9 @@ class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
         X, rows = self._emit_masked_rows(b, inputs, cotangents, masked)
         D = self._emit_delta_rows(b, cotangents)
         n = emit_dim(b, cotangents[0][0], 0)
-        if self.a_diag:
-            A = b.div(b.reduce_sum(b.mul(X, X), [0]), rows)
-        else:  # unmasked, the count is N T R rows
-            A = GramStatistic(X, rows, None if masked else self._static_positions())
-        if self.g_diag:
-            G = b.div(b.reduce_sum(b.mul(D, D), [0]), n)
-        else:
-            G = GramStatistic(D, n, 1.0)
+        # unmasked, A's count is the N T R rows
+        A = GramStatistic(X, rows, None if masked else self._static_positions(), diag=self.a_diag)
+        G = GramStatistic(D, n, 1.0, diag=self.g_diag)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):
