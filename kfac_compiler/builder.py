@@ -229,6 +229,7 @@ class GraphBuilder:
         start = len(self.nodes)
         results = list(then())
         body, self.nodes[start:] = self.nodes[start:], []
+        body, _ = live(body, results)  # as make_model does for the outer graph: a branch runs every node it holds
         otherwise = otherwise() if callable(otherwise) else otherwise
         shapes = shapes() if callable(shapes) else shapes
         if not len(results) == len(otherwise) == len(shapes):

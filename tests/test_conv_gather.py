@@ -135,7 +135,8 @@ def test_lowered_forward_steps_match_torch():
     plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
     step, _ = emit_subgraph(plan, "sgd_step")
     assert [n.input[1] for n in step.graph.node if n.op_type == "Conv"] == ["conv1.weight"]  # conv2 lowered
-    assert sum(n.op_type == "Gather" for n in step.graph.node) == 3  # conv2: patches (shared), dx rows
+    # conv2: the patches (the forward's and dW's copies merged at emission, backend/dedupe.py), dx rows
+    assert sum(n.op_type == "Gather" for n in step.graph.node) == 2
     weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
     net = torch.nn.ModuleDict({"conv1": torch.nn.Conv2d(1, 8, 3, padding=1),
                                "conv2": torch.nn.Conv2d(8, 16, 3, padding=1), "fc": torch.nn.Linear(16, 10)})

@@ -140,7 +140,8 @@ def test_emit_inverse_batch_groups_by_size(rng):
 
     b = GraphBuilder(17)
     build(b)
-    assert sum(n.op_type == "Inverse" for n in b.nodes) == 2
+    # leaf-sized matrices share one class: the 4 x 4 ones padded to 6 x 6 with an identity block
+    assert sum(n.op_type == "Inverse" for n in b.nodes) == 1
     out = run_graph(build, feeds)
     for k, v in mats.items():
         assert out[k].shape == v.shape and out[k + "_ok"].shape == v.shape[:-2]
@@ -148,6 +149,36 @@ def test_emit_inverse_batch_groups_by_size(rng):
     res = linalg.np_inverse_batch(list(mats.values()), "eigh")
     for (X, ok), v in zip(res, mats.values()):
         assert ok.all() and rel_err(X, np.linalg.inv(v)) < 1e-10
+
+
+def test_size_classes_pad_within_ratio():
+    """A size joins a larger one's stack down to SIZE_CLASS_RATIO of it (or anything up to
+    the Schur leaf); 100 and 96 share, 100 and 90 do not."""
+    assert linalg.size_classes([100, 96, 90, 30, 10]) == {100: 100, 96: 100, 90: 90, 30: 30, 10: 30}
+
+
+@pytest.mark.parametrize("method", ["schur", "newton_schulz", "inverse_op"])
+def test_padded_inverses_match_numpy(rng, method):
+    """Matrices of sizes 97 and 100 (and a batch of 99s) inverted in one padded stack: each
+    as accurate as numpy's inverse allows in float32, ok, and the stack holds one chain."""
+    mats = {"a": spd(rng, 100, 30.0), "b": spd(rng, 97, 30.0), "c": spd(rng, 99, 30.0, (2,))}
+    feeds = {k: v.astype(np.float32) for k, v in mats.items()}
+
+    def build(b):
+        reqs = [linalg.InverseRequest(k, v.shape[-1], v.shape[:-2]) for k, v in mats.items()]
+        out = {}
+        for k, (X, ok) in zip(mats, linalg.emit_inverse_batch(b, reqs, method)):
+            out[k], out[k + "_ok"] = X, ok
+        return out
+
+    b = GraphBuilder(17)
+    build(b)
+    if method == "inverse_op":
+        assert sum(n.op_type == "Inverse" for n in b.nodes) == 1
+    out = run_graph(build, feeds)
+    for k, v in mats.items():
+        assert out[k].shape == v.shape and np.all(out[k + "_ok"])
+        assert rel_err(out[k], np.linalg.inv(v)) < 1e-4
 
 
 def test_cholesky_keeps_float32_and_guards(rng):

@@ -18,6 +18,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.backend import factors, forward
+from kfac_compiler.backend.dedupe import merge_duplicates
 from kfac_compiler.backend.forward import ForwardPass
 from kfac_compiler.backend.plan_parts import PlanParts
 from kfac_compiler.blocks import FisherBlock, make_block
@@ -209,6 +210,9 @@ class Emission:
             base_initializers=base_inits,
             extra_opsets=self.parts.model.opset_import,
         )
+        # the reductions' tensors are named in info: they keep their producers
+        merge_duplicates(model.graph, [t for pairs in self.info.reductions.values() for pair in pairs.items()
+                                       for t in pair])
         made = {o for n in model.graph.node for o in n.output}
         for point, pairs in list(self.info.reductions.items()):  # less the points no output reads
             kept = {r: local for r, local in pairs.items() if r in made}
@@ -371,9 +375,11 @@ def _rename_uses(node: onnx.NodeProto, rename: Mapping[str, str]) -> None:
 
 def _map_tensors(values: Any, fn) -> Any:
     """`values` with every tensor name (str) replaced by fn(name): through dicts, lists,
-    tuples and dataclasses, keeping their types."""
+    tuples and dataclasses, keeping their types (numbers and None as they are)."""
     if isinstance(values, str):
         return fn(values)
+    if values is None or isinstance(values, (bool, int, float)):  # a field that is no tensor (GramStatistic's)
+        return values
     if isinstance(values, dict):
         return {k: _map_tensors(v, fn) for k, v in values.items()}
     if isinstance(values, (list, tuple)):

@@ -12,7 +12,8 @@ from kfac_compiler import linalg
 from kfac_compiler.backend.emission import WEIGHTS, Emission
 from kfac_compiler.backend.factors import inverse_init
 from kfac_compiler.backend.registry import subgraph
-from kfac_compiler.blocks._parts import emit_statistic
+from kfac_compiler.blocks._parts import PartsBlock, emit_inverses, emit_statistic
+from kfac_compiler.blocks.base import InverseState
 from kfac_compiler.errors import PlanError
 from kfac_compiler.requests import (
     GradientsOptions,
@@ -95,6 +96,7 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
         if unknown:
             raise PlanError(f"inverse_update: the plan has no layer {unknown[0]!r}")
     oks = []
+    chosen = []
     for layer in em.parts.layers:
         if layers is not None and layer.name not in layers:
             continue
@@ -107,8 +109,17 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
         previous = {
             s.name: em.state_input(C.inverse(layer.name, s.name), s.shape, inverse_init(s)) for s in block.inverse_specs()
         }
-        # The block keeps `previous` where a factor or its inverse is not finite (new.ok false).
-        new = block.emit_power_state(b, factors, damping, power, method, previous)  # -1: emit_inverse
+        chosen.append((layer, block, factors, previous))
+    # The blocks whose inverse is the parts inverse share one stack per size class (one Schur
+    # tree for all of them: blocks.emit_inverses); each keeps `previous` where a factor or its
+    # inverse is not finite (new.ok false).
+    stacked = [(layer.name, block, factors, previous) for layer, block, factors, previous in chosen
+               if power == -1 and isinstance(block, PartsBlock) and block.emits_stacked_inverse(method)]
+    states = dict(zip([name for name, *_ in stacked],
+                      emit_inverses(b, [(blk, f, damping, prev) for _, blk, f, prev in stacked], method)))
+    for layer, block, factors, previous in chosen:
+        new = (cast(InverseState, states[layer.name]) if layer.name in states
+               else block.emit_power_state(b, factors, damping, power, method, previous))
         oks.append(b.cast(cast(str, new.ok), FLOAT))  # an emitted InverseState's ok is set
         em.metric(C.inverse_ok(layer.name), oks[-1])  # the runtime redoes failed blocks on the host
         for s in block.inverse_specs():

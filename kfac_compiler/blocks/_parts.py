@@ -157,6 +157,11 @@ class PartsBlock(FisherBlock):
         res = linalg.emit_inverse_batch(b, [r for _, r in reqs], method, **self.inverse_kw)
         return self._inverse_finish(b, damped, {name: x for (name, _), x in zip(reqs, res)}, previous)
 
+    def emits_stacked_inverse(self, method: str) -> bool:
+        """True when emit_inverse is the parts inverse with the default inverse options, so
+        that emit_inverses may stack this block's matrices with other blocks'."""
+        return not self.inverse_is_host(method) and self._np_batchable() and not self.inverse_kw
+
     def emits_power(self, exp, method):
         return not self.inverse_is_host(method) and linalg.is_half_integer(exp)
 

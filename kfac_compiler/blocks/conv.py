@@ -34,6 +34,7 @@ import numpy as np
 from onnx import TensorProto
 
 from kfac_compiler.blocks._parts import Part, PartsBlock
+from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
 from kfac_compiler.blocks.ops import (
     emit_add_all,
@@ -259,8 +260,21 @@ class ConvKronBase(ConvMixin, KronBlock):
         # + the patches: a depthwise conv with prod(kernel) one-hot taps per output channel
         return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * prod(self.kernel)
 
+    def _static_positions(self) -> int | None:
+        """Output positions per example over all uses (sum T) where every input's spatial
+        size is static, else None."""
+        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
+        total = 0
+        for shp in shapes:
+            if shp is None or any(not isinstance(d, int) for d in list(shp)[2:]):
+                return None
+            total += prod(self._out_sizes(list(shp)[2:]))
+        return total
+
     def emit_statistics(self, b, inputs, cotangents, masked=False):
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
+        if self.group == 1:
+            return self._emit_gram_statistics(b, P, cotangents, masked)
         count = None
         if masked:  # the output locations some seed's cotangent (of the group's channels) depends on
             live = emit_concat(b, [emit_live(b, [self._emit_delta(b, d) for d in ds], [2]) for ds in cotangents],
@@ -281,6 +295,27 @@ class ConvKronBase(ConvMixin, KronBlock):
         if self.group == 1:
             A = b.reshape(A, [self.nA] if self.a_diag else [self.nA, self.nA])
             G = b.reshape(G, [self.nG] if self.g_diag else [self.nG, self.nG])
+        return {"A": A, "G": G}
+
+    def _emit_gram_statistics(self, b, P, cotangents, masked):
+        """emit_statistics of a group-1 conv: A and G as GramStatistic columns [nA, N sum T]
+        and [C_out, S R N sum T] (cols), their counts N sum T and N (diag for a diagonal
+        factor): the moving average then takes each in one Gemm, or a diagonal in one
+        ReduceSumSquare (no product, division or reshape of their own)."""
+        count = None
+        if masked:
+            live = emit_concat(b, [emit_live(b, [self._emit_delta(b, d) for d in ds], [2]) for ds in cotangents],
+                               axis=3)  # [N, 1, 1, sum T]
+            P = b.mul(P, live)
+            count = emit_live_count(b, live, masked)
+        cols = b.reshape(b.transpose(P, [1, 2, 0, 3]), [self.nA, -1])  # [nA, N sum T]
+        if count is not None:
+            A = GramStatistic(cols, count, cols=True, diag=self.a_diag)
+        else:
+            A = GramStatistic(cols, emit_dim(b, cols, 1), self._static_positions(), cols=True, diag=self.a_diag)
+        D = emit_concat(b, [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [self.nG, -1])
+                            for ds in cotangents for d in ds], axis=1)  # [C_out, S R N sum T]
+        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0), 1.0, cols=True, diag=self.g_diag)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

@@ -16,12 +16,31 @@ class GramStatistic:
     """A factor statistic X^T X / count for rows X [m, k], left as its operands: the moving
     average folds the product, the division and its decay into one Gemm
     (backend.factors.factor_updates), instead of four more passes over the k x k factor.
-    `emit` materializes it for every other consumer."""
+    `emit` materializes it for every other consumer.
+
+    `cols`: `rows` holds X^T [k, m] (a layer whose layout puts the factor's axis first, as a
+    conv's patches and cotangents do), so that no transpose is needed either way.
+    `per_example`: count is the batch size times this static number (positions per example,
+    uses, seeds), so that the moving average can scale by one per-graph coeff / N instead of
+    reading `count` (whose Shape arithmetic is then dead and dropped); None where count
+    depends on the data (live rows of a weighted loss) or on a dynamic shape.
+    `diag`: only the diagonal of X^T X, a diagonal factor [k] (one ReduceSumSquare)."""
 
     rows: str
     count: str  # scalar tensor
+    per_example: float | None = None
+    cols: bool = False
+    diag: bool = False
+
+    def emit_square_sums(self, b: GraphBuilder) -> str:
+        """The diagonal of X^T X [k] (for `diag`)."""
+        return b.reduce("ReduceSumSquare", self.rows, [1 if self.cols else 0])
 
     def emit(self, b: GraphBuilder) -> str:
+        if self.diag:
+            return b.div(self.emit_square_sums(b), self.count)
+        if self.cols:
+            return b.div(b.matmul(self.rows, b.transpose(self.rows, [1, 0])), self.count)
         return b.div(emit_gram(b, self.rows), self.count)
 
 

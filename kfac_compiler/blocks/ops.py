@@ -40,10 +40,17 @@ def emit_shape_with(b: GraphBuilder, x: str, rank: int, axis: int, size: int = 1
 
 
 def emit_append_const(b: GraphBuilder, x: str, rank: int, axis: int, value: float) -> str:
-    """Append one slice filled with `value` at the end of `axis` (the homogeneous coordinate)."""
-    shape = emit_shape_with(b, x, rank, axis, 1)
-    filled = b.op("Expand", [b.const(np.full([1] * rank, value)), shape])
-    return b.op("Concat", [x, filled], axis=axis)
+    """Append one slice filled with `value` at the end of `axis` (the homogeneous coordinate):
+    one Pad with that constant, where Shape, Slice, Concat and Expand arithmetic took six
+    nodes per layer (Pad's pads and value are inputs from opset 11 on)."""
+    axis = axis % rank
+    if b.opset < 11:
+        shape = emit_shape_with(b, x, rank, axis, 1)
+        filled = b.op("Expand", [b.const(np.full([1] * rank, value)), shape])
+        return b.op("Concat", [x, filled], axis=axis)
+    pads = [0] * (2 * rank)
+    pads[rank + axis] = 1
+    return b.op("Pad", [x, b.ints(pads), b.const(np.asarray(value))], mode="constant")
 
 
 def emit_concat(b: GraphBuilder, xs: Sequence[str], axis: int) -> str:

@@ -20,6 +20,7 @@ from kfac_compiler.linalg.methods import (
     RESIDUAL_TOL,
     SCHUR_LEAF,
     SCHUR_TOL,
+    SIZE_CLASS_RATIO,
     SQRT_ITERATIONS,
     SQRT_TOL,
     concrete_method,
@@ -268,40 +269,73 @@ class InverseRequest:
 def emit_inverse_batch(
     b: GraphBuilder, requests: Sequence[InverseRequest], method: str = DEFAULT_METHOD, **kw
 ) -> list[tuple[str, str]]:
-    """Invert many matrices: those of equal size are stacked ([sum batch, n, n]) so one
-    Inverse / one Newton-Schulz chain serves all of them. Returns (X, ok) per request, ok
-    of the request's batch shape."""
+    """Invert many matrices: those of a size class (size_classes: equal sizes, and sizes a
+    few percent apart) are stacked ([sum batch, m, m]) so one Inverse / one Schur tree / one
+    Newton-Schulz chain serves all of them. Returns (X, ok) per request, ok of the
+    request's batch shape.
+
+    A smaller matrix M [n, n] joins its class as blockdiag(M, I) [m, m], whose inverse is
+    blockdiag(M^-1, I) (its previous inverse likewise): the zero blocks stay exactly zero
+    through every product and LU pivot, so M^-1 comes out as it would alone, up to the
+    different splits of the Schur recursion; its top-left n x n block is sliced out. The
+    probe and residual checks see the identity block exactly inverted."""
     out: list = [None] * len(requests)
+    classes = size_classes([r.n for r in requests])
     by_size: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
-        by_size.setdefault(r.n, []).append(i)
-    for n, idx in by_size.items():
-        if len(idx) == 1:
+        by_size.setdefault(classes[r.n], []).append(i)
+    for m, idx in by_size.items():
+        if len(idx) == 1 and requests[idx[0]].n == m:
             r = requests[idx[0]]
-            out[idx[0]] = emit_inverse(b, r.matrix, n, method, r.previous, **kw)
+            out[idx[0]] = emit_inverse(b, r.matrix, m, method, r.previous, **kw)
             continue
         counts = [int(np.prod(requests[i].batch)) if requests[i].batch else 1 for i in idx]
-        stacked = b.op("Concat", [b.reshape(requests[i].matrix, [-1, n, n]) for i in idx], axis=0)
+        stacked = _emit_stack(b, [_emit_padded(b, b.reshape(requests[i].matrix, [-1, requests[i].n, requests[i].n]),
+                                               requests[i].n, m) for i in idx])
         prev = None
         if method == "newton_schulz" and any(requests[i].previous for i in idx):
-            eye = b.unsqueeze(emit_eye(b, n), [0])
-            prev = b.op(
-                "Concat",
-                [
-                    b.reshape(requests[i].previous, [-1, n, n])
-                    if requests[i].previous
-                    else b.op("Tile", [eye, b.ints([c, 1, 1])])
-                    for i, c in zip(idx, counts)
-                ],
-                axis=0,
-            )
-        X, ok = emit_inverse(b, stacked, n, method, prev, **kw)
-        Xs = b.split(X, counts, axis=0)
-        oks = b.split(ok, counts, axis=0)
+            eye = b.unsqueeze(emit_eye(b, m), [0])
+            prev = _emit_stack(b, [
+                _emit_padded(b, b.reshape(requests[i].previous, [-1, requests[i].n, requests[i].n]), requests[i].n, m)
+                if requests[i].previous else b.op("Tile", [eye, b.ints([c, 1, 1])])
+                for i, c in zip(idx, counts)
+            ])
+        X, ok = emit_inverse(b, stacked, m, method, prev, **kw)
+        Xs = b.split(X, counts, axis=0) if len(idx) > 1 else [X]
+        oks = b.split(ok, counts, axis=0) if len(idx) > 1 else [ok]
         for i, x, o in zip(idx, Xs, oks):
-            batch = requests[i].batch
-            out[i] = (b.reshape(x, [*batch, n, n]), b.reshape(o, list(batch)))
+            r = requests[i]
+            if r.n < m:
+                x = b.op("Slice", [x, b.ints([0, 0]), b.ints([r.n, r.n]), b.ints([1, 2])], hint="unpadded")
+            out[i] = (b.reshape(x, [*r.batch, r.n, r.n]), b.reshape(o, list(r.batch)))
     return out
+
+
+def size_classes(sizes: Sequence[int], ratio: float = SIZE_CLASS_RATIO, small: int = SCHUR_LEAF) -> dict[int, int]:
+    """{size n: the size m of the stack it is inverted in}: from the largest size down, a
+    size joins the current class while n >= ratio * m (at most (1/ratio)^3 times its own
+    work), or while m <= small (a leaf-sized inverse, where the nodes cost more than the
+    flops)."""
+    out: dict[int, int] = {}
+    top = None
+    for n in sorted(set(sizes), reverse=True):
+        if top is None or not (n >= ratio * top or top <= small):
+            top = n
+        out[n] = top
+    return out
+
+
+def _emit_padded(b: GraphBuilder, M: str, n: int, m: int) -> str:
+    """[B, n, n] -> blockdiag(M, I) [B, m, m] (M itself when n = m)."""
+    if n == m:
+        return M
+    eye = b.op("Pad", [b.const(np.eye(m - n)[None]), b.ints([0, n, n, 0, 0, 0])], hint="pad_eye")
+    return b.add(b.op("Pad", [M, b.ints([0, 0, 0, 0, m - n, m - n])]), eye)
+
+
+def _emit_stack(b: GraphBuilder, xs: Sequence[str]) -> str:
+    """Concat on axis 0, or the one tensor."""
+    return xs[0] if len(xs) == 1 else b.op("Concat", list(xs), axis=0)
 
 
 def emit_matpower_int(b: GraphBuilder, M: str, n: int, exp: int, method: str = DEFAULT_METHOD) -> tuple[str, str]:

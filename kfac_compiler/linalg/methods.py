@@ -16,6 +16,10 @@ METHODS = (AUTO_METHOD,) + EMITTED_METHODS + HOST_METHODS
 DEFAULT_METHOD = "inverse_op"
 
 SCHUR_LEAF = 48  # blocks up to this size are inverted by the Inverse op (see emit_schur_inverse)
+# emit_inverse_batch stacks a matrix with larger ones (padded by an identity block) down to
+# this fraction of their size: one Schur tree instead of two for the n and n + 1 (bias) of a
+# layer's A and the next layer's G, at most (1/0.95)^3 = 1.17x the smaller one's work
+SIZE_CLASS_RATIO = 0.95
 NS_ITERATIONS = 20  # Newton-Schulz iterations (cold start converges for cond(M) <~ 1e5)
 NS_PROBE_STEPS = 10  # power-iteration steps that vet a warm start
 NS_WARM_RADIUS = 0.7  # warm start when the estimated spectral radius of I - M X_prev is below

@@ -1,0 +1,75 @@
+"""backend/dedupe.py: duplicate nodes merged within a graph and across an If's boundary, the
+results unchanged (checked against numpy), pinned tensors and random ops left alone."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from kfac_compiler.backend.dedupe import merge_duplicates
+from kfac_compiler.builder import GraphBuilder, value_info
+
+
+def _model(pinned_dup: bool = False):
+    """x [3, 4] -> y = relu-mask(x) * x twice (a duplicate pair) and inside an If on c the
+    same mask once more, plus x^T x; outputs (y, branch result)."""
+    b = GraphBuilder(17, taken={"x", "c"})
+    mask = b.cast(b.op("Greater", ["x", b.const(0.0)]), TensorProto.FLOAT)
+    y1 = b.mul("x", mask)
+    mask2 = b.cast(b.op("Greater", ["x", b.const(0.0)]), TensorProto.FLOAT)  # the same two nodes again
+    y = b.add(y1, b.mul("x", mask2))
+
+    def then():
+        m = b.cast(b.op("Greater", ["x", b.const(0.0)]), TensorProto.FLOAT)  # and once more in the branch
+        return [b.matmul(b.transpose(b.mul("x", m), [1, 0]), b.mul("x", m))]
+
+    (z,) = b.conditional("c", then, [b.const(np.zeros((4, 4)))], [[4, 4]])
+    outs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, None),
+            helper.make_tensor_value_info(z, TensorProto.FLOAT, None)]
+    if pinned_dup:
+        outs.append(helper.make_tensor_value_info(mask2, TensorProto.FLOAT, None))
+    inputs = [value_info("x", TensorProto.FLOAT, [3, 4]), value_info("c", TensorProto.BOOL, [])]
+    return b.make_model("dedupe", inputs, outs)
+
+
+def _count(graph, op: str) -> int:
+    total = 0
+    for node in graph.node:
+        total += node.op_type == op
+        for attr in node.attribute:
+            if attr.type == attr.GRAPH:
+                total += _count(attr.g, op)
+    return total
+
+
+def _run(model, x):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x, "c": np.array(True)})
+
+
+def test_duplicates_merge_across_the_if_and_results_stay():
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    model = _model()
+    assert _count(model.graph, "Greater") == 3 and _count(model.graph, "Mul") == 4
+    rename = merge_duplicates(model.graph)
+    assert _count(model.graph, "Greater") == 1 and _count(model.graph, "Cast") == 1
+    assert _count(model.graph, "Mul") == 1  # every x * mask, the branch's two included, is the first one
+    assert rename
+    y, z = _run(model, x)
+    relu = np.maximum(x, 0)
+    np.testing.assert_allclose(y, 2 * relu, rtol=1e-6)
+    np.testing.assert_allclose(z, relu.T @ relu, rtol=1e-5, atol=1e-6)
+
+
+def test_pinned_and_random_nodes_stay():
+    model = _model(pinned_dup=True)
+    out = model.graph.output[2].name
+    merge_duplicates(model.graph)
+    assert any(out in n.output for n in model.graph.node)  # a graph output keeps its producer
+    b = GraphBuilder(17, taken={"x"})
+    r1 = b.op("RandomUniformLike", ["x"])
+    r2 = b.op("RandomUniformLike", ["x"])
+    m = b.make_model("random", [value_info("x", TensorProto.FLOAT, [2])],
+                     [helper.make_tensor_value_info(b.sub(r1, r2), TensorProto.FLOAT, None)])
+    merge_duplicates(m.graph)
+    assert _count(m.graph, "RandomUniformLike") == 2
