@@ -83,10 +83,45 @@ def params_behind(view: GraphView, node: onnx.NodeProto, sources: Sequence[str])
     return [s for s in sources if s in found]
 
 
+def _gemm_key(node: onnx.NodeProto) -> tuple | None:
+    """The flags of a Gemm without an addend (its product is a sum over the contracted axis),
+    or None for any other node."""
+    if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len([x for x in node.input if x]) != 2:
+        return None
+    a = {at.name: helper.get_attribute_value(at) for at in node.attribute}
+    return int(a.get("transA", 0)), int(a.get("transB", 0)), float(a.get("alpha", 1.0))
+
+
+def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
+    """Cotangent parts that are Gemms with the same flags and no addend (a multi-use weight's
+    per-use gradients, e.g. an unrolled RNN's: dW = sum_t g_t^T h_t) as ONE Gemm of their
+    operands concatenated along the contracted axis. One wide GEMM instead of one thin GEMM
+    per use plus a Sum of weight-sized partials (an unrolled LSTM's recurrent weight: 64
+    partials of 1 MB); the per-use Gemms are left dead (dropped by `builder.live`)."""
+    producer = {o: n for n in b.nodes for o in n.output}
+    groups: dict[tuple, list[onnx.NodeProto]] = {}
+    for t in parts:
+        node = producer.get(t)
+        key = None if node is None else _gemm_key(node)
+        if key is not None:
+            groups.setdefault(key, []).append(node)
+    out = [t for t in parts if producer.get(t) is None or _gemm_key(producer[t]) is None
+           or len(groups[_gemm_key(producer[t])]) < 2]
+    for (ta, tb, alpha), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        a = b.op("Concat", [n.input[0] for n in nodes], axis=0 if ta else 1)
+        c = b.op("Concat", [n.input[1] for n in nodes], axis=1 if tb else 0)
+        out.append(b.op("Gemm", [a, c], transA=ta or None, transB=tb or None, alpha=None if alpha == 1.0 else alpha))
+    return out
+
+
 def _total(b: GraphBuilder, acc: dict[str, list[str]], name: str) -> str | None:
     parts = acc.get(name)
     if not parts:
         return None
+    if len(parts) > 2:
+        parts = acc[name] = _fuse_gemms(b, parts)
     if len(parts) > 1:
         s = b.add(parts[0], parts[1]) if len(parts) == 2 else b.op("Sum", list(parts), hint="grad_sum")
         acc[name] = [s]

@@ -227,7 +227,9 @@ def test_repeated_backward_same_builder():
 
 
 def test_shared_weight_accumulates():
-    """A weight used by several nodes (unrolled RNN, tied embeddings) sums all paths."""
+    """A weight used by several nodes (unrolled RNN, tied embeddings) sums all paths; the
+    unrolled RNN's per-step Gemm gradients become one Gemm of the concatenated operands (its
+    values: test_zoo_gradients_fd)."""
     for name in ("unrolled_rnn", "transformer_block"):
         model = get_model(name)
         view = GraphView(model)
@@ -235,7 +237,12 @@ def test_shared_weight_accumulates():
         w = "rnn.W_x" if name == "unrolled_rnn" else "tok_emb"
         res = backward(b, view, {"logits": "g"}, [w])
         total = next(n for n in b.nodes if res[w] in n.output)
-        assert total.op_type in ("Sum", "Add")
+        if name == "unrolled_rnn":  # 8 steps: one Gemm [steps*N, F]^T [steps*N, H] plus nothing else
+            producer = {o: n for n in b.nodes for o in n.output}
+            assert total.op_type == "Gemm" and [producer[i].op_type for i in total.input] == ["Concat"] * 2
+            assert [len(producer[i].input) for i in total.input] == [8, 8]
+        else:
+            assert total.op_type in ("Sum", "Add")
 
 
 def test_unsupported_op_is_one_line_and_early():
