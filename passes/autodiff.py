@@ -92,27 +92,52 @@ def _gemm_key(node: onnx.NodeProto) -> tuple | None:
     return int(a.get("transA", 0)), int(a.get("transB", 0)), float(a.get("alpha", 1.0))
 
 
+def _gemm_part(producer: Mapping[str, onnx.NodeProto], t: str) -> tuple[tuple, onnx.NodeProto, onnx.NodeProto | None] | None:
+    """(fusion key, the Gemm, the Squeeze/Reshape wrapping it or None) when cotangent part `t`
+    is a Gemm without an addend, possibly reshaped (a bias gradient: the column sum
+    ones[1, N] @ g squeezed to [n]); else None."""
+    node = producer.get(t)
+    if node is None:
+        return None
+    wrap = None
+    if node.op_type in ("Squeeze", "Reshape") and node.input[0] in producer:
+        wrap, node = node, producer[node.input[0]]
+    key = _gemm_key(node)
+    if key is None:
+        return None
+    if wrap is not None:
+        attrs = tuple((a.name, str(helper.get_attribute_value(a))) for a in wrap.attribute)
+        key = key + (wrap.op_type, tuple(wrap.input[1:]), attrs)
+    return key, node, wrap
+
+
 def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
     """Cotangent parts that are Gemms with the same flags and no addend (a multi-use weight's
-    per-use gradients, e.g. an unrolled RNN's: dW = sum_t g_t^T h_t) as ONE Gemm of their
-    operands concatenated along the contracted axis. One wide GEMM instead of one thin GEMM
-    per use plus a Sum of weight-sized partials (an unrolled LSTM's recurrent weight: 64
-    partials of 1 MB); the per-use Gemms are left dead (dropped by `builder.live`)."""
+    per-use gradients, e.g. an unrolled RNN's: dW = sum_t g_t^T h_t, and its bias's column
+    sums), each possibly under the same Squeeze/Reshape, as ONE Gemm of their operands
+    concatenated along the contracted axis. One wide GEMM instead of one thin GEMM per use
+    plus a Sum of weight-sized partials (an unrolled LSTM's recurrent weight: 64 partials of
+    1 MB); the per-use Gemms are left dead (dropped by `builder.live`)."""
     producer = {o: n for n in b.nodes for o in n.output}
-    groups: dict[tuple, list[onnx.NodeProto]] = {}
+    found = {t: _gemm_part(producer, t) for t in parts}
+    groups: dict[tuple, list[tuple[onnx.NodeProto, onnx.NodeProto | None]]] = {}
     for t in parts:
-        node = producer.get(t)
-        key = None if node is None else _gemm_key(node)
-        if key is not None:
-            groups.setdefault(key, []).append(node)
-    out = [t for t in parts if producer.get(t) is None or _gemm_key(producer[t]) is None
-           or len(groups[_gemm_key(producer[t])]) < 2]
-    for (ta, tb, alpha), nodes in groups.items():
-        if len(nodes) < 2:
+        f = found[t]
+        if f is not None:
+            groups.setdefault(f[0], []).append(f[1:])
+    out = [t for t in parts if found[t] is None or len(groups[found[t][0]]) < 2]  # type: ignore[index]
+    for key, members in groups.items():
+        if len(members) < 2:
             continue
-        a = b.op("Concat", [n.input[0] for n in nodes], axis=0 if ta else 1)
-        c = b.op("Concat", [n.input[1] for n in nodes], axis=1 if tb else 0)
-        out.append(b.op("Gemm", [a, c], transA=ta or None, transB=tb or None, alpha=None if alpha == 1.0 else alpha))
+        ta, tb, alpha = key[:3]
+        a = b.op("Concat", [gm.input[0] for gm, _ in members], axis=0 if ta else 1)
+        c = b.op("Concat", [gm.input[1] for gm, _ in members], axis=1 if tb else 0)
+        fused = b.op("Gemm", [a, c], transA=ta or None, transB=tb or None, alpha=None if alpha == 1.0 else alpha)
+        wrap = members[0][1]
+        if wrap is not None:
+            fused = b.op(wrap.op_type, [fused] + list(wrap.input[1:]),
+                         **{at.name: helper.get_attribute_value(at) for at in wrap.attribute})
+        out.append(fused)
     return out
 
 
