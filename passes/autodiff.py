@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from kfac_compiler.builder import IR_VERSION, GraphBuilder, value_info
 from kfac_compiler.errors import ModelError, UnsupportedOpError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView
 from kfac_compiler.oprules import describe, find, lookup, remedy
-from kfac_compiler.oprules._util import zeros_like
+from kfac_compiler.oprules._util import filled, zeros_like
 
 __all__ = ["backward", "jvp", "gradient_model", "jvp_model", "path_nodes"]
 
@@ -111,6 +111,15 @@ def _gemm_part(producer: Mapping[str, onnx.NodeProto], t: str) -> tuple[tuple, o
     return key, node, wrap
 
 
+def _ones_row(producer: Mapping[str, onnx.NodeProto], t: str) -> bool:
+    """`t` is a ConstantOfShape of ones (`oprules._util.sum_rows`'s row at a symbolic batch)."""
+    node = producer.get(t)
+    if node is None or node.op_type != "ConstantOfShape":
+        return False
+    value = [helper.get_attribute_value(a) for a in node.attribute if a.name == "value"]
+    return bool(value) and numpy_helper.to_array(value[0]).ravel().tolist() == [1.0]
+
+
 def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
     """Cotangent parts that are Gemms with the same flags and no addend (a multi-use weight's
     per-use gradients, e.g. an unrolled RNN's: dW = sum_t g_t^T h_t, and its bias's column
@@ -130,8 +139,12 @@ def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
         if len(members) < 2:
             continue
         ta, tb, alpha = key[:3]
-        a = b.op("Concat", [gm.input[0] for gm, _ in members], axis=0 if ta else 1)
         c = b.op("Concat", [gm.input[1] for gm, _ in members], axis=1 if tb else 0)
+        if not ta and not tb and all(_ones_row(producer, gm.input[0]) for gm, _ in members):
+            # column sums at a symbolic batch: one ones row as long as the concatenated rows
+            a = filled(b, b.op("Concat", [b.ints([1]), b.shape(c, 0, 1)], axis=0), 1.0, hint="ones")
+        else:
+            a = b.op("Concat", [gm.input[0] for gm, _ in members], axis=0 if ta else 1)
         fused = b.op("Gemm", [a, c], transA=ta or None, transB=tb or None, alpha=None if alpha == 1.0 else alpha)
         wrap = members[0][1]
         if wrap is not None:

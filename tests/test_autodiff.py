@@ -350,7 +350,8 @@ def test_dense_bias_gradient_is_the_column_sum(batch):
 def test_multi_use_dense_gradients_fuse(batch):
     """A dense layer applied to three inputs (an unrolled RNN's weight and bias): the three
     weight gradients x_k^T g_k become one Gemm of the concatenated operands, the three bias
-    column sums one Gemm of ones and the concatenated cotangents (no Sum, no per-use product);
+    column sums one Gemm of one ones row and the concatenated cotangents (no Sum, no per-use
+    product, no per-use ones row at a symbolic batch);
     ORT float32 against the hand-computed sums."""
     rng = np.random.default_rng(5)
     W, bias = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
@@ -366,6 +367,7 @@ def test_multi_use_dense_gradients_fuse(batch):
     gm = gradient_model(onnx.shape_inference.infer_shapes(m), "y", ["W", "b"])
     ops = [n.op_type for n in gm.graph.node]
     assert ops.count("Gemm") == 2 and "Sum" not in ops and "MatMul" in ops  # the forward's MatMuls only
+    assert ops.count("ConstantOfShape") == (batch == "N")  # one ones row over the three uses' rows
     xs = [rng.standard_normal((5, 3)).astype(np.float32) for _ in range(3)]
     gy = rng.standard_normal((15, 4)).astype(np.float32)
     got = run_ort(gm, {**{f"x{k}": xs[k] for k in range(3)}, "y_grad": gy})
