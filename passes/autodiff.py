@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from kfac_compiler.builder import IR_VERSION, GraphBuilder, value_info
 from kfac_compiler.errors import ModelError, UnsupportedOpError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView
 from kfac_compiler.oprules import describe, find, lookup, remedy
-from kfac_compiler.oprules._util import zeros_like
+from kfac_compiler.oprules._util import filled, zeros_like
 
 __all__ = ["backward", "jvp", "gradient_model", "jvp_model", "path_nodes"]
 
@@ -83,10 +83,83 @@ def params_behind(view: GraphView, node: onnx.NodeProto, sources: Sequence[str])
     return [s for s in sources if s in found]
 
 
+def _gemm_key(node: onnx.NodeProto) -> tuple | None:
+    """The flags of a Gemm without an addend (its product is a sum over the contracted axis),
+    or None for any other node."""
+    if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len([x for x in node.input if x]) != 2:
+        return None
+    a = {at.name: helper.get_attribute_value(at) for at in node.attribute}
+    return int(a.get("transA", 0)), int(a.get("transB", 0)), float(a.get("alpha", 1.0))
+
+
+def _gemm_part(producer: Mapping[str, onnx.NodeProto], t: str) -> tuple[tuple, onnx.NodeProto, onnx.NodeProto | None] | None:
+    """(fusion key, the Gemm, the Squeeze/Reshape wrapping it or None) when cotangent part `t`
+    is a Gemm without an addend, possibly reshaped (a bias gradient: the column sum
+    ones[1, N] @ g squeezed to [n]); else None."""
+    node = producer.get(t)
+    if node is None:
+        return None
+    wrap = None
+    if node.op_type in ("Squeeze", "Reshape") and node.input[0] in producer:
+        wrap, node = node, producer[node.input[0]]
+    key = _gemm_key(node)
+    if key is None:
+        return None
+    if wrap is not None:
+        attrs = tuple((a.name, str(helper.get_attribute_value(a))) for a in wrap.attribute)
+        key = key + (wrap.op_type, tuple(wrap.input[1:]), attrs)
+    return key, node, wrap
+
+
+def _ones_row(producer: Mapping[str, onnx.NodeProto], t: str) -> bool:
+    """`t` is a ConstantOfShape of ones (`oprules._util.sum_rows`'s row at a symbolic batch)."""
+    node = producer.get(t)
+    if node is None or node.op_type != "ConstantOfShape":
+        return False
+    value = [helper.get_attribute_value(a) for a in node.attribute if a.name == "value"]
+    return bool(value) and numpy_helper.to_array(value[0]).ravel().tolist() == [1.0]
+
+
+def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
+    """Cotangent parts that are Gemms with the same flags and no addend (a multi-use weight's
+    per-use gradients, e.g. an unrolled RNN's: dW = sum_t g_t^T h_t, and its bias's column
+    sums), each possibly under the same Squeeze/Reshape, as ONE Gemm of their operands
+    concatenated along the contracted axis. One wide GEMM instead of one thin GEMM per use
+    plus a Sum of weight-sized partials (an unrolled LSTM's recurrent weight: 64 partials of
+    1 MB); the per-use Gemms are left dead (dropped by `builder.live`)."""
+    producer = {o: n for n in b.nodes for o in n.output}
+    found = {t: _gemm_part(producer, t) for t in parts}
+    groups: dict[tuple, list[tuple[onnx.NodeProto, onnx.NodeProto | None]]] = {}
+    for t in parts:
+        f = found[t]
+        if f is not None:
+            groups.setdefault(f[0], []).append(f[1:])
+    out = [t for t in parts if found[t] is None or len(groups[found[t][0]]) < 2]  # type: ignore[index]
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        ta, tb, alpha = key[:3]
+        c = b.op("Concat", [gm.input[1] for gm, _ in members], axis=1 if tb else 0)
+        if not ta and not tb and all(_ones_row(producer, gm.input[0]) for gm, _ in members):
+            # column sums at a symbolic batch: one ones row as long as the concatenated rows
+            a = filled(b, b.op("Concat", [b.ints([1]), b.shape(c, 0, 1)], axis=0), 1.0, hint="ones")
+        else:
+            a = b.op("Concat", [gm.input[0] for gm, _ in members], axis=0 if ta else 1)
+        fused = b.op("Gemm", [a, c], transA=ta or None, transB=tb or None, alpha=None if alpha == 1.0 else alpha)
+        wrap = members[0][1]
+        if wrap is not None:
+            fused = b.op(wrap.op_type, [fused] + list(wrap.input[1:]),
+                         **{at.name: helper.get_attribute_value(at) for at in wrap.attribute})
+        out.append(fused)
+    return out
+
+
 def _total(b: GraphBuilder, acc: dict[str, list[str]], name: str) -> str | None:
     parts = acc.get(name)
     if not parts:
         return None
+    if len(parts) > 2:
+        parts = acc[name] = _fuse_gemms(b, parts)
     if len(parts) > 1:
         s = b.add(parts[0], parts[1]) if len(parts) == 2 else b.op("Sum", list(parts), hint="grad_sum")
         acc[name] = [s]

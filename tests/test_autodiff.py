@@ -227,7 +227,9 @@ def test_repeated_backward_same_builder():
 
 
 def test_shared_weight_accumulates():
-    """A weight used by several nodes (unrolled RNN, tied embeddings) sums all paths."""
+    """A weight used by several nodes (unrolled RNN, tied embeddings) sums all paths; the
+    unrolled RNN's per-step Gemm gradients become one Gemm of the concatenated operands (its
+    values: test_zoo_gradients_fd)."""
     for name in ("unrolled_rnn", "transformer_block"):
         model = get_model(name)
         view = GraphView(model)
@@ -235,7 +237,12 @@ def test_shared_weight_accumulates():
         w = "rnn.W_x" if name == "unrolled_rnn" else "tok_emb"
         res = backward(b, view, {"logits": "g"}, [w])
         total = next(n for n in b.nodes if res[w] in n.output)
-        assert total.op_type in ("Sum", "Add")
+        if name == "unrolled_rnn":  # 8 steps: one Gemm [steps*N, F]^T [steps*N, H] plus nothing else
+            producer = {o: n for n in b.nodes for o in n.output}
+            assert total.op_type == "Gemm" and [producer[i].op_type for i in total.input] == ["Concat"] * 2
+            assert [len(producer[i].input) for i in total.input] == [8, 8]
+        else:
+            assert total.op_type in ("Sum", "Add")
 
 
 def test_unsupported_op_is_one_line_and_early():
@@ -337,3 +344,34 @@ def test_dense_bias_gradient_is_the_column_sum(batch):
     got = run_ort(gm, {"x": x, "y_grad": gy})
     np.testing.assert_allclose(got["grad/b"], gy.astype(np.float64).sum(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["grad/W"], x.T.astype(np.float64) @ gy, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [5, "N"])
+def test_multi_use_dense_gradients_fuse(batch):
+    """A dense layer applied to three inputs (an unrolled RNN's weight and bias): the three
+    weight gradients x_k^T g_k become one Gemm of the concatenated operands, the three bias
+    column sums one Gemm of one ones row and the concatenated cotangents (no Sum, no per-use
+    product, no per-use ones row at a symbolic batch);
+    ORT float32 against the hand-computed sums."""
+    rng = np.random.default_rng(5)
+    W, bias = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    nodes = []
+    for k in range(3):
+        nodes += [helper.make_node("MatMul", [f"x{k}", "W"], [f"h{k}"]), helper.make_node("Add", [f"h{k}", "b"], [f"y{k}"])]
+    nodes.append(helper.make_node("Concat", ["y0", "y1", "y2"], ["y"], axis=0))
+    g = helper.make_graph(nodes, "dense3", [value_info(f"x{k}", TensorProto.FLOAT, [batch, 3]) for k in range(3)],
+                          [value_info("y", TensorProto.FLOAT, None)],
+                          initializer=[numpy_helper.from_array(W, "W"), numpy_helper.from_array(bias, "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    gm = gradient_model(onnx.shape_inference.infer_shapes(m), "y", ["W", "b"])
+    ops = [n.op_type for n in gm.graph.node]
+    assert ops.count("Gemm") == 2 and "Sum" not in ops and "MatMul" in ops  # the forward's MatMuls only
+    assert ops.count("ConstantOfShape") == (batch == "N")  # one ones row over the three uses' rows
+    xs = [rng.standard_normal((5, 3)).astype(np.float32) for _ in range(3)]
+    gy = rng.standard_normal((15, 4)).astype(np.float32)
+    got = run_ort(gm, {**{f"x{k}": xs[k] for k in range(3)}, "y_grad": gy})
+    gk = np.split(gy.astype(np.float64), 3)
+    np.testing.assert_allclose(got["grad/b"], gy.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["grad/W"], sum(x.T.astype(np.float64) @ g for x, g in zip(xs, gk)),
+                               rtol=1e-5, atol=1e-5)

@@ -187,6 +187,8 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
       attrs={"strides": [2, 2], "output_shape": [6, 7]}, symbolic=False, runner="ort"),
     # -------------------------------------------------------------------------- pools
     C("MaxPool-2x2", "MaxPool", [("x", r(2, 3, 6, 6))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("MaxPool-2x2-remainder", "MaxPool", [("x", r(2, 3, 7, 5))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("MaxPool-1d-tiled", "MaxPool", [("x", r(2, 3, 10))], attrs={"kernel_shape": [3], "strides": [3]}),
     C("MaxPool-overlap-pads", "MaxPool", [("x", r(2, 2, 6, 5))], attrs={"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
     C("MaxPool-dil-ceil", "MaxPool", [("x", r(1, 2, 7, 7))],
       attrs={"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 1], "ceil_mode": 1}),
@@ -511,6 +513,45 @@ def test_resize_symbolic_batch_and_dynamic_scales(rng):
     with pytest.raises(UnsupportedOpError, match=r"constant roi/scales/sizes; .*extend its rule \(docs/extending.md") as ei:
         backward(GraphBuilder(17), GraphView(dyn), {"y0": "g"}, ["x"])
     assert "\n" not in str(ei.value)
+
+
+def test_maxpool_tiled_ties_share_the_cotangent():
+    """Tiled MaxPool windows (kernel == strides) route the cotangent through a mask of the
+    window's maxima: a window with t tied maxima gives each g/t (the sum stays g), untied
+    windows match the Indices' scatter, and a Relu in front makes it the first maximum's
+    gradient exactly (tied windows there are all zeros, whose cotangent the Relu drops)."""
+    x = np.array([[[[1.0, 3.0, 2.0, 2.0, 9.0],
+                    [0.5, 2.0, 2.0, 2.0, 9.0],
+                    [-1.0, -1.0, 0.0, 4.0, 9.0],
+                    [-1.0, -1.0, 4.0, 0.0, 9.0],
+                    [7.0, 7.0, 7.0, 7.0, 9.0]]]])
+    g = np.array([[[[10.0, 20.0], [30.0, 40.0]]]])
+    model, feeds = one_node_model("MaxPool", [("x", x)], {"kernel_shape": [2, 2], "strides": [2, 2]})
+    vm = derivative_model(model, ["x"], ["y0"], "vjp")
+    for run in (run_reference, run_ort):
+        m = vm if run is run_reference else convert_float_type(vm, TensorProto.FLOAT)
+        dx = run(m, {"x": x, "seed/y0": g} if run is run_reference else
+                 {"x": x.astype(np.float32), "seed/y0": g.astype(np.float32)}, ["grad/x"])["grad/x"]
+        want = np.zeros_like(x)
+        want[0, 0, 0, 1] = 10.0                       # one maximum
+        want[0, 0, 0:2, 2:4] = [[5.0, 5.0], [5.0, 5.0]]  # four-way tie: 20 / 4 each
+        want[0, 0, 2, 1] = want[0, 0, 2, 0] = 0.0
+        want[0, 0, 2:4, 0:2] = 30.0 / 4               # all -1
+        want[0, 0, 2, 3] = want[0, 0, 3, 2] = 20.0    # two-way tie of 4
+        np.testing.assert_allclose(dx, want, rtol=1e-6)  # row 4 and column 4 lie in no window
+    relu = np.maximum(np.random.default_rng(0).standard_normal((2, 3, 6, 6)), 0)
+    relu[0, 0, :2, :2] = 0.0  # an all-zero (tied) window
+    gy = np.random.default_rng(1).standard_normal((2, 3, 3, 3))
+    model, _ = one_node_model("MaxPool", [("x", relu)], {"kernel_shape": [2, 2], "strides": [2, 2]})
+    vm = derivative_model(model, ["x"], ["y0"], "vjp")
+    dx = run_reference(vm, {"x": relu, "seed/y0": gy}, ["grad/x"])["grad/x"] * (relu > 0)
+    first = np.zeros_like(relu)  # the first maximum of each window, as ONNX Runtime's Indices and torch
+    for n, ch, i, j in np.ndindex(gy.shape):
+        w = relu[n, ch, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
+        a, b = np.unravel_index(np.argmax(w), (2, 2))
+        first[n, ch, 2 * i + a, 2 * j + b] = gy[n, ch, i, j]
+    np.testing.assert_allclose(dx, first * (relu > 0), rtol=1e-12)
+    assert np.abs(first[0, 0, :2, :2]).sum() > 0 and not dx[0, 0, :2, :2].any()
 
 
 def test_scatter_with_a_multiplicative_reduction_has_no_rule():

@@ -94,6 +94,19 @@ def shape_tensor(b, view, name: str) -> str:
     return b.ints(s) if s is not None else b.op("Shape", [name])
 
 
+def reshape_target(b, view, name: str) -> str:
+    """Reshape's shape input giving forward tensor `name`'s shape: a constant when static or
+    when only one dim is symbolic (-1 there, every other dim known and non-zero: an unrolled
+    RNN's per-step Squeeze/Unsqueeze gradients with a symbolic batch need no Shape node),
+    else Shape(name)."""
+    s = view.shape(name)
+    if s is not None:
+        unknown = [i for i, d in enumerate(s) if not isinstance(d, int)]
+        if len(unknown) == 1 and all(d != 0 for d in s if isinstance(d, int)):
+            return b.ints([-1 if i == unknown[0] else int(d) for i, d in enumerate(s)])
+    return shape_tensor(b, view, name)
+
+
 def make_shape(b, parts: Sequence[int | str]) -> str:
     """A 1-D int64 shape tensor from ints and 1-D int64 tensors (names)."""
     if all(isinstance(p, (int, np.integer)) for p in parts):
@@ -238,12 +251,13 @@ def unbroadcast(b, view, g: str, target: str, ref: str | None = None, rshape=Non
 def sum_rows(b, g: str, rows) -> str:
     """[1, n] = the sum of the rows of 2-d g, as ones[1, rows] @ g: ONNX Runtime's ReduceSum
     over axis 0 strides down the columns, several times slower than the GEMV (the bias
-    gradients of a dense layer). `rows`: g's static row count, or a symbolic dim."""
+    gradients of a dense layer). `rows`: g's static row count, or a symbolic dim. A Gemm, so
+    that autodiff fuses a multi-use bias's column sums with the weight's (`_fuse_gemms`)."""
     if isinstance(rows, int):
         ones = c(b, np.ones((1, rows)))
     else:
         ones = filled(b, b.op("Concat", [b.ints([1]), b.shape(g, 0, 1)], axis=0), 1.0, hint="ones")
-    return b.matmul(ones, g)
+    return b.op("Gemm", [ones, g])
 
 
 def _unbroadcast_dynamic(b, view, g: str, target: str, rg: int | None) -> str:

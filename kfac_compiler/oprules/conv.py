@@ -289,21 +289,9 @@ class GatherConv:
 
     def input(self, W: str, g: str) -> str:
         """dx[n, c, i] = sum over (kk, m) of g[n, m, o(i, kk)] W[m, c, kk], o(i, kk) the output
-        position whose window puts offset kk on i (if any). Stride 1, weight-major: the
-        cotangent's rows gathered by the adjoint table, one MatMul with W as [L*M, C].
-        Otherwise col2im: the columns Z[n, o, kk, c] = sum_m g[n, m, o] W[m, c, kk] in one
-        GEMM, gathered per input position and summed over the offsets."""
-        b, geo, M, C = self.b, self.geo, self.M, self.C
-        if self.patch_major or any(v != 1 for v in geo.s):
-            return self._col2im(W, g)
-        table, box = gather_table(geo.S, self.so, geo, adjoint=True)
-        L = table.shape[1]
-        pg = b.op("Gather", [_zero_row(b, self.g_last(g)), b.const(table, hint="col2im")], axis=1)  # [N, P_in, L, M]
-        w = b.reshape(_box_weight(b, W, geo, box), [M * C, L])
-        dx = b.matmul(b.reshape(pg, [-1, L * M]), b.reshape(b.transpose(w, [1, 0]), [L * M, C]))  # [N*P_in, C]
-        return self._to_nchw(dx)
-
-    def _col2im(self, W: str, g: str) -> str:
+        position whose window puts offset kk on i (if any), as col2im: the columns
+        Z[n, o, kk, c] = sum_m g[n, m, o] W[m, c, kk] in one GEMM, gathered per input position
+        and summed over the offsets. For strided or patch-major convs only (`col2im_pays`)."""
         b, geo, M, C = self.b, self.geo, self.M, self.C
         table, box = gather_table(geo.S, self.so, geo, adjoint=True, full=self.patch_major)
         span = self._span(box)
@@ -319,6 +307,13 @@ class GatherConv:
         rows = np.where(table < self.P, table * L + col, self.P * L)
         cols = b.op("Gather", [z, b.const(rows, hint="col2im")], axis=1)  # [N, P_in, L, C]
         return self._to_nchw(b.reduce_sum(cols, [2]))
+
+    def col2im_pays(self) -> bool:
+        """col2im beats ORT's ConvTranspose for strided convs and the patch-major layout
+        (ResNet-18's downsampling and last stages); at stride 1 in the weight-major layout
+        ConvTranspose (a GEMM and a col2im per image, in cache) is 2-10x faster than any
+        whole-batch gather of the cotangent (docs/autodiff.md)."""
+        return self.patch_major or any(v != 1 for v in self.geo.s)
 
     def _to_nchw(self, dx: str) -> str:
         """[N*P_in, C] or [N, P_in, C] -> [N, C, *S]."""
@@ -357,27 +352,25 @@ def _box_weight(b, W: str, geo: Geom, box) -> str:
 
 
 def _conv_input_grad(b, view, g: str, W: str, geo: Geom, X: str, so, group: int) -> str:
-    """Input cotangent of a Conv. Stride 1: a Conv of the cotangent with the flipped,
-    channel-transposed kernel (fast in ORT); otherwise ConvTranspose (conv_t_to)."""
+    """Input cotangent of a Conv. Grouped at stride 1: a Conv of the cotangent with the
+    flipped, channel-transposed kernel (2-5x faster in ORT than its grouped ConvTranspose);
+    otherwise ConvTranspose (conv_t_to), 5x faster than the flipped Conv at group 1."""
     ws = static_shape(view, W)
     pads_t = None
-    if geo.k is not None and ws is not None and all(v == 1 for v in geo.s):
+    if geo.k is not None and ws is not None and all(v == 1 for v in geo.s) and group != 1:
         pads_t = [geo.eff[i] - 1 - geo.pb[i] for i in range(geo.nd)] + [
             geo.eff[i] - 1 - geo.pe[i] for i in range(geo.nd)]
     if pads_t is None or min(pads_t) < 0:
         return conv_t_to(b, view, g, W, geo, X, so, group)
     nd = geo.nd
     M, cg = ws[0], ws[1]
-    if group == 1:
-        wt = b.transpose(W, [1, 0] + spatial_axes(nd))
-    else:
-        wt = b.reshape(W, [group, M // group, cg] + geo.k)
-        wt = b.transpose(wt, [0, 2, 1] + list(range(3, 3 + nd)))
-        wt = b.reshape(wt, [group * cg, M // group] + geo.k)
+    wt = b.reshape(W, [group, M // group, cg] + geo.k)
+    wt = b.transpose(wt, [0, 2, 1] + list(range(3, 3 + nd)))
+    wt = b.reshape(wt, [group * cg, M // group] + geo.k)
     if any(k > 1 for k in geo.k):
         wt = b.op("Slice", [wt, b.ints([-1] * nd), b.ints([-INT64_MAX] * nd), b.ints(spatial_axes(nd)),
                             b.ints([-1] * nd)])
-    return b.op("Conv", [g, wt], dilations=geo.d, pads=pads_t, group=group if group != 1 else None)
+    return b.op("Conv", [g, wt], dilations=geo.d, pads=pads_t, group=group)
 
 
 def _conv_weight_grad(b, view, X: str, g: str, W: str, Y: str, geo: Geom, group: int, so, kstat) -> str:
@@ -471,7 +464,7 @@ def _conv_vjp(b, view, node, gys, needs=None):
     ws = static_shape(view, W)
     gat = GatherConv(b, geo, so, ws) if _gather_ok(b, geo, so, ws, group) else None
     if need(needs, 0):
-        if gat is not None:
+        if gat is not None and gat.col2im_pays():
             res[0] = gat.input(W, g)
         else:
             res[0] = _conv_input_grad(b, view, g, W, geo, X, so, group)

@@ -18,6 +18,7 @@ from kfac_compiler.oprules._util import (
     make_shape,
     need,
     reapply,
+    reshape_target,
     shape_tensor,
     unbroadcast,
     unsupported,
@@ -30,7 +31,7 @@ from kfac_compiler.oprules._util import (
 @register(("Reshape", "Flatten", "Squeeze", "Unsqueeze"), inputs=(0,))
 def _reshape_vjp(b, view, node, gys):
     g = gys[0]
-    return [None if g is None else b.reshape(g, shape_tensor(b, view, node.input[0]))]
+    return [None if g is None else b.reshape(g, reshape_target(b, view, node.input[0]))]
 
 
 _reshape_vjp.defjvp(linear_jvp(0))
