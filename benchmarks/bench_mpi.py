@@ -137,6 +137,8 @@ class Served:
                "--warmup", str(args.warmup), "--optimizer", args.optimizer]
         if args.batch:
             cmd += ["--batch", str(args.batch)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
         if staged:
             cmd.append("--staged-one")
         self.block = args.block
@@ -189,15 +191,20 @@ def vs_fused(args: argparse.Namespace) -> None:
         ratio = harness.spread(harness.round_ratios(res, "staged", "fused", harness.median))
         stage_s = [sum(col) / (args.rounds * args.block) for col in zip(*workers["staged"].stages)]
         share = " / ".join(f"{1e3 * s:.1f}" for s in stage_s)
+        cpu = {k: harness.median(w.cpu) for k, w in workers.items()}
+        faults = {k: harness.median(w.faults) for k, w in workers.items()}
         rows.append([model, str(workers["fused"].threads), f"{1e3 * steps['fused']:.1f} ms",
                      per_round["fused"].scaled(1e3).format(".1f"), f"{1e3 * steps['staged']:.1f} ms",
-                     per_round["staged"].scaled(1e3).format(".1f"), ratio.format(".2f", "x"), share])
+                     per_round["staged"].scaled(1e3).format(".1f"), ratio.format(".2f", "x"), share,
+                     f"{1e3 * cpu['fused']:.1f} / {1e3 * cpu['staged']:.1f} ms",
+                     f"{faults['fused']:.0f} / {faults['staged']:.0f}"])
         results.append({"model": model, "rounds": args.rounds, "block": args.block, "threads": workers["fused"].threads,
                         "fused_s": res["fused"], "staged_s": res["staged"], "ratio": ratio.as_dict(),
-                        "stage_seconds_per_step": stage_s})
-        print(json.dumps(results[-1]), flush=True)
+                        "stage_seconds_per_step": stage_s, "cpu_s_per_step": cpu, "page_faults_per_step": faults})
+        print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_s")}), flush=True)
     head = ["model", "threads", "fused: median step", "fused: per-round medians", "staged: median step",
-            "staged: per-round medians", "staged / fused (per-round)", "staged: ms per step in each stage"]
+            "staged: per-round medians", "staged / fused (per-round)", "staged: ms per step in each stage",
+            "CPU per step, fused / staged", "page faults per step, fused / staged"]
     table = harness.table(head, rows)
     run.write(f"One process, {args.rounds} interleaved rounds of {args.block} steps per worker after {args.warmup} "
               "warm-up steps; the staged worker is an MPI singleton with a communicator.\n\n" + table, results,
