@@ -25,12 +25,23 @@ where ONNX Runtime's kernels sum in another order: a lower bound of rounding), a
 initial parameter moved by one float32 ulp (np.nextafter): how far the optimizer carries a
 rounding-sized difference in 30 steps.
 Writes <out>/<date>-mpi-gap.{md,json}.
+
+    python benchmarks/bench_mpi.py --vs-fused [--models small_cnn resnet18] [--rounds 8] [--block 5]
+
+`--vs-fused`: the staged step's own cost on one process. Two warm workers, one stepping the
+fused step and one the staged step (an MPI singleton with a communicator: the program a
+data-parallel rank runs, all-reduces over one rank), take turns: each round every worker runs
+`--block` steps, the order rotating, both on the same steps of the same run (the same
+statistics, refresh and damping steps). Reported per model: the median step with the min-max
+of the per-round medians, the median of the per-round ratios staged / fused, and the staged
+step's seconds per stage session. Writes <out>/<date>-staged-vs-fused.{md,json}.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -74,6 +85,131 @@ def data_for(model: str, n: int):
     from kfac_compiler.models import ZOO
 
     return ZOO[model].make_data(n=n)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """A warm worker for --vs-fused: builds its trainer, runs --warmup steps, then per line
+    "N" on stdin runs the next N steps and prints one JSON line: their seconds and, staged,
+    each stage session's seconds."""
+    from kfac_compiler.plan import load_plan
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.comm import Communicator, mpi
+    from kfac_compiler.runtime.data import batch_indices
+
+    comm = Communicator(mpi().COMM_WORLD) if args.staged_one else None
+    batch = args.batch or BATCH[args.model]
+    inputs, targets = data_for(args.model, 4 * batch)
+    trainer = Trainer(load_plan(args.plan), optimizer=args.optimizer, seed=0, batch_size=batch, comm=comm,
+                      threads=args.threads)
+    n, step = targets.shape[0], 0
+
+    def run(count: int) -> dict:
+        nonlocal step
+        stages = [p for p in trainer.programs().values() if hasattr(p, "programs")]
+        before = [[q.session_seconds for q in p.programs] for p in stages]
+        times = []
+        cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(count):
+            idx = batch_indices(n, batch, step, 0)
+            t0 = time.perf_counter()
+            trainer.step({k: v[idx] for k, v in inputs.items()}, targets[idx])
+            times.append(time.perf_counter() - t0)
+            step += 1
+        per_stage: list[float] = []
+        for p, was in zip(stages, before):  # summed over the step's variants (first step, statistics)
+            got = [q.session_seconds - w for q, w in zip(p.programs, was)]
+            per_stage = [a + b for a, b in zip(per_stage, got)] if per_stage else got
+        return {"times": times, "stages": per_stage, "threads": trainer.threads,
+                "cpu_s": (time.process_time() - cpu0) / max(1, count),
+                "page_faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / max(1, count)}
+
+    run(args.warmup)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run(int(line))), flush=True)
+
+
+class Served:
+    """A --serve worker process: call() runs the next `block` steps and returns their seconds."""
+
+    def __init__(self, model: str, plan: str, staged: bool, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--serve", "--model", model, "--plan", plan,
+               "--warmup", str(args.warmup), "--optimizer", args.optimizer]
+        if args.batch:
+            cmd += ["--batch", str(args.batch)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        if staged:
+            cmd.append("--staged-one")
+        self.block = args.block
+        self.stages: list[list[float]] = []
+        self.cpu: list[float] = []  # per block: the process's CPU seconds per step (every thread)
+        self.faults: list[float] = []  # per block: minor page faults per step (memory touched afresh)
+        self.threads = None
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise SystemExit(f"worker exited with {self.proc.wait()}")
+
+    def __call__(self) -> list[float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{self.block}\n")
+        self.proc.stdin.flush()
+        got = self._read()
+        self.stages.append(got["stages"])
+        self.cpu.append(got["cpu_s"])
+        self.faults.append(got["page_faults"])
+        self.threads = got["threads"]
+        return got["times"]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def vs_fused(args: argparse.Namespace) -> None:
+    """The staged step against the fused one on one process, interleaved (see --vs-fused)."""
+    run = harness.Run("staged-vs-fused")
+    os.makedirs(args.cache, exist_ok=True)
+    rows, results = [], []
+    for model in args.models:
+        plan = plan_dir(model, args.cache)
+        workers = {"fused": Served(model, plan, False, args), "staged": Served(model, plan, True, args)}
+        try:
+            res = harness.interleave(workers, args.rounds, gap=0.5)
+        finally:
+            for w in workers.values():
+                w.close()
+        per_round = {k: harness.spread([harness.median(r) for r in v]) for k, v in res.items()}
+        steps = {k: harness.median(harness.flat(v)) for k, v in res.items()}
+        ratio = harness.spread(harness.round_ratios(res, "staged", "fused", harness.median))
+        stage_s = [sum(col) / (args.rounds * args.block) for col in zip(*workers["staged"].stages)]
+        share = " / ".join(f"{1e3 * s:.1f}" for s in stage_s)
+        cpu = {k: harness.median(w.cpu) for k, w in workers.items()}
+        faults = {k: harness.median(w.faults) for k, w in workers.items()}
+        rows.append([model, str(workers["fused"].threads), f"{1e3 * steps['fused']:.1f} ms",
+                     per_round["fused"].scaled(1e3).format(".1f"), f"{1e3 * steps['staged']:.1f} ms",
+                     per_round["staged"].scaled(1e3).format(".1f"), ratio.format(".2f", "x"), share,
+                     f"{1e3 * cpu['fused']:.1f} / {1e3 * cpu['staged']:.1f} ms",
+                     f"{faults['fused']:.0f} / {faults['staged']:.0f}"])
+        results.append({"model": model, "rounds": args.rounds, "block": args.block, "threads": workers["fused"].threads,
+                        "fused_s": res["fused"], "staged_s": res["staged"], "ratio": ratio.as_dict(),
+                        "stage_seconds_per_step": stage_s, "cpu_s_per_step": cpu, "page_faults_per_step": faults})
+        print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_s")}), flush=True)
+    head = ["model", "threads", "fused: median step", "fused: per-round medians", "staged: median step",
+            "staged: per-round medians", "staged / fused (per-round)", "staged: ms per step in each stage",
+            "CPU per step, fused / staged", "page faults per step, fused / staged"]
+    table = harness.table(head, rows)
+    run.write(f"One process, {args.rounds} interleaved rounds of {args.block} steps per worker after {args.warmup} "
+              "warm-up steps; the staged worker is an MPI singleton with a communicator.\n\n" + table, results,
+              args.out, title="The staged step against the fused step on one process")
+    print(table)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -217,17 +353,26 @@ def main() -> None:
     harness.add_out_argument(p)
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "kfac-bench-mpi"))
     p.add_argument("--gap", action="store_true", help="the loss gap against one process instead of step times")
+    p.add_argument("--vs-fused", action="store_true",
+                   help="the staged step against the fused one on one process, interleaved")
+    p.add_argument("--rounds", type=int, default=8, help="--vs-fused: interleaved rounds")
+    p.add_argument("--block", type=int, default=5, help="--vs-fused: steps per worker and round")
     p.add_argument("--batch", type=int, default=None, help="the global batch (default: per model; --gap: 128)")
     p.add_argument("--optimizer", default="kfac", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--ulp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--staged-one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args)
+        serve(args) if args.serve else worker(args)
+        return
+    if args.vs_fused:
+        args.models = args.models or ["small_cnn", "resnet18"]
+        vs_fused(args)
         return
     if args.gap:
         args.batch = args.batch or 128

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -92,12 +92,20 @@ class Communicator:
         if not arrays:
             return []
         buf = _packed(arrays)
-        self._timed(self.comm.Allreduce, mpi().IN_PLACE, buf, op=mpi().SUM)
-        buf /= np.float32(self.size)
         kinds = [kind] * len(arrays) if isinstance(kind, str) else list(kind)
-        for k in dict.fromkeys(kinds):
-            self._count(k, sum(a.nbytes for a, ak in zip(arrays, kinds) if ak == k))
+        self.mean_in_place(buf, {k: sum(a.nbytes for a, ak in zip(arrays, kinds) if ak == k)
+                                 for k in dict.fromkeys(kinds)})
         return _unpacked(buf, arrays)
+
+    def mean_in_place(self, buf: np.ndarray, nbytes: Mapping[str, int]) -> None:
+        """Replace the float32 buffer `buf` by its mean over the ranks (one all-reduce);
+        `nbytes`: what it holds, bytes by kind, for the counts. A caller that keeps one packed
+        buffer across steps (runtime/staged.py) allocates and copies nothing per call."""
+        self._timed(self.comm.Allreduce, mpi().IN_PLACE, buf, op=mpi().SUM)
+        if self.size > 1:  # one rank's sum is its mean: a pass over the buffer saved
+            buf /= np.float32(self.size)
+        for k, n in nbytes.items():
+            self._count(k, n)
 
     def minimum(self, value: float, kind: str = "flags") -> float:
         self._count(kind, 8)

@@ -139,12 +139,14 @@ class Program(SubgraphIO):
     def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
             hp: Mapping[str, float] | None = None, results: bool | list[str] = False,
             channel: str = "train", carried: Mapping[str, ort.OrtValue] | None = None,
-            keep: Sequence[str] = (), flip: bool = True) -> dict[str, Any]:
+            keep: Sequence[str] = (), flip: bool = True,
+            into: Mapping[str, ort.OrtValue] | None = None) -> dict[str, Any]:
         """Run once. `data`: arrays to write into the data inputs first (others must already be
         in the store's `channel`); `hp`: scalars to set first; `results`: True for every
         result, or a list of names. A stage of a cut step (runtime/staged.py) passes the
         tensors earlier stages made (`carried`), asks for results as device OrtValues without
-        a copy (`keep`), and flips the state itself after the last stage (flip=False)."""
+        a copy (`keep`; those in `into` written into the caller's OrtValues, bound while they
+        stay the same), and flips the state itself after the last stage (flip=False)."""
         write_inputs(store, data, hp, self.input_dtypes, channel)
         if results is True:
             want = tuple(self.results)
@@ -182,21 +184,28 @@ class Program(SubgraphIO):
                 b.bind_output(m, "cpu")
         for r in want:
             b.bind_output(r, "cpu")
-        for name, value in (carried or {}).items():
-            b.bind_ortvalue_input(name, value)
+        for name, value in (carried or {}).items():  # a value bound last run is not bound again
+            _bind(bound, b.bind_ortvalue_input, name, value)
         keep = [r for r in keep if r not in self.metrics]  # a metric a later stage reads: bound above
-        for r in keep:
-            b.bind_output(r, self.device.ort_device, self.device.device_id)
+        for r in keep:  # in keep's order whether into or not: a rebound name keeps its place
+            if into and r in into:
+                _bind(bound, b.bind_ortvalue_output, r, into[r])
+            else:
+                bound.pop(r, None)
+                b.bind_output(r, self.device.ort_device, self.device.device_id)
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         dt = time.perf_counter() - t0
         self.last_seconds = dt
         self.session_seconds += dt
         self.runs += 1
-        if want or keep or len(self._scalar_metrics) < len(self.metrics):
+        held = into or {}
+        if want or any(r not in held for r in keep) or len(self._scalar_metrics) < len(self.metrics):
             out = self._collect(b, want, tuple(keep))
-        else:  # the steady-state step: every metric a pre-bound host scalar
+        else:  # the steady-state step: every metric a pre-bound host scalar, every kept result
+            # the caller's own OrtValue (get_outputs() would wrap every output anew, ~10 us each)
             out = {m: float(buf.item()) for m, buf in self._scalar_metrics}
+            out.update({r: held[r] for r in keep})
         if self.agree is not None and C.FINITE in out:
             out[C.FINITE] = self.agree(out[C.FINITE])
         # A rejected step (metric/finite == 0: NaN/Inf loss or update) wrote its outputs into

@@ -13,8 +13,9 @@ from kfac_compiler import contract as C
 from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
+from kfac_compiler.runtime import stages as stages_module
 from kfac_compiler.runtime.data import draw_noise
-from kfac_compiler.runtime.stages import StageError, split_stages
+from kfac_compiler.runtime.stages import VIEW_OPS, StageError, split_stages
 
 
 def _feeds(model: onnx.ModelProto, trainer: Trainer, data: dict, hp: dict, specs: dict) -> dict:
@@ -87,6 +88,18 @@ def test_multi_tensor_stages_compute_what_the_fused_step_computes(trained_flat, 
     assert_stages_compute_the_fused_step(*trained_flat, {**options, "multi_tensor": True})
 
 
+def test_cnn_stages_compute_what_the_fused_step_computes():
+    """A CNN's step, whose views of patches and activations move to the stages that read them."""
+    e = ZOO["small_cnn"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    tr = Trainer(plan, seed=0, batch_size=32, comm=None)
+    x, y = e.make_data(n=32)
+    for _ in range(3):
+        tr.step(x, y)
+    assert_stages_compute_the_fused_step(plan, tr, {**x, C.TARGETS: y},
+                                         dict(with_stats=True, stats_if=True, qmodel=True, loss_after=True))
+
+
 def assert_stages_compute_the_fused_step(plan, tr, data, options):
     model, info = emit_subgraph(plan, "kfac_step", **options)
     hp = {n: 1.0 for n in info.hp_inputs}
@@ -132,6 +145,30 @@ def test_the_cuts_follow_the_data_dependencies(trained):
     assert C.FINITE in stages[3].info.metrics
     assert all(C.new(p) in stages[2].info.state_outputs for p in plan.trainable)
     assert len(info.reductions["gradients"]) == len(plan.trainable)
+
+
+def _unread_views(model: onnx.ModelProto, stages) -> list[str]:
+    """The views (VIEW_OPS outputs) a stage hands on to a later one without reading them itself."""
+    producer = {o: n.op_type for n in model.graph.node for o in n.output}
+    out = []
+    for k, stage in enumerate(stages):
+        read_here = {i for n in stage.model.graph.node for i in n.input} | set(stage.reduce_after.values())
+        read_later = {n for s in stages[k + 1:] for n in s.carried_in}
+        out += [n for n in stage.carried_out if n in read_later and producer.get(n) in VIEW_OPS and n not in read_here]
+    return out
+
+
+def test_a_stage_hands_on_no_view_it_does_not_read(monkeypatch):
+    """A view (Reshape, Flatten, ...) that only later stages read runs in the first of them, so
+    the stage before hands on the viewed tensor, not a copy of it (a CNN's reshaped patches and
+    activations, read by the quadratic model's products); the values stay the fused step's
+    (test_stages_compute_what_the_fused_step_computes)."""
+    e = ZOO["small_cnn"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    model, info = emit_subgraph(plan, "kfac_step", with_stats=True, qmodel=True, loss_after=True)
+    assert _unread_views(model, split_stages(model, info)) == []
+    monkeypatch.setattr(stages_module, "_sink_views", lambda *args: None)  # the cut without the move
+    assert len(_unread_views(model, split_stages(model, info))) > 0
 
 
 def test_a_marker_missing_from_the_graph_is_a_stage_error(trained):
