@@ -159,12 +159,14 @@ def _unread_views(model: onnx.ModelProto, stages) -> list[str]:
 
 
 def test_a_stage_hands_on_no_view_it_does_not_read(monkeypatch):
-    """A view (Reshape, Flatten, ...) that only later stages read runs in the first of them, so
-    the stage before hands on the viewed tensor, not a copy of it (a CNN's reshaped patches and
-    activations, read by the quadratic model's products); the values stay the fused step's
+    """A view (Reshape, Flatten, Unsqueeze, ...) that only later stages read runs in the first of
+    them, so the stage before hands on the viewed tensor, not a copy of it (here a diagonal
+    factor's unsqueezed inverse, which only preconditioning reads, as on ResNet-18's
+    budget-diagonalized convs); the values stay the fused step's
     (test_stages_compute_what_the_fused_step_computes)."""
     e = ZOO["small_cnn"]
-    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name,
+                      config={"approximations": {"conv": "kron_in_diag"}})
     model, info = emit_subgraph(plan, "kfac_step", with_stats=True, qmodel=True, loss_after=True)
     assert _unread_views(model, split_stages(model, info)) == []
     monkeypatch.setattr(stages_module, "_sink_views", lambda *args: None)  # the cut without the move
