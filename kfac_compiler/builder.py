@@ -248,6 +248,30 @@ class GraphBuilder:
                        else_branch=branch(self.fresh(hint + "/else"), passthrough, passed))
         return outs if isinstance(outs, list) else [outs]
 
+    def loop(self, trips: str, carried: Sequence[str], body: Callable[[str, list[str]], Sequence[str]],
+             shapes: Sequence[Sequence[int | str | None]], hint: str = "loop") -> list[str]:
+        """Loop(trips): `body(i, state)` appends the nodes of iteration i (an int64 scalar) and
+        returns the next state; the state starts as `carried` and the final one is returned.
+        Bounds the memory of a computation over a batch by one slice's (the body's tensors
+        live one iteration). State tensors are float tensors of `float_type` with `shapes`."""
+        i, cond = self.fresh(hint + "/i"), self.fresh(hint + "/cond")
+        state = [self.fresh(hint + "/state") for _ in carried]
+        start = len(self.nodes)
+        results = list(body(i, state))
+        nodes, self.nodes[start:] = self.nodes[start:], []
+        if len(results) != len(carried) or len(shapes) != len(carried):
+            raise ValueError(f"loop {hint!r}: {len(results)} results for {len(carried)} state tensors")
+        cond_out = self.fresh(hint + "/cond_out")
+        nodes.append(helper.make_node("Identity", [cond], [cond_out], name=self.fresh(hint + "/cond/node")))
+        infos = [value_info(t, self.float_type, list(s)) for t, s in zip(state, shapes)]
+        outs_info = [value_info(t, self.float_type, list(s)) for t, s in zip(results, shapes)]
+        graph = helper.make_graph(
+            nodes, self.fresh(hint + "/body"),
+            [value_info(i, TensorProto.INT64, []), value_info(cond, TensorProto.BOOL, []), *infos],
+            [value_info(cond_out, TensorProto.BOOL, []), *outs_info])
+        outs = self.op("Loop", [trips, "", *carried], n_out=len(carried), hint=hint, body=graph)
+        return outs if isinstance(outs, list) else [outs]
+
     # ------------------------------------------------------------ assembly
     def opset_imports(self) -> list[onnx.OperatorSetIdProto]:
         ids = [helper.make_opsetid("", self.opset)]

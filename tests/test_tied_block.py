@@ -256,6 +256,21 @@ def test_emitted_statistics_match_numpy_with_several_uses_and_seeds(name, opset)
         np.testing.assert_allclose(out[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_diagonal_statistics_loop_over_example_chunks_matches_numpy(monkeypatch, chunk):
+    """The diagonal forms [chunk, V, D] per-example gradients per Loop iteration (not the
+    batch's [N, V, D]): chunks of 1, 3 and 5 examples of a batch of 8 (the last chunk partial
+    at 3 and 5) give the numpy statistic, two lookups, a Gemm head and two seeds."""
+    import kfac_compiler.blocks.tied as tied
+
+    layer, shapes, inputs, cots = dict(CASES)["tied-diagonal"]()
+    blk = make_block(layer, shapes)
+    assert np.shape(cots[0][0])[0] == 8
+    monkeypatch.setattr(tied, "CHUNK_ELEMENTS", chunk * blk.vocab * blk.dim)
+    out = emitted_stats(blk, inputs, cots, opset=17)
+    np.testing.assert_allclose(out["diag"], blk.numpy_statistics(inputs, cots)["diag"], rtol=1e-5, atol=1e-6)
+
+
 def test_diagonal_block_is_the_diagonal_of_the_brute_force_fisher():
     model, p = _tiny_tied()
     plan = _compile(model, "diagonal")

@@ -32,6 +32,7 @@ and inverted like the Kronecker blocks' A and G ("pi" split; "exact" damping on 
 from __future__ import annotations
 
 import numpy as np
+from onnx import numpy_helper
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks._parts import Part, PartsBlock
@@ -56,7 +57,10 @@ from kfac_compiler.linalg.methods import PI_EPS
 # the stored factors: lookup A_V, G_D; head A_D, G_V
 TIED_FACTORS = ("A_V", "G_D", "A_D", "G_V")
 COMBINE = ("frobenius", "trace")
-NKP_TIE = 1e-6  # relative size of the eigenvector below which M is taken as a multiple of I
+NKP_TIE = 1e-6
+# the diagonal block's per-example gradients are formed this many elements ([chunk, V, D]) at a
+# time (at least one example): 16 MB in float32
+CHUNK_ELEMENTS = 1 << 22  # relative size of the eigenvector below which M is taken as a multiple of I
 
 
 def np_tied_coefficients(traces_l, traces_r) -> tuple[list[float], list[float]]:
@@ -380,22 +384,43 @@ class TiedEmbeddingDiagonal(TiedMixin, PartsBlock):
         return 2 * rows * self.vocab * self.dim + 2 * batch * self.vocab * self.dim
 
     def emit_statistics(self, b, inputs, cotangents):
+        """The per-example gradients [c, V, D] of `chunk` examples at a time, in an ONNX Loop:
+        sum_n g_n^2 has no exact form below that size (the head's term sum_n (delta_n^T a_n)^2
+        contracts over position pairs, [N T^2, V]), so the loop bounds the statistic's memory
+        by one chunk's instead of the batch's [N, V, D]."""
         V, D = self.vocab, self.dim
+        chunk = max(1, CHUNK_ELEMENTS // (V * D))
         depth, values = b.const(np.asarray([V], np.int64)), b.const(np.asarray([0.0, 1.0]))
-        onehots = [b.op("OneHot", [b.reshape(inputs[u], [0, -1]), depth, values], axis=-1) for u in self.lookups]
-        acts = [b.scale(b.reshape(inputs[u], [0, -1, D]), self.alphas[u]) for u in self.heads]
+        n_int = b.shape(cotangents[0][0], 0, 1)
+        size = b.ints([chunk])
+        trips = b.reshape(b.op("Div", [b.add(n_int, b.ints([chunk - 1])), size]), [])
+        zeros = b.op("ConstantOfShape", [b.ints([V, D])], value=numpy_helper.from_array(np.zeros(1, b.np_float)))
+
+        def body(i, state):
+            start = b.mul(b.unsqueeze(i, [0]), size)
+            end = b.add(start, size)
+            axis = b.ints([0])
+
+            def rows(x):
+                return b.op("Slice", [x, start, end, axis])
+
+            onehots = [b.op("OneHot", [b.reshape(rows(inputs[u]), [0, -1]), depth, values], axis=-1)
+                       for u in self.lookups]
+            acts = [b.scale(b.reshape(rows(inputs[u]), [0, -1, D]), self.alphas[u]) for u in self.heads]
+            total = state[0]
+            for s in range(len(cotangents[0])):
+                terms = [b.matmul(b.transpose(oh, [0, 2, 1]), b.reshape(rows(cotangents[u][s]), [0, -1, D]))
+                         for oh, u in zip(onehots, self.lookups)]
+                terms += [b.matmul(b.transpose(b.reshape(rows(cotangents[u][s]), [0, -1, V]), [0, 2, 1]), a)
+                          for a, u in zip(acts, self.heads)]
+                g = terms[0]
+                for t in terms[1:]:
+                    g = b.add(g, t)  # [c, V, D] per-example gradients of E
+                total = b.add(total, b.reduce_sum(b.mul(g, g), [0]))
+            return [total]
+
+        (total,) = b.loop(trips, [zeros], body, [[V, D]], hint="tied_diag")
         n = emit_dim(b, cotangents[0][0], 0)
-        total = None
-        for s in range(len(cotangents[0])):
-            terms = [b.matmul(b.transpose(oh, [0, 2, 1]), b.reshape(cotangents[u][s], [0, -1, D]))
-                     for oh, u in zip(onehots, self.lookups)]
-            terms += [b.matmul(b.transpose(b.reshape(cotangents[u][s], [0, -1, V]), [0, 2, 1]), a)
-                      for a, u in zip(acts, self.heads)]
-            g = terms[0]
-            for t in terms[1:]:
-                g = b.add(g, t)  # [N, V, D] per-example gradients of E
-            sq = b.reduce_sum(b.mul(g, g), [0])
-            total = sq if total is None else b.add(total, sq)
         return {"diag": b.transpose(b.div(total, n), [1, 0])}
 
     def numpy_statistics(self, inputs, cotangents):
