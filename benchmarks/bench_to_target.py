@@ -18,7 +18,7 @@ workloads and the real exports, with torch peers where installed.
                 K-FAC's steps to it, its best held-out loss and the largest one after it (a
                 divergence shows there), spikes undone
 
-`--knobs` (JSON; digits, zoo, mnist) sets K-FAC options for an ablation, and `--adam-cache FILE`
+`--knobs` (JSON; digits, zoo, mnist, real-exports) sets K-FAC options for an ablation, and `--adam-cache FILE`
 keeps tuned Adam's targets of a first run so that the next configurations run K-FAC only.
 
 Tuned Adam: the best of lr 1e-3, 3e-3, 1e-2 (its full-data loss after the steps). The loss
@@ -414,12 +414,14 @@ def _compile_quiet(path, **kw):
         return kc.compile(str(path), loss="softmax_cross_entropy", output="logits", **kw)
 
 
-def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int, config=None) -> dict:
+def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int, config=None,
+                    knobs: dict | None = None) -> dict:
     """Compiles (or the one-line error; the columns up to "frozen" then come from the front end
     alone), layers by kind, blocks, trainable initializers against those holding torch
     parameters, constants trained, frozen initializers, then `steps` steps of K-FAC (defaults)
     and of Adam (lr 1e-3) on the same batch stream, and the held-out loss before and after.
-    `config`: the compile config (e.g. approx_config's block choices)."""
+    `config`: the compile config (e.g. approx_config's block choices); `knobs`: K-FAC's options
+    (--knobs)."""
     row = {"fixture": case, "family": entry["family"], "exporter": entry["exporter"], "opset": entry.get("opset")}
     with np.load(fixtures / f"{case}.npz") as d:
         if "init_names" in d.files:
@@ -460,7 +462,8 @@ def real_export_row(case: str, entry: dict, fixtures: Path, steps: int, bs: int,
         return row
     for opt in ("kfac", "adam"):
         try:
-            row["loss0"], r = held_out_run(plan, opt, entry["kind"], steps, bs)
+            row["loss0"], r = held_out_run(plan, opt, entry["kind"], steps, bs,
+                                           **((knobs or {}) if opt == "kfac" else {}))
             row[opt], row[f"{opt}_ms"] = r.loss, 1e3 * r.seconds / max(steps, 1)
         except Exception as e:  # noqa: BLE001 - reported
             row[opt] = _one_line(e)
@@ -536,7 +539,8 @@ def cmd_real_exports(args, say, run):
         if entry.get("status") != "ok":
             rows.append({"fixture": case, "compiles": f"not exported: {entry.get('status')}"})
             continue
-        rows.append(real_export_row(case, entry, fixtures, args.steps, args.batch_size, approx_config(args)))
+        rows.append(real_export_row(case, entry, fixtures, args.steps, args.batch_size, approx_config(args),
+                                    kfac_knobs(args)))
         r = rows[-1]
         print(case, r.get("compiles"), r.get("loss0"), r.get("kfac"), r.get("adam"), file=sys.stderr, flush=True)
     say(f"Fixtures {os.path.relpath(fixtures, ROOT)} (models/real_exports.py). Losses: mean over {HELD_OUT} held-out "
@@ -544,7 +548,8 @@ def cmd_real_exports(args, say, run):
         "settings (K-FAC: the Trainer's defaults; Adam: lr 1e-3). 'held': initializers holding torch parameters (the "
         "fixture's record); 'constants trained': trained float initializers holding none; `<family>_init`: the model "
         "at its own initialisation (equal tensors merged by the exporter), trainable elements against those of the "
-        "random-weight twin's export." + (f" Blocks: {', '.join(args.approx)}." if args.approx else ""))
+        "random-weight twin's export." + (f" Blocks: {', '.join(args.approx)}." if args.approx else "")
+        + (f" K-FAC with {json.dumps(kfac_knobs(args))}." if kfac_knobs(args) else ""))
     say()
     say(_real_table(rows, args.steps))
     return rows
@@ -767,6 +772,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--only", nargs="*", help="families")
     approx(p)
+    p.add_argument("--knobs", help='K-FAC options as JSON, e.g. \'{"rho_batch": "next"}\'')
 
     p = add("real-exports-check", cmd_real_exports_check, "every real export: compiles, coverage, gradients vs torch")
     p.add_argument("--fixtures", default=str(ROOT / "tests" / "fixtures" / "real"))
