@@ -772,7 +772,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--only", nargs="*", help="families")
     approx(p)
-    p.add_argument("--knobs", help='K-FAC options as JSON, e.g. \'{"rho_batch": "next"}\'')
+    p.add_argument("--knobs", help='K-FAC options as JSON, e.g. \'{"min_damping": 0.01}\'')
 
     p = add("real-exports-check", cmd_real_exports_check, "every real export: compiles, coverage, gradients vs torch")
     p.add_argument("--fixtures", default=str(ROOT / "tests" / "fixtures" / "real"))
