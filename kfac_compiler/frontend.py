@@ -21,12 +21,12 @@ from kfac_compiler.blocks import BLOCKS, make_block
 from kfac_compiler.config import CompileConfig, InverseConfig, load_config
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
-from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, with_float_type
+from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_name, with_float_type
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
 from kfac_compiler.passes.budget import REFERENCE_BATCH, BudgetResult, fit_budget
-from kfac_compiler.passes.canonicalize import canonicalize, fresh_name, recognise_loss
+from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.choose_blocks import choose_blocks, pinned_layers
 from kfac_compiler.passes.heads import attach_heads
 from kfac_compiler.passes.link_params import link_params

@@ -279,3 +279,13 @@ def source_holders(model: onnx.ModelProto) -> dict[str, list[str]]:
                 found = [p for p, d, s, e in pieces if (d * rows + s) * inner < dst + n and dst < (d * rows + e) * inner]
             holders.extend(h for h in found if h not in holders)
     return out
+
+
+def fresh_name(name: str, taken: set[str]) -> str:
+    """`name`, or the first of name_1, name_2, ... not in `taken`; added to `taken`."""
+    cand, k = name, 0
+    while cand in taken:
+        k += 1
+        cand = f"{name}_{k}"
+    taken.add(cand)
+    return cand

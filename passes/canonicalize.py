@@ -41,7 +41,7 @@ from onnx import AttributeProto, helper, numpy_helper
 
 from kfac_compiler.builder import IR_VERSION, live
 from kfac_compiler.errors import ModelError
-from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
+from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of, fresh_name
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
 from kfac_compiler.passes.fold_params import fold_assembled, relayout_ends, shape_dims
 from kfac_compiler.passes.index_views import index_views
@@ -187,16 +187,6 @@ def _split_sequences(m: onnx.ModelProto) -> None:
         new_nodes.append(helper.make_node("Split", [node.input[0], sizes_name], outs, name=node.name, axis=axis))
     del m.graph.node[:]
     m.graph.node.extend(n for n in new_nodes if id(n) not in drop)
-
-
-def fresh_name(name: str, taken: set[str]) -> str:
-    """`name`, or the first of name_1, name_2, ... not in `taken`; added to `taken`."""
-    cand, k = name, 0
-    while cand in taken:
-        k += 1
-        cand = f"{name}_{k}"
-    taken.add(cand)
-    return cand
 
 
 def _elem_types(m: onnx.ModelProto) -> dict[str, int]:

@@ -14,9 +14,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kfac_compiler.errors import ConfigError, ModelError
-from kfac_compiler.graph import GraphView
+from kfac_compiler.graph import GraphView, fresh_name
 from kfac_compiler.losses import loss_class
-from kfac_compiler.passes.canonicalize import fresh_name, infer_shapes
+from kfac_compiler.passes.canonicalize import infer_shapes
 from kfac_compiler.passes.load import check_output
 
 HEADS_OUTPUT = "multi_head_output"

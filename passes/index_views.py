@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
+from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of, fresh_name
 from kfac_compiler.passes.fold_params import RELAYOUT_OPS, evaluate_nodes
 
 INDEX_OPS = frozenset({"Gather", "GatherND", "GatherElements"})
@@ -58,13 +58,13 @@ def index_views(model: onnx.ModelProto) -> onnx.ModelProto:
     drop: set[str] = set()
     for p, chain, k in rewrites:
         end = chain[-1].output[0]
-        flat, flat_shape, idx = (_fresh(f"{p}/flat{s}", taken) for s in ("", "/shape", "/indices"))
+        flat, flat_shape, idx = (fresh_name(f"{p}/flat{s}", taken) for s in ("", "/shape", "/indices"))
         replace[chain[-1].name] = [
             helper.make_node("Constant", [], [flat_shape], name=flat_shape,
                              value=numpy_helper.from_array(np.array([-1], np.int64))),
             helper.make_node("Reshape", [p, flat_shape], [flat], name=flat),
             helper.make_node("Constant", [], [idx], name=idx, value=numpy_helper.from_array(k)),
-            helper.make_node("Gather", [flat, idx], [end], name=_fresh(f"{end}/Gather", taken), axis=0),
+            helper.make_node("Gather", [flat, idx], [end], name=fresh_name(f"{end}/Gather", taken), axis=0),
         ]
         drop |= {n.name for n in chain}
     nodes = []
@@ -125,13 +125,6 @@ def _indices(view: GraphView, source: str, chain: list[onnx.NodeProto]) -> np.nd
     return k if np.array_equal(probe[k], b) else None
 
 
-def _fresh(name: str, taken: set[str]) -> str:
-    cand, n = name, 0
-    while cand in taken:
-        n += 1
-        cand = f"{name}_{n}"
-    taken.add(cand)
-    return cand
 
 
 __all__ = ["INDEX_OPS", "MAX_ELEMENTS", "MAX_ONE_HOT", "index_views"]

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 import kfac_compiler as kc
 from kfac_compiler.builder import NP_TO_ONNX, GraphBuilder, value_info
@@ -114,3 +115,13 @@ class Lines:
         if line is None:
             raise AssertionError("the process closed its output")
         return line
+
+
+def reference_loss(model: onnx.ModelProto, feeds: dict, values: dict | None = None) -> float:
+    """The original graph on onnx.reference with the initializers `values` replaced."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        if values and t.name in values:
+            t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
+    return float(ReferenceEvaluator(m).run(None, feeds)[0])

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import kfac_compiler as kc
+from helpers import reference_loss
 from kfac_compiler.contract import FOLDED_PARAMS_KEY
 from kfac_compiler.graph import fold_recurrent_params, source_holders
 from kfac_compiler.passes.autodiff import gradient_model
@@ -96,16 +97,6 @@ def assembled_model(op: str, direction: str = "forward", *, extra_reader: bool =
     return m, {"X": rng.standard_normal((T, N, I))}
 
 
-def _reference_loss(model: onnx.ModelProto, feeds: dict, values: dict | None = None) -> float:
-    """The original graph on onnx.reference with the initializers `values` replaced."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for t in m.graph.initializer:
-        if values and t.name in values:
-            t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
-    return float(ReferenceEvaluator(m).run(None, feeds)[0])
-
-
 def _torch_order(op: str, model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name[:4] in ("w_ih", "w_hh", "b_ih", "b_hh")}
 
@@ -140,7 +131,7 @@ def test_assembled_weights_fold_into_initializers_with_the_elements_mapped_back(
         assert holders[f"b_ih_{d}"] == [f"B.{tag}.input"] and holders[f"b_hh_{d}"] == [f"B.{tag}.recurrent"]
     # the lowered, folded graph computes the original's loss
     (ours,) = ReferenceEvaluator(canon).run(None, feeds)
-    assert abs(float(ours) - _reference_loss(model, feeds)) <= 1e-12 * max(1.0, abs(float(ours)))
+    assert abs(float(ours) - reference_loss(model, feeds)) <= 1e-12 * max(1.0, abs(float(ours)))
 
 
 @pytest.mark.parametrize("op,direction", CASES, ids=[f"{o}-{d}" for o, d in CASES])
@@ -156,8 +147,8 @@ def test_gradients_of_the_folded_weights_match_finite_differences_of_the_origina
     for _ in range(2):
         v = {k: rng.standard_normal(a.shape) for k, a in sources.items()}
         eps = 1e-6
-        lp = _reference_loss(model, feeds, {k: a + eps * v[k] for k, a in sources.items()})
-        lm = _reference_loss(model, feeds, {k: a - eps * v[k] for k, a in sources.items()})
+        lp = reference_loss(model, feeds, {k: a + eps * v[k] for k, a in sources.items()})
+        lm = reference_loss(model, feeds, {k: a - eps * v[k] for k, a in sources.items()})
         fd = (lp - lm) / (2 * eps)
         an = sum(float(np.sum(grads[k] * v[k])) for k in sources)
         assert abs(fd - an) <= 1e-8 * max(1.0, abs(an)), (fd, an)
@@ -190,7 +181,7 @@ def test_what_is_not_a_permutation_of_its_initializers_is_not_folded(edit):
     inits = {t.name for t in canon.graph.initializer}
     assert "w_ih_0" in inits and "w_hh_0" not in inits
     (ours,) = ReferenceEvaluator(canon).run(None, feeds)
-    assert abs(float(ours) - _reference_loss(model, feeds)) <= 1e-12 * max(1.0, abs(float(ours)))
+    assert abs(float(ours) - reference_loss(model, feeds)) <= 1e-12 * max(1.0, abs(float(ours)))
 
 
 def test_fold_leaves_a_model_without_targets_alone():

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import kfac_compiler as kc
+from helpers import reference_loss
 from kfac_compiler.contract import FOLDED_PARAMS_KEY
 from kfac_compiler.graph import fold_recurrent_params
 from kfac_compiler.passes.autodiff import gradient_model
@@ -77,15 +78,6 @@ def table_model(seed: int = 0) -> onnx.ModelProto:
     return _model(nodes, inits, ("N", HEADS, W * W, W * W))
 
 
-def _loss(model: onnx.ModelProto, feeds: dict, values: dict | None = None) -> float:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for t in m.graph.initializer:
-        if values and t.name in values:
-            t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
-    return float(ReferenceEvaluator(m).run(None, feeds)[0])
-
-
 MODELS = {"affine": (affine_model, ("w", "b"), (N, C, S, S)), "table": (table_model, ("table",), (N, HEADS, W * W, W * W))}
 
 
@@ -110,7 +102,7 @@ def test_views_fold_into_initializers_that_keep_the_parameters_names(case):
                                                                           if t.name == p)))
     feeds = {"x": np.random.default_rng(3).standard_normal(x_shape)}
     (ours,) = ReferenceEvaluator(canon).run(None, feeds)
-    assert abs(float(ours) - _loss(model, feeds)) <= 1e-12 * max(1.0, abs(float(ours)))
+    assert abs(float(ours) - reference_loss(model, feeds)) <= 1e-12 * max(1.0, abs(float(ours)))
 
 
 @pytest.mark.parametrize("case", sorted(MODELS))
@@ -127,8 +119,8 @@ def test_gradients_of_the_views_match_finite_differences_of_the_original(case):
     for _ in range(2):
         v = {k: rng.standard_normal(a.shape) for k, a in sources.items()}
         eps = 1e-6
-        fd = (_loss(model, feeds, {k: a + eps * v[k] for k, a in sources.items()})
-              - _loss(model, feeds, {k: a - eps * v[k] for k, a in sources.items()})) / (2 * eps)
+        fd = (reference_loss(model, feeds, {k: a + eps * v[k] for k, a in sources.items()})
+              - reference_loss(model, feeds, {k: a - eps * v[k] for k, a in sources.items()})) / (2 * eps)
         an = sum(float(np.sum(grads[k] * v[k])) for k in sources)
         assert abs(fd - an) <= 1e-8 * max(1.0, abs(an)), (fd, an)
 
