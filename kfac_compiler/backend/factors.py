@@ -138,8 +138,7 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
     that of |X|^2, which bounds every entry of X^T X. The statistics a block keeps in its
     inverse state pass a reduction point (`cut`; not inside an If, which a data-parallel step
     cannot cut: runtime/staged.py then refuses such blocks), as do the terms that are not
-    linear in the batch (batch_statistics' `shared`; inside an If each rank's own). The scale
-    c / count of a count known as N times a static number is shared (_ema_scales)."""
+    linear in the batch (batch_statistics' `shared`; inside an If each rank's own)."""
     b = em.b
     coeff = em.hp(C.EMA_COEFF)
     keep = b.sub(b.const(1.0), coeff)
@@ -156,7 +155,6 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
         for name, reduced in em.reduce_mean(C.STATE_STATISTICS_POINT, stated).items():
             stats[name] = {**stats[name], **reduced}
     updates, ok = [], []
-    scale = _ema_scales(em, coeff, fwd.n)
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
         specs = {s.name: s for s in block.factor_specs()}
@@ -167,10 +165,10 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
                 slot = em.state_input(C.factor(layer.name, fname), specs[fname].shape, "zeros")
             if isinstance(stat, GramStatistic) and stat.diag:
                 sums = stat.emit_square_sums(b)
-                updates.append((slot, b.add(b.mul(sums, scale(stat)), b.mul(slot, keep))))
+                updates.append((slot, b.add(b.mul(sums, b.div(coeff, stat.count)), b.mul(slot, keep))))
                 ok.append(b.reduce_sum(sums, None))
             elif isinstance(stat, GramStatistic):
-                scaled = b.mul(stat.rows, scale(stat))
+                scaled = b.mul(stat.rows, b.div(coeff, stat.count))
                 gemm = [scaled, stat.rows, b.mul(slot, keep)]
                 new = (b.op("Gemm", gemm, transB=1) if stat.cols  # rows holds X^T
                        else b.op("Gemm", gemm, transA=1))
@@ -180,28 +178,6 @@ def factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str,
                 updates.append((slot, b.add(slot, b.mul(coeff, b.sub(stat, slot)))))
                 ok.append(b.reduce_sum(stat, None))
     return updates, ok
-
-
-def _ema_scales(em: Emission, coeff: str, n: str):
-    """GramStatistic -> the scalar c / count its rows are scaled by in the moving average.
-    A statistic whose count is the batch size N times a static number (per_example) shares
-    one c / N per graph and one product per distinct number, instead of its own count's
-    Shape, Gather, Cast and Div."""
-    b = em.b
-    per_batch: list[str] = []
-    by_number: dict[float, str] = {}
-
-    def scale(stat: GramStatistic) -> str:
-        if stat.per_example is None:
-            return b.div(coeff, stat.count)
-        if not per_batch:
-            per_batch.append(b.div(coeff, n))
-        k = float(stat.per_example)
-        if k not in by_number:
-            by_number[k] = per_batch[0] if k == 1.0 else b.mul(per_batch[0], b.const(1.0 / k))
-        return by_number[k]
-
-    return scale
 
 
 def write_factor_updates(em: Emission, fwd: ForwardPass, cots: dict, mode: str, num_samples: int,

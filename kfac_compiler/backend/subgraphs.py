@@ -116,7 +116,8 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
     stacked = [(layer.name, block, factors, previous) for layer, block, factors, previous in chosen
                if power == -1 and isinstance(block, PartsBlock) and block.emits_stacked_inverse(method)]
     states = dict(zip([name for name, *_ in stacked],
-                      emit_inverses(b, [(blk, f, damping, prev) for _, blk, f, prev in stacked], method)))
+                      emit_inverses(b, [(blk, f, damping, prev) for _, blk, f, prev in stacked], method)
+                      if stacked else []))  # none with a host method (eigh, cholesky): no emitted inverse
     for layer, block, factors, previous in chosen:
         new = (cast(InverseState, states[layer.name]) if layer.name in states
                else block.emit_power_state(b, factors, damping, power, method, previous))

@@ -260,17 +260,6 @@ class ConvKronBase(ConvMixin, KronBlock):
         # + the patches: a depthwise conv with prod(kernel) one-hot taps per output channel
         return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * prod(self.kernel)
 
-    def _static_positions(self) -> int | None:
-        """Output positions per example over all uses (sum T) where every input's spatial
-        size is static, else None."""
-        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
-        total = 0
-        for shp in shapes:
-            if shp is None or any(not isinstance(d, int) for d in list(shp)[2:]):
-                return None
-            total += prod(self._out_sizes(list(shp)[2:]))
-        return total
-
     def emit_statistics(self, b, inputs, cotangents, masked=False):
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
         if self.group == 1:
@@ -309,13 +298,10 @@ class ConvKronBase(ConvMixin, KronBlock):
             P = b.mul(P, live)
             count = emit_live_count(b, live, masked)
         cols = b.reshape(b.transpose(P, [1, 2, 0, 3]), [self.nA, -1])  # [nA, N sum T]
-        if count is not None:
-            A = GramStatistic(cols, count, cols=True, diag=self.a_diag)
-        else:
-            A = GramStatistic(cols, emit_dim(b, cols, 1), self._static_positions(), cols=True, diag=self.a_diag)
+        A = GramStatistic(cols, count or emit_dim(b, cols, 1), cols=True, diag=self.a_diag)
         D = emit_concat(b, [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [self.nG, -1])
                             for ds in cotangents for d in ds], axis=1)  # [C_out, S R N sum T]
-        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0), 1.0, cols=True, diag=self.g_diag)
+        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0), cols=True, diag=self.g_diag)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

@@ -63,10 +63,6 @@ class FlatBlock(PartsBlock):
     def _grad_flops(self, batch: int) -> int:
         return 0
 
-    rows_per_example: float | None = None
-    """M / N where that is static (GramStatistic.per_example): 1 where the rows are the
-    examples; None for the generic fallback's one pseudo-example."""
-
     # per-example gradients: list over seeds of [M, P]
     def _emit_per_example(self, b, inputs, cotangents) -> list[str]:
         raise NotImplementedError
@@ -78,7 +74,7 @@ class FlatBlock(PartsBlock):
         gs = self._emit_per_example(b, inputs, cotangents)
         m = emit_dim(b, gs[0], 0)
         if self.full:  # the seeds' Grams summed: one Gram of their rows stacked
-            return {"full": GramStatistic(emit_concat(b, gs, 0), m, self.rows_per_example)}
+            return {"full": GramStatistic(emit_concat(b, gs, 0), m)}
         return {"diag": b.div(emit_add_all(b, [b.reduce_sum(b.mul(g, g), [0]) for g in gs]), m)}
 
     def numpy_statistics(self, inputs, cotangents):
@@ -147,7 +143,6 @@ class AxisSum:
 
 class ScaleShiftBlock(AxisSum, FlatBlock):
     layer_kinds = ("scale_and_shift",)
-    rows_per_example = 1.0  # per-example gradients [N, P]
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)

@@ -71,17 +71,6 @@ class FullyConnectedMixin:
     def positions_per_example(self) -> int:
         return self._positions()
 
-    def _static_positions(self) -> int | None:
-        """Rows per example over all uses (T R) where every input's middle axes are static,
-        else None (unlike _positions, no guess)."""
-        shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
-        total = 0
-        for shp in shapes:
-            if shp is None or any(not isinstance(d, int) or d < 0 for d in list(shp)[1:-1]):
-                return None
-            total += prod(list(shp)[1:-1])
-        return total
-
     # ---- ONNX
     def _emit_rows(self, b, x):
         """[N, ..., in] -> a~ rows [N*T, in(+1)]."""
@@ -168,9 +157,8 @@ class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
         X, rows = self._emit_masked_rows(b, inputs, cotangents, masked)
         D = self._emit_delta_rows(b, cotangents)
         n = emit_dim(b, cotangents[0][0], 0)
-        # unmasked, A's count is the N T R rows
-        A = GramStatistic(X, rows, None if masked else self._static_positions(), diag=self.a_diag)
-        G = GramStatistic(D, n, 1.0, diag=self.g_diag)
+        A = GramStatistic(X, rows, diag=self.a_diag)
+        G = GramStatistic(D, n, diag=self.g_diag)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

@@ -20,15 +20,13 @@ class GramStatistic:
 
     `cols`: `rows` holds X^T [k, m] (a layer whose layout puts the factor's axis first, as a
     conv's patches and cotangents do), so that no transpose is needed either way.
-    `per_example`: count is the batch size times this static number (positions per example,
-    uses, seeds), so that the moving average can scale by one per-graph coeff / N instead of
-    reading `count` (whose Shape arithmetic is then dead and dropped); None where count
-    depends on the data (live rows of a weighted loss) or on a dynamic shape.
+    `count` is the statistic's own row count, read from its rows' shape: a per-graph batch size
+    would be wrong wherever a layer's leading axis is not the batch (an attention projection
+    on [T*N, D] rows, a [T, N, D] input; ViT's TorchScript export).
     `diag`: only the diagonal of X^T X, a diagonal factor [k] (one ReduceSumSquare)."""
 
     rows: str
     count: str  # scalar tensor
-    per_example: float | None = None
     cols: bool = False
     diag: bool = False
 
