@@ -44,16 +44,22 @@ def _run(model: onnx.ModelProto, feeds: dict, names: list[str]) -> dict:
     return {n: np.asarray(v) for n, v in zip(names, sess.run(names, feeds))}
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """A classifier 3 K-FAC steps in (velocity, factors and inverses non-trivial) and a batch."""
-    e = ZOO["mlp_classifier"]
+def _three_steps_in(model: str, **options):
+    """(plan, trainer, batch): a zoo model 3 K-FAC steps in (velocity, factors and inverses
+    non-trivial) and its batch of 32."""
+    e = ZOO[model]
     plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
-    tr = Trainer(plan, seed=0, batch_size=32, comm=None)
+    tr = Trainer(plan, seed=0, batch_size=32, comm=None, **options)
     x, y = e.make_data(n=32)
     for _ in range(3):
         tr.step(x, y)
     return plan, tr, {**x, C.TARGETS: y}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A classifier 3 K-FAC steps in and a batch."""
+    return _three_steps_in("mlp_classifier")
 
 
 @pytest.mark.parametrize("options", [
@@ -68,14 +74,9 @@ def test_stages_compute_what_the_fused_step_computes(trained, options):
 @pytest.fixture(scope="module")
 def trained_flat():
     """`trained` with the multi-tensor K-FAC step (its velocity one flat slot velocity/*)."""
-    e = ZOO["mlp_classifier"]
-    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
-    tr = Trainer(plan, seed=0, batch_size=32, comm=None, multi_tensor=True)
-    x, y = e.make_data(n=32)
-    for _ in range(3):
-        tr.step(x, y)
+    plan, tr, batch = _three_steps_in("mlp_classifier", multi_tensor=True)
     assert C.flat(C.VELOCITY) in tr.store
-    return plan, tr, {**x, C.TARGETS: y}
+    return plan, tr, batch
 
 
 @pytest.mark.parametrize("options", [
@@ -90,13 +91,7 @@ def test_multi_tensor_stages_compute_what_the_fused_step_computes(trained_flat, 
 
 def test_cnn_stages_compute_what_the_fused_step_computes():
     """A CNN's step, whose views of patches and activations move to the stages that read them."""
-    e = ZOO["small_cnn"]
-    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name)
-    tr = Trainer(plan, seed=0, batch_size=32, comm=None)
-    x, y = e.make_data(n=32)
-    for _ in range(3):
-        tr.step(x, y)
-    assert_stages_compute_the_fused_step(plan, tr, {**x, C.TARGETS: y},
+    assert_stages_compute_the_fused_step(*_three_steps_in("small_cnn"),
                                          dict(with_stats=True, stats_if=True, qmodel=True, loss_after=True))
 
 
