@@ -27,6 +27,7 @@ from kfac_compiler.errors import ConfigError, PlanError
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
+from kfac_compiler.runtime.static_shapes import Shapes, with_static_dims
 from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
 
 _ORT_TYPES = {
@@ -289,19 +290,25 @@ class DeclaredProgram(SubgraphIO):
 
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
-                   name: str, comm: Any = None, sessions: bool = True, **options: Any) -> Program:
+                   name: str, comm: Any = None, sessions: bool = True, shapes: Shapes | None = None,
+                   **options: Any) -> Program:
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages
     (runtime/staged.py) and a program that writes state flips it only where every rank's
-    run was finite. With `sessions` False nothing is built: a DeclaredProgram stands in."""
-    key = resolved_request(plan, get_device(device).name, name, **options)
+    run was finite. With `sessions` False nothing is built: a DeclaredProgram stands in.
+    `shapes` (runtime/static_shapes.py: a batch's array shapes): the graph's symbolic dims
+    fixed to that batch's, one session per shape (keyed (request, shapes))."""
+    req = resolved_request(plan, get_device(device).name, name, **options)
+    key: Any = req if shapes is None else (req, shapes)
     prog = programs.get(key)
     if prog is None:
-        model, info, stored = subgraph(plan, key)
+        model, info, stored = subgraph(plan, req)
         if not sessions:
             programs[key] = DeclaredProgram(info, name)
             return programs[key]
+        if shapes is not None:
+            model = with_static_dims(model, dict(shapes))
         try:
             if comm is not None and not info.reductions and set(info.state_outputs.values()) & set(plan.trainable):
                 raise PlanError(f"subgraph {name!r} updates the parameters but marks no reduction points, so a "

@@ -41,12 +41,18 @@ from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, 
 from kfac_compiler.runtime.device import capped_threads, get_device
 from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, mean_factors
 from kfac_compiler.runtime.inverses import InverseRefresher
-from kfac_compiler.runtime.program import Program, cached_program
+from kfac_compiler.runtime.program import DeclaredProgram, Program, cached_program
 from kfac_compiler.runtime.state import StateStore
+from kfac_compiler.runtime.static_shapes import Shapes, batch_shapes
 
 F = TypeVar("F", bound=Callable[..., Any])
 # what Trainer.export writes: "auto" (the source graph where it holds every trained value), "source", "plan"
 EXPORT_GRAPHS = ("auto", "source", "plan")
+
+
+def _request(key: Request | tuple[Request, Shapes]) -> Request:
+    """The request of a session key (a static-shape session's is (request, shapes))."""
+    return key if isinstance(key, Request) else key[0]
 
 
 def _serialized(method: F) -> F:
@@ -122,7 +128,7 @@ class Trainer:
         # what the caller trains on (data.dataset_fingerprint; kfac-compiler train sets it):
         # stored in checkpoints and restored with them, so that a resume can compare its data
         self.data_fingerprint: dict[str, Any] | None = None
-        self._programs: dict[Request, Program] = {}
+        self._programs: dict[Any, Program] = {}  # by Request, or (Request, shapes) for a static-shape session
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
@@ -144,27 +150,42 @@ class Trainer:
                                  f"{name!r}") from None
 
     # ------------------------------------------------------------------ programs
-    def program(self, name: str, threads: int | None = None, **options: Any) -> Program:
+    def program(self, name: str, threads: int | None = None, shapes: Shapes | None = None,
+                **options: Any) -> Program:
         """The Program for subgraph `name` (created on first use; its state slots initialized);
-        `threads` overrides the trainer's intra-op thread count for this session."""
+        `threads` overrides the trainer's intra-op thread count for this session; `shapes` (a
+        batch's, static_shapes.batch_shapes) fixes its symbolic dims to that batch's."""
         return cached_program(self._programs, self.store, self.plan, self.device, threads or self.threads, name,
-                              comm=self.comm, sessions=self.sessions, **options)
+                              comm=self.comm, sessions=self.sessions, shapes=shapes, **options)
+
+    @staticmethod
+    def batch_shapes(data: Mapping[str, np.ndarray]) -> Shapes:
+        """A batch's array shapes, the `shapes` key of program() (static_shapes.batch_shapes)."""
+        return batch_shapes(data)
+
+    def declared(self, name: str, **options: Any) -> DeclaredProgram:
+        """What subgraph `name` with `options` reads and writes, without a session (and not
+        among requests()): for a caller that builds its sessions later, per batch shape."""
+        return cast(DeclaredProgram, cached_program({}, self.store, self.plan, self.device, self.threads, name,
+                                                    sessions=False, **options))
 
     def requests(self) -> list[Request]:
         """The resolved requests of the sessions built so far (kfac_compiler.store_default_subgraphs
-        stores their graphs)."""
-        return list(self._programs)
+        stores their graphs); a request with sessions for several batch shapes once."""
+        return list(dict.fromkeys(_request(k) for k in self._programs))
 
     def programs(self) -> dict[str, Program]:
         """The sessions built so far, by subgraph name; where one name has several, labelled
         with the options that tell them apart ("kfac_step[with_stats=False]"; a label depends on
         which sessions exist, so it may change as more are built)."""
         out = {}
-        for req, prog in self._programs.items():
-            others = [r.options.to_json() for r in self._programs if r.name == req.name and r != req]
+        for key, prog in self._programs.items():
+            req = _request(key)
+            others = [_request(r).options.to_json() for r in self._programs if _request(r).name == req.name and r != key]
             mine = req.options.to_json()
             differ = sorted({k for o in others for k in mine if o.get(k) != mine[k]})
-            out[req.name + "".join(f"[{k}={mine[k]}]" for k in differ)] = prog
+            shapes = f"[static {dict(key[1]).get(C.TARGETS, ())}]" if key is not req else ""
+            out[req.name + "".join(f"[{k}={mine[k]}]" for k in differ) + shapes] = prog
         return out
 
     def session_seconds(self) -> float:

@@ -97,10 +97,12 @@ class Kfac(Optimizer):
         ceil(m / k) rows, every (n // that)-th, which are the whole batch's rows when k divides m."""
         return self._sub_batch(self.config.stats_batch_size, self.cycle.count)
 
-    def step_options(self, first: bool = False) -> KfacStepOptions:
+    def step_options(self, first: bool = False, adapt: bool = True) -> KfacStepOptions:
         """The kfac_step this run's settings and batch need (`first`: the first step's, or
-        without the If (stats_conditional) a step's that takes no statistics)."""
+        without the If (stats_conditional) a step's that takes no statistics; `adapt`: with
+        static_steps, whether it computes the loss after the update, else an If decides)."""
         cfg = self.config
+        static = bool(cfg.static_steps)
         # momentum_type only where qmodel does not imply it: one graph serves regular and qmodel
         kind = cfg.momentum_type if cfg.momentum_type in ("adam", "qmodel_fixedmu") else None
         stats = dict(with_stats=True, stats_if=True) if self.stats_conditional else dict(with_stats=not first)
@@ -108,7 +110,8 @@ class Kfac(Optimizer):
             qmodel=bool(cfg.use_qmodel), momentum_type=kind, mode=cfg.mode, num_samples=cfg.num_samples,
             l2=cfg.l2_reg > 0, stats_batch=self.stats_batch(),
             qmodel_batch=self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
-            loss_after=bool(cfg.adapt_damping), weighted=self.trainer.weighted,
+            loss_after=bool(cfg.adapt_damping) and (adapt or not static), loss_after_if=not static,
+            weighted=self.trainer.weighted,
             # only where it changes the graph (adam's predicted change)
             precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
             loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec,
@@ -123,17 +126,25 @@ class Kfac(Optimizer):
         statistics' terms that are not linear in the batch (generic blocks, masked rows) and
         ekfac's S are averaged over the ranks at cuts inside the statistics, which no If
         admits, so its steps without statistics run the statistics-free variant instead (a
-        second session; docs/distributed.md)."""
-        return self.config.cov_update_period > 1 and self.trainer.ranks == 1
+        second session; docs/distributed.md). static_steps does without it too, by the same
+        statistics-free variant."""
+        return self.config.cov_update_period > 1 and self.trainer.ranks == 1 and not self.config.static_steps
 
-    def step_program(self, first: bool = False):
+    def step_program(self, first: bool = False, adapt: bool = True, data: Mapping[str, np.ndarray] | None = None):
         """The fused K-FAC step (see stats_conditional), memoized on what its options depend
-        on (the general lookup sorts an options dict on every step)."""
+        on (the general lookup sorts an options dict on every step). With static_steps one
+        per step kind (`first`: without statistics; `adapt`: with the loss after the update)
+        and shape of the batch `data`, all sharing the store's state buffers."""
         tr = self.trainer
-        key = (first, tr.weighted, tr.batch_size)
+        shapes = None
+        if self.config.static_steps:
+            shapes = tr.batch_shapes(data) if data is not None else None
+        else:
+            adapt = True  # the If form: one graph for both
+        key = (first, adapt, tr.weighted, tr.batch_size, shapes)
         prog = self._step_programs.get(key)
         if prog is None:
-            prog = tr.program(KFAC_STEP.name, options=self.step_options(first))
+            prog = tr.program(KFAC_STEP.name, options=self.step_options(first, adapt), shapes=shapes)
             self._step_programs[key] = prog
         return prog
 
@@ -145,9 +156,12 @@ class Kfac(Optimizer):
 
     def build(self) -> None:
         tr = self.trainer
-        step = self.step_program()
-        if not self.stats_conditional:
-            self.step_program(first=True)
+        if self.config.static_steps:  # the step sessions come per batch shape, on first use
+            step = tr.declared(KFAC_STEP.name, options=self.step_options())
+        else:
+            step = self.step_program()
+            if not self.stats_conditional:
+                self.step_program(first=True)
         self.statistics_program()
         if self.cycle.count > 1:
             self.micro_program()
@@ -317,7 +331,7 @@ class Kfac(Optimizer):
         feed: dict[str, np.ndarray] = dict(data)
         inverse_ok = float("nan")
         w_new = None
-        prog = self.step_program(first or not stats)  # (with the If, one program whatever first)
+        prog = self.step_program(first or not stats, adapt, data)  # (with the Ifs, one program whatever first)
         if first:
             # the very first step is preconditioned by its own batch: statistics, inverses, step
             self.run_statistics(data, data)

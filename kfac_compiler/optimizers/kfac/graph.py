@@ -138,7 +138,9 @@ class KfacStepOptions(SubgraphOptions):
     quadratic model, whose curvature products run on the first qmodel_batch examples, else
     from hp/learning_rate and hp/momentum; momentum_type (TF K-FAC's; None: "qmodel" with
     qmodel, else "regular"); l2: weight decay; loss_after: metric/loss_after, the batch's loss
-    at the new parameters when hp/loss_after > 0; precon_power: the power the inverse slots
+    at the new parameters when hp/loss_after > 0 (inside an If on it; loss_after_if False: on
+    every run of this graph, which then has no hp/loss_after: the If-free adaptation step the
+    host picks, KfacConfig.static_steps); precon_power: the power the inverse slots
     hold (adam momentum's predicted change is quadratic only at -1); loss_limit: the step is
     withheld (metric/finite 0) when the batch's loss exceeds hp/loss_limit (the spike guard:
     the host then tests the last update on this batch, docs/runtime.md "Safeguards"); clip:
@@ -162,6 +164,7 @@ class KfacStepOptions(SubgraphOptions):
     l2: bool = False
     stats_batch: int | None = None
     loss_after: bool = False
+    loss_after_if: bool = True
     qmodel_batch: int | None = None
     momentum_type: str | None = None
     precon_power: float = -1.0
@@ -196,7 +199,7 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
     local.ok_terms += groups.emit_updates(em, o.groups, local.raw_grads)
     pre = precondition_stage(em, lay, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
     update_stage(em, lay, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
-                 loss_limit=o.loss_limit, decay=o.decay)
+                 loss_limit=o.loss_limit, decay=o.decay, loss_after_if=o.loss_after_if)
 
 
 # --------------------------------------------------------------------------- stage 1: local
@@ -324,8 +327,10 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
 
 # --------------------------------------------------------------------------- stage 3: update
 def update_stage(em: Emission, lay: Layout, local: Local, pre: Preconditioned, l2: bool, loss_after: bool,
-                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False) -> None:
-    """(a, mu), the update, the new parameters and velocity, loss_after and the metrics.
+                 fixed_mu: bool = False, power: float = -1.0, loss_limit: bool = False, decay: bool = False,
+                 loss_after_if: bool = True) -> None:
+    """(a, mu), the update, the new parameters and velocity, loss_after (in an If with
+    `loss_after_if`) and the metrics.
     With `loss_limit` a batch loss above hp/loss_limit withholds the step (the spike guard).
     With `decay` the new parameters are (1 - alpha w) theta + update (decoupled weight decay,
     w = hp/decoupled_weight_decay, alpha = -a the step's learning rate, at least 0), outside
@@ -371,7 +376,8 @@ def update_stage(em: Emission, lay: Layout, local: Local, pre: Preconditioned, l
     if loss_limit:  # NaN fails the test too (as it fails the finiteness one)
         ok_flags.append(b.op("LessOrEqual", [loss, em.hp(LOSS_LIMIT)]))
     if loss_after:
-        ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2, shrink))
+        ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2, shrink,
+                                    conditional=loss_after_if))
     em.metric(C.LOSS, loss)
     em.metric(C.UPDATE_NORM, b.op("Sqrt", [update_sq]))
     raw = l2 or local.scale is not None  # the norm before l2's term and the clipping
@@ -407,7 +413,7 @@ def apply_update(em: Emission, lay: Layout, vectors: dict[str, Chunks], a: str, 
 
 
 def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
-                update_sq: str, change: str, l2: bool, shrink: str | None = None) -> str:
+                update_sq: str, change: str, l2: bool, shrink: str | None = None, conditional: bool = True) -> str:
     """metric/loss_after: the objective at the new parameters on the same batch, for
     Levenberg-Marquardt damping, inside an If on hp/loss_after > 0 so that only the
     damping-adaptation steps pay for the forward pass. With l2 it includes the regularizer's
@@ -419,7 +425,9 @@ def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, st
     pass ran, a non-finite loss after the update rejects the step whatever reject_increase
     says (NaN is also the placeholder of the steps without the forward pass). With decoupled
     decay (`shrink` d: theta_new = theta + u - d theta) the regularizer's change is that of
-    u - d theta: (1 - d) theta.u + |u|^2 / 2 - d (1 - d / 2) |theta|^2."""
+    u - d theta: (1 - d) theta.u + |u|^2 / 2 - d (1 - d / 2) |theta|^2. Without `conditional`
+    the forward pass runs unconditionally and hp/loss_after is not read (the If-free step
+    kind the host runs on adaptation steps only): the same nodes, so the same values."""
     b = em.b
     weights = C.EXAMPLE_WEIGHTS if em.parts.weighted else None
 
@@ -435,14 +443,17 @@ def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, st
             after = b.add(after, b.mul(em.hp(C.L2), reg))
         return [after]
 
-    wanted = b.op("Greater", [em.hp(WANT_LOSS_AFTER), b.const(0.0)])
-    (after,) = b.conditional(wanted, objective_after, [b.const(float("nan"))], [[]], hint="loss_after")
+    if conditional:
+        wanted: str | None = b.op("Greater", [em.hp(WANT_LOSS_AFTER), b.const(0.0)])
+        (after,) = b.conditional(wanted, objective_after, [b.const(float("nan"))], [[]], hint="loss_after")
+    else:
+        wanted, (after,) = None, objective_after()
     after = em.reduce_mean(LOSS_AFTER_POINT, after)  # every rank then takes the same decision
     em.metric(LOSS_AFTER, after)
     increase = b.op("And", [b.op("Greater", [em.hp(REJECT_INCREASE), b.const(0.0)]),
                             b.op("Greater", [b.sub(after, local.loss), b.op("Abs", [change])])])
     # a non-finite loss at the new parameters rejects the step, the first one included
-    after_ok = b.op("Or", [b.op("Not", [wanted]), em.finite([after])])
+    after_ok = em.finite([after]) if wanted is None else b.op("Or", [b.op("Not", [wanted]), em.finite([after])])
     return b.op("And", [b.op("Not", [increase]), after_ok])
 
 

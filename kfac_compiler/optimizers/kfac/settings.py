@@ -69,6 +69,11 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     products, the update, the new parameters, the velocity) emitted once over every K-FAC
     parameter's concatenation, the velocity one flat slot (as SGD's and Adam's knob); None: the
     device's default (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA).
+    static_steps: the host picks one If-free step graph per step kind the schedule runs
+    (statistics or not, loss_after or not), each made on first use for the batch's shapes
+    (runtime/static_shapes.py: no shape arithmetic at step time), instead of one graph with
+    Ifs on hp/update_stats and hp/loss_after; the trajectory is the same bit for bit, at the
+    cost of up to four step sessions (docs/runtime.md, "Static step graphs").
     """
 
     name: ClassVar[str] = "kfac"
@@ -103,6 +108,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     precon_power: float = -1.0  # kfac-jax's name: the step preconditions with (F + damping)^precon_power
     param_groups: list[Any] | None = None  # first-order groups: [{"kind"/"params"/"layers": ..., "optimizer": "adam", ...}]
     multi_tensor: bool | None = None  # the step over the parameters' concatenation (None: the device's default)
+    static_steps: bool = False  # If-free step kinds with static shapes, chosen by the host
 
     DEFAULT_DAMPING: ClassVar[float] = 1e-3
 

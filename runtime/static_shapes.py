@@ -1,0 +1,74 @@
+"""Static input shapes: a subgraph's symbolic dims ("N", a sequence length) fixed to one
+batch's values before its session is made.
+
+The emitted graphs take any batch size, so the shape arithmetic over the batch (Shape,
+Gather, Concat, ... feeding Reshape, Expand, a mean's divisor) runs on every step; on CUDA
+those nodes and their consumers' shape inputs sit on the CPU provider, with copies. With every
+input's shape fixed, ONNX Runtime's shape inference knows every tensor's shape and its
+constant folding replaces that arithmetic by initializers when the session is made. The
+runtime asks for this per batch shape (KfacConfig.static_steps); a batch of another shape (an
+epoch's last, partial one) gets a session of its own.
+
+    shapes = batch_shapes(data)                   # (("input", (32, 784)), ("targets", (32,)))
+    model = with_static_dims(model, dict(shapes))  # a copy; "N" -> 32 wherever it appears
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+
+import numpy as np
+import onnx
+
+Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def batch_shapes(data: Mapping[str, np.ndarray]) -> Shapes:
+    """The shapes of a batch's arrays, sorted by name: a hashable key for its session."""
+    return tuple(sorted((name, tuple(int(d) for d in np.shape(arr))) for name, arr in data.items()))
+
+
+def _tensor_infos(graph: onnx.GraphProto) -> Iterable[onnx.ValueInfoProto]:
+    return (vi for vi in chain(graph.input, graph.output, graph.value_info) if vi.type.HasField("tensor_type"))
+
+
+def bind_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """{symbolic dim: value} read off the graph inputs named in `shapes`; ValueError (one
+    line, naming the input) where a rank or a static dim disagrees, or one symbol would take
+    two values."""
+    binding: dict[str, int] = {}
+    for vi in model.graph.input:
+        shape = shapes.get(vi.name)
+        if shape is None or not vi.type.HasField("tensor_type"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            raise ValueError(f"input {vi.name!r} has rank {len(dims)} in graph {model.graph.name!r}, "
+                             f"but the batch's array is shaped {list(shape)}")
+        for d, n in zip(dims, shape):
+            if d.HasField("dim_value") and d.dim_value != n:
+                raise ValueError(f"input {vi.name!r} of graph {model.graph.name!r} takes dim {d.dim_value}, "
+                                 f"but the batch's array is shaped {list(shape)}")
+            if d.HasField("dim_param") and binding.setdefault(d.dim_param, int(n)) != n:
+                raise ValueError(f"dim {d.dim_param!r} of graph {model.graph.name!r} is {binding[d.dim_param]} "
+                                 f"elsewhere but {n} in input {vi.name!r}")
+    return binding
+
+
+def with_static_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
+    """A copy of `model` whose symbolic dims bound by `shapes` (bind_dims) are those values
+    in every graph input, output and value_info (the noise inputs' "N" included), and whose
+    inputs named in `shapes` are exactly those shapes."""
+    binding = bind_dims(model, shapes)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for vi in _tensor_infos(out.graph):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in binding:
+                d.dim_value = binding[d.dim_param]  # a oneof: clears dim_param
+    for vi in out.graph.input:
+        shape = shapes.get(vi.name)
+        if shape is not None and vi.type.HasField("tensor_type"):
+            for d, n in zip(vi.type.tensor_type.shape.dim, shape):
+                d.dim_value = int(n)
+    return out
