@@ -17,6 +17,8 @@ the zoo, ResNet-18 and the GPT export (the time to a loss is bench_to_target.py'
   nodes      nodes per step of SGD, Adam (per-parameter and multi-tensor updates) and K-FAC
              on the zoo, ResNet-18 and the GPT export: in the emitted graphs, and executed
              per steady step in ONNX Runtime's profile (CPU; K-FAC over one inverse period)
+  kinds      K-FAC's static_steps (one If-free, static-shape graph per step kind) against
+             the If form: executed nodes, Shape arithmetic, step sessions, capture blockers
 
 Every subcommand writes <out>/<date>-step-<subcommand>.md (and .json) with the date,
 machine, commit and load (benchmarks/harness.py); `--out -` prints only. This VM's speed
@@ -1395,6 +1397,125 @@ def cmd_nodes(args, say, run):
     return out
 
 
+# ============================================================================== kinds
+def shape_arithmetic(graph) -> tuple[int, int]:
+    """(Shape/Size nodes, nodes computing only from their outputs and constants) in an ONNX
+    graph (If/Loop bodies included): the shape arithmetic a run executes."""
+    from kfac_compiler.builder import subgraphs
+
+    shapes = derived_nodes = 0
+    derived: set[str] = set()
+
+    def walk(g, consts):
+        nonlocal shapes, derived_nodes
+        consts = consts | {t.name for t in g.initializer}
+        for node in g.node:
+            ins = [i for i in node.input if i]
+            if node.op_type in ("Shape", "Size"):
+                shapes += 1
+                derived.update(node.output)
+            elif ins and any(i in derived for i in ins) and all(i in derived or i in consts for i in ins):
+                derived_nodes += 1
+                derived.update(node.output)
+            elif node.op_type == "Constant":
+                consts |= set(node.output)
+            for sub in subgraphs(node):
+                walk(sub, consts)
+
+    walk(graph, set())
+    return shapes, derived_nodes
+
+
+def ort_optimized(model):
+    """`model` as ONNX Runtime's CPU session holds it after its graph optimizations."""
+    import onnx
+    import onnxruntime as ort
+
+    from kfac_compiler.runtime.device import session_options
+
+    with tempfile.TemporaryDirectory() as d:
+        so = session_options(1)
+        so.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return onnx.load(so.optimized_model_filepath)
+
+
+def kinds_profile(plan, x, y, bs: int, steps: int, static: bool) -> dict:
+    """Per steady step of a default CPU K-FAC trainer (its schedule over `steps` steps after
+    2, as profiled_nodes): node executions, of which Shape and If, from ORT's profile; and the
+    kfac_step sessions the whole run made."""
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.data import batch_indices
+    from kfac_compiler.runtime.device import PROFILE_ENV
+    from kfac_compiler.runtime.ort_profile import read_profile
+
+    def run(n: int):
+        os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
+        try:
+            tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=bs, seed=0, threads=1,
+                         static_steps=static)
+            for k in range(n):
+                idx = batch_indices(len(y), bs, k, 0)
+                tr.step({"input": x[idx]}, y[idx])
+        finally:
+            del os.environ[PROFILE_ENV]
+        profs = [read_profile(prog.session.end_profiling()) for prog in tr.programs().values()]
+        sessions = sum(prog.name == "kfac_step" for prog in tr.programs().values())
+        return (sum(sum(p.nodes.values()) for p in profs), sum(p.cpu_nodes.get("Shape", 0) for p in profs),
+                sum(p.cpu_nodes.get("If", 0) for p in profs), sessions)
+
+    short, long = run(2), run(2 + steps)
+    return {"executed": (long[0] - short[0]) / steps, "shape": (long[1] - short[1]) / steps,
+            "if": (long[2] - short[2]) / steps, "step_sessions": long[3]}
+
+
+def cmd_kinds(args, say, run):
+    """K-FAC's static_steps (issue 40 item 3) against the If form, on the default schedule:
+    executed nodes per steady step (ORT CPU profile, refreshes amortized over one inverse
+    period), of which Shape; the shape arithmetic left in ORT's optimized graph of the
+    steady step (statistics, no loss after); the kfac_step sessions a run makes; and
+    capture_blockers' count for that step."""
+    from kfac_compiler.optimizers import make_config
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.runtime.capture import capture_blockers
+    from kfac_compiler.runtime.static_shapes import with_static_dims
+    from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
+
+    rows, out = [], {}
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.models.split(","):
+            plan, x, y = _nodes_case(name, work)
+            bs = min(args.batch, len(y))
+            cfg = make_config("kfac", plan)
+            period = cfg.inv_update_period
+            shapes = {"input": x[:bs].shape, "targets": y[:bs].shape}
+            r: dict = {"schedule": {"cov_update_period": cfg.cov_update_period, "inv_update_period": period,
+                                    "damping_adaptation_interval": cfg.damping_adaptation_interval}}
+            for static in (False, True):
+                tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=bs, sessions=False,
+                             static_steps=static)
+                options = tr.policy.step_options(adapt=False).to_json()
+                model = subgraph(plan, resolved_request(plan, "cpu", "kfac_step",
+                                                        **{k: v for k, v in options.items() if v is not None}))[0]
+                if static:
+                    model = with_static_dims(model, shapes)
+                label = "static" if static else "If form"
+                res = {"graph_shape_arithmetic": shape_arithmetic(ort_optimized(model).graph),
+                       "capture_blockers": len(capture_blockers(model, shapes if static else None))}
+                if args.profile:
+                    res.update(kinds_profile(plan, x, y, bs, period, static))
+                r[label] = res
+                rows.append([name, label, f"{res.get('executed', float('nan')):.0f}",
+                             f"{res.get('shape', float('nan')):.1f}", f"{res.get('if', float('nan')):.1f}",
+                             "{} + {}".format(*res["graph_shape_arithmetic"]), res.get("step_sessions", ""),
+                             res["capture_blockers"]])
+            say(f"{name}: schedule {r['schedule']}, batch {bs}")
+            out[name] = r
+    say(harness.table(["model", "step graphs", "executed per step", "of which Shape", "of which If",
+                       "ORT graph: Shape + derived", "kfac_step sessions", "capture blockers"], rows))
+    return out
+
+
 # ============================================================================== main
 def _zoo_names() -> list[str]:
     from kfac_compiler.models import ZOO
@@ -1473,6 +1594,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="the training batch (the plan is compiled for it)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, interleaved")
     p.add_argument("--child", nargs=2, metavar=("PLAN", "MODEL"), help=argparse.SUPPRESS)
+    p = add("kinds", cmd_kinds, "K-FAC static_steps (If-free, static-shape step kinds) against the If form")
+    p.add_argument("--models", default="resnet18,gpt", help="comma-separated zoo names, resnet18, gpt (torch)")
+    p.add_argument("--profile", action="store_true", help="also node executions from ORT's CPU profile")
+    p.add_argument("--batch", type=int, default=32)
+
     p = add("nodes", cmd_nodes, "nodes per step of SGD, Adam and K-FAC (per-parameter, multi-tensor)")
     p.add_argument("--models", default=",".join([*_zoo_names(), "resnet18", "gpt"]),
                    help="comma-separated zoo names, resnet18, gpt (torch)")

@@ -11,8 +11,9 @@ sequence of kernels on fixed buffers, so a captured graph must have
     host): Reshape's shape, Expand's shape, Slice's starts/ends/axes/steps, TopK's k, Tile's
     repeats, Range, ConstantOfShape, the axes of Squeeze/Unsqueeze/Reduce*, Pad, Resize,
     Split, OneHot's depth, CumSum's axis (HOST_INPUTS); a computed one is a device-to-host
-    copy and a CPU-placed node on every run; a Shape or Size of a tensor whose shape is not
-    static runs on the CPU too;
+    copy and a CPU-placed node on every run; a Shape of a tensor whose shape is not static
+    runs on the CPU too, and so does every Size (ONNX Runtime does not fold it; the static
+    path replaces those of static tensors by constants, static_shapes.fold_sizes);
   * no op whose output shape depends on the data (NonZero, Unique, Compress, ...).
 
     blockers = capture_blockers(model, shapes={"input": (32, 784), "targets": (32,)})
@@ -87,7 +88,9 @@ def _check_graph(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto], known
             if k < len(node.input) and node.input[k] and node.input[k] not in known:
                 out.append(f"{label}: input {k} {node.input[k]!r} is read on the host but computed at run time")
         inputs = [i for i in node.input if i]
-        if node.op_type in SHAPE_OPS:
+        if node.op_type == "Size":  # ONNX Runtime does not fold it (static_shapes.fold_sizes does)
+            out.append(f"{label}: ONNX Runtime does not fold Size: it runs on the host on every run")
+        elif node.op_type in SHAPE_OPS:
             t = types.get(node.input[0])
             if t is None or not _static(t):
                 out.append(f"{label}: the shape of {node.input[0]!r} is not static "
@@ -113,10 +116,11 @@ _FOLD_LIMIT = 4096  # elements: the constants folded are shape arithmetic, not w
 
 
 def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A copy of the inferred `model` whose top-level Shape/Size nodes of static-shaped
-    tensors, and nodes over small constants only, are Constants, as ONNX Runtime folds them
-    when it makes the session (ONNX's inference propagates shape values into Reshape, not
-    into every consumer: OneHot's depth, Pad's pads); None when there is nothing to fold."""
+    """A copy of the inferred `model` whose top-level Shape nodes of static-shaped tensors,
+    and nodes over small constants only, are Constants, as ONNX Runtime folds them when it
+    makes the session (not Size, which it leaves). ONNX's inference propagates shape values
+    into Reshape, not into every consumer (OneHot's depth, Pad's pads). None when there is
+    nothing to fold."""
     from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
@@ -130,12 +134,11 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
     for node in graph.node:
         value: list[np.ndarray] | None = None
         inputs = [i for i in node.input if i]
-        t = types.get(node.input[0]) if node.op_type in SHAPE_OPS and node.input else None
+        t = types.get(node.input[0]) if node.op_type == "Shape" else None
         if t is not None and _static(t):
             dims = [d.dim_value for d in t.tensor_type.shape.dim]
             attrs = {a.name: a.i for a in node.attribute}
-            value = [np.asarray(int(np.prod(dims)), np.int64) if node.op_type == "Size"
-                     else np.asarray(dims[slice(attrs.get("start"), attrs.get("end"))], np.int64)]
+            value = [np.asarray(dims[slice(attrs.get("start"), attrs.get("end"))], np.int64)]
         elif (node.op_type not in RANDOM + CONTROL_FLOW + SHAPE_OPS + ("Constant",) and inputs
               and all(i in values for i in inputs) and node.domain in ("", "ai.onnx")):
             one = helper.make_model(

@@ -71,4 +71,28 @@ def with_static_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]
         if shape is not None and vi.type.HasField("tensor_type"):
             for d, n in zip(vi.type.tensor_type.shape.dim, shape):
                 d.dim_value = int(n)
-    return out
+    return fold_sizes(out)
+
+
+def fold_sizes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (changed in place) with every top-level Size node of a tensor whose shape ONNX
+    shape inference finds static replaced by a Constant of its value. ONNX Runtime folds a
+    Shape of a static tensor when it makes the session but not a Size (the emitted graphs'
+    element counts: a mean's divisor), which would run on every step, on the CUDA provider
+    with its output on the host."""
+    sizes = [n for n in model.graph.node if n.op_type == "Size"]
+    if not sizes:
+        return model
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {vi.name: vi.type for vi in chain(inferred.graph.value_info, inferred.graph.input)}
+    for node in sizes:
+        t = types.get(node.input[0])
+        dims = t.tensor_type.shape.dim if t is not None and t.HasField("tensor_type") else None
+        if dims is None or not t.tensor_type.HasField("shape") or not all(d.HasField("dim_value") for d in dims):
+            continue
+        value = onnx.numpy_helper.from_array(np.asarray(int(np.prod([d.dim_value for d in dims])), np.int64))
+        node.op_type = "Constant"
+        del node.input[:]
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", value))
+    return model
