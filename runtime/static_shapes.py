@@ -87,8 +87,10 @@ def fold_sizes(model: onnx.ModelProto) -> onnx.ModelProto:
     types = {vi.name: vi.type for vi in chain(inferred.graph.value_info, inferred.graph.input)}
     for node in sizes:
         t = types.get(node.input[0])
-        dims = t.tensor_type.shape.dim if t is not None and t.HasField("tensor_type") else None
-        if dims is None or not t.tensor_type.HasField("shape") or not all(d.HasField("dim_value") for d in dims):
+        if t is None or not t.tensor_type.HasField("shape"):
+            continue
+        dims = t.tensor_type.shape.dim
+        if not all(d.HasField("dim_value") for d in dims):
             continue
         value = onnx.numpy_helper.from_array(np.asarray(int(np.prod([d.dim_value for d in dims])), np.int64))
         node.op_type = "Constant"
