@@ -16,6 +16,8 @@ Layers (docs/runtime.md):
   checkpoint.py  atomic .npz checkpoints with a plan fingerprint
   data.py        batch checks, host noise, datasets for the CLI
   ort_profile.py what ONNX Runtime ran where (KFAC_ORT_PROFILE)
+  static_shapes.py a graph's symbolic dims fixed to one batch's (K-FAC's static_steps)
+  capture.py     capture_blockers(): what would stop CUDA graph capture of a graph
 """
 from __future__ import annotations
 

@@ -22,10 +22,10 @@ SCHEDULE = dict(cov_update_period=2, damping_adaptation_interval=3)  # every (st
 ROWS = (32, 32, 16, 32, 32, 16, 32)  # the third and sixth batches partial, as an epoch's last
 
 
-def _train(plan, inputs, y, static: bool):
-    tr = Trainer(plan, optimizer="kfac", batch_size=32, seed=0, static_steps=static, **SCHEDULE)
+def _train(plan, inputs, y, static: bool, rows=ROWS, **knobs):
+    tr = Trainer(plan, optimizer="kfac", batch_size=32, seed=0, static_steps=static, **SCHEDULE, **knobs)
     metrics, start = [], 0
-    for n in ROWS:
+    for n in rows:
         rows = slice(start % len(y), start % len(y) + n)
         start += n
         m = tr.step({k: v[rows] for k, v in inputs.items()}, y[rows])
@@ -77,6 +77,21 @@ def test_static_steps_follow_the_if_form_bit_for_bit(name):
             assert "If" not in _ops(model), key
     (key,) = [k for k, p in ref._programs.items() if p.name == "kfac_step"]
     assert _ops(subgraph(plan, key)[0]).count("If") == 2
+
+
+def test_static_steps_with_gradient_accumulation_follow_the_if_form_bit_for_bit():
+    """The cycle's last micro-batch runs the step kinds, the others `accumulate` (whose own
+    statistics If goes with stats_conditional, as in a data-parallel run)."""
+    plan, inputs, y = zoo_case("mlp_classifier", 80)
+    ref, ref_metrics = _train(plan, inputs, y, static=False, rows=(32,) * 12, accumulate=2)
+    tr, metrics = _train(plan, inputs, y, static=True, rows=(32,) * 12, accumulate=2)
+    assert sum(np.isfinite(m.get("rho", np.nan)) for m in metrics) == 2  # cycles 0 and 3 adapt
+    for p, value in ref.parameters().items():
+        assert np.array_equal(tr.parameters()[p], value), p
+    for k, (a, b) in enumerate(zip(ref_metrics, metrics)):
+        assert a.keys() == b.keys(), k
+        for key in a:
+            assert np.array_equal(a[key], b[key], equal_nan=True), (k, key, a[key], b[key])
 
 
 def _step_graph(plan, **options):
@@ -181,3 +196,22 @@ def test_static_steps_is_a_checked_knob():
     plan, _, _ = zoo_case("mlp_classifier", 8)
     with pytest.raises(ConfigError, match="static_steps"):
         Trainer(plan, optimizer="kfac", static_steps="yes")
+
+
+def test_static_dims_fold_the_size_of_a_static_tensor():
+    """ONNX Runtime folds a Shape of a static tensor but not a Size: the static path makes it
+    a constant (a mean's divisor), with the same value."""
+    import onnxruntime as ort
+
+    nodes = [helper.make_node("Size", ["x"], ["n"], name="size_x"),
+             helper.make_node("Cast", ["n"], ["nf"], name="cast_n", to=TensorProto.FLOAT),
+             helper.make_node("Div", ["x", "nf"], ["y"], name="div")]
+    m = onnx_model(nodes, {"x": ["N", 3]}, {}, outputs=["y"], out_shape=["N", 3])
+    assert "node 'size_x' (Size): ONNX Runtime does not fold Size: it runs on the host on every run" \
+        in capture_blockers(m, {})
+    fixed = with_static_dims(m, {"x": (4, 3)})
+    assert [n.op_type for n in fixed.graph.node] == ["Constant", "Cast", "Div"]
+    assert capture_blockers(fixed) == []
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    (y,) = ort.InferenceSession(fixed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.array_equal(y, x / np.float32(12))
