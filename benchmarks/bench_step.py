@@ -1472,9 +1472,9 @@ def kinds_profile(plan, x, y, bs: int, steps: int, static: bool) -> dict:
 def cmd_kinds(args, say, run):
     """K-FAC's static_steps (issue 40 item 3) against the If form, on the default schedule:
     executed nodes per steady step (ORT CPU profile, refreshes amortized over one inverse
-    period), of which Shape; the shape arithmetic left in ORT's optimized graph of the
-    steady step (statistics, no loss after); the kfac_step sessions a run makes; and
-    capture_blockers' count for that step."""
+    period), of which Shape and If; the shape arithmetic left in ORT's optimized graph of the
+    steady step (the schedule's most frequent kind); the kfac_step sessions a run makes; and
+    capture_blockers' count (static: for each kind the schedule uses)."""
     from kfac_compiler.optimizers import make_config
     from kfac_compiler.runtime import Trainer
     from kfac_compiler.runtime.capture import capture_blockers
@@ -1491,28 +1491,39 @@ def cmd_kinds(args, say, run):
             shapes = {"input": x[:bs].shape, "targets": y[:bs].shape}
             r: dict = {"schedule": {"cov_update_period": cfg.cov_update_period, "inv_update_period": period,
                                     "damping_adaptation_interval": cfg.damping_adaptation_interval}}
+            cov, interval = cfg.cov_update_period, cfg.damping_adaptation_interval
+            # the kinds (statistics, loss after) of steps 1.. over both periods; the first step's (no, yes)
+            used = [(k % cov == 0, k % interval == 0) for k in range(1, cov * interval + 1)]
+            steady = max(set(used), key=used.count)
+            kinds = sorted({*used, (False, True)})
             for static in (False, True):
                 tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=bs, sessions=False,
                              static_steps=static)
-                options = tr.policy.step_options(adapt=False).to_json()
-                model = subgraph(plan, resolved_request(plan, "cpu", "kfac_step",
-                                                        **{k: v for k, v in options.items() if v is not None}))[0]
-                if static:
-                    model = with_static_dims(model, shapes)
+
+                def graph(stats: bool, adapt: bool, tr=tr, static=static, plan=plan, shapes=shapes):
+                    o = tr.policy.step_options(first=not stats if static else False, adapt=adapt).to_json()
+                    m = subgraph(plan, resolved_request(plan, "cpu", "kfac_step",
+                                                        **{k: v for k, v in o.items() if v is not None}))[0]
+                    return with_static_dims(m, shapes) if static else m
+
                 label = "static" if static else "If form"
-                res = {"graph_shape_arithmetic": shape_arithmetic(ort_optimized(model).graph),
-                       "capture_blockers": len(capture_blockers(model, shapes if static else None))}
+                blockers = {kind: len(capture_blockers(graph(*kind), shapes if static else None))
+                            for kind in (kinds if static else kinds[:1])}
+                res = {"graph_shape_arithmetic": shape_arithmetic(ort_optimized(graph(*steady)).graph),
+                       "steady_kind": list(steady), "capture_blockers": {str(k): v for k, v in blockers.items()}}
                 if args.profile:
                     res.update(kinds_profile(plan, x, y, bs, period, static))
                 r[label] = res
+                text = ", ".join(f"{'stats' if k[0] else 'no stats'}{' + loss after' if k[1] else ''}: {v}"
+                                 for k, v in blockers.items()) if static else str(next(iter(blockers.values())))
                 rows.append([name, label, f"{res.get('executed', float('nan')):.0f}",
                              f"{res.get('shape', float('nan')):.1f}", f"{res.get('if', float('nan')):.1f}",
-                             "{} + {}".format(*res["graph_shape_arithmetic"]), res.get("step_sessions", ""),
-                             res["capture_blockers"]])
+                             "{} + {}".format(*res["graph_shape_arithmetic"]), res.get("step_sessions", ""), text])
             say(f"{name}: schedule {r['schedule']}, batch {bs}")
             out[name] = r
     say(harness.table(["model", "step graphs", "executed per step", "of which Shape", "of which If",
-                       "ORT graph: Shape + derived", "kfac_step sessions", "capture blockers"], rows))
+                       "steady graph in ORT: Shape + derived", "kfac_step sessions",
+                       "capture blockers (static: per kind used)"], rows))
     return out
 
 
