@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import ConfigError, PlanError
+from kfac_compiler.errors import ConfigError, DataError, PlanError
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
 from kfac_compiler.runtime.state import StateStore, init_value
@@ -308,7 +308,10 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
             programs[key] = DeclaredProgram(info, name)
             return programs[key]
         if shapes is not None:
-            model = with_static_dims(model, dict(shapes))
+            try:
+                model = with_static_dims(model, dict(shapes))
+            except ValueError as e:  # a batch the graph cannot take: the caller's data
+                raise DataError(f"subgraph {name!r}: {e}") from None
         try:
             if comm is not None and not info.reductions and set(info.state_outputs.values()) & set(plan.trainable):
                 raise PlanError(f"subgraph {name!r} updates the parameters but marks no reduction points, so a "

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 import kfac_compiler as kc
 from helpers import onnx_model, zoo_case
 from kfac_compiler.builder import subgraphs
-from kfac_compiler.errors import ConfigError
+from kfac_compiler.errors import ConfigError, DataError
 from kfac_compiler.models import ZOO, get_model
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.capture import capture_blockers
@@ -215,3 +215,12 @@ def test_static_dims_fold_the_size_of_a_static_tensor():
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
     (y,) = ort.InferenceSession(fixed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     assert np.array_equal(y, x / np.float32(12))
+
+
+def test_a_batch_the_static_graph_cannot_take_is_one_line_naming_the_input():
+    plan, inputs, y = zoo_case("mlp_classifier", 8)
+    tr = Trainer(plan, optimizer="kfac", static_steps=True)
+    shapes = tr.batch_shapes({"input": inputs["input"], "targets": y[:, None]})
+    with pytest.raises(DataError, match=r"^subgraph 'kfac_step': input 'targets' has rank 1 in graph .*, but the "
+                                        r"batch's array is shaped \[8, 1\]$"):
+        tr.program("kfac_step", shapes=shapes, options=tr.policy.step_options())
