@@ -275,3 +275,13 @@ def test_two_ranks_take_the_one_process_ekfac_steps_with_periodic_statistics(tmp
         assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(ranks[0]["params"][p])), p
         np.testing.assert_allclose(ranks[0]["params"][p], v, rtol=0, atol=5e-3 * np.abs(v).max(), err_msg=p)
 
+
+
+@pytest.mark.slow
+def test_two_ranks_with_static_steps_take_the_one_process_if_form_steps(tmp_path):
+    """static_steps on ranks: each step kind a staged program cut at its own reduction points
+    (the loss after only in the adaptation kinds), with each rank's share of the batch as its
+    static shape; the run is the one-process If form's."""
+    knobs = {**KFAC["knobs"], "damping_adaptation_interval": 3}
+    config = {**KFAC, "knobs": {**knobs, "static_steps": True}}
+    assert_same_run(on_ranks(2, config, tmp_path), train({**KFAC, "knobs": knobs}, comm=None), rtol=3e-4)
