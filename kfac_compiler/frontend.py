@@ -191,7 +191,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     budget = _fit_budget(layers, pinned, shapes, view, cfg)
     layers = budget.layers
     plan_notes.extend(budget.notes)
-    plan_notes.extend(example_axis_notes(layers, view, lambda layer: _example_rows(layer, shapes, view)))
+    plan_notes.extend(example_axis_notes(layers, view, lambda layer: _block_of(layer, shapes, view)))
     factors: dict[str, list[FactorSpec] | None] = {}
     for layer in layers:
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
@@ -350,11 +350,11 @@ def _block_available(name: str | None, kind: str) -> bool:
     return block_class(name or "", kind) is not None
 
 
-def _example_rows(layer: Layer, shapes: dict, view: GraphView) -> str:
-    """The layer's block's FisherBlock.example_rows ("pooled" when it has no class)."""
+def _block_of(layer: Layer, shapes: dict, view: GraphView):
+    """The layer's block (None when its class is not available)."""
     if not _block_available(layer.approximation, layer.kind):
-        return "pooled"
-    return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view)).example_rows
+        return None
+    return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view))
 
 
 def _factor_specs(layer: Layer, shapes: dict, in_shapes: list, cfg: CompileConfig, notes: list[str]) -> list[FactorSpec] | None:

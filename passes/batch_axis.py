@@ -318,11 +318,13 @@ def with_example_axes(layers: list, view: GraphView) -> list:
     return out
 
 
-def movable_uses(layer, ranks: list[tuple[int | None, int | None]]) -> list[tuple[ExampleAxis, int, int] | None]:
+def movable_uses(layer, ranks: list[tuple[int | None, int | None]],
+                 paired: bool = True) -> list[tuple[ExampleAxis, int, int] | None]:
     """Per use: (layout, input rank, output rank) when a "movable" block gets that use's
-    tensors with the example axis moved to the front (ops.emit_batch_major): input and output
-    placed alike, not batch-major, the example axis not the output's last (feature) axis.
-    None: the use is batch-major, or cannot be moved (example_axis_notes said so)."""
+    tensors with the example axis moved to the front (ops.emit_batch_major): the output
+    placed, not batch-major, the example axis not its last (feature) axis, and with `paired`
+    (the block pairs input rows with output rows: FisherBlock.moves_inputs) the input placed
+    alike. None: the use is batch-major, or cannot be moved (example_axis_notes said so)."""
     axes = layer.attrs.get("example_axes")
     out: list[tuple[ExampleAxis, int, int] | None] = []
     for u, (r_in, r_out) in enumerate(ranks):
@@ -330,29 +332,32 @@ def movable_uses(layer, ranks: list[tuple[int | None, int | None]]) -> list[tupl
             out.append(None)
             continue
         i, o = axes[u]
-        if i is None or o is None or tuple(i) != tuple(o) or r_in is None or r_out is None or i[0] >= r_out - 1:
+        if o is None or r_out is None or o[0] >= r_out - 1 or (
+                paired and (i is None or tuple(i) != tuple(o) or r_in is None)):
             out.append(None)
             continue
-        lay = ExampleAxis(*i)
-        out.append(None if lay.batch_major else (lay, r_in, r_out))
+        lay = ExampleAxis(*o)
+        out.append(None if lay.batch_major else (lay, r_in if r_in is not None else -1, r_out))
     return out
 
 
-def example_axis_notes(layers: list, view: GraphView, rows_of: Callable[[object], str]) -> list[str]:
-    """One note per layer whose block groups rows into examples (rows_of(layer): its
-    FisherBlock.example_rows) where a use's example axis is placed off the leading axis and
+def example_axis_notes(layers: list, view: GraphView, block_of: Callable[[object], object]) -> list[str]:
+    """One note per layer whose block (block_of(layer), None: none) groups rows into examples
+    (FisherBlock.example_rows) where a use's example axis is placed off the leading axis and
     the block cannot move it: its per-example statistics then take each leading-axis slice
     for an example. An unplaced tensor is assumed batch-major (the convention), unnoted."""
     notes = []
     for layer in layers:
         axes = layer.attrs.get("example_axes")
-        kind = "pooled" if not axes else rows_of(layer)
+        block = block_of(layer) if axes else None
+        kind = getattr(block, "example_rows", "pooled")
         if kind == "pooled":
             continue
+        paired = bool(getattr(block, "moves_inputs", True))
         ranks = [(view.rank(u.input), view.rank(u.output)) for u in layer.uses]
-        moved = movable_uses(layer, ranks) if kind == "movable" else [None] * len(axes)
+        moved = movable_uses(layer, ranks, paired) if kind == "movable" else [None] * len(axes)
         bad = [u for u, (i, o) in enumerate(axes) if moved[u] is None
-               and any(lay is not None and not ExampleAxis(*lay).batch_major for lay in (i, o))]
+               and any(lay is not None and not ExampleAxis(*lay).batch_major for lay in ((i, o) if paired else (o,)))]
         if not bad:
             continue
         i, o = axes[bad[0]]

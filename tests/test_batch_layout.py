@@ -41,6 +41,7 @@ def _params(seed: int = 0) -> dict[str, np.ndarray]:
         "w2": rng.normal(size=(H, C)),
         "table": rng.normal(size=(V, D)),
         "ln_scale": 1 + 0.3 * rng.normal(size=D), "ln_bias": 0.3 * rng.normal(size=D),
+        "shift": rng.normal(size=D),
     }
 
 
@@ -74,7 +75,7 @@ def _out_layout(nodes: list, y: str, layout: str, tag: str, out: str) -> None:
 def _model(kind: str, layout: str, p: dict[str, np.ndarray]):
     """logits [N, T, C] = tanh(layer(x)) @ w2, the layer (`kind`) run in `layout`."""
     nodes: list = []
-    width = {"fc": D, "embedding": None, "layernorm": D}[kind]
+    width = {"fc": D, "embedding": None, "layernorm": D, "bias": D}[kind]
     if kind == "embedding":
         ids = "ids"
         if layout == "batch_major":
@@ -97,6 +98,9 @@ def _model(kind: str, layout: str, p: dict[str, np.ndarray]):
             nodes.append(helper.make_node("MatMul", [src, "w1"], ["mm"]))
             nodes.append(helper.make_node("Add", ["mm", "b1"], ["lin"]))
             feat = H
+        elif kind == "bias":  # a parameter broadcast over the examples and positions
+            nodes.append(helper.make_node("Add", [src, "shift"], ["lin"]))
+            feat = D
         else:
             nodes.append(helper.make_node("LayerNormalization", [src, "ln_scale", "ln_bias"], ["lin"], axis=-1,
                                           epsilon=1e-5))
@@ -111,6 +115,8 @@ def _model(kind: str, layout: str, p: dict[str, np.ndarray]):
         inits.update(w1=p["w1"], b1=p["b1"])
     elif kind == "embedding":
         inits.update(table=p["table"])
+    elif kind == "bias":
+        inits.update(shift=p["shift"])
     else:
         inits.update(ln_scale=p["ln_scale"], ln_bias=p["ln_bias"])
     used = {i for nd in nodes for i in nd.input}
@@ -131,7 +137,7 @@ def _layer_of(plan, param: str) -> str:
 
 def _stats(kind: str, layout: str, p, x, y, approx: str | None = None, mode: str = "empirical") -> dict:
     """{factor: value} of the layer under test after one statistics update."""
-    param = {"fc": "w1", "embedding": "table", "layernorm": "ln_scale"}[kind]
+    param = {"fc": "w1", "embedding": "table", "layernorm": "ln_scale", "bias": "shift"}[kind]
     model = _model(kind, layout, p)
     plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
     name = _layer_of(plan, param)
@@ -169,6 +175,10 @@ def _truth_rows(kind: str, p, x, y):
     elif kind == "embedding":
         out = p["table"][x]
         a_rows = np.eye(V)[x]
+        w2 = w2[:D]
+    elif kind == "bias":
+        out = x + p["shift"]
+        a_rows = np.ones((N, T, 1))
         w2 = w2[:D]
     else:
         mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
@@ -303,29 +313,50 @@ def test_vit_attention_projections_are_placed_time_major_and_merged():
     assert not any("groups rows into examples" in n for n in plan.notes)  # kron blocks: layout-free
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_broadcast_bias_is_the_per_example_definition_in_every_layout(layout):
+    """A parameter added to every row (broadcast block, diagonal): g_n = sum_t delta_nt."""
+    p = _params()
+    x, y = _data("bias")
+    stats = _stats("bias", layout, p, _feed("bias", x), y)
+    _, delta = _truth_rows("bias", p, x, y)
+    g = delta.sum(1)
+    key = "full" if "full" in stats else "diag"
+    F = g.T @ g / N
+    np.testing.assert_allclose(stats[key], F if key == "full" else np.diag(F), rtol=RTOL, atol=ATOL)
+
+
 def test_a_block_that_cannot_move_the_example_axis_is_noted():
-    """A broadcast block (per-example sums over the leading axis) on a time-major Add: the
-    plan says its statistics are biased; batch-major, no note."""
-    def model(time_major: bool):
-        nodes = [helper.make_node("Transpose", ["input"], ["xt"], perm=[1, 0, 2])] if time_major else []
-        src = "xt" if time_major else "input"
-        nodes += [helper.make_node("Add", [src, "shift"], ["h"]),
-                  helper.make_node("MatMul", ["h", "w"], ["logits"])]
-        out_shape = [T, "N", C] if time_major else ["N", T, C]
+    """A conv whose batch axis holds examples x segments ([N*S, C, L], a Reshape of
+    [N, S, C, L]): its diagonal block groups per-example gradients by the leading axis and
+    cannot move the examples (the conv needs [batch, C, L]): the plan says so; batch-major
+    (S folded into the channels instead), no note. The Kronecker block needs no note."""
+    S, CH, L, K = 2, 3, 5, 4
+
+    def model(merged: bool):
+        shape_in = [-1, CH, L] if merged else [-1, S * CH, L]
+        nodes = [helper.make_node("Reshape", ["input", "s_in"], ["xr"]),
+                 helper.make_node("Conv", ["xr", "w", "cb"], ["y"], kernel_shape=[3], pads=[1, 1]),
+                 helper.make_node("Reshape", ["y", "s_out"], ["logits"])]
+        w = np.ones((K, CH if merged else S * CH, 3), np.float32)
         graph = helper.make_graph(
-            nodes, "bcast", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", T, D])],
-            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, out_shape)],
-            [numpy_helper.from_array(np.ones(D, np.float32), "shift"),
-             numpy_helper.from_array(np.ones((D, C), np.float32), "w")])
+            nodes, "conv", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", S, CH, L])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", S * K * L if merged else K * L])],
+            [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(K, np.float32), "cb"),
+             numpy_helper.from_array(np.array(shape_in, np.int64), "s_in"),
+             numpy_helper.from_array(np.array([-1, (S if merged else 1) * K * L], np.int64), "s_out")])
         m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         m.ir_version = 8
         return m
 
-    def notes(time_major):
-        plan = kc.compile(model(time_major), loss="softmax_cross_entropy", output="logits", emit=False)
-        assert plan.layer(_layer_of(plan, "shift")).kind == "broadcast"
+    def notes(merged, approx):
+        plan = kc.compile(model(merged), loss="softmax_cross_entropy", output="logits", emit=False)
+        name = _layer_of(plan, "w")
+        assert plan.layer(name).kind == "conv"
+        plan = kc.compile(model(merged), loss="softmax_cross_entropy", output="logits", emit=False,
+                          layers={name: approx})
         return [n for n in plan.notes if "groups rows into examples" in n]
 
-    assert notes(False) == []
-    (note,) = notes(True)
-    assert "axis 1 = N" in note and "biased" in note
+    assert notes(False, "diagonal") == [] and notes(True, "kron") == []
+    (note,) = notes(True, "diagonal")
+    assert f"axis 0 = N*{S}" in note and "biased" in note

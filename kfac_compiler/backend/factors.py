@@ -103,13 +103,15 @@ def _batch_major(em: Emission, layer, inputs: list[str], cots: list[list[str]]) 
     time-major or merged (passes/batch_axis.movable_uses): what a "movable" block's
     per-example statistics group by."""
     ranks = [(em.view.rank(u.input), em.view.rank(u.output)) for u in layer.uses]
-    moves = movable_uses(layer, ranks)
+    paired = em.blocks[layer.name].moves_inputs
+    moves = movable_uses(layer, ranks, paired)
     b = em.b
     for u, move in enumerate(moves):
         if move is None:
             continue
         lay, r_in, r_out = move
-        inputs[u] = emit_batch_major(b, inputs[u], r_in, lay.axis, lay.outer, lay.inner)
+        if paired:
+            inputs[u] = emit_batch_major(b, inputs[u], r_in, lay.axis, lay.outer, lay.inner)
         cots[u] = [emit_batch_major(b, d, r_out, lay.axis, lay.outer, lay.inner) for d in cots[u]]
     return inputs, cots
 

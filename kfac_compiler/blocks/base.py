@@ -94,6 +94,10 @@ class FisherBlock:
     # merged. "leading": per-example by the leading axis, correct only for batch-major rows;
     # compile notes a layer whose rows are not (or cannot be placed).
     example_rows: str = "leading"  # a class attribute; a block may refine it per instance (scale_and_shift)
+    # "movable" blocks: True when they pair a use's input rows with its output rows (the input
+    # is moved too and must be placed alike); False when they read only the output's rows
+    # (broadcast: its input is batch-less indices or unused)
+    moves_inputs: bool = True
 
     def __init__(
         self,
