@@ -191,7 +191,8 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     budget = _fit_budget(layers, pinned, shapes, view, cfg)
     layers = budget.layers
     plan_notes.extend(budget.notes)
-    plan_notes.extend(example_axis_notes(layers, view, lambda layer: _block_of(layer, shapes, view)))
+    for note in example_axis_notes(layers, view, lambda layer: _block_of(layer, shapes, view)):
+        warnings.warn(note, stacklevel=2)  # printed by the CLI, recorded in plan.notes
     factors: dict[str, list[FactorSpec] | None] = {}
     for layer in layers:
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)

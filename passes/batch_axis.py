@@ -204,9 +204,26 @@ def _slice(view, node, ins):
     if lay is None or r is None:
         return None
     axes = _axes_of(view, node, 3)
-    if axes is None or lay.axis in [a % r for a in axes]:
-        return None
-    return [lay]
+    if axes is None:  # computed axes: the example axis is kept if shape inference says so
+        s_in, s_out = view.shape(node.input[0]), view.shape(node.output[0])
+        kept = s_in is not None and s_out is not None and isinstance(s_in[lay.axis], str) \
+            and len(s_out) == r and s_out[lay.axis] == s_in[lay.axis]
+        return [lay] if kept else None
+    hits = [j for j, a in enumerate(axes) if a % r == lay.axis]
+    return [lay] if all(_whole(view, node, j) for j in hits) else None
+
+
+def _whole(view: GraphView, node: onnx.NodeProto, j: int) -> bool:
+    """Slice entry j takes its axis whole (start 0, end past any size, step 1: an exporter's
+    `x[:]`)."""
+    vals = []
+    for k, default in ((1, None), (2, None), (4, 1)):
+        v = view.constant_value(node.input[k]) if len(node.input) > k and node.input[k] else None
+        if v is None and default is None:
+            return False
+        vals.append(default if v is None else int(np.asarray(v).reshape(-1)[j]))
+    start, end, step = vals
+    return start == 0 and end >= 2**31 - 1 and step == 1
 
 
 @rule("Split")
@@ -257,11 +274,15 @@ def _prod(dims) -> int | None:
 
 
 def reshaped(s_in: tuple[Dim, ...], lay: ExampleAxis, s_out: tuple[Dim, ...]) -> ExampleAxis | None:
-    """The example axis after a row-major reshape from s_in to s_out, when the static dims
-    pin it: the entries before the examples (pre) and after them (post) are counted from
+    """The example axis after a row-major reshape from s_in to s_out, when the dims pin it:
+    s_out starting with s_in's dims up to the example axis (static, or the same symbol), or
+    else the entries before the examples (pre) and after them (post) are counted from
     s_in, and exactly one output axis j must have static dims on both sides that divide them
     and a dim that is dynamic (as the batch) or, with a static batch, pre/before * N *
     post/after."""
+    head = tuple(s_in[:lay.axis + 1])
+    if None not in head and tuple(s_out[:lay.axis + 1]) == head:
+        return lay  # the axes up to the examples' kept (shape inference's symbols): only later ones change
     pre, post = _prod(s_in[:lay.axis]), _prod(s_in[lay.axis + 1:])
     if pre is None or post is None:
         return None

@@ -296,6 +296,7 @@ def test_reshape_rule_places_merged_axes_from_static_dims():
     assert reshaped(("M", 17, 8), ExampleAxis(0, 1, 2), ("N", 2, 17, 8)) == ExampleAxis(0)  # and back
     assert reshaped((17, 3, 16), ExampleAxis(1), (51, 16)) == ExampleAxis(0, 17, 1)  # a static batch of 3
     assert reshaped((17, "N", 16), lay, ("A", "B")) is None  # two dynamic dims: not pinned
+    assert reshaped(("N", 8, 32), ExampleAxis(0), ("N", 8, "H", 16)) == ExampleAxis(0)  # heads split later
     assert reshaped(("T", "N", 16), lay, ("M", 16)) is None  # the entries before N unknown
 
 
@@ -360,3 +361,14 @@ def test_a_block_that_cannot_move_the_example_axis_is_noted():
     assert notes(False, "diagonal") == [] and notes(True, "kron") == []
     (note,) = notes(True, "diagonal")
     assert f"axis 0 = N*{S}" in note and "biased" in note
+
+
+def test_every_wav2vec2_layer_is_placed_batch_major():
+    """torch.export's wav2vec2 reads its input through a whole-axis Slice (x[:] on the batch
+    axis) and reshapes heads after the batch axis (same shape-inference symbol): every layer
+    use is placed, and batch-major (no layer carries example_axes)."""
+    path = FIXTURES / "wav2vec2-dynamo_noopt.onnx"
+    if not path.exists():
+        pytest.skip("no real-export fixtures")
+    plan = kc.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
+    assert [layer.name for layer in plan.layers if layer.attrs.get("example_axes")] == []

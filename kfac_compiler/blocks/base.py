@@ -92,7 +92,7 @@ class FisherBlock:
     # (fully connected, embedding lookups): the back end hands the block its tensors with the
     # example axis moved to the front (ops.emit_batch_major) when a use is time-major or
     # merged. "leading": per-example by the leading axis, correct only for batch-major rows;
-    # compile notes a layer whose rows are not (or cannot be placed).
+    # compile warns (plan.notes) about a layer whose rows it placed off the leading axis.
     example_rows: str = "leading"  # a class attribute; a block may refine it per instance (scale_and_shift)
     # "movable" blocks: True when they pair a use's input rows with its output rows (the input
     # is moved too and must be placed alike); False when they read only the output's rows
