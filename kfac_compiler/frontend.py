@@ -25,6 +25,7 @@ from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_
 from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
+from kfac_compiler.passes.batch_axis import example_axis_notes, with_example_axes
 from kfac_compiler.passes.budget import REFERENCE_BATCH, BudgetResult, fit_budget
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.choose_blocks import choose_blocks, pinned_layers
@@ -185,11 +186,13 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     for note in normalization_fallback_notes(view, layers):
         warnings.warn(note, stacklevel=2)
 
-    layers = [_with_input_shape(layer, view) for layer in layers]
+    layers = with_example_axes([_with_input_shape(layer, view) for layer in layers], view)
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}
     budget = _fit_budget(layers, pinned, shapes, view, cfg)
     layers = budget.layers
     plan_notes.extend(budget.notes)
+    for note in example_axis_notes(layers, view, lambda layer: _block_of(layer, shapes, view)):
+        warnings.warn(note, stacklevel=2)  # printed by the CLI, recorded in plan.notes
     factors: dict[str, list[FactorSpec] | None] = {}
     for layer in layers:
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
@@ -346,6 +349,13 @@ def _block_available(name: str | None, kind: str) -> bool:
         cls = BLOCKS.get(name or "")
         return cls is not None and kind in cls.layer_kinds
     return block_class(name or "", kind) is not None
+
+
+def _block_of(layer: Layer, shapes: dict, view: GraphView):
+    """The layer's block (None when its class is not available)."""
+    if not _block_available(layer.approximation, layer.kind):
+        return None
+    return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view))
 
 
 def _factor_specs(layer: Layer, shapes: dict, in_shapes: list, cfg: CompileConfig, notes: list[str]) -> list[FactorSpec] | None:

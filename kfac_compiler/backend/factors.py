@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kfac_compiler import contract as C
 from kfac_compiler.blocks._parts import GramStatistic
-from kfac_compiler.blocks.ops import LiveCount
+from kfac_compiler.blocks.ops import LiveCount, emit_batch_major
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.contract import NoiseSpec
 from kfac_compiler.passes.autodiff import backward
+from kfac_compiler.passes.batch_axis import movable_uses
 from kfac_compiler.passes.estimator import emit_seeds, noise_spec
 
 if TYPE_CHECKING:
@@ -82,8 +83,12 @@ def batch_statistics(
             inputs = [fwd.name(u.input) for u in layer.uses]
             outs = [fwd.name(u.output) for u in layer.uses]
             cots = [[d.get(o) or _zeros_like(em.b, o) for d in per_seed] for o in outs]
+            if block.example_rows == "movable":
+                inputs, cots = _batch_major(em, layer, inputs, cots)
         # a weighted loss: rows no weighted term depends on leave the activation statistics
         kw: dict[str, Any] = {"masked": shared or True} if fwd.weight is not None and block.masks_rows else {}
+        if block.divides_by_examples:  # N, whatever axis of the layer's rows holds the examples
+            kw["examples"] = n
         if block.state_statistics:  # statistics that read the inverse state (ekfac's eigenbases)
             stateful = cast(_StateStatistics, block)  # blocks with state_statistics take `state` (blocks/base.py)
             stats[layer.name] = stateful.emit_statistics(b, inputs, cots, state=inverse_inputs(em, layer.name, block),
@@ -91,6 +96,24 @@ def batch_statistics(
         else:
             stats[layer.name] = block.emit_statistics(b, inputs, cots, **kw)
     return stats
+
+
+def _batch_major(em: Emission, layer, inputs: list[str], cots: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """Each use's input and cotangents with the example axis leading where the use's rows are
+    time-major or merged (passes/batch_axis.movable_uses): what a "movable" block's
+    per-example statistics group by."""
+    ranks = [(em.view.rank(u.input), em.view.rank(u.output)) for u in layer.uses]
+    paired = em.blocks[layer.name].moves_inputs
+    moves = movable_uses(layer, ranks, paired)
+    b = em.b
+    for u, move in enumerate(moves):
+        if move is None:
+            continue
+        lay, r_in, r_out = move
+        if paired:
+            inputs[u] = emit_batch_major(b, inputs[u], r_in, lay.axis, lay.outer, lay.inner)
+        cots[u] = [emit_batch_major(b, d, r_out, lay.axis, lay.outer, lay.inner) for d in cots[u]]
+    return inputs, cots
 
 
 def inverse_inputs(em: Emission, layer: str, block) -> dict[str, str]:

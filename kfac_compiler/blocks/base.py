@@ -76,6 +76,28 @@ class FisherBlock:
     # step a data-parallel run cuts): the number of live rows then passes through it before
     # it divides (ops.emit_live_count, ops.emit_token_counts do that).
     masks_rows: ClassVar[bool] = False
+    # True: emit_statistics takes `examples`, the batch's number of examples N (a float scalar
+    # tensor; the back end passes the loss output's leading dim), and divides its sums over
+    # rows of cotangents (G = 1/N sum delta delta^T) by it. A layer's rows are examples x
+    # positions in any layout: an attention projection on time-major [T, N, D] or merged
+    # [T*N, D] rows (torch's nn.MultiheadAttention) has T or T*N as the cotangents' leading
+    # dim, which is N only for batch-major rows. With `examples` None (the numpy twins, the
+    # lower-level API) the leading dim stands in (ops.emit_examples). Per-example statistics
+    # (diagonal blocks, ekfac's S, scale_and_shift, broadcast) still group rows into examples
+    # by the leading axis (docs/conventions.md "The example axis").
+    divides_by_examples: ClassVar[bool] = False
+    # How the statistics group a use's rows into examples (passes/batch_axis places each
+    # tensor's example axis): "pooled": sums over all rows (Kronecker factors, the generic
+    # pseudo-example): any layout. "movable": per-example, every axis but the last a position
+    # (fully connected, embedding lookups): the back end hands the block its tensors with the
+    # example axis moved to the front (ops.emit_batch_major) when a use is time-major or
+    # merged. "leading": per-example by the leading axis, correct only for batch-major rows;
+    # compile warns (plan.notes) about a layer whose rows it placed off the leading axis.
+    example_rows: str = "leading"  # a class attribute; a block may refine it per instance (scale_and_shift)
+    # "movable" blocks: True when they pair a use's input rows with its output rows (the input
+    # is moved too and must be placed alike); False when they read only the output's rows
+    # (broadcast: its input is batch-less indices or unused)
+    moves_inputs: bool = True
 
     def __init__(
         self,
@@ -136,7 +158,8 @@ class FisherBlock:
         as its operands; statistics.emit_statistic materializes it)} for every factor_specs()
         entry. A block with `state_statistics` is called with the keyword `state` (its
         inverse slots) and returns those names too; a block with `masks_rows` is called
-        with the keyword `masked` for a weighted loss.
+        with the keyword `masked` for a weighted loss; a block with `divides_by_examples` with the
+        keyword `examples`.
         """
         raise NotImplementedError
 

@@ -43,6 +43,30 @@ class BroadcastBlock(AxisSum, FlatBlock):
         if axes is None or (self.rank is None and (self.indexed or not axes)):
             raise ConfigError(f"layer {layer.name!r}: a broadcast layer needs attrs 'scale_axes' and 'output_rank'")
         self.scale_axes = tuple(int(a) for a in axes)
+        self._example_axis_setup()
+
+    moves_inputs = False  # only the output's cotangent is read (the input: indices, or unused)
+
+    def _example_axis_setup(self) -> None:
+        """Time-major or merged output rows (layer.attrs["example_axes"], passes/batch_axis):
+        "movable" when every use's output has the same example axis k before the scale axes;
+        the back end then moves it to the front (ops.emit_batch_major: two more axes when it
+        splits a merged one), and the scale axes and rank follow."""
+        axes = self.layer.attrs.get("example_axes")
+        if not axes or self.rank is None:
+            return
+        r = int(self.rank)
+        outs = {tuple(o) if o is not None else None for _, o in axes}
+        if len(outs) != 1 or None in outs:
+            return
+        k, outer, inner = next(iter(outs))  # type: ignore[misc]
+        pos = [a % r for a in self.scale_axes]
+        if k >= min(pos):
+            return
+        extra = 2 if (outer, inner) != (1, 1) else 0
+        self.scale_axes = tuple(a + extra for a in pos)
+        self.rank = r + extra
+        self.example_rows = "movable"
 
     def _grad_flops(self, batch: int) -> int:
         scatter = 2 * self.rows * self.P if self.indexed else 0

@@ -41,6 +41,7 @@ from kfac_compiler.blocks.ops import (
     emit_append_const,
     emit_concat,
     emit_dim,
+    emit_examples,
     emit_gram,
     emit_live,
     emit_live_count,
@@ -243,6 +244,7 @@ class ConvMixin:
 class ConvKronBase(ConvMixin, KronBlock):
     layer_kinds = ("conv",)
     masks_rows = True
+    divides_by_examples = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -260,10 +262,10 @@ class ConvKronBase(ConvMixin, KronBlock):
         # + the patches: a depthwise conv with prod(kernel) one-hot taps per output channel
         return 2 * cols * self.group * (fa + fg) + 2 * cols * self.group * self.K * prod(self.kernel)
 
-    def emit_statistics(self, b, inputs, cotangents, masked=False):
+    def emit_statistics(self, b, inputs, cotangents, masked=False, examples=None):
         P = emit_concat(b, [self._emit_patches(b, x) for x in inputs], axis=3)  # [N, g, nA, sum T]
         if self.group == 1:
-            return self._emit_gram_statistics(b, P, cotangents, masked)
+            return self._emit_gram_statistics(b, P, cotangents, masked, examples)
         count = None
         if masked:  # the output locations some seed's cotangent (of the group's channels) depends on
             live = emit_concat(b, [emit_live(b, [self._emit_delta(b, d) for d in ds], [2]) for ds in cotangents],
@@ -280,13 +282,13 @@ class ConvKronBase(ConvMixin, KronBlock):
             axis=2,
         )
         G = b.reduce_sum(b.mul(D, D), [2]) if self.g_diag else emit_gram(b, D, 3)
-        G = b.div(G, emit_dim(b, cotangents[0][0], 0))
+        G = b.div(G, emit_examples(b, examples, cotangents))
         if self.group == 1:
             A = b.reshape(A, [self.nA] if self.a_diag else [self.nA, self.nA])
             G = b.reshape(G, [self.nG] if self.g_diag else [self.nG, self.nG])
         return {"A": A, "G": G}
 
-    def _emit_gram_statistics(self, b, P, cotangents, masked):
+    def _emit_gram_statistics(self, b, P, cotangents, masked, examples=None):
         """emit_statistics of a group-1 conv: A and G as GramStatistic columns [nA, N sum T]
         and [C_out, S R N sum T] (cols), their counts N sum T and N (diag for a diagonal
         factor): the moving average then takes each in one Gemm, or a diagonal in one
@@ -301,7 +303,7 @@ class ConvKronBase(ConvMixin, KronBlock):
         A = GramStatistic(cols, count or emit_dim(b, cols, 1), cols=True, diag=self.a_diag)
         D = emit_concat(b, [b.reshape(b.transpose(self._emit_delta(b, d), [1, 2, 0, 3]), [self.nG, -1])
                             for ds in cotangents for d in ds], axis=1)  # [C_out, S R N sum T]
-        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0), cols=True, diag=self.g_diag)
+        G = GramStatistic(D, emit_examples(b, examples, cotangents), cols=True, diag=self.g_diag)
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

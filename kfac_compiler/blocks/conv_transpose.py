@@ -38,6 +38,7 @@ from kfac_compiler.blocks.ops import (
     emit_add_all,
     emit_concat,
     emit_dim,
+    emit_examples,
     emit_gram,
     emit_live,
     emit_live_count,
@@ -156,6 +157,8 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
     name = "kron"
     layer_kinds = ("conv_transpose",)
     masks_rows = True
+    divides_by_examples = True
+    example_rows = "leading"  # the bias block B squares per-example gradients
     uses = "any"
     menu_rank = 0
 
@@ -178,7 +181,7 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
         cols = batch * self._positions()
         return 2 * cols * self.group * (self.nA**2 + self.nG**2) + 2 * batch * self.C_out**2
 
-    def emit_statistics(self, b, inputs, cotangents, masked=False):
+    def emit_statistics(self, b, inputs, cotangents, masked=False, examples=None):
         X = emit_concat(b, [self._emit_x(b, x) for x in inputs], axis=3)  # [N, g, Cg, sum T]
         count = None
         if masked:  # the input locations whose output patches some seed's cotangent depends on
@@ -193,7 +196,7 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
             [b.reshape(b.transpose(self._emit_dpatches(b, d), [1, 2, 0, 3]), [0, 0, -1]) for ds in cotangents for d in ds],
             axis=2,
         )
-        n = emit_dim(b, cotangents[0][0], 0)
+        n = emit_examples(b, examples, cotangents)
         G = b.div(emit_gram(b, D, 3), n)
         if self.group == 1:
             A, G = b.reshape(A, [self.nA, self.nA]), b.reshape(G, [self.nG, self.nG])
@@ -201,7 +204,8 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
         if self.has_bias:
             gbs = [emit_add_all(b, [self._emit_bias_grad(b, cotangents[u][s]) for u in range(len(inputs))])
                    for s in range(len(cotangents[0]))]
-            out["B"] = b.div(emit_add_all(b, [emit_gram(b, g) for g in gbs]), n)
+            # per-example bias gradients: grouped by the leading axis, as the diagonal blocks
+            out["B"] = b.div(emit_add_all(b, [emit_gram(b, g) for g in gbs]), emit_dim(b, cotangents[0][0], 0))
         return out
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

@@ -136,10 +136,10 @@ class EkfacMixin:
         return super().numpy_power(vectors, -1, state={"A_Q": state["A_Q"], "G_Q": state["G_Q"], "D_inv": scale})
 
     # ---- S from one batch: project, then the per-example gradients' squares
-    def emit_statistics(self, b, inputs, cotangents, state=None, masked=False):
+    def emit_statistics(self, b, inputs, cotangents, state=None, masked=False, examples=None):
         """A, G and S in the eigenbases of `state` (None: the identity, where S is the diagonal
         Fisher; the back end always passes the inverse slots)."""
-        out = super().emit_statistics(b, inputs, cotangents, masked)
+        out = super().emit_statistics(b, inputs, cotangents, masked, examples)
         A_Q, G_Q = (state["A_Q"], state["G_Q"]) if state is not None else (None, None)
         out["S"] = self._emit_second_moments(b, inputs, cotangents, A_Q, G_Q)
         return out
@@ -162,9 +162,12 @@ def _project(b, rows, Q):
 class FullyConnectedEkfac(EkfacMixin, FullyConnectedKronBase):
     """EKFAC for a fully connected layer (uses pooled into A and G, summed per example in S)."""
 
+    example_rows = "movable"
+
     def _one_position(self) -> bool:
         shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
-        return len(shapes) == 1 and shapes[0] is not None and len(shapes[0]) == 2
+        moved = self.layer.attrs.get("example_axes")  # merged rows reach the block as [N, T, in]
+        return len(shapes) == 1 and shapes[0] is not None and len(shapes[0]) == 2 and not moved
 
     def _emit_second_moments(self, b, inputs, cotangents, A_Q, G_Q):
         total = None
@@ -191,6 +194,8 @@ class FullyConnectedEkfac(EkfacMixin, FullyConnectedKronBase):
 @register_block
 class ConvEkfac(EkfacMixin, ConvKronBase):
     """EKFAC for a conv layer (KFC's factors, per group when group > 1)."""
+
+    example_rows = "leading"
 
     def _emit_second_moments(self, b, inputs, cotangents, A_Q, G_Q):
         return self._emit_gradient_moments(b, inputs, cotangents, self.mat_shape, A_Q, G_Q)  # diagonal's, projected

@@ -14,7 +14,7 @@ import numpy as np
 
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_concat, emit_dim, emit_live, emit_token_counts, np_live, np_token_counts
+from kfac_compiler.blocks.ops import emit_concat, emit_examples, emit_live, emit_token_counts, np_live, np_token_counts
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
@@ -29,6 +29,7 @@ class EmbeddingKron(KronBlock):
     menu_rank = 0
     a_diag = True
     masks_rows = True
+    divides_by_examples = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -60,7 +61,7 @@ class EmbeddingKron(KronBlock):
         rows = batch * self._positions()
         return 2 * rows * self.dim * self.dim + 2 * rows
 
-    def emit_statistics(self, b, inputs, cotangents, masked=False):
+    def emit_statistics(self, b, inputs, cotangents, masked=False, examples=None):
         idx = emit_concat(b, [b.reshape(x, [-1]) for x in inputs], axis=0)
         live = None
         if masked:  # the lookups some seed's cotangent depends on
@@ -69,7 +70,7 @@ class EmbeddingKron(KronBlock):
         counts, rows = emit_token_counts(b, idx, self.vocab, live, masked)
         A = b.div(counts, rows)
         D = emit_concat(b, [b.reshape(d, [-1, self.dim]) for ds in cotangents for d in ds], axis=0)
-        G = GramStatistic(D, emit_dim(b, cotangents[0][0], 0))
+        G = GramStatistic(D, emit_examples(b, examples, cotangents))
         return {"A": A, "G": G}
 
     def numpy_statistics(self, inputs, cotangents, masked=False):

@@ -168,6 +168,28 @@ class ScaleShiftBlock(AxisSum, FlatBlock):
         ranks = {len(s) for s in shapes if s is not None}
         self.rank = ranks.pop() if len(ranks) == 1 else layer.attrs.get("input_rank")
         self.norm_values: dict = {}
+        self._example_axis_setup()
+
+    def _example_axis_setup(self) -> None:
+        """Time-major or merged rows (layer.attrs["example_axes"], passes/batch_axis): the
+        block is "movable" (the back end moves the example axis to the front, which adds axes
+        when it splits a merged one) when every use has the example axis before the scale's
+        and the normalized axes; they are then counted from the end (rank None). BatchNorm-like
+        statistics read [N, C, ...] themselves: left "leading"."""
+        axes = self.layer.attrs.get("example_axes")
+        if not axes or self.rank is None or self.norm_op in ("BatchNormalization", *BATCH_STAT_NORMS):
+            return
+        r = int(self.rank)
+        first = [a % r for a in self.scale_axes]
+        if self.norm_op is not None:
+            first.append(int(self.norm.get("axis", -1)) % r)
+        if any(i is None or o is None or tuple(i) != tuple(o) or i[0] >= min(first) for i, o in axes):
+            return
+        self.scale_axes = tuple(a % r - r for a in self.scale_axes)
+        if self.norm is not None:
+            self.norm["axis"] = int(self.norm.get("axis", -1)) % r - r
+        self.rank = None
+        self.example_rows = "movable"
 
     def _grad_flops(self, batch: int) -> int:
         shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
@@ -322,6 +344,7 @@ class ScaleShiftDiagonal(ScaleShiftBlock):
 # =====================================================================================
 class GenericBlock(FlatBlock):
     layer_kinds = ("generic",)
+    example_rows = "pooled"  # one pseudo-example (or the parameters' own per-example rows)
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)

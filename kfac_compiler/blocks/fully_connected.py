@@ -23,7 +23,16 @@ import numpy as np
 from kfac_compiler.blocks._parts import Part, PartsBlock
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.blocks.kron import KronBlock
-from kfac_compiler.blocks.ops import emit_append_const, emit_concat, emit_dim, emit_live, emit_live_count, np_live, prod
+from kfac_compiler.blocks.ops import (
+    emit_append_const,
+    emit_concat,
+    emit_dim,
+    emit_examples,
+    emit_live,
+    emit_live_count,
+    np_live,
+    prod,
+)
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.blocks.views import MatrixView
 from kfac_compiler.errors import ConfigError
@@ -141,6 +150,7 @@ class FullyConnectedMixin:
 class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
     layer_kinds = ("fully_connected",)
     masks_rows = True
+    divides_by_examples = True
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
         super().__init__(layer, param_shapes, input_shapes, **options)
@@ -153,10 +163,10 @@ class FullyConnectedKronBase(FullyConnectedMixin, KronBlock):
         fg = rows * self.nG * (1 if self.g_diag else self.nG)
         return 2 * (fa + fg)
 
-    def emit_statistics(self, b, inputs, cotangents, masked=False):
+    def emit_statistics(self, b, inputs, cotangents, masked=False, examples=None):
         X, rows = self._emit_masked_rows(b, inputs, cotangents, masked)
         D = self._emit_delta_rows(b, cotangents)
-        n = emit_dim(b, cotangents[0][0], 0)
+        n = emit_examples(b, examples, cotangents)
         A = GramStatistic(X, rows, diag=self.a_diag)
         G = GramStatistic(D, n, diag=self.g_diag)
         return {"A": A, "G": G}
@@ -246,6 +256,7 @@ class FullyConnectedDiagonal(FullyConnectedMixin, PartsBlock):
     name = "diagonal"
     layer_kinds = ("fully_connected",)
     uses = "any"
+    example_rows = "movable"
     menu_rank = 10  # after kron and the series blocks
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):

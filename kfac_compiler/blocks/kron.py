@@ -28,6 +28,7 @@ class KronBlock(PartsBlock):
 
     a_diag: bool = False
     g_diag: bool = False
+    example_rows = "pooled"
     cholesky_right_parts = ("A",)  # vec(X) -> vec(G X A): A from the right
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):

@@ -26,6 +26,29 @@ def emit_dim(b: GraphBuilder, x: str, axis: int) -> str:
     return b.cast(d, b.float_type)
 
 
+def emit_examples(b: GraphBuilder, examples: str | None, cotangents: list[list[str]]) -> str:
+    """N, the divisor of a statistic summed over the rows of every example (G): `examples`
+    when the back end passes it, else the cotangents' leading dim (N for batch-major rows;
+    FisherBlock.divides_by_examples says why that is not enough)."""
+    return examples if examples is not None else emit_dim(b, cotangents[0][0], 0)
+
+
+def emit_batch_major(b: GraphBuilder, x: str, rank: int, axis: int, outer: int = 1, inner: int = 1) -> str:
+    """x (rank `rank`) whose axis `axis` holds outer x N x inner entries (passes/batch_axis
+    ExampleAxis), as [N, *the other axes] with the examples leading: a Transpose, after a
+    Reshape splitting the merged axis into (outer, N, inner) when it is merged. Positions keep
+    one order for every tensor of one layout, so a layer's input and output rows still pair."""
+    if outer != 1 or inner != 1:
+        shape = b.op("Shape", [x])
+        parts = [b.op("Slice", [shape, b.ints([0]), b.ints([axis])]), b.ints([outer, -1, inner]),
+                 b.op("Slice", [shape, b.ints([axis + 1]), b.ints([rank])])]
+        x = b.reshape(x, b.op("Concat", parts, axis=0))
+        rank, axis = rank + 2, axis + 1
+    if axis == 0:
+        return x
+    return b.transpose(x, [axis] + [i for i in range(rank) if i != axis])
+
+
 def emit_shape_with(b: GraphBuilder, x: str, rank: int, axis: int, size: int = 1) -> str:
     """Shape of x (rank `rank`) with dimension `axis` replaced by `size`."""
     axis = axis % rank

@@ -40,7 +40,15 @@ import scipy.linalg
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks.fully_connected import FullyConnectedKronBase
-from kfac_compiler.blocks.ops import emit_add_all, emit_concat, emit_dim, emit_live, emit_live_count, np_live
+from kfac_compiler.blocks.ops import (
+    emit_add_all,
+    emit_concat,
+    emit_dim,
+    emit_examples,
+    emit_live,
+    emit_live_count,
+    np_live,
+)
 from kfac_compiler.blocks.registry import register_block
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.ir import FactorSpec
@@ -124,8 +132,8 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         return 30 * (self.nA**3 + self.nG**3)  # host eigh whatever the method
 
     # ---- statistics
-    def emit_statistics(self, b, inputs, cotangents, masked=False):
-        out = super().emit_statistics(b, inputs, cotangents, masked)
+    def emit_statistics(self, b, inputs, cotangents, masked=False, examples=None):
+        out = super().emit_statistics(b, inputs, cotangents, masked, examples)
         rows = [self._emit_rows(b, x) for x in inputs]
         count = None
         if masked:  # A_1: the mean over consecutive pairs of rows that are both live
@@ -140,7 +148,7 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
         drows = [[b.reshape(cotangents[u][s], [-1, self.n_out]) for s in range(S)] for u in range(self.R)]
         D1 = emit_concat(b, [drows[u + 1][s] for u in range(self.R - 1) for s in range(S)], axis=0)
         D0 = emit_concat(b, [drows[u][s] for u in range(self.R - 1) for s in range(S)], axis=0)
-        n = emit_dim(b, cotangents[0][0], 0)
+        n = emit_examples(b, examples, cotangents)
         G1 = b.div(b.matmul(b.transpose(D1, [1, 0]), D0), n)
         out["G_1"] = b.scale(G1, self.R / (self.R - 1))
         return out

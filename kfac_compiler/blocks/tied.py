@@ -41,6 +41,7 @@ from kfac_compiler.blocks.kron import KronBlock
 from kfac_compiler.blocks.ops import (
     emit_concat,
     emit_dim,
+    emit_examples,
     emit_live,
     emit_live_count,
     emit_token_counts,
@@ -164,6 +165,7 @@ class TiedKronBase(TiedMixin, KronBlock):
 
     layer_kinds = ("tied_embedding",)
     masks_rows = True
+    divides_by_examples = True
     vocab_diag: bool = False
 
     def __init__(self, layer, param_shapes, input_shapes=None, **options):
@@ -191,9 +193,9 @@ class TiedKronBase(TiedMixin, KronBlock):
         return 2 * rl * (self.dim**2 + 1) + 2 * rh * (self.dim**2 + (self.vocab if self.vocab_diag else self.vocab**2))
 
     # ---- statistics
-    def emit_statistics(self, b, inputs, cotangents, masked=False):
+    def emit_statistics(self, b, inputs, cotangents, masked=False, examples=None):
         V, D = self.vocab, self.dim
-        n = emit_dim(b, cotangents[0][0], 0)
+        n = emit_examples(b, examples, cotangents)
         idx = self._emit_indices(b, inputs)
         X = self._emit_head_rows(b, inputs)
         live_ids = live_rows = None
