@@ -49,3 +49,19 @@ def run_ranks(ranks: int, command: Sequence[str], timeout: float = 240, **kwargs
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     return subprocess.run(rank_command(ranks, command), capture_output=True, text=True, timeout=timeout, env=env,
                           **kwargs)
+
+
+def own_lines(stderr: str) -> list[str]:
+    """stderr's lines without mpirun's reports (blocks between lines of dashes), the Open MPI
+    runtime's own "[host:pid] PMIX ERROR: ..." and "[warn] Epoll ..." lines (seen on a loaded
+    machine) and the NULs its abort report interleaves (seen in CI at the start of our own
+    error line)."""
+    lines, inside = [], False
+    for line in stderr.replace("\x00", "").splitlines():
+        if line.startswith("-----"):
+            inside = not inside
+        elif "] PMIX ERROR:" in line and line.startswith("[") or line.startswith("[warn] Epoll "):
+            continue  # the runtime's own complaints (libevent's "[warn] Epoll MOD(...) ...: Bad file descriptor")
+        elif not inside and line.strip():
+            lines.append(line)
+    return lines

@@ -1,12 +1,15 @@
 """A training run for the data-parallel tests: `python tests/mpi_worker.py OUT CONFIG_JSON` on
 every rank (under mpirun) writes OUT/rank<r>.json with its losses, parameters, communication
-bytes and inverse owners; `train(config, comm=None)` is the same run in one process.
+bytes, inverse owners and
+factors after the first step; `train(config, comm=None)` is the same run in one process.
 
 CONFIG: model (a zoo name), optimizer, steps, batch (global), knobs (dict), seed, optionally
 approximations (the compile config's {layer kind: block}) and links (compile's: user-linked,
 generic layers); knobs' accumulate k splits each batch into k micro-batches, one step() each; optionally ignore_index
 (softmax cross-entropy's: the targets of every example whose index is a multiple of 3 or
-below 40 are set to it, so that the ranks' shares hold different numbers of them)."""
+below 40 are set to it, so that the ranks' shares hold different numbers of them); optionally
+ulp (true: every initial parameter one float32 ulp up, np.nextafter: a rounding-sized start,
+the reference scale of how far the optimizer carries rounding)."""
 from __future__ import annotations
 
 import json
@@ -34,24 +37,29 @@ def train(config: dict, comm="auto") -> dict:
     trainer = Trainer(plan, optimizer=config.get("optimizer", "kfac"), seed=int(config.get("seed", 0)),
                       batch_size=batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,
                       **config.get("knobs", {}))
+    if config.get("ulp"):
+        trainer.set_parameters({p: np.nextafter(v, np.float32(np.inf)) for p, v in trainer.parameters().items()})
     inputs, targets = entry.make_data(n=256)
     if ignore is not None:
         rows = np.arange(len(targets))
         targets = np.where(((rows % 3 == 0) | (rows < 40)).reshape(-1, *[1] * (targets.ndim - 1)), int(ignore), targets)
-    losses, metrics = [], []
+    losses, metrics, first_factors = [], [], {}
     for step in range(int(config["steps"])):
         idx = batch_indices(256, batch, step, 0)
         for part in np.split(idx, trainer.config.accumulate):
             m = trainer.step({k: v[part] for k, v in inputs.items()}, targets[part])
         losses.append(m["loss"])
         metrics.append({k: m[k] for k in ("damping", "rejected", "learning_rate", "momentum") if k in m})
+        if step == 0:  # the first step's factors: before the steps can amplify any rounding
+            first_factors = {s: trainer.store.to_numpy(s).tolist() for s in trainer.store.slots()
+                             if C.parse_slot(s).kind == C.FACTOR}
     refresher = getattr(trainer.policy, "refresher", None)
     owned = sorted({C.parse_slot(s).owner for p in (refresher.programs if refresher else []) if p is not None
                     for s in p.written_slots})
     return {"rank": trainer.rank, "ranks": trainer.ranks, "losses": losses, "metrics": metrics,
             "params": {p: v.tolist() for p, v in trainer.parameters().items()},
             "sent": dict(trainer.comm.sent) if trainer.comm else {},
-            "owners": getattr(refresher, "owners", None), "owned": owned,
+            "owners": getattr(refresher, "owners", None), "owned": owned, "first_factors": first_factors,
             "threads": trainer.threads}
 
 

@@ -21,6 +21,7 @@ import pytest
 from kfac_compiler.cli import main
 from kfac_compiler.locks import lock_path
 from kfac_compiler.runtime.checkpoint import read_meta
+from mpi_util import own_lines as ours
 from mpi_util import rank_command, run_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # mpirun subprocesses: CI runs these
@@ -42,22 +43,6 @@ def step(self, *args, **kwargs):
 Trainer.step = step
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def ours(stderr: str) -> list[str]:
-    """stderr's lines without mpirun's reports (blocks between lines of dashes), the Open MPI
-    runtime's own "[host:pid] PMIX ERROR: ..." and "[warn] Epoll ..." lines (seen on a loaded
-    machine) and the NULs its abort report interleaves (seen in CI at the start of our own
-    error line)."""
-    lines, inside = [], False
-    for line in stderr.replace("\x00", "").splitlines():
-        if line.startswith("-----"):
-            inside = not inside
-        elif "] PMIX ERROR:" in line and line.startswith("[") or line.startswith("[warn] Epoll "):
-            continue  # the runtime's own complaints (libevent's "[warn] Epoll MOD(...) ...: Bad file descriptor")
-        elif not inside and line.strip():
-            lines.append(line)
-    return lines
 
 
 def errors(stderr: str) -> list[str]:

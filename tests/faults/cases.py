@@ -49,7 +49,20 @@ CATEGORIES = {
     "silent": "silent wrong results",
     "leftover": "leftovers after a kill -9",
     "outside": "plans reading files outside their folder",
+    "hang": "runs that hang instead of stopping with one line (ranks that disagree, pipes read as files)",
 }
+
+TOPICS = {
+    "signals": "SIGTERM/SIGHUP/SIGINT (twice) during train: a step boundary, the outputs, 143/129/130, no strays",
+    "special outputs": "devices, FIFOs and sockets as output paths (CLI and API)",
+    "ranks": "mpirun ranks whose options, plan, data or seed differ; compile/inspect write on rank 0 alone",
+    "lying sizes": "npz headers, checkpoint slots, initializers and approximations bigger than they can be",
+    "nesting": "nesting depth in JSON/TOML configs, plan.json, checkpoint metadata",
+    "threads": "one Trainer stepped from two threads; absurd thread counts",
+    "reruns": "a rerun with the same seed gives the same bits",
+    "odd runs": "--batch-size beyond the data, stdout closed, a FIFO or folder as external data",
+}
+"""Issue 39's reliability topics: a case may belong to one (the census counts them apart)."""
 
 
 @dataclass(frozen=True)
@@ -59,15 +72,17 @@ class Case:
     run: Callable[[str], Verdict]
     fast: bool = False
     doc: str = ""
+    topic: str = ""
 
 
 CASES: list[Case] = []
 
 
-def case(category: str, fast: bool = False) -> Callable[[Callable[[str], Verdict]], Callable[[str], Verdict]]:
+def case(category: str, fast: bool = False,
+         topic: str = "") -> Callable[[Callable[[str], Verdict]], Callable[[str], Verdict]]:
     def register(fn: Callable[[str], Verdict]) -> Callable[[str], Verdict]:
-        assert category in CATEGORIES
-        CASES.append(Case(fn.__name__.replace("_", "-"), category, fn, fast, (fn.__doc__ or "").strip()))
+        assert category in CATEGORIES and (not topic or topic in TOPICS)
+        CASES.append(Case(fn.__name__.replace("_", "-"), category, fn, fast, (fn.__doc__ or "").strip(), topic))
         return fn
     return register
 
@@ -480,11 +495,12 @@ def plan_with_an_output_that_does_not_exist(d: str) -> Verdict:
 
 def _stop_signal_during_training(d: str, sig: int, words: list[str]) -> Verdict:
     """`sig` mid-run: stops at a step boundary, writes the checkpoint, metrics and model,
-    one line, the shell's exit code for it (128 + its number)."""
+    one line, the shell's exit code for it (128 + its number), and leaves no temp file or lock."""
     j = Judge()
     j.mechanism = signal.Signals(sig).name
     ckpt, metrics, model = _j(d, "run.ckpt"), _j(d, "steps.csv"), _j(d, "trained.onnx")
     argv = ["train", "--steps", "100000", "-q", "--checkpoint", ckpt, "--metrics", metrics, "--save", model]
+    before = listing(d)
     p = subprocess.Popen(cli_command(argv), cwd=d, env=subprocess_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -507,21 +523,22 @@ def _stop_signal_during_training(d: str, sig: int, words: list[str]) -> Verdict:
         done = meta["host"]["step_count"] + meta["host"].get("burn_in_count", 0)
         j.check(done == len(rows), "lost", f"checkpoint at step {done}, metrics file has {len(rows)} rows")
     j.check(os.path.isfile(model), "lost", "no model written")
+    j.no_strays(d, before, [ckpt, metrics, model])  # no temp file, no stale lock
     return j.verdict()
 
 
-@case("traceback")
+@case("traceback", topic="signals")
 def ctrl_c_during_training(d: str) -> Verdict:
     return _stop_signal_during_training(d, signal.SIGINT, ["interrupt", "Ctrl-C", "step"])
 
 
-@case("lost")
+@case("lost", topic="signals")
 def sigterm_during_training(d: str) -> Verdict:
     """SLURM, Kubernetes, docker stop and timeout send SIGTERM: as Ctrl-C, exit 143."""
     return _stop_signal_during_training(d, signal.SIGTERM, ["stopped by SIGTERM at step"])
 
 
-@case("lost")
+@case("lost", topic="signals")
 def sighup_during_training(d: str) -> Verdict:
     """A closed terminal sends SIGHUP: as Ctrl-C, exit 129."""
     return _stop_signal_during_training(d, signal.SIGHUP, ["stopped by SIGHUP at step"])
@@ -1084,7 +1101,7 @@ def by_name() -> dict[str, Case]:
 
 
 # --------------------------------------------------------------------------- sizes, nesting, shapes
-@case("traceback", fast=True)
+@case("traceback", fast=True, topic="lying sizes")
 def data_file_header_claiming_51_tb(d: str) -> Verdict:
     """An .npz whose input header claims 51 TB: one line before numpy allocates it."""
     j = Judge()
@@ -1097,7 +1114,7 @@ def data_file_header_claiming_51_tb(d: str) -> Verdict:
     return j.verdict()
 
 
-@case("traceback")
+@case("traceback", topic="lying sizes")
 def checkpoint_slot_claiming_400_tb(d: str) -> Verdict:
     """A checkpoint slot whose header claims 400 TB: refused before allocation."""
     j = Judge()
@@ -1110,7 +1127,7 @@ def checkpoint_slot_claiming_400_tb(d: str) -> Verdict:
     return j.verdict()
 
 
-@case("traceback", fast=True)
+@case("traceback", fast=True, topic="nesting")
 def config_nested_100000_deep(d: str) -> Verdict:
     j = Judge()
     cfg = _j(d, "config.json")
@@ -1121,7 +1138,7 @@ def config_nested_100000_deep(d: str) -> Verdict:
     return j.verdict()
 
 
-@case("traceback", fast=True)
+@case("traceback", fast=True, topic="lying sizes")
 def model_initializer_larger_than_its_data(d: str) -> Verdict:
     """An initializer whose dims claim 1000x the values it holds."""
     import onnx
@@ -1242,7 +1259,7 @@ def model_input_type_contradicting_its_weight(d: str) -> Verdict:
     return j.verdict()
 
 
-@case("overwritten", fast=True)
+@case("overwritten", fast=True, topic="special outputs")
 def api_export_onto_a_device(d: str) -> Verdict:
     """Trainer.export('/dev/null') replaced the device by a regular file (as root)."""
     from kfac_compiler.plan import load_plan
@@ -1255,3 +1272,6 @@ def api_export_onto_a_device(d: str) -> Verdict:
     j.api_error(exc, ["/dev/null"], if_accepted="overwritten")
     j.check(os.stat("/dev/null").st_mode == before, "overwritten", "/dev/null is no longer a device")
     return j.verdict()
+
+
+from faults import reliability  # noqa: E402,F401  (registers issue 39's cases)

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections import Counter
 
-from faults.cases import CASES, CATEGORIES, Case
+from faults.cases import CASES, CATEGORIES, TOPICS, Case
 from faults.harness import Verdict
 
 
@@ -27,7 +27,11 @@ def run_case(c: Case) -> Verdict:
     os.makedirs(case_dir)
     try:
         return c.run(case_dir)
-    except Exception as e:  # noqa: BLE001 - reported as the case's outcome
+    except BaseException as e:  # noqa: BLE001 - reported as the case's outcome
+        if type(e).__name__ == "Skipped":  # mpi_util.require_mpi without the MPI extra: not run, not clean
+            return Verdict("unclear", f"not run: {e}")
+        if not isinstance(e, Exception):
+            raise
         tb = traceback.extract_tb(e.__traceback__)
         where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
         return Verdict("traceback", f"{type(e).__name__} escaped ({where}): {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -63,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("all", len(results), sum(clean.values())))
     print()
     print(table(rows, ("category", "cases", "clean")))
+    topics = Counter(c.topic for c, _ in results if c.topic)
+    if topics:
+        done = Counter(c.topic for c, v in results if c.topic and v.clean)
+        print()
+        print(table([(f"{t}: {TOPICS[t]}", topics[t], done[t]) for t in TOPICS if topics[t]],
+                    ("issue 39 topic", "cases", "clean")))
     mechs = sorted({v.mechanism for _, v in results if v.mechanism})
     if mechs:
         print(f"\nfault mechanisms: {', '.join(mechs)}")

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-STATUSES = ("traceback", "lost", "overwritten", "leftover", "silent", "unclear")
-"""Problem kinds, worst first: an exception escaped / results lost / a user file changed /
+STATUSES = ("hang", "traceback", "lost", "overwritten", "leftover", "silent", "unclear")
+"""Problem kinds, worst first: a run that did not end / an exception escaped / results lost / a user file changed /
 stray files left / a wrong result without an error / an error that is not one line naming the
 culprit with the right exit code."""
 
