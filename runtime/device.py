@@ -278,11 +278,26 @@ def every_step(name: str) -> bool:
     return kind is not None and kind.every_step
 
 
-def memory_options(options: ort.SessionOptions, device: Device, name: str) -> None:
-    """Set the CPU arena and memory pattern of subgraph `name`'s session (see every_step)."""
+# ONNX Runtime's allocation planner, with memory reuse on (SessionOptions.enable_mem_reuse),
+# matches every new buffer against a list of the freed ones, and that list keeps each freed
+# buffer no later one fits (scalars, shapes met once): its setup grows quadratically with the
+# graph, and on deep plans it was most of the session's (a 200-layer MLP's first K-FAC step,
+# 15,178 nodes, no graph optimizations: 19 s with reuse, 2.4 s without). Without planned reuse
+# every value is allocated at its producer and freed after its last reader as before, so peak
+# memory is about the same; what is lost is the in-place reuse of a dead input's buffer. A
+# graph of this many nodes or more plans without reuse; every zoo model's, ResNet-18's and
+# the GPT export's step stays below it (benchmarks/results/2026-11-29-setup-scaling.md).
+MEM_REUSE_MAX_NODES = 5_000
+
+
+def memory_options(options: ort.SessionOptions, device: Device, name: str, nodes: int | None = None) -> None:
+    """Set the CPU arena, memory pattern and memory reuse of subgraph `name`'s session of
+    `nodes` nodes (see every_step and MEM_REUSE_MAX_NODES)."""
     options.enable_cpu_mem_arena = every_step(name)
     if device.name == "cpu":
         options.enable_mem_pattern = False
+    if nodes is not None and nodes >= MEM_REUSE_MAX_NODES:
+        options.enable_mem_reuse = False
 
 
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
@@ -292,13 +307,14 @@ def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str
 
     dev = get_device(device)
     folder = None
+    nodes = None if isinstance(model, bytes) else len(model.graph.node)
     if not isinstance(model, bytes):
         model, folder = with_relative_data(model)  # frozen values of a model over 1 GiB, left on disk
     data = model if isinstance(model, bytes) else model.SerializeToString()
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
     # a stage of a step does not spin: the next stage's session runs right after it
     options = session_options(threads, spin=every_step(name) and "/" not in name)
-    memory_options(options, dev, name)
+    memory_options(options, dev, name, nodes)
     if folder is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
     sess = ort.InferenceSession(data, options, providers=list(dev.providers))
