@@ -16,6 +16,8 @@ values; ONNX Runtime's execution order is its own (a depth-first walk from the o
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import networkx as nx
 import onnx
 
@@ -26,14 +28,34 @@ def order_by_generation(graph: onnx.GraphProto) -> None:
     """Reorder the nodes of `graph` and of its subgraphs in place by topological generation,
     each generation in the given order. A node depends on the producers of what it reads,
     its bodies' outer-scope reads included (ONNX Runtime's implicit inputs)."""
+    reads: list[Sequence[str]] = []
     for node in graph.node:
-        for body in subgraphs(node):
+        bodies = subgraphs(node)
+        for body in bodies:
             order_by_generation(body)
-    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-    deps = nx.DiGraph()
-    deps.add_nodes_from(range(len(graph.node)))
-    deps.add_edges_from((producer[t], i) for i, n in enumerate(graph.node) for t in node_reads(n) if t in producer)
-    order = [i for generation in nx.topological_generations(deps) for i in sorted(generation)]
-    nodes = [graph.node[i] for i in order]
+        reads.append(list(node_reads(node)) if bodies else node.input)
+    generation = _generations(graph, reads)
+    nodes = [graph.node[i] for i in sorted(range(len(generation)), key=generation.__getitem__)]
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _generations(graph: onnx.GraphProto, reads: list[Sequence[str]]) -> list[int]:
+    """Each node's generation: 0 without a producer in `graph`, else one more than its
+    producers' latest. One pass when the graph is listed topologically, as emitted
+    (networkx's topological_generations took ~4x as long on 30,000 nodes); networkx otherwise."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    preds = [[producer[t] for t in names if t in producer] for names in reads]
+    generation: list[int] = []
+    for i, ps in enumerate(preds):
+        if any(p >= i for p in ps):
+            deps = nx.DiGraph()
+            deps.add_nodes_from(range(len(preds)))
+            deps.add_edges_from((p, j) for j, qs in enumerate(preds) for p in qs)
+            out = [0] * len(preds)
+            for g, members in enumerate(nx.topological_generations(deps)):
+                for j in members:
+                    out[j] = g
+            return out
+        generation.append(1 + max((generation[p] for p in ps), default=-1))
+    return generation
