@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 
 from kfac_compiler.errors import DeviceError
 from kfac_compiler.parsing import parse_bool
+from kfac_compiler.progress import stage
 from kfac_compiler.requests import KINDS
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -281,12 +282,13 @@ def every_step(name: str) -> bool:
 # ONNX Runtime's allocation planner, with memory reuse on (SessionOptions.enable_mem_reuse),
 # matches every new buffer against a list of the freed ones, and that list keeps each freed
 # buffer no later one fits (scalars, shapes met once): its setup grows quadratically with the
-# graph, and on deep plans it was most of the session's (a 200-layer MLP's first K-FAC step,
-# 15,178 nodes, no graph optimizations: 19 s with reuse, 2.4 s without). Without planned reuse
-# every value is allocated at its producer and freed after its last reader as before, so peak
-# memory is about the same; what is lost is the in-place reuse of a dead input's buffer. A
-# graph of this many nodes or more plans without reuse; every zoo model's, ResNet-18's and
-# the GPT export's step stays below it (benchmarks/results/2026-11-29-setup-scaling.md).
+# graph and was most of a deep plan's session (a 200-layer MLP's first K-FAC step, 15,178
+# nodes, no graph optimizations: 19 s with reuse, 2.4 s without; a 40-layer refresh, 2,262
+# nodes: 1.0 of its 1.9 s). Without planned reuse every value is allocated at its producer
+# and freed after its last reader as before; what is lost is running an op in place in a
+# dead input's buffer (run time, and one intermediate more at a time at that op). Graphs of
+# this many nodes or more plan without reuse; every zoo model's, ResNet-18's and the GPT
+# export's step stays below it (benchmarks/results/2026-11-29-setup-scaling.md).
 MEM_REUSE_MAX_NODES = 5_000
 
 
@@ -317,7 +319,8 @@ def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str
     memory_options(options, dev, name, nodes)
     if folder is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
-    sess = ort.InferenceSession(data, options, providers=list(dev.providers))
+    with stage(f"ONNX Runtime session {name}" + (f" ({nodes:,} nodes)" if nodes is not None else "")):
+        sess = ort.InferenceSession(data, options, providers=list(dev.providers))
     if dev.name == "cuda" and CUDA_EP not in sess.get_providers():
         raise DeviceError(f"subgraph {name!r}: ONNX Runtime fell back to CPU although CUDA was requested")
     return sess
