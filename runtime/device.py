@@ -279,27 +279,35 @@ def every_step(name: str) -> bool:
     return kind is not None and kind.every_step
 
 
-# ONNX Runtime's allocation planner, with memory reuse on (SessionOptions.enable_mem_reuse),
-# matches every new buffer against a list of the freed ones, and that list keeps each freed
-# buffer no later one fits (scalars, shapes met once): its setup grows quadratically with the
-# graph and was most of a deep plan's session (a 200-layer MLP's first K-FAC step, 15,178
-# nodes, no graph optimizations: 19 s with reuse, 2.4 s without; a 40-layer refresh, 2,262
-# nodes: 1.0 of its 1.9 s). Without planned reuse every value is allocated at its producer
-# and freed after its last reader as before; what is lost is running an op in place in a
-# dead input's buffer (run time, and one intermediate more at a time at that op). Graphs of
-# this many nodes or more plan without reuse; every zoo model's, ResNet-18's and the GPT
-# export's step stays below it (benchmarks/results/2026-11-29-setup-scaling.md).
-MEM_REUSE_MAX_NODES = 5_000
+# A graph of LARGE_GRAPH_NODES nodes or more (a deep plan's; every zoo model's, ResNet-18's
+# and the GPT export's step graph is smaller) gets two session options that keep ONNX
+# Runtime's setup from growing quadratically (benchmarks/results/2026-11-29-setup-scaling.md):
+# * no planned memory reuse (SessionOptions.enable_mem_reuse): the allocation planner matches
+#   every new buffer against a list that keeps each freed buffer no later one fits (scalars,
+#   shapes met once); a 200-layer MLP's first K-FAC step (15,178 nodes, no graph
+#   optimizations) took 19 s with reuse, 2.4 s without. Values are still freed after their
+#   last reader; what is lost is running an op in place in a dead input's buffer (run time,
+#   and one intermediate more at a time at that op).
+# * when the session does not run every step (the inverse refresh, statistics-only steps,
+#   evaluation), no graph optimizations: each of ORT_ENABLE_ALL's ~64-93 passes sorts the
+#   graph, and a refresh's independent per-block chains keep that sort's queue long (a
+#   500-layer refresh, 28,022 nodes: 122 s at ORT_ENABLE_ALL under load 15). Its outputs
+#   were bitwise equal at either level (deep MLP, transformer_block, small_cnn,
+#   mlp_classifier); the steps, which do run every step, keep ORT_ENABLE_ALL.
+LARGE_GRAPH_NODES = 5_000
 
 
 def memory_options(options: ort.SessionOptions, device: Device, name: str, nodes: int | None = None) -> None:
-    """Set the CPU arena, memory pattern and memory reuse of subgraph `name`'s session of
-    `nodes` nodes (see every_step and MEM_REUSE_MAX_NODES)."""
+    """Set the CPU arena, memory pattern and, for a large graph of `nodes` nodes, memory
+    reuse and graph optimizations of subgraph `name`'s session (see every_step and
+    LARGE_GRAPH_NODES)."""
     options.enable_cpu_mem_arena = every_step(name)
     if device.name == "cpu":
         options.enable_mem_pattern = False
-    if nodes is not None and nodes >= MEM_REUSE_MAX_NODES:
+    if nodes is not None and nodes >= LARGE_GRAPH_NODES:
         options.enable_mem_reuse = False
+        if not every_step(name):
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",

@@ -1,7 +1,7 @@
 """Session setup that stays near linear in the layers (issue 38 item 4): emitted graphs
 listed by topological generation (backend.schedule), ONNX Runtime's planned memory reuse off
-for very large graphs (runtime.device.MEM_REUSE_MAX_NODES); neither may change a step's
-values."""
+for very large graphs and their graph optimizations off where they do not run every step
+(runtime.device.LARGE_GRAPH_NODES); none may change a step's values."""
 from __future__ import annotations
 
 import heapq
@@ -107,7 +107,7 @@ def test_generation_order_and_no_memory_reuse_keep_every_value(monkeypatch, mode
         m.setattr(emission, "order_by_generation", lambda graph: None)  # the emitters' order
         appended = _steps(model)
     with monkeypatch.context() as m:
-        m.setattr(D, "MEM_REUSE_MAX_NODES", 0)  # every session plans without reuse
+        m.setattr(D, "LARGE_GRAPH_NODES", 0)  # every session: no planned reuse; no optimizations off the step
         unplanned = _steps(model)
     assert reference.keys() == appended.keys() == unplanned.keys()
     for p, v in reference.items():
