@@ -113,3 +113,17 @@ def test_generation_order_and_no_memory_reuse_keep_every_value(monkeypatch, mode
     for p, v in reference.items():
         np.testing.assert_array_equal(v, appended[p], err_msg=p)
         np.testing.assert_array_equal(v, unplanned[p], err_msg=p)
+
+
+def test_a_graph_listed_out_of_order_is_still_ordered_by_generation():
+    """The one-pass generations need a topological list; any other goes through networkx."""
+    from kfac_compiler.backend.schedule import order_by_generation
+
+    nodes = [helper.make_node("Relu", ["b"], ["c"], name="second"),   # reads b, made below
+             helper.make_node("Neg", ["x"], ["b"], name="first"),
+             helper.make_node("Abs", ["x"], ["d"], name="root2"),
+             helper.make_node("Add", ["c", "d"], ["y"], name="third")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    order_by_generation(g)
+    assert [n.name for n in g.node] == ["first", "root2", "second", "third"]
