@@ -1010,7 +1010,7 @@ def _memory_setup(name: str, workdir: str, config: dict | None):
     return plan, x, y, MODELS[name].batch
 
 
-def _legacy_memory(options, device, name) -> None:
+def _legacy_memory(options, device, name, nodes=None) -> None:
     options.enable_cpu_mem_arena = True
     options.enable_mem_pattern = True
 
@@ -1043,8 +1043,8 @@ def memory_step_times(name, opt, rounds, workdir, config) -> dict:
     current = D.memory_options
     trainers = {}
     for label, pattern in (("pattern", True), ("no pattern", False)):
-        def options(so, device, n, pattern=pattern):
-            current(so, device, n)
+        def options(so, device, n, nodes=None, pattern=pattern):
+            current(so, device, n, nodes)
             so.enable_mem_pattern = pattern
         D.memory_options = options
         trainers[label] = Trainer(plan, optimizer=opt, device="cpu", batch_size=bs, seed=0)

@@ -30,8 +30,10 @@ def compile(model: str | os.PathLike | onnx.ModelProto, loss: str | None = None,
     default K-FAC run at the plan's batch size (its budget's) requests, resolved for the CPU
     (and so for CUDA, where they resolve alike), so that such a run emits nothing."""
     from kfac_compiler.frontend import compile_frontend
+    from kfac_compiler.progress import stage
 
-    plan = compile_frontend(model, loss=loss, output=output, config=config, **overrides)
+    with stage("front end (load, layers, factors)"):
+        plan = compile_frontend(model, loss=loss, output=output, config=config, **overrides)
     if emit:
         store_default_subgraphs(plan)
     return plan

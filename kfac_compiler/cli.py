@@ -115,6 +115,7 @@ def _compile(args) -> int:
     from kfac_compiler.cli_options import apply_heads_arg, apply_loss_option_args, apply_selection_args
     from kfac_compiler.config import load_config
     from kfac_compiler.frontend import compile_frontend
+    from kfac_compiler.progress import show_on_stderr, stage
     from kfac_compiler.report import render_table
 
     cfg = load_config(args.config)
@@ -132,13 +133,16 @@ def _compile(args) -> int:
     apply_heads_arg(cfg, args)
     apply_loss_option_args(cfg, args)
     cfg.validate("command line")
-    if args.frontend_only:
-        plan = compile_frontend(args.model, loss=args.loss, output=args.output, config=cfg)
-    else:
-        import kfac_compiler
+    with show_on_stderr(not args.quiet):
+        if args.frontend_only:
+            with stage("front end (load, layers, factors)"):
+                plan = compile_frontend(args.model, loss=args.loss, output=args.output, config=cfg)
+        else:
+            import kfac_compiler
 
-        plan = kfac_compiler.compile(args.model, loss=args.loss, output=args.output, config=cfg)
-    path = plan.save(args.out, overwrite=args.force)
+            plan = kfac_compiler.compile(args.model, loss=args.loss, output=args.output, config=cfg)
+        with stage(f"plan written to {args.out}"):
+            path = plan.save(args.out, overwrite=args.force)
     if not args.quiet:
         sys.stdout.write(render_table(plan))
     subgraphs = f" with subgraphs {', '.join(plan.subgraphs)}" if plan.subgraphs else ""

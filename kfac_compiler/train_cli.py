@@ -611,11 +611,13 @@ def _train(args, outputs: list[Output], comm) -> int:
 
     from kfac_compiler.errors import KfacError
     from kfac_compiler.interrupt import STOP_SIGNALS, StopOnInterrupt
+    from kfac_compiler.progress import show_on_stderr
     from kfac_compiler.ranks import is_root, stop_together
     from kfac_compiler.runtime.data import batch_indices
 
     root = is_root(comm)
-    plan, entry, inputs, targets, held, trainer = _build(args, outputs, comm)
+    with show_on_stderr(not args.quiet and root):  # stages of seconds: the compile, emissions, sessions
+        plan, entry, inputs, targets, held, trainer = _build(args, outputs, comm)
     n = targets.shape[0]
     every = args.eval_every or max(1, args.steps // 20)
     evaluated: list[tuple[int, float]] = []  # (step, held-out loss) for the plot

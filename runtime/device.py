@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 
 from kfac_compiler.errors import DeviceError
 from kfac_compiler.parsing import parse_bool
+from kfac_compiler.progress import stage
 from kfac_compiler.requests import KINDS
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -278,11 +279,35 @@ def every_step(name: str) -> bool:
     return kind is not None and kind.every_step
 
 
-def memory_options(options: ort.SessionOptions, device: Device, name: str) -> None:
-    """Set the CPU arena and memory pattern of subgraph `name`'s session (see every_step)."""
+# A graph of LARGE_GRAPH_NODES nodes or more (a deep plan's; every zoo model's, ResNet-18's
+# and the GPT export's step graph is smaller) gets two session options that keep ONNX
+# Runtime's setup from growing quadratically (benchmarks/results/2026-11-29-setup-scaling.md):
+# * no planned memory reuse (SessionOptions.enable_mem_reuse): the allocation planner matches
+#   every new buffer against a list that keeps each freed buffer no later one fits (scalars,
+#   shapes met once); a 200-layer MLP's first K-FAC step (15,178 nodes, no graph
+#   optimizations) took 19 s with reuse, 2.4 s without. Values are still freed after their
+#   last reader; what is lost is running an op in place in a dead input's buffer (run time,
+#   and one intermediate more at a time at that op).
+# * when the session does not run every step (the inverse refresh, statistics-only steps,
+#   evaluation), no graph optimizations: each of ORT_ENABLE_ALL's ~64-93 passes sorts the
+#   graph, and a refresh's independent per-block chains keep that sort's queue long (a
+#   500-layer refresh, 28,022 nodes: 122 s at ORT_ENABLE_ALL under load 15). Its outputs
+#   were bitwise equal at either level (deep MLP, transformer_block, small_cnn,
+#   mlp_classifier); the steps, which do run every step, keep ORT_ENABLE_ALL.
+LARGE_GRAPH_NODES = 5_000
+
+
+def memory_options(options: ort.SessionOptions, device: Device, name: str, nodes: int | None = None) -> None:
+    """Set the CPU arena, memory pattern and, for a large graph of `nodes` nodes, memory
+    reuse and graph optimizations of subgraph `name`'s session (see every_step and
+    LARGE_GRAPH_NODES)."""
     options.enable_cpu_mem_arena = every_step(name)
     if device.name == "cpu":
         options.enable_mem_pattern = False
+    if nodes is not None and nodes >= LARGE_GRAPH_NODES:
+        options.enable_mem_reuse = False
+        if not every_step(name):
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
@@ -292,16 +317,18 @@ def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str
 
     dev = get_device(device)
     folder = None
+    nodes = None if isinstance(model, bytes) else len(model.graph.node)
     if not isinstance(model, bytes):
         model, folder = with_relative_data(model)  # frozen values of a model over 1 GiB, left on disk
     data = model if isinstance(model, bytes) else model.SerializeToString()
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
     # a stage of a step does not spin: the next stage's session runs right after it
     options = session_options(threads, spin=every_step(name) and "/" not in name)
-    memory_options(options, dev, name)
+    memory_options(options, dev, name, nodes)
     if folder is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
-    sess = ort.InferenceSession(data, options, providers=list(dev.providers))
+    with stage(f"ONNX Runtime session {name}" + (f" ({nodes:,} nodes)" if nodes is not None else "")):
+        sess = ort.InferenceSession(data, options, providers=list(dev.providers))
     if dev.name == "cuda" and CUDA_EP not in sess.get_providers():
         raise DeviceError(f"subgraph {name!r}: ONNX Runtime fell back to CPU although CUDA was requested")
     return sess

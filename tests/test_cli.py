@@ -297,3 +297,20 @@ def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, models, monkeyp
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["inspect", str(out)]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_compile_shows_its_slow_stages(tmp_path, monkeypatch, capsys):
+    """`compile` prints one stderr line per stage of progress.SHOW_SECONDS or more (the front
+    end, each emitted subgraph, the plan's writing); none with -q."""
+    from kfac_compiler import progress
+
+    model = save_model("mlp_classifier", tmp_path / "m.onnx")
+    monkeypatch.setattr(progress, "SHOW_SECONDS", 0.0)
+    assert main(["compile", str(model), "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "plan")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("setup: ")]
+    stages = [line.removeprefix("setup: ").rsplit(": ", 1)[0] for line in lines]
+    assert stages[0] == "front end (load, layers, factors)" and stages[-1] == f"plan written to {tmp_path / 'plan'}"
+    assert {"emitted kfac_step", "emitted inverse_update"} <= set(stages), stages
+    assert all(line.endswith(" s") for line in lines)
+    assert main(["compile", str(model), "--loss", "softmax_cross_entropy", "-q", "--force", "-o", str(tmp_path / "plan")]) == 0
+    assert "setup: " not in capsys.readouterr().err

@@ -209,9 +209,10 @@ def test_a_batch_larger_than_the_data_is_said(capsys):
 
 
 def test_a_large_plan_says_it_is_setting_up_sessions(monkeypatch, capsys, tmp_path):
-    """ONNX Runtime's setup of a large plan takes long (100 layers: ~18 s here, growing faster
-    than the graphs): `train` says what it is doing before and how long it took after."""
-    from kfac_compiler import train_cli
+    """ONNX Runtime's setup of a large plan takes long (a 2,000-layer MLP: minutes): `train`
+    says what it is doing before, one line per session of SHOW_SECONDS or more, and how long
+    it took after."""
+    from kfac_compiler import progress, train_cli
     from kfac_compiler.cli import main
     from kfac_compiler.models import ZOO, save_model
 
@@ -221,11 +222,23 @@ def test_a_large_plan_says_it_is_setting_up_sessions(monkeypatch, capsys, tmp_pa
     assert main(["compile", str(model), "--loss", "softmax_cross_entropy", "-q", "-o", str(tmp_path / "plan")]) == 0
     run = ["train", str(tmp_path / "plan"), "--data", str(tmp_path / "d.npz"), "--steps", "1"]
     monkeypatch.setattr(train_cli, "SETUP_NOTICE_NODES", 1)  # any plan counts as large
+    monkeypatch.setattr(progress, "SHOW_SECONDS", 0.0)  # and any session as slow
     capsys.readouterr()
     assert main(run) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("setting up ONNX Runtime sessions for ") and err[0].endswith(" subgraphs ...")
-    assert err[1].startswith("sessions ready in ") and err[1].endswith(" s")
+    ready = next(i for i, line in enumerate(err) if line.startswith("sessions ready in "))
+    stages = err[1:ready]  # "setup: STAGE: T s", the graphs emitted for this batch size included
+    assert stages and all(line.startswith("setup: ") and line.endswith(" s") for line in stages), stages
+    # the K-FAC trainer's sessions, each "setup: ONNX Runtime session NAME (N nodes): T s"
+    names = [line.split(" (")[0].removeprefix("setup: ONNX Runtime session ") for line in stages
+             if line.startswith("setup: ONNX Runtime session ")]
+    assert "kfac_step" in names and "inverse_update" in names, stages
     monkeypatch.setattr(train_cli, "SETUP_NOTICE_NODES", 10 ** 9)
+    monkeypatch.setattr(progress, "SHOW_SECONDS", 10.0 ** 9)
     assert main(run) == 0
-    assert "setting up" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "setting up" not in err and "setup:" not in err
+    monkeypatch.setattr(progress, "SHOW_SECONDS", 0.0)
+    assert main(run + ["-q"]) == 0
+    assert "setup:" not in capsys.readouterr().err

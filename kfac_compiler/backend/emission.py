@@ -21,6 +21,7 @@ from kfac_compiler.backend import factors, forward
 from kfac_compiler.backend.dedupe import merge_duplicates
 from kfac_compiler.backend.forward import ForwardPass
 from kfac_compiler.backend.plan_parts import PlanParts
+from kfac_compiler.backend.schedule import order_by_generation
 from kfac_compiler.blocks import FisherBlock, make_block
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
@@ -213,6 +214,7 @@ class Emission:
         # the reductions' tensors are named in info: they keep their producers
         merge_duplicates(model.graph, [t for pairs in self.info.reductions.values() for pair in pairs.items()
                                        for t in pair])
+        order_by_generation(model.graph)  # ONNX Runtime's setup sorts it ~90 times (backend.schedule)
         made = {o for n in model.graph.node for o in n.output}
         for point, pairs in list(self.info.reductions.items()):  # less the points no output reads
             kept = {r: local for r, local in pairs.items() if r in made}

@@ -11,6 +11,7 @@ import onnx
 
 from kfac_compiler.backend.registry import emit
 from kfac_compiler.contract import SubgraphInfo
+from kfac_compiler.progress import stage
 from kfac_compiler.requests import Request
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ def emit_for(plan: Plan, req: Request) -> Graph:
     """The graph of resolved request `req` for `plan`, emitted on first use."""
     cache = _cache(plan)
     if req not in cache:
-        cache[req] = emit(plan, req)
+        with stage(f"emitted {req.name}"):
+            cache[req] = emit(plan, req)
     return cache[req]
 
 

@@ -1,0 +1,129 @@
+"""Session setup that stays near linear in the layers (issue 38 item 4): emitted graphs
+listed by topological generation (backend.schedule), ONNX Runtime's planned memory reuse off
+for very large graphs and their graph optimizations off where they do not run every step
+(runtime.device.LARGE_GRAPH_NODES); none may change a step's values."""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kfac_compiler as kc
+from kfac_compiler.backend import emission, emit_subgraph
+from kfac_compiler.builder import node_reads
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Trainer
+from kfac_compiler.runtime import device as D
+
+
+def deep_mlp(layers: int, width: int = 8) -> onnx.ModelProto:
+    """Gemm + Relu layers (as benchmarks/bench_step.py:deep_mlp)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "input"
+    for i in range(layers):
+        inits += [numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+                                          f"fc{i}.weight"),
+                  numpy_helper.from_array(np.zeros(width, np.float32), f"fc{i}.bias")]
+        out = "logits" if i == layers - 1 else f"fc{i}/Gemm:0"
+        nodes.append(helper.make_node("Gemm", [x, f"fc{i}.weight", f"fc{i}.bias"], [out], transB=1))
+        x = out
+        if i < layers - 1:
+            nodes.append(helper.make_node("Relu", [x], [f"r{i}"]))
+            x = f"r{i}"
+    g = helper.make_graph(nodes, "deep_mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", width])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", width])], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _producers(graph: onnx.GraphProto) -> list[list[int]]:
+    made = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    return [sorted({made[t] for t in node_reads(n) if t in made}) for n in graph.node]
+
+
+def ort_sort_walk(graph: onnx.GraphProto) -> int:
+    """What one of ONNX Runtime's topological sorts walks: it visits the lowest-index ready
+    node first from a sorted std::list, each push walking the list (graph.cc,
+    VisitorPriorityQueue), so the sum over pushes of the ready nodes waiting."""
+    preds = _producers(graph)
+    succ: dict[int, list[int]] = defaultdict(list)
+    waiting = [len(p) for p in preds]
+    for i, p in enumerate(preds):
+        for j in p:
+            succ[j].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    walk = len(ready) * (len(ready) - 1) // 2
+    while ready:
+        i = heapq.heappop(ready)
+        for j in succ[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                walk += len(ready)
+                heapq.heappush(ready, j)
+    return walk
+
+
+def test_emitted_nodes_are_listed_by_generation_and_ort_sorts_them_in_linear_walks(monkeypatch):
+    plan = kc.compile(deep_mlp(40), loss="softmax_cross_entropy", emit=False)
+    ordered, _ = emit_subgraph(plan, "kfac_step")
+    monkeypatch.setattr(emission, "order_by_generation", lambda graph: None)
+    appended, _ = emit_subgraph(kc.compile(deep_mlp(40), loss="softmax_cross_entropy", emit=False), "kfac_step")
+    g = ordered.graph
+    assert sorted(n.SerializeToString() for n in g.node) == sorted(n.SerializeToString() for n in appended.graph.node)
+    # each node after its producers, and the generations (longest path from a node that reads
+    # no other node's output) never decrease along the list
+    generation: list[int] = []
+    for i, preds in enumerate(_producers(g)):
+        assert all(p < i for p in preds)
+        generation.append(1 + max((generation[p] for p in preds), default=-1))
+    assert generation == sorted(generation)
+    # ONNX Runtime's sort of the emitters' order walked ~20x more list nodes than the graph
+    # has; listed by generation, a few per node
+    before, after = ort_sort_walk(appended.graph), ort_sort_walk(g)
+    assert before > 8 * after, (before, after)
+    assert after < 60 * len(g.node)
+
+
+def _steps(model: str, steps: int = 3) -> dict[str, np.ndarray]:
+    e = ZOO[model]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False)
+    tr = Trainer(plan, seed=0, batch_size=32, comm=None, threads=1)
+    x, y = e.make_data(n=32)
+    for _ in range(steps):
+        tr.step(x, y)
+    return tr.parameters()
+
+
+@pytest.mark.parametrize("model", ["mlp_classifier", "transformer_block"])
+def test_generation_order_and_no_memory_reuse_keep_every_value(monkeypatch, model):
+    reference = _steps(model)
+    with monkeypatch.context() as m:
+        m.setattr(emission, "order_by_generation", lambda graph: None)  # the emitters' order
+        appended = _steps(model)
+    with monkeypatch.context() as m:
+        m.setattr(D, "LARGE_GRAPH_NODES", 0)  # every session: no planned reuse; no optimizations off the step
+        unplanned = _steps(model)
+    assert reference.keys() == appended.keys() == unplanned.keys()
+    for p, v in reference.items():
+        np.testing.assert_array_equal(v, appended[p], err_msg=p)
+        np.testing.assert_array_equal(v, unplanned[p], err_msg=p)
+
+
+def test_a_graph_listed_out_of_order_is_still_ordered_by_generation():
+    """The one-pass generations need a topological list; any other goes through networkx."""
+    from kfac_compiler.backend.schedule import order_by_generation
+
+    nodes = [helper.make_node("Relu", ["b"], ["c"], name="second"),   # reads b, made below
+             helper.make_node("Neg", ["x"], ["b"], name="first"),
+             helper.make_node("Abs", ["x"], ["d"], name="root2"),
+             helper.make_node("Add", ["c", "d"], ["y"], name="third")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    order_by_generation(g)
+    assert [n.name for n in g.node] == ["first", "root2", "second", "third"]
