@@ -71,6 +71,7 @@ class SubgraphIO:
         self.metrics = list(info.metrics)
         self.results = list(info.results)
         self._written = tuple(self.state_outputs.values())
+        self.input_dtypes: dict[str, Any] = {}  # a session's inputs' numpy dtypes (none declared)
 
     @property
     def written_slots(self) -> list[str]:
