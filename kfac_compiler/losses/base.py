@@ -349,13 +349,6 @@ def reduce_rows(b: GraphBuilder, x: str) -> str:
     return b.reduce_sum(flat, [1], keepdims=False)
 
 
-def row_dot(b: GraphBuilder, x: str, y: str) -> str:
-    """sum over the last axis of x * y, keeping it ([..., 1]): a MatMul of [..., 1, C] by
-    [..., C, 1], which forms no [..., C] product."""
-    dot = b.op("MatMul", [b.unsqueeze(x, [-2]), b.unsqueeze(y, [-1])])
-    return b.op("Squeeze", [dot, b.ints([-1])])
-
-
 def is_static(d: Any) -> bool:
     """A known (positive integer) dimension."""
     return isinstance(d, int) and d > 0

@@ -9,7 +9,7 @@ from onnx import TensorProto
 
 from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.errors import DataError
-from kfac_compiler.losses.base import Loss, LossOption, is_static, optional_int, reduce_rows, register_loss, row_dot
+from kfac_compiler.losses.base import Loss, LossOption, is_static, optional_int, reduce_rows, register_loss
 
 
 def integer(text: str) -> int:
@@ -139,25 +139,6 @@ class SoftmaxCrossEntropy(Loss):
         p = b.op("Softmax", [z], axis=-1)
         pv = b.mul(p, v)
         return b.sub(pv, b.mul(p, b.reduce_sum(pv, [-1], keepdims=True)))
-
-    def emit_fisher_dots(self, b, z, tangents, weight=None):
-        """Per row (F_z = diag(p) - p p^T): t_i^T F t_j = sum_c p d_i d_j with d = t - p.t
-        (the tangent centred under p), as row dot products (a batched MatMul over the class
-        axis, which forms no product tensor): besides p one output-sized tensor per tangent
-        (d, which replaces t) and one p d at a time exist, where the default form's products
-        F t took three each and lived until their last dot product. The same sums in another
-        order, without the default form's cancellation (p t - p (p.t) on logits shifted alike
-        over the classes): the last bits differ."""
-        p = b.op("Softmax", [z], axis=-1)
-        centred: list[str] = []
-        dots = {}
-        for j, t in enumerate(tangents):
-            centred.append(b.sub(t, row_dot(b, p, t)))
-            pd = b.mul(p, centred[j])
-            for i in range(j + 1):
-                row = row_dot(b, pd, centred[i])
-                dots[(i, j)] = b.reduce_sum(row if weight is None else b.mul(row, weight), None)
-        return dots
 
     # -- numpy twins
     @staticmethod
