@@ -237,7 +237,8 @@ def session_options(threads: int | None = None, spin: bool = True) -> ort.Sessio
     # Nodes in the emitted order (Kahn's, the lowest-index ready node first) rather than ORT's
     # default depth-first order, which on a training step runs a loss's LogSoftmax after the
     # whole step and so holds the logits (and the quadratic model's JVPs) through the backward
-    # pass: the step of a 50,257-vocabulary GPT peaks 49-111 MB lower, Adam's within 1 MB
+    # pass: the step of a 50,257-vocabulary GPT peaks 49-147 MB lower (the graph variants
+    # measured), Adam's within 12 MB, small zoo models' within 1 MB
     # (docs/runtime.md, "Memory"). The order changes no value.
     so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     # Always an explicit thread count: ONNX Runtime's default pool (intra_op_num_threads 0)
