@@ -25,7 +25,14 @@ from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError, DataError, PlanError
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.device import Device, device_from_providers, get_device, make_session
+from kfac_compiler.runtime.device import (
+    Device,
+    device_from_providers,
+    every_step,
+    get_device,
+    make_session,
+    release_heap,
+)
 from kfac_compiler.runtime.state import StateStore, init_value
 from kfac_compiler.runtime.static_shapes import Shapes, with_static_dims
 from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
@@ -65,6 +72,7 @@ class SubgraphIO:
         self.metrics = list(info.metrics)
         self.results = list(info.results)
         self._written = tuple(self.state_outputs.values())
+        self.input_dtypes: dict[str, Any] = {}  # a session's inputs' numpy dtypes (none declared)
 
     @property
     def written_slots(self) -> list[str]:
@@ -79,6 +87,7 @@ class Program(SubgraphIO):
         super().__init__(info, name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph"))
         self.device = _as_device(device)
         self.session = make_session(model, self.device, self.name, threads=threads)
+        self.arena = every_step(self.name)  # memory_options: else its heap is trimmed after each run
         self.carried = list(carried)  # inputs the caller binds on every run (a stage's, runtime/stages.py)
         # a data-parallel run's agreement on metric/finite (every rank flips its state or none
         # does): the minimum over the ranks; None in one process
@@ -200,6 +209,8 @@ class Program(SubgraphIO):
         self.last_seconds = dt
         self.session_seconds += dt
         self.runs += 1
+        if not self.arena:
+            release_heap()
         held = into or {}
         if want or any(r not in held for r in keep) or len(self._scalar_metrics) < len(self.metrics):
             out = self._collect(b, want, tuple(keep))

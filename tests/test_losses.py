@@ -114,6 +114,47 @@ def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
     np.testing.assert_allclose(g.T @ g / draws, F, atol=0.03)
 
 
+def _fisher_dots(kind, z, tangents, weight=None):
+    """The emitted {(i, j): sum_n w_n t_i,n . F t_j,n} (the quadratic model's curvature terms)
+    as a [3] vector (0,0), (0,1), (1,1), run in ORT on float32 inputs."""
+    names = [f"t{i}" for i in range(len(tangents))]
+    feeds = {"z": z, **dict(zip(names, tangents))}
+    extra = list(names)
+    if weight is not None:
+        feeds["w"] = weight
+        extra.append("w")
+
+    def build(loss, b):
+        dots = loss.emit_fisher_dots(b, "z", names, "w" if weight is not None else None)
+        return b.op("Concat", [b.reshape(dots[k], [1]) for k in ((0, 0), (0, 1), (1, 1))], axis=0)
+
+    return _run(kind, build, feeds, extra)
+
+
+def _np_fisher_dots(loss, z, tangents, weight=None):
+    w = np.ones(len(z)) if weight is None else weight.reshape(len(z), -1)[:, 0].astype(np.float64)
+    out = np.zeros(3)
+    for n in range(len(z)):
+        F = loss.np_fisher(z[n].astype(np.float64))
+        t = [x[n].reshape(-1).astype(np.float64) for x in tangents]
+        out += w[n] * np.array([t[0] @ F @ t[0], t[0] @ F @ t[1], t[1] @ F @ t[1]])
+    return out
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_fisher_dots_match_the_fisher_matrix(kind, weighted):
+    """emit_fisher_dots (the quadratic model's c11, c12, c22 before the mean) against
+    t_i^T F t_j with F from np_fisher, example weights or none."""
+    rng = np.random.default_rng(4)
+    shape = SHAPES[kind]
+    z = rng.normal(size=shape).astype(np.float32)
+    tangents = [rng.normal(size=shape).astype(np.float32) for _ in range(2)]
+    weight = rng.uniform(0.5, 2.0, size=(shape[0],) + (1,) * (len(shape) - 1)).astype(np.float32) if weighted else None
+    got, loss = _fisher_dots(kind, z, tangents, weight)
+    np.testing.assert_allclose(got, _np_fisher_dots(loss, z, tangents, weight), rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_loss_and_bad_variance_are_one_line_errors():
     with pytest.raises(ConfigError, match="unknown loss 'hinge'"):
         make_loss("hinge")

@@ -270,6 +270,21 @@ class Loss:
         """F_z v (per example)."""
         raise NotImplementedError
 
+    def emit_fisher_dots(self, b: GraphBuilder, z: str, tangents: Sequence[str],
+                         weight: str | None = None) -> dict[tuple[int, int], str]:
+        """{(i, j): sum_n w_n t_i,n^T F_z t_j,n} for i <= j, scalars summed over the batch (the
+        quadratic model's curvature terms before the mean); `weight` broadcasts against z.
+        This form makes F_z t_j in full (emit_fisher_times); a loss whose outputs are large
+        (a vocabulary's logits) may give one that keeps fewer output-sized tensors alive."""
+        dots = {}
+        for j, t in enumerate(tangents):  # each product's dot products before the next product
+            fisher = self.emit_fisher_times(b, z, t)
+            if weight is not None:
+                fisher = b.mul(fisher, weight)
+            for i in range(j + 1):
+                dots[(i, j)] = b.reduce_sum(b.mul(tangents[i], fisher), None)
+        return dots
+
     def emit_loss(self, b: GraphBuilder, z: str, y: str, weights: str | None = None) -> str:
         """Mean loss over the batch (weights: optional weights/mask shaped like
         weight_shape(targets), or fewer axes ready to broadcast against emit_per_position's)."""

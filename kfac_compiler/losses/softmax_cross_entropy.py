@@ -99,26 +99,27 @@ class SoftmaxCrossEntropy(Loss):
         return {"accuracy": (float(np.sum(w * correct)), float(np.sum(w)))}
 
     # -- ONNX emitters
-    def _onehot(self, b: GraphBuilder, z: str, y: str) -> str:
-        depth = b.op("Shape", [z], start=-1)
-        values = b.const(np.array([0.0, 1.0]))
-        return b.op("OneHot", [y, depth, values], axis=-1)
+    def _picked(self, b: GraphBuilder, x: str, y: str) -> str:
+        """x's entry at each row's target class, [..., 1]: a gather, where multiplying by the
+        one-hot targets and summing made two output-sized tensors more."""
+        return b.op("GatherElements", [x, b.unsqueeze(y, [-1])], axis=-1)
 
     def emit_per_example_loss_sum(self, b, z, y):
-        logp = b.op("LogSoftmax", [z], axis=-1)
-        return b.neg(b.reduce_sum(b.mul(logp, self._onehot(b, z, y)), None))
+        return b.neg(b.reduce_sum(self._picked(b, b.op("LogSoftmax", [z], axis=-1), y), None))
 
     def emit_per_example(self, b, z, y):
-        logp = b.op("LogSoftmax", [z], axis=-1)
-        picked = b.mul(logp, self._onehot(b, z, y))
-        return b.neg(reduce_rows(b, picked))
+        return b.neg(reduce_rows(b, self._picked(b, b.op("LogSoftmax", [z], axis=-1), y)))
 
     def emit_per_position(self, b, z, y):
-        logp = b.op("LogSoftmax", [z], axis=-1)
-        return b.neg(b.reduce_sum(b.mul(logp, self._onehot(b, z, y)), [-1], keepdims=False))
+        picked = self._picked(b, b.op("LogSoftmax", [z], axis=-1), y)
+        return b.neg(b.op("Squeeze", [picked, b.ints([-1])]))
 
     def emit_grad(self, b, z, y):
-        return b.sub(b.op("Softmax", [z], axis=-1), self._onehot(b, z, y))
+        # p - onehot(y) with p - 1 written at the targets (p - 0 = p elsewhere, bit for bit)
+        p = b.op("Softmax", [z], axis=-1)
+        at = b.unsqueeze(y, [-1])
+        picked = b.op("GatherElements", [p, at], axis=-1)
+        return b.op("ScatterElements", [p, at, b.sub(picked, b.const(1.0))], axis=-1)
 
     def emit_sampled_grad(self, b, z, noise):
         # Gumbel-max: y = argmax(z + g), g = -log(-log u); one-hot via equality with the max.

@@ -139,6 +139,16 @@ def _matmul_vjp(b, view, node, gys, needs=None):
 @_matmul_vjp.defjvp
 def _matmul_jvp(b, view, node, ts):
     A, B = node.input
+    ra, rb = view.rank(A), view.rank(B)
+    if ts[0] is not None and ts[1] is not None and rb == 2 and ra is not None and ra >= 2:
+        # A linear layer (B a matrix) with both tangents: tA B + A tB as one Gemm that adds
+        # A tB into tA B (the batch folded into the rows), the same sums bit for bit, and one
+        # output-sized tensor fewer than two products and their Add (a vocabulary's logits)
+        k = dim_parts(b, view, B, 0, 1)
+        rows = dim_parts(b, view, A, 0, -1) + dim_parts(b, view, B, 1, 2)
+        first = b.op("Gemm", [b.reshape(ts[0], make_shape(b, [-1] + k)), B])
+        both = b.op("Gemm", [b.reshape(A, make_shape(b, [-1] + k)), ts[1], first])
+        return [b.reshape(both, make_shape(b, rows))]
     terms = []
     if ts[0] is not None:
         terms.append(b.matmul(ts[0], B))

@@ -299,16 +299,15 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = em.jvp(fwd, precond, [z])[z]
     j_v = em.jvp(fwd, velocity, [z])[z]
-    f_p, f_v = loss.emit_fisher_times(b, z, j_p), loss.emit_fisher_times(b, z, j_v)
-    if fwd.weight is not None:  # C = 1/N sum_n w_n J_n^T F_n J_n for a weighted loss
-        f_p, f_v = b.mul(f_p, fwd.weight), b.mul(f_v, fwd.weight)
+    # C = 1/N sum_n w_n J_n^T F_n J_n (w: a weighted loss's example weights)
+    curvature = loss.emit_fisher_dots(b, z, [j_p, j_v], fwd.weight)
 
     def mean_dot(u: str, w: str) -> str:
         return b.div(b.reduce_sum(b.mul(u, w), None), n)
 
-    c11 = b.add(mean_dot(j_p, f_p), b.mul(damping, dots("P", "P")))
-    c12 = b.add(mean_dot(j_p, f_v), b.mul(damping, dots("P", "v")))
-    c22 = b.add(mean_dot(j_v, f_v), b.mul(damping, dots("v", "v")))
+    c11 = b.add(b.div(curvature[(0, 0)], n), b.mul(damping, dots("P", "P")))
+    c12 = b.add(b.div(curvature[(0, 1)], n), b.mul(damping, dots("P", "v")))
+    c22 = b.add(b.div(curvature[(1, 1)], n), b.mul(damping, dots("v", "v")))
     whole_b1, whole_b2 = linear or (dots("g", "P"), dots("g", "v"))
     if fwd is em.full and own is None:
         b1, b2 = dots("g", "P"), dots("g", "v")  # whole_b1, whole_b2 unless the gradient is clipped
