@@ -28,6 +28,7 @@ GEOMS = [  # (x shape, w shape, attributes)
     ((2, 8, 4, 4), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}),
     ((2, 8, 9, 8), (8, 8, 3, 2), {"pads": [1, 0, 2, 1], "strides": [2, 3], "dilations": [1, 2]}),
     ((2, 8, 1, 1), (8, 8, 3, 3), {"pads": [1, 1, 1, 1]}),  # only the centre tap meets the input
+    ((2, 8, 6, 5), (16, 8, 3, 3), {"pads": [1, 0, 0, 0]}),  # pads less than "same": ConvTranspose
     ((2, 8, 2, 3), (8, 8, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
     ((3, 8, 7), (8, 8, 3), {"pads": [1, 2], "strides": [2]}),
     ((1, 8, 3, 4, 3), (8, 8, 2, 3, 2), {"pads": [1, 0, 1, 0, 1, 1], "strides": [1, 2, 1]}),
@@ -110,8 +111,13 @@ def test_gather_cotangents_against_numpy(xs, ws, attrs, symbolic):
     geo = _geom(xs, ws, attrs)
     patch_major = NOMINAL_BATCH * int(np.prod(geo.out_size())) < ws[0]
     assert patch_major == (ws[0] > 16)  # both layouts are covered
-    col2im = patch_major or any(v != 1 for v in geo.s)  # else the input cotangent is a ConvTranspose
-    assert ops["Gather"] == 1 + col2im and ops["ConvTranspose"] == 1 - col2im  # the forms under test ran
+    col2im = patch_major or any(v != 1 for v in geo.s)
+    # else the input cotangent is a Conv with the flipped kernel where that pads no more than
+    # the forward ("same" convs), otherwise a ConvTranspose
+    pads = geo.pb + geo.pe
+    flipped = not col2im and all(e - 1 - p <= p for e, p in zip(geo.eff * 2, pads))
+    assert ops["Gather"] == 1 + col2im  # the forms under test ran
+    assert (ops["ConvTranspose"], ops["Conv"]) == (int(not col2im and not flipped), 1 + flipped)  # and the forward
     f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
     y = run_ort(m32, f32, [out])[out]
     g = rng.standard_normal(y.shape)
@@ -123,8 +129,8 @@ def test_gather_cotangents_against_numpy(xs, ws, attrs, symbolic):
 
 def test_lowered_forward_steps_match_torch():
     """conv2 of a (8, 16) small CNN (4x4 inputs, 8 channels) runs as Gather + Gemm in the
-    emitted step, its weight cotangent from the same patches, its input cotangent a
-    ConvTranspose; three SGD steps (momentum 0.9) move the
+    emitted step, its weight cotangent from the same patches, its input cotangent a Conv
+    with the flipped kernel (a "same" conv); three SGD steps (momentum 0.9) move the
     parameters as torch.optim.SGD does."""
     torch = pytest.importorskip("torch")
     from onnx import numpy_helper
@@ -137,11 +143,12 @@ def test_lowered_forward_steps_match_torch():
     model = build_small_cnn(seed=0, channels=(8, 16))
     plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
     step, _ = emit_subgraph(plan, "sgd_step")
-    assert [n.input[1] for n in step.graph.node if n.op_type == "Conv"] == ["conv1.weight"]  # conv2 lowered
+    convs = [n.input[1] for n in step.graph.node if n.op_type == "Conv"]
+    assert convs[0] == "conv1.weight" and "conv2.weight" not in convs  # conv2's forward lowered
     ops = [n.op_type for n in step.graph.node]
     # conv2: one patch Gather (the forward's and dW's copies merged at emission, backend/dedupe.py);
-    # its input gradient is a ConvTranspose
-    assert ops.count("Gather") == 1 and ops.count("ConvTranspose") == 1
+    # its input gradient is the second Conv, on the flipped kernel
+    assert ops.count("Gather") == 1 and ops.count("Conv") == 2 and "ConvTranspose" not in ops
     weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
     net = torch.nn.ModuleDict({"conv1": torch.nn.Conv2d(1, 8, 3, padding=1),
                                "conv2": torch.nn.Conv2d(8, 16, 3, padding=1), "fc": torch.nn.Linear(16, 10)})

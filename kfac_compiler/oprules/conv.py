@@ -352,15 +352,18 @@ def _box_weight(b, W: str, geo: Geom, box) -> str:
 
 
 def _conv_input_grad(b, view, g: str, W: str, geo: Geom, X: str, so, group: int) -> str:
-    """Input cotangent of a Conv. Grouped at stride 1: a Conv of the cotangent with the
-    flipped, channel-transposed kernel (2-5x faster in ORT than its grouped ConvTranspose);
-    otherwise ConvTranspose (conv_t_to), 5x faster than the flipped Conv at group 1."""
+    """Input cotangent of a Conv. At stride 1 a Conv of the cotangent with the flipped,
+    channel-transposed kernel (pads k-1-pads) where ORT runs it faster than ConvTranspose:
+    grouped (2-5x), and at group 1 when it pads no more than the forward ("same" convs: 1.2-2.5x
+    on ResNet's 3x3 maps). Otherwise ConvTranspose (conv_t_to): at group 1 with the full
+    padding of a "valid" conv (LeNet's 5x5) it is 2x faster
+    (benchmarks/results/2026-11-29-conv-input-forms.py)."""
     ws = static_shape(view, W)
     pads_t = None
-    if geo.k is not None and ws is not None and all(v == 1 for v in geo.s) and group != 1:
+    if geo.k is not None and ws is not None and all(v == 1 for v in geo.s):
         pads_t = [geo.eff[i] - 1 - geo.pb[i] for i in range(geo.nd)] + [
             geo.eff[i] - 1 - geo.pe[i] for i in range(geo.nd)]
-    if pads_t is None or min(pads_t) < 0:
+    if pads_t is None or min(pads_t) < 0 or (group == 1 and any(t > p for t, p in zip(pads_t, geo.pb + geo.pe))):
         return conv_t_to(b, view, g, W, geo, X, so, group)
     nd = geo.nd
     M, cg = ws[0], ws[1]
