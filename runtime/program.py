@@ -83,10 +83,11 @@ class Program(SubgraphIO):
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
 
     def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
-                 name: str | None = None, threads: int | None = None, carried: Sequence[str] = ()) -> None:
+                 name: str | None = None, threads: int | None = None, carried: Sequence[str] = (),
+                 spin: bool | None = None) -> None:
         super().__init__(info, name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph"))
         self.device = _as_device(device)
-        self.session = make_session(model, self.device, self.name, threads=threads)
+        self.session = make_session(model, self.device, self.name, threads=threads, spin=spin)
         self.arena = every_step(self.name)  # memory_options: else its heap is trimmed after each run
         self.carried = list(carried)  # inputs the caller binds on every run (a stage's, runtime/stages.py)
         # a data-parallel run's agreement on metric/finite (every rank flips its state or none
@@ -302,14 +303,16 @@ class DeclaredProgram(SubgraphIO):
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, comm: Any = None, sessions: bool = True, shapes: Shapes | None = None,
-                   **options: Any) -> Program:
+                   spin: bool | None = None, **options: Any) -> Program:
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages
     (runtime/staged.py) and a program that writes state flips it only where every rank's
     run was finite. With `sessions` False nothing is built: a DeclaredProgram stands in.
     `shapes` (runtime/static_shapes.py: a batch's array shapes): the graph's symbolic dims
-    fixed to that batch's, one session per shape (keyed (request, shapes))."""
+    fixed to that batch's, one session per shape (keyed (request, shapes)). `spin` False: the
+    session's idle workers do not spin (one of several sessions that take turns running the
+    step: a spinning pool steals the cores from the next one's run)."""
     req = resolved_request(plan, get_device(device).name, name, **options)
     key: Any = req if shapes is None else (req, shapes)
     prog = programs.get(key)
@@ -332,7 +335,7 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
 
                 prog = StagedProgram(model, info, device, comm, name=name, threads=threads)
             else:
-                prog = Program(model, info, device, name=name, threads=threads)
+                prog = Program(model, info, device, name=name, threads=threads, spin=spin)
                 if comm is not None and C.FINITE in prog.metrics and prog.written_slots:
                     prog.agree = comm.minimum
             _check_state_shapes(prog, info)

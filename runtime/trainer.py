@@ -151,12 +151,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ programs
     def program(self, name: str, threads: int | None = None, shapes: Shapes | None = None,
-                **options: Any) -> Program:
+                spin: bool | None = None, **options: Any) -> Program:
         """The Program for subgraph `name` (created on first use; its state slots initialized);
         `threads` overrides the trainer's intra-op thread count for this session; `shapes` (a
-        batch's, static_shapes.batch_shapes) fixes its symbolic dims to that batch's."""
+        batch's, static_shapes.batch_shapes) fixes its symbolic dims to that batch's; `spin`
+        False keeps its idle workers from spinning (see cached_program)."""
         return cached_program(self._programs, self.store, self.plan, self.device, threads or self.threads, name,
-                              comm=self.comm, sessions=self.sessions, shapes=shapes, **options)
+                              comm=self.comm, sessions=self.sessions, shapes=shapes, spin=spin, **options)
 
     @staticmethod
     def batch_shapes(data: Mapping[str, np.ndarray]) -> Shapes:

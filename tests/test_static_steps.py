@@ -33,6 +33,15 @@ def _train(plan, inputs, y, static: bool, rows=ROWS, **knobs):
     return tr, metrics
 
 
+def _spins(prog) -> bool:
+    """Whether a program's intra-op workers spin after a run (ONNX Runtime's default)."""
+    try:
+        entry = prog.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+    except RuntimeError:  # not set: the default, spinning
+        return True
+    return entry != "0"
+
+
 def _ops(model: onnx.ModelProto) -> list[str]:
     out = []
 
@@ -77,6 +86,9 @@ def test_static_steps_follow_the_if_form_bit_for_bit(name):
             assert "If" not in _ops(model), key
     (key,) = [k for k, p in ref._programs.items() if p.name == "kfac_step"]
     assert _ops(subgraph(plan, key)[0]).count("If") == 2
+    # the kinds take turns, so none of their pools spins after a run (the If form's one does)
+    assert not any(_spins(p) for p in tr._programs.values() if p.name == "kfac_step")
+    assert _spins(ref._programs[key])
 
 
 def test_static_steps_with_gradient_accumulation_follow_the_if_form_bit_for_bit():
