@@ -296,6 +296,8 @@ class DeclaredProgram(SubgraphIO):
     """A subgraph's contract without a session: what a program reads and writes, for a caller
     that only asks which subgraphs a run needs (kfac_compiler.store_default_subgraphs)."""
 
+    session_seconds = 0.0  # it runs nothing (Trainer.step sums its programs' session time)
+
     def run(self, *args: Any, **kwargs: Any) -> dict:
         raise ConfigError(f"subgraph {self.name!r} was only declared (a Trainer built with sessions=False "
                           "runs nothing): build the Trainer with sessions=True to train")

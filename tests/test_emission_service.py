@@ -95,6 +95,10 @@ def test_compile_stores_exactly_what_a_default_run_at_its_batch_requests():
     stored = {Request(info.kind, type(req.options).from_json(info.options)) for req in wanted
               for info in plan.subgraph_info.values() if info.kind == req.name}
     assert wanted <= stored and len(plan.subgraphs) == len(wanted) == 4
+    # such a trainer runs nothing: a step says how to train, in one line
+    inputs, y = ZOO["mlp_classifier"].make_data(96, seed=0)
+    with pytest.raises(ConfigError, match="sessions=True"):
+        tr.step(inputs, y)
 
 
 @pytest.mark.slow
