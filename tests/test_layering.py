@@ -14,7 +14,8 @@ FOLDERS = {"kfac_compiler": "kfac_compiler", "passes": "kfac_compiler.passes", "
            "models": "kfac_compiler.models"}
 PACKAGES = ("backend", "blocks", "oprules", "passes", "patterns", "losses", "optimizers", "runtime", "linalg", "models")
 COMPILER = {"backend", "blocks", "oprules", "passes", "patterns", "frontend"}  # the compiler's internals
-CORE = {"errors", "parsing", "contract", "requests", "graph", "builder", "ir", "onnx_files", "atomic", "npz_files"}
+CORE = {"errors", "parsing", "contract", "requests", "graph", "builder", "ir", "onnx_files", "atomic", "npz_files",
+        "progress"}
 
 # Who may import whom at module level (docs/architecture.md's table); a unit is a package of
 # kfac_compiler or one of its top-level modules. The drivers (kfac_compiler/__init__, cli,
@@ -23,6 +24,7 @@ CORE = {"errors", "parsing", "contract", "requests", "graph", "builder", "ir", "
 ALLOWED = {
     "contract": set(),
     "errors": set(),
+    "progress": set(),  # setup stages' durations to a logger: the standard library only
     "parsing": {"errors"},
     "requests": {"contract", "errors", "linalg"},
     "plan_schema": {"errors"},
