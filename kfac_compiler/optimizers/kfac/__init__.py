@@ -154,7 +154,7 @@ class Kfac(Optimizer):
         """Whether steady steps alternate between sessions (static_steps' kinds; a
         data-parallel run's statistics-free variant): then none of them spins, since each
         session's idle pool spinning after its run steals the cores from the next one's
-        (small_cnn with static_steps: 12.0 ms a step spinning, 7.5 without, the If form 8.3)."""
+        (small_cnn with static_steps: 12.0 ms a step spinning, 7.8 without, the If form 8.4)."""
         return bool(self.config.static_steps) or (not self.stats_conditional and self.config.cov_update_period > 1)
 
     def statistics_program(self):
