@@ -12,7 +12,8 @@ after each other): in a 100-layer deep MLP's first K-FAC step (width 32, 7,678 n
 generation). Listed by generation, a node comes right after
 the generation that readies it and about one generation waits
 (benchmarks/results/2026-11-29-setup-scaling.md). Any topological order computes the same
-values; ONNX Runtime's execution order is its own (a depth-first walk from the outputs).
+values. The sessions run the ready node of lowest index first (PRIORITY_BASED execution,
+runtime/device.py), so this is also the order they execute in.
 """
 from __future__ import annotations
 

@@ -58,10 +58,10 @@ from kfac_compiler.linalg.methods import PI_EPS
 # the stored factors: lookup A_V, G_D; head A_D, G_V
 TIED_FACTORS = ("A_V", "G_D", "A_D", "G_V")
 COMBINE = ("frobenius", "trace")
-NKP_TIE = 1e-6
+NKP_TIE = 1e-6  # relative size of the eigenvector below which M is taken as a multiple of I
 # the diagonal block's per-example gradients are formed this many elements ([chunk, V, D]) at a
 # time (at least one example): 16 MB in float32
-CHUNK_ELEMENTS = 1 << 22  # relative size of the eigenvector below which M is taken as a multiple of I
+CHUNK_ELEMENTS = 1 << 22
 
 
 def np_tied_coefficients(traces_l, traces_r) -> tuple[list[float], list[float]]:
