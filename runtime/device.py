@@ -340,7 +340,7 @@ def memory_options(options: ort.SessionOptions, device: Device, name: str, nodes
 
 
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
-                 threads: int | None = None, spin: bool | None = None) -> ort.InferenceSession:
+                 threads: int | None = None, spin: bool = True) -> ort.InferenceSession:
     """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError."""
     from kfac_compiler.onnx_files import with_relative_data
 
@@ -353,7 +353,7 @@ def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str
     # A subgraph ONNX Runtime cannot load is a compiler bug, not a user error: let it escape.
     # a stage of a step does not spin: the next stage's session runs right after it; `spin`
     # False: one of several sessions that take turns running the step (Program)
-    options = session_options(threads, spin=every_step(name) and "/" not in name and spin is not False)
+    options = session_options(threads, spin=spin and every_step(name) and "/" not in name)
     memory_options(options, dev, name, nodes)
     if folder is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)

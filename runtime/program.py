@@ -84,7 +84,7 @@ class Program(SubgraphIO):
 
     def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
                  name: str | None = None, threads: int | None = None, carried: Sequence[str] = (),
-                 spin: bool | None = None) -> None:
+                 spin: bool = True) -> None:
         super().__init__(info, name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph"))
         self.device = _as_device(device)
         self.session = make_session(model, self.device, self.name, threads=threads, spin=spin)
@@ -305,7 +305,7 @@ class DeclaredProgram(SubgraphIO):
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, comm: Any = None, sessions: bool = True, shapes: Shapes | None = None,
-                   spin: bool | None = None, **options: Any) -> Program:
+                   spin: bool = True, **options: Any) -> Program:
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages

@@ -151,7 +151,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ programs
     def program(self, name: str, threads: int | None = None, shapes: Shapes | None = None,
-                spin: bool | None = None, **options: Any) -> Program:
+                spin: bool = True, **options: Any) -> Program:
         """The Program for subgraph `name` (created on first use; its state slots initialized);
         `threads` overrides the trainer's intra-op thread count for this session; `shapes` (a
         batch's, static_shapes.batch_shapes) fixes its symbolic dims to that batch's; `spin`

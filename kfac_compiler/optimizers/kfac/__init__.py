@@ -144,18 +144,13 @@ class Kfac(Optimizer):
         key = (first, adapt, tr.weighted, tr.batch_size, shapes)
         prog = self._step_programs.get(key)
         if prog is None:
+            # static_steps' kinds take turns: none spins, as a session's idle pool spinning after
+            # its run steals the cores from the next kind's (a data-parallel run's variants are
+            # staged, and stages never spin)
             prog = tr.program(KFAC_STEP.name, options=self.step_options(first, adapt), shapes=shapes,
-                              spin=False if self.steps_take_turns else None)
+                              spin=not self.config.static_steps)
             self._step_programs[key] = prog
         return prog
-
-    @property
-    def steps_take_turns(self) -> bool:
-        """Whether steady steps alternate between sessions (static_steps' kinds; a
-        data-parallel run's statistics-free variant): then none of them spins, since each
-        session's idle pool spinning after its run steals the cores from the next one's
-        (small_cnn with static_steps: 12.0 ms a step spinning, 7.8 without, the If form 8.4)."""
-        return bool(self.config.static_steps) or (not self.stats_conditional and self.config.cov_update_period > 1)
 
     def statistics_program(self):
         cfg = self.config
