@@ -1271,26 +1271,33 @@ def ort_graph_nodes(plan, name: str, **options) -> tuple[int, int]:
     return total, reshapes
 
 
-def profiled_nodes(plan, opt: str, x, y, bs: int, steps: int, knobs: dict) -> tuple[float, float, int]:
-    """(node executions, of which Reshape) per steady step of a fresh CPU trainer, from ONNX
-    Runtime's profile of the sessions it runs every step and the rest (K-FAC's refreshes):
-    the difference of a run of 2 steps and one of 2 + `steps` (a K-FAC step count that spans
-    one inverse period). Also the period."""
+def profiled_run(plan, opt: str, x, y, bs: int, n: int, knobs: dict):
+    """(the trainer, ONNX Runtime's profile of each of its sessions) after `n` steps of a
+    fresh CPU trainer on one intra-op thread."""
     from kfac_compiler.runtime import Trainer
     from kfac_compiler.runtime.data import batch_indices
     from kfac_compiler.runtime.device import PROFILE_ENV
     from kfac_compiler.runtime.ort_profile import read_profile
 
+    os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
+    try:
+        tr = Trainer(plan, optimizer=opt, device="cpu", batch_size=bs, seed=0, threads=1, **knobs)
+        for k in range(n):
+            idx = batch_indices(len(y), bs, k, 0)
+            tr.step({"input": x[idx]}, y[idx])
+    finally:
+        del os.environ[PROFILE_ENV]
+    return tr, [read_profile(prog.session.end_profiling()) for prog in tr.programs().values()]
+
+
+def profiled_nodes(plan, opt: str, x, y, bs: int, steps: int, knobs: dict) -> tuple[float, float, int]:
+    """(node executions, of which Reshape) per steady step of a fresh CPU trainer, from ONNX
+    Runtime's profile of the sessions it runs every step and the rest (K-FAC's refreshes):
+    the difference of a run of 2 steps and one of 2 + `steps` (a K-FAC step count that spans
+    one inverse period). Also the period."""
+
     def run(n: int) -> tuple[int, int]:
-        os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
-        try:
-            tr = Trainer(plan, optimizer=opt, device="cpu", batch_size=bs, seed=0, threads=1, **knobs)
-            for k in range(n):
-                idx = batch_indices(len(y), bs, k, 0)
-                tr.step({"input": x[idx]}, y[idx])
-        finally:
-            del os.environ[PROFILE_ENV]
-        profs = [read_profile(prog.session.end_profiling()) for prog in tr.programs().values()]
+        _, profs = profiled_run(plan, opt, x, y, bs, n, knobs)
         return sum(sum(p.nodes.values()) for p in profs), sum(p.cpu_nodes.get("Reshape", 0) for p in profs)
 
     short, long = run(2), run(2 + steps)
@@ -1444,22 +1451,9 @@ def kinds_profile(plan, x, y, bs: int, steps: int, static: bool) -> dict:
     """Per steady step of a default CPU K-FAC trainer (its schedule over `steps` steps after
     2, as profiled_nodes): node executions, of which Shape and If, from ORT's profile; and the
     kfac_step sessions the whole run made."""
-    from kfac_compiler.runtime import Trainer
-    from kfac_compiler.runtime.data import batch_indices
-    from kfac_compiler.runtime.device import PROFILE_ENV
-    from kfac_compiler.runtime.ort_profile import read_profile
 
     def run(n: int):
-        os.environ[PROFILE_ENV] = os.path.join(tempfile.mkdtemp(), "prof")
-        try:
-            tr = Trainer(plan, optimizer="kfac", device="cpu", batch_size=bs, seed=0, threads=1,
-                         static_steps=static)
-            for k in range(n):
-                idx = batch_indices(len(y), bs, k, 0)
-                tr.step({"input": x[idx]}, y[idx])
-        finally:
-            del os.environ[PROFILE_ENV]
-        profs = [read_profile(prog.session.end_profiling()) for prog in tr.programs().values()]
+        tr, profs = profiled_run(plan, "kfac", x, y, bs, n, {"static_steps": static})
         sessions = sum(prog.name == "kfac_step" for prog in tr.programs().values())
         return (sum(sum(p.nodes.values()) for p in profs), sum(p.cpu_nodes.get("Shape", 0) for p in profs),
                 sum(p.cpu_nodes.get("If", 0) for p in profs), sessions)
