@@ -35,7 +35,7 @@ expression raises a one-line ConfigError naming the key. Example (TOML):
     overhead = 1.0            # curvature work per step <= 1.0 x forward+backward FLOPs
     batch_size = 32           # ... at this batch size (default: train's --batch-size, else 32)
     min_dim = 512             # narrower factors are never approximated
-    memory_gb = 24            # a block's training state must fit (default: this machine's memory)
+    memory_gb = 24            # each block's training state, and all together, must fit (default: this machine's memory)
 
     [loss_options]            # the loss kind's own options (each loss class lists them)
     variance = 0.5            # squared_error; the old top-level key loss_variance still works
@@ -101,7 +101,7 @@ class BudgetConfig:
     overhead: float = 1.0
     batch_size: int | None = None
     min_dim: int = 512
-    memory_gb: float | None = None  # a block's training state must fit (None: this machine's memory)
+    memory_gb: float | None = None  # each block's training state, and all together, must fit (None: this machine's memory)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
-from kfac_compiler.blocks import BLOCKS, make_block
+from kfac_compiler.blocks import APPROXIMATIONS, BLOCKS, make_block, menu_key
 from kfac_compiler.config import CompileConfig, InverseConfig, load_config
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
@@ -266,6 +266,7 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
         min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
         method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
         memory_bytes=int(cfg.budget.memory_gb * 1e9) if cfg.budget.memory_gb else physical_memory(),
+        menu=lambda l: APPROXIMATIONS.get(menu_key(l.kind, l.num_uses), ()),
     )
     result.costs["damping_split"] = split  # what the layers' "inverse" FLOPs assume
     chosen = {l.name: l for l in result.layers}

@@ -21,7 +21,12 @@ Before these, memory: a block whose training state (STATE_COPIES x its factors' 
 fit `budget.memory_gb` (default: this machine's physical memory) has its widest full factor
 kept as its diagonal, step by step; where the user chose the approximation, or no step is
 left, compiling stops with one line naming the layer, the bytes and the approximation that
-fits (a 37 GB factor used to compile and then fail in numpy's allocation at training).
+fits (a 37 GB factor used to compile and then fail in numpy's allocation at training). Then
+the whole model's curvature state must fit too: while the blocks' states together exceed
+the budget, the one step down that saves the most bytes is taken (a Kronecker block's widest
+full factor to its diagonal; another block's menu entry with the largest state below its own,
+e.g. a `full` block to `diagonal`), on layers whose approximation the user did not choose; if
+none is left, one line names the total and the largest block.
 Factors narrower than `budget.min_dim` (512) are never approximated, and the periods keep their
 defaults (1, 10) while every factor is that narrow: on such models a step's time goes to
 per-node costs, not FLOPs, and full K-FAC every step wins (the digits zoo, docs/runtime.md).
@@ -36,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kfac_compiler.blocks.base import FisherBlock
-from kfac_compiler.errors import ConfigError, human_bytes
+from kfac_compiler.errors import ConfigError, KfacError, human_bytes
 from kfac_compiler.ir import Layer
 
 STATS_PERIODS = (1, 2, 5, 10, 20, 50)
@@ -122,15 +127,19 @@ def fit_budget(
     method: str,
     allowed: Callable[[Layer, str], bool],
     memory_bytes: int | None = None,
+    menu: Callable[[Layer], Iterable[str]] = lambda layer: (),
 ) -> BudgetResult:
     """Approximations and periods within the budget (module docstring). `make` builds a
     layer's block, `pinned` names the layers whose approximation the user chose, `allowed`
     says whether an approximation is on a layer's menu; a period given (not None) is kept;
-    `memory_bytes`: the memory a block's training state must fit in (None: unchecked)."""
+    `memory_bytes`: the memory a block's training state, and all blocks' together, must fit in
+    (None: unchecked); `menu`: a layer's approximations, for memory steps of non-Kronecker blocks."""
     layers = list(layers)
     notes: list[str] = []
     if memory_bytes is not None:
         layers = [_fit_memory(l, make, l.name in pinned, memory_bytes, allowed, notes) for l in layers]
+        layers = _fit_total_memory(layers, make, pinned, memory_bytes,
+                                   lambda l: _step_down(l, make, allowed, menu), notes)
     blocks = {l.name: make(l) for l in layers}
     costs = {n: block_cost(b, batch_size, method) for n, b in blocks.items()}
     base = 3 * sum(c.forward for c in costs.values())
@@ -234,6 +243,73 @@ def _fit_memory(layer: Layer, make: Callable[[Layer], FisherBlock], pinned: bool
         raise ConfigError(f"{what}; {fix}")
     notes.append(f"{what}: approximated as {current.approximation} ({human_bytes(_state_bytes(make(current)))})")
     return current
+
+
+def _step_down(layer: Layer, make: Callable[[Layer], FisherBlock], allowed: Callable[[Layer, str], bool],
+               menu: Callable[[Layer], Iterable[str]]) -> Layer | None:
+    """`layer` one memory step down, or None: a Kronecker block keeps its widest full factor as
+    its diagonal (DIAGONAL_STEPS); another block takes the approximation on its menu whose
+    state is the largest below its own (e.g. `full` -> `diagonal`), the mildest step there is."""
+    own = _state_bytes(make(layer))
+    kron = [(n, DIAGONAL_STEPS.get(layer.approximation or "", {}).get(f)) for f, n in _full_factors(make(layer)).items()]
+    kron = [(n, t) for n, t in kron if t is not None and allowed(layer, t)]
+    if kron:
+        return dataclasses.replace(layer, approximation=max(kron, key=lambda s: s[0])[1])
+    smaller = []
+    for name in menu(layer):
+        if name == layer.approximation or not allowed(layer, name):
+            continue
+        other = dataclasses.replace(layer, approximation=name)
+        try:
+            state = _state_bytes(make(other))
+        except (KfacError, ValueError):  # not buildable for this layer's shapes
+            continue
+        if state < own:
+            smaller.append((state, other))
+    return max(smaller, key=lambda s: s[0])[1] if smaller else None
+
+
+def _fit_total_memory(layers: list[Layer], make: Callable[[Layer], FisherBlock], pinned: set[str], memory: int,
+                      step: Callable[[Layer], Layer | None], notes: list[str]) -> list[Layer]:
+    """`layers` with the steps down (`step`) that save the most bytes taken one at a time until
+    the blocks' training states together fit `memory` bytes; a ConfigError where no layer the
+    user left to the compiler has a step left (each block alone fits: `_fit_memory` ran first)."""
+    layers = list(layers)
+    state = {l.name: _state_bytes(make(l)) for l in layers}
+    total = sum(state.values())
+    moves: dict[str, Layer | None] = {}
+    while total > memory:
+        best: tuple[int, int, Layer] | None = None
+        for i, layer in enumerate(layers):
+            if layer.name in pinned:
+                continue
+            if layer.name not in moves:
+                moves[layer.name] = step(layer)
+            new = moves[layer.name]
+            if new is None:
+                continue
+            saving = state[layer.name] - _state_bytes(make(new))
+            if saving > 0 and (best is None or saving > best[0]):
+                best = (saving, i, new)
+        if best is None:
+            largest = max(layers, key=lambda l: state[l.name])
+            raise ConfigError(
+                f"the model's curvature keeps {human_bytes(total)} of factors, inverses and their buffers, more than the "
+                f"{human_bytes(memory)} of memory the budget allows (budget.memory_gb), and no layer left to the compiler "
+                f"has a smaller approximation; the largest is layer {largest.name!r} ({largest.approximation}, "
+                f"{human_bytes(state[largest.name])}): choose diagonal approximations or exclude parameters")
+        saving, i, new = best
+        old = layers[i]
+        layers[i] = new
+        moves.pop(old.name)
+        notes.append(
+            f"layer {old.name!r}: approximated as {new.approximation} instead of {old.approximation} "
+            f"({human_bytes(state[old.name])} -> {human_bytes(state[old.name] - saving)}) so that the model's curvature "
+            f"state ({human_bytes(total)} before this step) fits the {human_bytes(memory)} of memory the budget allows "
+            f"(budget.memory_gb)")
+        state[old.name] -= saving
+        total -= saving
+    return layers
 
 
 def _smallest(periods: tuple[int, ...], total: int, allowance: float) -> int:

@@ -160,3 +160,57 @@ def test_a_chosen_approximation_that_does_not_fit_is_refused_with_one_that_does(
                               "state: 68.0 KiB)")
     with pytest.raises(kc.KfacError, match="choose a diagonal approximation or exclude the layer's parameters"):
         _mlp_plan(budget={"memory_gb": 1e-6})
+
+
+def test_blocks_that_fit_alone_but_not_together_step_down_where_it_saves_most():
+    """mlp_classifier's kron states (4 copies of float32 factors): fc1 4*4*(65^2+128^2) =
+    329,744, fc2 4*4*(129^2+128^2) = 528,400, fc3 4*4*(129^2+10^2) = 267,856 bytes: 1,126,000
+    together, each under the 1,000,000 allowed. The widest-factor steps save fc1 4*4*(128^2-128)
+    = 260,096, fc2 (A, 129 wide) 4*4*(129^2-129) = 264,192 and fc3 the same 264,192: fc2, the
+    first of the largest, becomes kron_in_diag and the total, 861,808, fits."""
+    plan = _mlp_plan(budget={"memory_gb": 1e-3})
+    approx = {layer.name: layer.approximation for layer in plan.layers}
+    assert approx == {"fc1": "kron", "fc2": "kron_in_diag", "fc3": "kron"}
+    assert 329_744 + 528_400 + 267_856 == 1_126_000 and 1_126_000 - 264_192 == 861_808
+    assert ("layer 'fc2': approximated as kron_in_diag instead of kron (516.0 KiB -> 258.0 KiB) so that the model's "
+            "curvature state (1.1 MiB before this step) fits the 976.6 KiB of memory the budget allows "
+            "(budget.memory_gb)") in plan.notes
+
+
+def test_the_whole_models_state_is_refused_in_one_line_when_no_step_is_left():
+    """Every layer pinned to kron: 1,126,000 bytes do not fit 1,000,000, and nothing may change."""
+    with pytest.raises(kc.KfacError) as got:
+        _mlp_plan(budget={"memory_gb": 1e-3}, layers={"fc1": "kron", "fc2": "kron", "fc3": "kron"})
+    assert str(got.value) == (
+        "the model's curvature keeps 1.1 MiB of factors, inverses and their buffers, more than the 976.6 KiB of memory "
+        "the budget allows (budget.memory_gb), and no layer left to the compiler has a smaller approximation; the "
+        "largest is layer 'fc2' (kron, 516.0 KiB): choose diagonal approximations or exclude parameters")
+
+
+def _layernorm_head(width: int) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.ones(width, np.float32), "ln.w"),
+             numpy_helper.from_array(np.zeros(width, np.float32), "ln.b"),
+             numpy_helper.from_array((rng.standard_normal((CLASSES, width)) * 0.1).astype(np.float32), "fc.w"),
+             numpy_helper.from_array(np.zeros(CLASSES, np.float32), "fc.b")]
+    nodes = [helper.make_node("LayerNormalization", ["input", "ln.w", "ln.b"], ["h"], name="ln", axis=-1),
+             helper.make_node("Gemm", ["h", "fc.w", "fc.b"], ["logits"], name="fc", transB=1)]
+    graph = helper.make_graph(nodes, "ln_head", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", width])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_full_block_steps_down_to_the_diagonal_on_its_menu():
+    """LayerNorm(64)'s scale_and_shift `full` block keeps one (2*64)^2 matrix: 4*4*128^2 =
+    262,144 bytes; its `diagonal` 4*4*128 = 2,048; the head's kron 4*4*(65^2+10^2) = 69,200.
+    Together 331,344 > 300,000 (each fits alone): full -> diagonal saves 260,096, more than
+    the head's widest factor (A, 65 wide: 4*4*(65^2-65) = 66,560)."""
+    model = _layernorm_head(64)
+    kw = dict(loss="softmax_cross_entropy", output="logits", emit=False)
+    assert {l.name: l.approximation for l in kc.compile(model, **kw).layers} == {"ln.w": "full", "fc.w": "kron"}
+    plan = kc.compile(model, **kw, config={"budget": {"memory_gb": 3e-4}})
+    assert {l.name: l.approximation for l in plan.layers} == {"ln.w": "diagonal", "fc.w": "kron"}
+    assert 262_144 + 69_200 == 331_344 > 300_000 and 262_144 - 2_048 == 260_096 > 4 * 4 * (65**2 - 65) == 66_560
+    assert ("layer 'ln.w': approximated as diagonal instead of full (256.0 KiB -> 2.0 KiB) so that the model's "
+            "curvature state (323.6 KiB before this step) fits the 293.0 KiB of memory the budget allows "
+            "(budget.memory_gb)") in plan.notes

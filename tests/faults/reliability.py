@@ -249,6 +249,22 @@ def approximation_over_the_memory_budget(d: str) -> Verdict:
     return j.verdict()
 
 
+@case("traceback", fast=True, topic="lying sizes")
+def approximations_together_over_the_memory_budget(d: str) -> Verdict:
+    """Three chosen krons that each fit budget.memory_gb but not together: refused at compile
+    time with one line naming the total and the largest layer."""
+    j = Judge()
+    cfg = _j(d, "config.json")
+    with open(cfg, "w") as f:
+        json.dump({"budget": {"memory_gb": 1e-3}, "layers": {"fc1": "kron", "fc2": "kron", "fc3": "kron"}}, f)
+    model = ASSETS.copy(ASSETS.model(), _j(d, "model.onnx"))
+    before = listing(d)
+    j.error_line(run_cli(["compile", model, *MODEL_ARGS, "--config", cfg, "-o", _j(d, "plan")]),
+                 ["'fc2'", "budget.memory_gb"])
+    j.no_strays(d, before)
+    return j.verdict()
+
+
 # =========================================================================== nesting
 @case("traceback", fast=True, topic="nesting")
 def toml_config_nested_100000_deep(d: str) -> Verdict:
