@@ -158,6 +158,10 @@ GRAD_CASES = [
     # HardSigmoid 0.1x + 0.5: kinks at +-5, out of reach of the float32 differences of (c)
     ("LSTM", dict(acts=["HardSigmoid", "Softplus", "ScaledTanh"], alphas=[0.1, 0.9], betas=[0.5, 0.7])),
     ("GRU", dict(acts=["Sigmoid", "LeakyRelu"], alphas=[0.2], lbr=0, seq=True)),
+    # a symbolic batch: the steps' shared batch symbol, Y's gradient split in equal parts
+    ("LSTM", dict(batch="N", direction="bidirectional", layout=1)),
+    ("LSTM", dict(batch="N", seq=True, clip=0.9)),
+    ("GRU", dict(batch="N", lbr=1, direction="bidirectional")),
 ]
 OUTS = {"LSTM": ("Y", "Y_h", "Y_c"), "GRU": ("Y", "Y_h"), "RNN": ("Y", "Y_h")}
 
