@@ -182,9 +182,15 @@ def _gather(view, node, ins):
 def _concat(view, node, ins):
     r = _rank(view, node.output[0])
     lay = _agree(list(ins))
-    if lay is None or r is None or lay.axis == int(_attr(node, "axis", 0)) % r:
+    if lay is None or r is None:
         return None
-    return [lay]
+    if lay.axis != int(_attr(node, "axis", 0)) % r:
+        return [lay]
+    # k pieces along their example axis, each outer x N x inner: the blocks' rows stacked
+    # (an unrolled recurrence's steps), outer grows k-fold. Every piece must be placed.
+    if any(x is None for x in ins):
+        return None
+    return [ExampleAxis(lay.axis, lay.outer * len(ins), lay.inner)]
 
 
 def _axes_of(view: GraphView, node: onnx.NodeProto, input_index: int) -> list[int] | None:
@@ -229,9 +235,17 @@ def _whole(view: GraphView, node: onnx.NodeProto, j: int) -> bool:
 @rule("Split")
 def _split(view, node, ins):
     lay, r = ins[0], _rank(view, node.input[0])
-    if lay is None or r is None or lay.axis == int(_attr(node, "axis", 0)) % r:
+    if lay is None or r is None:
         return None
-    return [lay] * len(node.output)
+    if lay.axis != int(_attr(node, "axis", 0)) % r:
+        return [lay] * len(node.output)
+    # k equal parts along the example axis (no sizes given) of outer x N x inner, k dividing
+    # outer: each part is outer/k x N x inner (the unrolled recurrence's time steps)
+    k = len(node.output)
+    equal = len(node.input) < 2 or not node.input[1]
+    if not equal or lay.outer % k:
+        return None
+    return [ExampleAxis(lay.axis, lay.outer // k, lay.inner)] * k
 
 
 @rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",

@@ -112,6 +112,14 @@ class _Emitter:
         self.np_float = np_float
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self.elem_type = TensorProto.FLOAT
+
+    def annotate(self, names, shape) -> None:
+        """Declare `names` of `shape` (a symbolic batch dim): shape inference keeps the
+        declared symbol where it would invent one per tensor, so the unrolled steps' tensors
+        share one batch symbol and their Concat's gradient splits in equal parts."""
+        self.value_info.extend(helper.make_tensor_value_info(n, self.elem_type, shape) for n in names)
 
     def fresh(self, name: str) -> str:
         cand, k = name, 0
@@ -206,6 +214,7 @@ def lower_recurrent(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(node)
             continue
         em.np_float = _NP.get(view.dtypes.get(node.input[0]), np.float32)
+        em.elem_type = view.dtypes.get(node.input[0]) or TensorProto.FLOAT
         em._consts = {}
         em.nodes = []
         _lower_node(node, node.name or f"{node.op_type}_{idx}", view, em, params)
@@ -225,7 +234,7 @@ def lower_recurrent(model: onnx.ModelProto) -> onnx.ModelProto:
         record.update(params.record)
         helper.set_model_props(m, {**old, METADATA_KEY: json.dumps(record, sort_keys=True)})
     drop = {o for n in model.graph.node if _is_recurrent(n) for o in n.output}
-    vis = [v for v in g.value_info if v.name not in drop]
+    vis = [v for v in g.value_info if v.name not in drop] + em.value_info
     del g.value_info[:]
     g.value_info.extend(vis)
     return m
@@ -312,13 +321,21 @@ def _lower_node(node: onnx.NodeProto, name: str, view: GraphView, em: _Emitter, 
     input_forget = int(a.get("input_forget", 0)) if op == "LSTM" else 0
     N = xs[b_axis]
 
-    # time slices of X: Split + Squeeze (Split's gradient is a Concat)
-    if T == 1:
-        parts = [X]
-    else:
-        parts = em.op("Split", [X, em.ints([1] * T, f"{name}/split_sizes")], f"{name}/Split_X", n_out=T, axis=t_axis)
-    xts = [em.op("Squeeze", [p, em.ints([t_axis], f"{name}/time_axis")], f"{name}/t{t}/Squeeze_x")
-           for t, p in enumerate(parts)]
+    # The input projections do not depend on the recurrence: one Gemm per direction over the
+    # T*N time-major rows of X ([T*N, I] x [I, G*H]), split into the T steps' [N, G*H] rows.
+    rows = em.op("Flatten", [em.op("Transpose", [X], f"{name}/Transpose_X", perm=[1, 0, 2]) if layout else X],
+                 f"{name}/Flatten_X", axis=2)
+    batch = N if isinstance(N, str) and N else f"{name}/batch"  # the steps' shared batch symbol
+    opset = next((o.version for o in view.model.opset_import if o.domain in ("", "ai.onnx")), 13)
+
+    def time_steps(x: str, hint: str) -> list[str]:
+        """x [T*N, cols] time-major -> T tensors [N, cols] (equal parts: no sizes needed)."""
+        if T == 1:
+            return [x]
+        if opset >= 18:
+            return em.op("Split", [x], hint, n_out=T, axis=0, num_outputs=T)
+        return em.op("Split", [x], hint, n_out=T, axis=0)
+
     masks = None
     if seq:
         seq64 = em.op("Cast", [seq], f"{name}/Cast_seq", to=TensorProto.INT64)
@@ -373,14 +390,30 @@ def _lower_node(node: onnx.NodeProto, name: str, view: GraphView, em: _Emitter, 
         h = initial(h0, d, f"{dname}/initial_h")
         c = initial(c0, d, f"{dname}/initial_c") if op == "LSTM" else None
         ys = [None] * T
+        xws = time_steps(em.op("Gemm", [rows, Wd] + ([Wb] if Wb else []), f"{pre}/Gemm_W", transB=1),
+                         f"{pre}/Split_W_steps")
+        if T > 1 and not isinstance(N, int):
+            em.annotate(xws, [batch, GH])
         for t in (reversed(range(T)) if reverse else range(T)):
             s = f"{pre}/t{t}"
-            xw = em.op("Gemm", [xts[t], Wd] + ([Wb] if Wb else []), f"{s}/Gemm_W", transB=1)
+            xw = xws[t]
             hr = em.op("Gemm", [h, Rd] + ([Rb] if Rb else []), f"{s}/Gemm_R", transB=1)
             c_new = None
             if op == "RNN":
                 h_new = _apply_act(em, f_act, clipped(em.op("Add", [xw, hr], f"{s}/Add"), s), f"{s}/f")
-            elif op == "LSTM":
+            elif op == "LSTM" and not peep and not input_forget:
+                z = em.op("Add", [xw, hr], f"{s}/Add")
+                # i, o, f are contiguous in ONNX's gate order and share one activation: one
+                # activation over [N, 3H] (and so one gradient chain instead of three)
+                gs, gc = em.op("Split", [clipped(z, s), em.ints([3 * H, H], f"{name}/split_3_1")], f"{s}/Split",
+                               n_out=2, axis=1)
+                i_g, o_g, f_g = em.op("Split", [_apply_act(em, f_act, gs, f"{s}/iof"),
+                                                em.ints([H] * 3, f"{name}/split_3")], f"{s}/Split_iof", n_out=3, axis=1)
+                c_g = _apply_act(em, g_act, gc, f"{s}/c")
+                c_new = em.op("Add", [em.op("Mul", [f_g, c], f"{s}/Mul_fc"), em.op("Mul", [i_g, c_g], f"{s}/Mul_ic")],
+                              f"{s}/C")
+                h_new = em.op("Mul", [o_g, _apply_act(em, h_act, c_new, f"{s}/h")], f"{s}/H")
+            elif op == "LSTM":  # peepholes or input_forget: the gates one by one
                 z = em.op("Add", [xw, hr], f"{s}/Add")
                 gi, go, gf, gc = em.op("Split", [z, em.ints([H] * 4, f"{name}/split_4")], f"{s}/Split", n_out=4, axis=1)
                 if peep:
@@ -400,16 +433,15 @@ def _lower_node(node: onnx.NodeProto, name: str, view: GraphView, em: _Emitter, 
                     go = em.op("Add", [go, em.op("Mul", [peep[1], c_new], f"{s}/Mul_Po")], f"{s}/Add_Po")
                 o_g = _apply_act(em, f_act, clipped(go, f"{s}/o"), f"{s}/o")
                 h_new = em.op("Mul", [o_g, _apply_act(em, h_act, c_new, f"{s}/h")], f"{s}/H")
-            else:  # GRU
-                xz, xr, xh = em.op("Split", [xw, em.ints([H] * 3, f"{name}/split_3")], f"{s}/Split_W", n_out=3, axis=1)
+            else:  # GRU: z, r contiguous and sharing one activation, as the LSTM's i, o, f
+                split_2_1 = em.ints([2 * H, H], f"{name}/split_2_1")
+                xzr, xh = em.op("Split", [xw, split_2_1], f"{s}/Split_W", n_out=2, axis=1)
                 if lbr:
-                    hz, hrr, hh = em.op("Split", [hr, em.ints([H] * 3, f"{name}/split_3")], f"{s}/Split_R",
-                                        n_out=3, axis=1)
+                    hzr, hh = em.op("Split", [hr, split_2_1], f"{s}/Split_R", n_out=2, axis=1)
                 else:
-                    hz, hrr = em.op("Split", [hr, em.ints([H] * 2, f"{name}/split_2")], f"{s}/Split_R",
-                                    n_out=2, axis=1)
-                z_g = _apply_act(em, f_act, clipped(em.op("Add", [xz, hz], f"{s}/Add_z"), f"{s}/z"), f"{s}/z")
-                r_g = _apply_act(em, f_act, clipped(em.op("Add", [xr, hrr], f"{s}/Add_r"), f"{s}/r"), f"{s}/r")
+                    hzr = hr
+                zr = _apply_act(em, f_act, clipped(em.op("Add", [xzr, hzr], f"{s}/Add_zr"), f"{s}/zr"), f"{s}/zr")
+                z_g, r_g = em.op("Split", [zr, em.ints([H] * 2, f"{name}/split_2")], f"{s}/Split_zr", n_out=2, axis=1)
                 if lbr:
                     hc = em.op("Mul", [r_g, hh], f"{s}/Mul_rh")
                 else:
@@ -427,6 +459,8 @@ def _lower_node(node: onnx.NodeProto, name: str, view: GraphView, em: _Emitter, 
                     c = em.op("Where", [mt, c_new, c], f"{s}/C_carry")
             else:
                 ys[t], h, c = h_new, h_new, c_new
+            if not isinstance(N, int):
+                em.annotate(list(dict.fromkeys(x for x in (ys[t], h, c) if x is not None)), [batch, H])
         ys_all.append(ys)
         hs.append(h)
         cs.append(c)
@@ -434,16 +468,18 @@ def _lower_node(node: onnx.NodeProto, name: str, view: GraphView, em: _Emitter, 
     outs = list(node.output) + ["", "", ""]
     Y, Y_h, Y_c = outs[0], outs[1], (outs[2] if op == "LSTM" else "")
     if Y:
-        # layout 0: [T, D, N, H]; layout 1: [N, T, D, H]
-        step_axes, t_cat, d_cat = ([0, 1], 0, 1) if not layout else ([1, 2], 1, 2)
+        # layout 0: [T, D, N, H] from the steps' rows stacked time-major ([T*N, H]); layout 1:
+        # [N, T, D, H] from the steps side by side ([N, T*H])
+        cat_axis, step_shape, d_cat = (1, [-1, T, 1, H], 2) if layout else (0, [T, 1, -1, H], 1)
         per_dir = []
         for d, ys in enumerate(ys_all):
-            us = [em.op("Unsqueeze", [y, em.ints(step_axes, f"{name}/y_axes")], f"{name}/Y/t{t}/d{d}/Unsqueeze")
-                  for t, y in enumerate(ys)]
-            last = D == 1
-            per_dir.append(em.op("Concat", us, f"{name}/Y/d{d}/Concat", axis=t_cat, outputs=[Y] if last else None))
+            cat = ys[0] if T == 1 else em.op("Concat", ys, f"{name}/Y/d{d}/Concat", axis=cat_axis)
+            per_dir.append(em.op("Reshape", [cat, em.ints(step_shape, f"{name}/y_shape")], f"{name}/Y/d{d}/Reshape",
+                                 outputs=[Y] if D == 1 else None))
         if D == 2:
             em.op("Concat", per_dir, f"{name}/Y/Concat", axis=d_cat, outputs=[Y])
+        if not isinstance(N, int):
+            em.annotate([Y], [batch, T, D, H] if layout else [T, D, batch, H])
     for out, states in ((Y_h, hs), (Y_c, cs)):
         if not out:
             continue

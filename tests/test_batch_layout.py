@@ -300,6 +300,37 @@ def test_reshape_rule_places_merged_axes_from_static_dims():
     assert reshaped(("T", "N", 16), lay, ("M", 16)) is None  # the entries before N unknown
 
 
+def test_split_and_concat_along_the_example_axis_follow_the_stacked_steps():
+    """An unrolled recurrence: x [T, N, D] flattened to [T*N, D] time-major, split into T equal
+    parts (one per step, each [N, D] batch-major), the steps' rows concatenated back. Split
+    with sizes, into parts not dividing T, or a Concat with an unplaced piece: not placed."""
+    from onnx import shape_inference
+
+    from kfac_compiler.graph import GraphView
+    from kfac_compiler.passes.batch_axis import RULES
+    g = helper.make_graph(
+        [helper.make_node("Flatten", ["x"], ["rows"], axis=2),
+         helper.make_node("Split", ["rows"], [f"s{t}" for t in range(T)], axis=0),
+         helper.make_node("Concat", [f"s{t}" for t in range(T)], ["back"], axis=0),
+         helper.make_node("Concat", ["s0", "s1"], ["pair"], axis=0),
+         helper.make_node("Split", ["rows"], ["p0", "p1", "p2"], axis=0),
+         helper.make_node("Split", ["rows", "sizes"], ["q0", "q1"], axis=0),
+         helper.make_node("Concat", ["s0", "c"], ["mixed"], axis=0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "N", D])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("back", "pair", "p0", "q0", "mixed")],
+        [numpy_helper.from_array(np.array([2 * N, 2 * N], np.int64), "sizes"),
+         numpy_helper.from_array(np.zeros((N, D), np.float32), "c")])
+    view = GraphView(shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
+    layouts: dict = {"x": ExampleAxis(1)}  # x time-major (graph inputs default to axis 0)
+    for node in view.nodes:  # the rules in graph order, as example_layouts runs them
+        outs = RULES[node.op_type](view, node, [layouts.get(i) for i in node.input]) or [None] * len(node.output)
+        layouts.update(zip(node.output, outs))
+    assert layouts["rows"] == ExampleAxis(0, T, 1)
+    assert all(layouts[f"s{t}"] == ExampleAxis(0) for t in range(T))
+    assert layouts["back"] == ExampleAxis(0, T, 1) and layouts["pair"] == ExampleAxis(0, 2, 1)
+    assert layouts["p0"] is None and layouts["q0"] is None and layouts["mixed"] is None
+
+
 def test_vit_attention_projections_are_placed_time_major_and_merged():
     """TorchScript's nn.MultiheadAttention: in_proj on [T, N, D], out_proj on [T*N, D]
     (T = 17 tokens); every other layer batch-major."""

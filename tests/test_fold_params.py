@@ -155,16 +155,17 @@ def test_gradients_of_the_folded_weights_match_finite_differences_of_the_origina
 
 
 def test_folded_lstm_gets_structured_blocks(tmp_path):
-    """compile: W and R are multi-use fully connected layers (kron_indep) with their biases
-    linked, not generic layers of torch's tensors. (The trained values written back into the
+    """compile: W (one use over all steps, kron) and R (one use per step, kron_indep) are fully
+    connected layers with their biases linked, not generic layers of torch's tensors. (The trained values written back into the
     source graph: tests/test_real_exports.py's export test on the dynamo_noopt fixtures.)"""
     model, _ = assembled_model("LSTM", "bidirectional")
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
     plan = kc.compile(str(path), loss="squared_error", output="Y", emit=False)
     kinds = {layer.name: (layer.kind, layer.approximation, layer.params, layer.num_uses) for layer in plan.layers}
-    assert kinds == {f"{w}.{d}": ("fully_connected", "kron_indep", (f"{w}.{d}", f"B.{d}.{part}"), T)
-                     for d in ("forward", "reverse") for w, part in (("W", "input"), ("R", "recurrent"))}
+    assert kinds == {f"{w}.{d}": ("fully_connected", approx, (f"{w}.{d}", f"B.{d}.{part}"), uses)
+                     for d in ("forward", "reverse")
+                     for w, part, approx, uses in (("W", "input", "kron", 1), ("R", "recurrent", "kron_indep", T))}
     assert sorted(plan.holders("w_ih_1")) == ["W.reverse"]
 
 

@@ -77,7 +77,8 @@ _IMAGE = [
 ]
 _RNN = [
     (r"emb\.weight", "embedding", "kron"),
-    (r"rnn\.weight_(ih|hh)_l\d(_reverse)?", "fully_connected", "kron_indep"),  # several uses (time steps)
+    (r"rnn\.weight_ih_l\d(_reverse)?", "fully_connected", "kron"),         # one Gemm over all time steps
+    (r"rnn\.weight_hh_l\d(_reverse)?", "fully_connected", "kron_indep"),   # one use per time step
     (r"rnn\.bias_.*", _TIED, None),                                 # whatever goes with the weights
     (r"head\..*", "fully_connected", "kron"),
 ]

@@ -158,6 +158,10 @@ GRAD_CASES = [
     # HardSigmoid 0.1x + 0.5: kinks at +-5, out of reach of the float32 differences of (c)
     ("LSTM", dict(acts=["HardSigmoid", "Softplus", "ScaledTanh"], alphas=[0.1, 0.9], betas=[0.5, 0.7])),
     ("GRU", dict(acts=["Sigmoid", "LeakyRelu"], alphas=[0.2], lbr=0, seq=True)),
+    # a symbolic batch: the steps' shared batch symbol, Y's gradient split in equal parts
+    ("LSTM", dict(batch="N", direction="bidirectional", layout=1)),
+    ("LSTM", dict(batch="N", seq=True, clip=0.9)),
+    ("GRU", dict(batch="N", lbr=1, direction="bidirectional")),
 ]
 OUTS = {"LSTM": ("Y", "Y_h", "Y_c"), "GRU": ("Y", "Y_h"), "RNN": ("Y", "Y_h")}
 
@@ -270,7 +274,7 @@ def test_gradients_match_torch_autograd(name):
 
 
 # ----------------------------------------------------------------------------- the plan
-def test_plan_makes_w_and_r_multi_use_fully_connected_layers_with_linked_biases():
+def test_plan_makes_w_one_use_over_all_steps_and_r_multi_use_fully_connected_layers_with_linked_biases():
     plan = kc.compile(os.path.join(FIXTURES, "lstm2.onnx"), loss="softmax_cross_entropy", output="logits",
                       emit=False)
     nodes = [n for n in onnx.load(os.path.join(FIXTURES, "lstm2.onnx")).graph.node if n.op_type == "LSTM"]
@@ -283,11 +287,15 @@ def test_plan_makes_w_and_r_multi_use_fully_connected_layers_with_linked_biases(
             layer = plan.layer(f"{weight}.forward")
             assert layer.kind == "fully_connected" and layer.pattern == "gemm_out_in_bias"
             assert layer.params == (f"{weight}.forward", bias)
-            assert layer.num_uses == T and layer.approximation == "kron_indep"
+            # W: one Gemm over the T*N time-major rows (the input projection hoisted out of the
+            # recurrence); R: one use per step
+            uses, approx = (1, "kron") if weight == W else (T, "kron_indep")
+            assert layer.num_uses == uses and layer.approximation == approx
     assert plan.layer("fc").num_uses == 1
     series = kc.compile(os.path.join(FIXTURES, "lstm2.onnx"), loss="softmax_cross_entropy", output="logits",
                         emit=False, approximations={"fully_connected_multi": "kron_series_1"})
-    assert {l.approximation for l in series.layers if l.name != "fc"} == {"kron_series_1"}
+    got = {l.name: l.approximation for l in series.layers if l.name != "fc"}
+    assert got == {f"{n.input[k]}.forward": a for n in nodes for k, a in ((1, "kron"), (2, "kron_series_1"))}
 
 
 def test_bidirectional_plan_has_one_layer_per_direction():
@@ -295,7 +303,8 @@ def test_bidirectional_plan_has_one_layer_per_direction():
                       output="logits", emit=False)
     rec = [l for l in plan.layers if l.name != "fc"]
     assert sorted(l.name.rsplit(".", 1)[1] for l in rec) == ["forward", "forward", "reverse", "reverse"]
-    assert all(l.num_uses == T and len(l.params) == 2 for l in rec)
+    assert all(len(l.params) == 2 for l in rec)
+    assert sorted(l.num_uses for l in rec) == [1, 1, T, T]  # W over all steps at once, R per step
 
 
 # ----------------------------------------------------------------------------- training
@@ -324,3 +333,71 @@ def test_kfac_training_lowers_the_loss_and_exports_the_lowered_model(approx, tmp
     values = {t.name: numpy_helper.to_array(t) for t in trained.graph.initializer}
     folded = fold_recurrent_params(trained, values)
     assert {a.shape for a in folded.values()} == {(1, 12, 3), (1, 12, 4), (1, 24)}
+
+
+# --------------------------------------------------------------- K-FAC's view of the hoisting
+def _torch_lstm2_cotangents(model: onnx.ModelProto, x: np.ndarray, targets: np.ndarray):
+    """torch autograd on lstm2's two LSTM layers written out gate by gate from the ONNX
+    initializers (ONNX gate order i, o, f, c): per layer its input rows x_t [N, I] and the
+    cotangents dz_t [N, 4H] of the gate pre-activations under the summed cross-entropy (the
+    empirical statistics' per-example losses), and the logits' cotangent."""
+    torch = pytest.importorskip("torch")
+    inits = {t.name: torch.tensor(numpy_helper.to_array(t), dtype=torch.float64, requires_grad=True)
+             for t in model.graph.initializer}
+    lstms = [n for n in model.graph.node if n.op_type == "LSTM"]
+    h_in = list(torch.tensor(x, dtype=torch.float64).unbind(1))  # batch_first: T tensors [N, I]
+    layers = []
+    for node in lstms:
+        W, R, B = (inits[k][0] for k in node.input[1:4])
+        H = R.shape[1]
+        h = c = torch.zeros(x.shape[0], H, dtype=torch.float64)
+        zs, outs = [], []
+        for xt in h_in:
+            z = xt @ W.T + B[:4 * H] + h @ R.T + B[4 * H:]
+            z.retain_grad()
+            i, o, f = torch.sigmoid(z[:, :3 * H]).split(H, dim=1)
+            c = f * c + i * torch.tanh(z[:, 3 * H:])
+            h = o * torch.tanh(c)
+            zs.append(z)
+            outs.append(h)
+        layers.append(([t.detach().numpy() for t in h_in], zs))
+        h_in = outs
+    logits = h_in[-1] @ inits["fc.weight"].T + inits["fc.bias"]
+    logits.retain_grad()
+    torch.nn.functional.cross_entropy(logits, torch.tensor(targets), reduction="sum").backward()
+    per_layer = [(xs, [z.grad.numpy() for z in zs]) for xs, zs in layers]
+    return per_layer, logits.grad.numpy()
+
+
+def test_hoisted_input_projection_keeps_the_kronecker_factors():
+    """The input weight W is one Gemm over the T*N time-major rows; its factors must be what
+    the per-step form (T uses, kron_indep) gave: A = 1/(T N) sum_{t,n} a~ a~^T over the
+    steps' inputs, G = 1/N sum_{t,n} dz dz^T over the gate pre-activations' cotangents, the
+    same G as the recurrent weight R (per step, unchanged) sees. Truth: torch autograd in
+    float64 on the two layers written out, the empirical statistics of one batch."""
+    from kfac_compiler.backend import emit_subgraph
+    path = os.path.join(FIXTURES, "lstm2.onnx")
+    data = np.load(os.path.join(FIXTURES, "lstm2.npz"))
+    plan = kc.compile(path, loss="softmax_cross_entropy", output="logits", emit=False)
+    sub, _ = emit_subgraph(plan, "statistics", mode="empirical")
+    feeds = {"input": data["input"], "targets": data["targets"].astype(np.int64)}
+    feeds.update({t.name: numpy_helper.to_array(t) for t in plan.model.graph.initializer if t.name in plan.trainable})
+    got = dict(zip([o.name for o in sub.graph.output], run(sub, feeds, [o.name for o in sub.graph.output])))
+    model = onnx.load(path)
+    per_layer, dlogits = _torch_lstm2_cotangents(model, data["input"], data["targets"])
+    n = data["input"].shape[0]
+
+    def close(ours, truth, what):
+        np.testing.assert_allclose(ours, truth, rtol=2e-5, atol=2e-6 * float(np.abs(truth).max()), err_msg=what)
+
+    # the head (no recurrence) calibrates the convention: G = 1/N sum_n d d^T of the summed loss
+    close(got["stat/fc/G"], dlogits.T @ dlogits / n, "fc G")
+    for node, (xs, dzs) in zip([nd for nd in model.graph.node if nd.op_type == "LSTM"], per_layer):
+        W, R = (f"{node.input[k]}.forward" for k in (1, 2))
+        assert plan.layer(W).num_uses == 1 and plan.layer(R).num_uses == T
+        rows = np.concatenate([np.concatenate([x, np.ones((n, 1))], 1) for x in xs])  # [T*N, I+1] time-major
+        close(got[f"stat/{W}/A"], rows.T @ rows / len(rows), f"{W} A")
+        G = sum(d.T @ d for d in dzs) / n
+        close(got[f"stat/{W}/G"], G, f"{W} G")
+        close(got[f"stat/{R}/G"], G, f"{R} G")
+        np.testing.assert_allclose(got[f"stat/{W}/G"], got[f"stat/{R}/G"], rtol=1e-6, atol=1e-7, err_msg=W)

@@ -304,7 +304,8 @@ def test_manifest_records_ties_buffers_and_the_learnt_scalar(tmp_path):
 def test_lstm_weights_get_structured_blocks(tmp_path):
     """kt.export (torch.export without its optimizer) writes the LSTM's W, R and B as Slice +
     Concat of torch's own tensors at run time; the front end folds them (passes/fold_params.py),
-    so the weights are multi-use fully connected layers holding exactly torch's LSTM parameters
+    so the weights are fully connected layers holding exactly torch's LSTM parameters: the
+    input weight one use over all 7 steps' rows (kron), the recurrent one a use per step
     (test_round_trip[lstm-dynamo] checks the trained values written back in torch's order)."""
     torch.manual_seed(0)
     x, _ = _data("lstm", np.random.default_rng(0))
@@ -313,8 +314,8 @@ def test_lstm_weights_get_structured_blocks(tmp_path):
     torch_names = kt.plan_parameters(plan)
     blocks = {t: (layer.kind, layer.approximation, layer.num_uses) for layer in plan.layers for p in layer.params
               for t in torch_names[p]}
-    assert blocks == {"lstm.weight_ih_l0": ("fully_connected", "kron_indep", 7),
-                      "lstm.bias_ih_l0": ("fully_connected", "kron_indep", 7),
+    assert blocks == {"lstm.weight_ih_l0": ("fully_connected", "kron", 1),
+                      "lstm.bias_ih_l0": ("fully_connected", "kron", 1),
                       "lstm.weight_hh_l0": ("fully_connected", "kron_indep", 7),
                       "lstm.bias_hh_l0": ("fully_connected", "kron_indep", 7),
                       "fc.weight": ("fully_connected", "kron", 1), "fc.bias": ("fully_connected", "kron", 1)}

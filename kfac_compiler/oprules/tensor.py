@@ -62,6 +62,12 @@ def _axis_dim(b, view, x: str, axis: int):
     return dims_slice(b, x, axis, None if axis == -1 else axis + 1)
 
 
+def _static_or_symbol(view, x: str, axis: int) -> int | str | None:
+    """x's dim along `axis`: an int, shape inference's symbol, or None when unknown."""
+    s = view.shape(x)
+    return s[axis] if s is not None and -len(s) <= axis < len(s) else None
+
+
 @register("Concat")
 def _concat_vjp(b, view, node, gys, needs=None):
     g = gys[0]
@@ -72,8 +78,14 @@ def _concat_vjp(b, view, node, gys, needs=None):
     r = view.rank(node.output[0])
     if axis < 0 and r is not None:
         axis += r
-    sizes = make_shape(b, [_axis_dim(b, view, x, axis) for x in node.input])
-    parts = b.op("Split", [g, sizes], n_out=n, axis=axis)
+    dims = [_static_or_symbol(view, x, axis) for x in node.input]
+    if n > 1 and isinstance(dims[0], str) and all(d == dims[0] for d in dims):
+        # one symbolic size shared by every input (an unrolled recurrence's steps): equal
+        # parts, no Shape per input
+        parts = b.op("Split", [g], n_out=n, axis=axis, **({"num_outputs": n} if b.opset >= 18 else {}))
+    else:
+        sizes = make_shape(b, [_axis_dim(b, view, x, axis) for x in node.input])
+        parts = b.op("Split", [g, sizes], n_out=n, axis=axis)
     parts = parts if isinstance(parts, list) else [parts]
     return [p if need(needs, i) else None for i, p in enumerate(parts)]
 
