@@ -366,11 +366,19 @@ def with_example_axes(layers: list, view: GraphView) -> list:
     """Each layer with attrs["example_axes"] (per use: (input, output) as (axis, outer, inner),
     None where unplaced) when some use's rows are not batch-major; other layers unchanged (the
     blocks' default: examples on the leading axis). A use output left unplaced whose leading
-    dim is not the batch (the data inputs' leading dim) in the symbolic shapes is marked in
-    attrs["unplaced_uses"] for example_axis_notes."""
+    dim is not the batch (the data inputs' leading dim) in ONNX's nor the symbolic shapes is
+    marked in attrs["unplaced_uses"] for example_axis_notes."""
     layouts, symbolic = traced_layouts(layers, view)
-    batch = set() if symbolic is None else {
-        (symbolic.shape(i) or (None,))[0] for i in view.graph_inputs} - {None}
+    views = [v for v in (view, symbolic) if v is not None]
+
+    def batch_led(name: str) -> bool:
+        """The leading dim of `name` is the data inputs' (the batch) in ONNX's or the symbolic shapes."""
+        for v in views:
+            shape, batch = v.shape(name), {(v.shape(i) or (None,))[0] for i in view.graph_inputs} - {None}
+            if shape and shape[0] in batch:
+                return True
+        return False
+
     out = []
     for layer in layers:
         per_use = tuple((layouts.get(u.input), layouts.get(u.output)) for u in layer.uses)
@@ -380,8 +388,7 @@ def with_example_axes(layers: list, view: GraphView) -> list:
             continue
         axes = tuple((_triple(i), _triple(o)) for i, o in per_use)
         attrs = {**layer.attrs, "example_axes": axes}
-        shapes = [symbolic.shape(u.output) if symbolic is not None else None for u in layer.uses]
-        unplaced = tuple(k for k, (_, o) in enumerate(per_use) if o is None and not (shapes[k] and shapes[k][0] in batch))
+        unplaced = tuple(k for k, (_, o) in enumerate(per_use) if o is None and not batch_led(layer.uses[k].output))
         if unplaced:
             attrs["unplaced_uses"] = unplaced
         out.append(dataclasses.replace(layer, attrs=attrs))
