@@ -281,6 +281,23 @@ def source_holders(model: onnx.ModelProto) -> dict[str, list[str]]:
     return out
 
 
+def held_elsewhere(model: onnx.ModelProto) -> dict[str, dict]:
+    """{user's initializer: {"shape": its shape in the source model, "holders": {compiled
+    model initializer: its shape}}} for the source initializers the compiled `model` holds in
+    another layout or under other names (source_holders: a fused recurrent op's weights, an
+    exporter's run-time assembly, a parameter view re-laid out under its own name), so that a
+    report can give the user's shapes. Folded targets that were no source initializer (an
+    assembly's `val_42`, then lowered) are not listed: their sources are."""
+    record, folded = _records(model)
+    dims = {t.name: tuple(int(d) for d in t.dims) for t in model.graph.initializer}
+    shapes: dict[str, tuple[int, ...]] = {s: tuple(d) for rec in folded.values() for s, d in rec["sources"].items()}
+    for orig, pieces in record.items():
+        if orig not in folded and pieces and pieces[0][0] in dims:
+            shapes[orig] = (1 + max(p[1] for p in pieces), max(p[3] for p in pieces), *dims[pieces[0][0]][1:])
+    return {src: {"shape": shapes[src], "holders": {h: dims.get(h, ()) for h in holders}}
+            for src, holders in source_holders(model).items() if src in shapes}
+
+
 def fresh_name(name: str, taken: set[str]) -> str:
     """`name`, or the first of name_1, name_2, ... not in `taken`; added to `taken`."""
     cand, k = name, 0

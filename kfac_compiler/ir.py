@@ -15,6 +15,7 @@ from typing import Any
 LAYER_KINDS = (
     "fully_connected",
     "conv",
+    "weight_norm_conv",  # a Conv whose weight is g v / ||v|| computed at run time (torch's weight_norm)
     "depthwise_conv",
     "conv_transpose",
     "embedding",
@@ -58,6 +59,8 @@ class LayerMatch:
         batch varies: the parameter, or its Gather), `output_rank`, and `indexed` for a Gather
         with batch-less indices (then `use.input` is the indices; else the data the parameter
         is added to, or the parameter an Expand broadcasts).
+      weight_norm_conv: the conv's, `weight` is v, plus `weight_norm` {"g": the gain, "axes":
+        the norm's axes} and `extra_params` (g,): parameters of the layer after weight and bias.
     """
 
     kind: str
@@ -72,7 +75,8 @@ class LayerMatch:
 class Layer:
     """A set of linked parameters with one Fisher block.
 
-    `params` are initializer names, weight first. `uses` has one entry per application
+    `params` are initializer names, weight first, then the bias (if any), then
+    `attrs["extra_params"]` (a weight norm's g). `uses` has one entry per application
     (a multi-use layer, e.g. an unrolled RNN weight, has several). `approximation` is the
     Fisher block kind (see kfac_compiler.blocks), set by the block-choice pass.
     """
@@ -92,7 +96,9 @@ class Layer:
 
     @property
     def bias(self) -> str | None:
-        return self.params[1] if len(self.params) > 1 and self.kind != "generic" else None
+        if len(self.params) < 2 or self.kind == "generic" or self.params[1] in self.attrs.get("extra_params", ()):
+            return None
+        return self.params[1]
 
     @property
     def num_uses(self) -> int:

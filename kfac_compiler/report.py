@@ -13,6 +13,7 @@ from typing import Any
 from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError, human_bytes
+from kfac_compiler.graph import held_elsewhere
 from kfac_compiler.plan import Plan, factor_json
 
 FORMATS = ("table", "json", "dot")
@@ -135,6 +136,9 @@ def summary(plan: Plan, param_groups: Any = None) -> dict[str, Any]:
         "estimator": dataclasses.asdict(plan.estimator),
         "schedule": plan.schedule.to_json(),
         "frozen": [{"name": n, "reason": plan.frozen_reason(n)} for n in plan.frozen],
+        "held_elsewhere": [{"name": n, "shape": list(h["shape"]),
+                            "holders": [{"name": k, "shape": list(v)} for k, v in h["holders"].items()]}
+                           for n, h in held_elsewhere(plan.model).items()],
         "costs": {k: v for k, v in plan.costs.items() if k != "layers"},
         "subgraphs": subgraph_summary(plan),
         **extra,
@@ -195,6 +199,10 @@ def _factor_text(specs) -> str:
 TABLE_WIDTH = 100  # inspect's default table width (--wide: every column, names whole)
 HEAD_WIDTH = TABLE_WIDTH  # the header's prose lines are wrapped to this many columns
 MIN_NAME_WIDTH = 16
+
+
+def _dims(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _cut(name: str, width: int) -> str:
@@ -289,6 +297,11 @@ def render_table(plan: Plan, wide: bool = False, param_groups: Any = None) -> st
     if plan.frozen:
         body += ["", f"frozen ({len(plan.frozen)}, not trained):"]
         body += [f"  {name:<{max(map(len, plan.frozen))}}  {plan.frozen_reason(name)}" for name in plan.frozen]
+    held = held_elsewhere(plan.model)
+    if held:  # the user's parameters folded or lowered into the plan's own layout
+        body += ["", f"your parameters in the plan's layout ({len(held)}; the trained model is written back in yours):"]
+        body += [f"  {name} {_dims(h['shape'])}: " + ", ".join(f"{k} {_dims(v)}" for k, v in h["holders"].items())
+                 for name, h in held.items()]
     subs = subgraph_summary(plan)
     if subs:
         body += ["", "subgraphs (open in Netron):"]

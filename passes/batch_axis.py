@@ -14,6 +14,11 @@ inference) to its outputs'; an op without a rule, or a rule that cannot tell (th
 contracted, reduced, sliced, or a Reshape whose static dims do not pin the split), leaves its
 outputs unplaced, and so does anything computed only from them. Blocks then fall back as
 FisherBlock.example_rows says (docs/conventions.md "The example axis").
+
+Shape arithmetic done at run time (TorchScript's Swin computes its window counts from
+`x.size()`) leaves ONNX's inferred dims anonymous (`unk__6`), which pin nothing. When a use of
+a structured layer is left unplaced, the rules run again on the shapes of ONNX Runtime's
+symbolic shape inference (`symbolic_view`: `4*N` windows), as torch.export writes them.
 """
 from __future__ import annotations
 
@@ -332,15 +337,62 @@ def example_layouts(view: GraphView) -> Layouts:
 
 
 
+def symbolic_view(view: GraphView, output: str | None = None) -> GraphView | None:
+    """The graph with shapes from ONNX Runtime's symbolic shape inference (sympy expressions
+    through shape arithmetic: Swin's windows as `4*N`, where ONNX's data propagation stops at
+    a Where or a division of run-time dims), on a copy without the large weights' values whose
+    shape arithmetic on dims the canonical shapes made static is folded once more
+    (canonicalization folds before the last shape inference: TorchScript's Swin keeps 353
+    such nodes); None when it fails."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    from kfac_compiler.passes.canonicalize import _fold_constants, _fold_static_dims
+    from kfac_compiler.passes.load import _light_copy  # the weight-free copy inference reads
+
+    model = _light_copy(view.model)
+    _fold_static_dims(model)
+    _fold_constants(model, output or (view.graph_outputs or [""])[0])
+    del model.graph.value_info[:]
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception:  # noqa: BLE001  (an op it does not know, ...: the ONNX placement stands)
+        return None
+    return GraphView(inferred) if inferred is not None else None
+
+
 def _triple(lay: ExampleAxis | None) -> tuple[int, int, int] | None:
     return None if lay is None else (lay.axis, lay.outer, lay.inner)
+
+
+def traced_layouts(layers: list, view: GraphView) -> tuple[Layouts, GraphView | None]:
+    """example_layouts(view), completed from symbolic_view where a use of a structured layer
+    is left unplaced; and that view (None when it was not needed or failed)."""
+    layouts = example_layouts(view)
+    if all(layer.kind == "generic" or all(layouts.get(u.output) is not None for u in layer.uses) for layer in layers):
+        return layouts, None
+    symbolic = symbolic_view(view)
+    if symbolic is None:
+        return layouts, None
+    return {**example_layouts(symbolic), **layouts}, symbolic
 
 
 def with_example_axes(layers: list, view: GraphView) -> list:
     """Each layer with attrs["example_axes"] (per use: (input, output) as (axis, outer, inner),
     None where unplaced) when some use's rows are not batch-major; other layers unchanged (the
-    blocks' default: examples on the leading axis)."""
-    layouts = example_layouts(view)
+    blocks' default: examples on the leading axis). A use output left unplaced whose leading
+    dim is not the batch (the data inputs' leading dim) in ONNX's nor the symbolic shapes is
+    marked in attrs["unplaced_uses"] for example_axis_notes."""
+    layouts, symbolic = traced_layouts(layers, view)
+    views = [v for v in (view, symbolic) if v is not None]
+
+    def batch_led(name: str) -> bool:
+        """The leading dim of `name` is the data inputs' (the batch) in ONNX's or the symbolic shapes."""
+        for v in views:
+            shape, batch = v.shape(name), {(v.shape(i) or (None,))[0] for i in view.graph_inputs} - {None}
+            if shape and shape[0] in batch:
+                return True
+        return False
+
     out = []
     for layer in layers:
         per_use = tuple((layouts.get(u.input), layouts.get(u.output)) for u in layer.uses)
@@ -349,7 +401,11 @@ def with_example_axes(layers: list, view: GraphView) -> list:
             out.append(layer)
             continue
         axes = tuple((_triple(i), _triple(o)) for i, o in per_use)
-        out.append(dataclasses.replace(layer, attrs={**layer.attrs, "example_axes": axes}))
+        attrs = {**layer.attrs, "example_axes": axes}
+        unplaced = tuple(k for k, (_, o) in enumerate(per_use) if o is None and not batch_led(layer.uses[k].output))
+        if unplaced:
+            attrs["unplaced_uses"] = unplaced
+        out.append(dataclasses.replace(layer, attrs=attrs))
     return out
 
 
@@ -379,14 +435,26 @@ def movable_uses(layer, ranks: list[tuple[int | None, int | None]],
 def example_axis_notes(layers: list, view: GraphView, block_of: Callable[[object], object]) -> list[str]:
     """One note per layer whose block (block_of(layer), None: none) groups rows into examples
     (FisherBlock.example_rows) where a use's example axis is placed off the leading axis and
-    the block cannot move it: its per-example statistics then take each leading-axis slice
-    for an example. An unplaced tensor is assumed batch-major (the convention), unnoted."""
+    the block cannot move it, or could not be placed at all (attrs["unplaced_uses"]: not
+    even at a concrete batch, and the leading dim is not the batch there): its per-example
+    statistics then take each leading-axis slice for an example. An unplaced tensor whose
+    leading dim is the batch is assumed batch-major (the convention), unnoted."""
     notes = []
     for layer in layers:
         axes = layer.attrs.get("example_axes")
         block = block_of(layer) if axes else None
         kind = getattr(block, "example_rows", "pooled")
         if kind == "pooled":
+            continue
+        unplaced = layer.attrs.get("unplaced_uses", ())
+        if unplaced:
+            u = unplaced[0]
+            params = ", ".join(repr(p) for p in layer.params)
+            notes.append(f"layer {layer.name!r} ({params}): the example axis of use {u}'s output "
+                         f"{layer.uses[u].output!r} could not be traced and its leading dim is not the batch "
+                         f"size: {layer.approximation} takes each leading-axis row for an example, so its "
+                         "per-example statistics may square sums over windows or positions instead of examples; "
+                         "export with static shapes, or choose a Kronecker block for the layer")
             continue
         paired = bool(getattr(block, "moves_inputs", True))
         ranks = [(view.rank(u.input), view.rank(u.output)) for u in layer.uses]
@@ -404,4 +472,5 @@ def example_axis_notes(layers: list, view: GraphView, block_of: Callable[[object
     return notes
 
 
-__all__ = ["ExampleAxis", "RULES", "example_axis_notes", "example_layouts", "movable_uses", "reshaped", "with_example_axes"]
+__all__ = ["ExampleAxis", "RULES", "example_axis_notes", "example_layouts", "movable_uses", "reshaped",
+           "symbolic_view", "traced_layouts", "with_example_axes"]

@@ -22,7 +22,8 @@ Policies (docs/frontend.md, "Linking"):
     out of every match and form one generic layer with the chosen approximation;
   * every trainable parameter left over gets a generic layer of its own.
 Layer names: the weight's name with one trailing ".weight", ".kernel", ".scale", ".gamma",
-"/weight", "/kernel", "/scale", "/gamma" or "_weight" removed ("fc1.weight" -> "fc1",
+"/weight", "/kernel", "/scale", "/gamma", "_weight" or a weight norm's v (".weight_v",
+".parametrizations.weight.original1") removed ("fc1.weight" -> "fc1",
 "enc1.kernel" -> "enc1", "ln1.scale" -> "ln1"); when that is empty or collides with another
 layer or parameter name, the full weight name. A user link is named by its `name` or by its
 parameters joined with "+". Layers are ordered by their first node in the graph.
@@ -40,7 +41,9 @@ from kfac_compiler.graph import GraphView
 from kfac_compiler.ir import Layer, LayerMatch, LayerUse
 from kfac_compiler.patterns import bias_broadcast_matches
 
-WEIGHT_SUFFIXES = (".weight", ".kernel", ".scale", ".gamma", "/weight", "/kernel", "/scale", "/gamma", "_weight")
+# (torch's weight norm: v is `.parametrizations.weight.original1`, old style `.weight_v`)
+WEIGHT_SUFFIXES = (".weight", ".kernel", ".scale", ".gamma", "/weight", "/kernel", "/scale", "/gamma", "_weight",
+                   ".parametrizations.weight.original1", ".weight_v")
 # attrs that describe one use, not the layer (ignored when checking the uses agree)
 _PER_USE_ATTRS = ("scale_input",)
 
@@ -87,7 +90,7 @@ def link_params(
             linked[p] = i
     kept: list[LayerMatch] = []
     for m in matches:
-        if m.weight in linked:
+        if m.weight in linked or set(m.attrs.get("extra_params", ())) & set(linked):
             continue
         if m.bias is not None and m.bias in linked:
             m = _drop_bias(m, view)
@@ -188,7 +191,7 @@ def link_params(
             Layer(
                 name="",
                 kind=ms[0].kind,
-                params=(w,) if b is None else (w, b),
+                params=((w,) if b is None else (w, b)) + tuple(attrs.get("extra_params", ())),
                 uses=tuple(uses),
                 attrs=attrs,
                 pattern=",".join(dict.fromkeys(m.pattern for m in ms)),

@@ -254,7 +254,8 @@ class Curvature:
     def multiply(self, layer: str, vectors: Mapping[str, np.ndarray], damping: float | None = None) -> dict[str, np.ndarray]:
         """(F_layer + damping) v with the layer's moving-average factors (numpy twin)."""
         v = self._layer_vectors(layer, vectors, "multiply")
-        return self._block(layer).numpy_multiply(v, self.factors().get(layer, {}), self._damping(damping))
+        return self._block(layer).numpy_multiply(v, self.factors().get(layer, {}), self._damping(damping),
+                                                 self._layer_params(layer))
 
     def multiply_all(self, vectors: Mapping[str, np.ndarray], damping: float | None = None,
                      exp: float = 1) -> dict[str, np.ndarray]:
@@ -286,7 +287,7 @@ class Curvature:
         host-side eigendecomposition (numpy twin)."""
         v = self._layer_vectors(layer, vectors, "multiply_matpower")
         return self._block(layer).numpy_multiply_matpower(v, self.factors().get(layer, {}), self._damping(damping),
-                                                          check_float(exp, "exp"))
+                                                          check_float(exp, "exp"), self._layer_params(layer))
 
     # ---------------------------------------------------------------- Cholesky (TF K-FAC's names)
     def compute_cholesky(self, damping: float | None = None) -> None:
@@ -348,7 +349,12 @@ class Curvature:
         if self.damping is None:
             raise ConfigError("call update_inverses(damping) before multiply_inverse()")
         v = self._layer_vectors(layer, vectors, "multiply_inverse")
-        return self._block(layer).numpy_multiply_inverse(v, self.inverses().get(layer, {}))
+        return self._block(layer).numpy_multiply_inverse(v, self.inverses().get(layer, {}), self._layer_params(layer))
+
+    def _layer_params(self, layer: str) -> dict[str, np.ndarray] | None:
+        """The layer's current parameter values, for blocks whose products read them (reads_params)."""
+        block = self._block(layer)
+        return {p: self.store.to_numpy(p) for p in block.layer.params} if block.reads_params else None
 
 
 def _finite(vectors: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray]:

@@ -388,14 +388,33 @@ class Trainer:
             raise ConfigError(f"export: graph must be one of {', '.join(map(repr, EXPORT_GRAPHS))}, got {graph!r}")
         if graph == "source":
             return self._trained_source()
-        if graph == "auto" and self._source_problem() is None:
-            source = load_onnx(cast(str, self.plan.source_path))
-            if not self._untied_copies(source):
-                return self._trained_source(source)
+        if graph == "auto":
+            why = self._source_problem()
+            if why is None:
+                source = load_onnx(cast(str, self.plan.source_path))
+                if not self._untied_copies(source):
+                    return self._trained_source(source)
+                why = "it untied parameters"
+            self._warn_layout(why)
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
         _expose_outputs(model, self.loss.output_names(self.plan.output))
         return model, self.trained_values()
+
+    def _warn_layout(self, why: str) -> None:
+        """Warn that the plan's graph, written instead of the source (`why`), holds parameters
+        of the user's model in its own layout (graph.held_elsewhere), naming the first."""
+        import warnings
+
+        from kfac_compiler.graph import held_elsewhere
+
+        held = held_elsewhere(self.plan.model)
+        if held:
+            name, h = next(iter(held.items()))
+            where = ", ".join(f"{k} {list(v)}" for k, v in h["holders"].items())
+            warnings.warn(f"export: the plan's graph is written ({why}); it holds {len(held)} of the source's "
+                          f"initializers in its own layout ({name} {list(h['shape'])} as {where}); export from a plan "
+                          "compiled from the unchanged source file to get them back in the source's", stacklevel=4)
 
     def _source_problem(self) -> str | None:
         """Why the source graph cannot take the trained values (None: it can)."""

@@ -403,3 +403,67 @@ def test_every_wav2vec2_layer_is_placed_batch_major():
         pytest.skip("no real-export fixtures")
     plan = kc.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
     assert [layer.name for layer in plan.layers if layer.attrs.get("example_axes")] == []
+
+
+def _swin_ts_plan():
+    path = FIXTURES / "swin-ts.onnx"
+    if not path.exists():
+        pytest.skip("no real-export fixtures")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return kc.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
+
+
+def test_swin_ts_relative_position_bias_is_per_example():
+    """TorchScript's Swin computes its window counts from x.size() at run time (ONNX's shapes:
+    `unk__6` windows): ONNX Runtime's symbolic shapes trace them (4*N windows in stage 1, N
+    in stage 3), and the position-bias blocks' diagonal is the per-example definition
+    1/N sum_n (d l_n / d P)^2, with each example's gradient from a batch of that example alone."""
+    from kfac_compiler.runtime.curvature import Curvature
+
+    plan = _swin_ts_plan()
+    bias = [layer for layer in plan.layers if layer.kind == "broadcast"]
+    assert [layer.attrs.get("example_axes") for layer in bias] == [(((0, 1, 4), (0, 1, 4)),)] * 2 + [None]
+    assert not any("could not be traced" in n or "groups rows into examples" in n for n in plan.notes)
+    with np.load(FIXTURES / "swin-ts.npz") as d:
+        x, y = d["input"], d["targets"]
+    curv = Curvature(plan, mode="empirical")
+    got = curv.estimate({"input": x}, y)
+    per_example = [curv.gradients({"input": x[n:n + 1]}, y[n:n + 1])[1] for n in range(len(y))]
+    for layer in bias:
+        (p,) = layer.params
+        want = np.mean([g[p].astype(np.float64) ** 2 for g in per_example], axis=0)
+        np.testing.assert_allclose(got[layer.name]["diag"].reshape(want.shape), want, rtol=1e-3,
+                                   atol=1e-6 * np.abs(want).max(), err_msg=layer.name)
+
+
+def test_an_example_axis_that_cannot_be_traced_is_noted_naming_the_parameter():
+    """Tile (no layout rule) makes [2N, D] rows of [N, D]: a bias added there is a broadcast
+    layer whose diagonal block would take each of the 2N rows for an example; compile says
+    so, naming the parameter. Added before the Tile (batch-major rows): no note."""
+    def model(after_tile: bool):
+        tile, add = (helper.make_node("Tile", ["input", "reps"], ["t"]), helper.make_node("Add", ["t", "b"], ["s"])) \
+            if after_tile else (helper.make_node("Tile", ["a", "reps"], ["s"]), helper.make_node("Add", ["input", "b"], ["a"]))
+        nodes = [tile, add] if after_tile else [add, tile]
+        nodes += [helper.make_node("Reshape", ["s", "shape"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["logits"])]
+        inits = [numpy_helper.from_array(np.array([2, 1], np.int64), "reps"),
+                 numpy_helper.from_array(np.array([-1, 2 * D], np.int64), "shape"),
+                 numpy_helper.from_array(np.full(D, 0.5, np.float32), "b"),
+                 numpy_helper.from_array(np.ones((2 * D, C), np.float32), "w")]
+        graph = helper.make_graph(nodes, "tile", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", D])],
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", C])], inits)
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        return m
+
+    def notes(after_tile: bool):
+        plan = kc.compile(model(after_tile), loss="softmax_cross_entropy", output="logits", emit=False)
+        assert plan.layer("b").kind == "broadcast"
+        return [n for n in plan.notes if "could not be traced" in n]
+
+    assert notes(False) == []
+    (note,) = notes(True)
+    assert note.startswith("layer 'b' ('b'): the example axis of use 0's output 's' could not be traced and its "
+                           "leading dim is not the batch size: diagonal takes each leading-axis row for an example")

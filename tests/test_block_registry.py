@@ -1,5 +1,5 @@
 """The block menu is derived from the registered classes: pinned to the menu the front end
-offers (the tied_embedding row added with blocks/tied.py, ekfac with blocks/ekfac.py), and a class registered later (with its `uses` and `menu_rank`) shows up
+offers (the tied_embedding row added with blocks/tied.py, ekfac with blocks/ekfac.py, weight_norm_conv with blocks/weight_norm.py), and a class registered later (with its `uses` and `menu_rank`) shows up
 in it, in config validation and in the block choice."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ MENU = {
     "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "conv_multi": ("kron_indep", "kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag", "diagonal",
                    "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
+    "weight_norm_conv": ("kron",),
     "depthwise_conv": ("diagonal", "kron", "channel_full"),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),

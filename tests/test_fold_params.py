@@ -189,3 +189,34 @@ def test_fold_leaves_a_model_without_targets_alone():
     model, _ = assembled_model("GRU")
     assert fold_assembled(model, []) is model
     assert fold_assembled(model, ["X"]) is model  # a graph input: nothing to fold
+
+
+def test_inspect_gives_the_users_shapes_and_the_export_writes_them_back(tmp_path):
+    """The plan holds torch's w_ih_d [G H, I] ... in its own initializers (W.forward, B.forward.input,
+    ...): inspect lists each source initializer with its shape in the source file and its
+    holders; the default export of a plan compiled from the file writes the source's
+    initializers with their own names and shapes; a plan compiled from an in-memory model
+    exports its own graph and says so, naming a parameter it holds in another layout."""
+    import warnings
+
+    from kfac_compiler.report import render
+    from kfac_compiler.runtime import Trainer
+
+    model, _ = assembled_model("LSTM", "bidirectional")
+    source = {t.name: list(t.dims) for t in model.graph.initializer if t.name[:4] in ("w_ih", "w_hh", "b_ih", "b_hh")}
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    plan = kc.compile(str(path), loss="squared_error", output="Y", emit=False)
+    held = {h["name"]: h for h in json.loads(render(plan, "json"))["held_elsewhere"]}
+    assert {n: h["shape"] for n, h in held.items()} == source
+    assert held["w_ih_1"]["holders"] == [{"name": "W.reverse", "shape": [4 * H, I]}]
+    assert f"  w_ih_1 [{4 * H}, {I}]: W.reverse [{4 * H}, {I}]" in render(plan, "table").splitlines()
+
+    out = onnx.load(Trainer(plan, optimizer="sgd").export(tmp_path / "out.onnx"))
+    assert {t.name: list(t.dims) for t in out.graph.initializer if t.name in source} == source
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        in_memory = kc.compile(model, loss="squared_error", output="Y", emit=False)
+        Trainer(in_memory, optimizer="sgd").export(tmp_path / "plan.onnx")
+    (msg,) = [str(w.message) for w in caught if str(w.message).startswith("export:")]
+    assert "the plan was compiled from an in-memory model" in msg and "holds 8 of the source's initializers" in msg

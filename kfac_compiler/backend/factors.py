@@ -241,5 +241,7 @@ def precondition(em: Emission, grads: dict[str, str]) -> dict[str, str]:
     for layer in em.parts.layers:
         block = em.blocks[layer.name]
         inverses = current_inverses(em, layer.name, block)
-        out.update(block.emit_multiply_inverse(em.b, {p: grads[p] for p in layer.params}, inverses))
+        # the parameters are state inputs named after themselves (blocks that read them: reads_params)
+        out.update(block.emit_multiply_inverse(em.b, {p: grads[p] for p in layer.params}, inverses,
+                                               params={p: p for p in layer.params}))
     return out

@@ -149,9 +149,10 @@ def multiply(em: Emission, o: MultiplyOptions) -> None:
         block = em.blocks[layer.name]
         factors = {s.name: em.state_input(C.factor(layer.name, s.name), s.shape, "zeros") for s in block.factor_specs()}
         mine = {p: vecs[p] for p in layer.params}
+        params = {p: p for p in layer.params}  # state inputs named after themselves
         if o.exp == 1:
-            out = block.emit_multiply(em.b, mine, factors, damping)
+            out = block.emit_multiply(em.b, mine, factors, damping, params)
         else:
-            out = block.emit_multiply_matpower(em.b, mine, factors, damping, o.exp)
+            out = block.emit_multiply_matpower(em.b, mine, factors, damping, o.exp, params)
         for p in layer.params:
             em.result(C.product(p), out[p])

@@ -24,6 +24,7 @@ from kfac_compiler.blocks.registry import (
 # Importing the block modules registers their classes (BLOCK_CLASSES[(name, kind)]).
 from kfac_compiler.blocks import broadcast, conv, conv_transpose, embedding, flat, fully_connected, series, tied  # noqa: E402,F401
 from kfac_compiler.blocks import ekfac  # noqa: E402,F401
+from kfac_compiler.blocks import weight_norm  # noqa: E402,F401
 from kfac_compiler.blocks._parts import emit_inverses, numpy_inverses  # noqa: E402
 
 

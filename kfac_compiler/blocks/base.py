@@ -98,6 +98,12 @@ class FisherBlock:
     # is moved too and must be placed alike); False when they read only the output's rows
     # (broadcast: its input is batch-less indices or unused)
     moves_inputs: bool = True
+    # True: the power hook needs the current parameter values (a reparametrized layer such as
+    # blocks/weight_norm.py maps between its parameters and the weight its factors describe):
+    # emit_power / numpy_power and the multiplies derived from them take `params` ({parameter
+    # name: tensor name} in the graph, where the parameters are state inputs of their own
+    # names; {name: array} in numpy). False: they are called without it.
+    reads_params: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -232,29 +238,41 @@ class FisherBlock:
         raise NotImplementedError
 
     # Derived from the hook ------------------------------------------------------------------
+    def _params_kw(self, params: dict | None) -> dict:
+        """{"params": params} for a block that reads them (reads_params), else {}."""
+        if not self.reads_params:
+            return {}
+        if params is None:
+            raise ConfigError(f"layer {self.layer.name!r}: the {self.name!r} block needs the parameter values "
+                              "to multiply (pass params=)")
+        return {"params": params}
+
     def emit_multiply(
-        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str
+        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str,
+        params: dict[str, str] | None = None,
     ) -> dict[str, str]:
         """(F + damping) v for the block's parameters."""
-        return self.emit_power(b, vectors, 1, factors=factors, damping=damping)
+        return self.emit_power(b, vectors, 1, factors=factors, damping=damping, **self._params_kw(params))
 
     def emit_multiply_inverse(
-        self, b: GraphBuilder, grads: dict[str, str], inverses: dict[str, str]
+        self, b: GraphBuilder, grads: dict[str, str], inverses: dict[str, str], params: dict[str, str] | None = None
     ) -> dict[str, str]:
         """(F + damping)^-1 g for the block's parameters, g keyed by parameter name, by the
         inverse state (emit_inverse, or numpy_inverse uploaded)."""
-        return self.emit_power(b, grads, -1, state=inverses)
+        return self.emit_power(b, grads, -1, state=inverses, **self._params_kw(params))
 
-    def emit_multiply_state(self, b: GraphBuilder, vectors: dict[str, str], state: dict[str, str]) -> dict[str, str]:
+    def emit_multiply_state(self, b: GraphBuilder, vectors: dict[str, str], state: dict[str, str],
+                            params: dict[str, str] | None = None) -> dict[str, str]:
         """Multiply by a host state (numpy_matpower, numpy_inverse) fed to the graph."""
-        return self.emit_power(b, vectors, None, state=state)
+        return self.emit_power(b, vectors, None, state=state, **self._params_kw(params))
 
     def emit_multiply_matpower(
-        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str, exp: float
+        self, b: GraphBuilder, vectors: dict[str, str], factors: dict[str, str], damping: str, exp: float,
+        params: dict[str, str] | None = None,
     ) -> dict[str, str]:
         """(F + damping)^exp v for an integer exp, in ONNX (fractional exps: host-side
         numpy_matpower, then emit_multiply_state with that state)."""
-        return self.emit_power(b, vectors, exp, factors=factors, damping=damping)
+        return self.emit_power(b, vectors, exp, factors=factors, damping=damping, **self._params_kw(params))
 
     # The preconditioner's state for a power other than -1 (kfac-jax's precon_power) ----------
     def check_power(self, exp: float) -> None:
@@ -306,21 +324,22 @@ class FisherBlock:
             return self.numpy_inverse(factors, damping)
         raise ConfigError(f"layer {self.layer.name!r}: {self.name} supports matrix powers 1 and -1 only")
 
-    def numpy_multiply(self, vectors: dict, factors: dict, damping: float) -> dict:
-        return self.numpy_power(vectors, 1, factors=factors, damping=damping)
+    def numpy_multiply(self, vectors: dict, factors: dict, damping: float, params: dict | None = None) -> dict:
+        return self.numpy_power(vectors, 1, factors=factors, damping=damping, **self._params_kw(params))
 
-    def numpy_multiply_inverse(self, grads: dict, state: dict) -> dict:
-        return self.numpy_power(grads, -1, state=state)
+    def numpy_multiply_inverse(self, grads: dict, state: dict, params: dict | None = None) -> dict:
+        return self.numpy_power(grads, -1, state=state, **self._params_kw(params))
 
-    def numpy_multiply_state(self, vectors: dict, state: dict) -> dict:
-        return self.numpy_power(vectors, None, state=state)
+    def numpy_multiply_state(self, vectors: dict, state: dict, params: dict | None = None) -> dict:
+        return self.numpy_power(vectors, None, state=state, **self._params_kw(params))
 
-    def numpy_multiply_matpower(self, vectors: dict, factors: dict, damping: float, exp: float) -> dict:
+    def numpy_multiply_matpower(self, vectors: dict, factors: dict, damping: float, exp: float,
+                                params: dict | None = None) -> dict:
         """(F + damping)^exp v for any real exp the block supports, via numpy_matpower's state."""
         if exp == 1 and not self.host_matpowers:
-            return self.numpy_multiply(vectors, factors, damping)
+            return self.numpy_multiply(vectors, factors, damping, params)
         state, _ = self.numpy_matpower(factors, damping, exp)
-        return self.numpy_power(vectors, exp, state=state)
+        return self.numpy_power(vectors, exp, state=state, **self._params_kw(params))
 
 
 def make_block(

@@ -7,6 +7,7 @@ constant-index Gather + Add, or Expand; RMSNormalization scale and ConvTranspose
 1-d/2-d/3-d with or without bias)."""
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
 from kfac_compiler.graph import GraphView, attrs_of
@@ -221,6 +222,74 @@ def _conv_pattern(nd: int, with_bias: bool, depthwise: bool) -> Pattern:
         output="conv",
         where=where,
         attrs=_conv_geometry,
+    )
+
+
+def _norm_axes(b: Binding) -> tuple[int, ...] | None:
+    """The axes ReduceL2 "norm" reduces (attribute before opset 18, constant input since;
+    none given: all), or None when they are not constant, the norm drops them or reduces
+    nothing (noop_with_empty_axes)."""
+    node = b.node("norm")
+    rank = b.view.rank(b.weight)
+    if rank is None or not int(b.attr("norm", "keepdims", 1)):
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        value = b.view.constant_value(node.input[1])
+        if value is None:
+            return None
+        axes = [int(a) for a in np.asarray(value).reshape(-1)]
+    else:
+        axes = list(b.attr("norm", "axes", None) or [])
+    if not axes:
+        if int(b.attr("norm", "noop_with_empty_axes", 0)):
+            return None
+        axes = list(range(rank))
+    return tuple(sorted({a % rank for a in axes}))
+
+
+def _weight_norm_conv_pattern(gain_first: bool, with_bias: bool) -> Pattern:
+    """Conv(x, w, b) with w = v * (g / ReduceL2(v)) (torch.export of torch's weight_norm
+    parametrization: gain_first) or (v / ReduceL2(v)) * g (the TorchScript symbolic of
+    _weight_norm); g has the norm's kept shape."""
+    nodes = [PNode("conv", "Conv"), PNode("mul", "Mul"), PNode("div", "Div"), PNode("norm", "ReduceL2"),
+             PNode("V", PARAM), PNode("G", PARAM)]
+    edges = [PEdge("V", "norm", (0,)), PEdge("norm", "div", (1,)), PEdge("div", "mul", (0, 1)),
+             PEdge("mul", "conv", (1,))]
+    if gain_first:
+        edges += [PEdge("G", "div", (0,)), PEdge("V", "mul", (0, 1))]
+    else:
+        edges += [PEdge("V", "div", (0,)), PEdge("G", "mul", (0, 1))]
+    if with_bias:
+        nodes.append(PNode("B", PARAM, where=param_rank(1)))
+        edges.append(PEdge("B", "conv", (2,)))
+
+    def where(b: Binding) -> bool:
+        v_shape, g_shape = b.view.shape(b.weight), b.view.shape(b.mapping["G"])
+        axes = _norm_axes(b)
+        if axes is None or static_size(v_shape) is None or static_size(g_shape) is None or len(v_shape) < 3:
+            return False
+        if tuple(g_shape) != tuple(1 if i in axes else d for i, d in enumerate(v_shape)):
+            return False  # g has the norm's kept shape: the Div and Mul broadcast nothing up
+        if with_bias and tuple(b.view.shape(b.bias)) != (v_shape[0],):
+            return False
+        r = b.view.rank(b.input())
+        return r is None or r == len(v_shape)
+
+    def attrs(b: Binding) -> dict:
+        g = b.mapping["G"]
+        return {**_conv_geometry(b), "weight_norm": {"g": g, "axes": _norm_axes(b)}, "extra_params": (g,)}
+
+    return Pattern(
+        name="weight_norm_conv" + ("" if gain_first else "_div") + ("_bias" if with_bias else ""),
+        kind="weight_norm_conv",
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        weight="V",
+        bias="B" if with_bias else None,
+        input=("conv", 0),
+        output="conv",
+        where=where,
+        attrs=attrs,
     )
 
 
@@ -668,6 +737,9 @@ for _nd in (1, 2, 3):
     for _dw in (False, True):
         for _bias in (False, True):
             register_builtin(_conv_pattern(_nd, _bias, _dw))
+for _gain_first in (True, False):
+    for _bias in (False, True):
+        register_builtin(_weight_norm_conv_pattern(_gain_first, _bias))
 register_builtin(_embedding_pattern())
 for _bias in (False, True):
     register_builtin(_ln_pattern(_bias))
