@@ -346,12 +346,12 @@ def symbolic_view(view: GraphView, output: str | None = None) -> GraphView | Non
     such nodes); None when it fails."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    from kfac_compiler.passes.canonicalize import _fold_constants, _fold_static_dims
-    from kfac_compiler.passes.load import _light_copy  # the weight-free copy inference reads
+    from kfac_compiler.passes.canonicalize import fold_constants, fold_static_dims
+    from kfac_compiler.passes.load import light_copy  # the weight-free copy inference reads
 
-    model = _light_copy(view.model)
-    _fold_static_dims(model)
-    _fold_constants(model, output or (view.graph_outputs or [""])[0])
+    model = light_copy(view.model)
+    fold_static_dims(model)
+    fold_constants(model, output or (view.graph_outputs or [""])[0])
     del model.graph.value_info[:]
     try:
         inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)

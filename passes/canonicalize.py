@@ -67,8 +67,8 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     m = fold_assembled(m, weight_inputs(m))
     m = lower_recurrent(m)
     _collapse_noops(m, output)
-    _fold_static_dims(m)
-    _fold_constants(m, output)
+    fold_static_dims(m)
+    fold_constants(m, output)
     m = index_views(m)
     m = fold_assembled(m, relayout_ends(m), keep_source_name=True)
     _restrict(m, output)
@@ -282,7 +282,7 @@ def _collapse_noops(m: onnx.ModelProto, output: str) -> None:
     g.value_info.extend(vis)
 
 
-def _fold_static_dims(m: onnx.ModelProto) -> None:
+def fold_static_dims(m: onnx.ModelProto) -> None:
     """Gather(Shape(x), constant indices) picking dims that are static in the inferred shapes
     becomes a Constant: TorchScript reads a sequence length as `x.size(1)` even where the
     model declares it, and a position lookup's indices are then constants (batch-less)."""
@@ -303,7 +303,10 @@ def _fold_static_dims(m: onnx.ModelProto) -> None:
                                                     value=numpy_helper.from_array(value)))
 
 
-def _fold_constants(m: onnx.ModelProto, output: str) -> None:
+def fold_constants(m: onnx.ModelProto, output: str) -> None:
+    """Evaluate in place the nodes whose inputs are all constants other than float
+    initializers (the weights): shape arithmetic, also over the dims fold_static_dims made
+    constant; `output` stays computed. The batch-axis tracing runs it again on a weight-free copy."""
     g = m.graph
     const: set[str] = set()
     const_nodes: dict[str, onnx.NodeProto] = {}

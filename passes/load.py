@@ -193,11 +193,11 @@ def _check_scope(g: onnx.GraphProto, outer: set[str], source: str, where: str, p
 
 def _check_with_onnx_checker(model: onnx.ModelProto, source: str) -> None:
     """onnx.checker's check (node specs against their schemas: attributes, input and output
-    counts; names; every scope) as one line naming the node. It runs on `_light_copy`, which
+    counts; names; every scope) as one line naming the node. It runs on `light_copy`, which
     declares what the checker insists on and ONNX Runtime does not (types and shapes of graph
     inputs and outputs, IR >= 4's inputs apart from initializers): ONNX Runtime runs such models."""
     try:
-        onnx.checker.check_model(_light_copy(model, for_checker=True))
+        onnx.checker.check_model(light_copy(model, for_checker=True))
     except onnx.checker.ValidationError as e:
         text, _, context = str(e).partition("==> Context:")
         text = " ".join(text.split())
@@ -238,7 +238,7 @@ def _hide_deprecated(g: onnx.GraphProto, opsets: dict[str, int]) -> bool:
 LIGHT_ELEMENTS = 1024  # float initializers larger than this are declared, not copied, for the checks
 
 
-def _light_copy(model: onnx.ModelProto, for_checker: bool = False) -> onnx.ModelProto:
+def light_copy(model: onnx.ModelProto, for_checker: bool = False) -> onnx.ModelProto:
     """The model without the values of its large float initializers and of those in external
     data not loaded (declared as graph inputs of their type and shape instead: all the checker
     and shape inference read of them), so that checking a model does not serialize its weights
@@ -340,7 +340,7 @@ def _check_shapes(model: onnx.ModelProto, source: str) -> None:
     if any(n.domain not in STANDARD_DOMAINS for n in model.graph.node):
         return
     try:
-        onnx.shape_inference.infer_shapes(_light_copy(model), check_type=True, strict_mode=True, data_prop=True)
+        onnx.shape_inference.infer_shapes(light_copy(model), check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         text = re.sub(r"\[\w+Error\]\s*|Inference error\(s\):\s*", "", " ".join(str(e).split()))
         for op, node, why in re.findall(r"\(op_type:(\S+), node name: ([^)]*)\):\s*(.*?)(?=\s*\(op_type:|$)", text):
