@@ -2,6 +2,7 @@
 balanced by predicted cost, one group refreshed after each of a few steps of the period."""
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -81,6 +82,28 @@ def test_due_group_refreshes_each_group_once_per_period():
 
 
 # ----------------------------------------------------------------------------- emitted subset
+def test_a_spread_refresh_runs_more_nodes_than_one_group(mlp):
+    """Why a refresh of up to SPREAD_FLOPS runs at once: a group stacks only its own blocks,
+    so the mlp's three layers (A 65, 129, 129 wide; G 128, 128, 10) refreshed one per group
+    make a Schur tree of the 129/128 class each (8 Inverse leaves and 22 MatMuls in all)
+    where one group makes one tree over the stack (3 and 8); the FLOPs do not change. A
+    GPT-sized refresh (16 GFLOP in blocks of 1.6) stays in one group, one with an
+    ImageNet-ResNet-18-sized block (131 GFLOP) is spread."""
+    plan, _, _ = mlp
+
+    def ops(layers) -> collections.Counter:
+        model, _ = emit_subgraph(plan, "inverse_update", method="schur", layers=tuple(layers))
+        return collections.Counter(n.op_type for n in model.graph.node)
+
+    one = ops(["fc1", "fc2", "fc3"])
+    spread = sum((ops([layer]) for layer in ("fc1", "fc2", "fc3")), collections.Counter())
+    assert (one["Inverse"], one["MatMul"]) == (3, 8) and (spread["Inverse"], spread["MatMul"]) == (8, 22)
+    assert sum(spread.values()) > sum(one.values())
+    gpt = {f"l{i}": 1.6e9 for i in range(10)}
+    assert R.SPREAD_FLOPS == 2e10 and R.group_count(gpt, period=10) == 1
+    assert R.group_count({**gpt, "big": 131e9}, period=10) == math.ceil((16e9 + 131e9) / 131e9)
+
+
 def test_inverse_update_layers_option_writes_only_those_layers(mlp):
     plan, _, _ = mlp
     _, info = emit_subgraph(plan, "inverse_update", method="schur", layers=("fc2",))

@@ -21,11 +21,17 @@ from collections.abc import Mapping
 
 from kfac_compiler.errors import ConfigError
 
-# A refresh up to this many FLOPs runs at once: ~10 ms of schur on one core of the reference
-# machine (~100 GFLOP/s), where a group's own overhead (a session switch and the next step's
-# slower start, ~0.3 ms measured on the zoo) would be a noticeable part of it. The zoo's
-# refreshes are 0.01-0.1 GFLOP; ResNet-18's ~470.
-SPREAD_FLOPS = 1e9
+# A refresh up to this many FLOPs runs at once: ~0.2 s of schur on one core of the reference
+# machine (~100 GFLOP/s). Spreading costs nodes: every group inverts its own stacks, a Schur
+# tree per size class, where one refresh stacks every block of a class into one tree. At
+# 1e9 (~10 ms, chosen for a group's session switch of ~0.3 ms) the GPT export's 16-GFLOP
+# refresh ran in 10 groups, 5,855 nodes per period (586 per step amortized, ~1/4 of its
+# steady step's executed nodes), in one group 1,638; the digits ResNet-18's 10-GFLOP one in
+# 5 groups 2,962, in one 1,786 (benchmarks/results/2026-11-29-step-nodes-lean.md). The
+# flops are the same, so below this a spread only trades total work for a smaller largest
+# step. The zoo's refreshes are 0.01-0.1 GFLOP; ImageNet-sized ResNet-18's ~470 (spread
+# into 4 groups, its 131-GFLOP blocks each alone).
+SPREAD_FLOPS = 2e10
 # On the CPU a refresh program with a factor at least this wide runs on ONNX Runtime's
 # default thread pool (no spinning), a narrower one on one thread. schur on two threads
 # against one (benchmarks/bench_inverse.py scale, quiet machine): 0.91-1.06x up to n = 1153,
