@@ -19,7 +19,7 @@ MENU = {
     "conv": ("kron", "diagonal", "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "conv_multi": ("kron_indep", "kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag", "diagonal",
                    "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
-    "depthwise_conv": ("diagonal", "kron", "channel_full"),
+    "depthwise_conv": ("channel_full", "diagonal", "kron"),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),
