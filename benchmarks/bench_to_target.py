@@ -4,7 +4,7 @@ workloads and the real exports, with torch peers where installed.
     python benchmarks/bench_to_target.py SUBCOMMAND [options] [--out DIR]
 
   digits        the digits autoencoder (batch 256) and classifier (128): tuned Adam's loss
-                after 1000 steps (and 500 for the classifier) is the target; K-FAC's steps and
+                after 500 and after 1000 steps are the targets; K-FAC's steps and
                 seconds to it, also as steps x the interleaved mean step times
   zoo           every zoo model: tuned Adam's loss after --steps steps, K-FAC's steps to it
   ekfac         EKFAC vs K-FAC vs K-FAC with exact damping, to tuned Adam's loss, per seed
@@ -49,9 +49,10 @@ harness.import_paths()
 
 ADAM_LRS = (1e-3, 3e-3, 1e-2)
 EVERY = 5
-# tuned Adam's full-data loss after these many steps are the targets (the runtime issue's:
-# 1000 for the autoencoder, 500 for the classifier; 1000 there too, a harder one)
-DIGITS = {"digits_autoencoder": (256, (1000,)), "mlp_classifier": (128, (500, 1000))}
+# tuned Adam's full-data loss after these many steps are the targets: issue 36's "steps to
+# Adam's 500-step loss" for both, and the 1000-step loss, a harder one, which the results since
+# 2026-11-21 quote for the autoencoder (85 steps there, 55 to the 500-step loss)
+DIGITS = {"digits_autoencoder": (256, (500, 1000)), "mlp_classifier": (128, (500, 1000))}
 
 
 # ------------------------------------------------------------------------------ ours
@@ -203,7 +204,7 @@ def cmd_digits(args, say, run):
         plan, x, y = zoo_case(name)
         say(f"\n== {name} (batch {bs}, {len(y)} examples, device {args.device}"
             + (f"; K-FAC with {json.dumps(knobs)}" if knobs else "") + ") ==")
-        if name not in cached:
+        if any(str(k) not in cached.get(name, {}).get("goals", {}) for k in marks):  # a cache without a mark: rerun
             adam = tuned_adam(plan, x, y, bs, last, args.device, checkpoints=marks)
             goals = {}  # Adam's steps -> (best lr, target loss, Adam seconds)
             for k in marks:

@@ -54,3 +54,24 @@ def test_knobs_must_be_a_json_object():
     args = bt.parser().parse_args(["zoo", "--knobs", "[0.01]"])
     with pytest.raises(SystemExit, match=r"--knobs '\[0.01\]': give a JSON object of K-FAC options"):
         bt.kfac_knobs(args)
+
+
+@pytest.mark.slow
+def test_digits_cache_without_a_mark_reruns_adam_and_reports_both_marks(tmp_path):
+    """The autoencoder's targets are Adam's 500- and 1000-step losses (here scaled to 5 and 10):
+    a cache written before the 500 mark existed (only the last goal) reruns tuned Adam, and
+    the rerun's targets are the first run's (Adam is deterministic)."""
+    cache = tmp_path / "adam.json"
+    argv = ["digits", "--models", "digits_autoencoder", "--scale", "100", "--interleaved-rounds", "0",
+            "--adam-cache", str(cache)]
+    assert bt.harness.main(bt.parser(), "to-target", [*argv, "--out", str(tmp_path / "a")]) == 0
+    first = _results(tmp_path / "a")["digits_autoencoder"]
+    assert {"adam5", "adam10"} <= set(first)
+    old = json.loads(cache.read_text())
+    del old["digits_autoencoder"]["goals"]["5"]  # an older cache: the 1000-step goal only
+    cache.write_text(json.dumps(old))
+    assert bt.harness.main(bt.parser(), "to-target", [*argv, "--out", str(tmp_path / "b")]) == 0
+    second = _results(tmp_path / "b")["digits_autoencoder"]
+    assert set(json.loads(cache.read_text())["digits_autoencoder"]["goals"]) == {"5", "10"}
+    for k in ("adam5", "adam10"):
+        assert second[k]["target_loss"] == first[k]["target_loss"] and second[k]["kfac_steps"] == first[k]["kfac_steps"]

@@ -20,7 +20,7 @@ MENU = {
     "conv_multi": ("kron_indep", "kron_indep_in_diag", "kron_indep_out_diag", "kron_indep_both_diag", "diagonal",
                    "kron_in_diag", "kron_out_diag", "kron_both_diag", "ekfac"),
     "weight_norm_conv": ("kron",),
-    "depthwise_conv": ("diagonal", "kron", "channel_full"),
+    "depthwise_conv": ("channel_full", "diagonal", "kron"),
     "conv_transpose": ("kron", "diagonal"),
     "embedding": ("kron",),
     "scale_and_shift": ("full", "diagonal"),

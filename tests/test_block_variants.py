@@ -110,7 +110,6 @@ def test_depthwise_cnn_trains_with_kron():
     from kfac_compiler.models import data, get_model
     from kfac_compiler.runtime import Trainer
 
-    assert APPROXIMATIONS["depthwise_conv"][0] == "diagonal"  # the default stays diagonal
     plan = kc.compile(get_model("depthwise_cnn"), loss="softmax_cross_entropy", emit=False, layers={"dwconv": "kron"})
     assert {s.name: tuple(s.shape) for s in plan.factors["dwconv"]} == {"A": (8, 10, 10), "G": (8, 1, 1)}
     x, y = data.make_image_classification(256, seed=0)
@@ -121,12 +120,14 @@ def test_depthwise_cnn_trains_with_kron():
 
 
 # ------------------------------------------------------------------------- depthwise channel_full
-def test_depthwise_channel_full_is_the_exact_fisher_of_each_output_channel():
-    """Compiled statistics of the tiny depthwise model (one position, 3 examples): block c is
-    the mean over the examples of the exact Fisher of output channel c's [w_c | b_c]
-    (finite-difference Jacobians, J^T F_z J), the diagonal block of the per-input-channel one."""
+def test_depthwise_default_is_channel_full_the_exact_fisher_of_each_output_channel():
+    """The depthwise default block (no choice given), on the compiled statistics of the tiny
+    depthwise model (one position, 3 examples): block c is the mean over the examples of the
+    exact Fisher of output channel c's [w_c | b_c] (finite-difference Jacobians, J^T F_z J),
+    the diagonal block of the per-input-channel one."""
+    assert APPROXIMATIONS["depthwise_conv"][0] == "channel_full"
     model, w, b = _tiny_depthwise()
-    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, layers={"dw": "channel_full"})
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
     (layer,) = plan.layers
     assert (layer.kind, layer.approximation) == ("depthwise_conv", "channel_full")
     x = np.random.default_rng(4).normal(size=(3, C, K, K))

@@ -1,7 +1,6 @@
 """link_params (weight sharing, biases, tied parameters, user links, names) and choose_blocks."""
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -185,7 +184,7 @@ def test_default_approximations_are_the_first_menu_entry():
               _layer("d", "conv", 2), _layer("e", "depthwise_conv"), _layer("f", "embedding"),
               _layer("g", "scale_and_shift"), _layer("h", "generic")]
     assert [l.approximation for l in choose_blocks(layers)] == [
-        "kron", "kron_indep", "kron", "kron_indep", "diagonal", "kron", "full", "diagonal"]
+        "kron", "kron_indep", "kron", "kron_indep", "channel_full", "kron", "full", "diagonal"]
     assert allowed_approximations(layers[1]) == APPROXIMATIONS["fully_connected_multi"]
 
 
@@ -206,7 +205,7 @@ def test_impossible_choices_name_the_layer_and_the_allowed_values():
         choose_blocks([_layer("rnn", "fully_connected", 3)], CompileConfig(approximations={"fully_connected": "kron"}))
     msg = str(e.value)
     assert "'rnn'" in msg and "kron_indep, kron_series_1, kron_series_2, kron_indep_in_diag" in msg and "\n" not in msg
-    with pytest.raises(ConfigError, match="layer 'dw'.*choose one of diagonal, kron, channel_full$"):
+    with pytest.raises(ConfigError, match="layer 'dw'.*choose one of channel_full, diagonal, kron$"):
         choose_blocks([_layer("dw", "depthwise_conv")], CompileConfig(layers={"dw": "kron_in_diag"}))
     with pytest.raises(ConfigError, match=r"layers\['nothing.\*'\] matches no layer"):
         choose_blocks([_layer("a", "conv")], CompileConfig(layers={"nothing.*": "kron"}))
@@ -263,11 +262,10 @@ def test_factor_shapes_conv(zoo_plans):
     assert _block_or_skip(dw, dw.layer("pwconv")) == {"A": (9, 9), "G": (16, 16)}
 
 
-def test_factor_shapes_diagonal_and_scale_and_shift(zoo_plans):
+def test_factor_shapes_channel_full_and_scale_and_shift(zoo_plans):
     dw = zoo_plans["depthwise_cnn"]
-    layer = dw.layer("dwconv")
-    specs = _block_or_skip(dw, layer)
-    assert sum(math.prod(s) for s in specs.values()) == 8 * 9 + 8  # one entry per parameter
+    layer = dw.layer("dwconv")  # the depthwise default: per output channel its [w_c | b_c] block
+    assert _block_or_skip(dw, layer) == {"full": (8, 9 + 1, 9 + 1)}
     bn = dw.layer("bn1")
     assert _block_or_skip(dw, bn) == {"full": (16, 16)}  # (2 * size)^2
     tr = zoo_plans["transformer_block"]

@@ -217,7 +217,7 @@ def test_depthwise_conv(multiplier, rng):
     node = helper.make_node("Conv", ["x", "dw.weight", "dw.bias"], ["y"], name="conv", group=C, pads=[1, 1, 1, 1])
     inits = {"dw.weight": randn(rng, C * multiplier, 1, 3, 3), "dw.bias": randn(rng, C * multiplier)}
     layer, _ = one(onnx_model([node], {"x": ["N", C, 5, 5]}, inits))
-    assert (layer.kind, layer.pattern, layer.approximation) == ("depthwise_conv", "depthwise_conv2d_bias", "diagonal")
+    assert (layer.kind, layer.pattern, layer.approximation) == ("depthwise_conv", "depthwise_conv2d_bias", "channel_full")
     assert layer.attrs["group"] == C
 
 

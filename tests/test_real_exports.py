@@ -66,7 +66,7 @@ XFAIL_STRICT: dict[tuple[str, str], str] = {}
 _TIED = None  # any kind and block (recorded by benchmarks/bench_to_target.py real-exports)
 _IMAGE = [
     (r"classifier.*|fc\..*", "fully_connected", "kron"),
-    (r"(fused:)?features\.\d+\.conv\.1\.0\.(weight|bias)", "depthwise_conv", "diagonal"),  # MobileNet depthwise
+    (r"(fused:)?features\.\d+\.conv\.1\.0\.(weight|bias)", "depthwise_conv", "channel_full"),  # MobileNet depthwise
     (r".*\.fc[12]\.(weight|bias)", "conv", "kron"),                                          # squeeze-excitation
     (r"(fused:)?.*(conv\d|downsample\.0|\.0)\.(weight|bias)", "conv", "kron"),
     (r".*(bn\d|downsample\.1|\.1)\.(weight|bias)", "scale_and_shift", "full"),              # BatchNorm (not folded)
@@ -111,7 +111,7 @@ EXPECTED_BLOCKS: dict[str, list] = {
     ],
     "lstm": _RNN, "gru": _RNN, "bilstm": _RNN,
     "efficientnet": [(r"(fused:)?features\.(1\.0\.block\.0|2\.0\.block\.1)\.0\.(weight|bias)", "depthwise_conv",
-                      "diagonal")] + _IMAGE,
+                      "channel_full")] + _IMAGE,
     "vit": [
         (r"class_token|encoder\.pos_embedding", "broadcast", "diagonal"),
         (r"conv_proj\..*", "conv", "kron"),

@@ -31,7 +31,7 @@ EXPECTED = {
     "depthwise_cnn": [
         ("conv1", "conv", ("conv1.weight",), 1, "kron"),
         ("bn1", "scale_and_shift", ("bn1.scale", "bn1.bias"), 1, "full"),
-        ("dwconv", "depthwise_conv", ("dwconv.weight", "dwconv.bias"), 1, "diagonal"),
+        ("dwconv", "depthwise_conv", ("dwconv.weight", "dwconv.bias"), 1, "channel_full"),
         ("pwconv", "conv", ("pwconv.weight", "pwconv.bias"), 1, "kron"),
         ("fc", "fully_connected", ("fc.weight", "fc.bias"), 1, "kron"),
     ],
