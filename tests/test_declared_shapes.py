@@ -242,3 +242,19 @@ def test_trainers_take_bitwise_the_same_steps_with_and_without_declarations(name
     assert declared.keys() == bare.keys()
     for k, v in declared.items():
         np.testing.assert_array_equal(v, bare[k], err_msg=k)
+
+
+def test_the_check_catches_a_sub_batch_declared_with_the_whole_batch_symbol():
+    """What the sub-batch clones would declare under the whole batch's symbol (the reason the
+    experiment of 2026-11-29-lstm-lean.md was not shipped) fails check_declared."""
+    plan = _plan("mlp_classifier")
+    model, info = emit_subgraph(plan, "kfac_step", **STEPS["kfac_sub"][1])
+    wrong = 0
+    for vi in model.graph.value_info:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param == "kfac/sub8/N":
+                d.dim_param = "N"
+                wrong += 1
+    assert wrong
+    with pytest.raises(AssertionError):
+        check_declared(model, _feeds(model, info, plan, _batch("mlp_classifier", 32)), 32)
