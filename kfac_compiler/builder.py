@@ -70,6 +70,9 @@ class GraphBuilder:
         self.domains: dict[str, int] = {}
         self._counter = itertools.count()
         self._const_cache: dict[tuple, str] = {}
+        # emitted tensor -> tensors it has the shape of (autodiff's cotangents and tangents:
+        # their primals'), for the shapes an emitted graph declares (backend/shapes.py)
+        self.shaped_like: dict[str, set[str]] = {}
 
     # ----------------------------------------------------------------- names
     def fresh(self, hint: str) -> str:
@@ -80,6 +83,11 @@ class GraphBuilder:
             if name not in self.taken:
                 self.taken.add(name)
                 return name
+
+    def same_shape(self, tensors: Iterable[str], like: str) -> None:
+        """Record that each of `tensors` has the shape of tensor `like`."""
+        for t in tensors:
+            self.shaped_like.setdefault(t, set()).add(like)
 
     @property
     def np_float(self) -> np.dtype:

@@ -163,6 +163,7 @@ def _total(b: GraphBuilder, acc: dict[str, list[str]], name: str) -> str | None:
     if len(parts) > 1:
         s = b.add(parts[0], parts[1]) if len(parts) == 2 else b.op("Sum", list(parts), hint="grad_sum")
         acc[name] = [s]
+    b.same_shape(parts + acc[name], name)  # every part has its primal's shape (docs/autodiff.md)
     return acc[name][0]
 
 
@@ -236,6 +237,7 @@ def jvp(
         for o, t in zip(node.output, res):
             if o and t is not None and _is_float(view, o):
                 tan[o] = t
+                b.same_shape([t], o)
     return {o: tan.get(o) for o in outputs}
 
 

@@ -20,6 +20,8 @@ from itertools import chain
 import numpy as np
 import onnx
 
+from kfac_compiler.builder import subgraphs
+
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
 
@@ -58,7 +60,8 @@ def bind_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> di
 def with_static_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
     """A copy of `model` whose symbolic dims bound by `shapes` (bind_dims) are those values
     in every graph input, output and value_info (the noise inputs' "N" included), and whose
-    inputs named in `shapes` are exactly those shapes."""
+    inputs named in `shapes` are exactly those shapes; a value_info declaring a symbol the
+    binding does not fix (backend/shapes.py's sub-batch rows) is dropped."""
     binding = bind_dims(model, shapes)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -66,12 +69,33 @@ def with_static_dims(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_param") and d.dim_param in binding:
                 d.dim_value = binding[d.dim_param]  # a oneof: clears dim_param
+    _drop_unbound(out.graph, binding)
     for vi in out.graph.input:
         shape = shapes.get(vi.name)
         if shape is not None and vi.type.HasField("tensor_type"):
             for d, n in zip(vi.type.tensor_type.shape.dim, shape):
                 d.dim_value = int(n)
     return fold_sizes(out)
+
+
+def _drop_unbound(graph: onnx.GraphProto, binding: Mapping[str, int]) -> None:
+    """`graph`'s value_info (and its nested bodies') with the symbols of `binding` bound, less
+    each declaring a symbol `binding` lacks (a sub-batch's rows, "8*N": backend/shapes.py):
+    ONNX Runtime infers every shape of a graph whose inputs are static, and a symbol beside the
+    static dims it infers would only disagree with them."""
+    keep = []
+    for vi in graph.value_info:
+        dims = vi.type.tensor_type.shape.dim
+        if all(not d.HasField("dim_param") or d.dim_param in binding for d in dims):
+            for d in dims:
+                if d.HasField("dim_param"):
+                    d.dim_value = binding[d.dim_param]
+            keep.append(vi)
+    del graph.value_info[:]
+    graph.value_info.extend(keep)
+    for node in graph.node:
+        for body in subgraphs(node):
+            _drop_unbound(body, binding)
 
 
 def fold_sizes(model: onnx.ModelProto) -> onnx.ModelProto:

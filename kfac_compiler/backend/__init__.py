@@ -6,6 +6,7 @@ following docs/runtime_contract.md, which is what the runtime relies on.
 
 Modules: plan_parts.py (what the back end reads from a plan), emission.py (a subgraph under
 construction and its inputs and outputs), forward.py (loss, gradients, forward clones),
+shapes.py (the tensor shapes a finished subgraph declares, for ONNX Runtime's buffer reuse),
 factors.py (factor statistics, moving averages, preconditioning), registry.py (the
 emitters by subgraph kind, emit), subgraphs.py (the back end's own subgraphs; the
 optimizers' steps come from kfac_compiler.optimizers), service.py (the runtime's entry:

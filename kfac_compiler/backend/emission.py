@@ -22,6 +22,7 @@ from kfac_compiler.backend.dedupe import merge_duplicates
 from kfac_compiler.backend.forward import ForwardPass
 from kfac_compiler.backend.plan_parts import PlanParts
 from kfac_compiler.backend.schedule import order_by_generation
+from kfac_compiler.backend.shapes import DeclaredShapes
 from kfac_compiler.blocks import FisherBlock, make_block
 from kfac_compiler.blocks.gram import GramStatistic
 from kfac_compiler.builder import GraphBuilder, subgraphs, value_info
@@ -57,6 +58,7 @@ class Emission:
     _weights: tuple[str, str] | None = None  # (w, sqrt w) of a weighted loss, shaped like the output
     reductions: list[tuple[str, Any]] = field(default_factory=list)  # reduce_mean's points, in order
     held: list[str] = field(default_factory=list)  # parameters outside the curvature (hold)
+    shapes: DeclaredShapes | None = None  # the forward passes whose shapes finish declares (backend/shapes.py)
 
     # ------------------------------------------------------------- set-up
     @classmethod
@@ -69,7 +71,7 @@ class Emission:
                 raise ModelError(f"the model already has a tensor named {name!r}; rename it before compiling")
         b = GraphBuilder(view.opset, prefix="kfac", taken=view.all_names(), float_type=float_type)
         b.conv_gather = conv_gather
-        em = cls(parts, view, b)
+        em = cls(parts, view, b, shapes=DeclaredShapes.of(view))
         for vi in parts.model.graph.input:
             if vi.name not in view.initializers:
                 em.inputs.append(vi)
@@ -215,6 +217,8 @@ class Emission:
         merge_duplicates(model.graph, [t for pairs in self.info.reductions.values() for pair in pairs.items()
                                        for t in pair])
         order_by_generation(model.graph)  # ONNX Runtime's setup sorts it ~90 times (backend.schedule)
+        if self.shapes is not None:  # so that ONNX Runtime's planner can reuse buffers (backend/shapes.py)
+            self.shapes.declare(model, self.b.shaped_like)
         made = {o for n in model.graph.node for o in n.output}
         for point, pairs in list(self.info.reductions.items()):  # less the points no output reads
             kept = {r: local for r, local in pairs.items() if r in made}

@@ -84,7 +84,7 @@ def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
     step = b.op("Max", [b.op("Div", [rows, b.ints([m])]), b.ints([1])])
     end = b.mul(step, b.ints([m]))
     sliced = {x: b.op("Slice", [x, start, end, axes, step]) for x in em.view.graph_inputs}
-    view, rename = clone_forward(em, f"kfac/sub{m}/", sliced)  # one prefix per size
+    view, rename = clone_forward(em, f"kfac/sub{m}/", sliced, own_batch=True)  # one prefix per size
     z = rename(em.output)
     y = b.op("Slice", [full.y, start, end, axes, step])
     n = b.batch_size(z)
@@ -97,10 +97,13 @@ def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
     return em._sub_passes[m]
 
 
-def clone_forward(em: Emission, prefix: str, substitutions: dict[str, str]) -> tuple[GraphView, Callable[[str], str]]:
+def clone_forward(em: Emission, prefix: str, substitutions: dict[str, str],
+                  own_batch: bool = False) -> tuple[GraphView, Callable[[str], str]]:
     """Append a copy of the forward graph whose inputs/parameters listed in
     `substitutions` read other tensors; every tensor the copy computes is renamed with
-    `prefix`. Returns the copy's index (for autodiff) and the renaming function."""
+    `prefix`. Returns the copy's index (for autodiff) and the renaming function.
+    `own_batch`: the copy's rows are not the whole batch's (its declared shapes get a batch
+    symbol of their own, backend/shapes.py)."""
     b = em.b
     graph = em.parts.model.graph
     produced = {o for node in graph.node for o in node.output if o}
@@ -120,6 +123,8 @@ def clone_forward(em: Emission, prefix: str, substitutions: dict[str, str]) -> t
         b.taken.update(c.output)
         clones.append(c)
     b.nodes.extend(clones)
+    if em.shapes is not None and (own_batch or not set(substitutions) & set(em.view.graph_inputs)):
+        em.shapes.add_pass(rename, prefix, own_batch)  # other rows without own_batch: declared nowhere
 
     def renamed_infos(infos):
         out = []
