@@ -227,14 +227,8 @@ def _fit_memory(layer: Layer, make: Callable[[Layer], FisherBlock], pinned: bool
     if need <= memory:
         return layer
     chosen, current = layer.approximation, layer
-    while _state_bytes(make(current)) > memory:
-        full = _full_factors(make(current))
-        steps = [(n, DIAGONAL_STEPS.get(current.approximation or "", {}).get(f)) for f, n in full.items()]
-        steps = [(n, t) for n, t in steps if t is not None and allowed(current, t)]
-        if not steps:
-            current = None
-            break
-        current = dataclasses.replace(current, approximation=max(steps, key=lambda s: s[0])[1])
+    while current is not None and _state_bytes(make(current)) > memory:
+        current = _step_down(current, make, allowed, lambda l: ())  # Kronecker steps only
     what = (f"layer {layer.name!r}: {chosen} keeps {human_bytes(need)} of factors, inverses and their buffers, more than "
             f"the {human_bytes(memory)} of memory the budget allows (budget.memory_gb)")
     if pinned or current is None:
@@ -250,12 +244,12 @@ def _step_down(layer: Layer, make: Callable[[Layer], FisherBlock], allowed: Call
     """`layer` one memory step down, or None: a Kronecker block keeps its widest full factor as
     its diagonal (DIAGONAL_STEPS); another block takes the approximation on its menu whose
     state is the largest below its own (e.g. `full` -> `diagonal`), the mildest step there is."""
-    own = _state_bytes(make(layer))
-    kron = [(n, DIAGONAL_STEPS.get(layer.approximation or "", {}).get(f)) for f, n in _full_factors(make(layer)).items()]
+    block = make(layer)
+    kron = [(n, DIAGONAL_STEPS.get(layer.approximation or "", {}).get(f)) for f, n in _full_factors(block).items()]
     kron = [(n, t) for n, t in kron if t is not None and allowed(layer, t)]
     if kron:
         return dataclasses.replace(layer, approximation=max(kron, key=lambda s: s[0])[1])
-    smaller = []
+    own, smaller = _state_bytes(block), []
     for name in menu(layer):
         if name == layer.approximation or not allowed(layer, name):
             continue
@@ -277,20 +271,18 @@ def _fit_total_memory(layers: list[Layer], make: Callable[[Layer], FisherBlock],
     layers = list(layers)
     state = {l.name: _state_bytes(make(l)) for l in layers}
     total = sum(state.values())
-    moves: dict[str, Layer | None] = {}
+    moves: dict[str, tuple[Layer, int] | None] = {}  # a layer's step down and the bytes it saves
     while total > memory:
         best: tuple[int, int, Layer] | None = None
         for i, layer in enumerate(layers):
             if layer.name in pinned:
                 continue
             if layer.name not in moves:
-                moves[layer.name] = step(layer)
-            new = moves[layer.name]
-            if new is None:
-                continue
-            saving = state[layer.name] - _state_bytes(make(new))
-            if saving > 0 and (best is None or saving > best[0]):
-                best = (saving, i, new)
+                new = step(layer)
+                moves[layer.name] = None if new is None else (new, state[layer.name] - _state_bytes(make(new)))
+            move = moves[layer.name]
+            if move is not None and move[1] > 0 and (best is None or move[1] > best[0]):
+                best = (move[1], i, move[0])
         if best is None:
             largest = max(layers, key=lambda l: state[l.name])
             raise ConfigError(
