@@ -337,21 +337,17 @@ def example_layouts(view: GraphView) -> Layouts:
 
 
 
-def symbolic_view(view: GraphView, output: str | None = None) -> GraphView | None:
+def symbolic_view(view: GraphView) -> GraphView | None:
     """The graph with shapes from ONNX Runtime's symbolic shape inference (sympy expressions
     through shape arithmetic: Swin's windows as `4*N`, where ONNX's data propagation stops at
-    a Where or a division of run-time dims), on a copy without the large weights' values whose
-    shape arithmetic on dims the canonical shapes made static is folded once more
-    (canonicalization folds before the last shape inference: TorchScript's Swin keeps 353
-    such nodes); None when it fails."""
+    a Where or a division of run-time dims), on a copy without the large weights' values (the
+    canonical model's shape arithmetic is already folded to a fixed point:
+    canonicalize.fold_to_fixed_point); None when it fails."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    from kfac_compiler.passes.canonicalize import fold_constants, fold_static_dims
     from kfac_compiler.passes.load import light_copy  # the weight-free copy inference reads
 
     model = light_copy(view.model)
-    fold_static_dims(model)
-    fold_constants(model, output or (view.graph_outputs or [""])[0])
     del model.graph.value_info[:]
     try:
         inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)

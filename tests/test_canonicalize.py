@@ -126,6 +126,54 @@ def test_constant_subgraphs_are_folded_but_float_initializers_never():
     np.testing.assert_allclose(run_model(c, {"x": x}), run_model(m, {"x": x}), rtol=1e-6)
 
 
+def _two_round_shape_model():
+    """x [N, 4, 6] @ W [6, 6] = h, r = Reshape(h, [-1, 6 / 2]) (Div: ONNX's data propagation
+    stops there, so r's width is known only once [-1, 3] is a constant), y = Reshape(r, [-1,
+    8 * width(r)]): y's shape arithmetic reads r's dims, static only after a second shape
+    inference."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W6"], ["h"], name="mm"),
+        helper.make_node("Shape", ["h"], ["h_shape"], name="h_shape"),
+        helper.make_node("Gather", ["h_shape", "two"], ["h_width"], name="h_width", axis=0),
+        helper.make_node("Div", ["h_width", "two"], ["half"], name="half"),
+        helper.make_node("Unsqueeze", ["half", "zero"], ["half1"], name="half1"),
+        helper.make_node("Concat", ["minus1", "half1"], ["shape1"], name="shape1", axis=0),
+        helper.make_node("Reshape", ["h", "shape1"], ["r"], name="r"),
+        helper.make_node("Shape", ["r"], ["r_shape"], name="r_shape"),
+        helper.make_node("Gather", ["r_shape", "one"], ["r_width"], name="r_width", axis=0),
+        helper.make_node("Mul", ["r_width", "eight"], ["wide"], name="wide"),
+        helper.make_node("Unsqueeze", ["wide", "zero"], ["wide1"], name="wide1"),
+        helper.make_node("Concat", ["minus1", "wide1"], ["shape2"], name="shape2", axis=0),
+        helper.make_node("Reshape", ["r", "shape2"], ["y"], name="y"),
+    ]
+    ints = {k: np.array(v, np.int64) for k, v in
+            {"two": 2, "one": 1, "eight": 8, "zero": [0], "minus1": [-1]}.items()}
+    W6 = np.arange(36, dtype=np.float32).reshape(6, 6) / 36
+    return onnx_model(nodes, {"x": ["N", 4, 6]}, {"W6": W6, **ints})
+
+
+def test_shape_arithmetic_is_folded_to_a_fixed_point():
+    """One round of static-dim and constant folding leaves y's shape arithmetic (it reads r's
+    width, which only the shape inference after the round knows); canonicalize folds rounds
+    until none removes a node: both Reshapes read constants [-1, 3] and [-1, 24], y is [N, 24]
+    and computes what the source does."""
+    from kfac_compiler.passes.canonicalize import fold_to_fixed_point, infer_shapes
+
+    m = _two_round_shape_model()
+    one = fold_to_fixed_point(infer_shapes(m, keep_going=True), "y", rounds=1)
+    assert {"Shape", "Gather", "Mul", "Concat"} <= set(ops(one)) and "Div" not in ops(one)
+    c = canonicalize(m, "y")
+    assert [op for op in ops(c) if op != "Constant"] == ["MatMul", "Reshape", "Reshape"]
+    view = GraphView(c)
+    np.testing.assert_array_equal(view.constant_value("shape1"), [-1, 3])
+    np.testing.assert_array_equal(view.constant_value("shape2"), [-1, 24])
+    assert view.shape("y") == (None, 24) or view.shape("y")[1] == 24
+    x = np.random.default_rng(0).standard_normal((2, 4, 6)).astype(np.float32)
+    got, want = run_model(c, {"x": x}), run_model(m, {"x": x})
+    assert np.shape(got) == (2, 24)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_restrict_to_output_drops_dead_code_and_unused_inputs():
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
