@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from kfac_compiler.graph import Dim, GraphView
 
@@ -337,6 +338,24 @@ def example_layouts(view: GraphView) -> Layouts:
 
 
 
+# a Constant's attribute other than `value` -> the dtype of the tensor it stands for
+_CONSTANT_DTYPES = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64, "value_ints": np.int64}
+
+
+def tensor_valued_constants(model: onnx.ModelProto) -> None:
+    """Rewrite in place the main graph's Constant nodes given by `value_int(s)` /
+    `value_float(s)` (torch.export writes them) as `value` tensors: ONNX Runtime's symbolic
+    shape inference reads only `value` (it fails on vit-dynamo_noopt's class-token Reshape
+    otherwise)."""
+    for node in model.graph.node:
+        if node.op_type != "Constant" or len(node.attribute) != 1 or node.attribute[0].name not in _CONSTANT_DTYPES:
+            continue
+        attr = node.attribute[0]
+        arr = np.asarray(onnx.helper.get_attribute_value(attr), dtype=_CONSTANT_DTYPES[attr.name])
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(arr)))
+
+
 def symbolic_view(view: GraphView) -> GraphView | None:
     """The graph with shapes from ONNX Runtime's symbolic shape inference (sympy expressions
     through shape arithmetic: Swin's windows as `4*N`, where ONNX's data propagation stops at
@@ -349,6 +368,7 @@ def symbolic_view(view: GraphView) -> GraphView | None:
 
     model = light_copy(view.model)
     del model.graph.value_info[:]
+    tensor_valued_constants(model)
     try:
         inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
     except Exception:  # noqa: BLE001  (an op it does not know, ...: the ONNX placement stands)

@@ -467,3 +467,37 @@ def test_an_example_axis_that_cannot_be_traced_is_noted_naming_the_parameter():
     (note,) = notes(True)
     assert note.startswith("layer 'b' ('b'): the example axis of use 0's output 's' could not be traced and its "
                            "leading dim is not the batch size: diagonal takes each leading-axis row for an example")
+
+
+def test_symbolic_shapes_read_constants_given_as_value_ints():
+    """torch.export writes Constant nodes as value_ints / value_float; ONNX Runtime's symbolic
+    shape inference reads only `value` and failed on them (vit-dynamo_noopt: no symbolic view,
+    ONNX's shapes alone). The weight-free copy it reads has them as `value` tensors of the
+    same dtype, so a Reshape by such a constant gets its symbolic shape."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    from kfac_compiler.graph import GraphView
+    from kfac_compiler.passes.batch_axis import symbolic_view, tensor_valued_constants
+
+    nodes = [helper.make_node("Constant", [], ["shape"], value_ints=[-1, 2 * D]),
+             helper.make_node("Constant", [], ["half"], value_float=0.5),
+             helper.make_node("Mul", ["input", "half"], ["h"]),
+             helper.make_node("Reshape", ["h", "shape"], ["logits"])]
+    graph = helper.make_graph(nodes, "ints", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 2, D])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(AttributeError):  # ORT's tool itself, on the model as written
+        SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    view = symbolic_view(GraphView(model))
+    assert view is not None and view.shape("logits") == ("N", 2 * D)
+    tensor_valued_constants(model)
+    values = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"}
+    assert values["shape"].dtype == np.int64 and values["shape"].tolist() == [-1, 2 * D]
+    assert values["half"].dtype == np.float32 and values["half"].shape == () and values["half"] == 0.5
+    path = FIXTURES / "vit-dynamo_noopt.onnx"
+    if path.exists():
+        from kfac_compiler.passes.canonicalize import canonicalize
+        from kfac_compiler.passes.load import load_model
+
+        assert symbolic_view(GraphView(canonicalize(load_model(str(path), "logits"), "logits"))) is not None
