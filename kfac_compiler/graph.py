@@ -260,6 +260,36 @@ def fold_recurrent_params(model: onnx.ModelProto, values: dict[str, np.ndarray])
     return out
 
 
+def split_source_params(model: onnx.ModelProto, values: dict[str, np.ndarray],
+                        base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of fold_recurrent_params: {compiled model initializer: value} for the
+    holders of the source initializers in `values` (each element copied to where the
+    compiled model keeps it: an exporter's assembly folded into its target, a fused op's
+    weight into its lowered pieces), starting from `base` (the holders' current values,
+    keyed by the compiled model's initializers) where `values` gives only some of the
+    sources. Keys of `values` that no record names are returned unchanged."""
+    record, folded = _records(model)
+    sources = {s for rec in folded.values() for s in rec["sources"]} | set(record)
+    out = {k: v for k, v in values.items() if k not in sources}
+    whole = {**fold_recurrent_params(model, base), **base}  # every level, from the current values
+    targets: dict[str, np.ndarray] = {}
+    for target, rec in folded.items():
+        runs = [r for r in rec["runs"] if r[0] in values]
+        if not runs or target not in whole:
+            continue
+        flat = np.array(whole[target], copy=True).reshape(-1)
+        for src, dst, at, n in runs:
+            flat[dst:dst + n] = np.asarray(values[src]).reshape(-1)[at:at + n]
+        targets[target] = flat.reshape(rec["shape"])
+    given = {**values, **targets}
+    for orig, pieces in record.items():
+        if orig in given:
+            arr = np.asarray(given[orig])
+            out.update({p: np.ascontiguousarray(arr[d, s:e]) for p, d, s, e in pieces})
+    out.update({t: v for t, v in targets.items() if t not in record})
+    return out
+
+
 def source_holders(model: onnx.ModelProto) -> dict[str, list[str]]:
     """{source model initializer: the compiled model's initializers holding its elements} for
     the initializers the compiled `model` replaced: a fused recurrent op's weight by its

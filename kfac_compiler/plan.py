@@ -15,17 +15,19 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper
 
 from kfac_compiler.config import EstimatorConfig, InverseConfig, StatsConfig
 from kfac_compiler.contract import TARGETS, SubgraphInfo
-from kfac_compiler.errors import PlanError, one_line, os_errors, os_reason
-from kfac_compiler.graph import GraphView, fold_recurrent_params, source_holders
+from kfac_compiler.errors import ConfigError, PlanError, one_line, os_errors, os_reason
+from kfac_compiler.graph import GraphView, fold_recurrent_params, held_elsewhere, source_holders, split_source_params
 from kfac_compiler.ir import FactorSpec, Layer, LayerUse
 from kfac_compiler.losses import Loss, make_loss
 from kfac_compiler.onnx_files import (
@@ -283,6 +285,60 @@ class Plan:
             if rec["of"] in values:
                 out[copy] = values[rec["of"]].T if rec.get("transposed") else values[rec["of"]]
         return out
+
+    def source_trainable(self) -> dict[str, tuple[int, ...]]:
+        """{trainable initializer of the user's model: its shape there}: `trainable` (the
+        plan's own layout, what its graphs read) with each parameter that holds pieces of
+        source initializers (held_elsewhere: lowered recurrent weights, folded assemblies,
+        re-laid-out views) replaced by those sources, in the order of `trainable`. An
+        exporter's copy the plan ties to its original (`retied`) is not listed: it is the
+        original."""
+        held = held_elsewhere(self.model)
+        of: dict[str, list[str]] = {}
+        for src, h in held.items():
+            for holder in h["holders"]:
+                of.setdefault(holder, []).append(src)
+        shapes = self.param_shapes
+        out: dict[str, tuple[int, ...]] = {}
+        for p in self.trainable:
+            for src in of.get(p, []):
+                out.setdefault(src, tuple(held[src]["shape"]))
+            if p not in of:
+                out[p] = shapes[p]
+        return out
+
+    def to_source_layout(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The trainable parameters `values` (keyed by `trainable`, the plan's layout) in the
+        user's names and shapes (source_trainable); a source some of whose elements a frozen
+        initializer holds takes those from the plan's model."""
+        frozen = {t.name: t for t in self.model.graph.initializer
+                  if t.name in self.holders_of_pieces() and t.name not in values}
+        whole = self.source_values({**{n: tensor_array(t) for n, t in frozen.items()}, **values})
+        return {name: whole[name] for name in self.source_trainable()}
+
+    def to_plan_layout(self, values: Mapping[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of to_source_layout for the parameters `values` gives (names of
+        source_trainable, the user's shapes), keyed by `trainable`: each source's elements
+        copied into the plan initializers that hold them, the rest of those initializers from
+        `current` (the plan-layout values now). A name or shape of the plan's own layout, or
+        one the model does not train, is a one-line ConfigError."""
+        shapes = self.source_trainable()
+        held = held_elsewhere(self.model)
+        for name, v in values.items():
+            if name not in shapes:
+                sources = [s for s, h in held.items() if name in h["holders"]]
+                if name in self.trainable and sources:
+                    raise ConfigError(f"{name!r} is a name in the plan's layout (it holds {sources[0]!r} "
+                                      f"{list(shapes.get(sources[0], held[sources[0]]['shape']))} of your model); give "
+                                      f"{sources[0]!r} or pass layout='plan'")
+                raise ConfigError(f"{name!r} is not a trainable parameter of the model "
+                                  f"(e.g. {', '.join(list(shapes)[:3])}; Plan.source_trainable lists them)")
+            got = np.shape(v)
+            if name in held and tuple(got) != tuple(shapes[name]):
+                raise ConfigError(f"parameter {name!r} has shape {list(shapes[name])} in your model; got {list(got)}")
+        plan_values = split_source_params(self.model, {k: np.asarray(v) for k, v in values.items()}, current)
+        trainable = set(self.trainable)
+        return {k: v for k, v in plan_values.items() if k in trainable}
 
     def frozen_reason(self, name: str) -> str:
         """Why the frozen initializer `name` is not trained."""

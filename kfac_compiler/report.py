@@ -299,7 +299,7 @@ def render_table(plan: Plan, wide: bool = False, param_groups: Any = None) -> st
         body += [f"  {name:<{max(map(len, plan.frozen))}}  {plan.frozen_reason(name)}" for name in plan.frozen]
     held = held_elsewhere(plan.model)
     if held:  # the user's parameters folded or lowered into the plan's own layout
-        body += ["", f"your parameters in the plan's layout ({len(held)}; the trained model is written back in yours):"]
+        body += ["", f"your parameters in the plan's layout ({len(held)}; Trainer.parameters() and the trained model are in yours):"]
         body += [f"  {name} {_dims(h['shape'])}: " + ", ".join(f"{k} {_dims(v)}" for k, v in h["holders"].items())
                  for name, h in held.items()]
     subs = subgraph_summary(plan)

@@ -460,8 +460,8 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     the torch names written.
 
     source: a Trainer, a trained .onnx file (Trainer.export's output) or model, or a dict of
-    arrays keyed by initializer names of the canonical model (Trainer.parameters()) or by torch
-    names. The manifest comes from the source's model metadata, else from `manifest` (a dict,
+    arrays keyed by initializer names of the model (Trainer.parameters(), either layout) or by
+    torch names. The manifest comes from the source's model metadata, else from `manifest` (a dict,
     or the exported file). strict: a torch parameter of the manifest without a trained value is
     an error (one line naming it).
     """

@@ -203,6 +203,9 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> str:
         "host": trainer.host_state(),
         "rng": trainer.rng.bit_generator.state,
         "slots": slots,
+        # the slots are the plan's state, its parameters in the plan's own names and shapes
+        # (Plan.trainable; Trainer.parameters() gives the user's after a restore)
+        "layout": "plan",
         "device": trainer.device.name,
         "ranks": trainer.ranks,  # a data-parallel run's; its factors are the ranks' mean
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -307,6 +310,10 @@ def check_meta(meta: dict[str, Any], path: str) -> None:
     if meta["optimizer"] not in OPTIMIZERS:
         raise CheckpointError(f"checkpoint {path!r} was written by optimizer {meta['optimizer']!r}, which is not "
                               f"registered here (optimizers: {', '.join(OPTIMIZERS)})")
+    layout = meta.get("layout", "plan")  # optional: checkpoints before it held the plan's layout too
+    if layout != "plan":
+        raise CheckpointError(f"checkpoint {path!r}: metadata entry 'layout' is {layout!r}; this kfac_compiler "
+                              "writes and restores the plan's layout ('plan') only")
     data = meta.get("data")  # optional: the data fingerprint `train` records
     if data is not None and not (isinstance(data, dict) and _count(data.get("examples"))
                                  and isinstance(data.get("sha256"), str)):

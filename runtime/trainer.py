@@ -48,6 +48,7 @@ from kfac_compiler.runtime.static_shapes import Shapes, batch_shapes
 F = TypeVar("F", bound=Callable[..., Any])
 # what Trainer.export writes: "auto" (the source graph where it holds every trained value), "source", "plan"
 EXPORT_GRAPHS = ("auto", "source", "plan")
+LAYOUTS = ("source", "plan")  # parameters(): the user's model's names and shapes, or the plan's
 
 
 def _request(key: Request | tuple[Request, Shapes]) -> Request:
@@ -341,11 +342,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ parameters
     @_serialized
-    def parameters(self) -> dict[str, np.ndarray]:
-        return {p: self.store.to_numpy(p) for p in self.params}
+    def parameters(self, layout: str = "source") -> dict[str, np.ndarray]:
+        """The trainable parameters. `layout` "source" (the default): in the names and shapes
+        of the user's model (Plan.source_trainable: an LSTM's W [D, 4H, I] whole, not the
+        plan's per-direction pieces); "plan": the plan's own (Plan.trainable, the names
+        gradients and the plan's graph use). The two are the same where the plan holds every
+        parameter as the model does."""
+        values = {p: self.store.to_numpy(p) for p in self.params}
+        return self.plan.to_source_layout(values) if _layout(layout) == "source" else values
 
     @_serialized
-    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+    def set_parameters(self, values: Mapping[str, np.ndarray], layout: str = "source") -> None:
+        """Overwrite some or all trainable parameters, given in `layout` as parameters() gives
+        them; every name and shape is checked before any value is written."""
+        if _layout(layout) == "source" and isinstance(values, Mapping):  # else set_parameters says what it takes
+            values = self.plan.to_plan_layout(values, {p: self.store.to_numpy(p) for p in self.params})
         self.store.set_parameters(self.params, values)
 
     @_serialized
@@ -364,7 +375,7 @@ class Trainer:
     def trained_values(self) -> dict[str, np.ndarray]:
         """The trained parameters and the non-trained state the steps update (BatchNormalization
         running statistics: every other state slot named after an initializer of the model)."""
-        values = self.parameters()
+        values = self.parameters(layout="plan")
         values.update({t.name: self.store.to_numpy(t.name) for t in self.plan.model.graph.initializer
                        if t.name not in values and t.name in self.store})
         return values
@@ -580,6 +591,12 @@ def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:
     for key, value in props.items():
         model.metadata_props.add(key=key, value=value)
     return with_float_type(model, onnx.TensorProto.DataType.Value(source), {onnx.TensorProto.FLOAT})
+
+
+def _layout(layout: Any) -> str:
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    return layout
 
 
 def _check_threads(threads: Any) -> int:
