@@ -344,6 +344,14 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
       symbolic=False),
     C("Einsum-ellipsis-both", "Einsum", [("a", r(2, 3, 4)), ("b", r(2, 4, 5))], attrs={"equation": "...ij,...jk->...ik"},
       symbolic=False),
+    # inverse trigonometric / hyperbolic and Mish (torch.asin, ..., nn.Mish export them); last so
+    # that the draws above stay as they were; inside each domain, away from its edges
+    C("Asin", "Asin", [("x", RNG.uniform(-0.8, 0.8, (3, 4)))]),
+    C("Acos", "Acos", [("x", RNG.uniform(-0.8, 0.8, (3, 4)))]),
+    C("Asinh", "Asinh", [("x", r(3, 4))]),
+    C("Acosh", "Acosh", [("x", RNG.uniform(1.2, 3.0, (3, 4)))]),
+    C("Atanh", "Atanh", [("x", RNG.uniform(-0.8, 0.8, (3, 4)))]),
+    C("Mish", "Mish", [("x", r(3, 4))], opset=18),
 ]
 
 

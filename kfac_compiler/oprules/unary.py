@@ -1,5 +1,5 @@
 """Unary elementwise ops: the math and activation functions (Neg, Sqrt, Exp, Log, Relu,
-Tanh, Sigmoid, Gelu, Sin, ...), registered through one helper (`unary`) whose single
+Tanh, Sigmoid, Gelu, Sin, Asin, Mish, ...), registered through one helper (`unary`) whose single
 expression v * f'(x) is both the vjp and the jvp; and the single-input ops that pass the
 (co)tangent through a type change or a mask (Cast, CastLike, Dropout)."""
 from __future__ import annotations
@@ -209,6 +209,38 @@ def _sinh(b, node, x, y, v):
 @unary("Cosh")
 def _cosh(b, node, x, y, v):
     return b.mul(v, b.op("Sinh", [x]))
+
+
+@unary("Asin")
+def _asin(b, node, x, y, v):  # 1 / sqrt(1 - x^2)
+    return b.div(v, b.op("Sqrt", [b.sub(c(b, 1.0), b.mul(x, x))]))
+
+
+@unary("Acos")
+def _acos(b, node, x, y, v):  # -1 / sqrt(1 - x^2)
+    return b.neg(b.div(v, b.op("Sqrt", [b.sub(c(b, 1.0), b.mul(x, x))])))
+
+
+@unary("Asinh")
+def _asinh(b, node, x, y, v):  # 1 / sqrt(x^2 + 1)
+    return b.div(v, b.op("Sqrt", [b.add(b.mul(x, x), c(b, 1.0))]))
+
+
+@unary("Acosh")
+def _acosh(b, node, x, y, v):  # 1 / sqrt(x^2 - 1)
+    return b.div(v, b.op("Sqrt", [b.sub(b.mul(x, x), c(b, 1.0))]))
+
+
+@unary("Atanh")
+def _atanh(b, node, x, y, v):  # 1 / (1 - x^2)
+    return b.div(v, b.sub(c(b, 1.0), b.mul(x, x)))
+
+
+@unary("Mish", since=18)
+def _mish(b, node, x, y, v):  # y = x tanh(softplus(x)): tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)
+    th = b.op("Tanh", [b.op("Softplus", [x])])
+    sech2 = b.sub(c(b, 1.0), b.mul(th, th))
+    return b.mul(v, b.add(th, b.mul(b.mul(x, b.op("Sigmoid", [x])), sech2)))
 
 
 # ----------------------------------------------------------------------- Cast & friends
