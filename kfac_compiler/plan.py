@@ -335,7 +335,8 @@ class Plan:
                                   f"(e.g. {', '.join(list(shapes)[:3])}; Plan.source_trainable lists them)")
             got = np.shape(v)
             if name in held and tuple(got) != tuple(shapes[name]):
-                raise ConfigError(f"parameter {name!r} has shape {list(shapes[name])} in your model; got {list(got)}")
+                hint = " (the plan's shape: pass layout='plan')" if tuple(got) == self.param_shapes.get(name) else ""
+                raise ConfigError(f"parameter {name!r} has shape {list(shapes[name])} in your model; got {list(got)}{hint}")
         plan_values = split_source_params(self.model, {k: np.asarray(v) for k, v in values.items()}, current)
         trainable = set(self.trainable)
         return {k: v for k, v in plan_values.items() if k in trainable}

@@ -153,6 +153,10 @@ def test_a_plan_layout_name_wrong_shape_or_layout_is_one_line():
     with pytest.raises(ConfigError, match=rf"^parameter '{src}' has shape \{shape}\ in your model; got \[1\]$"
                        .replace("\\{", "\\[").replace("\\}", "\\]")):
         trainer.set_parameters({src: np.zeros(1, np.float32)})
+    gn = _plan("groupnorm-dynamo_noopt")
+    view = next(n for n, s in gn.source_trainable().items() if gn.param_shapes.get(n) not in (None, s))
+    with pytest.raises(ConfigError, match=rf"^parameter '{view}' has shape .* in your model; got .*pass layout='plan'\)$"):
+        Trainer(gn, optimizer="sgd").set_parameters({view: np.zeros(gn.param_shapes[view], np.float32)})
     with pytest.raises(ConfigError, match="not a trainable parameter of the model"):
         trainer.set_parameters({"nope": np.zeros(1, np.float32)})
     with pytest.raises(ConfigError, match="layout must be one of 'source', 'plan', got 'torch'"):
