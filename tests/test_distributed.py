@@ -316,3 +316,35 @@ def test_two_ranks_with_static_steps_take_the_one_process_if_form_steps(tmp_path
     knobs = {**KFAC["knobs"], "damping_adaptation_interval": 3}
     config = {**KFAC, "knobs": {**knobs, "static_steps": True}}
     assert_same_run(on_ranks(2, config, tmp_path), train({**KFAC, "knobs": knobs}, comm=None), rtol=3e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp_classifier", "transformer_block"])
+def test_two_ranks_stages_declare_the_run_time_shapes(tmp_path, model):
+    """The cut steps' stages keep the fused step's declared shapes (backend/shapes.py) of the
+    tensors they make: on each of 2 ranks (32 of the 64 rows; statistics and quadratic-model
+    sub-batches of 16 and 32 globally, 8 and 16 a rank: the one-process rows, docs/distributed.md)
+    every stage's declarations are the shapes ONNX Runtime computes on that rank's last step
+    (test_declared_shapes.check_declared: N 32 rows, kfac/sub8/N 8, kfac/sub16/N 16), both step variants (with and without
+    statistics) declare some, and the ranks still take the one-process steps; on the MLP,
+    bitwise the steps of stages emitted without declarations."""
+    config = {"model": model, "optimizer": "kfac", "steps": 4, "batch": 64, "seed": 0,
+              "knobs": {"stats_batch_size": 16, "qmodel_batch_size": 32, "inv_update_period": 3}}
+    (tmp_path / "declared").mkdir()
+    ranks = on_ranks(2, {**config, "check_declared": True}, tmp_path / "declared")
+    for rank in ranks:
+        declared = rank["declared"]
+        assert {name.split()[0] for name in declared} == {"0", "1"}, sorted(declared)  # both kfac_step variants
+        assert all(d["declared"] > 0 for d in declared.values())
+        symbols: dict = {}
+        for d in declared.values():
+            for s, v in d["symbols"].items():
+                assert symbols.setdefault(s, v) == v, (s, v, symbols[s])
+        assert symbols == {"N": 32, "kfac/sub8/N": 8, "kfac/sub16/N": 16}
+    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    if model == "mlp_classifier":
+        (tmp_path / "bare").mkdir()
+        bare = on_ranks(2, {**config, "bare": True}, tmp_path / "bare")
+        assert bare[0]["losses"] == ranks[0]["losses"]
+        for p, v in ranks[0]["params"].items():
+            assert np.array_equal(np.asarray(bare[0]["params"][p]), np.asarray(v)), p
