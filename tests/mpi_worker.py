@@ -13,7 +13,10 @@ the reference scale of how far the optimizer carries rounding); optionally check
 every cut step's stages, as run on this rank's last step, have their declared shapes checked
 against the run-time ones by test_declared_shapes.check_declared: "declared" holds, per stage,
 how many were declared and the symbols' values); optionally bare (true: the steps emitted
-without declared shapes, as before backend/shapes.py)."""
+without declared shapes, as before backend/shapes.py); optionally weight_norm (a list of conv
+weight initializers, each computed at run time as torch's weight_norm(dim=0) exports it,
+w = v * (g / ||v||), from the trainable v (w's values) and g (||w|| per output channel): the
+weight-normed conv block, blocks/weight_norm.py)."""
 from __future__ import annotations
 
 import json
@@ -61,6 +64,30 @@ def check_stage_shapes(trainer, feeds: dict, rows: int) -> dict:
     return out
 
 
+def weight_normed(model, weights: list[str]):
+    """`model` (changed in place) with each weight of `weights` computed as torch's
+    weight_norm(dim=0) exports it: w = v * (g / ReduceL2(v, all but axis 0)), v and g
+    initializers named <weight>_v and <weight>_g, the same w at the start."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = []
+    for w in weights:
+        value = numpy_helper.to_array(inits[w])
+        axes = list(range(1, value.ndim))
+        g = np.sqrt((value.astype(np.float64) ** 2).sum(axis=tuple(axes), keepdims=True)).astype(np.float32)
+        model.graph.initializer.remove(inits[w])
+        model.graph.initializer.extend([numpy_helper.from_array(value, f"{w}_v"), numpy_helper.from_array(g, f"{w}_g")])
+        nodes += [helper.make_node("ReduceL2", [f"{w}_v"], [f"{w}/norm"], axes=axes, keepdims=1),
+                  helper.make_node("Div", [f"{w}_g", f"{w}/norm"], [f"{w}/gain"]),
+                  helper.make_node("Mul", [f"{w}_v", f"{w}/gain"], [w])]
+    rest = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes + rest)
+    return model
+
+
 def train(config: dict, comm="auto") -> dict:
     from kfac_compiler.backend.shapes import DeclaredShapes
     from kfac_compiler.runtime.program import Program
@@ -88,7 +115,8 @@ def _train(config: dict, comm) -> dict:
     ignore = config.get("ignore_index")
     options = {} if ignore is None else {"ignore_index": int(ignore)}
     approximations = config.get("approximations")
-    plan = kc.compile(entry.build(seed=0), loss=entry.loss, output=entry.output_name, loss_options=options,
+    plan = kc.compile(weight_normed(entry.build(seed=0), config.get("weight_norm", [])),
+                      loss=entry.loss, output=entry.output_name, loss_options=options,
                       config={"approximations": approximations} if approximations else None,
                       links=config.get("links", []))
     batch = int(config["batch"])
