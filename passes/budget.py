@@ -17,16 +17,16 @@ work is starved to pay for another:
      kron_indep_in_diag / kron_indep_out_diag -> kron_indep_both_diag);
   2. statistics: the smallest period in STATS_PERIODS with sum stats / period <= B/4 base;
   3. inverses: the smallest period in INVERSE_PERIODS with sum inverse / period <= B/4 base.
-Before these, memory: a block whose training state (STATE_COPIES x its factors' bytes) does not
-fit `budget.memory_gb` (default: this machine's physical memory) has its widest full factor
-kept as its diagonal, step by step; where the user chose the approximation, or no step is
-left, compiling stops with one line naming the layer, the bytes and the approximation that
-fits (a 37 GB factor used to compile and then fail in numpy's allocation at training). Then
-the whole model's curvature state must fit too: while the blocks' states together exceed
-the budget, the one step down that saves the most bytes is taken (a Kronecker block's widest
-full factor to its diagonal; another block's menu entry with the largest state below its own,
-e.g. a `full` block to `diagonal`), on layers whose approximation the user did not choose; if
-none is left, one line names the total and the largest block.
+Before these, memory, with one kind of step down (`_step_down`): a Kronecker block's widest
+full factor kept as its diagonal; another block's menu entry with the largest state below its
+own (e.g. a `full` block to `diagonal`). A block whose training state (STATE_COPIES x its
+factors' bytes) does not fit `budget.memory_gb` (default: this machine's physical memory)
+steps down until it fits; where the user chose the approximation, or no step is left,
+compiling stops with one line naming the layer, the bytes and the approximation that fits (a
+37 GB factor used to compile and then fail in numpy's allocation at training). Then the whole
+model's curvature state must fit too: while the blocks' states together exceed the budget,
+the one step down that saves the most bytes is taken, on layers whose approximation the user
+did not choose; if none is left, one line names the total and the largest block.
 Factors narrower than `budget.min_dim` (512) are never approximated, and the periods keep their
 defaults (1, 10) while every factor is that narrow: on such models a step's time goes to
 per-node costs, not FLOPs, and full K-FAC every step wins (the digits zoo, docs/runtime.md).
@@ -137,9 +137,11 @@ def fit_budget(
     layers = list(layers)
     notes: list[str] = []
     if memory_bytes is not None:
-        layers = [_fit_memory(l, make, l.name in pinned, memory_bytes, allowed, notes) for l in layers]
-        layers = _fit_total_memory(layers, make, pinned, memory_bytes,
-                                   lambda l: _step_down(l, make, allowed, menu), notes)
+        def step(layer: Layer) -> Layer | None:
+            return _step_down(layer, make, allowed, menu)
+
+        layers = [_fit_memory(l, make, l.name in pinned, memory_bytes, step, notes) for l in layers]
+        layers = _fit_total_memory(layers, make, pinned, memory_bytes, step, notes)
     blocks = {l.name: make(l) for l in layers}
     costs = {n: block_cost(b, batch_size, method) for n, b in blocks.items()}
     base = 3 * sum(c.forward for c in costs.values())
@@ -219,16 +221,17 @@ def _state_bytes(block: FisherBlock) -> int:
 
 
 def _fit_memory(layer: Layer, make: Callable[[Layer], FisherBlock], pinned: bool, memory: int,
-                allowed: Callable[[Layer, str], bool], notes: list[str]) -> Layer:
-    """`layer` with its widest full factors kept as diagonals until its block's training state
-    fits `memory` bytes; a ConfigError where the user chose its approximation or no diagonal
-    step is left (naming the approximation that fits, if one does)."""
+                step: Callable[[Layer], Layer | None], notes: list[str]) -> Layer:
+    """`layer` stepped down (`step`: the whole-model check's steps, a Kronecker block's widest
+    full factor to its diagonal, another block's next smaller menu entry) until its block's
+    training state fits `memory` bytes; a ConfigError where the user chose its approximation
+    or no step is left (naming the approximation that fits, if one does)."""
     need = _state_bytes(make(layer))
     if need <= memory:
         return layer
     chosen, current = layer.approximation, layer
     while current is not None and _state_bytes(make(current)) > memory:
-        current = _step_down(current, make, allowed, lambda l: ())  # Kronecker steps only
+        current = step(current)
     what = (f"layer {layer.name!r}: {chosen} keeps {human_bytes(need)} of factors, inverses and their buffers, more than "
             f"the {human_bytes(memory)} of memory the budget allows (budget.memory_gb)")
     if pinned or current is None:

@@ -14,6 +14,8 @@ A node goes to the earliest stage its inputs allow (a reduced tensor is availabl
 after its local); constants (nodes fed only by initializers and constants) are copied into
 every stage that reads them. A tensor one stage makes and a later one reads is `carried`: an
 output of the first and an input of the second, handed over as the same OrtValue (no copy).
+Each stage keeps the step's declared shapes (value_info, backend/shapes.py) of the tensors it
+makes inside, so that ONNX Runtime plans its buffers as it does the fused step's.
 """
 from __future__ import annotations
 
@@ -89,6 +91,7 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     outputs = {o.name: o for o in graph.output}
     _sink_views(placed, stage_of, cuts, outputs)
     types = _tensor_types(model)
+    declared = {vi.name: vi for vi in graph.value_info}  # backend/shapes.py's, nested bodies' stay in their nodes
     # what each stage reads, and which tensors cross a stage boundary
     reads_in: list[set[str]] = [set() for _ in range(count)]
     for _, at, reads in placed:
@@ -109,7 +112,7 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
         carried_out = sorted(n for n in made if n in later and stage_of.get(n) == s)
         stage_outputs = [n for n in outputs if n in made and stage_of.get(n) == s]
         stages.append(_stage(model, info, s, nodes, carried_in, carried_out, stage_outputs,
-                             cuts[s], inputs, initializers, types))
+                             cuts[s], inputs, initializers, types, declared))
     return stages
 
 
@@ -186,16 +189,20 @@ def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoPr
 
 def _stage(model: onnx.ModelProto, info: SubgraphInfo, s: int, nodes: list[onnx.NodeProto], carried_in: list[str],
            carried_out: list[str], stage_outputs: list[str], cut: dict[str, str], inputs: set[str],
-           initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto]) -> Stage:
+           initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto],
+           declared: dict[str, onnx.ValueInfoProto]) -> Stage:
     read = {n for node in nodes for n in _reads(node)}
     graph_inputs = [i for i in model.graph.input if i.name in read]
     # the host reads the locals of the cut after this stage (those made here or carried in)
     hand_on = list(dict.fromkeys(carried_out + [l for l in cut.values() if l not in stage_outputs]))
+    boundary = set(stage_outputs) | set(hand_on)
+    inside = [declared[o] for node in nodes for o in node.output if o in declared and o not in boundary]
     g = helper.make_graph(
         nodes, f"{model.graph.name}/stage{s}",
         graph_inputs + [_value_info(n, types) for n in carried_in],
         [o for o in model.graph.output if o.name in stage_outputs] + [_value_info(n, types) for n in hand_on],
         [initializers[n] for n in sorted(read & set(initializers))],
+        value_info=inside,
     )
     m = helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     m.functions.extend(model.functions)

@@ -214,3 +214,24 @@ def test_a_full_block_steps_down_to_the_diagonal_on_its_menu():
     assert ("layer 'ln.w': approximated as diagonal instead of full (256.0 KiB -> 2.0 KiB) so that the model's "
             "curvature state (323.6 KiB before this step) fits the 293.0 KiB of memory the budget allows "
             "(budget.memory_gb)") in plan.notes
+
+
+def test_a_lone_full_block_over_the_budget_steps_down_to_the_diagonal_on_its_menu():
+    """The single-block check takes the whole-model check's steps: LayerNorm(64)'s `full`
+    scale_and_shift block alone keeps 4*4*(2*64)^2 = 262,144 bytes, over 200,000; its menu's
+    next smaller entry, `diagonal`, keeps 4*4*128 = 2,048 (with the head's kron, 69,200, the
+    model fits: 71,248). Before, only Kronecker steps were tried there and the compile was
+    refused. Chosen by the user, `full` is refused naming `diagonal`."""
+    model = _layernorm_head(64)
+    kw = dict(loss="softmax_cross_entropy", output="logits", emit=False)
+    plan = kc.compile(model, **kw, config={"budget": {"memory_gb": 2e-4}})
+    assert {l.name: l.approximation for l in plan.layers} == {"ln.w": "diagonal", "fc.w": "kron"}
+    assert 4 * 4 * 128**2 == 262_144 > 200_000 and 4 * 4 * 128 == 2_048 and 2_048 + 69_200 == 71_248
+    assert ("layer 'ln.w': full keeps 256.0 KiB of factors, inverses and their buffers, more than the 195.3 KiB of "
+            "memory the budget allows (budget.memory_gb): approximated as diagonal (2.0 KiB)") in plan.notes
+    assert not any("so that the model's curvature state" in n for n in plan.notes)  # the single-block check did it
+    with pytest.raises(kc.KfacError) as got:
+        kc.compile(model, **kw, config={"budget": {"memory_gb": 2e-4}, "layers": {"ln.w": "full"}})
+    assert str(got.value) == ("layer 'ln.w': full keeps 256.0 KiB of factors, inverses and their buffers, more than "
+                              "the 195.3 KiB of memory the budget allows (budget.memory_gb); use diagonal (its state: "
+                              "2.0 KiB)")

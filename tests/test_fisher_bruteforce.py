@@ -163,14 +163,15 @@ def test_sampled_estimates_converge_to_the_exact_factor(tiny, mode):
 
 
 @pytest.mark.parametrize("mode", ["exact", "empirical"])
-@pytest.mark.parametrize("n,rows", [(6, [0, 2, 4]), (7, [0, 2, 4]), (3, [0, 1, 2])])
+@pytest.mark.parametrize("n,rows", [(6, [0, 2, 4]), (7, [0, 2, 4]), (8, [0, 2, 5]), (3, [0, 1, 2])])
 def test_stats_batch_equals_the_statistics_of_every_kth_example(tiny, mode, n, rows):
-    """stats_batch=m estimates the factors on a clone of the forward graph fed every
-    (N // m)-th of the batch's N examples (m of them; the rows a data-parallel run's ranks take
-    too): the same numbers as running the statistics on those examples alone."""
+    """stats_batch=m estimates the factors on a clone of the forward graph fed m of the
+    batch's N examples spread evenly, rows floor(k N / m) (8 rows, m = 3: 0, 2, 5, where every
+    (N // m)-th took 0, 2, 4; the rows a data-parallel run's ranks take too): the same numbers
+    as running the statistics on those examples alone."""
     plan, _ = tiny
     x = np.random.default_rng(7).normal(size=(n, IN))
-    y = np.array([0, 2, 1, 1, 0, 2, 1])[:n]
+    y = np.array([0, 2, 1, 1, 0, 2, 1, 0])[:n]
     sliced = _statistics(plan, x, y, mode, stats_batch=3)
     alone = _statistics(plan, x[rows], y[rows], mode)
     for layer in ("fc1", "fc2"):

@@ -74,7 +74,7 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
                                                                               max_decrease):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
     with C the exact GGN and g the gradient, both on the batch's qmodel sub-batch (every
-    (N // m)-th example, m of them: backend/forward.py's sub_batch_pass; all when None), P = the preconditioned whole-batch gradient, v = the previous update;
+    (N // m)-th example here, m of them, m dividing N: backend/forward.py's sub_batch_pass; all when None), P = the preconditioned whole-batch gradient, v = the previous update;
     with |mu| capped at max_momentum, alpha is the best one for the capped mu.
     qmodel_change = m(u) with the whole batch's gradient. With weight decay l2 both gradients
     include l2 theta and the damping is lambda + l2. Where m(u) < -k gap (k =
@@ -92,7 +92,7 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
     lam = tr.damping + l2
     _, g = gradients(plan, {"input": xb}, yb, params=tr.parameters())
     m_sub = qmodel_batch or len(xb)
-    rows = np.arange(m_sub) * max(len(xb) // m_sub, 1)  # the sub-batch: every (N // m)-th row
+    rows = np.arange(m_sub) * len(xb) // m_sub  # the sub-batch: rows floor(k N / m)
     _, g_sub = gradients(plan, {"input": xb[rows]}, yb[rows], params=tr.parameters())
     g = {p: g[p] + l2 * theta[p] for p in g}
     g_sub = {p: g_sub[p] + l2 * theta[p] for p in g_sub}

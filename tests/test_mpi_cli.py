@@ -363,3 +363,34 @@ sys.exit(main(sys.argv[1:]))
     lines = out.stdout.splitlines()  # as in one process: the summary of the steps taken, what was written
     assert len(lines) == 3 and "(4 steps" in lines[0] and lines[2] == f"metrics written to {metrics}"
     assert [r["step"] for r in rows(metrics)] == ["0", "1", "2", "3"] and not ckpt.exists()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_job_and_the_next_run_takes_its_locks_over(tmp_path):
+    """kill -9 of rank 1 while both ranks train (rank 0 then waits in a collective that will
+    never complete): mpirun ends the job, killing rank 0, well within the 60 s the test waits
+    (measured 0.6 s); rank 0's output locks are left by a kill that no handler sees, and the
+    next run on the same paths takes them over (their process is gone) and trains to rc 0."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("finding a rank's pid reads /proc")
+    metrics, ckpt = str(tmp_path / "m.csv"), str(tmp_path / "run.ckpt")
+    proc = subprocess.Popen(rank_command(2, [*TRAIN, "--steps", "100000", "--batch-size", "64", "--metrics", metrics,
+                                             "--checkpoint", ckpt]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1"))
+    try:
+        deadline = time.monotonic() + 180
+        while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) > 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)  # a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "exited on signal 9" in " ".join(stderr.replace("\x00", "").split())  # mpirun's report
+    assert lock_path(metrics) in [str(tmp_path / f) for f in os.listdir(tmp_path)]  # rank 0's, left by the kill
+    out = run_ranks(2, [*TRAIN, "--steps", "2", "--batch-size", "64", "--metrics", metrics, "--checkpoint", ckpt, "-q"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [int(r["step"]) for r in rows(metrics)] == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["m.csv", "run.ckpt"]

@@ -64,11 +64,14 @@ def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
     quadratic model's curvature products cost m/N of their full-batch price (the moving
     average pools many batches anyway). Call after loss_and_grads.
 
-    The m rows are every s-th, s = max(N // m, 1) (rows 0, s, ..., (m-1) s), not the first
-    m: a data-parallel run gives each of P ranks N/P contiguous rows and m/P sub-batch rows,
-    and every (N/m)-th row of each rank's share is exactly the one process's rows, so P ranks
-    compute the same statistics as one process (with the noise of sub-batch row k drawn for
-    row k on every rank, Trainer.draw_noise)."""
+    The rows are spread evenly, row floor(k N / m') for k < m' = min(m, N) (every (N/m)-th
+    where m divides N), not the first m: a data-parallel run gives each of P ranks N/P
+    contiguous rows and m/P sub-batch rows, and rank r's row floor(j (N/P) / (m/P)) of its
+    share is the batch's row floor((r m/P + j) N / m), the one process's, whenever P divides N
+    and m (m need not divide N: with every (N // m)-th row from the first, batch 96 and m 64
+    took rows 0-63 in one process but 0-31 and 48-79 on two ranks). So P ranks compute the
+    same statistics as one process (with the noise of sub-batch row k drawn for row k on
+    every rank, Trainer.draw_noise)."""
     full = cast(ForwardPass, em.full)  # set by loss_and_grads, which runs first
     if m is None:
         return full
@@ -79,19 +82,23 @@ def sub_batch_pass(em: Emission, m: int | None) -> ForwardPass:
     if m < 1:
         raise ConfigError(f"a sub-batch size must be >= 1, got {m}")
     b = em.b
-    start, axes = b.ints([0]), b.ints([0])
     rows = b.shape(full.y, 0, 1)  # N, as a 1-element tensor
-    step = b.op("Max", [b.op("Div", [rows, b.ints([m])]), b.ints([1])])
-    end = b.mul(step, b.ints([m]))
-    sliced = {x: b.op("Slice", [x, start, end, axes, step]) for x in em.view.graph_inputs}
+    taken = b.op("Min", [rows, b.ints([m])])  # m' = min(m, N)
+    k = b.op("Range", [b.const(0, "int64"), b.squeeze(taken, [0]), b.const(1, "int64")])
+    index = b.op("Div", [b.mul(k, rows), taken])  # floor(k N / m'): integer division of non-negatives
+
+    def pick(x: str) -> str:
+        return b.op("Gather", [x, index], axis=0)
+
+    sliced = {x: pick(x) for x in em.view.graph_inputs}
     view, rename = clone_forward(em, f"kfac/sub{m}/", sliced, own_batch=True)  # one prefix per size
     z = rename(em.output)
-    y = b.op("Slice", [full.y, start, end, axes, step])
+    y = pick(full.y)
     n = b.batch_size(z)
     data_grad = em.parts.loss.emit_grad(b, z, y)
     w = sqrt_w = None
     if full.weight is not None:  # a weighted loss: example_weights() are tensors
-        w, sqrt_w = (b.op("Slice", [t, start, end, axes, step]) for t in cast("tuple[str, str]", em.example_weights()))
+        w, sqrt_w = (pick(t) for t in cast("tuple[str, str]", em.example_weights()))
         data_grad = b.mul(data_grad, w)
     em._sub_passes[m] = ForwardPass(view, rename, z, y, n, data_grad, sqrt_w, w, rows=m)
     return em._sub_passes[m]

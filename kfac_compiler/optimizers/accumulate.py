@@ -42,7 +42,7 @@ ACCUM_SCALE = C.hp("accum_scale")  # 1/k on the cycle's last micro-batch; NaN af
 @dataclass(frozen=True)
 class AccumulateOptions(StatisticsOptions):
     """The options of `accumulate`: with_stats folds the micro-batch's factor statistics (on its
-    first stats_batch examples, every (n // stats_batch)-th) into the moving averages with
+    stats_batch examples, spread evenly: backend/forward.sub_batch_pass) into the moving averages with
     hp/ema_coeff (Accumulation.coefficient), inside an If on hp/update_stats with stats_if."""
 
     with_stats: bool = False

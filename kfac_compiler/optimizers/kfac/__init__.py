@@ -94,7 +94,7 @@ class Kfac(Optimizer):
 
     def stats_batch(self) -> int | None:
         """The statistics' sub-batch: of an accumulation cycle's k micro-batches each takes
-        ceil(m / k) rows, every (n // that)-th, which are the whole batch's rows when k divides m."""
+        ceil(m / k) rows, spread evenly, which are the whole batch's rows when k divides m."""
         return self._sub_batch(self.config.stats_batch_size, self.cycle.count)
 
     def step_options(self, first: bool = False, adapt: bool = True) -> KfacStepOptions:
