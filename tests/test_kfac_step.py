@@ -66,12 +66,12 @@ def softmax_cross_entropy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]))
 
 
-@pytest.mark.parametrize("qmodel_batch,max_momentum,l2,max_decrease", [
-    (None, 1.0, 0.0, 1.0), (24, 1.0, 0.0, 1.0), (None, 0.05, 0.0, 1.0), (24, 1.0, 1e-2, 1.0),
-    (None, 1.0, 0.0, 1e-3), (24, 1.0, 1e-2, 1e-3)])
+@pytest.mark.parametrize("qmodel_batch,max_momentum,l2,max_decrease,curvature_scale", [
+    (None, 1.0, 0.0, 1.0, 1.0), (24, 1.0, 0.0, 1.0, 1.0), (None, 0.05, 0.0, 1.0, 1.0), (24, 1.0, 1e-2, 1.0, 1.0),
+    (None, 1.0, 0.0, 1e-3, 1.0), (24, 1.0, 1e-2, 1e-3, 1.0), (None, 1.0, 0.0, 1.0, 3.0), (24, 1.0, 1e-2, 1.0, 3.0)])
 @pytest.mark.slow
 def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2,
-                                                                              max_decrease):
+                                                                              max_decrease, curvature_scale):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
     with C the exact GGN and g the gradient, both on the batch's qmodel sub-batch (every
     (N // m)-th example here, m of them, m dividing N: backend/forward.py's sub_batch_pass; all when None), P = the preconditioned whole-batch gradient, v = the previous update;
@@ -79,10 +79,12 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
     qmodel_change = m(u) with the whole batch's gradient. With weight decay l2 both gradients
     include l2 theta and the damping is lambda + l2. Where m(u) < -k gap (k =
     max_predicted_decrease, gap = the objective L + l2 |theta|^2 / 2 above the loss's bound 0)
-    the applied update is s u with s = k gap / -m(u), and qmodel_change = m(s u)."""
+    the applied update is s u with s = k gap / -m(u), and qmodel_change = m(s u). With
+    qmodel_curvature_scale c the model's C is c times the GGN (the damping term unchanged)."""
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac", qmodel_batch_size=qmodel_batch, stats_batch_size=None, batch_size=48,
-                 max_momentum=max_momentum, l2_reg=l2, max_predicted_decrease=max_decrease)
+                 max_momentum=max_momentum, l2_reg=l2, max_predicted_decrease=max_decrease,
+                 qmodel_curvature_scale=curvature_scale)
     batches = [np.arange(48) + 8 * s for s in range(3)]
     for idx in batches[:2]:
         tr.step({"input": x[idx]}, y[idx])
@@ -101,7 +103,7 @@ def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp,
     m = tr.step({"input": xb}, yb)
     assert m["rejected"] == 0 and dot(v, v) > 0
 
-    C = ggn_products(theta, xb[rows], [P, v]) + lam * np.array([[dot(P, P), dot(P, v)], [dot(v, P), dot(v, v)]])
+    C = curvature_scale * ggn_products(theta, xb[rows], [P, v]) + lam * np.array([[dot(P, P), dot(P, v)], [dot(v, P), dot(v, v)]])
     bvec = np.array([dot(g_sub, P), dot(g_sub, v)])
     a, mu = np.linalg.solve(C, -bvec)
     if abs(mu) > max_momentum:

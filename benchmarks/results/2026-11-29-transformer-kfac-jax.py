@@ -8,7 +8,11 @@ the reference of what kfac-jax's K-FAC does on the same problem, for 2026-11-29-
 
 The model is models/transformer.py's in JAX (pre-LN block, single head, causal mask -1e4,
 erf-GELU, tied head); loss: softmax cross-entropy summed over the 8 tokens, mean over the
-batch (ours), registered as kfac-jax's softmax cross-entropy over the N*T rows with weight T.
+batch (ours), registered as kfac-jax's softmax cross-entropy over the N*T rows with weight
+KJ_WEIGHT (default 1). kfac-jax divides its curvature by the data's batch size N, so weight 1
+gives the GGN of our loss exactly; the first version of this script registered weight T (8),
+which made kfac-jax's curvature, in its preconditioner and in its quadratic model, 8x the
+true one and so its steps ~8x shorter (2026-11-29-transformer-step-scale.md).
 kfac-jax's optimizer with the adaptive learning rate, momentum and damping (its defaults
 otherwise; initial damping 1e-3, ours); the JSON sets further Optimizer options. Prints the
 full-data loss every 5 steps, the first step at or below tuned Adam's 11.9837 and the median
@@ -17,6 +21,7 @@ update norm |theta_k+1 - theta_k| over steps 400-499.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -52,10 +57,10 @@ def forward(p: dict, tokens: jnp.ndarray) -> jnp.ndarray:
 def loss_fn(p, batch, register=True):
     x, y = batch
     logits = forward(p, x)
-    V, T = logits.shape[-1], logits.shape[1]
+    V = logits.shape[-1]
     flat = logits.reshape(-1, V)
     if register:
-        kfac_jax.register_softmax_cross_entropy_loss(flat, y.reshape(-1), weight=float(T))
+        kfac_jax.register_softmax_cross_entropy_loss(flat, y.reshape(-1), weight=float(os.environ.get("KJ_WEIGHT", "1")))
     logp = jax.nn.log_softmax(flat)
     return -jnp.take_along_axis(logp, y.reshape(-1, 1), 1).sum() / x.shape[0]
 

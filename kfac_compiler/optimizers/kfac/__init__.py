@@ -115,7 +115,8 @@ class Kfac(Optimizer):
             # only where it changes the graph (adam's predicted change)
             precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
             loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec,
-            accumulate=self.cycle.count > 1, multi_tensor=cfg.multi_tensor, **cfg.recipe_options(), **stats)
+            accumulate=self.cycle.count > 1, multi_tensor=cfg.multi_tensor,
+            curvature_scale=float(cfg.qmodel_curvature_scale) if cfg.use_qmodel else 1.0, **cfg.recipe_options(), **stats)
 
     @property
     def stats_conditional(self) -> bool:

@@ -152,7 +152,8 @@ class KfacStepOptions(SubgraphOptions):
     update, the new parameters and the velocity once over the concatenation of every K-FAC
     parameter (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each;
     None: the device's default, filled by resolve), the preconditioning and the quadratic
-    model's JVPs per parameter as before."""
+    model's JVPs per parameter as before; curvature_scale: the quadratic model's GGN
+    products times this factor (KfacConfig.qmodel_curvature_scale)."""
 
     resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples", "multi_tensor")
 
@@ -176,6 +177,7 @@ class KfacStepOptions(SubgraphOptions):
     decay: bool = False
     accumulate: bool = False
     multi_tensor: bool | None = None
+    curvature_scale: float = 1.0
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
@@ -197,7 +199,8 @@ def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
     local = local_stage(em, lay, o.with_stats, o.stats_if, mode, num_samples, l2, o.stats_batch, clip=o.clip,
                         accumulate=o.accumulate)
     local.ok_terms += groups.emit_updates(em, o.groups, local.raw_grads)
-    pre = precondition_stage(em, lay, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam")
+    pre = precondition_stage(em, lay, local, qmodel, l2, o.qmodel_batch, adam=kind == "adam",
+                             curvature_scale=o.curvature_scale)
     update_stage(em, lay, local, pre, l2, o.loss_after, fixed_mu=kind == "qmodel_fixedmu", power=o.precon_power,
                  loss_limit=o.loss_limit, decay=o.decay, loss_after_if=o.loss_after_if)
 
@@ -230,7 +233,7 @@ def local_stage(em: Emission, lay: Layout, with_stats: bool, stats_if: bool, mod
 
 # --------------------------------------------------------------------------- stage 2: precondition
 def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2: bool,
-                       qmodel_batch: int | None, adam: bool = False) -> Preconditioned:
+                       qmodel_batch: int | None, adam: bool = False, curvature_scale: float = 1.0) -> Preconditioned:
     """P, the velocity, their dot products with g, and with qmodel the quadratic model's
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
     shared). With `adam` (TF K-FAC's momentum_type) P preconditions m <- hp/momentum m + g
@@ -259,7 +262,8 @@ def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2
         model = em.reduce_mean(MODEL_POINT, quadratic_model(em, em.sub_batch_pass(qmodel_batch), precond,
                                                              lay.unpack(vectors["v"]), dots, damping, l2, linear,
                                                              local.scale,
-                                                             "k" if local.batch_grads is not None else None))
+                                                             "k" if local.batch_grads is not None else None,
+                                                             curvature_scale))
     elif local.batch_grads is not None:  # local dot products: every rank then predicts the same change
         linear = em.reduce_mean(MODEL_POINT, linear)
     return Preconditioned(vectors, dots, model, linear)
@@ -283,7 +287,7 @@ def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> 
 
 def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str,
                     l2: bool, linear: tuple[str, str] | None = None, scale: str | None = None,
-                    own: str | None = None) -> QuadraticModel:
+                    own: str | None = None, curvature_scale: float = 1.0) -> QuadraticModel:
     """The damped model's terms with C the exact GGN (products from forward-mode JVPs), as in
     kfac-jax, on the batch `fwd` covers.
 
@@ -295,12 +299,17 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
     clipped gradient s g (+ l2 theta), so that (alpha, mu) are those of the clipped gradient's
     model (the update is s times the unclipped one; the raw gradient would rescale alpha by
     1/s and undo the clipping); `linear` (whole_b1, whole_b2) are the terms of the predicted
-    change (predicted_linear_terms)."""
+    change (predicted_linear_terms). `curvature_scale` c multiplies C (not the damping):
+    with c > 1 the model's minimizer is ~1/c of the batch's greedy step, a shorter step that
+    averages minibatch noise over steps (KfacConfig.qmodel_curvature_scale)."""
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = em.jvp(fwd, precond, [z])[z]
     j_v = em.jvp(fwd, velocity, [z])[z]
     # C = 1/N sum_n w_n J_n^T F_n J_n (w: a weighted loss's example weights)
     curvature = loss.emit_fisher_dots(b, z, [j_p, j_v], fwd.weight)
+    if curvature_scale != 1.0:
+        c = b.const(curvature_scale)
+        curvature = {ij: b.mul(dot, c) for ij, dot in curvature.items()}
 
     def mean_dot(u: str, w: str) -> str:
         return b.div(b.reduce_sum(b.mul(u, w), None), n)

@@ -101,6 +101,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     stats_batch_size: int | None = 64
     qmodel_batch_size: int | None = None
     max_momentum: float = 1.0
+    qmodel_curvature_scale: float = 1.0  # the quadratic model's C times c: ~1/c of the greedy step (docs/runtime.md)
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
     loss_spike_factor: float | None = 3.0  # 10 until benchmarks/results/2026-11-29-damping-ablation.md
@@ -225,6 +226,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
         check_groups(self.inverse_groups)
         check_int("num_samples", self.num_samples, 1)
         check_positive("max_momentum", self.max_momentum)
+        check_positive("qmodel_curvature_scale", self.qmodel_curvature_scale)
         if self.max_predicted_decrease is not None:
             check_positive("max_predicted_decrease", self.max_predicted_decrease)
         if self.loss_spike_factor is not None and not 1 < check_number("loss_spike_factor", self.loss_spike_factor):
