@@ -247,7 +247,11 @@ def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2
     vectors["v"] = lay.state(em, C.VELOCITY)
     if local.batch_grads is not None:
         vectors["k"] = lay.pack(local.batch_grads)  # this micro-batch's own gradient
-    dots = Gram(em, vectors, lay)
+    # every product of g, P and v is read (the model, the update's norm, the metrics), and
+    # of those that the options add: one stacked Gram for all of them
+    stacked = ["g", "P", "v"] + [k for k, on in (("m", adam), ("k", local.batch_grads is not None),
+                                                 ("raw", local.scale is not None or l2), ("t", l2)) if on]
+    dots = Gram(em, vectors, lay, stacked=stacked)
     if local.raw_sq is not None:
         dots.known("raw", "raw", local.raw_sq)
     linear = predicted_linear_terms(em, local, dots, l2)
