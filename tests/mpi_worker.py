@@ -9,7 +9,11 @@ generic layers); knobs' accumulate k splits each batch into k micro-batches, one
 (softmax cross-entropy's: the targets of every example whose index is a multiple of 3 or
 below 40 are set to it, so that the ranks' shares hold different numbers of them); optionally
 ulp (true: every initial parameter one float32 ulp up, np.nextafter: a rounding-sized start,
-the reference scale of how far the optimizer carries rounding)."""
+the reference scale of how far the optimizer carries rounding); optionally same_rows (true:
+on P ranks every rank trains on the whole batch, the global batch being P copies of it: each
+all-reduce then averages P equal values, exactly on 2 ranks and in Open MPI's recursive
+doubling on 4, so what the ranks compute differently from one process, other than summation
+order, shows as a difference at all)."""
 from __future__ import annotations
 
 import json
@@ -34,8 +38,10 @@ def train(config: dict, comm="auto") -> dict:
                       config={"approximations": approximations} if approximations else None,
                       links=config.get("links", []))
     batch = int(config["batch"])
+    from kfac_compiler.runtime.comm import launched_ranks
+    copies = launched_ranks() if config.get("same_rows") and comm is not None else 1
     trainer = Trainer(plan, optimizer=config.get("optimizer", "kfac"), seed=int(config.get("seed", 0)),
-                      batch_size=batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,
+                      batch_size=copies * batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,
                       **config.get("knobs", {}))
     if config.get("ulp"):
         trainer.set_parameters({p: np.nextafter(v, np.float32(np.inf)) for p, v in trainer.parameters().items()})
@@ -45,7 +51,7 @@ def train(config: dict, comm="auto") -> dict:
         targets = np.where(((rows % 3 == 0) | (rows < 40)).reshape(-1, *[1] * (targets.ndim - 1)), int(ignore), targets)
     losses, metrics, first_factors = [], [], {}
     for step in range(int(config["steps"])):
-        idx = batch_indices(256, batch, step, 0)
+        idx = np.tile(batch_indices(256, batch, step, 0), copies)
         for part in np.split(idx, trainer.config.accumulate):
             m = trainer.step({k: v[part] for k, v in inputs.items()}, targets[part])
         losses.append(m["loss"])

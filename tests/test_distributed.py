@@ -102,6 +102,32 @@ def test_four_ranks_take_the_one_process_steps(tmp_path, config):
 
 
 @pytest.mark.slow
+def test_ranks_given_equal_rows_take_the_one_process_steps_bit_for_bit(tmp_path):
+    """Free of summation order: each of four ranks trains on the whole batch (mpi_worker's
+    same_rows), so every all-reduce averages four equal values (exact), and what is left is
+    what the data-parallel form computes otherwise: the step cut into stages (the stacked
+    Gram of g, P and v among them) and each block's inverse computed by its owner rank in a
+    program of the blocks it owns. The owners (one block on each of three ranks) and the two refresh
+    groups invert subsets of the factors (A 65, 129, 129 wide, G 128, 128, 10); the subset
+    used to decide how a matrix is padded into a stack (fc3's G: alone on its rank, padded
+    to 65 rows with fc1's A in one process), which gave another float32 inverse (6e-8 apart
+    at step 1; the losses parted at step 2).
+    Empirical Fisher (no sampled targets), statistics on the whole batch, one thread each."""
+    config = {**KFAC, "same_rows": True,
+              "knobs": {**KFAC["knobs"], "mode": "empirical", "stats_batch_size": None, "threads": 1}}
+    ranks, single = on_ranks(4, config, tmp_path), train(config, comm=None)
+    owned = sorted(l for r in ranks for l in r["owned"])
+    assert owned == ["fc1", "fc2", "fc3"] and max(len(r["owned"]) for r in ranks) == 1  # one block a rank
+    # the premise: the first step's factors (each rank's own, all of the same rows) are one process's
+    for slot, value in single["first_factors"].items():
+        assert np.array_equal(ranks[0]["first_factors"][slot], value), slot
+    assert ranks[0]["losses"] == single["losses"]
+    for p, v in single["params"].items():
+        assert np.array_equal(np.asarray(ranks[0]["params"][p]), np.asarray(v)), p
+    assert ranks[0]["metrics"] == single["metrics"]
+
+
+@pytest.mark.slow
 def test_two_ranks_take_the_one_process_multi_tensor_adam_steps(tmp_path):
     """The multi-tensor update concatenates the gradients after their reduction point: the
     cut step's second stage reads the ranks' means per parameter, as the per-parameter one."""
