@@ -94,8 +94,16 @@ def test_two_ranks_take_the_one_process_steps_and_share_the_inverse_work(tmp_pat
                  id="adam", marks=pytest.mark.slow),
 ])
 def test_four_ranks_take_the_one_process_steps(tmp_path, config):
+    """The K-FAC MLP's parameters at rtol 1e-3, the others' at 3e-4: its fc3 A factor (dead
+    ReLU units of fc2, condition ~540 damped) carries the ranks' 2e-7 factor difference to
+    3.6e-4 in fc3.bias in one step; after 8 steps one process started with every parameter
+    one float32 ulp up leaves one process by 0.92 of the 3e-4 bound (fc3.bias), one ulp down
+    by 2.4 of it (fc2.weight), and the four ranks by 0.91 (1.01 before their inverses were
+    the same bits as one process's); the ranks compute nothing else
+    (test_ranks_given_equal_rows_take_the_one_process_steps_bit_for_bit;
+    benchmarks/results/2026-11-29-regram.md)."""
     ranks = on_ranks(4, config, tmp_path)
-    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    assert_same_run(ranks, train(config, comm=None), rtol=1e-3 if config is KFAC else 3e-4)
     if config["optimizer"] == "kfac":
         owners = ranks[0]["owners"]
         assert sorted(l for r in ranks for l in r["owned"]) == sorted(owners)
