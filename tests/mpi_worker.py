@@ -16,7 +16,11 @@ how many were declared and the symbols' values); optionally bare (true: the step
 without declared shapes, as before backend/shapes.py); optionally weight_norm (a list of conv
 weight initializers, each computed at run time as torch's weight_norm(dim=0) exports it,
 w = v * (g / ||v||), from the trainable v (w's values) and g (||w|| per output channel): the
-weight-normed conv block, blocks/weight_norm.py)."""
+weight-normed conv block, blocks/weight_norm.py); optionally same_rows (true: on P ranks every
+rank trains on the whole batch, the global batch being P copies of it: each all-reduce then
+averages P equal values, exactly on 2 ranks and in Open MPI's recursive doubling on 4, so what
+the ranks compute differently from one process, other than summation order, shows as a
+difference at all)."""
 from __future__ import annotations
 
 import json
@@ -120,8 +124,10 @@ def _train(config: dict, comm) -> dict:
                       config={"approximations": approximations} if approximations else None,
                       links=config.get("links", []))
     batch = int(config["batch"])
+    from kfac_compiler.runtime.comm import launched_ranks
+    copies = launched_ranks() if config.get("same_rows") and comm is not None else 1
     trainer = Trainer(plan, optimizer=config.get("optimizer", "kfac"), seed=int(config.get("seed", 0)),
-                      batch_size=batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,
+                      batch_size=copies * batch // config.get("knobs", {}).get("accumulate", 1), comm=comm,
                       **config.get("knobs", {}))
     if config.get("ulp"):
         trainer.set_parameters({p: np.nextafter(v, np.float32(np.inf)) for p, v in trainer.parameters().items()})
@@ -131,7 +137,7 @@ def _train(config: dict, comm) -> dict:
         targets = np.where(((rows % 3 == 0) | (rows < 40)).reshape(-1, *[1] * (targets.ndim - 1)), int(ignore), targets)
     losses, metrics, first_factors = [], [], {}
     for step in range(int(config["steps"])):
-        idx = batch_indices(256, batch, step, 0)
+        idx = np.tile(batch_indices(256, batch, step, 0), copies)
         for part in np.split(idx, trainer.config.accumulate):
             m = trainer.step({k: v[part] for k, v in inputs.items()}, targets[part])
         losses.append(m["loss"])

@@ -84,10 +84,12 @@ def test_due_group_refreshes_each_group_once_per_period():
 # ----------------------------------------------------------------------------- emitted subset
 def test_a_spread_refresh_runs_more_nodes_than_one_group(mlp):
     """Why a refresh of up to SPREAD_FLOPS runs at once: a group stacks only its own blocks.
-    The mlp's factors (A 65, 129, 129 wide; G 128, 128, 10) split down to Schur leaves of at
-    most 48 rows: a 128/129 class in 4 leaves (64 + 65, each halved), 65 in 2, 10 in 1, so one
-    group over the stack runs 4 + 2 + 1 = 7 Inverse leaves, and one group per layer runs
-    fc1 2 + 4, fc2 4 (its A and G share the class), fc3 4 + 1 = 15 (22 MatMuls against 50);
+    The mlp's factors (A 65, 129, 129 wide; G 128, 128, 10) go into stacks of the sizes the
+    plan's factors decide (every group pads a matrix alike: 128 to 129, and 10, below the
+    96-row Schur leaf, to 65) and split down to leaves of at most 96 rows: the 129 stack in 2
+    leaves (64 + 65, 4 MatMuls), the 65 stack in 1, each stack's probe check 2 MatMuls. One
+    group over every block runs 2 + 1 = 3 Inverse leaves and 4 + 2 + 2 = 8 MatMuls; one group
+    per layer runs fc1 (129, 65) 3 and 8, fc2 (129) 2 and 6, fc3 (129, 65) 3 and 8: 8 and 22;
     the FLOPs do not change. A
     GPT-sized refresh (16 GFLOP in blocks of 1.6) stays in one group, one with an
     ImageNet-ResNet-18-sized block (131 GFLOP) is spread."""
@@ -99,11 +101,47 @@ def test_a_spread_refresh_runs_more_nodes_than_one_group(mlp):
 
     one = ops(["fc1", "fc2", "fc3"])
     spread = sum((ops([layer]) for layer in ("fc1", "fc2", "fc3")), collections.Counter())
-    assert (one["Inverse"], one["MatMul"]) == (7, 22) and (spread["Inverse"], spread["MatMul"]) == (15, 50)
+    assert (one["Inverse"], one["MatMul"]) == (3, 8) and (spread["Inverse"], spread["MatMul"]) == (8, 22)
     assert sum(spread.values()) > sum(one.values())
     gpt = {f"l{i}": 1.6e9 for i in range(10)}
     assert R.SPREAD_FLOPS == 2e10 and R.group_count(gpt, period=10) == 1
     assert R.group_count({**gpt, "big": 131e9}, period=10) == math.ceil((16e9 + 131e9) / 131e9)
+
+
+plan_sizes = {"fc1": (65, 128), "fc2": (129, 128), "fc3": (129, 10)}  # the mlp's A and G factors
+
+
+def test_a_block_inverse_is_the_same_bits_whichever_blocks_share_its_program(mlp):
+    """A refresh group, or a data-parallel rank's blocks (runtime/distributed.py), inverts a
+    subset of the blocks in a program of its own; a matrix is padded into a stack of the size
+    the plan's factors decide, not the subset's, so each inverse is the bits one program over
+    every block gives. Was: fc3's 10-row G, alone in fc3's program, was inverted at 10 rows,
+    and padded to 65 (fc1's A) over every block: another float32 LU, 6e-8 apart (4 ranks on
+    equal rows then left one process's loss at step 2: tests/test_distributed.py)."""
+    import onnxruntime as ort
+
+    plan, _, _ = mlp
+    rng = np.random.default_rng(0)
+    factors = {}  # the same SPD factors (covariances of 3n random rows) for every program
+    for layer in ("fc1", "fc2", "fc3"):
+        for side, n in zip("AG", plan_sizes[layer]):
+            X = rng.standard_normal((n, 3 * n))
+            factors[C.factor(layer, side)] = (X @ X.T / (3 * n)).astype(np.float32)
+
+    def run(layers) -> dict[str, np.ndarray]:
+        model, _ = emit_subgraph(plan, "inverse_update", method="schur", layers=tuple(layers))
+        feeds = {"hp/damping": np.array(1e-3, np.float32)}
+        for vi in model.graph.input:
+            shape = [d.dim_value or 1 for d in vi.type.tensor_type.shape.dim]
+            feeds.setdefault(vi.name, factors.get(vi.name, np.zeros(shape, np.float32)))
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [o.name for o in model.graph.output if o.name.startswith("new/")]
+        return dict(zip(names, sess.run(names, feeds)))
+
+    every = run(["fc1", "fc2", "fc3"])
+    for layer in ("fc1", "fc2", "fc3"):
+        for name, value in run([layer]).items():
+            assert np.array_equal(value, every[name]), name
 
 
 def test_inverse_update_layers_option_writes_only_those_layers(mlp):

@@ -208,9 +208,11 @@ def test_flat_params_order_the_flat_slot(cases):
     assert set(stored_state(tr)) >= {C.velocity(p) for p in tr.params}  # the group's own and K-FAC's split
 
 
-def test_the_flat_step_emits_about_a_dozen_nodes_fewer_per_parameter():
-    """Per parameter the per-parameter step has 3 squares and 3 products for the Gram (9
-    nodes), a P + mu v and theta + update (4): the flat one has those once, and adds the
+def test_the_flat_step_emits_a_few_nodes_fewer_per_parameter():
+    """Both layouts take the Gram of g, P and v as one stack (Layout.gram: a Concat, a Gemm,
+    a Split); per parameter the per-parameter step has a P + mu v and theta + update (4
+    nodes; with clipping, l2 and decay also the gradient's scale, the l2 term, theta's decay
+    and the norms of the raw gradient). The flat one has those once, and adds the
     concatenations (3 Concats: the gradient, theta, P) and the splits back (the new
     parameters; v for the quadratic model's JVPs; with clipping or l2 the gradient, for the
     preconditioner: a Split per group of one trailing shape, and one into the groups; without
@@ -225,11 +227,33 @@ def test_the_flat_step_emits_about_a_dozen_nodes_fewer_per_parameter():
     def compute(c: collections.Counter) -> int:
         return sum(v for k, v in c.items() if k not in ("Reshape", "Identity"))
 
-    for options, per_param, unpacked in ((dict(), 11, 2), (dict(l2=True, clip=True, decay=True), 20, 3)):
+    for options, per_param, unpacked in ((dict(), 3, 2), (dict(l2=True, clip=True, decay=True), 7, 3)):
         per = op_counts(plan, "kfac_step", multi_tensor=False, **options)
         flat = op_counts(plan, "kfac_step", multi_tensor=True, **options)
         assert compute(per) - compute(flat) >= per_param * n, (options, per - flat)
         assert flat["Concat"] - per["Concat"] == 3
         assert flat["Split"] - per["Split"] <= unpacked * (groups + 1)  # the new parameters, v, with l2/clip g
-        assert flat["MatMul"] - per["MatMul"] <= 7  # the Gram's products of two vectors
-        assert sum(flat.values()) < sum(per.values()) - 9 * n
+        assert per["Gemm"] == flat["Gemm"] and per["MatMul"] == flat["MatMul"]  # the one stacked Gram
+        assert sum(flat.values()) < sum(per.values()) - 2 * n
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi):
+    """The step's Gram entries (Layout.gram: g, P, v flattened from parameters of rank 1, 2
+    and 4 into one stack) against float64 numpy: grad_norm is |g| of this batch's gradient
+    (g.g), update_norm the size of the update the step applied (|a P + mu v|^2 from P.P, P.v
+    and v.v, with the velocity of the earlier steps)."""
+    plan, x, y = cases("small_cnn")
+    tr = Trainer(plan, optimizer="kfac", seed=0, multi_tensor=multi, **SCHEDULE)
+    for k in range(3):
+        tr.step(*batch(x, y, k))
+    theta = {p: v.astype(np.float64) for p, v in tr.parameters().items()}
+    feeds, yb = batch(x, y, 3)
+    _, g = kc.gradients(plan, feeds, yb, params=tr.parameters())
+    m = tr.step(feeds, yb)
+    assert m["rejected"] == 0
+    u = {p: tr.parameters()[p].astype(np.float64) - theta[p] for p in tr.params}
+    g_norm = np.sqrt(sum(float((g[p].astype(np.float64) ** 2).sum()) for p in tr.params))
+    u_norm = np.sqrt(sum(float((u[p] ** 2).sum()) for p in tr.params))
+    assert m["grad_norm"] == pytest.approx(g_norm, rel=1e-5)
+    assert m["update_norm"] == pytest.approx(u_norm, rel=1e-4)

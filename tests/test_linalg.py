@@ -153,8 +153,12 @@ def test_emit_inverse_batch_groups_by_size(rng):
 
 def test_size_classes_pad_within_ratio():
     """A size joins a larger one's stack down to SIZE_CLASS_RATIO of it (or anything up to
-    the Schur leaf); 100 and 96 share, 100 and 90 do not."""
-    assert linalg.size_classes([100, 96, 90, 30, 10]) == {100: 100, 96: 100, 90: 90, 30: 30, 10: 30}
+    the Schur leaf, 96 rows); 100 and 96 share, 100 and 90 do not, 90, 30 and 10 do (one
+    Inverse), 200 and 30 do not."""
+    assert linalg.SCHUR_LEAF == 96
+    assert linalg.size_classes([100, 96, 90, 30, 10]) == {100: 100, 96: 100, 90: 90, 30: 90, 10: 90}
+    assert linalg.size_classes([200, 30]) == {200: 200, 30: 30}
+    assert linalg.size_classes([100, 30, 10], small=48) == {100: 100, 30: 30, 10: 30}
 
 
 @pytest.mark.parametrize("method", ["schur", "newton_schulz", "inverse_op"])
@@ -237,7 +241,7 @@ def test_schur_inverse_of_a_correlated_factor():
 
 @pytest.mark.slow
 def test_schur_inverse_batched_and_guarded(rng):
-    """A stack of 150 x 150 matrices (75 + 75, then blocks of 37 and 38): accurate where the
+    """A stack of 150 x 150 matrices (75 + 75, each a leaf): accurate where the
     matrix is SPD; a NaN or a singular matrix is not ok (the probe residual catches it)."""
     M = spd(rng, 150, 1e3, (3,)).astype(np.float32)
     M[1, 100, 3] = np.nan

@@ -60,12 +60,28 @@ def one_process(tmp_path, *argv: str) -> list[dict[str, str]]:
     return rows(metrics)
 
 
-def assert_same_run(a: list[dict[str, str]], b: list[dict[str, str]], rtol: float = 1e-4) -> None:
+# Past step 3 of the default digits run (mlp_classifier, batch 64, seed 0) the metrics of two
+# runs that differ by rounding part at a ReLU kink: on step 4's batch one fc2 pre-activation
+# is within 1e-5 of zero, and which side it falls on is decided by rounding. Two ranks (their
+# sums in another order) and one process started with every parameter one float32 ulp up
+# both flip it (1 and 2 example-units), four ranks and one ulp down do not; the gradient
+# norm then parts by 2.8e-4 (ranks) and 2.4e-4 (ulp up) at step 4, and at step 6 the loss by
+# 6.8e-4 and 2.1e-4, the update norm by 7.6e-3 and 5.5e-3 (damping: equal). Four ranks
+# taking the same step as one process to the bit when every rank has the same rows
+# (tests/test_distributed.py) shows the ranks compute nothing else: this is rounding.
+# benchmarks/results/2026-11-29-regram.md.
+PAST_KINK = {"loss": 2e-3, "damping": 1e-4, "update_norm": 2e-2}
+
+
+def assert_same_run(a: list[dict[str, str]], b: list[dict[str, str]],
+                    rtol: float | dict[str, float] = 1e-4) -> None:
     """The same steps with the same metrics up to float32 rounding (the ranks sum in another
-    order; K-FAC's adaptive damping and step scale amplify it over the steps)."""
+    order; K-FAC's adaptive damping and step scale amplify it over the steps); `rtol` one
+    bound or one per metric (PAST_KINK)."""
     assert [int(float(r["step"])) for r in a] == [int(float(r["step"])) for r in b]
     for key in ("loss", "damping", "update_norm"):
-        np.testing.assert_allclose([float(r[key]) for r in a], [float(r[key]) for r in b], rtol=rtol, err_msg=key)
+        tol = rtol[key] if isinstance(rtol, dict) else rtol
+        np.testing.assert_allclose([float(r[key]) for r in a], [float(r[key]) for r in b], rtol=tol, err_msg=key)
 
 
 def params(path) -> list[np.ndarray]:
@@ -90,7 +106,9 @@ def test_two_ranks_train_like_one_process_and_rank_0_alone_writes(tmp_path):
     assert lines[2:] == [f"metrics written to {metrics}", f"checkpoint written to {ckpt}", f"model written to {model}"]
     assert sorted(os.listdir(d)) == ["m.csv", "run.ckpt", "trained.onnx"]  # no locks, no temp files left
     assert read_meta(ckpt)["ranks"] == 2
-    assert_same_run(rows(metrics), one_process(tmp_path, "--steps", "6", "--batch-size", "64"))
+    two, one = rows(metrics), one_process(tmp_path, "--steps", "6", "--batch-size", "64")
+    assert_same_run(two[:3], one[:3])  # before the kink: 2.9e-6 at most (loss), 1.5e-5 (update norm)
+    assert_same_run(two[3:], one[3:], PAST_KINK)
 
 
 def test_two_ranks_with_default_sub_batches_train_like_one_process(tmp_path):
@@ -336,7 +354,7 @@ def test_resume_on_another_number_of_ranks_is_allowed_with_a_note(tmp_path):
                               "ranks)"]
     assert read_meta(ckpt)["ranks"] == 4
     straight = one_process(tmp_path, "--steps", "6", "--batch-size", "64")
-    assert_same_run(rows(tmp_path / "m.csv"), straight[3:], rtol=1e-3)
+    assert_same_run(rows(tmp_path / "m.csv"), straight[3:], PAST_KINK)  # steps 4-6: past the kink
 
 
 @pytest.mark.slow

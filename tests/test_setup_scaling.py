@@ -83,10 +83,11 @@ def test_emitted_nodes_are_listed_by_generation_and_ort_sorts_them_in_linear_wal
         assert all(p < i for p in preds)
         generation.append(1 + max((generation[p] for p in preds), default=-1))
     assert generation == sorted(generation)
-    # ONNX Runtime's sort of the emitters' order walked ~20x more list nodes than the graph
-    # has; listed by generation, a few per node
+    # ONNX Runtime's sort of the emitters' order walked many more list nodes than the graph
+    # has; listed by generation, a few per node (11.6x fewer while the per-parameter Gram
+    # emitted 9 nodes per parameter late in the list, 7.3x with the stacked Gram)
     before, after = ort_sort_walk(appended.graph), ort_sort_walk(g)
-    assert before > 8 * after, (before, after)
+    assert before > 6 * after, (before, after)
     assert after < 60 * len(g.node)
 
 

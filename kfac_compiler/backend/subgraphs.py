@@ -115,8 +115,16 @@ def _emit_block_states(em: Emission, method: str, layers: tuple[str, ...] | None
     # inverse is not finite (new.ok false).
     stacked = [(layer.name, block, factors, previous) for layer, block, factors, previous in chosen
                if power == -1 and isinstance(block, PartsBlock) and block.emits_stacked_inverse(method)]
+    # The stacks' sizes come from every such block of the plan, not only `layers`': a group's
+    # or a data-parallel rank's program then pads each matrix as the whole refresh does, so a
+    # block's inverse is the same to the bit whoever computes it (a 10-row factor inverted
+    # alone on its owner rank and padded to 65 rows in one process differed by 6e-8:
+    # benchmarks/results/2026-11-29-regram.md)
+    sizes = [n for layer in em.parts.layers for block in [em.blocks[layer.name]]
+             if isinstance(block, PartsBlock) and block.emits_stacked_inverse(method) for n in block.stacked_sizes()]
     states = dict(zip([name for name, *_ in stacked],
-                      emit_inverses(b, [(blk, f, damping, prev) for _, blk, f, prev in stacked], method)
+                      emit_inverses(b, [(blk, f, damping, prev) for _, blk, f, prev in stacked], method,
+                                    sizes=sizes if power == -1 else ())
                       if stacked else []))  # none with a host method (eigh, cholesky): no emitted inverse
     for layer, block, factors, previous in chosen:
         new = (cast(InverseState, states[layer.name]) if layer.name in states

@@ -157,6 +157,10 @@ class PartsBlock(FisherBlock):
         res = linalg.emit_inverse_batch(b, [r for _, r in reqs], method, **self.inverse_kw)
         return self._inverse_finish(b, damped, {name: x for (name, _), x in zip(reqs, res)}, previous)
 
+    def stacked_sizes(self) -> list[int]:
+        """The sizes of the matrices emit_inverses stacks for this block (its full parts)."""
+        return [p.n for p in self.parts() if p.kind == "full"]
+
     def emits_stacked_inverse(self, method: str) -> bool:
         """True when emit_inverse is the parts inverse with the default inverse options, so
         that emit_inverses may stack this block's matrices with other blocks'."""
@@ -302,11 +306,13 @@ def emit_inverses(
     b: GraphBuilder,
     items: Sequence[tuple[PartsBlock, dict, str, dict | None]],
     method: str = linalg.DEFAULT_METHOD,
+    sizes: Sequence[int] = (),
     **kw,
 ) -> list[dict[str, str]]:
     """Inverse state of many blocks at once: (block, factors, damping, previous) per item.
     Factors of equal size across all blocks are stacked so that one Inverse op (or one
-    Newton-Schulz chain) serves them all. Same result as calling each emit_inverse."""
+    Newton-Schulz chain) serves them all. Same result as calling each emit_inverse.
+    `sizes`: more sizes that decide the stacks' sizes (linalg.emit_inverse_batch)."""
     if linalg.is_host_method(method):
         raise ConfigError(f"inverse method {method!r} is host-side: use numpy_inverses")
     staged, flat = [], []
@@ -314,7 +320,7 @@ def emit_inverses(
         damped, reqs = blk._inverse_requests(b, factors, damping, previous)
         staged.append((damped, reqs))
         flat.extend(r for _, r in reqs)
-    res = linalg.emit_inverse_batch(b, flat, method, **kw)
+    res = linalg.emit_inverse_batch(b, flat, method, sizes=sizes, **kw)
     out, k = [], 0
     for (blk, _, _, previous), (damped, reqs) in zip(items, staged):
         results = {name: res[k + i] for i, (name, _) in enumerate(reqs)}

@@ -267,7 +267,8 @@ class InverseRequest:
 
 
 def emit_inverse_batch(
-    b: GraphBuilder, requests: Sequence[InverseRequest], method: str = DEFAULT_METHOD, **kw
+    b: GraphBuilder, requests: Sequence[InverseRequest], method: str = DEFAULT_METHOD,
+    sizes: Sequence[int] = (), **kw
 ) -> list[tuple[str, str]]:
     """Invert many matrices: those of a size class (size_classes: equal sizes, and sizes a
     few percent apart) are stacked ([sum batch, m, m]) so one Inverse / one Schur tree / one
@@ -278,9 +279,14 @@ def emit_inverse_batch(
     blockdiag(M^-1, I) (its previous inverse likewise): the zero blocks stay exactly zero
     through every product and LU pivot, so M^-1 comes out as it would alone, up to the
     different splits of the Schur recursion; its top-left n x n block is sliced out. The
-    probe and residual checks see the identity block exactly inverted."""
+    probe and residual checks see the identity block exactly inverted.
+
+    `sizes`: more sizes that decide the classes (a program that inverts a subset of the
+    plan's blocks passes every block's, so that each matrix is padded to the stack size it
+    would have among all of them: the same inverse, to the bit, whichever refresh group or
+    data-parallel rank computes it)."""
     out: list = [None] * len(requests)
-    classes = size_classes([r.n for r in requests])
+    classes = size_classes([r.n for r in requests] + list(sizes))
     by_size: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
         by_size.setdefault(classes[r.n], []).append(i)

@@ -15,7 +15,13 @@ METHODS = (AUTO_METHOD,) + EMITTED_METHODS + HOST_METHODS
 # "Which inverse method" and benchmarks/bench_inverse.py.
 DEFAULT_METHOD = "inverse_op"
 
-SCHUR_LEAF = 48  # blocks up to this size are inverted by the Inverse op (see emit_schur_inverse)
+# blocks up to this size are inverted by the Inverse op (see emit_schur_inverse). The Schur
+# tree has about n / SCHUR_LEAF leaves and ~22 nodes per leaf: at 48, ResNet-18's 1153-wide
+# factor took 688 nodes (32 Inverse leaves), at 96 336, with the same accuracy against
+# numpy.linalg.inv (float32, cond 1e4: 1.2e-3 and 1.1e-3); ORT's Inverse (Eigen's LU) on a
+# 96-row block takes ~0.2 ms against ~0.05 ms at 48 rows, about what the ~20 nodes a leaf
+# of 48 adds cost to schedule (benchmarks/results/2026-11-29-step-nodes-lean.md)
+SCHUR_LEAF = 96
 # emit_inverse_batch stacks a matrix with larger ones (padded by an identity block) down to
 # this fraction of their size: one Schur tree instead of two for the n and n + 1 (bias) of a
 # layer's A and the next layer's G, at most (1/0.95)^3 = 1.17x the smaller one's work

@@ -227,13 +227,25 @@ class Gram:
     Layout.sum_squares): `vectors` {name: {param: tensor}} over em.parts.params, per parameter
     a ReduceSumSquare (x.x) or Mul + ReduceSum (x.y), then one Sum; or, with `lay`, {name:
     Chunks of lay}, in the multi-tensor layout one ReduceSumSquare or MatMul of the flat
-    vectors per product."""
+    vectors per product. `stacked`: names of vectors whose products are all wanted, emitted
+    at once as one stacked Gram (Layout.gram: a Concat, a Gemm and a Split in either layout);
+    names holding the same chunks (the gradient before and after an l2 term of 0) share a
+    row."""
 
-    def __init__(self, em: Emission, vectors: Mapping[str, Any], lay: Layout | None = None) -> None:
+    def __init__(self, em: Emission, vectors: Mapping[str, Any], lay: Layout | None = None,
+                 stacked: Sequence[str] = ()) -> None:
         self.lay = lay or Layout(em, False)
         self.vectors: dict[str, Chunks] = {k: list(v) if lay is not None else self.lay.pack(v)
                                            for k, v in vectors.items()}
         self._dots: dict[tuple[str, str], str] = {}
+        rows: dict[tuple[str, ...], int] = {}  # distinct chunks -> their row of the stack
+        for name in stacked:
+            rows.setdefault(tuple(self.vectors[name]), len(rows))
+        if len(rows) > 1:
+            gram = self.lay.gram([list(chunks) for chunks in rows])
+            for x in stacked:
+                for y in stacked:
+                    self.known(x, y, gram[rows[tuple(self.vectors[x])]][rows[tuple(self.vectors[y])]])
 
     def known(self, x: str, y: str, tensor: str) -> None:
         """x.y is `tensor`, computed already (K-FAC's clipping needs |g|^2 before the Gram)."""

@@ -186,9 +186,31 @@ class Layout:
     def dot(self, x: Chunks, y: Chunks) -> str:
         """The scalar x.y of two vectors: per parameter a Mul and a ReduceSum, then a Sum; over
         the concatenation one MatMul of the two 1-D vectors (a dot product: one node, reading
-        each vector once; a stacked [k, N] Gram in one MatMul would copy the k vectors into
-        the stack and need a node per entry to read it back out)."""
+        each vector once). Many products of the same few vectors: `gram`."""
         b = self.b
         if self.multi_tensor:
             return b.matmul(x[0], y[0])
         return b.sum([b.reduce_sum(b.mul(u, v), None) for u, v in zip(x, y)])
+
+    def gram(self, vectors: Sequence[Chunks]) -> list[list[str]]:
+        """Every dot product of `vectors` (k of them) at once, as scalars [i][j]: their chunks
+        flattened into one Concat [k N] (a Reshape per chunk of rank other than 1, an alias),
+        one Gemm S S^T [k, k] and one Split into its entries. Three kernels instead of a Mul
+        and a ReduceSum (or a ReduceSumSquare) per product and parameter and a Sum per
+        product: the per-parameter K-FAC step's Gram of g, P and v was 377 of ResNet-18's
+        executed nodes per step (issue 40). The Concat copies the k vectors once, which the
+        per-parameter products' Muls did per product. The sums run in the Gemm's order: equal
+        to the per-product ones to float32 rounding."""
+        b, k = self.b, len(vectors)
+        stack = b.reshape(b.op("Concat", self._flat_chunks(vectors), axis=0, hint="gram_stack"), [k, -1])
+        gram = b.reshape(b.op("Gemm", [stack, stack], transB=1, hint="gram"), [k * k])
+        entries = b.split(gram, [1] * (k * k), axis=0)
+        scalars = {(i, j): b.reshape(entries[i * k + j], []) for i in range(k) for j in range(i, k)}
+        return [[scalars[min(i, j), max(i, j)] for j in range(k)] for i in range(k)]
+
+    def _flat_chunks(self, vectors: Sequence[Chunks]) -> list[str]:
+        """The chunks of `vectors`, one after the other, each 1-D."""
+        if self.multi_tensor:
+            return [c for chunks in vectors for c in chunks]
+        return [c if len(self.shapes[p]) == 1 else self.b.reshape(c, [-1])
+                for chunks in vectors for c, p in zip(chunks, self.params)]

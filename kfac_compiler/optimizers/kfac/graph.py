@@ -148,7 +148,7 @@ class KfacStepOptions(SubgraphOptions):
     decay, theta <- (1 - alpha hp/decoupled_weight_decay) theta + update; accumulate: the
     batch is an accumulation cycle's last micro-batch, the gradient the cycle's mean
     (optimizers/accumulate.py), while the loss, the quadratic model and loss_after are this
-    micro-batch's; multi_tensor: the gradient's clipping and l2 term, the dot products, the
+    micro-batch's; multi_tensor: the gradient's clipping and l2 term, the
     update, the new parameters and the velocity once over the concatenation of every K-FAC
     parameter (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each;
     None: the device's default, filled by resolve), the preconditioning and the quadratic
@@ -238,7 +238,8 @@ def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
     shared). With `adam` (TF K-FAC's momentum_type) P preconditions m <- hp/momentum m + g
     (the objective's gradient, l2 included; state grad_velocity) instead. The velocity and m
-    are `lay`'s state slots and the dot products run in its chunks; P is per block, so per
+    are `lay`'s state slots and the dot products one stacked Gram of its chunks (Layout.gram);
+    P is per block, so per
     parameter (packed once), as are the JVPs' tangents."""
     b, vectors = em.b, dict(local.vectors)
     if adam:
@@ -250,7 +251,11 @@ def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2
     vectors["v"] = lay.state(em, C.VELOCITY)
     if local.batch_grads is not None:
         vectors["k"] = lay.pack(local.batch_grads)  # this micro-batch's own gradient
-    dots = Gram(em, vectors, lay)
+    # every product of g, P and v is read (the model, the update's norm, the metrics), and
+    # of those that the options add: one stacked Gram for all of them
+    stacked = ["g", "P", "v"] + [k for k, on in (("m", adam), ("k", local.batch_grads is not None),
+                                                 ("raw", local.scale is not None or l2), ("t", l2)) if on]
+    dots = Gram(em, vectors, lay, stacked=stacked)
     if local.raw_sq is not None:
         dots.known("raw", "raw", local.raw_sq)
     linear = predicted_linear_terms(em, local, dots, l2)
