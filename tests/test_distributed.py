@@ -361,7 +361,13 @@ def test_two_ranks_stages_declare_the_run_time_shapes(tmp_path, model):
     every stage's declarations are the shapes ONNX Runtime computes on that rank's last step
     (test_declared_shapes.check_declared: N 32 rows, kfac/sub8/N 8, kfac/sub16/N 16), both step variants (with and without
     statistics) declare some, and the ranks still take the one-process steps; on the MLP,
-    bitwise the steps of stages emitted without declarations."""
+    bitwise the steps of stages emitted without declarations.
+    Tolerance: 3e-4 on the transformer; 1e-3 on the MLP, whose 2-rank run (96-row Schur
+    leaves, the default since the regram merge) ends 1.3e-3 elementwise from one process on
+    one fc3.bias element (6e-5 absolute), while one process started one float32 ulp up ends
+    1.8e-3 elementwise from it on fc3.bias: rounding that K-FAC carries (the factors' and
+    gradients' all-reduce sums differ in order every step), measured 2026-11-29, not a
+    difference in the math (docs/distributed.md, 2026-11-29-regram.md)."""
     config = {"model": model, "optimizer": "kfac", "steps": 4, "batch": 64, "seed": 0,
               "knobs": {"stats_batch_size": 16, "qmodel_batch_size": 32, "inv_update_period": 3}}
     (tmp_path / "declared").mkdir()
@@ -375,7 +381,7 @@ def test_two_ranks_stages_declare_the_run_time_shapes(tmp_path, model):
             for s, v in d["symbols"].items():
                 assert symbols.setdefault(s, v) == v, (s, v, symbols[s])
         assert symbols == {"N": 32, "kfac/sub8/N": 8, "kfac/sub16/N": 16}
-    assert_same_run(ranks, train(config, comm=None), rtol=3e-4)
+    assert_same_run(ranks, train(config, comm=None), rtol=1e-3 if model == "mlp_classifier" else 3e-4)
     if model == "mlp_classifier":
         (tmp_path / "bare").mkdir()
         bare = on_ranks(2, {**config, "bare": True}, tmp_path / "bare")
