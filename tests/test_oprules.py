@@ -352,6 +352,35 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("Acosh", "Acosh", [("x", RNG.uniform(1.2, 3.0, (3, 4)))]),
     C("Atanh", "Atanh", [("x", RNG.uniform(-0.8, 0.8, (3, 4)))]),
     C("Mish", "Mish", [("x", r(3, 4))], opset=18),
+    # issue 38: differentiable ops without rules (torch.prod, F.softshrink/hardshrink, torch.fmod,
+    # F.grid_sample, F.fold, ... ; benchmarks/results/2026-11-29-op-coverage.md); last, as above
+    C("ReduceProd-axis", "ReduceProd", [("x", r(2, 3, 4, lo=0.3))], attrs={"axes": [1], "keepdims": 0}),
+    C("ReduceProd-18-all", "ReduceProd", [("x", r(2, 3, lo=0.3))], opset=18),
+    C("ReduceProd-18-input-axes", "ReduceProd", [("x", r(3, 2, 4, lo=0.3)), ("ax", i64(0, -1))], opset=18),
+    C("ReduceProd-zeros", "ReduceProd", [("x", r(3, 4) * np.array([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 1, 1]]))],
+      attrs={"axes": [1]}),  # one zero in a row: its partner product; two: all zero
+    C("ReduceLogSum", "ReduceLogSum", [("x", pos(2, 3, 4))], attrs={"axes": [2], "keepdims": 0}),
+    C("ReduceLogSum-18-input-axes", "ReduceLogSum", [("x", pos(2, 3, 4)), ("ax", i64(1))], opset=18),
+    C("Shrink-soft", "Shrink", [("x", 2 * r(3, 4, lo=0.1))], attrs={"lambd": 0.5, "bias": 0.5}),
+    C("Shrink-hard", "Shrink", [("x", 2 * r(3, 4, lo=0.1))], attrs={"lambd": 0.5}),
+    C("Mod-fmod-bcast", "Mod", [("a", 3 * r(2, 3, 4)), ("b", pos(4) + 0.3)], attrs={"fmod": 1}),
+    C("Mod-fmod-neg-divisor", "Mod", [("a", 3 * r(3, 4)), ("b", -pos(3, 4))], attrs={"fmod": 1}),
+    C("LpNormalization-p2", "LpNormalization", [("x", r(2, 3, 4))], attrs={"axis": 1}),
+    C("LpNormalization-p1-last", "LpNormalization", [("x", r(3, 5, lo=0.1))], attrs={"p": 1}),
+    C("LRN-odd", "LRN", [("x", r(2, 5, 3, 2))], attrs={"size": 3, "alpha": 0.5, "beta": 0.75, "bias": 1.5}),
+    C("LRN-even", "LRN", [("x", r(2, 6, 4, 1))], attrs={"size": 4, "alpha": 0.8, "beta": 0.6, "bias": 2.0},
+      ort=False),  # ONNX Runtime's LRN takes odd sizes only
+    C("MVN-default", "MeanVarianceNormalization", [("x", r(2, 3, 2, 3))]),
+    C("MVN-axes", "MeanVarianceNormalization", [("x", r(2, 3, 4))], attrs={"axes": [2]}),
+    C("ReverseSequence", "ReverseSequence", [("x", r(4, 3, 2)), ("l", i64(4, 1, 3))], attrs={"batch_axis": 1, "time_axis": 0}),
+    C("Det-batch", "Det", [("a", r(2, 3, 3))], symbolic=False),
+    C("Det-2x2", "Det", [("a", r(2, 2))], symbolic=False),
+    C("MaxUnpool", "MaxUnpool", [("x", r(1, 2, 2, 2)), ("i", i64([[[1, 6], [8, 15]], [[16, 19], [28, 30]]]))],
+      attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("LpPool-p2-tiled", "LpPool", [("x", r(2, 3, 4, 4))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("LpPool-p3-overlap-pads", "LpPool", [("x", r(1, 2, 5, 4, lo=0.1))],
+      attrs={"kernel_shape": [3, 2], "pads": [1, 0, 1, 1], "p": 3}),
+    C("LpPool-p1-1d", "LpPool", [("x", r(2, 2, 7, lo=0.1))], attrs={"kernel_shape": [3], "strides": [2], "p": 1}),
 ]
 
 
@@ -446,12 +475,12 @@ def test_broadcasting_property(pair, op, symbolic):
 
 # ---------------------------------------------------------------------- registry
 def test_lookup_unknown_op_one_line():
-    node = helper.make_node("LRN", ["a"], ["c"], name="my/lrn", size=3)
+    node = helper.make_node("RoiAlign", ["a", "r", "i"], ["c"], name="my/roi")
     with pytest.raises(UnsupportedOpError) as ei:
         lookup(node, 17)
     msg = str(ei.value)
     assert "\n" not in msg and len(msg) < 300
-    assert "'my/lrn'" in msg and "op LRN (domain ai.onnx, opset 17)" in msg
+    assert "'my/roi'" in msg and "op RoiAlign (domain ai.onnx, opset 17)" in msg
     assert "--exclude" in msg and "docs/extending.md" in msg and "Gemm" not in msg
     msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, ["fc1.weight", "fc1.bias"]).value)
     assert "--exclude fc1.weight --exclude fc1.bias" in msg
@@ -567,3 +596,20 @@ def test_scatter_with_a_multiplicative_reduction_has_no_rule():
                           attrs={"reduction": "mul"}, opset=16)
     with pytest.raises(UnsupportedOpError, match="reduction 'none' and 'add', not 'mul'"):
         derivative_model(m, ["x", "u"], ["y0"])
+
+
+@pytest.mark.parametrize("op,x,attrs", [
+    ("LRN", r(2, 5, 3, 2), {"size": 3, "alpha": 0.5, "beta": 0.75, "bias": 1.5}),
+    ("LRN", r(1, 4, 3, 2), {"size": 5}),
+    ("LpNormalization", r(3, 5), {"p": 1}),
+    ("LpNormalization", r(2, 3, 4), {"p": 2, "axis": 1}),
+    ("MeanVarianceNormalization", r(2, 3, 2, 3), {}),
+    ("MeanVarianceNormalization", r(2, 3, 4), {"axes": [0, 2]}),
+], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes"])
+def test_reference_fixes_agree_with_ort(op, x, attrs):
+    """The float64 truth of the finite-difference cases (run_reference with
+    check._reference_fixes: onnx.reference's LRN, p=1 LpNormalization and float64 MVN are
+    wrong) agrees with ONNX Runtime's float32 forward."""
+    model, feeds = one_node_model(op, [("x", x)], attrs)
+    want = run_ort(convert_float_type(model, TensorProto.FLOAT), {"x": x.astype(np.float32)}, ["y0"])["y0"]
+    np.testing.assert_allclose(run_reference(model, feeds, ["y0"])["y0"], want, rtol=1e-5, atol=1e-6)

@@ -48,7 +48,9 @@ def _reference_fixes() -> list:
     """Replacements for onnx.reference ops that are wrong in onnx 1.23: ConvTranspose with
     group > 1 (slices the weight by output channels) and MaxPool's Indices output with
     overlapping or padded windows, Erf and Gelu (computed in float32), Softmax and
-    LogSoftmax before opset 13 (flatten-to-2-D semantics ignored)."""
+    LogSoftmax before opset 13 (flatten-to-2-D semantics ignored), LRN (windows over the
+    batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|) and
+    MeanVarianceNormalization (fails on float64: a float32 epsilon)."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -159,7 +161,34 @@ def _reference_fixes() -> list:
         _Softmax.__name__ = "LogSoftmax" if log else "Softmax"
         return _Softmax
 
-    return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True)]
+    class LRN(OpRun):
+        op_domain = ""
+
+        def _run(self, x, alpha=None, beta=None, bias=None, size=None):
+            lo, hi = (size - 1) // 2, size // 2
+            sq = np.zeros_like(x)
+            for ch in range(x.shape[1]):
+                sq[:, ch] = np.sum(x[:, max(0, ch - lo):ch + hi + 1] ** 2, axis=1)
+            return ((x / (bias + (alpha / size) * sq) ** beta).astype(x.dtype),)
+
+    class LpNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, axis=None, p=None):
+            norm = np.sum(np.abs(x) ** p, axis=axis, keepdims=True) ** (1.0 / p)
+            return (np.where(norm == 0, 0, x / np.where(norm == 0, 1, norm)).astype(x.dtype),)
+
+    class MeanVarianceNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, axes=None):
+            ax = tuple(axes) if axes is not None else (0, 2, 3)
+            mean = x.mean(axis=ax, keepdims=True)
+            std = np.sqrt((x**2).mean(axis=ax, keepdims=True) - mean**2)
+            return (((x - mean) / (std + 1e-9)).astype(x.dtype),)
+
+    return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True), LRN, LpNormalization,
+            MeanVarianceNormalization]
 
 
 def run_reference(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs=None) -> dict:
