@@ -381,6 +381,15 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("LpPool-p3-overlap-pads", "LpPool", [("x", r(1, 2, 5, 4, lo=0.1))],
       attrs={"kernel_shape": [3, 2], "pads": [1, 0, 1, 1], "p": 3}),
     C("LpPool-p1-1d", "LpPool", [("x", r(2, 2, 7, lo=0.1))], attrs={"kernel_shape": [3], "strides": [2], "p": 1}),
+    # F.grid_sample (both exporters): grid points partly outside [-1, 1]
+    C("GridSample-bilinear-zeros", "GridSample", [("x", r(2, 3, 4, 5)), ("g", RNG.uniform(-1.2, 1.2, (2, 3, 2, 2)))],
+      opset=16),
+    C("GridSample-bilinear-border-align", "GridSample", [("x", r(1, 2, 3, 4)), ("g", RNG.uniform(-1.2, 1.2, (1, 4, 3, 2)))],
+      attrs={"padding_mode": "border", "align_corners": 1}, opset=16),
+    C("GridSample-linear-20", "GridSample", [("x", r(1, 2, 5, 3)), ("g", RNG.uniform(-1.1, 1.1, (1, 2, 3, 2)))],
+      attrs={"mode": "linear"}, opset=20),
+    C("GridSample-nearest", "GridSample", [("x", r(2, 2, 4, 4)), ("g", RNG.uniform(-1.2, 1.2, (2, 3, 3, 2)))],
+      attrs={"mode": "nearest"}, opset=16),
 ]
 
 
@@ -605,11 +614,27 @@ def test_scatter_with_a_multiplicative_reduction_has_no_rule():
     ("LpNormalization", r(2, 3, 4), {"p": 2, "axis": 1}),
     ("MeanVarianceNormalization", r(2, 3, 2, 3), {}),
     ("MeanVarianceNormalization", r(2, 3, 4), {"axes": [0, 2]}),
-], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes"])
+    *[("GridSample", r(2, 3, 4, 5), {**a, "g": RNG.uniform(-1.3, 1.3, (2, 3, 4, 2))})
+      for a in ({}, {"padding_mode": "border"}, {"align_corners": 1}, {"mode": "nearest", "padding_mode": "border"})],
+], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes", "GridSample-zeros",
+        "GridSample-border", "GridSample-align", "GridSample-nearest-border"])
 def test_reference_fixes_agree_with_ort(op, x, attrs):
     """The float64 truth of the finite-difference cases (run_reference with
     check._reference_fixes: onnx.reference's LRN, p=1 LpNormalization and float64 MVN are
     wrong) agrees with ONNX Runtime's float32 forward."""
-    model, feeds = one_node_model(op, [("x", x)], attrs)
-    want = run_ort(convert_float_type(model, TensorProto.FLOAT), {"x": x.astype(np.float32)}, ["y0"])["y0"]
+    attrs = dict(attrs)
+    extra = [("g", attrs.pop("g"))] if "g" in attrs else []
+    model, feeds = one_node_model(op, [("x", x), *extra], attrs, opset=16)
+    want = run_ort(convert_float_type(model, TensorProto.FLOAT),
+                   {k: v.astype(np.float32) for k, v in feeds.items()}, ["y0"])["y0"]
     np.testing.assert_allclose(run_reference(model, feeds, ["y0"])["y0"], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attrs,why", [({"padding_mode": "reflection"}, "padding_mode 'reflection'"),
+                                       ({"mode": "bicubic"}, "mode 'bicubic'")])
+def test_gridsample_unsupported_forms_are_one_line(attrs, why):
+    """GridSample forms the rule does not cover are refused before anything is emitted."""
+    model, _ = one_node_model("GridSample", [("x", r(1, 1, 3, 3)), ("g", r(1, 2, 2, 2))], attrs, opset=16)
+    with pytest.raises(UnsupportedOpError, match=why) as ei:
+        derivative_model(model, ["x", "g"], ["y0"])
+    assert "\n" not in str(ei.value) and "GridSample_0" in str(ei.value)

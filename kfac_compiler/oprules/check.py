@@ -49,8 +49,10 @@ def _reference_fixes() -> list:
     group > 1 (slices the weight by output channels) and MaxPool's Indices output with
     overlapping or padded windows, Erf and Gelu (computed in float32), Softmax and
     LogSoftmax before opset 13 (flatten-to-2-D semantics ignored), LRN (windows over the
-    batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|) and
-    MeanVarianceNormalization (fails on float64: a float32 epsilon)."""
+    batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|),
+    MeanVarianceNormalization (fails on float64: a float32 epsilon) and GridSample's 4-D
+    linear/nearest modes with zeros/border padding (float32 coordinates: finite differences
+    of a float64 input see its rounding)."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -187,8 +189,36 @@ def _reference_fixes() -> list:
             std = np.sqrt((x**2).mean(axis=ax, keepdims=True) - mean**2)
             return (((x - mean) / (std + 1e-9)).astype(x.dtype),)
 
+    from onnx.reference.ops.op_grid_sample import GridSample as _RefGridSample
+
+    class GridSample(_RefGridSample):
+        op_domain = ""
+
+        def _run(self, X, grid, align_corners=None, mode=None, padding_mode=None):
+            mode = mode or ("bilinear" if self.run_params["opsets"].get("", 16) < 20 else "linear")
+            pad = padding_mode or "zeros"
+            if X.ndim != 4 or mode not in ("linear", "bilinear", "nearest") or pad not in ("zeros", "border"):
+                return super()._run(X, grid, align_corners=align_corners, mode=mode, padding_mode=padding_mode)
+            N, C, H, W = X.shape
+            def pix(gc, size):
+                p = (gc + 1) * (size - 1) / 2 if align_corners else ((gc + 1) * size - 1) / 2
+                return np.clip(p, 0, size - 1) if pad == "border" else p
+            ix, iy = pix(grid[..., 0], W), pix(grid[..., 1], H)  # [N, Ho, Wo]
+            def at(yc, xc):
+                ok = (xc >= 0) & (xc <= W - 1) & (yc >= 0) & (yc <= H - 1)
+                yi, xi = np.clip(yc, 0, H - 1).astype(np.int64), np.clip(xc, 0, W - 1).astype(np.int64)
+                v = X[np.arange(N)[:, None, None], :, yi, xi]  # [N, Ho, Wo, C]
+                return np.moveaxis(v * ok[..., None], -1, 1)
+            if mode == "nearest":
+                return (at(np.round(iy), np.round(ix)).astype(X.dtype),)
+            x0, y0 = np.floor(ix), np.floor(iy)
+            wx, wy = ix - x0, iy - y0
+            y = sum(at(y0 + j, x0 + i) * ((wx if i else 1 - wx) * (wy if j else 1 - wy))[:, None]
+                    for i in (0, 1) for j in (0, 1))
+            return (y.astype(X.dtype),)
+
     return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True), LRN, LpNormalization,
-            MeanVarianceNormalization]
+            MeanVarianceNormalization, GridSample]
 
 
 def run_reference(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs=None) -> dict:
