@@ -390,6 +390,13 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
       attrs={"mode": "linear"}, opset=20),
     C("GridSample-nearest", "GridSample", [("x", r(2, 2, 4, 4)), ("g", RNG.uniform(-1.2, 1.2, (2, 3, 3, 2)))],
       attrs={"mode": "nearest"}, opset=16),
+    # F.fold (dynamo): Col2Im
+    C("Col2Im", "Col2Im", [("x", r(2, 3 * 4, 6)), ("im", i64(3, 4)), ("bl", i64(2, 2))], opset=18),
+    C("Col2Im-stride-pad-dil", "Col2Im", [("x", r(1, 2 * 6, 3)), ("im", i64(5, 4)), ("bl", i64(2, 3))],
+      attrs={"strides": [2, 1], "pads": [1, 0, 0, 1], "dilations": [1, 2]}, opset=18),
+    C("AffineGrid-2d", "AffineGrid", [("t", r(2, 2, 3)), ("sz", i64(2, 1, 3, 4))], opset=20),
+    C("AffineGrid-3d-align", "AffineGrid", [("t", r(1, 3, 4)), ("sz", i64(1, 2, 2, 3, 2))],
+      attrs={"align_corners": 1}, opset=20),
 ]
 
 
@@ -616,15 +623,17 @@ def test_scatter_with_a_multiplicative_reduction_has_no_rule():
     ("MeanVarianceNormalization", r(2, 3, 4), {"axes": [0, 2]}),
     *[("GridSample", r(2, 3, 4, 5), {**a, "g": RNG.uniform(-1.3, 1.3, (2, 3, 4, 2))})
       for a in ({}, {"padding_mode": "border"}, {"align_corners": 1}, {"mode": "nearest", "padding_mode": "border"})],
+    ("AffineGrid", r(2, 2, 3), {"sz": i64(2, 1, 3, 4)}),
+    ("AffineGrid", r(1, 3, 4), {"sz": i64(1, 2, 2, 3, 2), "align_corners": 1}),
 ], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes", "GridSample-zeros",
-        "GridSample-border", "GridSample-align", "GridSample-nearest-border"])
+        "GridSample-border", "GridSample-align", "GridSample-nearest-border", "AffineGrid-2d", "AffineGrid-3d-align"])
 def test_reference_fixes_agree_with_ort(op, x, attrs):
     """The float64 truth of the finite-difference cases (run_reference with
     check._reference_fixes: onnx.reference's LRN, p=1 LpNormalization and float64 MVN are
     wrong) agrees with ONNX Runtime's float32 forward."""
     attrs = dict(attrs)
-    extra = [("g", attrs.pop("g"))] if "g" in attrs else []
-    model, feeds = one_node_model(op, [("x", x), *extra], attrs, opset=16)
+    extra = [(k, attrs.pop(k)) for k in ("g", "sz") if k in attrs]
+    model, feeds = one_node_model(op, [("x", x), *extra], attrs, opset=20 if op == "AffineGrid" else 16)
     want = run_ort(convert_float_type(model, TensorProto.FLOAT),
                    {k: v.astype(np.float32) for k, v in feeds.items()}, ["y0"])["y0"]
     np.testing.assert_allclose(run_reference(model, feeds, ["y0"])["y0"], want, rtol=1e-5, atol=1e-6)

@@ -51,8 +51,8 @@ def _reference_fixes() -> list:
     LogSoftmax before opset 13 (flatten-to-2-D semantics ignored), LRN (windows over the
     batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|),
     MeanVarianceNormalization (fails on float64: a float32 epsilon) and GridSample's 4-D
-    linear/nearest modes with zeros/border padding (float32 coordinates: finite differences
-    of a float64 input see its rounding)."""
+    linear/nearest modes with zeros/border padding and AffineGrid (float32 coordinates:
+    finite differences of a float64 input see their rounding)."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -217,8 +217,20 @@ def _reference_fixes() -> list:
                     for i in (0, 1) for j in (0, 1))
             return (y.astype(X.dtype),)
 
+    class AffineGrid(OpRun):
+        op_domain = ""
+
+        def _run(self, theta, size, align_corners=None):
+            spatial = [int(v) for v in size[2:]]
+            axes = [np.linspace(-1, 1, n) if align_corners else (2 * np.arange(n) + 1) / n - 1
+                    for n in spatial]
+            mesh = np.meshgrid(*axes, indexing="ij")  # per axis, [*S]
+            base = np.stack([m.ravel() for m in reversed(mesh)] + [np.ones(mesh[0].size)], axis=1)  # x first
+            grid = np.einsum("pj,nij->npi", base, theta)
+            return (grid.reshape([theta.shape[0]] + spatial + [len(spatial)]).astype(theta.dtype),)
+
     return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True), LRN, LpNormalization,
-            MeanVarianceNormalization, GridSample]
+            MeanVarianceNormalization, GridSample, AffineGrid]
 
 
 def run_reference(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs=None) -> dict:

@@ -1,5 +1,6 @@
 """GridSample (4-D input, static or symbolic dims; linear/bilinear and nearest modes; zeros
-and border padding).
+and border padding) and AffineGrid (linear in theta: its cotangent is the cotangent times
+the homogeneous base grid, the grid of the identity transform).
 
 The sample at each output position is a weighted sum of at most four input pixels (the
 corners around the unnormalized grid point). Rules gather those corners from the input
@@ -11,10 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from onnx import TensorProto
 
 from kfac_compiler.oprules import register
-from kfac_compiler.oprules._util import attr, c, dims_slice, shape_tensor, unsupported, zeros
+from kfac_compiler.oprules._util import (
+    attr,
+    c,
+    dims_slice,
+    linear_jvp,
+    reapply,
+    shape_tensor,
+    unsupported,
+    zeros,
+)
 
 _LINEAR = ("linear", "bilinear")
 
@@ -169,3 +180,32 @@ def _gridsample_jvp(b, view, node, ts):
     if not terms:
         return [None]
     return [b.reshape(b.sum(terms), shape_tensor(b, view, node.output[0]))]
+
+
+def _affine_k(view, node) -> int:
+    """The number of spatial dims k (theta is [N, k, k+1]), from the size input's length."""
+    s = view.shape(node.input[1])
+    if s is None or len(s) != 1 or not isinstance(s[0], int):
+        raise unsupported(node, view, "needs a size input of static length")
+    return int(s[0]) - 2
+
+
+@register("AffineGrid", since=20, inputs=(0,))
+def _affinegrid_vjp(b, view, node, gys):
+    """grid[n, p] = theta[n] @ [base_p, 1]: dtheta[n] = sum_p g[n, p] [base_p, 1]^T, the base
+    grid being AffineGrid of the identity (same size and align_corners)."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    theta = node.input[0]
+    k = _affine_k(view, node)
+    eye = b.const(np.eye(k, k + 1, dtype=b.np_float)[None], hint="affine_eye")
+    eye_n = b.op("Expand", [eye, b.op("Concat", [dims_slice(b, theta, 0, 1), b.ints([k, k + 1])], axis=0)])
+    (base,) = reapply(b, node, {0: eye_n})
+    base = b.reshape(base, [0, -1, k])
+    base_h = b.op("Pad", [base, b.ints([0, 0, 0, 0, 0, 1]), c(b, 1.0)])  # [N, P, k+1]
+    return [b.matmul(b.transpose(b.reshape(g, [0, -1, k]), [0, 2, 1]), base_h)]
+
+
+_affinegrid_vjp.defjvp(linear_jvp(0))
+_affinegrid_vjp.defcheck(_affine_k)
