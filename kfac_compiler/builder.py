@@ -29,6 +29,7 @@ _AXES_INPUT_SINCE = {
     "ReduceMin": 18,
     "ReduceProd": 18,
     "ReduceSumSquare": 18,
+    "ReduceL1": 18,
     "ReduceL2": 18,
     "ReduceLogSumExp": 18,
 }

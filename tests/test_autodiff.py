@@ -249,7 +249,7 @@ def test_unsupported_op_is_one_line_and_early():
     x = value_info("x", TensorProto.FLOAT, [2, 3, 4])
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
-             helper.make_node("LRN", ["h"], ["e"], name="weird/lrn", size=3),
+             helper.make_node("GlobalLpPool", ["h"], ["e"], name="weird/lppool"),
              helper.make_node("Mul", ["e", "s"], ["y"], name="scale")]
     g = helper.make_graph(nodes, "g", [x], [value_info("y", TensorProto.FLOAT, [2, 3, 4])],
                           initializer=[numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
@@ -260,10 +260,10 @@ def test_unsupported_op_is_one_line_and_early():
     with pytest.raises(UnsupportedOpError) as ei:
         backward(b, view, {"y": "gy"}, ["W", "s"])
     msg = str(ei.value)
-    assert "\n" not in msg and "'weird/lrn'" in msg and "op LRN (domain ai.onnx, opset 17)" in msg
+    assert "\n" not in msg and "'weird/lppool'" in msg and "op GlobalLpPool (domain ai.onnx, opset 17)" in msg
     assert "(--exclude W)" in msg and "docs/extending.md" in msg  # s does not reach it
     assert not b.nodes  # nothing emitted before the check
-    with pytest.raises(UnsupportedOpError, match=r"weird/lrn.*--exclude W\)"):
+    with pytest.raises(UnsupportedOpError, match=r"weird/lppool.*--exclude W\)"):
         jvp(b, view, {"W": "tW", "s": "ts"}, ["y"])
     assert not b.nodes
     # an unsupported op off the path is fine

@@ -352,6 +352,51 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("Acosh", "Acosh", [("x", RNG.uniform(1.2, 3.0, (3, 4)))]),
     C("Atanh", "Atanh", [("x", RNG.uniform(-0.8, 0.8, (3, 4)))]),
     C("Mish", "Mish", [("x", r(3, 4))], opset=18),
+    # issue 38: differentiable ops without rules (torch.prod, F.softshrink/hardshrink, torch.fmod,
+    # F.grid_sample, F.fold, ... ; benchmarks/results/2026-11-29-op-coverage.md); last, as above
+    C("ReduceProd-axis", "ReduceProd", [("x", r(2, 3, 4, lo=0.3))], attrs={"axes": [1], "keepdims": 0}),
+    C("ReduceProd-18-all", "ReduceProd", [("x", r(2, 3, lo=0.3))], opset=18),
+    C("ReduceProd-18-input-axes", "ReduceProd", [("x", r(3, 2, 4, lo=0.3)), ("ax", i64(0, -1))], opset=18),
+    C("ReduceProd-zeros", "ReduceProd", [("x", r(3, 4) * np.array([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 1, 1]]))],
+      attrs={"axes": [1]}),  # one zero in a row: its partner product; two: all zero
+    C("ReduceLogSum", "ReduceLogSum", [("x", pos(2, 3, 4))], attrs={"axes": [2], "keepdims": 0}),
+    C("ReduceLogSum-18-input-axes", "ReduceLogSum", [("x", pos(2, 3, 4)), ("ax", i64(1))], opset=18),
+    C("Shrink-soft", "Shrink", [("x", 2 * r(3, 4, lo=0.1))], attrs={"lambd": 0.5, "bias": 0.5}),
+    C("Shrink-hard", "Shrink", [("x", 2 * r(3, 4, lo=0.1))], attrs={"lambd": 0.5}),
+    C("Mod-fmod-bcast", "Mod", [("a", 3 * r(2, 3, 4)), ("b", pos(4) + 0.3)], attrs={"fmod": 1}),
+    C("Mod-fmod-neg-divisor", "Mod", [("a", 3 * r(3, 4)), ("b", -pos(3, 4))], attrs={"fmod": 1}),
+    C("LpNormalization-p2", "LpNormalization", [("x", r(2, 3, 4))], attrs={"axis": 1}),
+    C("LpNormalization-p1-last", "LpNormalization", [("x", r(3, 5, lo=0.1))], attrs={"p": 1}),
+    C("LRN-odd", "LRN", [("x", r(2, 5, 3, 2))], attrs={"size": 3, "alpha": 0.5, "beta": 0.75, "bias": 1.5}),
+    C("LRN-even", "LRN", [("x", r(2, 6, 4, 1))], attrs={"size": 4, "alpha": 0.8, "beta": 0.6, "bias": 2.0},
+      ort=False),  # ONNX Runtime's LRN takes odd sizes only
+    C("MVN-default", "MeanVarianceNormalization", [("x", r(2, 3, 2, 3))]),
+    C("MVN-axes", "MeanVarianceNormalization", [("x", r(2, 3, 4))], attrs={"axes": [2]}),
+    C("ReverseSequence", "ReverseSequence", [("x", r(4, 3, 2)), ("l", i64(4, 1, 3))], attrs={"batch_axis": 1, "time_axis": 0}),
+    C("Det-batch", "Det", [("a", r(2, 3, 3))], symbolic=False),
+    C("Det-2x2", "Det", [("a", r(2, 2))], symbolic=False),
+    C("MaxUnpool", "MaxUnpool", [("x", r(1, 2, 2, 2)), ("i", i64([[[1, 6], [8, 15]], [[16, 19], [28, 30]]]))],
+      attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("LpPool-p2-tiled", "LpPool", [("x", r(2, 3, 4, 4))], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
+    C("LpPool-p3-overlap-pads", "LpPool", [("x", r(1, 2, 5, 4, lo=0.1))],
+      attrs={"kernel_shape": [3, 2], "pads": [1, 0, 1, 1], "p": 3}),
+    C("LpPool-p1-1d", "LpPool", [("x", r(2, 2, 7, lo=0.1))], attrs={"kernel_shape": [3], "strides": [2], "p": 1}),
+    # F.grid_sample (both exporters): grid points partly outside [-1, 1]
+    C("GridSample-bilinear-zeros", "GridSample", [("x", r(2, 3, 4, 5)), ("g", RNG.uniform(-1.2, 1.2, (2, 3, 2, 2)))],
+      opset=16),
+    C("GridSample-bilinear-border-align", "GridSample", [("x", r(1, 2, 3, 4)), ("g", RNG.uniform(-1.2, 1.2, (1, 4, 3, 2)))],
+      attrs={"padding_mode": "border", "align_corners": 1}, opset=16),
+    C("GridSample-linear-20", "GridSample", [("x", r(1, 2, 5, 3)), ("g", RNG.uniform(-1.1, 1.1, (1, 2, 3, 2)))],
+      attrs={"mode": "linear"}, opset=20),
+    C("GridSample-nearest", "GridSample", [("x", r(2, 2, 4, 4)), ("g", RNG.uniform(-1.2, 1.2, (2, 3, 3, 2)))],
+      attrs={"mode": "nearest"}, opset=16),
+    # F.fold (dynamo): Col2Im
+    C("Col2Im", "Col2Im", [("x", r(2, 3 * 4, 6)), ("im", i64(3, 4)), ("bl", i64(2, 2))], opset=18),
+    C("Col2Im-stride-pad-dil", "Col2Im", [("x", r(1, 2 * 6, 3)), ("im", i64(5, 4)), ("bl", i64(2, 3))],
+      attrs={"strides": [2, 1], "pads": [1, 0, 0, 1], "dilations": [1, 2]}, opset=18),
+    C("AffineGrid-2d", "AffineGrid", [("t", r(2, 2, 3)), ("sz", i64(2, 1, 3, 4))], opset=20),
+    C("AffineGrid-3d-align", "AffineGrid", [("t", r(1, 3, 4)), ("sz", i64(1, 2, 2, 3, 2))],
+      attrs={"align_corners": 1}, opset=20),
 ]
 
 
@@ -446,12 +491,12 @@ def test_broadcasting_property(pair, op, symbolic):
 
 # ---------------------------------------------------------------------- registry
 def test_lookup_unknown_op_one_line():
-    node = helper.make_node("LRN", ["a"], ["c"], name="my/lrn", size=3)
+    node = helper.make_node("RoiAlign", ["a", "r", "i"], ["c"], name="my/roi")
     with pytest.raises(UnsupportedOpError) as ei:
         lookup(node, 17)
     msg = str(ei.value)
     assert "\n" not in msg and len(msg) < 300
-    assert "'my/lrn'" in msg and "op LRN (domain ai.onnx, opset 17)" in msg
+    assert "'my/roi'" in msg and "op RoiAlign (domain ai.onnx, opset 17)" in msg
     assert "--exclude" in msg and "docs/extending.md" in msg and "Gemm" not in msg
     msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, ["fc1.weight", "fc1.bias"]).value)
     assert "--exclude fc1.weight --exclude fc1.bias" in msg
@@ -567,3 +612,38 @@ def test_scatter_with_a_multiplicative_reduction_has_no_rule():
                           attrs={"reduction": "mul"}, opset=16)
     with pytest.raises(UnsupportedOpError, match="reduction 'none' and 'add', not 'mul'"):
         derivative_model(m, ["x", "u"], ["y0"])
+
+
+@pytest.mark.parametrize("op,x,attrs", [
+    ("LRN", r(2, 5, 3, 2), {"size": 3, "alpha": 0.5, "beta": 0.75, "bias": 1.5}),
+    ("LRN", r(1, 4, 3, 2), {"size": 5}),
+    ("LpNormalization", r(3, 5), {"p": 1}),
+    ("LpNormalization", r(2, 3, 4), {"p": 2, "axis": 1}),
+    ("MeanVarianceNormalization", r(2, 3, 2, 3), {}),
+    ("MeanVarianceNormalization", r(2, 3, 4), {"axes": [0, 2]}),
+    *[("GridSample", r(2, 3, 4, 5), {**a, "g": RNG.uniform(-1.3, 1.3, (2, 3, 4, 2))})
+      for a in ({}, {"padding_mode": "border"}, {"align_corners": 1}, {"mode": "nearest", "padding_mode": "border"})],
+    ("AffineGrid", r(2, 2, 3), {"sz": i64(2, 1, 3, 4)}),
+    ("AffineGrid", r(1, 3, 4), {"sz": i64(1, 2, 2, 3, 2), "align_corners": 1}),
+], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes", "GridSample-zeros",
+        "GridSample-border", "GridSample-align", "GridSample-nearest-border", "AffineGrid-2d", "AffineGrid-3d-align"])
+def test_reference_fixes_agree_with_ort(op, x, attrs):
+    """The float64 truth of the finite-difference cases (run_reference with
+    check._reference_fixes: onnx.reference's LRN, p=1 LpNormalization and float64 MVN are
+    wrong) agrees with ONNX Runtime's float32 forward."""
+    attrs = dict(attrs)
+    extra = [(k, attrs.pop(k)) for k in ("g", "sz") if k in attrs]
+    model, feeds = one_node_model(op, [("x", x), *extra], attrs, opset=20 if op == "AffineGrid" else 16)
+    want = run_ort(convert_float_type(model, TensorProto.FLOAT),
+                   {k: v.astype(np.float32) for k, v in feeds.items()}, ["y0"])["y0"]
+    np.testing.assert_allclose(run_reference(model, feeds, ["y0"])["y0"], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attrs,why", [({"padding_mode": "reflection"}, "padding_mode 'reflection'"),
+                                       ({"mode": "bicubic"}, "mode 'bicubic'")])
+def test_gridsample_unsupported_forms_are_one_line(attrs, why):
+    """GridSample forms the rule does not cover are refused before anything is emitted."""
+    model, _ = one_node_model("GridSample", [("x", r(1, 1, 3, 3)), ("g", r(1, 2, 2, 2))], attrs, opset=16)
+    with pytest.raises(UnsupportedOpError, match=why) as ei:
+        derivative_model(model, ["x", "g"], ["y0"])
+    assert "\n" not in str(ei.value) and "GridSample_0" in str(ei.value)

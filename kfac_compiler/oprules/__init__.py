@@ -259,6 +259,7 @@ from kfac_compiler.oprules import (  # noqa: E402,F401
     reduce,
     resize,
     rms_norm,
+    sampling,
     selection,
     softmax,
     tensor,

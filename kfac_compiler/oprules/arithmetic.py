@@ -1,5 +1,5 @@
-"""Broadcasting arithmetic: the binary ops Add, Sub, Mul, Div, Pow and the variadic Sum and
-Mean. Each input's cotangent is summed back to its own shape (`unbroadcast`); tangents of
+"""Broadcasting arithmetic: the binary ops Add, Sub, Mul, Div, Pow, float Mod and the
+variadic Sum and Mean. Each input's cotangent is summed back to its own shape (`unbroadcast`); tangents of
 smaller operands are expanded to the output."""
 from __future__ import annotations
 
@@ -113,6 +113,32 @@ def _div_jvp(b, view, node, ts):
         return [None]
     n = num[0] if len(num) == 1 else b.add(num[0], num[1])
     return [b.div(n, c2)]
+
+
+def _mod_quotient(b, node) -> str:
+    """Mod's integer quotient q with y = a - b q (truncated for fmod=1, floored for fmod=0),
+    recovered as (a - y) / b: ONNX has no Trunc, and q is piecewise constant."""
+    a, d = node.input[0], node.input[1]
+    return b.div(b.sub(a, node.output[0]), d)
+
+
+@register("Mod")
+def _mod_vjp(b, view, node, gys, needs=None):
+    """y = a - b q: dy/da = 1, dy/db = -q (integer Mod carries no gradient: float inputs only)."""
+    g, (a, d), y = gys[0], node.input, node.output[0]
+    if g is None:
+        return [None, None]
+    return [unbroadcast(b, view, g, a, y) if need(needs, 0) else None,
+            b.neg(unbroadcast(b, view, b.mul(g, _mod_quotient(b, node)), d, y)) if need(needs, 1) else None]
+
+
+@_mod_vjp.defjvp
+def _mod_jvp(b, view, node, ts):
+    y = node.output[0]
+    terms = [(ts[0], node.input[0])]
+    if ts[1] is not None:
+        terms.append((b.neg(b.mul(ts[1], _mod_quotient(b, node))), y))
+    return [_bsum(b, view, y, terms)]
 
 
 def _pow_dx(b, view, x, e, y):

@@ -48,7 +48,11 @@ def _reference_fixes() -> list:
     """Replacements for onnx.reference ops that are wrong in onnx 1.23: ConvTranspose with
     group > 1 (slices the weight by output channels) and MaxPool's Indices output with
     overlapping or padded windows, Erf and Gelu (computed in float32), Softmax and
-    LogSoftmax before opset 13 (flatten-to-2-D semantics ignored)."""
+    LogSoftmax before opset 13 (flatten-to-2-D semantics ignored), LRN (windows over the
+    batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|),
+    MeanVarianceNormalization (fails on float64: a float32 epsilon) and GridSample's 4-D
+    linear/nearest modes with zeros/border padding and AffineGrid (float32 coordinates:
+    finite differences of a float64 input see their rounding)."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -159,7 +163,74 @@ def _reference_fixes() -> list:
         _Softmax.__name__ = "LogSoftmax" if log else "Softmax"
         return _Softmax
 
-    return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True)]
+    class LRN(OpRun):
+        op_domain = ""
+
+        def _run(self, x, alpha=None, beta=None, bias=None, size=None):
+            lo, hi = (size - 1) // 2, size // 2
+            sq = np.zeros_like(x)
+            for ch in range(x.shape[1]):
+                sq[:, ch] = np.sum(x[:, max(0, ch - lo):ch + hi + 1] ** 2, axis=1)
+            return ((x / (bias + (alpha / size) * sq) ** beta).astype(x.dtype),)
+
+    class LpNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, axis=None, p=None):
+            norm = np.sum(np.abs(x) ** p, axis=axis, keepdims=True) ** (1.0 / p)
+            return (np.where(norm == 0, 0, x / np.where(norm == 0, 1, norm)).astype(x.dtype),)
+
+    class MeanVarianceNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, axes=None):
+            ax = tuple(axes) if axes is not None else (0, 2, 3)
+            mean = x.mean(axis=ax, keepdims=True)
+            std = np.sqrt((x**2).mean(axis=ax, keepdims=True) - mean**2)
+            return (((x - mean) / (std + 1e-9)).astype(x.dtype),)
+
+    from onnx.reference.ops.op_grid_sample import GridSample as _RefGridSample
+
+    class GridSample(_RefGridSample):
+        op_domain = ""
+
+        def _run(self, X, grid, align_corners=None, mode=None, padding_mode=None):
+            mode = mode or ("bilinear" if self.run_params["opsets"].get("", 16) < 20 else "linear")
+            pad = padding_mode or "zeros"
+            if X.ndim != 4 or mode not in ("linear", "bilinear", "nearest") or pad not in ("zeros", "border"):
+                return super()._run(X, grid, align_corners=align_corners, mode=mode, padding_mode=padding_mode)
+            N, C, H, W = X.shape
+            def pix(gc, size):
+                p = (gc + 1) * (size - 1) / 2 if align_corners else ((gc + 1) * size - 1) / 2
+                return np.clip(p, 0, size - 1) if pad == "border" else p
+            ix, iy = pix(grid[..., 0], W), pix(grid[..., 1], H)  # [N, Ho, Wo]
+            def at(yc, xc):
+                ok = (xc >= 0) & (xc <= W - 1) & (yc >= 0) & (yc <= H - 1)
+                yi, xi = np.clip(yc, 0, H - 1).astype(np.int64), np.clip(xc, 0, W - 1).astype(np.int64)
+                v = X[np.arange(N)[:, None, None], :, yi, xi]  # [N, Ho, Wo, C]
+                return np.moveaxis(v * ok[..., None], -1, 1)
+            if mode == "nearest":
+                return (at(np.round(iy), np.round(ix)).astype(X.dtype),)
+            x0, y0 = np.floor(ix), np.floor(iy)
+            wx, wy = ix - x0, iy - y0
+            y = sum(at(y0 + j, x0 + i) * ((wx if i else 1 - wx) * (wy if j else 1 - wy))[:, None]
+                    for i in (0, 1) for j in (0, 1))
+            return (y.astype(X.dtype),)
+
+    class AffineGrid(OpRun):
+        op_domain = ""
+
+        def _run(self, theta, size, align_corners=None):
+            spatial = [int(v) for v in size[2:]]
+            axes = [np.linspace(-1, 1, n) if align_corners else (2 * np.arange(n) + 1) / n - 1
+                    for n in spatial]
+            mesh = np.meshgrid(*axes, indexing="ij")  # per axis, [*S]
+            base = np.stack([m.ravel() for m in reversed(mesh)] + [np.ones(mesh[0].size)], axis=1)  # x first
+            grid = np.einsum("pj,nij->npi", base, theta)
+            return (grid.reshape([theta.shape[0]] + spatial + [len(spatial)]).astype(theta.dtype),)
+
+    return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True), LRN, LpNormalization,
+            MeanVarianceNormalization, GridSample, AffineGrid]
 
 
 def run_reference(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs=None) -> dict:

@@ -20,6 +20,8 @@ Lowerings (see docs/autodiff.md):
 - Forward (training subgraphs, backend/emission.py): a Conv whose weight is a parameter
   and whose output is small runs as the weight gradient's Gather patches times the weight.
 - ConvTranspose: the mirror image (input grad a Conv, weight grad the swapped Conv).
+- Col2Im (F.fold): linear; its adjoint is im2col, a Conv of the cotangent [N*C, 1, *S] with
+  one one-hot kernel per block offset.
 """
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ from kfac_compiler.oprules._util import (
     INT64_MAX,
     add_n,
     attr,
+    cval,
     dim_parts,
     dims_slice,
     inp,
+    linear_jvp,
     make_shape,
     need,
     reapply,
@@ -605,3 +609,39 @@ def _convt_check(view, node):
 
 
 _convt_vjp.defjvp(_conv_jvp)
+
+
+# ============================================================================== Col2Im
+def _col2im_block(view, node) -> list[int]:
+    bs = cval(view, inp(node, 2))
+    if bs is None or cval(view, inp(node, 1)) is None:
+        raise unsupported(node, view, "needs constant image_shape and block_shape")
+    return [int(v) for v in np.asarray(bs).reshape(-1)]
+
+
+@register("Col2Im", inputs=(0,))
+def _col2im_vjp(b, view, node, gys):
+    """dx = im2col(g): g [N, C, *S] as [N*C, 1, *S], a Conv with the K = prod(block) one-hot
+    kernels (same strides, dilations, pads), reshaped to x's [N, C*K, L]."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    k = _col2im_block(view, node)
+    nd = len(k)
+    K = int(np.prod(k))
+    onehot = np.zeros([K, 1] + k, dtype=b.np_float)
+    for i, pos in enumerate(np.ndindex(*k)):
+        onehot[(i, 0) + pos] = 1.0
+    g1 = b.reshape(g, make_shape(b, [-1, 1] + dim_parts(b, view, g, 2)))
+    cols = b.op("Conv", [g1, b.const(onehot, hint="col2im_onehot")],
+                strides=attr(node, "strides", [1] * nd), dilations=attr(node, "dilations", [1] * nd),
+                pads=attr(node, "pads", [0] * (2 * nd)))
+    return [b.reshape(cols, shape_tensor(b, view, node.input[0]))]
+
+
+@_col2im_vjp.defcheck
+def _col2im_check(view, node):
+    _col2im_block(view, node)
+
+
+_col2im_vjp.defjvp(linear_jvp(0))

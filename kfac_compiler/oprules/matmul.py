@@ -1,5 +1,7 @@
-"""Gemm and MatMul."""
+"""Gemm, MatMul and Det (the matrix-level linear algebra)."""
 from __future__ import annotations
+
+import numpy as np
 
 from kfac_compiler.oprules import register
 from kfac_compiler.oprules._util import (
@@ -155,3 +157,50 @@ def _matmul_jvp(b, view, node, ts):
     if ts[1] is not None:
         terms.append(b.matmul(A, ts[1]))
     return [add_n(b, terms)]
+
+
+# -------------------------------------------------------------------------------- Det
+def _cofactors(b, view, node) -> tuple[str, int]:
+    """The cofactor matrix C of A [..., M, M] (d det(A) = sum(C * dA)), from the
+    determinants of its M^2 minors (Gather rows, Gather columns, Det): no inverse, so it
+    holds for singular A too. Needs a static M and rank; returns (C, the batch rank)."""
+    a = node.input[0]
+    s = view.shape(a)
+    if s is None or not isinstance(s[-1], int):
+        raise unsupported(node, view, "needs its input's rank and a static matrix size")
+    nb, m = len(s) - 2, int(s[-1])
+    if m == 1:
+        return c(b, np.ones([1] * (nb + 2))), nb
+    others = b.ints(np.asarray([[k for k in range(m) if k != i] for i in range(m)]).reshape(-1))
+    others = b.reshape(others, [m, m - 1])
+    rows = b.op("Gather", [a, others], axis=nb)                 # [..., i, a, M]
+    minors = b.op("Gather", [rows, others], axis=nb + 2)        # [..., i, a, j, b]
+    minors = b.transpose(minors, list(range(nb)) + [nb, nb + 2, nb + 1, nb + 3])
+    sign = (-1.0) ** np.add.outer(np.arange(m), np.arange(m))
+    return b.mul(b.op("Det", [minors]), c(b, sign)), nb
+
+
+@register("Det", inputs=(0,))
+def _det_vjp(b, view, node, gys):
+    """dA = g * cofactors(A) (= g det(A) A^-T where A is invertible)."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    cof, nb = _cofactors(b, view, node)
+    return [b.mul(b.unsqueeze(g, [nb, nb + 1]), cof)]
+
+
+@_det_vjp.defcheck
+def _det_check(view, node):
+    s = view.shape(node.input[0])
+    if s is None or not isinstance(s[-1], int):
+        raise unsupported(node, view, "needs its input's rank and a static matrix size")
+
+
+@_det_vjp.defjvp
+def _det_jvp(b, view, node, ts):
+    t = ts[0]
+    if t is None:
+        return [None]
+    cof, nb = _cofactors(b, view, node)
+    return [b.reduce_sum(b.mul(cof, t), [nb, nb + 1])]

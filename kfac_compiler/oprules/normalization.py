@@ -1,6 +1,6 @@
 """Normalizations: LayerNormalization, BatchNormalization (training and inference forms),
 InstanceNormalization, GroupNormalization (opset 18: scale/bias per group [G]; opset 21:
-per channel [C]). They share the recomputed statistics (`_stats`) and the symmetric
+per channel [C]); LpNormalization, LRN and MeanVarianceNormalization (no parameters). They share the recomputed statistics (`_stats`) and the symmetric
 projection that is both the vjp and the jvp of x -> xhat (`_proj`)."""
 from __future__ import annotations
 
@@ -308,3 +308,110 @@ def _gn_jvp(b, view, node, ts):
         terms.append(cv)
     ty = add_n(b, terms)
     return [b.reshape(ty, xs) if per_group and ty is not None else ty]
+
+
+# ------------------------------------------------ LpNormalization, LRN, MeanVarianceNormalization
+@register("LpNormalization", inputs=(0,))
+def _lpn_vjp(b, view, node, gys):
+    """y = x / n, n = ||x||_p along `axis` (p 1 or 2): dx = (g - s sum(g y)) / n with
+    s = dn/dx = y (p=2) or sign(x) (p=1)."""
+    g = gys[0]
+    return [None if g is None else _lpn_apply(b, node, g, adjoint=True)]
+
+
+def _lpn_apply(b, node, v: str, adjoint: bool) -> str:
+    """The Jacobian of x -> x / ||x||_p applied to v (adjoint: its transpose): the two
+    differ in which of y and s = dn/dx meets v inside the sum."""
+    x, y = node.input[0], node.output[0]
+    axis, p = int(attr(node, "axis", -1)), int(attr(node, "p", 2))
+    n = b.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=True)
+    s = y if p == 2 else b.op("Sign", [x])
+    inner, outer = (y, s) if adjoint else (s, y)
+    dot = b.reduce_sum(b.mul(v, inner), [axis], keepdims=True)
+    return b.div(b.sub(v, b.mul(outer, dot)), n)
+
+
+@_lpn_vjp.defcheck
+def _lpn_check(view, node):
+    if int(attr(node, "p", 2)) not in (1, 2):
+        raise unsupported(node, view, f"has p={attr(node, 'p')}: ONNX defines only p=1 and p=2")
+
+
+@_lpn_vjp.defjvp
+def _lpn_jvp(b, view, node, ts):
+    return [None if ts[0] is None else _lpn_apply(b, node, ts[0], adjoint=False)]
+
+
+def _channel_window_sum(b, view, node, v: str, transpose: bool) -> str:
+    """LRN's sum over the channel window [c - lo, c + hi] (lo = floor((size-1)/2),
+    hi = ceil((size-1)/2)) of v [N, C, ...], as a ones-kernel Conv over the channel axis of
+    v unsqueezed to [N, 1, C, ...]; `transpose`: the window [c - hi, c + lo] (its adjoint)."""
+    r = view.rank(node.input[0])
+    if r is None:
+        raise unsupported(node, view, "needs its input's rank")
+    size = int(attr(node, "size"))
+    lo, hi = (size - 1) // 2, size // 2
+    if transpose:
+        lo, hi = hi, lo
+    nsp = r - 1
+    k = b.const(np.ones([1, 1, size] + [1] * (nsp - 1), dtype=b.np_float), hint="lrn_ones")
+    conv = b.op("Conv", [b.unsqueeze(v, [1]), k], pads=[lo] + [0] * (nsp - 1) + [hi] + [0] * (nsp - 1))
+    return b.squeeze(conv, [1])
+
+
+def _lrn_terms(b, view, node):
+    """(S^-beta, the factor -2 beta alpha/size x S^(-beta-1)) of y = x S^-beta with
+    S = bias + alpha/size * window_sum(x^2)."""
+    x = node.input[0]
+    alpha, beta = float(attr(node, "alpha", 1e-4)), float(attr(node, "beta", 0.75))
+    bias, size = float(attr(node, "bias", 1.0)), int(attr(node, "size"))
+    S = b.add(c(b, bias), b.mul(c(b, alpha / size), _channel_window_sum(b, view, node, b.mul(x, x), False)))
+    inv_pow = b.op("Pow", [S, c(b, -beta)])
+    fac = b.mul(b.mul(x, c(b, -2.0 * beta * alpha / size)), b.div(inv_pow, S))
+    return inv_pow, fac
+
+
+@register("LRN", inputs=(0,))
+def _lrn_vjp(b, view, node, gys):
+    """dy_c/dx_i = [c == i] S_c^-beta + fac_c x_i for i in c's window, so
+    dx = g S^-beta + x W^T(g fac), W the channel window sum."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    x = node.input[0]
+    inv_pow, fac = _lrn_terms(b, view, node)
+    back = _channel_window_sum(b, view, node, b.mul(g, fac), True)
+    return [b.add(b.mul(g, inv_pow), b.mul(x, back))]
+
+
+@_lrn_vjp.defjvp
+def _lrn_jvp(b, view, node, ts):
+    t = ts[0]
+    if t is None:
+        return [None]
+    x = node.input[0]
+    inv_pow, fac = _lrn_terms(b, view, node)
+    return [b.add(b.mul(t, inv_pow), b.mul(fac, _channel_window_sum(b, view, node, b.mul(x, t), False)))]
+
+
+@register("MeanVarianceNormalization", inputs=(0,))
+def _mvn_vjp(b, view, node, gys):
+    """y = (x - mean) / (std + 1e-9) over `axes` (ONNX's definition); its Jacobian is
+    symmetric, so one expression is the vjp and the jvp."""
+    g = gys[0]
+    return [None if g is None else _mvn_apply(b, node, g)]
+
+
+def _mvn_apply(b, node, v: str) -> str:
+    """(v - mean(v)) / s - y mean(xh v) / s, s = std + 1e-9, xh = (x - mean) / std."""
+    x, y = node.input[0], node.output[0]
+    axes = [int(a) for a in attr(node, "axes", [0, 2, 3])]
+    xc = b.sub(x, b.reduce_mean(x, axes, keepdims=True))
+    std = b.op("Sqrt", [b.reduce_mean(b.mul(xc, xc), axes, keepdims=True)])
+    s = b.add(std, c(b, 1e-9))
+    m1 = b.reduce_mean(v, axes, keepdims=True)
+    m2 = b.reduce_mean(b.mul(v, b.div(xc, std)), axes, keepdims=True)
+    return b.div(b.sub(b.sub(v, m1), b.mul(y, m2)), s)
+
+
+_mvn_vjp.defjvp(lambda b, view, node, ts: [None if ts[0] is None else _mvn_apply(b, node, ts[0])])

@@ -1,4 +1,4 @@
-"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool. The windowed pools use
+"""Pooling: MaxPool, AveragePool, LpPool, GlobalAveragePool, GlobalMaxPool, MaxUnpool. The windowed pools use
 conv's geometry (`Geom`) and, for AveragePool, its ConvTranspose adjoint (`conv_t_to`).
 
 Lowerings (see docs/autodiff.md):
@@ -9,12 +9,15 @@ Lowerings (see docs/autodiff.md):
   ScatterElements(reduction="add") on the flattened input.
 - AveragePool: nearest-neighbour Resize for non-overlapping windows, else ConvTranspose of
   cotangent/divisor with a ones kernel on [N*C, 1, *S].
+- LpPool: the same window-sum adjoint of g y^(1-p), times sign(x) |x|^(p-1); its jvp sums
+  the windows with the node itself at p=1 (on the positive and negative parts).
 """
 from __future__ import annotations
 
 from itertools import product
 
 import numpy as np
+from onnx import helper
 
 from kfac_compiler.oprules import register
 from kfac_compiler.oprules._util import (
@@ -24,6 +27,7 @@ from kfac_compiler.oprules._util import (
     c,
     dim_parts,
     dims_slice,
+    linear_jvp,
     make_shape,
     out,
     reapply,
@@ -159,13 +163,19 @@ def _avgpool_vjp(b, view, node, gys):
     so = list(ys[2:]) if ys is not None else geo.out_size()
     div = _avg_divisor(b, view, node, geo, so)
     gd = b.mul(g, c(b, 1.0 / div)) if isinstance(div, float) else b.div(g, b.const(div.astype(b.np_float)))
-    if (geo.k == geo.s and all(v == 1 for v in geo.d) and not any(geo.pb) and not any(geo.pe)
+    return [_window_sum_t(b, view, gd, X, Y, geo, so)]
+
+
+def _window_sum_t(b, view, v: str, X: str, Y: str, geo: Geom, so) -> str:
+    """The adjoint of the pool's window sums applied to v (shaped like Y), shaped like X:
+    Resize upsampling for non-overlapping windows, else a ones-kernel ConvTranspose."""
+    if (geo.k == geo.s and all(d == 1 for d in geo.d) and not any(geo.pb) and not any(geo.pe)
             and not geo.ceil):
-        return [_upsample(b, view, gd, Y, X, geo.k)]
-    g2 = b.reshape(gd, make_shape(b, [-1, 1] + dim_parts(b, view, Y, 2)))
+        return _upsample(b, view, v, Y, X, geo.k)
+    g2 = b.reshape(v, make_shape(b, [-1, 1] + dim_parts(b, view, Y, 2)))
     ones = b.const(np.ones([1, 1] + geo.k, dtype=b.np_float), hint="pool_ones")
     dx = conv_t_to(b, view, g2, ones, geo, X, so if not geo.ceil else None)
-    return [b.reshape(dx, b.op("Shape", [X]))]
+    return b.reshape(dx, b.op("Shape", [X]))
 
 
 @_avgpool_vjp.defcheck
@@ -224,3 +234,63 @@ def _gmp_jvp(b, view, node, ts):
         return [None]
     mask, cnt, r = _gmp_mask(b, view, node)
     return [b.div(b.reduce_sum(b.mul(mask, t), list(range(2, r)), keepdims=True), cnt)]
+
+
+# ---------------------------------------------------------------------------- MaxUnpool
+@register("MaxUnpool", inputs=(0,))
+def _maxunpool_vjp(b, view, node, gys):
+    """y scatters x to the flat positions I (over the whole output tensor, as MaxPool's
+    Indices): dx gathers g there."""
+    g = gys[0]
+    return [None if g is None else b.op("Gather", [b.reshape(g, [-1]), node.input[1]], axis=0)]
+
+
+_maxunpool_vjp.defjvp(linear_jvp(0))
+
+
+# ------------------------------------------------------------------------------- LpPool
+def _lp_slope(b, node, x: str) -> str:
+    """d|x|^p/dx / p = sign(x) |x|^(p-1)."""
+    p = float(attr(node, "p", 2))
+    if p == 2:
+        return x
+    if p == 1:
+        return b.op("Sign", [x])
+    return b.mul(b.op("Sign", [x]), b.op("Pow", [b.op("Abs", [x]), c(b, p - 1)]))
+
+
+def _lp_outer(b, node, y: str) -> str:
+    """d(s^(1/p))/ds * p = y^(1-p) at s = y^p."""
+    p = float(attr(node, "p", 2))
+    if p == 1:
+        return c(b, 1.0)
+    return b.div(c(b, 1.0), y) if p == 2 else b.op("Pow", [y, c(b, 1.0 - p)])
+
+
+@register("LpPool", inputs=(0,))
+def _lppool_vjp(b, view, node, gys):
+    """y = (window sum |x|^p)^(1/p): dx = sign(x)|x|^(p-1) W^T(g y^(1-p))."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    X, Y = node.input[0], node.output[0]
+    geo = Geom(view, node, X, None)
+    ys = static_shape(view, Y)
+    so = list(ys[2:]) if ys is not None else geo.out_size()
+    back = _window_sum_t(b, view, b.mul(g, _lp_outer(b, node, Y)), X, Y, geo, so)
+    return [b.mul(_lp_slope(b, node, X), back)]
+
+
+@_lppool_vjp.defjvp
+def _lppool_jvp(b, view, node, ts):
+    """ty = y^(1-p) W(sign(x)|x|^(p-1) t), W(v) = LpPool_{p=1}(relu(v)) - LpPool_{p=1}(relu(-v))."""
+    t = ts[0]
+    if t is None:
+        return [None]
+    v = b.mul(_lp_slope(b, node, node.input[0]), t)
+    parts = []
+    for u in (v, b.neg(v)):
+        (s,) = reapply(b, node, {0: b.op("Relu", [u])}, drop=("p",))
+        b.nodes[-1].attribute.extend([helper.make_attribute("p", 1)])
+        parts.append(s)
+    return [b.mul(_lp_outer(b, node, node.output[0]), b.sub(parts[0], parts[1]))]

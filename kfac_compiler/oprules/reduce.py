@@ -1,5 +1,5 @@
-"""Reductions: ReduceSum/Mean/SumSquare/L1/L2/LogSumExp/Max/Min (axes as attribute or
-input, keepdims, noop_with_empty_axes)."""
+"""Reductions: ReduceSum/Mean/SumSquare/L1/L2/LogSum/LogSumExp/Max/Min/Prod (axes as
+attribute or input, keepdims, noop_with_empty_axes)."""
 from __future__ import annotations
 
 import numpy as np
@@ -91,13 +91,32 @@ def _local(b, view, node):
         return b.div(x, _bcast_back(b, view, node, y)), None
     if op == "ReduceLogSumExp":
         return b.op("Exp", [b.sub(x, _bcast_back(b, view, node, y))]), None
+    if op == "ReduceLogSum":  # 1 / sum(x) = exp(-y), the same for the whole group
+        return _full(b, view, node, b.op("Exp", [b.neg(y)])), None
+    if op == "ReduceProd":
+        return _prod_others(b, view, node), None
     # ReduceMax / ReduceMin: the arg-extremum (ties share)
     mask = b.cast(b.op("Equal", [x, _bcast_back(b, view, node, y)]), b.float_type)
     return mask, _reduce_like(b, view, node, mask)
 
 
-@register(("ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceMax", "ReduceMin"),
-          inputs=(0,))
+def _prod_others(b, view, node) -> str:
+    """The product of the other elements of each x's reduction group, without dividing by
+    a zero: p1 = the product with zeros read as ones; an element's partner product is
+    p1 / x (p1 at a zero) when no *other* element of its group is zero, else 0 (torch's
+    prod gradient at zeros)."""
+    x = node.input[0]
+    z = b.op("Equal", [x, c(b, 0.0)])
+    zf = b.cast(z, b.float_type)
+    x1 = b.op("Where", [z, c(b, 1.0), x])
+    p1 = _bcast_back(b, view, node, _reduce_like(b, view, node, x1, "ReduceProd"))
+    nz = _bcast_back(b, view, node, _reduce_like(b, view, node, zf))
+    alone = b.cast(b.op("Equal", [nz, zf]), b.float_type)  # no other zero in the group
+    return b.mul(b.op("Where", [z, p1, b.div(p1, x1)]), alone)
+
+
+@register(("ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax",
+           "ReduceMin", "ReduceProd"), inputs=(0,))
 def _nl_vjp(b, view, node, gys):
     g = gys[0]
     if g is None:

@@ -514,3 +514,14 @@ def _scatter_elements_vjp(b, view, node, gys, needs=None):
 for _rule in (_scatter_nd_vjp, _scatter_elements_vjp):
     _rule.defjvp(_scatter_jvp)
     _rule.defcheck(_scatter_check)
+
+
+# ---------------------------------------------------------------------- ReverseSequence
+@register("ReverseSequence", inputs=(0,))
+def _revseq_vjp(b, view, node, gys):
+    """A permutation that is its own inverse (same sequence_lens): the adjoint reverses g."""
+    g = gys[0]
+    return [None if g is None else reapply(b, node, {0: g})[0]]
+
+
+_revseq_vjp.defjvp(linear_jvp(0))

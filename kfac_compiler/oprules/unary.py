@@ -1,5 +1,5 @@
 """Unary elementwise ops: the math and activation functions (Neg, Sqrt, Exp, Log, Relu,
-Tanh, Sigmoid, Gelu, Sin, Asin, Mish, ...), registered through one helper (`unary`) whose single
+Tanh, Sigmoid, Gelu, Sin, Asin, Mish, Shrink, ...), registered through one helper (`unary`) whose single
 expression v * f'(x) is both the vjp and the jvp; and the single-input ops that pass the
 (co)tangent through a type change or a mask (Cast, CastLike, Dropout)."""
 from __future__ import annotations
@@ -116,6 +116,13 @@ def _celu(b, node, x, y, v):  # x<=0: e^(x/alpha) = y/alpha + 1
 def _thresholded_relu(b, node, x, y, v):
     alpha = attr(node, "alpha", 1.0)
     return where0(b, b.op("Greater", [x, c(b, alpha)]), v)
+
+
+@unary("Shrink")
+def _shrink(b, node, x, y, v):  # slope 1 outside [-lambd, lambd], 0 inside (torch's soft/hardshrink)
+    lambd = attr(node, "lambd", 0.5)
+    outside = b.op("Or", [b.op("Greater", [x, c(b, lambd)]), b.op("Less", [x, c(b, -lambd)])])
+    return where0(b, outside, v)
 
 
 @unary("Tanh")
