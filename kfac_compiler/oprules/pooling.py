@@ -152,15 +152,21 @@ def _upsample(b, view, v: str, Y: str, X: str, k: list[int]) -> str:
     return b.op("Pad", [r, b.op("Concat", [b.ints([0] * (2 + nd + 2)), rem], axis=0)])
 
 
+def _window_geometry(view, node) -> tuple[Geom, list]:
+    """A windowed pool's geometry and its output's spatial size (static where the output's
+    shape is known, else from the geometry), which AveragePool and LpPool adjoints share."""
+    geo = Geom(view, node, node.input[0], None)
+    ys = static_shape(view, node.output[0])
+    return geo, list(ys[2:]) if ys is not None else geo.out_size()
+
+
 @register("AveragePool", inputs=(0,))
 def _avgpool_vjp(b, view, node, gys):
     g = gys[0]
     if g is None:
         return [None]
     X, Y = node.input[0], node.output[0]
-    geo = Geom(view, node, X, None)
-    ys = static_shape(view, Y)
-    so = list(ys[2:]) if ys is not None else geo.out_size()
+    geo, so = _window_geometry(view, node)
     div = _avg_divisor(b, view, node, geo, so)
     gd = b.mul(g, c(b, 1.0 / div)) if isinstance(div, float) else b.div(g, b.const(div.astype(b.np_float)))
     return [_window_sum_t(b, view, gd, X, Y, geo, so)]
@@ -180,9 +186,7 @@ def _window_sum_t(b, view, v: str, X: str, Y: str, geo: Geom, so) -> str:
 
 @_avgpool_vjp.defcheck
 def _avgpool_check(view, node):
-    geo = Geom(view, node, node.input[0], None)
-    ys = static_shape(view, node.output[0])
-    _avg_divisor(None, view, node, geo, list(ys[2:]) if ys is not None else geo.out_size())
+    _avg_divisor(None, view, node, *_window_geometry(view, node))
 
 
 _avgpool_vjp.defjvp(lambda b, view, node, ts: [None] if ts[0] is None else reapply(b, node, {0: ts[0]}))
@@ -274,9 +278,7 @@ def _lppool_vjp(b, view, node, gys):
     if g is None:
         return [None]
     X, Y = node.input[0], node.output[0]
-    geo = Geom(view, node, X, None)
-    ys = static_shape(view, Y)
-    so = list(ys[2:]) if ys is not None else geo.out_size()
+    geo, so = _window_geometry(view, node)
     back = _window_sum_t(b, view, b.mul(g, _lp_outer(b, node, Y)), X, Y, geo, so)
     return [b.mul(_lp_slope(b, node, X), back)]
 
