@@ -274,7 +274,9 @@ except DataError as e:
 
 
 # --------------------------------------------------------------------------- interrupt, resume
-def _interrupted_run(tmp_path, send) -> tuple[subprocess.CompletedProcess, str, str]:
+def _interrupted_run(tmp_path, send, wait: float = 180) -> tuple[subprocess.CompletedProcess, str, str]:
+    """`mpirun -n 2 train` with metrics and a checkpoint: `send(proc)` once 3 steps are in the
+    metrics, then the run's end within `wait` seconds (a hang fails)."""
     metrics, ckpt = str(tmp_path / "m.csv"), str(tmp_path / "run.ckpt")
     proc = subprocess.Popen(rank_command(2, [*TRAIN, "--steps", "100000", "--batch-size", "64", "--metrics", metrics,
                                              "--checkpoint", ckpt]),
@@ -286,7 +288,7 @@ def _interrupted_run(tmp_path, send) -> tuple[subprocess.CompletedProcess, str, 
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         send(proc)
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=wait)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -391,22 +393,9 @@ def test_a_rank_killed_mid_run_ends_the_job_and_the_next_run_takes_its_locks_ove
     next run on the same paths takes them over (their process is gone) and trains to rc 0."""
     if not os.path.isdir("/proc"):
         pytest.skip("finding a rank's pid reads /proc")
-    metrics, ckpt = str(tmp_path / "m.csv"), str(tmp_path / "run.ckpt")
-    proc = subprocess.Popen(rank_command(2, [*TRAIN, "--steps", "100000", "--batch-size", "64", "--metrics", metrics,
-                                             "--checkpoint", ckpt]),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1"))
-    try:
-        deadline = time.monotonic() + 180
-        while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) > 3):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=60)  # a hang fails here
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0 and "exited on signal 9" in " ".join(stderr.replace("\x00", "").split())  # mpirun's report
+    done, metrics, ckpt = _interrupted_run(tmp_path, lambda proc: os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL),
+                                           wait=60)  # a hang fails there
+    assert done.returncode != 0 and "exited on signal 9" in " ".join(done.stderr.replace("\x00", "").split())  # mpirun's report
     assert lock_path(metrics) in [str(tmp_path / f) for f in os.listdir(tmp_path)]  # rank 0's, left by the kill
     out = run_ranks(2, [*TRAIN, "--steps", "2", "--batch-size", "64", "--metrics", metrics, "--checkpoint", ckpt, "-q"])
     assert out.returncode == 0, out.stderr[-2000:]
