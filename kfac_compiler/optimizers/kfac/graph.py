@@ -148,9 +148,8 @@ class KfacStepOptions(SubgraphOptions):
     decay, theta <- (1 - alpha hp/decoupled_weight_decay) theta + update; accumulate: the
     batch is an accumulation cycle's last micro-batch, the gradient the cycle's mean
     (optimizers/accumulate.py), while the loss, the quadratic model and loss_after are this
-    micro-batch's; multi_tensor: the gradient's clipping and l2 term, the
-    update, the new parameters and the velocity once over the concatenation of every K-FAC
-    parameter (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each;
+    micro-batch's; multi_tensor: the gradient's clipping and l2 term, the update, the new
+    parameters and the velocity once over the concatenation of every K-FAC parameter (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each;
     None: the device's default, filled by resolve), the preconditioning and the quadratic
     model's JVPs per parameter as before; curvature_scale: the quadratic model's GGN
     products times this factor (KfacConfig.qmodel_curvature_scale)."""
@@ -239,8 +238,7 @@ def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2
     shared). With `adam` (TF K-FAC's momentum_type) P preconditions m <- hp/momentum m + g
     (the objective's gradient, l2 included; state grad_velocity) instead. The velocity and m
     are `lay`'s state slots and the dot products one stacked Gram of its chunks (Layout.gram);
-    P is per block, so per
-    parameter (packed once), as are the JVPs' tangents."""
+    P is per block, so per parameter (packed once), as are the JVPs' tangents."""
     b, vectors = em.b, dict(local.vectors)
     if adam:
         mu = em.hp(C.MOMENTUM)
