@@ -149,9 +149,10 @@ class KfacStepOptions(SubgraphOptions):
     batch is an accumulation cycle's last micro-batch, the gradient the cycle's mean
     (optimizers/accumulate.py), while the loss, the quadratic model and loss_after are this
     micro-batch's; multi_tensor: the gradient's clipping and l2 term, the update, the new
-    parameters and the velocity once over the concatenation of every K-FAC parameter (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each;
-    None: the device's default, filled by resolve), the preconditioning and the quadratic
-    model's JVPs per parameter as before; curvature_scale: the quadratic model's GGN
+    parameters and the velocity once over the concatenation of every K-FAC parameter
+    (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each; None:
+    the device's default, filled by resolve), the preconditioning and the quadratic model's
+    JVPs per parameter as before; curvature_scale: the quadratic model's GGN
     products times this factor (KfacConfig.qmodel_curvature_scale)."""
 
     resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples", "multi_tensor")
