@@ -397,6 +397,15 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("AffineGrid-2d", "AffineGrid", [("t", r(2, 2, 3)), ("sz", i64(2, 1, 3, 4))], opset=20),
     C("AffineGrid-3d-align", "AffineGrid", [("t", r(1, 3, 4)), ("sz", i64(1, 2, 2, 3, 2))],
       attrs={"align_corners": 1}, opset=20),
+    # torch.fft.rfft / torch.stft (dynamo): DFT, real [..., 1] and complex [..., 2] inputs
+    C("DFT-real-onesided", "DFT", [("x", r(2, 8, 1))], attrs={"onesided": 1}),
+    C("DFT-complex", "DFT", [("x", r(2, 5, 2))]),
+    C("DFT-inverse-axis2", "DFT", [("x", r(2, 3, 6, 2))], attrs={"axis": 2, "inverse": 1}),
+    C("DFT-length-pad", "DFT", [("x", r(2, 5, 2)), ("n", np.asarray(8, np.int64))]),
+    C("DFT-length-crop-onesided", "DFT", [("x", r(3, 7, 1)), ("n", np.asarray(4, np.int64))], attrs={"onesided": 1}),
+    C("DFT-20-axis-input-odd", "DFT", [("x", r(2, 7, 3, 1)), ("n", None), ("ax", np.asarray(1, np.int64))],
+      attrs={"onesided": 1}, opset=20),
+    C("DFT-20-inverse-real", "DFT", [("x", r(4, 3, 1))], attrs={"inverse": 1}, opset=20),
 ]
 
 

@@ -262,6 +262,7 @@ from kfac_compiler.oprules import (  # noqa: E402,F401
     sampling,
     selection,
     softmax,
+    spectral,
     tensor,
     unary,
 )

@@ -1,0 +1,121 @@
+"""Spectral ops: DFT (opset 17: axis attribute; opset 20: axis input).
+
+The DFT is linear, so its jvp is the node applied to the tangent. Its adjoint (in the real
+[re, im] representation) is the conjugate transform: n times ONNX's inverse DFT for a
+forward node, 1/n times the forward DFT for an inverse one. The pieces around it:
+- a onesided output (real input, the first n//2+1 bins): the selection's adjoint pads the
+  cotangent with zeros to n bins, which the adjoint DFT does itself through its dft_length;
+- a real input [..., 1]: the embedding x -> x + 0i has the real part as its adjoint;
+- dft_length != the input's length m along the axis (the forward zero-pads or truncates):
+  the adjoint truncates or zero-pads back to m.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kfac_compiler.oprules import register
+from kfac_compiler.oprules._util import attr, c, cval, dims_slice, inp, linear_jvp, unsupported
+
+
+def dft(b, x: str, axis: int, length: str | None, inverse: bool) -> str:
+    """A DFT of x along `axis` (>= 0) with the optional dft_length tensor, in the form the
+    builder's opset takes (axis as attribute before 20, as input from 20)."""
+    ins = [x, length or ""]
+    if b.opset >= 20:
+        return b.op("DFT", ins + [b.const(np.asarray(axis, dtype=np.int64))], inverse=int(inverse))
+    return b.op("DFT", ins if length else [x], axis=axis, inverse=int(inverse))
+
+
+def _axis(view, node) -> int:
+    """The transform axis of a DFT node, counted from the front (the [re, im] axis included)."""
+    r = view.rank(node.input[0])
+    if r is None:
+        raise unsupported(node, view, "needs the input rank")
+    if view.opset >= 20:
+        a = -2 if not inp(node, 2) else cval(view, node.input[2])
+        if a is None:
+            raise unsupported(node, view, "needs a constant axis input")
+    else:
+        a = attr(node, "axis", 1)
+    return int(np.asarray(a)) % r
+
+
+def _static_len(view, name: str | None) -> int | None:
+    v = cval(view, name)
+    return None if v is None else int(np.asarray(v).reshape(-1)[0])
+
+
+def axis_len(b, view, x: str, axis: int) -> str:
+    """x's size along `axis` as a 1-element int64 tensor (a constant when static)."""
+    s = view.shape(x)
+    if s is not None and isinstance(s[axis], int):
+        return b.ints([s[axis]])
+    return dims_slice(b, x, axis, axis + 1)
+
+
+def fit_axis(b, view, z: str, like: str, axis: int, n: int | None, n_t: str) -> str:
+    """z, of length n (tensor n_t, 1 element) along `axis`, truncated or zero-padded to the
+    length of `like` there: the adjoint of the forward's padding or truncation to n."""
+    s = view.shape(like)
+    m = s[axis] if s is not None and isinstance(s[axis], int) else None
+    r = len(s) if s is not None else view.rank(like)
+    if m is not None and n is not None:
+        if m < n:
+            return b.op("Slice", [z, b.ints([0]), b.ints([m]), b.ints([axis])])
+        if m > n:
+            return b.op("Pad", [z, b.ints([0] * (r + axis) + [m - n] + [0] * (r - axis - 1))])
+        return z
+    m_t = axis_len(b, view, like, axis)
+    z = b.op("Slice", [z, b.ints([0]), m_t, b.ints([axis])])
+    more = b.op("Max", [b.sub(m_t, b.reshape(n_t, [1])), b.ints([0])])
+    pads = b.op("Concat", [b.ints([0] * (r + axis)), more, b.ints([0] * (r - axis - 1))], axis=0)
+    return b.op("Pad", [z, pads])
+
+
+def real_like(b, view, z: str, x: str) -> str:
+    """z [..., 2] cut to x's last dim: its real part [..., 1] for a real x, else all of it."""
+    s = view.shape(x)
+    last = s[-1] if s is not None else None
+    if last == 2:
+        return z
+    end = b.ints([1]) if last == 1 else dims_slice(b, x, -1)
+    return b.op("Slice", [z, b.ints([0]), end, b.ints([-1])])
+
+
+@register("DFT", since=17, inputs=(0,))
+def _dft_vjp(b, view, node, gys):
+    """dx = the conjugate transform of g (n IDFT or DFT/n), fitted back to x's length and,
+    for a real x, its real part."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    x = node.input[0]
+    axis = _axis(view, node)
+    inverse = bool(attr(node, "inverse", 0))
+    dl = inp(node, 1)
+    m_s = view.shape(x)
+    m = m_s[axis] if m_s is not None and isinstance(m_s[axis], int) else None
+    n = _static_len(view, dl) if dl else m
+    if dl:
+        n_t = b.reshape(dl, [1])
+    else:
+        n_t = axis_len(b, view, x, axis)
+    onesided = bool(attr(node, "onesided", 0))
+    length = b.reshape(n_t, []) if (onesided or dl) else None
+    z = dft(b, g, axis, length, inverse=not inverse)
+    nf = c(b, float(n)) if n is not None else b.cast(n_t, b.float_type)
+    z = b.div(z, nf) if inverse else b.mul(z, nf)
+    if dl:
+        z = fit_axis(b, view, z, x, axis, n, n_t)
+    return [real_like(b, view, z, x)]
+
+
+_dft_vjp.defjvp(linear_jvp(0))
+
+
+@_dft_vjp.defcheck
+def _dft_check(view, node):
+    _axis(view, node)
+    if attr(node, "inverse", 0) and attr(node, "onesided", 0):
+        raise unsupported(node, view, "with inverse=1 and onesided=1 (a one-sided inverse, which the spec leaves "
+                                      "undefined and runtimes read differently)")
