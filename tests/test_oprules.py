@@ -406,6 +406,16 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("DFT-20-axis-input-odd", "DFT", [("x", r(2, 7, 3, 1)), ("n", None), ("ax", np.asarray(1, np.int64))],
       attrs={"onesided": 1}, opset=20),
     C("DFT-20-inverse-real", "DFT", [("x", r(4, 3, 1))], attrs={"inverse": 1}, opset=20),
+    # torch.stft: frames (overlapping or not, the signal's tail in none), window or none; onesided
+    # spelled out: onnx 1.23's shape inference reads an absent onesided as 0 (its default is 1)
+    C("STFT-real-window", "STFT", [("x", r(2, 16, 1)), ("st", np.asarray(4, np.int64)), ("w", r(6))],
+      attrs={"onesided": 1}, symbolic=False),
+    C("STFT-complex-twosided-overlap", "STFT", [("x", r(1, 10, 2)), ("st", np.asarray(3, np.int64)), ("w", None),
+                                                ("fl", np.asarray(4, np.int64))], attrs={"onesided": 0}),
+    C("STFT-const-window", "STFT", [("x", r(2, 12, 1)), ("st", np.asarray(2, np.int64)), ("w", pos(5)),
+                                    ("fl", np.asarray(5, np.int64))], attrs={"onesided": 1}, consts=("w",)),
+    C("STFT-window-grad-fl", "STFT", [("x", r(1, 9, 1)), ("st", np.asarray(2, np.int64)), ("w", r(4)),
+                                      ("fl", np.asarray(4, np.int64))], attrs={"onesided": 1}),
 ]
 
 
@@ -656,3 +666,15 @@ def test_gridsample_unsupported_forms_are_one_line(attrs, why):
     with pytest.raises(UnsupportedOpError, match=why) as ei:
         derivative_model(model, ["x", "g"], ["y0"])
     assert "\n" not in str(ei.value) and "GridSample_0" in str(ei.value)
+
+
+@pytest.mark.parametrize("op,inputs,attrs,runtime,why", [
+    ("DFT", [("x", r(2, 4, 2))], {"inverse": 1, "onesided": 1}, (), "inverse=1 and onesided=1"),
+    ("STFT", [("x", r(1, 8, 1)), ("st", np.asarray(2, np.int64)), ("w", r(4))], {}, ("st",), "constant frame_step"),
+])
+def test_spectral_unsupported_forms_are_one_line(op, inputs, attrs, runtime, why):
+    """DFT and STFT forms the rules do not cover are refused before anything is emitted."""
+    model, _ = one_node_model(op, inputs, attrs, runtime_inputs=runtime)
+    with pytest.raises(UnsupportedOpError, match=why) as ei:
+        derivative_model(model, ["x"], ["y0"])
+    assert "\n" not in str(ei.value) and f"{op}_0" in str(ei.value)

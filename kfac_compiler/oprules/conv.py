@@ -619,6 +619,16 @@ def _col2im_block(view, node) -> list[int]:
     return [int(v) for v in np.asarray(bs).reshape(-1)]
 
 
+def onehot_kernels(b, k: list[int]) -> str:
+    """The K = prod(k) one-hot kernels [K, 1, *k], one per block offset: a Conv with them
+    cuts [N, 1, *S] into blocks (im2col, channels = offsets), a ConvTranspose adds blocks
+    back (col2im, overlap-add)."""
+    onehot = np.zeros([int(np.prod(k)), 1] + list(k), dtype=b.np_float)
+    for i, pos in enumerate(np.ndindex(*k)):
+        onehot[(i, 0) + pos] = 1.0
+    return b.const(onehot, hint="onehot_kernels")
+
+
 @register("Col2Im", inputs=(0,))
 def _col2im_vjp(b, view, node, gys):
     """dx = im2col(g): g [N, C, *S] as [N*C, 1, *S], a Conv with the K = prod(block) one-hot
@@ -628,12 +638,8 @@ def _col2im_vjp(b, view, node, gys):
         return [None]
     k = _col2im_block(view, node)
     nd = len(k)
-    K = int(np.prod(k))
-    onehot = np.zeros([K, 1] + k, dtype=b.np_float)
-    for i, pos in enumerate(np.ndindex(*k)):
-        onehot[(i, 0) + pos] = 1.0
     g1 = b.reshape(g, make_shape(b, [-1, 1] + dim_parts(b, view, g, 2)))
-    cols = b.op("Conv", [g1, b.const(onehot, hint="col2im_onehot")],
+    cols = b.op("Conv", [g1, onehot_kernels(b, k)],
                 strides=attr(node, "strides", [1] * nd), dilations=attr(node, "dilations", [1] * nd),
                 pads=attr(node, "pads", [0] * (2 * nd)))
     return [b.reshape(cols, shape_tensor(b, view, node.input[0]))]

@@ -1,4 +1,4 @@
-"""Spectral ops: DFT (opset 17: axis attribute; opset 20: axis input).
+"""Spectral ops: DFT (opset 17: axis attribute; opset 20: axis input) and STFT.
 
 The DFT is linear, so its jvp is the node applied to the tangent. Its adjoint (in the real
 [re, im] representation) is the conjugate transform: n times ONNX's inverse DFT for a
@@ -8,13 +8,34 @@ forward node, 1/n times the forward DFT for an inverse one. The pieces around it
 - a real input [..., 1]: the embedding x -> x + 0i has the real part as its adjoint;
 - dft_length != the input's length m along the axis (the forward zero-pads or truncates):
   the adjoint truncates or zero-pads back to m.
+
+STFT is linear in the signal and in the window: each frame is cut out (a one-hot-kernel
+Conv, as Col2Im's adjoint), weighted by the window and DFT'd. The signal's cotangent is the
+per-frame adjoint DFT times the window, added back where the frames overlap (a
+ConvTranspose with the same one-hot kernels); the window's is the adjoint DFT times the
+frames, summed over batch and frames.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from kfac_compiler.oprules import register
-from kfac_compiler.oprules._util import attr, c, cval, dims_slice, inp, linear_jvp, unsupported
+from kfac_compiler.oprules._util import (
+    add_n,
+    attr,
+    c,
+    cval,
+    dim_parts,
+    dims_slice,
+    inp,
+    linear_jvp,
+    make_shape,
+    need,
+    reapply,
+    static_shape,
+    unsupported,
+)
+from kfac_compiler.oprules.conv import onehot_kernels
 
 
 def dft(b, x: str, axis: int, length: str | None, inverse: bool) -> str:
@@ -119,3 +140,58 @@ def _dft_check(view, node):
     if attr(node, "inverse", 0) and attr(node, "onesided", 0):
         raise unsupported(node, view, "with inverse=1 and onesided=1 (a one-sided inverse, which the spec leaves "
                                       "undefined and runtimes read differently)")
+
+
+def _stft_geometry(view, node) -> tuple[int, int]:
+    """(frame_step, frame length) as ints: the frame length from frame_length, else the
+    window's length, else the signal's (as onnx.reference)."""
+    step = _static_len(view, inp(node, 1))
+    fl = _static_len(view, inp(node, 3))
+    src = inp(node, 2) or node.input[0]
+    ss = view.shape(src)
+    if fl is None and ss is not None:
+        d = ss[0] if inp(node, 2) else ss[1]
+        fl = d if isinstance(d, int) else None
+    if step is None or fl is None:
+        raise unsupported(node, view, "needs a constant frame_step and a constant frame_length (or a window of "
+                                      "static length)")
+    return step, fl
+
+
+@register("STFT", since=17, inputs=(0, 2))
+def _stft_vjp(b, view, node, gys, needs=None):
+    """z = fl IDFT_fl(g) per frame ([B, F, fl, c], c = the signal's last dim) as [B*c, fl, F]:
+    dsignal = overlap-add of z * window, dwindow = sum of z * frames."""
+    g = gys[0]
+    if g is None:
+        return [None] * len(node.input)
+    x, w = node.input[0], inp(node, 2)
+    step, fl = _stft_geometry(view, node)
+    z = b.mul(dft(b, g, 2, b.const(np.asarray(fl, dtype=np.int64)), inverse=True), c(b, float(fl)))
+    z = b.transpose(real_like(b, view, z, x), [0, 3, 2, 1])
+    z = b.reshape(z, make_shape(b, [-1, fl] + dim_parts(b, view, g, 1, 2)))
+    kernels = onehot_kernels(b, [fl])
+    gx = gw = None
+    if need(needs, 0):
+        u = z if w is None else b.mul(z, b.reshape(w, [fl, 1]))
+        o = b.op("ConvTranspose", [u, kernels], strides=[step])  # [B*c, 1, (F-1) step + fl]
+        o = b.reshape(o, make_shape(b, dim_parts(b, view, x, 0, 1) + dim_parts(b, view, x, 2, 3) + [-1]))
+        gs = static_shape(view, g)
+        gx = fit_axis(b, view, b.transpose(o, [0, 2, 1]), x, 1, None if gs is None else (gs[1] - 1) * step + fl,
+                      b.shape(o, 2, 3))
+    if w is not None and need(needs, 2):
+        xt = b.reshape(b.transpose(x, [0, 2, 1]), make_shape(b, [-1, 1] + dim_parts(b, view, x, 1, 2)))
+        frames = b.op("Conv", [xt, kernels], strides=[step])  # [B*c, fl, F]
+        gw = b.reduce_sum(b.mul(frames, z), [0, 2])
+    return [gx, None, gw, None][:len(node.input)]
+
+
+@_stft_vjp.defjvp
+def _stft_jvp(b, view, node, ts):
+    """Bilinear in (signal, window): the node on each tangent, with the other input as is."""
+    return [add_n(b, [reapply(b, node, {i: ts[i]})[0] for i in (0, 2) if i < len(ts) and ts[i] is not None])]
+
+
+@_stft_vjp.defcheck
+def _stft_check(view, node):
+    _stft_geometry(view, node)
