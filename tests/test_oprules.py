@@ -416,6 +416,11 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
                                     ("fl", np.asarray(5, np.int64))], attrs={"onesided": 1}, consts=("w",)),
     C("STFT-window-grad-fl", "STFT", [("x", r(1, 9, 1)), ("st", np.asarray(2, np.int64)), ("w", r(4)),
                                       ("fl", np.asarray(4, np.int64))], attrs={"onesided": 1}),
+    # CumProd (opset 26): zeros (one and two in a row), every exclusive/reverse form
+    *[C(f"CumProd-ex{ex}-rev{rv}", "CumProd", [("x", r(3, 5) * np.array([[1, 0, 1, 1, 1], [0, 1, 1, 0, 1], [1, 1, 1, 1, 1]])),
+                                                ("ax", np.asarray(1, np.int64))],
+        attrs={"exclusive": ex, "reverse": rv}, opset=26) for ex in (0, 1) for rv in (0, 1)],
+    C("CumProd-axis0-3d", "CumProd", [("x", r(4, 2, 3)), ("ax", np.asarray(-3, np.int64))], opset=26),
 ]
 
 

@@ -126,6 +126,14 @@ def make_shape(b, parts: Sequence[int | str]) -> str:
     return pieces[0] if len(pieces) == 1 else b.op("Concat", pieces, axis=0)
 
 
+def axis_len(b, view, x: str, axis: int) -> str:
+    """x's size along `axis` (>= 0) as a 1-element int64 tensor (a constant when static)."""
+    s = view.shape(x)
+    if s is not None and isinstance(s[axis], int):
+        return b.ints([s[axis]])
+    return dims_slice(b, x, axis, axis + 1)
+
+
 def dim_parts(b, view, x: str, start: int = 0, end: int | None = None) -> list[int | str]:
     """Dims start:end of `x` as ints where static, else 1-element shape tensors."""
     s = view.shape(x)

@@ -23,6 +23,7 @@ from kfac_compiler.oprules import register
 from kfac_compiler.oprules._util import (
     add_n,
     attr,
+    axis_len,
     c,
     cval,
     dim_parts,
@@ -64,14 +65,6 @@ def _axis(view, node) -> int:
 def _static_len(view, name: str | None) -> int | None:
     v = cval(view, name)
     return None if v is None else int(np.asarray(v).reshape(-1)[0])
-
-
-def axis_len(b, view, x: str, axis: int) -> str:
-    """x's size along `axis` as a 1-element int64 tensor (a constant when static)."""
-    s = view.shape(x)
-    if s is not None and isinstance(s[axis], int):
-        return b.ints([s[axis]])
-    return dims_slice(b, x, axis, axis + 1)
 
 
 def fit_axis(b, view, z: str, like: str, axis: int, n: int | None, n_t: str) -> str:

@@ -1,5 +1,11 @@
 """Data-movement ops: reshapes, Transpose, Concat/Split, Slice, Expand, Gather family, Pad,
-Tile, TopK, CumSum, Trilu, DepthToSpace/SpaceToDepth."""
+Tile, TopK, CumSum, CumProd, Trilu, DepthToSpace/SpaceToDepth.
+
+CumProd (opset 26) is differentiated without dividing by x: with E_k the exclusive product
+before k (in the scan's direction) and A[k, i] = [k in S(i)] times the product of the x_j
+in S(i) beyond k (S(i): the positions y_i multiplies), dy_i/dx_k = E_k A[k, i]. A comes
+from the node itself applied along a new axis to x with the positions up to k read as 1,
+so the derivative graphs hold an [..., n, n, ...] tensor (n: the scanned length)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +16,12 @@ from kfac_compiler.oprules._util import (
     INT64_MAX,
     add_n,
     attr,
+    axis_len,
+    c,
     cval,
     dim_parts,
     dims_slice,
+    filled,
     inp,
     linear_jvp,
     make_shape,
@@ -416,7 +425,7 @@ def _topk_jvp(b, view, node, ts):
     return [b.op("GatherElements", [ts[0], node.output[1]], axis=attr(node, "axis", -1)), None]
 
 
-# ---------------------------------------------------------------------- CumSum, Trilu
+# ------------------------------------------------------------- CumSum, CumProd, Trilu
 @register("CumSum", inputs=(0,))
 def _cumsum_vjp(b, view, node, gys):
     g = gys[0]
@@ -427,6 +436,59 @@ def _cumsum_vjp(b, view, node, gys):
 
 
 _cumsum_vjp.defjvp(linear_jvp(0))
+
+
+def _cumprod_pair(b, view, node) -> tuple[str, str, int]:
+    """(E, A, axis): E = the exclusive products before each x_k ([..., n, ...]), A[k, i] =
+    dy_i/dx_k / E_k on [..., n_k, n_i, ...] (k at `axis`, i at axis + 1)."""
+    x = node.input[0]
+    r = view.rank(x)
+    av = cval(view, inp(node, 1))
+    if r is None or av is None:
+        raise unsupported(node, view, "needs the input rank and a constant axis")
+    a = int(np.asarray(av).reshape(-1)[0]) % r
+    rev, excl = int(attr(node, "reverse", 0)), int(attr(node, "exclusive", 0))
+    e = b.op("CumProd", [x, node.input[1]], exclusive=1, reverse=rev or None)
+    n = axis_len(b, view, x, a)
+    ones = filled(b, b.op("Concat", [n, n], axis=0), 1.0, hint="ones")
+
+    def tri(k: int) -> str:  # [n_k, n_i, 1, ...]: i - k >= k' (upper) or i - k <= k' (lower)
+        m = b.op("Trilu", [ones, b.ints([k])], upper=0 if rev else 1)
+        return b.reshape(m, [0, 0] + [1] * (r - a - 1))
+
+    beyond = b.op("Cast", [tri(-1 if rev else 1)], to=TensorProto.BOOL)  # j beyond k: j > k (j < k reversed)
+    xk = b.unsqueeze(x, [a])
+    masked = b.op("Where", [beyond, xk, c(b, 1.0)])
+    t = b.op("CumProd", [masked, b.const(np.asarray(a + 1, dtype=np.int64))], exclusive=excl or None,
+             reverse=rev or None)
+    inc = tri((-1 if rev else 1) if excl else 0)  # k in S(i): i >= k (i > k exclusive), mirrored reversed
+    return e, b.mul(inc, t), a
+
+
+@register("CumProd", since=26, inputs=(0,))
+def _cumprod_vjp(b, view, node, gys):
+    """dx_k = E_k sum_i A[k, i] g_i."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    e, m, a = _cumprod_pair(b, view, node)
+    return [b.mul(e, b.reduce_sum(b.mul(m, b.unsqueeze(g, [a])), [a + 1]))]
+
+
+@_cumprod_vjp.defjvp
+def _cumprod_jvp(b, view, node, ts):
+    """dy_i = sum_k A[k, i] E_k t_k."""
+    t = ts[0]
+    if t is None:
+        return [None]
+    e, m, a = _cumprod_pair(b, view, node)
+    return [b.reduce_sum(b.mul(m, b.unsqueeze(b.mul(e, t), [a + 1])), [a])]
+
+
+@_cumprod_vjp.defcheck
+def _cumprod_check(view, node):
+    if view.rank(node.input[0]) is None or cval(view, inp(node, 1)) is None:
+        raise unsupported(node, view, "needs the input rank and a constant axis")
 
 
 @register("Trilu", inputs=(0,))
