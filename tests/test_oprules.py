@@ -421,6 +421,9 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
                                                 ("ax", np.asarray(1, np.int64))],
         attrs={"exclusive": ex, "reverse": rv}, opset=26) for ex in (0, 1) for rv in (0, 1)],
     C("CumProd-axis0-3d", "CumProd", [("x", r(4, 2, 3)), ("ax", np.asarray(-3, np.int64))], opset=26),
+    C("GlobalLpPool-p2", "GlobalLpPool", [("x", r(2, 3, 4, 5))]),
+    C("GlobalLpPool-p3-1d", "GlobalLpPool", [("x", r(2, 3, 6, lo=0.1))], attrs={"p": 3}),
+    C("GlobalLpPool-p1-3d", "GlobalLpPool", [("x", r(1, 2, 3, 2, 2, lo=0.1))], attrs={"p": 1}),
 ]
 
 
@@ -649,8 +652,11 @@ def test_scatter_with_a_multiplicative_reduction_has_no_rule():
       for a in ({}, {"padding_mode": "border"}, {"align_corners": 1}, {"mode": "nearest", "padding_mode": "border"})],
     ("AffineGrid", r(2, 2, 3), {"sz": i64(2, 1, 3, 4)}),
     ("AffineGrid", r(1, 3, 4), {"sz": i64(1, 2, 2, 3, 2), "align_corners": 1}),
+    ("GlobalLpPool", r(2, 3, 4, 5), {}),
+    ("GlobalLpPool", r(2, 3, 6), {"p": 3}),
 ], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes", "GridSample-zeros",
-        "GridSample-border", "GridSample-align", "GridSample-nearest-border", "AffineGrid-2d", "AffineGrid-3d-align"])
+        "GridSample-border", "GridSample-align", "GridSample-nearest-border", "AffineGrid-2d", "AffineGrid-3d-align",
+        "GlobalLpPool-p2", "GlobalLpPool-p3"])
 def test_reference_fixes_agree_with_ort(op, x, attrs):
     """The float64 truth of the finite-difference cases (run_reference with
     check._reference_fixes: onnx.reference's LRN, p=1 LpNormalization and float64 MVN are

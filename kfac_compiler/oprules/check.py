@@ -52,7 +52,7 @@ def _reference_fixes() -> list:
     batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|),
     MeanVarianceNormalization (fails on float64: a float32 epsilon) and GridSample's 4-D
     linear/nearest modes with zeros/border padding and AffineGrid (float32 coordinates:
-    finite differences of a float64 input see their rounding)."""
+    finite differences of a float64 input see their rounding); GlobalLpPool, which it lacks."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -229,8 +229,16 @@ def _reference_fixes() -> list:
             grid = np.einsum("pj,nij->npi", base, theta)
             return (grid.reshape([theta.shape[0]] + spatial + [len(spatial)]).astype(theta.dtype),)
 
+    class GlobalLpPool(OpRun):
+        op_domain = ""
+
+        def _run(self, x, p=None):
+            p = 2 if p is None else p
+            s = (np.abs(x) ** p).sum(axis=tuple(range(2, x.ndim)), keepdims=True)
+            return ((s ** (1.0 / p)).astype(x.dtype),)
+
     return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True), LRN, LpNormalization,
-            MeanVarianceNormalization, GridSample, AffineGrid]
+            MeanVarianceNormalization, GridSample, AffineGrid, GlobalLpPool]
 
 
 def run_reference(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs=None) -> dict:

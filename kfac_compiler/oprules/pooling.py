@@ -1,4 +1,4 @@
-"""Pooling: MaxPool, AveragePool, LpPool, GlobalAveragePool, GlobalMaxPool, MaxUnpool. The windowed pools use
+"""Pooling: MaxPool, AveragePool, LpPool, GlobalAveragePool, GlobalMaxPool, GlobalLpPool, MaxUnpool. The windowed pools use
 conv's geometry (`Geom`) and, for AveragePool, its ConvTranspose adjoint (`conv_t_to`).
 
 Lowerings (see docs/autodiff.md):
@@ -11,6 +11,7 @@ Lowerings (see docs/autodiff.md):
   cotangent/divisor with a ones kernel on [N*C, 1, *S].
 - LpPool: the same window-sum adjoint of g y^(1-p), times sign(x) |x|^(p-1); its jvp sums
   the windows with the node itself at p=1 (on the positive and negative parts).
+- GlobalLpPool: LpPool's slope and outer factor, the window being all of the spatial dims.
 """
 from __future__ import annotations
 
@@ -296,3 +297,26 @@ def _lppool_jvp(b, view, node, ts):
         b.nodes[-1].attribute.extend([helper.make_attribute("p", 1)])
         parts.append(s)
     return [b.mul(_lp_outer(b, node, node.output[0]), b.sub(parts[0], parts[1]))]
+
+
+@register("GlobalLpPool", inputs=(0,))
+def _glppool_vjp(b, view, node, gys):
+    """LpPool's adjoint with one window over all spatial dims: dx = sign(x)|x|^(p-1) g y^(1-p)."""
+    g = gys[0]
+    if g is None:
+        return [None]
+    return [b.mul(_lp_slope(b, node, node.input[0]), b.mul(g, _lp_outer(b, node, node.output[0])))]
+
+
+@_glppool_vjp.defjvp
+def _glppool_jvp(b, view, node, ts):
+    """ty = y^(1-p) sum over the spatial dims of sign(x)|x|^(p-1) t."""
+    t = ts[0]
+    if t is None:
+        return [None]
+    x = node.input[0]
+    r = view.rank(x)
+    if r is None:
+        raise unsupported(node, view, "needs the input rank")
+    s = b.reduce_sum(b.mul(_lp_slope(b, node, x), t), list(range(2, r)), keepdims=True)
+    return [b.mul(_lp_outer(b, node, node.output[0]), s)]
