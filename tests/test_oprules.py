@@ -424,6 +424,13 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("GlobalLpPool-p2", "GlobalLpPool", [("x", r(2, 3, 4, 5))]),
     C("GlobalLpPool-p3-1d", "GlobalLpPool", [("x", r(2, 3, 6, lo=0.1))], attrs={"p": 3}),
     C("GlobalLpPool-p1-3d", "GlobalLpPool", [("x", r(1, 2, 3, 2, 2, lo=0.1))], attrs={"p": 1}),
+    # torchvision.ops.deform_conv2d (dynamo): offsets move taps partly outside the input
+    C("DeformConv-basic", "DeformConv", [("x", r(1, 2, 5, 5)), ("w", r(3, 2, 2, 2)), ("off", 0.7 * r(1, 8, 4, 4))],
+      opset=19, symbolic=False),
+    C("DeformConv-groups-mask-bias", "DeformConv",
+      [("x", r(2, 4, 6, 5)), ("w", r(4, 2, 3, 2)), ("off", 0.8 * r(2, 24, 3, 4)), ("b", r(4)), ("m", pos(2, 12, 3, 4))],
+      attrs={"group": 2, "offset_group": 2, "pads": [1, 0, 1, 1], "strides": [2, 1], "dilations": [1, 2]},
+      opset=19, symbolic=False),
 ]
 
 
@@ -654,16 +661,19 @@ def test_scatter_with_a_multiplicative_reduction_has_no_rule():
     ("AffineGrid", r(1, 3, 4), {"sz": i64(1, 2, 2, 3, 2), "align_corners": 1}),
     ("GlobalLpPool", r(2, 3, 4, 5), {}),
     ("GlobalLpPool", r(2, 3, 6), {"p": 3}),
+    ("DeformConv", r(2, 4, 6, 5), {"w": r(4, 2, 3, 2), "off": 0.8 * r(2, 24, 3, 4), "b": r(4), "m": pos(2, 12, 3, 4),
+                                   "group": 2, "offset_group": 2, "pads": [1, 0, 1, 1], "strides": [2, 1],
+                                   "dilations": [1, 2]}),
 ], ids=["LRN-size3", "LRN-size5", "LpNorm-p1", "LpNorm-p2", "MVN-default", "MVN-axes", "GridSample-zeros",
         "GridSample-border", "GridSample-align", "GridSample-nearest-border", "AffineGrid-2d", "AffineGrid-3d-align",
-        "GlobalLpPool-p2", "GlobalLpPool-p3"])
+        "GlobalLpPool-p2", "GlobalLpPool-p3", "DeformConv"])
 def test_reference_fixes_agree_with_ort(op, x, attrs):
     """The float64 truth of the finite-difference cases (run_reference with
     check._reference_fixes: onnx.reference's LRN, p=1 LpNormalization and float64 MVN are
     wrong) agrees with ONNX Runtime's float32 forward."""
     attrs = dict(attrs)
-    extra = [(k, attrs.pop(k)) for k in ("g", "sz") if k in attrs]
-    model, feeds = one_node_model(op, [("x", x), *extra], attrs, opset=20 if op == "AffineGrid" else 16)
+    extra = [(k, attrs.pop(k)) for k in ("g", "sz", "w", "off", "b", "m") if k in attrs]
+    model, feeds = one_node_model(op, [("x", x), *extra], attrs, opset={"AffineGrid": 20, "DeformConv": 19}.get(op, 16))
     want = run_ort(convert_float_type(model, TensorProto.FLOAT),
                    {k: v.astype(np.float32) for k, v in feeds.items()}, ["y0"])["y0"]
     np.testing.assert_allclose(run_reference(model, feeds, ["y0"])["y0"], want, rtol=1e-5, atol=1e-6)
@@ -689,3 +699,12 @@ def test_spectral_unsupported_forms_are_one_line(op, inputs, attrs, runtime, why
     with pytest.raises(UnsupportedOpError, match=why) as ei:
         derivative_model(model, ["x"], ["y0"])
     assert "\n" not in str(ei.value) and f"{op}_0" in str(ei.value)
+
+
+def test_deformconv_needs_static_dims_one_line():
+    """DeformConv with symbolic channel/spatial dims is refused before anything is emitted."""
+    model, _ = one_node_model("DeformConv", [("x", r(1, 2, 4, 4)), ("w", r(2, 2, 2, 2)), ("off", r(1, 8, 3, 3))],
+                              opset=19, symbolic=("x",))
+    with pytest.raises(UnsupportedOpError, match="static channel, spatial and output dims") as ei:
+        derivative_model(model, ["x", "w", "off"], ["y0"])
+    assert "\n" not in str(ei.value) and "DeformConv_0" in str(ei.value)

@@ -52,7 +52,8 @@ def _reference_fixes() -> list:
     batch axis, 4-D only), LpNormalization (p=1 sums x, not |x|),
     MeanVarianceNormalization (fails on float64: a float32 epsilon) and GridSample's 4-D
     linear/nearest modes with zeros/border padding and AffineGrid (float32 coordinates:
-    finite differences of a float64 input see their rounding); GlobalLpPool, which it lacks."""
+    finite differences of a float64 input see their rounding); GlobalLpPool, which it lacks;
+    DeformConv (its GridSample calls are float32, and it loops per pixel)."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
@@ -237,8 +238,40 @@ def _reference_fixes() -> list:
             s = (np.abs(x) ** p).sum(axis=tuple(range(2, x.ndim)), keepdims=True)
             return ((s ** (1.0 / p)).astype(x.dtype),)
 
+    class DeformConv(OpRun):
+        op_domain = ""
+
+        def _run(self, X, W, offset, B=None, mask=None, dilations=None, group=None, kernel_shape=None,
+                 offset_group=None, pads=None, strides=None):
+            N, C, H, Wd = X.shape
+            O, Ci, kh, kw = W.shape
+            grp, G = group or 1, offset_group or 1
+            s, d, p = strides or [1, 1], dilations or [1, 1], pads or [0, 0, 0, 0]
+            oh, ow = offset.shape[2:]
+            off = offset.reshape(N, G, kh, kw, 2, oh, ow)
+            m = np.ones((N, G, kh, kw, oh, ow)) if mask is None else mask.reshape(N, G, kh, kw, oh, ow)
+            py = ((np.arange(kh) * d[0])[:, None, None, None] + (np.arange(oh) * s[0] - p[0])[None, None, :, None]
+                  + off[:, :, :, :, 0])  # [N, G, kh, kw, oh, ow] pixel coordinates
+            px = ((np.arange(kw) * d[1])[None, :, None, None] + (np.arange(ow) * s[1] - p[1])[None, None, None, :]
+                  + off[:, :, :, :, 1])
+            xg = X.reshape(N, G, C // G, H, Wd)
+            n_i = np.arange(N)[:, None, None, None, None, None]
+            g_i = np.arange(G)[None, :, None, None, None, None]
+            cols = 0.0
+            for yc in (np.floor(py), np.floor(py) + 1):
+                for xc in (np.floor(px), np.floor(px) + 1):
+                    ok = (yc >= 0) & (yc <= H - 1) & (xc >= 0) & (xc <= Wd - 1)
+                    w = (1 - np.abs(py - yc)) * (1 - np.abs(px - xc)) * ok * m
+                    v = xg[n_i, g_i, :, np.clip(yc, 0, H - 1).astype(int), np.clip(xc, 0, Wd - 1).astype(int)]
+                    cols = cols + v * w[..., None]  # [N, G, kh, kw, oh, ow, C/G]
+            cols = np.moveaxis(cols, -1, 2).reshape(N, grp, Ci * kh * kw, oh * ow)
+            y = np.einsum("gok,ngkp->ngop", W.reshape(grp, O // grp, Ci * kh * kw), cols).reshape(N, O, oh, ow)
+            if B is not None:
+                y = y + B.reshape(1, -1, 1, 1)
+            return (y.astype(X.dtype),)
+
     return [ConvTranspose, MaxPool, Erf, Gelu, softmax_like(False), softmax_like(True), LRN, LpNormalization,
-            MeanVarianceNormalization, GridSample, AffineGrid, GlobalLpPool]
+            MeanVarianceNormalization, GridSample, AffineGrid, GlobalLpPool, DeformConv]
 
 
 def run_reference(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs=None) -> dict:

@@ -1,28 +1,40 @@
 """GridSample (4-D input, static or symbolic dims; linear/bilinear and nearest modes; zeros
-and border padding) and AffineGrid (linear in theta: its cotangent is the cotangent times
-the homogeneous base grid, the grid of the identity transform).
+and border padding), AffineGrid (linear in theta: its cotangent is the cotangent times
+the homogeneous base grid, the grid of the identity transform) and DeformConv (2-D).
 
 The sample at each output position is a weighted sum of at most four input pixels (the
 corners around the unnormalized grid point). Rules gather those corners from the input
 flattened to [N, C, H*W] (GatherElements), and the input's cotangent scatters back with one
 ScatterElements(reduction="add"). Bilinear weights are products of per-axis weights, so the
 grid's cotangent is, per axis, the difference of the corner values weighted by the other
-axis's weights, times d(pixel coordinate)/d(grid coordinate)."""
+axis's weights, times d(pixel coordinate)/d(grid coordinate).
+
+DeformConv samples each input channel's offset group at the kernel taps moved by the
+offsets (pixel coordinates, zero outside: GridSample's zeros/align_corners=1 corners), times
+the mask, and contracts the samples ("columns" [N, group, C/group*K, P]) with the weight as
+one batched MatMul. Its cotangents: the weight's and the bias's from the columns, the
+columns' from the weight; then the samples' go back through the sampling like GridSample's
+(input: one scatter-add; offsets: the per-axis corner differences; mask: the samples)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 import numpy as np
 from onnx import TensorProto
 
 from kfac_compiler.oprules import register
 from kfac_compiler.oprules._util import (
+    add_n,
     attr,
     c,
     dims_slice,
+    inp,
     linear_jvp,
+    need,
     reapply,
     shape_tensor,
+    static_shape,
     unsupported,
     zeros,
 )
@@ -82,9 +94,9 @@ def _axis_coords(b, gc: str, size: int | str, align: bool, border: bool) -> tupl
 
 
 def _corners(b, view, node) -> _Corners:
+    """The corners of a GridSample node's grid points."""
     X, grid = node.input[0], node.input[1]
     H, W = _dims(b, view, node)
-    hi_x, hi_y = _lin(b, W, 1.0, -1.0), _lin(b, H, 1.0, -1.0)
     align = bool(attr(node, "align_corners", 0))
     border = attr(node, "padding_mode", "zeros") == "border"
     mode = attr(node, "mode", "bilinear" if view.opset < 20 else "linear")
@@ -93,6 +105,16 @@ def _corners(b, view, node) -> _Corners:
     ix, sx = _axis_coords(b, gx, W, align, border)
     iy, sy = _axis_coords(b, gy, H, align, border)
     target = b.op("Concat", [dims_slice(b, X, 0, 2), dims_slice(b, gx, 2, 3)], axis=0)
+    return pixel_corners(b, ix, iy, H, W, target, mode, (sx, sy))
+
+
+def pixel_corners(b, ix: str, iy: str, H: int | str, W: int | str, target: str, mode: str,
+                  scale: tuple[str, str]) -> _Corners:
+    """The corners around the pixel coordinates (ix, iy) [N, 1, P] of an [N, C, H, W] input
+    (zero outside it), with gather indices expanded to `target` = [N, C, P]; `scale` is
+    d(pixel coordinate)/d(the caller's coordinate) per axis."""
+    hi_x, hi_y = _lin(b, W, 1.0, -1.0), _lin(b, H, 1.0, -1.0)
+    sx, sy = scale
 
     def corner(xc: str, yc: str) -> tuple[str, str]:
         """(gather indices [N, C, P], validity [N, 1, P]) of the pixel (yc, xc)."""
@@ -130,11 +152,24 @@ def _flat(b, t: str) -> str:
     return b.reshape(t, [0, 0, -1])
 
 
-def _coord_slopes(b, X: str, k: _Corners) -> list[str]:
-    """dy/d(grid x), dy/d(grid y) as [N, C, P]: sum over corners of dw * value * scale."""
-    xf = _flat(b, X)
+def coord_slopes(b, xf: str, k: _Corners) -> list[str]:
+    """dy/d(coordinate x), dy/d(coordinate y) as [N, C, P] for the input flattened to
+    [N, C, H*W]: sum over corners of dw * value * scale."""
     vals = [b.op("GatherElements", [xf, idx], axis=2) for idx in k.idx]
     return [b.mul(b.sum([b.mul(d, v) for d, v in zip(k.dw[a], vals)]), k.scale[a]) for a in (0, 1)]
+
+
+def gather_samples(b, xf: str, k: _Corners) -> str:
+    """The samples [N, C, P] of the input flattened to [N, C, H*W]: sum of corner weight x value."""
+    return b.sum([b.mul(w, b.op("GatherElements", [xf, idx], axis=2)) for w, idx in zip(k.w, k.idx)])
+
+
+def scatter_samples(b, xf: str, gf: str, k: _Corners) -> str:
+    """The adjoint of `gather_samples`: the cotangent gf [N, C, P] of the samples added back
+    to the input's [N, C, H*W] positions (xf gives the shape) with one ScatterElements."""
+    idx = b.op("Concat", k.idx, axis=2)
+    upd = b.op("Concat", [b.mul(gf, w) for w in k.w], axis=2)
+    return b.op("ScatterElements", [zeros(b, b.op("Shape", [xf])), idx, upd], axis=2, reduction="add")
 
 
 @register("GridSample", since=16, inputs=(0, 1))
@@ -147,12 +182,9 @@ def _gridsample_vjp(b, view, node, gys, needs=None):
     gf = _flat(b, g)
     dx = dgrid = None
     if needs is None or needs[0]:
-        idx = b.op("Concat", k.idx, axis=2)
-        upd = b.op("Concat", [b.mul(gf, w) for w in k.w], axis=2)
-        dxf = b.op("ScatterElements", [zeros(b, b.op("Shape", [_flat(b, X)])), idx, upd], axis=2, reduction="add")
-        dx = b.reshape(dxf, shape_tensor(b, view, X))
+        dx = b.reshape(scatter_samples(b, _flat(b, X), gf, k), shape_tensor(b, view, X))
     if (needs is None or (len(needs) > 1 and needs[1])) and k.dw[0]:
-        parts = [b.reduce_sum(b.mul(gf, s), [1], keepdims=True) for s in _coord_slopes(b, X, k)]
+        parts = [b.reduce_sum(b.mul(gf, s), [1], keepdims=True) for s in coord_slopes(b, _flat(b, X), k)]
         dg = b.transpose(b.op("Concat", parts, axis=1), [0, 2, 1])  # [N, P, 2]
         dgrid = b.reshape(dg, shape_tensor(b, view, grid))
     return [dx, dgrid]
@@ -170,12 +202,11 @@ def _gridsample_jvp(b, view, node, ts):
     k = _corners(b, view, node)
     terms = []
     if tx is not None:
-        tf = _flat(b, tx)
-        terms += [b.mul(w, b.op("GatherElements", [tf, idx], axis=2)) for w, idx in zip(k.w, k.idx)]
+        terms.append(gather_samples(b, _flat(b, tx), k))
     if tg is not None and k.dw[0]:
         t3 = b.transpose(b.reshape(tg, [0, -1, 2]), [0, 2, 1])
         tgx, tgy = b.split(t3, [1, 1], axis=1)
-        sx, sy = _coord_slopes(b, X, k)
+        sx, sy = coord_slopes(b, _flat(b, X), k)
         terms += [b.mul(sx, tgx), b.mul(sy, tgy)]
     if not terms:
         return [None]
@@ -209,3 +240,133 @@ def _affinegrid_vjp(b, view, node, gys):
 
 _affinegrid_vjp.defjvp(linear_jvp(0))
 _affinegrid_vjp.defcheck(_affine_k)
+
+
+# --------------------------------------------------------------------------- DeformConv
+@dataclass
+class _Deform:
+    """A DeformConv node's sampling: corners `k` of the taps in the input flattened to
+    `xf` [N*G, C/G, H*W] (G = offset_group), the samples `v` [N*G, C/G, K*P], the mask
+    [N*G, 1, K*P] or None, the columns [N, group, C/group*K, P] and the weight as
+    [group, O/group, C/group*K]."""
+
+    k: _Corners
+    xf: str
+    v: str
+    mask: str | None
+    cols: str
+    wr: str
+    cg: int  # C/G: channels per offset group
+    hw: int  # H*W
+    kp: int  # K*P: taps x output positions
+    cols_shape: list[int]  # [-1, group, C/group*K, P]
+    og: int  # O/group
+
+
+def _deform_dims(view, node) -> tuple[list[int], list[int], list[int]]:
+    """(X's [C, H, W], W's shape, the offset's [oH, oW]): all static, the batch aside."""
+    xs, ws, os_ = view.shape(node.input[0]), static_shape(view, node.input[1]), view.shape(node.input[2])
+    if (xs is None or len(xs) != 4 or not all(isinstance(d, int) for d in xs[1:]) or ws is None or os_ is None
+            or not all(isinstance(d, int) for d in os_[2:])):
+        raise unsupported(node, view, "needs a 4-D input, a static weight shape and static channel, spatial and "
+                                      "output dims")
+    return [int(d) for d in xs[1:]], list(ws), [int(d) for d in os_[2:]]
+
+
+def _offset_yx(b, off: str, K: int, P: int) -> list[str]:
+    """The y and x offsets [N*G, 1, K*P] of an offset tensor [N, G*K*2, oH, oW] (per group
+    and tap: y, x)."""
+    return [b.reshape(t, [-1, 1, K * P]) for t in b.split(b.reshape(off, [-1, K, 2, P]), [1, 1], axis=2)]
+
+
+def _deform(b, view, node) -> _Deform:
+    (C, H, Wd), ws, (oh, ow) = _deform_dims(view, node)
+    O, Ci, kh, kw = ws
+    grp, G = int(attr(node, "group", 1)), int(attr(node, "offset_group", 1))
+    s = attr(node, "strides", [1, 1])
+    d = attr(node, "dilations", [1, 1])
+    pads = attr(node, "pads", [0, 0, 0, 0])
+    K, P, Cg = kh * kw, oh * ow, C // G
+    taps = list(product(range(kh), range(kw), range(oh), range(ow)))  # k-major, then p
+    by = np.asarray([i * s[0] - pads[0] + a * d[0] for a, _, i, _ in taps], dtype=b.np_float)
+    bx = np.asarray([j * s[1] - pads[1] + e * d[1] for _, e, _, j in taps], dtype=b.np_float)
+    oy, ox = _offset_yx(b, node.input[2], K, P)
+    iy, ix = b.add(oy, b.const(by.reshape(1, 1, -1))), b.add(ox, b.const(bx.reshape(1, 1, -1)))
+    xf = b.reshape(node.input[0], [-1, Cg, H * Wd])
+    target = b.op("Concat", [dims_slice(b, xf, 0, 1), b.ints([Cg, K * P])], axis=0)
+    one = c(b, 1.0)
+    k = pixel_corners(b, ix, iy, H, Wd, target, "linear", (one, one))
+    v = gather_samples(b, xf, k)
+    mask = b.reshape(node.input[4], [-1, 1, K * P]) if inp(node, 4) else None
+    cols = b.reshape(v if mask is None else b.mul(v, mask), [-1, grp, Ci * K, P])  # [N, group, C/group*K, P]
+    wr = b.reshape(node.input[1], [grp, O // grp, Ci * K])
+    return _Deform(k, xf, v, mask, cols, wr, Cg, H * Wd, K * P, [-1, grp, Ci * K, P], O // grp)
+
+
+@register("DeformConv", since=19, inputs=(0, 1, 2, 3, 4))
+def _deform_vjp(b, view, node, gys, needs=None):
+    """dW = sum_n g cols^T, dB = sum g, dcols = W^T g; the samples' cotangent dcols * mask
+    goes back to X (scatter-add) and to the offsets (corner differences); dmask = sum_c dcols v."""
+    g = gys[0]
+    if g is None:
+        return [None] * len(node.input)
+    t = _deform(b, view, node)
+    _, grp, _, P = t.cols_shape
+    gy = b.reshape(g, [-1, grp, t.og, P])
+    out: list[str | None] = [None] * len(node.input)
+    if need(needs, 1):
+        dw = b.reduce_sum(b.matmul(gy, b.transpose(t.cols, [0, 1, 3, 2])), [0])
+        out[1] = b.reshape(dw, shape_tensor(b, view, node.input[1]))
+    if inp(node, 3) and need(needs, 3):
+        out[3] = b.reduce_sum(g, [0, 2, 3])
+    if not any(need(needs, i) for i in (0, 2, 4)):
+        return out
+    dcols = b.reshape(b.matmul(b.transpose(t.wr, [0, 2, 1]), gy), [-1, t.cg, t.kp])  # [N*G, C/G, K*P]
+    if t.mask is not None and need(needs, 4):
+        out[4] = b.reshape(b.reduce_sum(b.mul(dcols, t.v), [1], keepdims=True), shape_tensor(b, view, node.input[4]))
+    dv = dcols if t.mask is None else b.mul(dcols, t.mask)
+    if need(needs, 0):
+        out[0] = b.reshape(scatter_samples(b, t.xf, dv, t.k), shape_tensor(b, view, node.input[0]))
+    if need(needs, 2):
+        P = t.cols_shape[3]
+        dyx = [b.reshape(b.reduce_sum(b.mul(dv, sl), [1], keepdims=True), [-1, t.kp // P, 1, P])
+               for sl in reversed(coord_slopes(b, t.xf, t.k))]
+        out[2] = b.reshape(b.op("Concat", dyx, axis=2), shape_tensor(b, view, node.input[2]))
+    return out
+
+
+@_deform_vjp.defjvp
+def _deform_jvp(b, view, node, ts):
+    """dy = W dcols + dW cols + dB, dcols = (samples of dX + slopes . doffset) * mask + v dmask."""
+    ts = list(ts) + [None] * (5 - len(ts))
+    if all(x is None for x in ts):
+        return [None]
+    t = _deform(b, view, node)
+    terms = []
+    if ts[0] is not None:
+        terms.append(gather_samples(b, b.reshape(ts[0], [-1, t.cg, t.hw]), t.k))
+    if ts[2] is not None:
+        ty, tx = _offset_yx(b, ts[2], t.kp // t.cols_shape[3], t.cols_shape[3])
+        sx, sy = coord_slopes(b, t.xf, t.k)
+        terms += [b.mul(sx, tx), b.mul(sy, ty)]
+    dcols = add_n(b, terms)
+    if dcols is not None and t.mask is not None:
+        dcols = b.mul(dcols, t.mask)
+    if ts[4] is not None:
+        dcols = add_n(b, [dcols, b.mul(t.v, b.reshape(ts[4], [-1, 1, t.kp]))])
+    parts = []
+    if dcols is not None:
+        parts.append(b.matmul(t.wr, b.reshape(dcols, t.cols_shape)))
+    if ts[1] is not None:
+        parts.append(b.matmul(b.reshape(ts[1], b.op("Shape", [t.wr])), t.cols))
+    y = node.output[0]
+    res = b.reshape(add_n(b, parts), shape_tensor(b, view, y)) if parts else None
+    if ts[3] is not None:
+        tb = b.reshape(ts[3], [1, -1, 1, 1])
+        res = b.add(res, tb) if res is not None else b.op("Expand", [tb, shape_tensor(b, view, y)])
+    return [res]
+
+
+@_deform_vjp.defcheck
+def _deform_check(view, node):
+    _deform_dims(view, node)
