@@ -17,6 +17,7 @@ from onnx import numpy_helper
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from kfac_compiler.errors import UnsupportedOpError  # noqa: E402
 from kfac_compiler.oprules.check import run_ort  # noqa: E402
 from kfac_compiler.passes.autodiff import gradient_model, jvp_model  # noqa: E402
 
@@ -58,13 +59,14 @@ def _models():
     ]
 
 
-def _export(module, example, dynamo: bool) -> onnx.ModelProto:
+def _export(module, example, dynamo: bool, opset: int = 18) -> onnx.ModelProto:
+    """The module exported by TorchScript (opset 17) or dynamo (`opset`), dynamic batch."""
     buf = io.BytesIO()
     module.eval()
     if dynamo:
         pytest.importorskip("onnxscript")
         torch.onnx.export(module, (example,), buf, dynamo=True, input_names=["input"], output_names=["logits"],
-                          dynamic_shapes=({0: torch.export.Dim("N")},), opset_version=18, verbose=False)
+                          dynamic_shapes=({0: torch.export.Dim("N")},), opset_version=opset, verbose=False)
     else:
         kwargs = dict(input_names=["input"], output_names=["logits"], opset_version=17,
                       dynamic_axes={"input": {0: "N"}, "logits": {0: "N"}})
@@ -77,7 +79,8 @@ def _export(module, example, dynamo: bool) -> onnx.ModelProto:
 
 def _param_map(model, module):
     """torch parameter -> (initializer name, transposed?): by name, else by value (Linear
-    weights on 3-D inputs are exported as a transposed MatMul constant)."""
+    weights on 3-D inputs are exported as a transposed MatMul constant; a parameter fed
+    straight to an op, as STFT's window, gets an exporter's name)."""
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     out = {}
     for name, p in module.named_parameters():
@@ -88,6 +91,9 @@ def _param_map(model, module):
         for iname, arr in inits.items():
             if v.ndim == 2 and arr.shape == v.T.shape and np.array_equal(arr, v.T):
                 out[name] = (iname, True)
+                break
+            if arr.shape == v.shape and np.array_equal(arr, v):
+                out[name] = (iname, False)
                 break
     return out
 
@@ -120,7 +126,57 @@ def _op_models():
          torch.randn(5, 6)),
         ("Mod", _Between(lambda h: torch.fmod(h, 0.7), d_mid=4), torch.randn(5, 6)),
         ("GridSample", _Between(_grid_sample, d_mid=20), torch.randn(5, 6)),
+        ("STFT", _Between(_Stft(), d_mid=16, d_f=30), torch.randn(5, 6)),
+        ("DFT", _Between(_rfft, d_mid=12, d_f=14), torch.randn(5, 6)),
+        ("DeformConv", _Between(_Deform(), d_mid=140, d_f=27), torch.randn(5, 6)),
     ]
+
+
+# the ops whose function the TorchScript exporter (opset 17) cannot export
+_TORCHSCRIPT_FAILS = {
+    "DFT": "TorchScript cannot export torch.fft.rfft (aten::fft_rfft at opset 17)",
+    "DeformConv": "TorchScript cannot export torchvision::deform_conv2d (unrecognized namespace)",
+}
+# DeformConv exists from opset 19: dynamo at opset 18 emits it anyway (an invalid model, see
+# test_deformconv_dynamo_opset18_is_refused_one_line), so that case exports at 19
+_DYNAMO_OPSET = {"DeformConv": 19}
+
+
+def _rfft(h):
+    """torch.fft.rfft of 12 samples: 7 bins, as [re, im] pairs (DFT, onesided, real input)."""
+    return torch.view_as_real(torch.fft.rfft(h, dim=-1)).reshape(-1, 14)
+
+
+class _Stft(nn.Module):
+    """torch.stft (n_fft 8, hop 4, no centering) with a trained window: the window's
+    gradient is STFT's second cotangent. return_complex=False is the form TorchScript
+    exports (it refuses complex outputs); dynamo exports both the same way."""
+
+    def __init__(self):
+        super().__init__()
+        self.window = nn.Parameter(torch.hann_window(8) + 0.1)
+
+    def forward(self, h):
+        s = torch.stft(h, 8, hop_length=4, window=self.window, center=False, return_complex=False)
+        return s.reshape(-1, 30)
+
+
+class _Deform(nn.Module):
+    """torchvision's deform_conv2d of a [2, 4, 4] image with offsets and a mask, all from
+    h, and its own weight and bias (a 2x2 kernel: 3 output channels of 3x3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(0.5 * torch.randn(3, 2, 2, 2))
+        self.bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, h):
+        import torchvision
+
+        img = h[:, :32].reshape(-1, 2, 4, 4)
+        off = h[:, 32:104].reshape(-1, 8, 3, 3)
+        mask = torch.sigmoid(h[:, 104:140]).reshape(-1, 4, 3, 3)
+        return torchvision.ops.deform_conv2d(img, off, self.weight, self.bias, mask=mask).reshape(-1, 27)
 
 
 def _grid_sample(h):
@@ -134,13 +190,38 @@ def _grid_sample(h):
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 @pytest.mark.parametrize("op,module,example", _op_models(), ids=lambda v: v if isinstance(v, str) else "")
 def test_issue38_ops_against_torch_autograd(op, module, example, dynamo):
-    """torch.prod, torch.linalg.det, torch.fmod and F.grid_sample export as ReduceProd, Det,
-    Mod and GridSample (both exporters); the compiled gradients and jvps of the parameters
-    around them are torch's."""
-    model = _export(module, example, dynamo)
+    """torch.prod, torch.linalg.det, torch.fmod, F.grid_sample, torch.stft, torch.fft.rfft
+    and torchvision's deform_conv2d export as ReduceProd, Det, Mod, GridSample, STFT, DFT
+    and DeformConv (rfft and deform_conv2d through dynamo only); the compiled gradients
+    and jvps of the parameters around them are torch's."""
+    if op in _TORCHSCRIPT_FAILS and not dynamo:
+        pytest.skip(_TORCHSCRIPT_FAILS[op])
+    if op == "DeformConv":
+        pytest.importorskip("torchvision")  # its import registers deform_conv2d's ONNX translation
+    model = _export(module, example, dynamo, _DYNAMO_OPSET.get(op, 18))
     found = {n.op_type for n in model.graph.node} | {n.op_type for f in model.functions for n in f.node}
     assert op in found, f"{op} not in the export: {sorted(found)}"
     _check_against_torch(op, module, model, example)
+
+
+def test_deformconv_dynamo_opset18_is_refused_one_line():
+    """At opset 18 (DeformConv is opset 19) dynamo still emits DeformConv: ORT rejects the
+    model, and the compiler refuses it in one line naming the node and the opsets it has."""
+    pytest.importorskip("torchvision")
+    module = _Between(_Deform(), d_mid=140, d_f=27)
+    model = _export(module, torch.randn(5, 6), True, 18)
+    assert any(n.op_type == "DeformConv" for n in model.graph.node)
+    with pytest.raises(UnsupportedOpError) as ei:
+        gradient_model(model, "logits", ["fc1.weight"])
+    msg = str(ei.value)
+    assert "\n" not in msg and "op DeformConv (domain ai.onnx, opset 18)" in msg and "opsets 19.." in msg
+
+
+# ops whose torch forward AD is wrong without an error: torchvision's deform_conv2d has no jvp
+# formula, yet torch.func.jvp returns tangents up to 1.8 away from central differences (which
+# reach 5.8) on the DeformConv case, and its double backward raises; the truth there is
+# torch's reverse-mode Jacobian times the tangents
+_NO_FORWARD_AD = {"DeformConv"}
 
 
 def _check_against_torch(name, module, model, example):
@@ -169,10 +250,14 @@ def _check_against_torch(name, module, model, example):
         return torch.func.functional_call(module, dict(zip(names, vals)), (example,))
 
     primals, tans = tuple(base[p] for p in names), tuple(tangents[p] for p in names)
-    try:
-        _, jv = torch.func.jvp(f, primals, tans)
-    except NotImplementedError:  # no forward AD in torch (grid_sampler_2d): the double-vjp jvp
-        _, jv = torch.autograd.functional.jvp(f, primals, tans)
+    if name in _NO_FORWARD_AD:  # the reverse-mode Jacobian times the tangents
+        jac = torch.autograd.functional.jacobian(f, primals)
+        jv = sum(torch.tensordot(j, t, dims=t.dim()) for j, t in zip(jac, tans))
+    else:
+        try:
+            _, jv = torch.func.jvp(f, primals, tans)
+        except NotImplementedError:  # no forward AD in torch (grid_sampler_2d): the double-vjp jvp
+            _, jv = torch.autograd.functional.jvp(f, primals, tans)
     jm = jvp_model(model, "logits", params)
     feeds = {f"tangent/{pmap[p][0]}": (tangents[p].numpy().T if pmap[p][1] else tangents[p].numpy())
              for p in names}

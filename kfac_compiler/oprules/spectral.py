@@ -154,26 +154,33 @@ def _stft_geometry(view, node) -> tuple[int, int]:
 @register("STFT", since=17, inputs=(0, 2))
 def _stft_vjp(b, view, node, gys, needs=None):
     """z = fl IDFT_fl(g) per frame ([B, F, fl, c], c = the signal's last dim) as [B*c, fl, F]:
-    dsignal = overlap-add of z * window, dwindow = sum of z * frames."""
+    dsignal = overlap-add of z * window, dwindow = sum of z * frames. A real signal may come
+    as [B, L] (torch's TorchScript exporter emits that; ORT takes it, the spec says [B, L, 1])."""
     g = gys[0]
     if g is None:
         return [None] * len(node.input)
     x, w = node.input[0], inp(node, 2)
+    flat = view.rank(x) == 2
     step, fl = _stft_geometry(view, node)
     z = b.mul(dft(b, g, 2, b.const(np.asarray(fl, dtype=np.int64)), inverse=True), c(b, float(fl)))
-    z = b.transpose(real_like(b, view, z, x), [0, 3, 2, 1])
-    z = b.reshape(z, make_shape(b, [-1, fl] + dim_parts(b, view, g, 1, 2)))
+    z = b.op("Slice", [z, b.ints([0]), b.ints([1]), b.ints([-1])]) if flat else real_like(b, view, z, x)
+    z = b.reshape(b.transpose(z, [0, 3, 2, 1]), make_shape(b, [-1, fl] + dim_parts(b, view, g, 1, 2)))
     kernels = onehot_kernels(b, [fl])
     gx = gw = None
     if need(needs, 0):
         u = z if w is None else b.mul(z, b.reshape(w, [fl, 1]))
         o = b.op("ConvTranspose", [u, kernels], strides=[step])  # [B*c, 1, (F-1) step + fl]
-        o = b.reshape(o, make_shape(b, dim_parts(b, view, x, 0, 1) + dim_parts(b, view, x, 2, 3) + [-1]))
         gs = static_shape(view, g)
-        gx = fit_axis(b, view, b.transpose(o, [0, 2, 1]), x, 1, None if gs is None else (gs[1] - 1) * step + fl,
-                      b.shape(o, 2, 3))
+        n = None if gs is None else (gs[1] - 1) * step + fl
+        if flat:  # [B, (F-1) step + fl]
+            o = b.reshape(o, make_shape(b, dim_parts(b, view, x, 0, 1) + [-1]))
+            gx = fit_axis(b, view, o, x, 1, n, b.shape(o, 1, 2))
+        else:
+            o = b.reshape(o, make_shape(b, dim_parts(b, view, x, 0, 1) + dim_parts(b, view, x, 2, 3) + [-1]))
+            gx = fit_axis(b, view, b.transpose(o, [0, 2, 1]), x, 1, n, b.shape(o, 2, 3))
     if w is not None and need(needs, 2):
-        xt = b.reshape(b.transpose(x, [0, 2, 1]), make_shape(b, [-1, 1] + dim_parts(b, view, x, 1, 2)))
+        xt = b.op("Unsqueeze", [x, b.ints([1])]) if flat else b.transpose(x, [0, 2, 1])
+        xt = b.reshape(xt, make_shape(b, [-1, 1] + dim_parts(b, view, x, 1, 2)))
         frames = b.op("Conv", [xt, kernels], strides=[step])  # [B*c, fl, F]
         gw = b.reduce_sum(b.mul(frames, z), [0, 2])
     return [gx, None, gw, None][:len(node.input)]
