@@ -249,22 +249,20 @@ def test_unsupported_op_is_one_line_and_early():
     x = value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
-             helper.make_node("RoiAlign", ["h", "rois", "bi"], ["e"], name="weird/roi", output_height=4,
-                              output_width=4),
+             helper.make_node("MaxRoiPool", ["h", "rois"], ["e"], name="weird/roi", pooled_shape=[4, 4]),
              helper.make_node("Mul", ["e", "s"], ["y"], name="scale")]
     g = helper.make_graph(nodes, "g", [x], [value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])],
                           initializer=[numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
                                        numpy_helper.from_array(np.ones(4, np.float32), "s"),
-                                       numpy_helper.from_array(np.asarray([[0, 0, 3, 3], [1, 1, 2, 3]], np.float32),
-                                                               "rois"),
-                                       numpy_helper.from_array(np.asarray([0, 1], np.int64), "bi")])
+                                       numpy_helper.from_array(np.asarray([[0, 0, 0, 3, 3], [1, 1, 1, 2, 3]],
+                                                                          np.float32), "rois")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     view = GraphView(m)
     b = GraphBuilder(17, taken=view.all_names())
     with pytest.raises(UnsupportedOpError) as ei:
         backward(b, view, {"y": "gy"}, ["W", "s"])
     msg = str(ei.value)
-    assert "\n" not in msg and "'weird/roi'" in msg and "op RoiAlign (domain ai.onnx, opset 17)" in msg
+    assert "\n" not in msg and "'weird/roi'" in msg and "op MaxRoiPool (domain ai.onnx, opset 17)" in msg
     assert "(--exclude W)" in msg and "docs/extending.md" in msg  # s does not reach it
     assert not b.nodes  # nothing emitted before the check
     with pytest.raises(UnsupportedOpError, match=r"weird/roi.*--exclude W\)"):

@@ -245,16 +245,15 @@ def test_unsupported_op_error_names_parameters_to_exclude(tmp_path, capsys):
              "head.bias": np.zeros(5)}
     nodes = [helper.make_node("Conv", ["input", "enc.weight"], ["c"], name="enc", pads=[1, 1, 1, 1]),
              helper.make_node("Constant", [], ["rois"], name="rois",
-                              value=numpy_helper.from_array(np.asarray([[0, 0, 4, 4]], np.float32))),
-             helper.make_node("RoiAlign", ["c", "rois", "bi"], ["roi"], name="enc/roi"),  # [1, 4, 1, 1]
+                              value=numpy_helper.from_array(np.asarray([[0, 0, 0, 4, 4]], np.float32))),
+             helper.make_node("MaxRoiPool", ["c", "rois"], ["roi"], name="enc/roi", pooled_shape=[1, 1]),  # [1, 4, 1, 1]
              helper.make_node("GlobalAveragePool", ["c"], ["p"], name="enc/pool"),
              helper.make_node("Add", ["p", "roi"], ["n"], name="enc/add"),
              helper.make_node("Flatten", ["n"], ["f"], name="flat"),
              helper.make_node("Gemm", ["f", "head.weight", "head.bias"], ["logits"], name="head")]
     g = helper.make_graph(nodes, "roi", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 6, 6])],
                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
-                          initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()]
-                          + [numpy_helper.from_array(np.asarray([0], np.int64), "bi")])
+                          initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     path = tmp_path / "roi.onnx"
@@ -262,7 +261,7 @@ def test_unsupported_op_error_names_parameters_to_exclude(tmp_path, capsys):
     argv = ["compile", str(path), "--loss", "softmax_cross_entropy", "-o", str(tmp_path / "plan")]
     assert main(argv) == 2
     msg = err_line(capsys)
-    assert "node 'enc/roi': op RoiAlign (domain ai.onnx, opset 17) has no gradient rule" in msg
+    assert "node 'enc/roi': op MaxRoiPool (domain ai.onnx, opset 17) has no gradient rule" in msg
     assert "--exclude enc.weight" in msg and "head" not in msg and "docs/extending.md" in msg
     assert main(argv + ["--exclude", "enc.weight"]) == 0
 

@@ -63,9 +63,14 @@ class Case:
     consts: tuple = ()  # float inputs made initializers (constants)
     runner: str = "reference"  # "ort": float32 FD on ORT (op wrong in onnx.reference)
     keep_dtype: tuple = ()  # float inputs that keep their dtype (Resize's float32 scales)
+    wrt: tuple | None = None  # inputs differentiated (default: every float graph input)
 
     def __repr__(self) -> str:
         return self.id
+
+
+# RoiAlign's boxes (x1, y1, x2, y2): inside, over the top-left edge, past the far edges, under a pixel
+ROIS = np.asarray([[0.3, 0.2, 4.1, 3.7], [-1.4, -0.8, 2.6, 2.9], [1.5, 2.0, 6.8, 7.5], [2.2, 1.1, 2.6, 1.5]])
 
 
 def C(id, op, inputs, **kw):
@@ -435,6 +440,17 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
       [("x", r(2, 4, 6, 5)), ("w", r(4, 2, 3, 2)), ("off", 0.8 * r(2, 24, 3, 4)), ("b", r(4)), ("m", pos(2, 12, 3, 4))],
       attrs={"group": 2, "offset_group": 2, "pads": [1, 0, 1, 1], "strides": [2, 1], "dilations": [1, 2]},
       opset=19, symbolic=False),
+    # torchvision.ops.roi_align(sampling_ratio=2): rois partly outside the image, one under a
+    # pixel (output_half_pixel reads it as one); rois as data or constants, never differentiated
+    C("RoiAlign-half-pixel-rois-data", "RoiAlign", [("x", r(2, 3, 6, 5)), ("rois", ROIS), ("bi", i64(1, 0, 1, 1))],
+      attrs={"output_height": 2, "output_width": 3, "sampling_ratio": 2, "spatial_scale": 0.8}, opset=16,
+      wrt=("x",)),
+    C("RoiAlign-output-half-pixel", "RoiAlign", [("x", r(3, 2, 5, 7)), ("rois", ROIS), ("bi", i64(2, 2, 0, 1))],
+      attrs={"output_height": 3, "output_width": 2, "sampling_ratio": 3,
+             "coordinate_transformation_mode": "output_half_pixel"}, opset=16, consts=("rois",)),
+    C("RoiAlign-18-default-mode", "RoiAlign", [("x", r(1, 2, 4, 4)), ("rois", ROIS[:2]), ("bi", i64(0, 0))],
+      attrs={"output_height": 2, "output_width": 2, "sampling_ratio": 1, "spatial_scale": 0.5}, opset=18,
+      consts=("rois",)),
 ]
 
 
@@ -493,13 +509,14 @@ def test_rule_fd(case: Case, symbolic):
     if case.runner == "ort":  # float32 differences of a (bi)linear op: exact up to rounding
         m32 = convert_float_type(model, TensorProto.FLOAT)
         f32 = {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
-        rep = fd_check(m32, f32, outputs=outs, eps=0.5, rtol=2e-3, atol=1e-4, run=run_ort, check_jvp=case.jvp)
+        rep = fd_check(m32, f32, wrt=case.wrt, outputs=outs, eps=0.5, rtol=2e-3, atol=1e-4, run=run_ort,
+                       check_jvp=case.jvp)
     else:
-        rep = fd_check(model, feeds, outputs=outs, check_jvp=case.jvp, rtol=case.rtol)
+        rep = fd_check(model, feeds, wrt=case.wrt, outputs=outs, check_jvp=case.jvp, rtol=case.rtol)
     assert rep.ok, str(rep)
     assert rep.vjp, "nothing was differentiated"
     if case.ort and case.runner != "ort":
-        wrt = [w for w in feeds if np.asarray(feeds[w]).dtype.kind == "f"]
+        wrt = list(case.wrt or [w for w in feeds if np.asarray(feeds[w]).dtype.kind == "f"])
         _ort_agrees(model, feeds, wrt, outs, case.jvp)
 
 
@@ -529,12 +546,12 @@ def test_broadcasting_property(pair, op, symbolic):
 
 # ---------------------------------------------------------------------- registry
 def test_lookup_unknown_op_one_line():
-    node = helper.make_node("RoiAlign", ["a", "r", "i"], ["c"], name="my/roi")
+    node = helper.make_node("MaxRoiPool", ["a", "r"], ["c"], name="my/roi", pooled_shape=[2, 2])
     with pytest.raises(UnsupportedOpError) as ei:
         lookup(node, 17)
     msg = str(ei.value)
     assert "\n" not in msg and len(msg) < 300
-    assert "'my/roi'" in msg and "op RoiAlign (domain ai.onnx, opset 17)" in msg
+    assert "'my/roi'" in msg and "op MaxRoiPool (domain ai.onnx, opset 17)" in msg
     assert "--exclude" in msg and "docs/extending.md" in msg and "Gemm" not in msg
     msg = str(pytest.raises(UnsupportedOpError, lookup, node, 17, ["fc1.weight", "fc1.bias"]).value)
     assert "--exclude fc1.weight --exclude fc1.bias" in msg
@@ -712,3 +729,17 @@ def test_deformconv_needs_static_dims_one_line():
     with pytest.raises(UnsupportedOpError, match="static channel, spatial and output dims") as ei:
         derivative_model(model, ["x", "w", "off"], ["y0"])
     assert "\n" not in str(ei.value) and "DeformConv_0" in str(ei.value)
+
+
+@pytest.mark.parametrize("attrs,why", [
+    ({"sampling_ratio": 0}, "sampling_ratio 0 .* export it with sampling_ratio > 0"),
+    ({"sampling_ratio": 2, "mode": "max"}, "mode 'max'; the rule covers avg only"),
+])
+def test_roialign_unsupported_forms_are_one_line(attrs, why):
+    """RoiAlign with the adaptive sample count (sampling_ratio 0, the default) or max pooling
+    is refused before anything is emitted, naming the node."""
+    model, _ = one_node_model("RoiAlign", [("x", r(1, 2, 4, 4)), ("rois", ROIS[:1]), ("bi", i64(0))],
+                              {"output_height": 2, "output_width": 2, **attrs}, opset=16, constants=("rois",))
+    with pytest.raises(UnsupportedOpError, match=why) as ei:
+        derivative_model(model, ["x"], ["y0"])
+    assert "\n" not in str(ei.value) and "RoiAlign_0" in str(ei.value)

@@ -1,6 +1,7 @@
 """GridSample (4-D input, static or symbolic dims; linear/bilinear and nearest modes; zeros
 and border padding), AffineGrid (linear in theta: its cotangent is the cotangent times
-the homogeneous base grid, the grid of the identity transform) and DeformConv (2-D).
+the homogeneous base grid, the grid of the identity transform), DeformConv (2-D) and
+RoiAlign (avg, sampling_ratio > 0: linear in X).
 
 The sample at each output position is a weighted sum of at most four input pixels (the
 corners around the unnormalized grid point). Rules gather those corners from the input
@@ -14,7 +15,13 @@ offsets (pixel coordinates, zero outside: GridSample's zeros/align_corners=1 cor
 the mask, and contracts the samples ("columns" [N, group, C/group*K, P]) with the weight as
 one batched MatMul. Its cotangents: the weight's and the bias's from the columns, the
 columns' from the weight; then the samples' go back through the sampling like GridSample's
-(input: one scatter-add; offsets: the per-axis corner differences; mask: the samples)."""
+(input: one scatter-add; offsets: the per-axis corner differences; mask: the samples).
+
+RoiAlign averages a fixed sr x sr grid of bilinear samples per bin (sampling_ratio sr > 0;
+0 means a count that depends on each roi's size, which a static graph cannot hold). The
+sample coordinates, clamped as ONNX does (into [0, size - 1], zero beyond [-1, size]), go
+through the same corners; X's cotangent is their scatter, per roi, then over the batch
+indices. The rois get no cotangent (as indices): they position the samples."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -370,3 +377,84 @@ def _deform_jvp(b, view, node, ts):
 @_deform_vjp.defcheck
 def _deform_check(view, node):
     _deform_dims(view, node)
+
+
+# --------------------------------------------------------------------------- RoiAlign
+def _roi_form(view, node) -> tuple[int, int, int, bool]:
+    """(output_height, output_width, sampling_ratio, half_pixel) of a RoiAlign node; refuses
+    the forms the rule does not cover."""
+    sr = int(attr(node, "sampling_ratio", 0))
+    if sr <= 0:
+        raise unsupported(node, view, "has sampling_ratio 0 (an adaptive, data-dependent sample count per bin); "
+                                      "export it with sampling_ratio > 0")
+    mode = attr(node, "mode", "avg")
+    if mode != "avg":
+        raise unsupported(node, view, f"has mode '{mode}'; the rule covers avg only")
+    r = view.rank(node.input[0])
+    if r != 4:
+        raise unsupported(node, view, f"has a rank-{r} input; the rule covers 4-D only")
+    ctm = attr(node, "coordinate_transformation_mode", "half_pixel")
+    return int(attr(node, "output_height", 1)), int(attr(node, "output_width", 1)), sr, ctm == "half_pixel"
+
+
+def _roi_axis(b, lo: str, hi: str, n_out: int, sr: int, size: int | str, half: bool) -> tuple[str, str]:
+    """One axis's sample coordinates [R, n_out*sr] (bin-major) of rois spanning [lo, hi] [R, 1],
+    clamped into [0, size - 1], and whether each lies in [-1, size] (else it samples zero)."""
+    extent = b.sub(hi, lo)
+    if not half:  # output_half_pixel: a roi is at least one pixel (torchvision's aligned=False)
+        extent = b.op("Max", [extent, c(b, 1.0)])
+    at = np.asarray([[(p + (i + 0.5) / sr) / n_out for p in range(n_out) for i in range(sr)]], dtype=b.np_float)
+    pos = b.add(lo, b.mul(extent, b.const(at)))
+    ok = b.op("And", [b.op("GreaterOrEqual", [pos, c(b, -1.0)]), b.op("LessOrEqual", [pos, _lin(b, size, 1.0, 0.0)])])
+    pos = b.op("Max", [b.op("Min", [pos, _lin(b, size, 1.0, -1.0)]), c(b, 0.0)])
+    return pos, b.cast(ok, b.float_type)
+
+
+def _roi_corners(b, view, node) -> tuple[_Corners, str, str, int, int, int]:
+    """The corners of a RoiAlign node's samples in X gathered per roi (flattened to
+    [R, C, H*W]); the samples' weight [R, 1, P] (1/sr^2 inside, 0 outside), P = oh*sr*ow*sr
+    ordered (bin row, sample row, bin column, sample column); and (oh, ow, sr)."""
+    X, rois, bi = node.input[0], node.input[1], node.input[2]
+    oh, ow, sr, half = _roi_form(view, node)
+    H, W = _dims(b, view, node)
+    r = b.mul(rois, c(b, float(attr(node, "spatial_scale", 1.0))))
+    if half:
+        r = b.sub(r, c(b, 0.5))
+    x1, y1, x2, y2 = b.split(r, [1, 1, 1, 1], axis=1)
+    ys, my = _roi_axis(b, y1, y2, oh, sr, H, half)
+    xs, mx = _roi_axis(b, x1, x2, ow, sr, W, half)
+    nr = dims_slice(b, rois, 0, 1)
+    grid = b.op("Concat", [nr, b.ints([oh * sr, ow * sr])], axis=0)
+
+    def flat(t: str) -> str:
+        return b.reshape(b.op("Expand", [t, grid]), [0, 1, -1])
+
+    iy, ix = flat(b.op("Unsqueeze", [ys, b.ints([2])])), flat(b.op("Unsqueeze", [xs, b.ints([1])]))
+    inside = flat(b.mul(b.op("Unsqueeze", [my, b.ints([2])]), b.op("Unsqueeze", [mx, b.ints([1])])))
+    xr = _flat(b, b.op("Gather", [X, bi], axis=0))
+    target = b.op("Concat", [nr, dims_slice(b, X, 1, 2), b.ints([oh * sr * ow * sr])], axis=0)
+    one = c(b, 1.0)
+    k = pixel_corners(b, ix, iy, H, W, target, "linear", (one, one))
+    return k, xr, b.mul(inside, c(b, 1.0 / (sr * sr))), oh, ow, sr
+
+
+@register("RoiAlign", since=16, inputs=(0,))
+def _roialign_vjp(b, view, node, gys):
+    """Linear in X (the rois and batch indices get no cotangent): each bin's cotangent /sr^2
+    goes to its sr x sr samples, scattered to the corners of the roi's image, whose
+    cotangents add up in X's batch rows (a second ScatterElements-add over batch_indices).
+    From opset 16, as ScatterElements' reduction; RoiAlign-10 has no rule."""
+    g = gys[0]
+    if g is None:
+        return [None] * len(node.input)
+    X, bi = node.input[0], node.input[2]
+    k, xr, weight, oh, ow, sr = _roi_corners(b, view, node)
+    gs = b.op("Expand", [b.reshape(g, [0, 0, oh, 1, ow, 1]), b.ints([1, 1, 1, sr, 1, sr])])
+    dxr = scatter_samples(b, xr, b.mul(_flat(b, gs), weight), k)  # [R, C, H*W]
+    rows = b.op("Expand", [b.reshape(bi, [-1, 1, 1]), b.op("Shape", [dxr])])
+    dx = b.op("ScatterElements", [zeros(b, b.op("Shape", [_flat(b, X)])), rows, dxr], axis=0, reduction="add")
+    return [b.reshape(dx, shape_tensor(b, view, X)), None, None]
+
+
+_roialign_vjp.defjvp(linear_jvp(0))
+_roialign_vjp.defcheck(_roi_form)
