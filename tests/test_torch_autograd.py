@@ -129,7 +129,34 @@ def _op_models():
         ("STFT", _Between(_Stft(), d_mid=16, d_f=30), torch.randn(5, 6)),
         ("DFT", _Between(_rfft, d_mid=12, d_f=14), torch.randn(5, 6)),
         ("DeformConv", _Between(_Deform(), d_mid=140, d_f=27), torch.randn(5, 6)),
+        *[(f"RoiAlign-{'aligned' if al else 'unaligned'}-{'data' if data else 'const'}-rois",
+           _Between(_RoiAlign(al, data), d_mid=44, d_f=8), torch.randn(5, 6))
+          for al in (True, False) for data in (False, True)],
     ]
+
+
+class _RoiAlign(nn.Module):
+    """torchvision's roi_align (sampling_ratio 2, 2x2 bins, spatial_scale 0.8) of a [2, 4, 5]
+    image from h: 4 constant boxes over images 0-4 (partly outside, one under a pixel), or
+    one box per row on image 0 computed from h (data rois: torch gives them no gradient, and
+    neither does the rule)."""
+
+    def __init__(self, aligned: bool, data: bool):
+        super().__init__()
+        self.aligned, self.data = aligned, data
+        self.register_buffer("rois", torch.tensor([[0, 0.3, 0.2, 4.1, 3.7], [3, -1.4, -0.8, 2.6, 2.9],
+                                                   [4, 1.5, 2.0, 6.8, 5.5], [1, 2.2, 1.1, 2.6, 1.5]]))
+
+    def forward(self, h):
+        import torchvision
+
+        img = h[:, :40].reshape(-1, 2, 4, 5)
+        rois = self.rois
+        if self.data:
+            lo = 2.0 + 1.5 * torch.tanh(h[:, 40:42])
+            rois = torch.cat([torch.zeros_like(h[:, :1]), lo, lo + 0.5 + 2.0 * torch.sigmoid(h[:, 42:44])], dim=1)
+        y = torchvision.ops.roi_align(img, rois, (2, 2), spatial_scale=0.8, sampling_ratio=2, aligned=self.aligned)
+        return y.reshape(-1, 8)
 
 
 # the ops whose function the TorchScript exporter (opset 17) cannot export
@@ -191,17 +218,18 @@ def _grid_sample(h):
 @pytest.mark.parametrize("op,module,example", _op_models(), ids=lambda v: v if isinstance(v, str) else "")
 def test_issue38_ops_against_torch_autograd(op, module, example, dynamo):
     """torch.prod, torch.linalg.det, torch.fmod, F.grid_sample, torch.stft, torch.fft.rfft
-    and torchvision's deform_conv2d export as ReduceProd, Det, Mod, GridSample, STFT, DFT
-    and DeformConv (rfft and deform_conv2d through dynamo only); the compiled gradients
-    and jvps of the parameters around them are torch's."""
+    and torchvision's deform_conv2d and roi_align export as ReduceProd, Det, Mod,
+    GridSample, STFT, DFT, DeformConv and RoiAlign (rfft and deform_conv2d through dynamo
+    only); the compiled gradients and jvps of the parameters around them are torch's."""
+    case, op = op, op.split("-")[0]
     if op in _TORCHSCRIPT_FAILS and not dynamo:
         pytest.skip(_TORCHSCRIPT_FAILS[op])
-    if op == "DeformConv":
-        pytest.importorskip("torchvision")  # its import registers deform_conv2d's ONNX translation
+    if op in ("DeformConv", "RoiAlign"):
+        pytest.importorskip("torchvision")  # its import registers the ops' ONNX translations
     model = _export(module, example, dynamo, _DYNAMO_OPSET.get(op, 18))
     found = {n.op_type for n in model.graph.node} | {n.op_type for f in model.functions for n in f.node}
     assert op in found, f"{op} not in the export: {sorted(found)}"
-    _check_against_torch(op, module, model, example)
+    _check_against_torch(case, module, model, example)
 
 
 def test_deformconv_dynamo_opset18_is_refused_one_line():
@@ -217,11 +245,13 @@ def test_deformconv_dynamo_opset18_is_refused_one_line():
     assert "\n" not in msg and "op DeformConv (domain ai.onnx, opset 18)" in msg and "opsets 19.." in msg
 
 
-# ops whose torch forward AD is wrong without an error: torchvision's deform_conv2d has no jvp
-# formula, yet torch.func.jvp returns tangents up to 1.8 away from central differences (which
-# reach 5.8) on the DeformConv case, and its double backward raises; the truth there is
-# torch's reverse-mode Jacobian times the tangents
-_NO_FORWARD_AD = {"DeformConv"}
+# ops whose torch forward AD is wrong without an error: torchvision's deform_conv2d and
+# roi_align have no jvp formula, yet torch.func.jvp returns tangents up to 1.8 (DeformConv) and
+# 2.0 (RoiAlign, constant rois, float64) away from central differences that reach 5.8 and 4.7,
+# and their double backward raises; the truth there is torch's reverse-mode Jacobian times the
+# tangents (within 1e-10 of the differences with constant rois; with data rois it leaves out
+# the rois' dependence on fc1, as torchvision's backward and the rule do)
+_NO_FORWARD_AD = {"DeformConv", "RoiAlign"}
 
 
 def _check_against_torch(name, module, model, example):
@@ -250,7 +280,7 @@ def _check_against_torch(name, module, model, example):
         return torch.func.functional_call(module, dict(zip(names, vals)), (example,))
 
     primals, tans = tuple(base[p] for p in names), tuple(tangents[p] for p in names)
-    if name in _NO_FORWARD_AD:  # the reverse-mode Jacobian times the tangents
+    if name.split("-")[0] in _NO_FORWARD_AD:  # the reverse-mode Jacobian times the tangents
         jac = torch.autograd.functional.jacobian(f, primals)
         jv = sum(torch.tensordot(j, t, dims=t.dim()) for j, t in zip(jac, tans))
     else:
