@@ -136,14 +136,14 @@ def _op_models():
 
 
 class _RoiAlign(nn.Module):
-    """torchvision's roi_align (sampling_ratio 2, 2x2 bins, spatial_scale 0.8) of a [2, 4, 5]
-    image from h: 4 constant boxes over images 0-4 (partly outside, one under a pixel), or
-    one box per row on image 0 computed from h (data rois: torch gives them no gradient, and
-    neither does the rule)."""
+    """torchvision's roi_align (sampling_ratio 2 unless given, 2x2 bins, spatial_scale 0.8)
+    of a [2, 4, 5] image from h: 4 constant boxes over images 0-4 (partly outside, one under
+    a pixel), or one box per row on image 0 computed from h (data rois: torch gives them no
+    gradient, and neither does the rule)."""
 
-    def __init__(self, aligned: bool, data: bool):
+    def __init__(self, aligned: bool, data: bool, sampling_ratio: int = 2):
         super().__init__()
-        self.aligned, self.data = aligned, data
+        self.aligned, self.data, self.sr = aligned, data, sampling_ratio
         self.register_buffer("rois", torch.tensor([[0, 0.3, 0.2, 4.1, 3.7], [3, -1.4, -0.8, 2.6, 2.9],
                                                    [4, 1.5, 2.0, 6.8, 5.5], [1, 2.2, 1.1, 2.6, 1.5]]))
 
@@ -155,7 +155,8 @@ class _RoiAlign(nn.Module):
         if self.data:
             lo = 2.0 + 1.5 * torch.tanh(h[:, 40:42])
             rois = torch.cat([torch.zeros_like(h[:, :1]), lo, lo + 0.5 + 2.0 * torch.sigmoid(h[:, 42:44])], dim=1)
-        y = torchvision.ops.roi_align(img, rois, (2, 2), spatial_scale=0.8, sampling_ratio=2, aligned=self.aligned)
+        y = torchvision.ops.roi_align(img, rois, (2, 2), spatial_scale=0.8, sampling_ratio=self.sr,
+                                     aligned=self.aligned)
         return y.reshape(-1, 8)
 
 
@@ -243,6 +244,18 @@ def test_deformconv_dynamo_opset18_is_refused_one_line():
         gradient_model(model, "logits", ["fc1.weight"])
     msg = str(ei.value)
     assert "\n" not in msg and "op DeformConv (domain ai.onnx, opset 18)" in msg and "opsets 19.." in msg
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_roi_align_default_sampling_ratio_is_refused_one_line(dynamo):
+    """torchvision's default sampling_ratio (-1: adaptive) exports as RoiAlign's 0, a
+    per-roi sample count: refused in one line that says to export with sampling_ratio > 0."""
+    pytest.importorskip("torchvision")
+    module = _Between(_RoiAlign(True, False, sampling_ratio=-1), d_mid=44, d_f=8)
+    model = _export(module, torch.randn(5, 6), dynamo)
+    with pytest.raises(UnsupportedOpError, match="sampling_ratio 0 .*export it with sampling_ratio > 0") as ei:
+        gradient_model(model, "logits", ["fc1.weight"])
+    assert "\n" not in str(ei.value)
 
 
 # ops whose torch forward AD is wrong without an error: torchvision's deform_conv2d and
