@@ -389,6 +389,7 @@ def _roi_form(view, node) -> tuple[int, int, int, bool]:
                                       "export it with sampling_ratio > 0")
     mode = attr(node, "mode", "avg")
     if mode != "avg":
+        # ORT computes max mode in a way it calls incorrect and due to change; torch emits avg only
         raise unsupported(node, view, f"has mode '{mode}'; the rule covers avg only")
     r = view.rank(node.input[0])
     if r != 4:
