@@ -31,6 +31,8 @@ KNOBS = {
     # three refresh groups over a period of 4: groups 1, 2 refreshed after steps 1, 2, none
     # after step 3 (the first after the checkpoint), group 0 after 4, group 1 after 5
     "kfac-spread-refresh": dict(inv_update_period=4, inverse_groups=3, damping_adaptation_interval=2),
+    # the plateau rule's c doubles after steps 3 (its window half full at the checkpoint) and 5
+    "kfac-plateau": dict(inv_update_period=2, curvature_scale_window=2, curvature_scale_plateau=0.99),
     "adam": dict(learning_rate=3e-3),
     "sgd": dict(learning_rate=0.05),
 }
@@ -64,6 +66,8 @@ def test_resume_is_bit_for_bit(mlp, tmp_path, name):
         assert groups[1:] == [0.0, 1.0] and np.isnan(groups[0])
         assert groups[1:] == [m["inverse_group"] for m in m_straight[4:]]
     assert straight.host_state() == resumed.host_state()  # damping, moving-average weight, counters
+    if "curvature_scale_window" in KNOBS[name]:
+        assert [m["curvature_scale"] for m in m_resumed] == [1.0, 2.0, 2.0]
     assert straight.rng.bit_generator.state == resumed.rng.bit_generator.state
 
 

@@ -48,6 +48,7 @@ from kfac_compiler.optimizers.groups import Groups
 from kfac_compiler.optimizers.kfac import graph as G
 from kfac_compiler.optimizers.kfac import refresh as R
 from kfac_compiler.optimizers.kfac.graph import KFAC_STEP, STAGES, KfacStepOptions, emit_kfac_step
+from kfac_compiler.optimizers.kfac.plateau import CurvatureScaleRule
 from kfac_compiler.optimizers.kfac.settings import KfacConfig, ema_coefficient, lm_adapt, reduction_ratio
 from kfac_compiler.optimizers.multi_tensor import set_state_values, state_values
 from kfac_compiler.requests import InverseOptions, PowerOptions, StatisticsOptions
@@ -80,6 +81,9 @@ class Kfac(Optimizer):
         self.recent_losses: deque[float] = deque(maxlen=cfg.loss_spike_window)
         self.last_change = 0.0
         self.groups = Groups(trainer.plan, cfg.param_groups)  # first-order parameter groups (groups.py)
+        self.curvature_scale = CurvatureScaleRule(cfg.qmodel_curvature_scale, cfg.curvature_scale_window,
+                                                  cfg.curvature_scale_plateau, cfg.max_curvature_scale,
+                                                  bool(cfg.adapt_curvature_scale))
 
     # ------------------------------------------------------------------ sessions
     def _sub_batch(self, m: int | None, shares: int = 1) -> int | None:
@@ -116,7 +120,14 @@ class Kfac(Optimizer):
             precon_power=float(cfg.precon_power) if kind == "adam" else -1.0,
             loss_limit=cfg.loss_spike_factor is not None, groups=self.groups.spec,
             accumulate=self.cycle.count > 1, multi_tensor=cfg.multi_tensor,
-            curvature_scale=float(cfg.qmodel_curvature_scale) if cfg.use_qmodel else 1.0, **cfg.recipe_options(), **stats)
+            curvature_scale=self.scales_curvature, **cfg.recipe_options(), **stats)
+
+    @property
+    def scales_curvature(self) -> bool:
+        """Whether the step reads hp/qmodel_curvature_scale: with the qmodel, when c is adapted or
+        not 1 (c = 1 fixed: the graph without the three products)."""
+        cfg = self.config
+        return bool(cfg.use_qmodel) and (bool(cfg.adapt_curvature_scale) or cfg.qmodel_curvature_scale != 1.0)
 
     @property
     def stats_conditional(self) -> bool:
@@ -250,6 +261,8 @@ class Kfac(Optimizer):
         if cfg.adapt_damping:
             hp[G.WANT_LOSS_AFTER] = 1.0 if adapt else 0.0  # the graph's If: forward at the new params
             hp[G.REJECT_INCREASE] = 1.0 if cfg.reject_increase else 0.0
+        if self.scales_curvature:
+            hp[G.CURVATURE_SCALE] = self.curvature_scale.scale
         if cfg.use_qmodel:
             hp[G.MAX_MOMENTUM] = cfg.max_momentum
             hp[G.MAX_PREDICTED_DECREASE] = cfg.max_predicted_decrease or 0.0  # 0: off
@@ -369,6 +382,7 @@ class Kfac(Optimizer):
             "step": float(k),
             "loss": out[C.LOSS],
             "damping": damping,
+            "curvature_scale": hp.get(G.CURVATURE_SCALE, float("nan")),
             "learning_rate": out.get(G.ALPHA, float("nan")),
             "momentum": out.get(G.MU, float("nan")),
             "update_norm": out.get(C.UPDATE_NORM, float("nan")),
@@ -406,6 +420,7 @@ class Kfac(Optimizer):
             tr.applied_steps += 1
             self.groups.applied()
             self.recent_losses.append(float(metrics["loss"]))
+            self.curvature_scale.observe(float(metrics["loss"]))
             if math.isfinite(metrics["qmodel_change"]):
                 self.last_change = float(metrics["qmodel_change"])
             if w_new is not None:
@@ -470,7 +485,7 @@ class Kfac(Optimizer):
         return {"burn_in_count": self.burn_in_count, "ema_weight": self.ema_weight,
                 "inverses_ready": self.inverses_ready, "damping": self.damping,
                 "unchecked_update": self.unchecked_update, "recent_losses": list(self.recent_losses),
-                "last_change": self.last_change, **self.groups.host_state()}
+                "last_change": self.last_change, **self.curvature_scale.host_state(), **self.groups.host_state()}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces (a checkpoint names it)."""
@@ -489,10 +504,13 @@ class Kfac(Optimizer):
         self.recent_losses = deque(recent[-self.config.loss_spike_window:], maxlen=self.config.loss_spike_window)
         self.last_change = float(state.get("last_change", 0.0))
         self.inverses_ready = bool(state["inverses_ready"])
+        self.curvature_scale.set_host_state(state)
         self.groups.set_host_state(state)
 
     def resumed(self, knobs) -> None:
         if "damping" in knobs:  # the adapted damping restarts from the value given (a schedule: its value)
             self.damping = float(self.config.at("damping", self.trainer.step_count))
+        if knobs & {"qmodel_curvature_scale", "adapt_curvature_scale"}:  # c restarts from the value given
+            self.curvature_scale.restart()
         if "precon_power" in knobs:  # the inverse slots hold the checkpoint's power: refresh first
             self.inverses_ready = False

@@ -60,6 +60,7 @@ QMODEL_CHANGE = C.metric("qmodel_change")      # the quadratic model's predicted
 UPDATE_SCALE = C.metric("update_scale")
 LOSS_AFTER = C.metric("loss_after")            # the batch's loss at the new parameters
 DECOUPLED_DECAY = C.hp("decoupled_weight_decay")  # w: theta <- (1 - alpha w) theta + update
+CURVATURE_SCALE = C.hp("qmodel_curvature_scale")  # c: the quadratic model's C times c (plateau.py)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ class KfacStepOptions(SubgraphOptions):
     (optimizers/multi_tensor.py; velocity/* and grad_velocity/* one flat slot each; None:
     the device's default, filled by resolve), the preconditioning and the quadratic model's
     JVPs per parameter as before; curvature_scale: the quadratic model's GGN
-    products times this factor (KfacConfig.qmodel_curvature_scale)."""
+    products times hp/qmodel_curvature_scale (KfacConfig.qmodel_curvature_scale, which the
+    host may adapt between steps: optimizers/kfac/plateau.py)."""
 
     resolved: ClassVar[tuple[str, ...]] = SubgraphOptions.resolved + ("mode", "num_samples", "multi_tensor")
 
@@ -177,7 +179,7 @@ class KfacStepOptions(SubgraphOptions):
     decay: bool = False
     accumulate: bool = False
     multi_tensor: bool | None = None
-    curvature_scale: float = 1.0
+    curvature_scale: bool = False
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:
@@ -233,7 +235,7 @@ def local_stage(em: Emission, lay: Layout, with_stats: bool, stats_if: bool, mod
 
 # --------------------------------------------------------------------------- stage 2: precondition
 def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2: bool,
-                       qmodel_batch: int | None, adam: bool = False, curvature_scale: float = 1.0) -> Preconditioned:
+                       qmodel_batch: int | None, adam: bool = False, curvature_scale: bool = False) -> Preconditioned:
     """P, the velocity, their dot products with g, and with qmodel the quadratic model's
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
     shared). With `adam` (TF K-FAC's momentum_type) P preconditions m <- hp/momentum m + g
@@ -291,7 +293,7 @@ def predicted_linear_terms(em: Emission, local: Local, dots: Gram, l2: bool) -> 
 
 def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dict, dots: Gram, damping: str,
                     l2: bool, linear: tuple[str, str] | None = None, scale: str | None = None,
-                    own: str | None = None, curvature_scale: float = 1.0) -> QuadraticModel:
+                    own: str | None = None, curvature_scale: bool = False) -> QuadraticModel:
     """The damped model's terms with C the exact GGN (products from forward-mode JVPs), as in
     kfac-jax, on the batch `fwd` covers.
 
@@ -303,16 +305,17 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
     clipped gradient s g (+ l2 theta), so that (alpha, mu) are those of the clipped gradient's
     model (the update is s times the unclipped one; the raw gradient would rescale alpha by
     1/s and undo the clipping); `linear` (whole_b1, whole_b2) are the terms of the predicted
-    change (predicted_linear_terms). `curvature_scale` c multiplies C (not the damping):
-    with c > 1 the model's minimizer is ~1/c of the batch's greedy step, a shorter step that
-    averages minibatch noise over steps (KfacConfig.qmodel_curvature_scale)."""
+    change (predicted_linear_terms). With `curvature_scale` c = hp/qmodel_curvature_scale
+    multiplies C (not the damping): with c > 1 the model's minimizer is ~1/c of the batch's
+    greedy step, a shorter step that averages minibatch noise over steps
+    (KfacConfig.qmodel_curvature_scale; a host input, so that the plateau rule can change it)."""
     b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
     j_p = em.jvp(fwd, precond, [z])[z]
     j_v = em.jvp(fwd, velocity, [z])[z]
     # C = 1/N sum_n w_n J_n^T F_n J_n (w: a weighted loss's example weights)
     curvature = loss.emit_fisher_dots(b, z, [j_p, j_v], fwd.weight)
-    if curvature_scale != 1.0:
-        c = b.const(curvature_scale)
+    if curvature_scale:
+        c = em.hp(CURVATURE_SCALE)
         curvature = {ij: b.mul(dot, c) for ij, dot in curvature.items()}
 
     def mean_dot(u: str, w: str) -> str:

@@ -44,6 +44,12 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     (optimizers/schedules.py; a damping schedule needs adapt_damping off). damping: initial
     value, adapted by Levenberg-Marquardt every damping_adaptation_interval steps
     (adapt_damping, default with the qmodel).
+    qmodel_curvature_scale c (qmodel): the model's curvature times c, so that alpha and mu are
+    ~1/c of the batch's greedy step; adapt_curvature_scale (default with the qmodel): c is the
+    starting value of the plateau rule (plateau.py), which doubles c, up to
+    max_curvature_scale, when the median batch loss of curvature_scale_window applied steps
+    falls by less than curvature_scale_plateau (relative), and halves it again, down to the
+    starting value, when it falls by 5 times that or more.
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off.
@@ -102,6 +108,10 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     qmodel_batch_size: int | None = None
     max_momentum: float = 1.0
     qmodel_curvature_scale: float = 1.0  # the quadratic model's C times c: ~1/c of the greedy step (docs/runtime.md)
+    adapt_curvature_scale: bool | None = None  # the plateau rule for c (plateau.py); None: on with the qmodel
+    curvature_scale_window: int = 20  # applied steps per window of the plateau rule
+    curvature_scale_plateau: float = 0.02  # a window's median batch loss falling less than this doubles c
+    max_curvature_scale: float = 4.0
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
     loss_spike_factor: float | None = 3.0  # 10 until benchmarks/results/2026-11-29-damping-ablation.md
@@ -138,6 +148,11 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
             self.adapt_damping = False
         if self.adapt_damping is None:
             self.adapt_damping = bool(self.use_qmodel)
+        if self.adapt_curvature_scale and not self.use_qmodel:
+            raise ConfigError("adapt_curvature_scale adapts the quadratic model's curvature: it needs the qmodel "
+                              "(momentum_type 'qmodel' or 'qmodel_fixedmu'); drop it")
+        if self.adapt_curvature_scale is None:
+            self.adapt_curvature_scale = bool(self.use_qmodel)
         plan_cfg = plan_schedule(plan)
         if self.damping is None:
             self.damping = plan_cfg.get("damping", self.DEFAULT_DAMPING)
@@ -160,8 +175,8 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
         other): an override of either, or a learning_rate/momentum the stored qmodel type
         refuses, drops the stored pair so the override decides the type, as on a fresh run;
         and the stored learning_rate/momentum/norm_constraint the new qmodel type refuses go
-        too (it chooses them itself). adapt_damping, which a fresh run derives from the type
-        (on with the qmodel), is derived again for the new type unless given."""
+        too (it chooses them itself). adapt_damping and adapt_curvature_scale, which a fresh run
+        derives from the type (on with the qmodel), are derived again for the new type unless given."""
         if "param_groups" in given and not groups.same_selection(stored.get("param_groups"),
                                                                   groups.normalize(given["param_groups"])):
             raise ConfigError("param_groups: a resumed run trains the groups of its checkpoint (their names, "
@@ -174,6 +189,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
             stored.pop("momentum_type", None)
             stored.pop("use_qmodel", None)
             stored.pop("adapt_damping", None)
+            stored.pop("adapt_curvature_scale", None)
         merged = {**stored, **given}
         new = merged.get("momentum_type")
         if new is None and given.get("use_qmodel") is True:
@@ -227,6 +243,12 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
         check_int("num_samples", self.num_samples, 1)
         check_positive("max_momentum", self.max_momentum)
         check_positive("qmodel_curvature_scale", self.qmodel_curvature_scale)
+        check_int("curvature_scale_window", self.curvature_scale_window, 2)
+        check_unit("curvature_scale_plateau", self.curvature_scale_plateau, closed_low=False)
+        check_positive("max_curvature_scale", self.max_curvature_scale)
+        if self.max_curvature_scale < self.qmodel_curvature_scale:
+            raise ConfigError(f"max_curvature_scale {self.max_curvature_scale:g} is below qmodel_curvature_scale "
+                              f"{self.qmodel_curvature_scale:g}, where the plateau rule starts; raise it")
         if self.max_predicted_decrease is not None:
             check_positive("max_predicted_decrease", self.max_predicted_decrease)
         if self.loss_spike_factor is not None and not 1 < check_number("loss_spike_factor", self.loss_spike_factor):

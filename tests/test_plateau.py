@@ -1,0 +1,113 @@
+"""The plateau rule for the quadratic model's curvature scale c (optimizers/kfac/plateau.py):
+hand-computed decisions on loss sequences, and the Trainer feeding c to the step graph."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from helpers import sampled_batch as batch
+from helpers import zoo_case
+from kfac_compiler.errors import ConfigError
+from kfac_compiler.optimizers.kfac.plateau import CurvatureScaleRule
+from kfac_compiler.runtime import Trainer
+
+
+def scales(rule: CurvatureScaleRule, losses: list[float]) -> list[float]:
+    """c after each observed loss."""
+    out = []
+    for loss in losses:
+        rule.observe(loss)
+        out.append(rule.scale)
+    return out
+
+
+def test_a_flat_window_doubles_c_up_to_its_cap():
+    rule = CurvatureScaleRule(1.0, window=3, plateau=0.02, max_scale=4.0, adapt=True)
+    # windows of medians 10, 9.9 (1% fall: double), 9.85 (double), 9.8 (cap)
+    got = scales(rule, [10, 10, 10, 9.9, 9.9, 9.9, 9.85, 9.85, 9.85, 9.8, 9.8, 9.8])
+    assert got == [1, 1, 1, 1, 1, 2, 2, 2, 4, 4, 4, 4]
+
+
+def test_a_window_falling_fast_keeps_c_and_a_recovery_halves_it_to_the_start():
+    rule = CurvatureScaleRule(2.0, window=2, plateau=0.02, max_scale=8.0, adapt=True)
+    # medians 10, 9 (10% fall: kept), 8.9 (1.1%: doubled to 4), 8 (10.1% >= 5 x 2%: halved),
+    # 7 (12.5%: halved, not below the starting 2)
+    got = scales(rule, [10, 10, 9, 9, 8.9, 8.9, 8, 8, 7, 7])
+    assert got == [2, 2, 2, 2, 2, 4, 4, 2, 2, 2]
+
+
+def test_a_spike_does_not_move_the_window_median():
+    rule = CurvatureScaleRule(1.0, window=5, plateau=0.02, max_scale=4.0, adapt=True)
+    scales(rule, [10, 10, 10, 10, 10])
+    # a 1000x batch loss inside a window that otherwise fell 10%: the median says it fell
+    assert scales(rule, [9, 9, 1e4, 9, 9])[-1] == 1.0
+    assert rule.previous == 9.0
+
+
+def test_off_non_finite_losses_and_host_state_round_trip():
+    off = CurvatureScaleRule(3.0, window=2, plateau=0.02, max_scale=4.0, adapt=False)
+    assert scales(off, [1, 1, 1, 1, 1]) == [3.0] * 5 and off.losses == []
+    rule = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=4.0, adapt=True)
+    scales(rule, [5, 5, math.nan, 5, 5, math.inf, 4])  # non-finite losses are not counted
+    assert rule.previous == 5.0 and rule.losses == [4.0]
+    copy = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=4.0, adapt=True)
+    copy.set_host_state(rule.host_state())
+    assert copy.host_state() == rule.host_state()
+    with pytest.raises(ValueError, match="host.curvature_scale"):
+        copy.set_host_state({"curvature_scale": -1.0})
+    with pytest.raises(ValueError, match="host.plateau_losses"):
+        copy.set_host_state({"plateau_losses": [1.0, math.nan]})
+    copy.restart()
+    assert (copy.scale, copy.losses, copy.previous) == (1.0, [], None)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    plan, inputs, y = zoo_case("mlp_classifier", 256)
+    return plan, inputs["input"], y
+
+
+def test_the_trainer_doubles_c_on_a_plateau_and_the_step_reads_it(mlp):
+    """With a plateau threshold of 0.99 every window is a plateau: c, the step's hp, doubles after
+    the second and third two-step windows (capped at 4); the metric reports the c each step ran
+    with. The same steps with c fixed at its value give the same learning rate: the graph reads
+    the hp."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", seed=3, curvature_scale_window=2, curvature_scale_plateau=0.99,
+                 max_curvature_scale=4.0)
+    got = [tr.step(*batch(x, y, s)) for s in range(8)]
+    assert [m["curvature_scale"] for m in got] == [1, 1, 1, 1, 2, 2, 4, 4]
+    assert tr.host_state()["curvature_scale"] == 4.0
+    fixed = Trainer(plan, optimizer="kfac", seed=3, adapt_curvature_scale=False)
+    plain = [fixed.step(*batch(x, y, s)) for s in range(5)]
+    assert [m["learning_rate"] for m in plain[:4]] == [m["learning_rate"] for m in got[:4]]
+    assert np.isnan(plain[0]["curvature_scale"])  # c = 1 fixed: the graph has no hp/qmodel_curvature_scale
+    assert plain[4]["learning_rate"] != pytest.approx(got[4]["learning_rate"], rel=0.05)  # c = 2 shortens it
+
+
+def test_a_resumed_run_keeps_c_unless_told_otherwise(mlp, tmp_path):
+    """The checkpoint carries c and the window (test_checkpoint: bit for bit); a resume that sets
+    qmodel_curvature_scale or adapt_curvature_scale starts the rule again from the value given."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="kfac", seed=3, curvature_scale_window=2, curvature_scale_plateau=0.99)
+    for s in range(5):
+        tr.step(*batch(x, y, s))
+    path = tr.save_checkpoint(tmp_path / "run.npz")
+    kept = Trainer.load_checkpoint(path, plan)
+    assert kept.step(*batch(x, y, 5))["curvature_scale"] == 2.0
+    again = Trainer.load_checkpoint(path, plan, qmodel_curvature_scale=1.5)
+    assert again.step(*batch(x, y, 5))["curvature_scale"] == 1.5
+    fixed = Trainer.load_checkpoint(path, plan, adapt_curvature_scale=False)
+    assert np.isnan(fixed.step(*batch(x, y, 5))["curvature_scale"])  # c = 1 fixed: no hp in the graph
+
+
+def test_bad_plateau_settings_are_one_line(mlp):
+    plan = mlp[0]
+    with pytest.raises(ConfigError, match="adapt_curvature_scale .* needs the qmodel"):
+        Trainer(plan, optimizer="kfac", learning_rate=0.1, adapt_curvature_scale=True)
+    with pytest.raises(ConfigError, match="max_curvature_scale 2 is below qmodel_curvature_scale 3"):
+        Trainer(plan, optimizer="kfac", qmodel_curvature_scale=3.0, max_curvature_scale=2.0)
+    with pytest.raises(ConfigError, match="curvature_scale_window"):
+        Trainer(plan, optimizer="kfac", curvature_scale_window=1)
