@@ -242,7 +242,7 @@ def test_the_flat_step_emits_a_few_nodes_fewer_per_parameter():
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi):
-    """The step's Gram entries (Layout.gram: g, P, v flattened from parameters of rank 1, 2
+    """The step's Gram entries (Layout.stack: g, P, v flattened from parameters of rank 1, 2
     and 4 into one stack) against float64 numpy: grad_norm is |g| of this batch's gradient
     (g.g), update_norm the size of the update the step applied (|a P + mu v|^2 from P.P, P.v
     and v.v, with the velocity of the earlier steps)."""

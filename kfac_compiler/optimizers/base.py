@@ -228,7 +228,7 @@ class Gram:
     a ReduceSumSquare (x.x) or Mul + ReduceSum (x.y), then one Sum; or, with `lay`, {name:
     Chunks of lay}, in the multi-tensor layout one ReduceSumSquare or MatMul of the flat
     vectors per product. `stacked`: names of vectors whose products are all wanted, emitted
-    at once as one stacked Gram (Layout.gram: a Concat, a Gemm and a Split in either layout);
+    at once as one stacked Gram (Layout.stack and gram_of: a Concat, a Gemm and a Split in either layout);
     names holding the same chunks (the gradient before and after an l2 term of 0) share a
     row."""
 

@@ -192,22 +192,11 @@ class Layout:
     def dot(self, x: Chunks, y: Chunks) -> str:
         """The scalar x.y of two vectors: per parameter a Mul and a ReduceSum, then a Sum; over
         the concatenation one MatMul of the two 1-D vectors (a dot product: one node, reading
-        each vector once). Many products of the same few vectors: `gram`."""
+        each vector once). Many products of the same few vectors: `stack` and `gram_of`."""
         b = self.b
         if self.multi_tensor:
             return b.matmul(x[0], y[0])
         return b.sum([b.reduce_sum(b.mul(u, v), None) for u, v in zip(x, y)])
-
-    def gram(self, vectors: Sequence[Chunks]) -> list[list[str]]:
-        """Every dot product of `vectors` (k of them) at once, as scalars [i][j]: their chunks
-        flattened into one Concat [k N] (a Reshape per chunk of rank other than 1, an alias),
-        one Gemm S S^T [k, k] and one Split into its entries. Three kernels instead of a Mul
-        and a ReduceSum (or a ReduceSumSquare) per product and parameter and a Sum per
-        product: the per-parameter K-FAC step's Gram of g, P and v was 377 of ResNet-18's
-        executed nodes per step (issue 40). The Concat copies the k vectors once, which the
-        per-parameter products' Muls did per product. The sums run in the Gemm's order: equal
-        to the per-product ones to float32 rounding."""
-        return self.gram_of(self.stack(vectors), len(vectors))
 
     def stack(self, vectors: Sequence[Chunks]) -> str:
         """The k vectors as the rows of one [k, N] tensor, each row in the concatenation's
@@ -217,7 +206,13 @@ class Layout:
         return self.b.reshape(self.b.op("Concat", flat, axis=0, hint="gram_stack"), [len(vectors), -1])
 
     def gram_of(self, stack: str, k: int) -> list[list[str]]:
-        """Every dot product of the k rows of `stack` (Layout.stack), as scalars [i][j]."""
+        """Every dot product of the k rows of `stack` (Layout.stack), as scalars [i][j]: one
+        Gemm S S^T [k, k] and one Split into its entries. With the stack three kernels
+        instead of a Mul and a ReduceSum (or a ReduceSumSquare) per product and parameter and
+        a Sum per product: the per-parameter K-FAC step's Gram of g, P and v was 377 of
+        ResNet-18's executed nodes per step (issue 40). The Concat copies the k vectors once,
+        which the per-parameter products' Muls did per product. The sums run in the Gemm's
+        order: equal to the per-product ones to float32 rounding."""
         b = self.b
         gram = b.reshape(b.op("Gemm", [stack, stack], transB=1, hint="gram"), [k * k])
         entries = b.split(gram, [1] * (k * k), axis=0)

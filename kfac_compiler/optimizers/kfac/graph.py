@@ -238,7 +238,7 @@ def precondition_stage(em: Emission, lay: Layout, local: Local, qmodel: bool, l2
     terms on the first qmodel_batch examples (equal to stats_batch, the forward clone is
     shared). With `adam` (TF K-FAC's momentum_type) P preconditions m <- hp/momentum m + g
     (the objective's gradient, l2 included; state grad_velocity) instead. The velocity and m
-    are `lay`'s state slots and the dot products one stacked Gram of its chunks (Layout.gram);
+    are `lay`'s state slots and the dot products one stacked Gram of its chunks (Layout.stack);
     P is per block, so per parameter (packed once), as are the JVPs' tangents."""
     b, vectors = em.b, dict(local.vectors)
     if adam:
