@@ -507,10 +507,14 @@ def solve_quadratic_model(em: Emission, m: QuadraticModel, gap: str | None) -> t
     # Fall back to the momentum-free step when it is no worse: in exact arithmetic the
     # (clipped) 2-D solution never is, but with v almost parallel to P the float32 solve can
     # pick the wrong sign of mu and predict an increase
-    keep = b.op("LessOrEqual", [model(a, mu, b1, b2), model(a1, b.const(0.0), b1, b2)])
+    two, one = model(a, mu, b1, b2), model(a1, b.const(0.0), b1, b2)
+    keep = b.op("LessOrEqual", [two, one])
     a = b.op("Where", [keep, a, a1])
     mu = b.op("Where", [keep, mu, b.const(0.0)])
-    change = model(a, mu, m.whole_b1, m.whole_b2)
+    if (m.whole_b1, m.whole_b2) == (b1, b2):  # the model on the whole batch: its value at the pick, bitwise
+        change = b.op("Where", [keep, two, one])
+    else:
+        change = model(a, mu, m.whole_b1, m.whole_b2)
     if gap is None:
         return a, mu, change
     scale = decrease_scale(em, change, gap)
