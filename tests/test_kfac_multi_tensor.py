@@ -209,14 +209,16 @@ def test_flat_params_order_the_flat_slot(cases):
 
 
 def test_the_flat_step_emits_a_few_nodes_fewer_per_parameter():
-    """Both layouts take the Gram of g, P and v as one stack (Layout.gram: a Concat, a Gemm,
-    a Split); per parameter the per-parameter step has a P + mu v and theta + update (4
-    nodes; with clipping, l2 and decay also the gradient's scale, the l2 term, theta's decay
-    and the norms of the raw gradient). The flat one has those once, and adds the
-    concatenations (3 Concats: the gradient, theta, P) and the splits back (the new
-    parameters; v for the quadratic model's JVPs; with clipping or l2 the gradient, for the
-    preconditioner: a Split per group of one trailing shape, and one into the groups; without
-    them the preconditioner reads the gradients the Concat packed, Layout.unpack's, no Split)."""
+    """Both layouts take the Gram of g, P and v as one stack (Layout.stack, gram_of: a Concat,
+    a Gemm, a Split) and the update a P + mu v as one combination of its rows in the
+    per-parameter layout (Gram.combine: the coefficients' Concat, one MatMul, the split into
+    the parameters: a Split per group of one trailing shape and one into the groups). Per
+    parameter the per-parameter step keeps theta + update (1 node; with clipping, l2 and
+    decay also the gradient's scale, the l2 term, theta's decay and the norms of the raw
+    gradient). The flat one has those once, and adds the concatenations (3 Concats: the
+    gradient, theta, P) and the splits back (the new parameters; v for the quadratic model's
+    JVPs; with clipping or l2 the gradient, for the preconditioner; without them the
+    preconditioner reads the gradients the Concat packed, Layout.unpack's, no Split)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = zoo_plan("transformer_block")
@@ -227,19 +229,20 @@ def test_the_flat_step_emits_a_few_nodes_fewer_per_parameter():
     def compute(c: collections.Counter) -> int:
         return sum(v for k, v in c.items() if k not in ("Reshape", "Identity"))
 
-    for options, per_param, unpacked in ((dict(), 3, 2), (dict(l2=True, clip=True, decay=True), 7, 3)):
+    for options, per_param, unpacked in ((dict(), 0, 2), (dict(l2=True, clip=True, decay=True), 4, 3)):
         per = op_counts(plan, "kfac_step", multi_tensor=False, **options)
         flat = op_counts(plan, "kfac_step", multi_tensor=True, **options)
-        assert compute(per) - compute(flat) >= per_param * n, (options, per - flat)
-        assert flat["Concat"] - per["Concat"] == 3
-        assert flat["Split"] - per["Split"] <= unpacked * (groups + 1)  # the new parameters, v, with l2/clip g
-        assert per["Gemm"] == flat["Gemm"] and per["MatMul"] == flat["MatMul"]  # the one stacked Gram
-        assert sum(flat.values()) < sum(per.values()) - 2 * n
+        assert compute(per) - compute(flat) >= per_param * n + 1, (options, per - flat)
+        assert per["Add"] - flat["Add"] >= n - 2, (options, per - flat)  # theta + update per parameter
+        assert flat["Concat"] - per["Concat"] == 2  # 3 packs against the update's coefficients
+        assert per["MatMul"] - flat["MatMul"] == 1 and per["Gemm"] == flat["Gemm"]  # combine; the one Gram
+        assert abs(flat["Split"] - per["Split"]) <= unpacked * (groups + 1)  # the new parameters, v, with l2/clip g
+        assert sum(flat.values()) < sum(per.values())
 
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi):
-    """The step's Gram entries (Layout.gram: g, P, v flattened from parameters of rank 1, 2
+    """The step's Gram entries (Layout.stack: g, P, v flattened from parameters of rank 1, 2
     and 4 into one stack) against float64 numpy: grad_norm is |g| of this batch's gradient
     (g.g), update_norm the size of the update the step applied (|a P + mu v|^2 from P.P, P.v
     and v.v, with the velocity of the earlier steps)."""
@@ -257,3 +260,38 @@ def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi):
     u_norm = np.sqrt(sum(float((u[p] ** 2).sum()) for p in tr.params))
     assert m["grad_norm"] == pytest.approx(g_norm, rel=1e-5)
     assert m["update_norm"] == pytest.approx(u_norm, rel=1e-4)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_the_velocity_is_the_update_of_numpys_preconditioned_gradient(cases, multi):
+    """The step's update u = -alpha P + mu v (per parameter one MatMul of (a, mu) with the
+    Gram's stacked rows, Gram.combine; flat, elementwise) against float64 numpy: P from the
+    blocks' numpy twins with the inverses the step read, g from kc.gradients, v the velocity
+    before the step; the new velocity is theta_new - theta. A step that reads no refresh of
+    its own (the refresh runs after steps 0, 2, 4)."""
+    from kfac_compiler.host_blocks import host_blocks
+
+    plan, x, y = cases("small_cnn")
+    tr = Trainer(plan, optimizer="kfac", seed=0, multi_tensor=multi, **SCHEDULE)
+    for k in range(3):
+        tr.step(*batch(x, y, k))
+    before = stored_state(tr)
+    theta = {p: v.astype(np.float64) for p, v in tr.parameters().items()}
+    v_prev = {p: before[C.velocity(p)].astype(np.float64) for p in tr.params}
+    assert any(np.any(v) for v in v_prev.values())
+    feeds, yb = batch(x, y, 3)
+    _, g = kc.gradients(plan, feeds, yb, params=tr.parameters())
+    precond: dict[str, np.ndarray] = {}
+    for layer, block in host_blocks(plan).items():
+        state = {name: before[C.inverse(layer, name)].astype(np.float64) for name in ("A_inv", "G_inv")}
+        grads = {p: g[p].astype(np.float64) for p in block.layer.params}
+        precond.update(block.numpy_multiply_inverse(grads, state, {p: theta[p] for p in block.layer.params}))
+    m = tr.step(feeds, yb)
+    assert m["rejected"] == 0 and m["inverse"] == 0
+    after = stored_state(tr)
+    want = {p: -m["learning_rate"] * precond[p] + m["momentum"] * v_prev[p] for p in tr.params}
+    new = {p: tr.parameters()[p].astype(np.float64) for p in tr.params}
+    velocity = {p: after[C.velocity(p)] for p in tr.params}
+    assert norm_rel(want, velocity, tr.params) < 1e-4
+    assert norm_rel(want, {p: new[p] - theta[p] for p in tr.params}, tr.params) < 1e-4
+    assert norm_rel({p: new[p] - theta[p] for p in tr.params}, velocity, tr.params) < 1e-5

@@ -228,7 +228,7 @@ class Gram:
     a ReduceSumSquare (x.x) or Mul + ReduceSum (x.y), then one Sum; or, with `lay`, {name:
     Chunks of lay}, in the multi-tensor layout one ReduceSumSquare or MatMul of the flat
     vectors per product. `stacked`: names of vectors whose products are all wanted, emitted
-    at once as one stacked Gram (Layout.gram: a Concat, a Gemm and a Split in either layout);
+    at once as one stacked Gram (Layout.stack and gram_of: a Concat, a Gemm and a Split in either layout);
     names holding the same chunks (the gradient before and after an l2 term of 0) share a
     row."""
 
@@ -241,11 +241,26 @@ class Gram:
         rows: dict[tuple[str, ...], int] = {}  # distinct chunks -> their row of the stack
         for name in stacked:
             rows.setdefault(tuple(self.vectors[name]), len(rows))
+        self.stack: str | None = None  # the stacked rows [k, N] (Layout.stack), kept for `combine`
+        self.rows = {name: rows[tuple(self.vectors[name])] for name in stacked}
         if len(rows) > 1:
-            gram = self.lay.gram([list(chunks) for chunks in rows])
+            self.stack = self.lay.stack([list(chunks) for chunks in rows])
+            gram = self.lay.gram_of(self.stack, len(rows))
             for x in stacked:
                 for y in stacked:
-                    self.known(x, y, gram[rows[tuple(self.vectors[x])]][rows[tuple(self.vectors[y])]])
+                    self.known(x, y, gram[self.rows[x]][self.rows[y]])
+
+    def combine(self, coefficients: Mapping[str, str]) -> Chunks | None:
+        """sum_x c_x x over {vector name: scalar c_x} from the stacked rows (Layout.combine:
+        one MatMul and a split), or None where a vector is not in the stack."""
+        if self.stack is None or not all(x in self.rows for x in coefficients):
+            return None
+        by_row: list[str | None] = [None] * (max(self.rows.values()) + 1)
+        for x, c in coefficients.items():
+            if by_row[self.rows[x]] is not None:
+                return None  # two names on one row: their coefficients would add
+            by_row[self.rows[x]] = c
+        return self.lay.combine(self.stack, by_row)
 
     def known(self, x: str, y: str, tensor: str) -> None:
         """x.y is `tensor`, computed already (K-FAC's clipping needs |g|^2 before the Gram)."""

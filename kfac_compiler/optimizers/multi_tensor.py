@@ -142,7 +142,13 @@ class Layout:
             return dict(zip(self.params, chunks))
         if tuple(chunks) in self._packed:
             return dict(self._packed[tuple(chunks)])
-        b, (flat,) = self.b, chunks
+        return self.split_flat(chunks[0])
+
+    def split_flat(self, flat: str) -> dict[str, str]:
+        """{param: tensor} of a 1-D tensor holding every parameter's values in the
+        concatenation's order (`order`): a Split into the groups, and one per group of more
+        than one parameter."""
+        b = self.b
         sizes = [sum(self.size(p) for p in group) for group in self.groups]
         pieces = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]
         out: dict[str, str] = {}
@@ -186,31 +192,53 @@ class Layout:
     def dot(self, x: Chunks, y: Chunks) -> str:
         """The scalar x.y of two vectors: per parameter a Mul and a ReduceSum, then a Sum; over
         the concatenation one MatMul of the two 1-D vectors (a dot product: one node, reading
-        each vector once). Many products of the same few vectors: `gram`."""
+        each vector once). Many products of the same few vectors: `stack` and `gram_of`."""
         b = self.b
         if self.multi_tensor:
             return b.matmul(x[0], y[0])
         return b.sum([b.reduce_sum(b.mul(u, v), None) for u, v in zip(x, y)])
 
-    def gram(self, vectors: Sequence[Chunks]) -> list[list[str]]:
-        """Every dot product of `vectors` (k of them) at once, as scalars [i][j]: their chunks
-        flattened into one Concat [k N] (a Reshape per chunk of rank other than 1, an alias),
-        one Gemm S S^T [k, k] and one Split into its entries. Three kernels instead of a Mul
-        and a ReduceSum (or a ReduceSumSquare) per product and parameter and a Sum per
-        product: the per-parameter K-FAC step's Gram of g, P and v was 377 of ResNet-18's
-        executed nodes per step (issue 40). The Concat copies the k vectors once, which the
-        per-parameter products' Muls did per product. The sums run in the Gemm's order: equal
-        to the per-product ones to float32 rounding."""
-        b, k = self.b, len(vectors)
-        stack = b.reshape(b.op("Concat", self._flat_chunks(vectors), axis=0, hint="gram_stack"), [k, -1])
+    def stack(self, vectors: Sequence[Chunks]) -> str:
+        """The k vectors as the rows of one [k, N] tensor, each row in the concatenation's
+        order (`order`): one Concat of their flattened chunks (a Reshape per chunk of rank
+        other than 1, an alias)."""
+        flat = self._flat_chunks(vectors)
+        return self.b.reshape(self.b.op("Concat", flat, axis=0, hint="gram_stack"), [len(vectors), -1])
+
+    def gram_of(self, stack: str, k: int) -> list[list[str]]:
+        """Every dot product of the k rows of `stack` (Layout.stack), as scalars [i][j]: one
+        Gemm S S^T [k, k] and one Split into its entries. With the stack three kernels
+        instead of a Mul and a ReduceSum (or a ReduceSumSquare) per product and parameter and
+        a Sum per product: the per-parameter K-FAC step's Gram of g, P and v was 377 of
+        ResNet-18's executed nodes per step (issue 40). The Concat copies the k vectors once,
+        which the per-parameter products' Muls did per product. The sums run in the Gemm's
+        order: equal to the per-product ones to float32 rounding."""
+        b = self.b
         gram = b.reshape(b.op("Gemm", [stack, stack], transB=1, hint="gram"), [k * k])
         entries = b.split(gram, [1] * (k * k), axis=0)
         scalars = {(i, j): b.reshape(entries[i * k + j], []) for i in range(k) for j in range(i, k)}
         return [[scalars[min(i, j), max(i, j)] for j in range(k)] for i in range(k)]
 
+    def combine(self, stack: str, coefficients: Sequence[str | None]) -> Chunks:
+        """sum_i c_i row_i of `stack` (Layout.stack; None: a row left out, coefficient 0) as a
+        vector of this layout: one MatMul of the coefficients with the stack, split into the
+        parameters (split_flat) in the per-parameter layout. A linear combination of vectors
+        the step stacked already (the Gram's copy) costs a few nodes in all instead of a Mul
+        and an Add per term and parameter; the sum runs in the MatMul's order (float32
+        rounding, and 0 times a row adds an exact 0 where the row is finite)."""
+        b = self.b
+        zero = b.const(np.zeros(1))
+        row = b.op("Concat", [zero if c is None else b.unsqueeze(c, [0]) for c in coefficients], axis=0)
+        flat = b.matmul(row, stack)
+        if self.multi_tensor:
+            return [flat]
+        per = self.split_flat(flat)
+        return [per[p] for p in self.params]
+
     def _flat_chunks(self, vectors: Sequence[Chunks]) -> list[str]:
         """The chunks of `vectors`, one after the other, each 1-D."""
         if self.multi_tensor:
             return [c for chunks in vectors for c in chunks]
-        return [c if len(self.shapes[p]) == 1 else self.b.reshape(c, [-1])
-                for chunks in vectors for c, p in zip(chunks, self.params)]
+        index = {p: i for i, p in enumerate(self.params)}
+        return [chunks[index[p]] if len(self.shapes[p]) == 1 else self.b.reshape(chunks[index[p]], [-1])
+                for chunks in vectors for p in self.order]
