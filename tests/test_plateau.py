@@ -25,7 +25,7 @@ def scales(rule: CurvatureScaleRule, losses: list[float]) -> list[float]:
 
 def test_a_flat_window_doubles_c_up_to_its_cap():
     rule = CurvatureScaleRule(1.0, window=3, plateau=0.02, max_scale=4.0, adapt=True)
-    # windows of medians 10, 9.9 (1% fall: double), 9.85 (double), 9.8 (cap)
+    # windows of medians 10, 9.9 (1% below the best: double), 9.85 (double), 9.8 (cap)
     got = scales(rule, [10, 10, 10, 9.9, 9.9, 9.9, 9.85, 9.85, 9.85, 9.8, 9.8, 9.8])
     assert got == [1, 1, 1, 1, 1, 2, 2, 2, 4, 4, 4, 4]
 
@@ -38,12 +38,20 @@ def test_a_window_falling_fast_keeps_c_and_a_recovery_halves_it_to_the_start():
     assert got == [2, 2, 2, 2, 2, 4, 4, 2, 2, 2]
 
 
+def test_progress_is_measured_from_the_best_window_not_the_previous_one():
+    rule = CurvatureScaleRule(1.0, window=2, plateau=0.02, max_scale=8.0, adapt=True)
+    # medians 10, 12 (worse: double), 10.5 (12.5% below the previous window but above the best
+    # 10: double, not halve), 8.9 (11% below the best: halve)
+    assert scales(rule, [10, 10, 12, 12, 10.5, 10.5, 8.9, 8.9]) == [1, 1, 1, 2, 2, 4, 4, 2]
+    assert rule.best == 8.9
+
+
 def test_a_spike_does_not_move_the_window_median():
     rule = CurvatureScaleRule(1.0, window=5, plateau=0.02, max_scale=4.0, adapt=True)
     scales(rule, [10, 10, 10, 10, 10])
     # a 1000x batch loss inside a window that otherwise fell 10%: the median says it fell
     assert scales(rule, [9, 9, 1e4, 9, 9])[-1] == 1.0
-    assert rule.previous == 9.0
+    assert rule.best == 9.0
 
 
 def test_off_non_finite_losses_and_host_state_round_trip():
@@ -51,7 +59,7 @@ def test_off_non_finite_losses_and_host_state_round_trip():
     assert scales(off, [1, 1, 1, 1, 1]) == [3.0] * 5 and off.losses == []
     rule = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=4.0, adapt=True)
     scales(rule, [5, 5, math.nan, 5, 5, math.inf, 4])  # non-finite losses are not counted
-    assert rule.previous == 5.0 and rule.losses == [4.0]
+    assert rule.best == 5.0 and rule.losses == [4.0]
     copy = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=4.0, adapt=True)
     copy.set_host_state(rule.host_state())
     assert copy.host_state() == rule.host_state()
@@ -60,7 +68,7 @@ def test_off_non_finite_losses_and_host_state_round_trip():
     with pytest.raises(ValueError, match="host.plateau_losses"):
         copy.set_host_state({"plateau_losses": [1.0, math.nan]})
     copy.restart()
-    assert (copy.scale, copy.losses, copy.previous) == (1.0, [], None)
+    assert (copy.scale, copy.losses, copy.best) == (1.0, [], None)
 
 
 @pytest.fixture(scope="module")

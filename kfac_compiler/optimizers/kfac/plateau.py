@@ -6,11 +6,13 @@ transformers at small batches) it fits each batch's noise, and a step ~1/c as lo
 averages the noise over steps, makes progress where the greedy one stalls
 (benchmarks/results/2026-11-29-transformer-step-scale.md). The floor shows itself as a
 batch loss that stops falling, so, as ReduceLROnPlateau does for a learning rate: every
-`window` applied steps the median batch loss of the window is compared with the previous
-window's; when it fell by less than `plateau` (relative) c doubles, up to `max_scale`; when
-it fell by more than RECOVERY times that, the floor has moved and c halves again, down to
-the configured starting value. The median, not the mean: a spike the guard lets through
-moves a mean by orders of magnitude, a median not at all.
+`window` applied steps the median batch loss of the window is compared with the best
+(lowest) window median so far; when it is not below the best by `plateau` (relative) c
+doubles, up to `max_scale`; when it is below the best by RECOVERY times that or more, the
+floor has moved and c halves again, down to the configured starting value. The median, not
+the mean: a spike the guard lets through moves a mean by orders of magnitude, a median not
+at all. The best, not the previous window: window medians scatter by ~5% at a noise floor
+(the GPT byte-LM), and a window that only recovers from a worse one is no progress.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class CurvatureScaleRule:
             float(initial), int(window), float(plateau), float(max_scale), bool(adapt))
         self.scale = float(initial)
         self.losses: list[float] = []  # the current window's batch losses
-        self.previous: float | None = None  # the previous window's median
+        self.best: float | None = None  # the lowest window median so far
 
     def observe(self, loss: float) -> None:
         """Count an applied step's batch loss; at the end of a window, adapt c."""
@@ -42,18 +44,18 @@ class CurvatureScaleRule:
             return
         median = statistics.median(self.losses)
         self.losses = []
-        previous, self.previous = self.previous, median
-        if previous is None:
+        best = self.best
+        self.best = median if best is None else min(best, median)
+        if best is None:
             return
-        fall = (previous - median) / abs(previous) if previous != 0 else 0.0
+        fall = (best - median) / abs(best) if best != 0 else 0.0
         if fall < self.plateau:
             self.scale = min(2.0 * self.scale, self.max_scale)
         elif fall >= RECOVERY * self.plateau:
             self.scale = max(0.5 * self.scale, self.initial)
 
     def host_state(self) -> dict[str, Any]:
-        return {"curvature_scale": self.scale, "plateau_losses": list(self.losses),
-                "plateau_previous": self.previous}
+        return {"curvature_scale": self.scale, "plateau_losses": list(self.losses), "plateau_best": self.best}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces. A checkpoint without them
@@ -62,14 +64,14 @@ class CurvatureScaleRule:
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"host.curvature_scale must be a finite number > 0, got {scale}")
         losses = [float(x) for x in state.get("plateau_losses", [])]
-        previous = state.get("plateau_previous")
+        best = state.get("plateau_best")
         if not all(math.isfinite(x) for x in losses):
             raise ValueError(f"host.plateau_losses must be finite numbers, got {losses}")
-        if previous is not None and not math.isfinite(float(previous)):
-            raise ValueError(f"host.plateau_previous must be a finite number or null, got {previous}")
+        if best is not None and not math.isfinite(float(best)):
+            raise ValueError(f"host.plateau_best must be a finite number or null, got {best}")
         self.scale, self.losses = scale, losses[len(losses) - self.window + 1:] if len(losses) >= self.window else losses
-        self.previous = None if previous is None else float(previous)
+        self.best = None if best is None else float(best)
 
     def restart(self) -> None:
         """Back to the configured c with an empty window (a resumed run that sets c anew)."""
-        self.scale, self.losses, self.previous = self.initial, [], None
+        self.scale, self.losses, self.best = self.initial, [], None

@@ -48,8 +48,8 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     ~1/c of the batch's greedy step; adapt_curvature_scale (default with the qmodel): c is the
     starting value of the plateau rule (plateau.py), which doubles c, up to
     max_curvature_scale, when the median batch loss of curvature_scale_window applied steps
-    falls by less than curvature_scale_plateau (relative), and halves it again, down to the
-    starting value, when it falls by 5 times that or more.
+    is not below the best window median so far by curvature_scale_plateau (relative), and
+    halves it again, down to the starting value, when it is below it by 5 times that or more.
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off.
@@ -110,7 +110,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     qmodel_curvature_scale: float = 1.0  # the quadratic model's C times c: ~1/c of the greedy step (docs/runtime.md)
     adapt_curvature_scale: bool | None = None  # the plateau rule for c (plateau.py); None: on with the qmodel
     curvature_scale_window: int = 20  # applied steps per window of the plateau rule
-    curvature_scale_plateau: float = 0.02  # a window's median batch loss falling less than this doubles c
+    curvature_scale_plateau: float = 0.02  # a window median less than this below the best doubles c
     max_curvature_scale: float = 4.0
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
