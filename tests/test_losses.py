@@ -155,6 +155,19 @@ def test_fisher_dots_match_the_fisher_matrix(kind, weighted):
     np.testing.assert_allclose(got, _np_fisher_dots(loss, z, tangents, weight), rtol=1e-5, atol=1e-5)
 
 
+def test_softmax_fisher_dots_ignore_a_shift_of_the_tangents():
+    """Softmax's F_z maps a constant over the classes to 0, so tangents shifted by 50 per
+    row give the dots of the unshifted ones (float64 truth): the dots centre each tangent
+    under p before multiplying, not sum p t t - (p.t)^2, which loses ~50^2 to float32."""
+    rng = np.random.default_rng(5)
+    shape = SHAPES["softmax_cross_entropy"]
+    z = rng.normal(size=shape).astype(np.float32)
+    tangents = [rng.normal(size=shape) for _ in range(2)]
+    shifted = [(t + 50.0 * rng.normal(size=shape[:-1] + (1,))).astype(np.float32) for t in tangents]
+    got, loss = _fisher_dots("softmax_cross_entropy", z, shifted)
+    np.testing.assert_allclose(got, _np_fisher_dots(loss, z, tangents), rtol=1e-4, atol=1e-4)
+
+
 def test_unknown_loss_and_bad_variance_are_one_line_errors():
     with pytest.raises(ConfigError, match="unknown loss 'hinge'"):
         make_loss("hinge")
