@@ -114,6 +114,18 @@ def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
     np.testing.assert_allclose(g.T @ g / draws, F, atol=0.03)
 
 
+def test_softmax_sampled_gradient_is_the_gumbel_max_draw():
+    """The sampled gradient is p - onehot(y) for y = argmax(z - log(-log u)), the Gumbel-max
+    draw computed in numpy from the same noise (float32, as the graph does), row by row."""
+    rng = np.random.default_rng(6)
+    z = rng.normal(size=(64, 3, 7)).astype(np.float32)
+    u = rng.uniform(1e-7, 1 - 1e-7, size=z.shape).astype(np.float32)
+    g, loss = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])
+    y = np.argmax(z - np.log(-np.log(u)), axis=-1)
+    assert len(np.unique(y)) == 7  # every class drawn somewhere
+    np.testing.assert_allclose(g, loss.np_grad(z.astype(np.float64), y), atol=1e-6)
+
+
 def _fisher_dots(kind, z, tangents, weight=None):
     """The emitted {(i, j): sum_n w_n t_i,n . F t_j,n} (the quadratic model's curvature terms)
     as a [3] vector (0,0), (0,1), (1,1), run in ORT on float32 inputs."""
