@@ -114,6 +114,18 @@ def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
     np.testing.assert_allclose(g.T @ g / draws, F, atol=0.03)
 
 
+def test_softmax_sampled_gradient_is_the_gumbel_max_draw():
+    """The sampled gradient is p - onehot(y) for y = argmax(z - log(-log u)), the Gumbel-max
+    draw computed in numpy from the same noise (float32, as the graph does), row by row."""
+    rng = np.random.default_rng(6)
+    z = rng.normal(size=(64, 3, 7)).astype(np.float32)
+    u = rng.uniform(1e-7, 1 - 1e-7, size=z.shape).astype(np.float32)
+    g, loss = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])
+    y = np.argmax(z - np.log(-np.log(u)), axis=-1)
+    assert len(np.unique(y)) == 7  # every class drawn somewhere
+    np.testing.assert_allclose(g, loss.np_grad(z.astype(np.float64), y), atol=1e-6)
+
+
 def _fisher_dots(kind, z, tangents, weight=None):
     """The emitted {(i, j): sum_n w_n t_i,n . F t_j,n} (the quadratic model's curvature terms)
     as a [3] vector (0,0), (0,1), (1,1), run in ORT on float32 inputs."""
@@ -153,6 +165,19 @@ def test_fisher_dots_match_the_fisher_matrix(kind, weighted):
     weight = rng.uniform(0.5, 2.0, size=(shape[0],) + (1,) * (len(shape) - 1)).astype(np.float32) if weighted else None
     got, loss = _fisher_dots(kind, z, tangents, weight)
     np.testing.assert_allclose(got, _np_fisher_dots(loss, z, tangents, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_fisher_dots_ignore_a_shift_of_the_tangents():
+    """Softmax's F_z maps a constant over the classes to 0, so tangents shifted by 50 per
+    row give the dots of the unshifted ones (float64 truth): the dots centre each tangent
+    under p before multiplying, not sum p t t - (p.t)^2, which loses ~50^2 to float32."""
+    rng = np.random.default_rng(5)
+    shape = SHAPES["softmax_cross_entropy"]
+    z = rng.normal(size=shape).astype(np.float32)
+    tangents = [rng.normal(size=shape) for _ in range(2)]
+    shifted = [(t + 50.0 * rng.normal(size=shape[:-1] + (1,))).astype(np.float32) for t in tangents]
+    got, loss = _fisher_dots("softmax_cross_entropy", z, shifted)
+    np.testing.assert_allclose(got, _np_fisher_dots(loss, z, tangents), rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_loss_and_bad_variance_are_one_line_errors():

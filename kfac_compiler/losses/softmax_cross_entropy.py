@@ -140,6 +140,26 @@ class SoftmaxCrossEntropy(Loss):
         pv = b.mul(p, v)
         return b.sub(pv, b.mul(p, b.reduce_sum(pv, [-1], keepdims=True)))
 
+    def emit_fisher_dots(self, b, z, tangents, weight=None):
+        """t_i^T F t_j = sum p d_i d_j with d = t - p.t (each tangent centered under p, so the
+        form stays a variance, without the cancellation of sum p t_i t_j - (p.t_i)(p.t_j)).
+        Each tangent leaves one logits-sized tensor, d, for the later ones: the base form's
+        F t_j (and the sum it is made of) outlived its tangent until the other tangent's JVP
+        came, and the velocity's JVP comes long before P's (a 50,257-vocabulary GPT's step)."""
+        p = b.op("Softmax", [z], axis=-1)
+        centered: list[str] = []
+        dots = {}
+        for j, t in enumerate(tangents):
+            d = b.sub(t, b.reduce_sum(b.mul(p, t), [-1], keepdims=True))
+            pd = b.mul(p, d)
+            if weight is not None:
+                pd = b.mul(pd, weight)
+            for i in range(j):  # p d_j d_i: the earlier tangents' d meet this one's p d
+                dots[(i, j)] = b.reduce_sum(b.mul(pd, centered[i]), None)
+            dots[(j, j)] = b.reduce_sum(b.mul(pd, d), None)
+            centered.append(d)
+        return dots
+
     # -- numpy twins
     @staticmethod
     def _np_softmax(z):
