@@ -30,7 +30,7 @@ from kfac_compiler.runtime import Trainer  # noqa: E402
 from kfac_compiler.runtime.data import batch_indices  # noqa: E402
 
 TARGETS = {"transformer_block": 11.983743667602539}
-FIELDS = ("loss", "qmodel_change", "damping", "learning_rate", "momentum", "rho", "update_scale", "update_norm", "rejected", "spike")
+FIELDS = ("loss", "qmodel_change", "damping", "curvature_scale", "learning_rate", "momentum", "rho", "update_scale", "update_norm", "rejected", "spike")
 
 
 def run(spec: dict) -> dict:
