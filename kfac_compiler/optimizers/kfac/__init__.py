@@ -82,7 +82,7 @@ class Kfac(Optimizer):
         self.last_change = 0.0
         self.groups = Groups(trainer.plan, cfg.param_groups)  # first-order parameter groups (groups.py)
         self.curvature_scale = CurvatureScaleRule(cfg.qmodel_curvature_scale, cfg.curvature_scale_window,
-                                                  cfg.curvature_scale_plateau, cfg.max_curvature_scale,
+                                                  cfg.curvature_scale_plateau, cast(float, cfg.max_curvature_scale),
                                                   bool(cfg.adapt_curvature_scale))
 
     # ------------------------------------------------------------------ sessions
@@ -420,7 +420,7 @@ class Kfac(Optimizer):
             tr.applied_steps += 1
             self.groups.applied()
             self.recent_losses.append(float(metrics["loss"]))
-            self.curvature_scale.observe(float(metrics["loss"]))
+            self.curvature_scale.observe(self.batch_loss(float(metrics["loss"])))
             if math.isfinite(metrics["qmodel_change"]):
                 self.last_change = float(metrics["qmodel_change"])
             if w_new is not None:
@@ -438,6 +438,13 @@ class Kfac(Optimizer):
             metrics["inverse_ok"] = self.refresh_inverses(group)
             metrics["inverse_fallbacks"] = float(len(self.refresher.fallbacks))
         return metrics
+
+    def batch_loss(self, loss: float) -> float:
+        """The whole batch's loss from the step's: with gradient accumulation the step's loss is
+        its cycle's last micro-batch's, and the batch's is the cycle's mean (the plateau rule
+        compares batch losses; a micro-batch's are noisier)."""
+        cycle = self.cycle
+        return loss if cycle.count == 1 else (cycle.sums.get("loss", 0.0) + loss) / cycle.count
 
     def roll_back(self, data: dict[str, Any], keep: Callable[[float], bool] = math.isfinite) -> bool:
         """Undo the last applied update (theta -= velocity, the update; velocity = 0, and adam

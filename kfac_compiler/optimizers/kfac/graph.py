@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
+from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers import groups
 from kfac_compiler.optimizers.base import (
     GRADIENTS_POINT,
@@ -180,6 +181,12 @@ class KfacStepOptions(SubgraphOptions):
     accumulate: bool = False
     multi_tensor: bool | None = None
     curvature_scale: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.curvature_scale, bool):  # a float until the plateau rule made c an hp
+            raise ConfigError(f"kfac_step's option curvature_scale is a bool (read hp/qmodel_curvature_scale), got "
+                            f"{self.curvature_scale!r}: set c through the hp, KfacConfig.qmodel_curvature_scale")
 
 
 def emit_kfac_step(em: Emission, o: KfacStepOptions) -> None:

@@ -55,22 +55,26 @@ class CurvatureScaleRule:
             self.scale = max(0.5 * self.scale, self.initial)
 
     def host_state(self) -> dict[str, Any]:
-        return {"curvature_scale": self.scale, "plateau_losses": list(self.losses), "plateau_best": self.best}
+        # the best as a list of at most one number: a checkpoint's host entries keep one type
+        return {"curvature_scale": self.scale, "plateau_losses": list(self.losses),
+                "plateau_best": [] if self.best is None else [self.best]}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces. A checkpoint without them
-        (older ones) restarts the rule at the configured c."""
+        (older ones) restarts the rule at the configured c; c is kept within [the configured c,
+        max_scale] (a resume may lower the cap), and without adaptation it is the configured c."""
         scale = float(state.get("curvature_scale", self.initial))
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"host.curvature_scale must be a finite number > 0, got {scale}")
         losses = [float(x) for x in state.get("plateau_losses", [])]
-        best = state.get("plateau_best")
+        best = [float(x) for x in state.get("plateau_best", [])]
         if not all(math.isfinite(x) for x in losses):
             raise ValueError(f"host.plateau_losses must be finite numbers, got {losses}")
-        if best is not None and not math.isfinite(float(best)):
-            raise ValueError(f"host.plateau_best must be a finite number or null, got {best}")
-        self.scale, self.losses = scale, losses[len(losses) - self.window + 1:] if len(losses) >= self.window else losses
-        self.best = None if best is None else float(best)
+        if len(best) > 1 or not all(math.isfinite(x) for x in best):
+            raise ValueError(f"host.plateau_best must be [] or [a finite number], got {best}")
+        self.scale = min(max(scale, self.initial), self.max_scale) if self.adapt else self.initial
+        self.losses = losses[len(losses) - self.window + 1:] if len(losses) >= self.window else losses
+        self.best = best[0] if best else None
 
     def restart(self) -> None:
         """Back to the configured c with an empty window (a resumed run that sets c anew)."""

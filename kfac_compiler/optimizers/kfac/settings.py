@@ -47,9 +47,10 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     qmodel_curvature_scale c (qmodel): the model's curvature times c, so that alpha and mu are
     ~1/c of the batch's greedy step; adapt_curvature_scale (default with the qmodel): c is the
     starting value of the plateau rule (plateau.py), which doubles c, up to
-    max_curvature_scale, when the median batch loss of curvature_scale_window applied steps
-    is not below the best window median so far by curvature_scale_plateau (relative), and
-    halves it again, down to the starting value, when it is below it by 5 times that or more.
+    max_curvature_scale (None: max(4, c)), when the median batch loss of
+    curvature_scale_window applied steps is not below the best window median so far by
+    curvature_scale_plateau (relative), and halves it again, down to the starting value, when
+    it is below it by 5 times that or more (with gradient accumulation, the cycle's mean loss).
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off.
@@ -111,7 +112,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     adapt_curvature_scale: bool | None = None  # the plateau rule for c (plateau.py); None: on with the qmodel
     curvature_scale_window: int = 20  # applied steps per window of the plateau rule
     curvature_scale_plateau: float = 0.02  # a window median less than this below the best doubles c
-    max_curvature_scale: float = 4.0
+    max_curvature_scale: float | None = None  # None: max(4, qmodel_curvature_scale)
     max_predicted_decrease: float | None = 1.0
     reject_increase: bool = True
     loss_spike_factor: float | None = 3.0  # 10 until benchmarks/results/2026-11-29-damping-ablation.md
@@ -153,6 +154,8 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
                               "(momentum_type 'qmodel' or 'qmodel_fixedmu'); drop it")
         if self.adapt_curvature_scale is None:
             self.adapt_curvature_scale = bool(self.use_qmodel)
+        if self.max_curvature_scale is None:
+            self.max_curvature_scale = max(4.0, check_number("qmodel_curvature_scale", self.qmodel_curvature_scale))
         plan_cfg = plan_schedule(plan)
         if self.damping is None:
             self.damping = plan_cfg.get("damping", self.DEFAULT_DAMPING)
@@ -246,7 +249,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
         check_int("curvature_scale_window", self.curvature_scale_window, 2)
         check_unit("curvature_scale_plateau", self.curvature_scale_plateau, closed_low=False)
         check_positive("max_curvature_scale", self.max_curvature_scale)
-        if self.max_curvature_scale < self.qmodel_curvature_scale:
+        if self.adapt_curvature_scale and self.max_curvature_scale < self.qmodel_curvature_scale:
             raise ConfigError(f"max_curvature_scale {self.max_curvature_scale:g} is below qmodel_curvature_scale "
                               f"{self.qmodel_curvature_scale:g}, where the plateau rule starts; raise it")
         if self.max_predicted_decrease is not None:
