@@ -441,12 +441,10 @@ _cumsum_vjp.defjvp(linear_jvp(0))
 def _cumprod_pair(b, view, node) -> tuple[str, str, int]:
     """(E, A, axis): E = the exclusive products before each x_k ([..., n, ...]), A[k, i] =
     dy_i/dx_k / E_k on [..., n_k, n_i, ...] (k at `axis`, i at axis + 1)."""
+    _cumprod_check(view, node)
     x = node.input[0]
     r = view.rank(x)
-    av = cval(view, inp(node, 1))
-    if r is None or av is None:
-        raise unsupported(node, view, "needs the input rank and a constant axis")
-    a = int(np.asarray(av).reshape(-1)[0]) % r
+    a = int(np.asarray(cval(view, inp(node, 1))).reshape(-1)[0]) % r
     rev, excl = int(attr(node, "reverse", 0)), int(attr(node, "exclusive", 0))
     e = b.op("CumProd", [x, node.input[1]], exclusive=1, reverse=rev or None)
     n = axis_len(b, view, x, a)
@@ -487,6 +485,7 @@ def _cumprod_jvp(b, view, node, ts):
 
 @_cumprod_vjp.defcheck
 def _cumprod_check(view, node):
+    """The forms _cumprod_pair can emit: a known rank and a constant axis (else one line)."""
     if view.rank(node.input[0]) is None or cval(view, inp(node, 1)) is None:
         raise unsupported(node, view, "needs the input rank and a constant axis")
 
