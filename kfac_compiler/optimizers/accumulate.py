@@ -127,6 +127,11 @@ class Accumulation:
         k, i = self.count, self.taken + 1
         return c / (k - (k - i) * c)
 
+    def mean_with(self, name: str, value: float) -> float:
+        """The cycle's mean of metric `name` with `value` the last micro-batch's (before run adds
+        it): what run reports for an averaged metric after the cycle's last step."""
+        return (self.sums.get(name, 0.0) + value) / self.count
+
     def check_boundary(self, what: str) -> None:
         """ConfigError for `what` in the middle of a cycle."""
         if self.taken:

@@ -443,8 +443,7 @@ class Kfac(Optimizer):
         """The whole batch's loss from the step's: with gradient accumulation the step's loss is
         its cycle's last micro-batch's, and the batch's is the cycle's mean (the plateau rule
         compares batch losses; a micro-batch's are noisier)."""
-        cycle = self.cycle
-        return loss if cycle.count == 1 else (cycle.sums.get("loss", 0.0) + loss) / cycle.count
+        return self.cycle.mean_with("loss", loss)
 
     def roll_back(self, data: dict[str, Any], keep: Callable[[float], bool] = math.isfinite) -> bool:
         """Undo the last applied update (theta -= velocity, the update; velocity = 0, and adam
