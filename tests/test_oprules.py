@@ -662,6 +662,24 @@ def test_maxpool_tiled_ties_share_the_cotangent():
     assert np.abs(first[0, 0, :2, :2]).sum() > 0 and not dx[0, 0, :2, :2].any()
 
 
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_globallppool_jvp_without_the_input_rank(p):
+    """GlobalLpPool's jvp sums over the spatial dims without knowing how many there are (an
+    input declared without a shape, so shape inference gives no rank): the tangent equals
+    the central finite difference of the forward."""
+    x, t = r(2, 3, 4, 5, lo=0.1), r(2, 3, 4, 5)
+    model, feeds = one_node_model("GlobalLpPool", [("x", x)], {"p": p})
+    x_in = model.graph.input[0]
+    x_in.type.tensor_type.ClearField("shape")
+    del model.graph.output[0].type.tensor_type.shape.dim[:]
+    jm = derivative_model(model, ["x"], ["y0"], "jvp")
+    got = run_reference(jm, {"x": x, "tan/x": t}, ["jvp/y0"])["jvp/y0"]
+    eps = 1e-6
+    plus, minus = (run_reference(model, {"x": x + s * eps * t}, ["y0"])["y0"] for s in (1, -1))
+    np.testing.assert_allclose(got, (plus - minus) / (2 * eps), rtol=1e-6, atol=1e-9)
+    assert got.shape == (2, 3, 1, 1)
+
+
 def test_scatter_with_a_multiplicative_reduction_has_no_rule():
     m, _ = one_node_model("ScatterND", [("x", r(3, 2)), ("i", i64([0], [2])), ("u", r(2, 2))],
                           attrs={"reduction": "mul"}, opset=16)

@@ -314,9 +314,11 @@ def _glppool_jvp(b, view, node, ts):
     t = ts[0]
     if t is None:
         return [None]
-    x = node.input[0]
+    x, y = node.input[0], node.output[0]
     r = view.rank(x)
-    if r is None:
-        raise unsupported(node, view, "needs the input rank")
-    s = b.reduce_sum(b.mul(_lp_slope(b, node, x), t), list(range(2, r)), keepdims=True)
-    return [b.mul(_lp_outer(b, node, node.output[0]), s)]
+    v = b.mul(_lp_slope(b, node, x), t)
+    if r is None:  # the spatial dims flattened into one, summed, then y's shape [N, C, 1, ...]
+        s = b.reshape(b.reduce_sum(b.reshape(v, [0, 0, -1]), [2], keepdims=True), b.op("Shape", [y]))
+    else:
+        s = b.reduce_sum(v, list(range(2, r)), keepdims=True)
+    return [b.mul(_lp_outer(b, node, y), s)]
