@@ -158,8 +158,7 @@ class Accumulation:
         store.set_hp(ACCUM_SCALE, math.nan if self.poisoned else 1.0 / self.count)
         try:
             metrics = policy.step(data)
-            self._add(metrics, averaged)
-            metrics.update({k: self.sums[k] / self.count for k in averaged if k in metrics})
+            metrics.update({k: self.mean_with(k, float(metrics[k])) for k in averaged if k in metrics})
             metrics["micro_batch"] = float(self.taken)
         finally:
             self.reset()
