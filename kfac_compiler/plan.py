@@ -293,7 +293,10 @@ class Plan:
         re-laid-out views) replaced by those sources, in the order of `trainable`. An
         exporter's copy the plan ties to its original (`retied`) is not listed: it is the
         original."""
-        held = held_elsewhere(self.model)
+        return self._source_trainable(held_elsewhere(self.model))
+
+    def _source_trainable(self, held: Mapping[str, dict]) -> dict[str, tuple[int, ...]]:
+        """source_trainable with graph.held_elsewhere's answer `held` given."""
         of: dict[str, list[str]] = {}
         for src, h in held.items():
             for holder in h["holders"]:
@@ -322,8 +325,8 @@ class Plan:
         copied into the plan initializers that hold them, the rest of those initializers from
         `current` (the plan-layout values now). A name or shape of the plan's own layout, or
         one the model does not train, is a one-line ConfigError."""
-        shapes = self.source_trainable()
         held = held_elsewhere(self.model)
+        shapes = self._source_trainable(held)
         for name, v in values.items():
             if name not in shapes:
                 sources = [s for s, h in held.items() if name in h["holders"]]
