@@ -168,6 +168,22 @@ def _gemm(view, node, ins):
     return [ExampleAxis(0, a.outer, a.inner) if a.axis == rows else None]
 
 
+@rule("Attention")
+def _attention(view, node, ins):
+    """Attention (opset 23) works per row of its batch axis 0 (Q, K, V and the past key and
+    value [B, ...]; the mask broadcast to [B, H, S, L]): every output keeps the examples
+    there when each placed input has them on axis 0 alike."""
+    cands = [lay for j, lay in enumerate(ins) if j != 3 and lay is not None]
+    mask = ins[3] if len(ins) > 3 else None
+    if mask is not None:
+        r = _rank(view, node.input[3])
+        if r is None:
+            return None
+        cands.append(ExampleAxis(mask.axis + 4 - r, mask.outer, mask.inner))
+    lay = _agree(cands)
+    return [lay] * len(node.output) if lay is not None and lay.axis == 0 else None
+
+
 @rule("Gather")
 def _gather(view, node, ins):
     data, idx = ins[0], ins[1]

@@ -345,6 +345,64 @@ def test_vit_attention_projections_are_placed_time_major_and_merged():
     assert not any("groups rows into examples" in n for n in plan.notes)  # kron blocks: layout-free
 
 
+def _attention_layouts(q_axis: int, mask_shape: list[int] | None) -> dict:
+    """The batch-axis rules over Q, K, V [B, H, S, E] (B = 2, from x [B, S, H*E]; Q transposed to
+    put the batch on axis `q_axis`, and back only when q_axis is 0) and an optional float mask
+    computed from x: the layouts of Attention's outputs."""
+    from onnx import shape_inference
+
+    from kfac_compiler.graph import GraphView
+    from kfac_compiler.passes.batch_axis import RULES
+
+    perm = [0, 1, 2, 3] if q_axis == 0 else [1, 0, 2, 3]
+    nodes = [helper.make_node("Reshape", ["x", "qkv_shape"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["k"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["k"], ["q"], perm=perm)]
+    ins = ["q", "k", "k"]
+    if mask_shape is not None:
+        nodes += [helper.make_node("ReduceSum", ["x", "mask_axes"], ["m0"], keepdims=1),
+                  helper.make_node("Reshape", ["m0", "mask_shape"], ["mask"])]
+        ins.append("mask")
+    nodes.append(helper.make_node("Attention", ins, ["y", "", "", "scores"], qk_matmul_output_mode=0))
+    inits = [numpy_helper.from_array(np.asarray([2, 3, 2, 4], np.int64), "qkv_shape"),
+             numpy_helper.from_array(np.asarray([1, 2], np.int64), "mask_axes"),
+             numpy_helper.from_array(np.asarray(mask_shape or [1], np.int64), "mask_shape")]
+    g = helper.make_graph(nodes, "attn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    view = GraphView(shape_inference.infer_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])))
+    layouts: dict = {"x": ExampleAxis(0)}
+    for node in view.nodes:  # the rules in graph order, as example_layouts runs them
+        outs = RULES[node.op_type](view, node, [layouts.get(i) for i in node.input]) or [None] * len(node.output)
+        layouts.update(zip(node.output, outs))
+    return layouts
+
+
+@pytest.mark.parametrize("q_axis,mask_shape,placed", [
+    (0, None, True), (0, [2, 1, 1, 1], True), (0, [1, 1, 2, 1], False), (1, None, False)])
+def test_attention_keeps_the_batch_on_axis_0(q_axis, mask_shape, placed):
+    """Opset-23 Attention computes each row of its batch axis 0 from that row of Q, K, V and
+    the mask: its output y and its scores keep the examples there. A Q whose batch axis is
+    elsewhere, or a mask whose batch rides on another axis, leaves them unplaced."""
+    lay = _attention_layouts(q_axis, mask_shape)
+    want = ExampleAxis(0) if placed else None
+    assert lay["y"] == want and lay["scores"] == want
+
+
+def test_attention_of_an_sdpa_export_is_traced_for_per_example_blocks():
+    """torch.export's opset-23 GPT-2 (scaled_dot_product_attention as Attention): with diagonal
+    fully connected blocks, the attention's out projection c_proj reads [N*T, D] rows traced
+    through the Attention, as c_attn's, with no note that its example axis is unknown."""
+    path = FIXTURES / "gpt2_sdpa-dynamo23.onnx"
+    if not path.exists():
+        pytest.skip("no real-export fixtures")
+    plan = kc.compile(str(path), loss="softmax_cross_entropy", emit=False,
+                      config={"approximations": {"fully_connected": "diagonal"}})
+    axes = {layer.name.rsplit(".", 1)[-1]: layer.attrs.get("example_axes") for layer in plan.layers
+            if ".h.0.attn." in layer.name}
+    assert axes["c_proj"] == axes["c_attn"] == (((0, 1, 8), (0, 1, 8)),)
+    assert not any("could not be traced" in n for n in plan.notes)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_broadcast_bias_is_the_per_example_definition_in_every_layout(layout):
     """A parameter added to every row (broadcast block, diagonal): g_n = sum_t delta_nt."""
