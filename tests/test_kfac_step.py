@@ -72,6 +72,31 @@ def softmax_cross_entropy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
 @pytest.mark.slow
 def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2,
                                                                               max_decrease, curvature_scale):
+    _assert_step_solves_the_model(mlp, qmodel_batch, max_momentum, l2, max_decrease, curvature_scale)
+
+
+@pytest.fixture(scope="module")
+def wide_mlp():
+    """The zoo MLP with a head 2.5x wider than its input rows (4 -> 10 classes): its
+    curvature terms take the pulled-back form (optimizers/kfac/curvature.py)."""
+    entry = ZOO["mlp_classifier"]
+    plan = kc.compile(get_model("mlp_classifier", hidden=(16, 4)), loss=entry.loss, output="logits", emit=False)
+    x, y = entry.make_data(64)
+    return plan, x["input"], y
+
+
+@pytest.mark.parametrize("qmodel_batch,l2,curvature_scale", [(None, 0.0, 1.0), (24, 1e-2, 3.0)])
+@pytest.mark.slow
+def test_qmodel_with_a_wide_head_solves_the_damped_quadratic_model(wide_mlp, qmodel_batch, l2, curvature_scale):
+    """The same check where C's terms with P are g = F J P pulled back through the head and
+    paired with P's and v's tangents at the head's inputs (the vocabulary-sized heads' form)."""
+    from kfac_compiler.optimizers.kfac.curvature import WIDENING
+
+    assert 10 >= WIDENING * 4  # the head is wide: the pulled-back form is the one checked
+    _assert_step_solves_the_model(wide_mlp, qmodel_batch, 1.0, l2, 1.0, curvature_scale)
+
+
+def _assert_step_solves_the_model(mlp, qmodel_batch, max_momentum, l2, max_decrease, curvature_scale):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
     with C the exact GGN and g the gradient, both on the batch's qmodel sub-batch (every
     (N // m)-th example here, m of them, m dividing N: backend/forward.py's sub_batch_pass; all when None), P = the preconditioned whole-batch gradient, v = the previous update;

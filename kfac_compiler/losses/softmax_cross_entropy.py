@@ -150,9 +150,10 @@ class SoftmaxCrossEntropy(Loss):
         return b.sub(b.mul(sp, v), b.mul(p, inner))
 
     def emit_fisher_times(self, b, z, v):
+        # p (v - p.v): v centred under p, then weighted; at most two v-sized tensors beside p
+        # (p v - p (p.v) held p v, p (p.v) and their difference at once)
         p = b.op("Softmax", [z], axis=-1)
-        pv = b.mul(p, v)
-        return b.sub(pv, b.mul(p, b.reduce_sum(pv, [-1], keepdims=True)))
+        return b.mul(p, b.sub(v, b.reduce_sum(b.mul(p, v), [-1], keepdims=True)))
 
     def emit_fisher_dots(self, b, z, tangents, weight=None):
         """t_i^T F t_j = sum p d_i d_j with d = t - p.t (each tangent centered under p, so the
