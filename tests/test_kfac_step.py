@@ -271,3 +271,29 @@ def test_step_program_follows_the_batch_size_and_weights(mlp):
     assert tr.policy.step_options().stats_batch == 16 and tr.policy.step_options().weighted
     # step 0 of both runs starts from the same parameters
     assert runs[True][0] == pytest.approx(2.0 * runs[False][0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_wide_head_form_with_example_weights_steps_like_the_two_tangent_form(monkeypatch):
+    """With example weights (w in C = 1/N sum w J^T F J) the pulled-back form's steps equal
+    those of Loss.emit_fisher_dots on both tangents (the form the test above checks against
+    numpy), forced by raising the width the wide form needs: alpha, mu and the model change of
+    three steps to float rounding."""
+    from kfac_compiler.optimizers.kfac import curvature
+
+    entry = ZOO["mlp_classifier"]
+    x, y = entry.make_data(48)
+    w = np.random.default_rng(3).uniform(0.0, 2.0, 48).astype(np.float32)
+
+    def run():
+        plan = kc.compile(get_model("mlp_classifier", hidden=(16, 4)), loss=entry.loss, output="logits", emit=False)
+        tr = Trainer(plan, optimizer="kfac", stats_batch_size=None)
+        return [tr.step({"input": x["input"]}, y, weights=w) for _ in range(3)]
+
+    wide = run()
+    monkeypatch.setattr(curvature, "WIDENING", 10**6)
+    both = run()
+    assert wide[-1]["learning_rate"] != 0
+    for a, b in zip(wide, both):
+        for key in ("learning_rate", "momentum", "qmodel_change"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
