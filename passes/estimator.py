@@ -28,7 +28,7 @@ MAX_EXACT_COORDINATES = 512
 
 @dataclass(frozen=True)
 class NoiseSpec:
-    """Host noise a mode needs: `count` tensors of the output's shape."""
+    """Host noise a mode needs: `count` tensors (of noise_shape's shape)."""
 
     count: int
     distribution: str  # "uniform" | "normal"
@@ -48,6 +48,13 @@ def noise_spec(mode: str, num_samples: int, loss: Loss) -> NoiseSpec:
     if mode.startswith("curvature_prop"):
         return NoiseSpec(num_samples, "uniform")
     return NoiseSpec(0, "uniform")
+
+
+def noise_shape(mode: str, loss: Loss, z_shape: tuple) -> tuple:
+    """Each noise tensor's shape: the loss's own for sampled targets (softmax cross-entropy:
+    one uniform per row), one uniform per output coordinate for curvature_prop's Rademacher
+    signs (B v needs v shaped like z)."""
+    return tuple(loss.noise_shape(z_shape)) if mode == "gradients" else tuple(z_shape)
 
 
 def emit_seeds(

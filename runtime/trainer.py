@@ -200,7 +200,7 @@ class Trainer:
         In a data-parallel run every rank draws the global batch's noise and keeps its rows,
         so that the ranks sample what one process would. Written into the store's "train"
         channel here and returned empty: a feed holding the arrays kept a second copy alive
-        through the run (a vocabulary's noise is logits-sized: 51 MB for 8 x 32 x 50,257)."""
+        through the run (noise of one value per output entry is output-sized)."""
         noise = draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name, shares=self.ranks)
         for name in list(noise):
             value = noise.pop(name)

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kfac_compiler as kc
 from kfac_compiler.backend import emit_subgraph
 from kfac_compiler.losses import make_loss
+from kfac_compiler.runtime.data import noise_shape
 
 IN, HID, OUT = 3, 4, 3
 
@@ -78,7 +79,7 @@ def _statistics(plan, x, y, mode, num_samples=1, seed=0, stats_batch=None):
                   ((t.name, t) for t in plan.model.graph.initializer) if p in plan.trainable})
     rng = np.random.default_rng(seed)
     for s in range(info.noise.count):
-        feeds[f"noise/{s}"] = rng.uniform(1e-6, 1 - 1e-6, size=x.shape[:1] + (OUT,)).astype(np.float32)
+        feeds[f"noise/{s}"] = rng.uniform(1e-6, 1 - 1e-6, size=noise_shape(info, y)).astype(np.float32)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(None, feeds)))
 

@@ -141,7 +141,7 @@ def test_diagonal_blocks_of_a_batch_equal_the_weighted_exact_fisher():
 
 
 def test_sampled_estimate_converges_to_the_exact_one(two_heads):
-    """gradients mode samples a class (uniform noise, Gumbel-max) and a normal value
+    """gradients mode samples a class (one uniform, inverse CDF) and a normal value
     (Box-Muller of two uniforms) per example: the error of G shrinks like 1/sqrt(N)."""
     plan, _ = two_heads
     x1, labels, values = _data(1, seed=6)

@@ -72,6 +72,31 @@ def softmax_cross_entropy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
 @pytest.mark.slow
 def test_qmodel_learning_rate_and_momentum_solve_the_damped_quadratic_model(mlp, qmodel_batch, max_momentum, l2,
                                                                               max_decrease, curvature_scale):
+    _assert_step_solves_the_model(mlp, qmodel_batch, max_momentum, l2, max_decrease, curvature_scale)
+
+
+@pytest.fixture(scope="module")
+def wide_mlp():
+    """The zoo MLP with a head 2.5x wider than its input rows (4 -> 10 classes): its
+    curvature terms take the pulled-back form (optimizers/kfac/curvature.py)."""
+    entry = ZOO["mlp_classifier"]
+    plan = kc.compile(get_model("mlp_classifier", hidden=(16, 4)), loss=entry.loss, output="logits", emit=False)
+    x, y = entry.make_data(64)
+    return plan, x["input"], y
+
+
+@pytest.mark.parametrize("qmodel_batch,l2,curvature_scale", [(None, 0.0, 1.0), (24, 1e-2, 3.0)])
+@pytest.mark.slow
+def test_qmodel_with_a_wide_head_solves_the_damped_quadratic_model(wide_mlp, qmodel_batch, l2, curvature_scale):
+    """The same check where C's terms with P are g = F J P pulled back through the head and
+    paired with P's and v's tangents at the head's inputs (the vocabulary-sized heads' form)."""
+    from kfac_compiler.optimizers.kfac.curvature import WIDENING
+
+    assert 10 >= WIDENING * 4  # the head is wide: the pulled-back form is the one checked
+    _assert_step_solves_the_model(wide_mlp, qmodel_batch, 1.0, l2, 1.0, curvature_scale)
+
+
+def _assert_step_solves_the_model(mlp, qmodel_batch, max_momentum, l2, max_decrease, curvature_scale):
     """alpha, mu of step 3 minimize m(u) = g.u + 1/2 u.(C + lambda)u over u = -alpha P + mu v,
     with C the exact GGN and g the gradient, both on the batch's qmodel sub-batch (every
     (N // m)-th example here, m of them, m dividing N: backend/forward.py's sub_batch_pass; all when None), P = the preconditioned whole-batch gradient, v = the previous update;
@@ -246,3 +271,29 @@ def test_step_program_follows_the_batch_size_and_weights(mlp):
     assert tr.policy.step_options().stats_batch == 16 and tr.policy.step_options().weighted
     # step 0 of both runs starts from the same parameters
     assert runs[True][0] == pytest.approx(2.0 * runs[False][0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_wide_head_form_with_example_weights_steps_like_the_two_tangent_form(monkeypatch):
+    """With example weights (w in C = 1/N sum w J^T F J) the pulled-back form's steps equal
+    those of Loss.emit_fisher_dots on both tangents (the form the test above checks against
+    numpy), forced by raising the width the wide form needs: alpha, mu and the model change of
+    three steps to float rounding."""
+    from kfac_compiler.optimizers.kfac import curvature
+
+    entry = ZOO["mlp_classifier"]
+    x, y = entry.make_data(48)
+    w = np.random.default_rng(3).uniform(0.0, 2.0, 48).astype(np.float32)
+
+    def run():
+        plan = kc.compile(get_model("mlp_classifier", hidden=(16, 4)), loss=entry.loss, output="logits", emit=False)
+        tr = Trainer(plan, optimizer="kfac", stats_batch_size=None)
+        return [tr.step({"input": x["input"]}, y, weights=w) for _ in range(3)]
+
+    wide = run()
+    monkeypatch.setattr(curvature, "WIDENING", 10**6)
+    both = run()
+    assert wide[-1]["learning_rate"] != 0
+    for a, b in zip(wide, both):
+        for key in ("learning_rate", "momentum", "qmodel_change"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key

@@ -114,16 +114,54 @@ def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
     np.testing.assert_allclose(g.T @ g / draws, F, atol=0.03)
 
 
-def test_softmax_sampled_gradient_is_the_gumbel_max_draw():
-    """The sampled gradient is p - onehot(y) for y = argmax(z - log(-log u)), the Gumbel-max
-    draw computed in numpy from the same noise (float32, as the graph does), row by row."""
+def _inverse_cdf(z, u):
+    """numpy's draw for uniforms u [..., 1]: the first class whose cumulative probability
+    (float64) reaches u times the row's total."""
+    p = make_loss("softmax_cross_entropy")._np_softmax(z.astype(np.float64))
+    cdf = np.cumsum(p, axis=-1)
+    return np.argmax(cdf >= u * cdf[..., -1:], axis=-1)
+
+
+def test_softmax_sampled_gradient_is_the_inverse_cdf_draw():
+    """The sampled gradient is p - onehot(y) for y drawn by inverse CDF from ONE uniform per
+    row (the host draws [N, T, 1], not a logits-sized array), computed in numpy from the same
+    uniforms, row by row."""
     rng = np.random.default_rng(6)
     z = rng.normal(size=(64, 3, 7)).astype(np.float32)
-    u = rng.uniform(1e-7, 1 - 1e-7, size=z.shape).astype(np.float32)
-    g, loss = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])
-    y = np.argmax(z - np.log(-np.log(u)), axis=-1)
+    loss = make_loss("softmax_cross_entropy")
+    assert loss.noise_shape(z.shape) == (64, 3, 1)
+    u = rng.uniform(1e-7, 1 - 1e-7, size=loss.noise_shape(z.shape)).astype(np.float32)
+    g, _ = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])
+    y = _inverse_cdf(z, u)
     assert len(np.unique(y)) == 7  # every class drawn somewhere
     np.testing.assert_allclose(g, loss.np_grad(z.astype(np.float64), y), atol=1e-6)
+
+
+def test_softmax_sampled_classes_have_the_model_s_frequencies():
+    """Over 400,000 draws from one row of 40 classes (probabilities from 0.2 down to ~1e-5,
+    and a class whose float32 probability is 0) the classes' counts match p: Pearson's
+    chi-square over the classes with p > 0 below its 0.1% critical value, each count within
+    5 standard deviations, the zero-probability class never drawn. The same uniforms give the
+    same draws (the host's seeded stream is the only randomness)."""
+    from scipy.stats import chi2
+
+    row = np.concatenate([np.linspace(3.0, -6.0, 39), [-200.0]]).astype(np.float32)
+    draws = 400_000
+    z = np.broadcast_to(row, (draws, 1, 40)).copy()
+    u = np.random.default_rng(12).uniform(1e-7, 1 - 1e-7, size=(draws, 1, 1)).astype(np.float32)
+    run = lambda: _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"),  # noqa: E731
+                       {"z": z, "u": u}, ["u"])[0]
+    g = run()
+    y = np.argmin(g[:, 0], axis=-1)  # p - onehot: the drawn class is the only negative entry
+    assert np.all(g[np.arange(draws), 0, y] < 0)
+    counts = np.bincount(y, minlength=40)
+    p = make_loss("softmax_cross_entropy")._np_softmax(row.astype(np.float64))
+    assert counts[39] == 0 and np.float32(p[39]) == 0
+    expected = draws * p[:39]
+    stat = float(np.sum((counts[:39] - expected) ** 2 / expected))
+    assert stat < chi2.ppf(0.999, 38), stat
+    assert np.all(np.abs(counts[:39] - expected) <= 5 * np.sqrt(expected * (1 - p[:39]))), counts
+    np.testing.assert_array_equal(run(), g)
 
 
 def _fisher_dots(kind, z, tangents, weight=None):

@@ -12,7 +12,7 @@ from kfac_compiler.builder import GraphBuilder
 from kfac_compiler.contract import NoiseSpec
 from kfac_compiler.passes.autodiff import backward
 from kfac_compiler.passes.batch_axis import movable_uses
-from kfac_compiler.passes.estimator import emit_seeds, noise_spec
+from kfac_compiler.passes.estimator import emit_seeds, noise_shape, noise_spec
 
 if TYPE_CHECKING:
     from kfac_compiler.backend.emission import Emission
@@ -57,11 +57,11 @@ def batch_statistics(
     z_shape = tuple(em.view.shape(em.output) or ())
     noise = []
     if spec.count:
-        noise_shape = list(loss.noise_shape(z_shape))
+        shape = list(noise_shape(mode, loss, z_shape))
         if fwd.rows is not None:  # a sub-batch pass (used only on larger batches): m rows
-            noise_shape[0] = fwd.rows
-        em.info.noise = NoiseSpec(spec.count, noise_shape, spec.distribution)
-        noise = [em.data_input(C.noise(s), em.b.float_type, noise_shape) for s in range(spec.count)]
+            shape[0] = fwd.rows
+        em.info.noise = NoiseSpec(spec.count, shape, spec.distribution)
+        noise = [em.data_input(C.noise(s), em.b.float_type, shape) for s in range(spec.count)]
     targets = [fwd.name(t) for t in layer_cotangent_targets(em)]
     if mode == "empirical" and fwd is em.full and data_cots is not None:
         per_seed = [{t: b.mul(data_cots[t], n) if data_cots[t] else None for t in targets}]

@@ -160,6 +160,9 @@ class Loss:
         return output_dtype
 
     def noise_shape(self, output_shape: tuple) -> tuple:
+        """The shape of the host noise emit_sampled_grad takes, batch first: one value per
+        output entry by default; a loss that needs less (one uniform per categorical row)
+        says so, and the host draws no more than that."""
         return tuple(output_shape)
 
     def weight_shape(self, target_shape: tuple) -> tuple:

@@ -10,9 +10,10 @@ reshapes each slice to the head's output shape and applies the head's own loss, 
 c_h (its Fisher products by c_h, the square roots and sampled gradients by sqrt(c_h); the
 Fisher is block diagonal over heads). The targets are packed the same way on the host: one
 float32 [N, sum_h k_h] array (class labels are exact in float32 below 2^24); the runtime API
-takes a dict {targets name: array}. Sampling draws uniform noise for every output column;
-a head whose loss samples with normal noise gets E extra columns at the end and turns the
-pair into a normal by Box-Muller in the graph.
+takes a dict {targets name: array}. Sampling draws each head's own uniform noise (its
+loss's noise_shape: one value per output column, or per categorical row for softmax
+cross-entropy), packed the same way; a head whose loss samples with normal noise gets E
+extra columns at the end and turns the pair into a normal by Box-Muller in the graph.
 """
 from __future__ import annotations
 
@@ -149,18 +150,24 @@ class MultiHead(Loss):
                 raise ConfigError(f"head {h['output']!r}: {p.kind} cannot mask targets in a plan with several heads "
                                   f"(its weights are per example: {h['options']}); give the head per-example "
                                   "weights, or use the loss as the plan's only loss")
-        for h, p, shape in zip(self.heads, self.parts, self.shapes):  # the packed noise's layout
+        # the packed noise's layout: each head's own noise (its noise_shape per example), then
+        # a second uniform per output entry for each normal head (Box-Muller)
+        self.noise_rests = []
+        for h, p, shape in zip(self.heads, self.parts, self.shapes):
             if p.noise not in ("uniform", "normal"):
                 raise ConfigError(f"head {h['output']!r}: loss {p.kind!r} samples with {p.noise!r} noise; a head can "
                                   "only use uniform or normal noise")
             own = tuple(p.noise_shape((1, *shape)))
-            if own != (1, *shape):
+            if p.noise == "normal" and own != (1, *shape):
                 raise ConfigError(f"head {h['output']!r}: loss {p.kind!r} draws noise of shape {list(own[1:])} per "
-                                  f"example for an output of shape {list(shape)}; a head's noise must have its "
-                                  "output's shape (one value per output entry): use it as the plan's only loss")
+                                  f"example for an output of shape {list(shape)}; a head's normal noise must have "
+                                  "its output's shape (one value per output entry): use it as the plan's only loss")
+            self.noise_rests.append(own[1:])
+        widths = [int(np.prod(r)) for r in self.noise_rests]
+        self.noise_offsets = np.concatenate([[0], np.cumsum(widths)]).astype(int).tolist()
         normal = [i for i, p in enumerate(self.parts) if p.noise == "normal"]
         self.normal_offsets = {}
-        extra = self.width
+        extra = self.noise_offsets[-1]
         for i in normal:
             self.normal_offsets[i] = extra
             extra += self.widths[i]
@@ -330,7 +337,7 @@ class MultiHead(Loss):
     def emit_sampled_grad(self, b, z, noise):
         pieces = []
         for i, (p, c) in enumerate(zip(self.parts, self.coefficients)):
-            u = self._slice(b, noise, self.offsets[i], self.offsets[i + 1], self.shapes[i])
+            u = self._slice(b, noise, self.noise_offsets[i], self.noise_offsets[i + 1], self.noise_rests[i])
             if i in self.normal_offsets:  # Box-Muller: sqrt(-2 log u1) cos(2 pi u2)
                 start = self.normal_offsets[i]
                 u2 = self._slice(b, noise, start, start + self.widths[i], self.shapes[i])

@@ -114,20 +114,34 @@ class SoftmaxCrossEntropy(Loss):
         picked = self._picked(b, b.op("LogSoftmax", [z], axis=-1), y)
         return b.neg(b.op("Squeeze", [picked, b.ints([-1])]))
 
-    def emit_grad(self, b, z, y):
-        # p - onehot(y) with p - 1 written at the targets (p - 0 = p elsewhere, bit for bit)
-        p = b.op("Softmax", [z], axis=-1)
-        at = b.unsqueeze(y, [-1])
+    def noise_shape(self, output_shape: tuple) -> tuple:
+        """One uniform per categorical row (inverse-CDF sampling), not one per class: at a
+        vocabulary's size the per-class noise was a logits-sized array (51 MB for
+        8 x 32 x 50,257) held through the step, and its Gumbel chain more beside it."""
+        return (*output_shape[:-1], 1)
+
+    @staticmethod
+    def _minus_onehot(b: GraphBuilder, p: str, at: str) -> str:
+        """p - onehot(at) for class indices at [..., 1]: p - 1 written at them (p - 0 = p
+        elsewhere, bit for bit), one output-sized tensor besides p."""
         picked = b.op("GatherElements", [p, at], axis=-1)
         return b.op("ScatterElements", [p, at, b.sub(picked, b.const(1.0))], axis=-1)
 
+    def emit_grad(self, b, z, y):
+        return self._minus_onehot(b, b.op("Softmax", [z], axis=-1), b.unsqueeze(y, [-1]))
+
     def emit_sampled_grad(self, b, z, noise):
-        # Gumbel-max: y = argmax(z + g), g = -log(-log u); one-hot via equality with the max.
-        g = b.neg(b.op("Log", [b.neg(b.op("Log", [noise]))]))
-        perturbed = b.add(z, g)
-        top = b.reduce("ReduceMax", perturbed, [-1], keepdims=True)
-        onehot = b.cast(b.op("Equal", [perturbed, top]), b.float_type)
-        return b.sub(b.op("Softmax", [z], axis=-1), onehot)
+        """Inverse CDF: y = the first class whose cumulative probability c_y reaches u c_V
+        (u: one uniform per row in (0, 1); c_V, the row's total, so that float rounding of the
+        sum never leaves a row without a class: u c_V <= c_V). Class y is drawn when
+        c_{y-1} < u c_V <= c_y, with probability p_y; a class of p_y = 0 never. The first
+        reached class is an ArgMax over the 0/1 comparison cast to uint8 (a quarter of the
+        logits' bytes), the only output-sized tensors besides p being c and that mask."""
+        p = b.op("Softmax", [z], axis=-1)
+        cdf = b.op("CumSum", [p, b.const(np.int64(-1))])
+        total = b.op("Slice", [cdf, b.ints([-1]), b.ints([np.iinfo(np.int64).max]), b.ints([-1])])
+        reached = b.cast(b.op("GreaterOrEqual", [cdf, b.mul(noise, total)]), TensorProto.UINT8)
+        return self._minus_onehot(b, p, b.op("ArgMax", [reached], axis=-1, keepdims=1))
 
     def emit_fisher_sqrt_times(self, b, z, v):
         p = b.op("Softmax", [z], axis=-1)
@@ -136,9 +150,10 @@ class SoftmaxCrossEntropy(Loss):
         return b.sub(b.mul(sp, v), b.mul(p, inner))
 
     def emit_fisher_times(self, b, z, v):
+        # p (v - p.v): v centred under p, then weighted; at most two v-sized tensors beside p
+        # (p v - p (p.v) held p v, p (p.v) and their difference at once)
         p = b.op("Softmax", [z], axis=-1)
-        pv = b.mul(p, v)
-        return b.sub(pv, b.mul(p, b.reduce_sum(pv, [-1], keepdims=True)))
+        return b.mul(p, b.sub(v, b.reduce_sum(b.mul(p, v), [-1], keepdims=True)))
 
     def emit_fisher_dots(self, b, z, tangents, weight=None):
         """t_i^T F t_j = sum p d_i d_j with d = t - p.t (each tangent centered under p, so the

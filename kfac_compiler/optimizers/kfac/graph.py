@@ -38,6 +38,7 @@ from kfac_compiler.optimizers.base import (
 )
 from kfac_compiler.optimizers.first_order import clip_scale, regularized_chunks
 from kfac_compiler.optimizers.groups import GroupSpec
+from kfac_compiler.optimizers.kfac.curvature import curvature_dots
 from kfac_compiler.optimizers.kfac.settings import MOMENTUM_TYPES, QMODEL_TYPES
 from kfac_compiler.optimizers.multi_tensor import Chunks, Layout
 from kfac_compiler.requests import SubgraphKind, SubgraphOptions
@@ -316,11 +317,9 @@ def quadratic_model(em: Emission, fwd: ForwardPass, precond: dict, velocity: dic
     multiplies C (not the damping): with c > 1 the model's minimizer is ~1/c of the batch's
     greedy step, a shorter step that averages minibatch noise over steps
     (KfacConfig.qmodel_curvature_scale; a host input, so that the plateau rule can change it)."""
-    b, z, n, loss = em.b, fwd.z, fwd.n, em.parts.loss
-    j_p = em.jvp(fwd, precond, [z])[z]
-    j_v = em.jvp(fwd, velocity, [z])[z]
+    b, n = em.b, fwd.n
     # C = 1/N sum_n w_n J_n^T F_n J_n (w: a weighted loss's example weights)
-    curvature = loss.emit_fisher_dots(b, z, [j_p, j_v], fwd.weight)
+    curvature, j_p, j_v = curvature_dots(em, fwd, precond, velocity)
     if curvature_scale:
         c = em.hp(CURVATURE_SCALE)
         curvature = {ij: b.mul(dot, c) for ij, dot in curvature.items()}
