@@ -135,12 +135,13 @@ class SoftmaxCrossEntropy(Loss):
         (u: one uniform per row in (0, 1); c_V, the row's total, so that float rounding of the
         sum never leaves a row without a class: u c_V <= c_V). Class y is drawn when
         c_{y-1} < u c_V <= c_y, with probability p_y; a class of p_y = 0 never. The first
-        reached class is an ArgMax over the 0/1 comparison cast to uint8 (a quarter of the
-        logits' bytes), the only output-sized tensors besides p being c and that mask."""
+        reached class is an ArgMax over the 0/1 comparison in the float type (ONNX Runtime's
+        CUDA ArgMax takes float types only: a uint8 mask would put the node and a copy of
+        the mask on the host), the only output-sized tensors besides p being c and that mask."""
         p = b.op("Softmax", [z], axis=-1)
         cdf = b.op("CumSum", [p, b.const(np.int64(-1))])
         total = b.op("Slice", [cdf, b.ints([-1]), b.ints([np.iinfo(np.int64).max]), b.ints([-1])])
-        reached = b.cast(b.op("GreaterOrEqual", [cdf, b.mul(noise, total)]), TensorProto.UINT8)
+        reached = b.cast(b.op("GreaterOrEqual", [cdf, b.mul(noise, total)]), b.float_type)
         return self._minus_onehot(b, p, b.op("ArgMax", [reached], axis=-1, keepdims=1))
 
     def emit_fisher_sqrt_times(self, b, z, v):
