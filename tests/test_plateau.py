@@ -90,6 +90,43 @@ def test_restoring_older_or_other_settings():
     assert off.scale == 3.0
 
 
+def test_early_windows_decide_within_the_first_two_windows():
+    """early_window 2, window 4: windows end after losses 2, 4, 6, 8 (they start before 2 * 4
+    losses), then every 4. Medians 10, 9.9 (1% below the best: double), 9 (9.1%: kept), 9
+    (0%: double), then the 4-loss window 8 (11.1% below 9: halve). Without early windows the
+    same losses make windows of medians 9.95, 9, 8 (9.5%, 11.1%): c stays 1."""
+    losses = [10, 10, 9.9, 9.9, 9, 9, 9, 9, 8, 8, 8, 8]
+    rule = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    assert scales(rule, losses) == [1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 2]
+    assert (rule.count, rule.best) == (12, 8.0)
+    plain = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True)
+    assert scales(plain, losses) == [1.0] * 12
+    # an early window longer than the window is the window
+    assert CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=9).early_window == 4
+
+
+def test_early_windows_resume_where_they_stopped():
+    """host_state carries the count of losses, so a restored rule ends its windows where the
+    uninterrupted one does; a state without it (written before early windows) continues with
+    full windows, as the rule that wrote it would."""
+    losses = [10, 10, 9.9, 9.9, 9, 9, 9, 9, 8, 8, 8, 8]
+    straight = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    want = scales(straight, losses)
+    for cut in (3, 7, 9):
+        first = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+        scales(first, losses[:cut])
+        resumed = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+        resumed.set_host_state(first.host_state())
+        assert scales(resumed, losses[cut:]) == want[cut:]
+        assert resumed.host_state() == straight.host_state()
+    older = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    older.set_host_state({"curvature_scale": 1.0, "plateau_losses": [10.0], "plateau_best": []})
+    assert older.count == 9 and older.current_window() == 4
+    assert scales(older, [10, 10, 10, 9.9, 9.9, 9.9, 9.9]) == [1, 1, 1, 1, 1, 1, 2]  # medians 10, 9.9
+    with pytest.raises(ValueError, match="host.plateau_count"):
+        older.set_host_state({"plateau_losses": [1.0, 2.0], "plateau_count": 1})
+
+
 @pytest.fixture(scope="module")
 def mlp():
     plan, inputs, y = zoo_case("mlp_classifier", 256)
@@ -152,6 +189,8 @@ def test_bad_plateau_settings_are_one_line(mlp):
         Trainer(plan, optimizer="kfac", qmodel_curvature_scale=3.0, max_curvature_scale=2.0)
     with pytest.raises(ConfigError, match="curvature_scale_window"):
         Trainer(plan, optimizer="kfac", curvature_scale_window=1)
+    with pytest.raises(ConfigError, match="curvature_scale_early_window"):
+        Trainer(plan, optimizer="kfac", curvature_scale_early_window=1)
     # without adaptation the cap does not apply, and its default follows a larger c
     assert Trainer(plan, optimizer="kfac", qmodel_curvature_scale=3.0, max_curvature_scale=2.0,
                    adapt_curvature_scale=False).policy.curvature_scale.scale == 3.0

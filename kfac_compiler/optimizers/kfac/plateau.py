@@ -13,6 +13,10 @@ floor has moved and c halves again, down to the configured starting value. The m
 the mean: a spike the guard lets through moves a mean by orders of magnitude, a median not
 at all. The best, not the previous window: window medians scatter by ~5% at a noise floor
 (the GPT byte-LM), and a window that only recovers from a worse one is no progress.
+
+`early_window`: the windows that start in a run's first 2 * `window` counted steps (the span
+in which windows of `window` cannot decide yet) are `early_window` steps long, so that a short
+run's plateau (a 30-step run's) is seen; later ones are `window` long, as noise-robust as before.
 """
 from __future__ import annotations
 
@@ -28,19 +32,27 @@ class CurvatureScaleRule:
     """c and the rule's window of batch losses (checkpointed with the optimizer's host state, so
     that a resumed run takes the uninterrupted run's decisions)."""
 
-    def __init__(self, initial: float, window: int, plateau: float, max_scale: float, adapt: bool) -> None:
+    def __init__(self, initial: float, window: int, plateau: float, max_scale: float, adapt: bool,
+                 early_window: int | None = None) -> None:
         self.initial, self.window, self.plateau, self.max_scale, self.adapt = (
             float(initial), int(window), float(plateau), float(max_scale), bool(adapt))
+        self.early_window = self.window if early_window is None else min(int(early_window), self.window)
         self.scale = float(initial)
         self.losses: list[float] = []  # the current window's batch losses
         self.best: float | None = None  # the lowest window median so far
+        self.count = 0  # batch losses counted so far (which windows are early)
+
+    def current_window(self) -> int:
+        """The length of the window in progress: early_window if it started in the first 2 * window steps."""
+        return self.early_window if self.count - len(self.losses) < 2 * self.window else self.window
 
     def observe(self, loss: float) -> None:
         """Count an applied step's batch loss; at the end of a window, adapt c."""
         if not self.adapt or not math.isfinite(loss):
             return
         self.losses.append(float(loss))
-        if len(self.losses) < self.window:
+        self.count += 1
+        if len(self.losses) < self.current_window():
             return
         median = statistics.median(self.losses)
         self.losses = []
@@ -57,7 +69,7 @@ class CurvatureScaleRule:
     def host_state(self) -> dict[str, Any]:
         # the best as a list of at most one number: a checkpoint's host entries keep one type
         return {"curvature_scale": self.scale, "plateau_losses": list(self.losses),
-                "plateau_best": [] if self.best is None else [self.best]}
+                "plateau_best": [] if self.best is None else [self.best], "plateau_count": self.count}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces. A checkpoint without them
@@ -72,10 +84,15 @@ class CurvatureScaleRule:
             raise ValueError(f"host.plateau_losses must be finite numbers, got {losses}")
         if len(best) > 1 or not all(math.isfinite(x) for x in best):
             raise ValueError(f"host.plateau_best must be [] or [a finite number], got {best}")
+        count = int(state.get("plateau_count", 2 * self.window + len(losses)))
+        if count < len(losses):
+            raise ValueError(f"host.plateau_count must be >= the window's {len(losses)} losses, got {count}")
         self.scale = min(max(scale, self.initial), self.max_scale) if self.adapt else self.initial
-        self.losses = losses[len(losses) - self.window + 1:] if len(losses) >= self.window else losses
+        self.losses, self.count = losses, count
+        keep = self.current_window() - 1  # a shorter window than the checkpoint's: its last steps
+        self.losses = losses[len(losses) - keep:] if len(losses) > keep else losses
         self.best = best[0] if best else None
 
     def restart(self) -> None:
         """Back to the configured c with an empty window (a resumed run that sets c anew)."""
-        self.scale, self.losses, self.best = self.initial, [], None
+        self.scale, self.losses, self.best, self.count = self.initial, [], None, 0
