@@ -52,8 +52,8 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     curvature_scale_plateau (relative), and halves it again, down to the starting value, when
     it is below it by 5 times that or more (with gradient accumulation, the cycle's mean loss).
     curvature_scale_early_window: the windows that start in the rule's first
-    2 * curvature_scale_window applied steps are this long (None: the window), so that a short
-    run's plateau is seen.
+    2 * curvature_scale_window applied steps are this long (None: the window) and judge the fall
+    since the first window, so that a short run's plateau is seen.
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off.
