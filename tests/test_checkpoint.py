@@ -33,6 +33,10 @@ KNOBS = {
     "kfac-spread-refresh": dict(inv_update_period=4, inverse_groups=3, damping_adaptation_interval=2),
     # the plateau rule's c doubles after steps 3 (its window half full at the checkpoint) and 5
     "kfac-plateau": dict(inv_update_period=2, curvature_scale_window=2, curvature_scale_plateau=0.99),
+    # early windows of 2 in windows of 3, judged against the first window's median (carried,
+    # with the count of losses): c doubles after steps 4 (66% due) and 6 (132% due)
+    "kfac-plateau-early": dict(inv_update_period=2, curvature_scale_window=3, curvature_scale_early_window=2,
+                               curvature_scale_plateau=0.99),
     "adam": dict(learning_rate=3e-3),
     "sgd": dict(learning_rate=0.05),
 }

@@ -90,6 +90,50 @@ def test_restoring_older_or_other_settings():
     assert off.scale == 3.0
 
 
+EARLY = [10, 10, 8, 8, 8.5, 8.5, 9.8, 9.8, 8.9, 8.9, 8.9, 8.9, 7, 7, 7, 7]
+
+
+def test_early_windows_judge_the_fall_since_the_first_window():
+    """early_window 2, window 4: windows end after losses 2, 4, 6, 8 (they start before 2 * 4
+    losses), then every 4. Early windows double c when they are less than 2% * (losses since
+    the first window) / 4 below the first window's median, 10: 8 (20% below it; 20% below the
+    best too: halve, floored at 1), 8.5 (15%, though above the best 8: kept), 9.8 (2%, under
+    the 3% due after 6 steps: double). The 4-loss windows are judged against the best, 8: 8.9
+    (above it: double), 7 (12.5% below it: halve)."""
+    rule = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    assert scales(rule, EARLY) == [1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 2]
+    assert (rule.count, rule.first, rule.best) == (16, 10.0, 7.0)
+    # a flat start: 0.5% below the first window after 2 steps (1% due), 1% after 4 (2% due)
+    flat = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    assert scales(flat, [10, 10, 9.95, 9.95, 9.9, 9.9]) == [1, 1, 1, 2, 2, 4]
+    # an early window longer than the window is the window
+    assert CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=9).early_window == 4
+
+
+def test_early_windows_resume_where_they_stopped():
+    """host_state carries the count of losses and the first window's median, so a restored rule
+    ends its windows and takes its decisions as the uninterrupted one does; a state without
+    them (written before early windows) continues with full windows, as the rule that wrote it
+    would."""
+    straight = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    want = scales(straight, EARLY)
+    for cut in (3, 7, 9, 13):
+        first = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+        scales(first, EARLY[:cut])
+        resumed = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+        resumed.set_host_state(first.host_state())
+        assert scales(resumed, EARLY[cut:]) == want[cut:]
+        assert resumed.host_state() == straight.host_state()
+    older = CurvatureScaleRule(1.0, window=4, plateau=0.02, max_scale=8.0, adapt=True, early_window=2)
+    older.set_host_state({"curvature_scale": 1.0, "plateau_losses": [10.0], "plateau_best": []})
+    assert older.count == 9 and older.current_window() == 4
+    assert scales(older, [10, 10, 10, 9.9, 9.9, 9.9, 9.9]) == [1, 1, 1, 1, 1, 1, 2]  # medians 10, 9.9
+    with pytest.raises(ValueError, match="host.plateau_count"):
+        older.set_host_state({"plateau_losses": [1.0, 2.0], "plateau_count": 1})
+    with pytest.raises(ValueError, match="host.plateau_first"):
+        older.set_host_state({"plateau_first": [math.nan]})
+
+
 @pytest.fixture(scope="module")
 def mlp():
     plan, inputs, y = zoo_case("mlp_classifier", 256)
@@ -152,6 +196,8 @@ def test_bad_plateau_settings_are_one_line(mlp):
         Trainer(plan, optimizer="kfac", qmodel_curvature_scale=3.0, max_curvature_scale=2.0)
     with pytest.raises(ConfigError, match="curvature_scale_window"):
         Trainer(plan, optimizer="kfac", curvature_scale_window=1)
+    with pytest.raises(ConfigError, match="curvature_scale_early_window"):
+        Trainer(plan, optimizer="kfac", curvature_scale_early_window=1)
     # without adaptation the cap does not apply, and its default follows a larger c
     assert Trainer(plan, optimizer="kfac", qmodel_curvature_scale=3.0, max_curvature_scale=2.0,
                    adapt_curvature_scale=False).policy.curvature_scale.scale == 3.0

@@ -83,7 +83,7 @@ class Kfac(Optimizer):
         self.groups = Groups(trainer.plan, cfg.param_groups)  # first-order parameter groups (groups.py)
         self.curvature_scale = CurvatureScaleRule(cfg.qmodel_curvature_scale, cfg.curvature_scale_window,
                                                   cfg.curvature_scale_plateau, cast(float, cfg.max_curvature_scale),
-                                                  bool(cfg.adapt_curvature_scale))
+                                                  bool(cfg.adapt_curvature_scale), cfg.curvature_scale_early_window)
 
     # ------------------------------------------------------------------ sessions
     def _sub_batch(self, m: int | None, shares: int = 1) -> int | None:

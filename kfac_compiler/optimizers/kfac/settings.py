@@ -51,6 +51,9 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     curvature_scale_window applied steps is not below the best window median so far by
     curvature_scale_plateau (relative), and halves it again, down to the starting value, when
     it is below it by 5 times that or more (with gradient accumulation, the cycle's mean loss).
+    curvature_scale_early_window: the windows that start in the rule's first
+    2 * curvature_scale_window applied steps are this long (default 5; None: the window) and
+    judge the fall since the first window, so that a 30-step run's plateau is seen.
     max_predicted_decrease k (qmodel): where the model predicts a decrease larger than k times
     the objective's distance to the loss's lower bound (0 for every registered loss), the
     update is scaled by their ratio; None: off.
@@ -111,6 +114,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     qmodel_curvature_scale: float = 1.0  # the quadratic model's C times c: ~1/c of the greedy step (docs/runtime.md)
     adapt_curvature_scale: bool | None = None  # the plateau rule for c (plateau.py); None: on with the qmodel
     curvature_scale_window: int = 20  # applied steps per window of the plateau rule
+    curvature_scale_early_window: int | None = 5  # windows starting in the first 2 windows' steps; None: the window
     curvature_scale_plateau: float = 0.02  # a window median less than this below the best doubles c
     max_curvature_scale: float | None = None  # None: max(4, qmodel_curvature_scale)
     max_predicted_decrease: float | None = 1.0
@@ -247,6 +251,8 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
         check_positive("max_momentum", self.max_momentum)
         check_positive("qmodel_curvature_scale", self.qmodel_curvature_scale)
         check_int("curvature_scale_window", self.curvature_scale_window, 2)
+        if self.curvature_scale_early_window is not None:
+            check_int("curvature_scale_early_window", self.curvature_scale_early_window, 2)
         check_unit("curvature_scale_plateau", self.curvature_scale_plateau, closed_low=False)
         check_positive("max_curvature_scale", self.max_curvature_scale)
         if self.adapt_curvature_scale and self.max_curvature_scale < self.qmodel_curvature_scale:
