@@ -41,6 +41,7 @@ def _run(kind, emit, feeds, extra_inputs=(), **opts):
     loss = make_loss(kind, **opts)
     b = GraphBuilder(17)
     z_shape = feeds["z"].shape
+    loss.noise_shape(z_shape)  # as the emission does: the sampling form may depend on it
     inputs = [value_info("z", TensorProto.FLOAT, z_shape)]
     if "y" in feeds:
         inputs.append(value_info("y", loss.target_type(), feeds["y"].shape))
@@ -122,46 +123,77 @@ def _inverse_cdf(z, u):
     return np.argmax(cdf >= u * cdf[..., -1:], axis=-1)
 
 
-def test_softmax_sampled_gradient_is_the_inverse_cdf_draw():
-    """The sampled gradient is p - onehot(y) for y drawn by inverse CDF from ONE uniform per
-    row (the host draws [N, T, 1], not a logits-sized array), computed in numpy from the same
-    uniforms, row by row."""
-    rng = np.random.default_rng(6)
-    z = rng.normal(size=(64, 3, 7)).astype(np.float32)
+def _sampled_classes(z, u):
+    """The classes softmax cross-entropy's sampled gradient p - onehot(y) drew (its only
+    negative entries), run in ORT, and that gradient."""
+    g = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])[0]
+    y = np.argmin(g, axis=-1)
+    assert np.all(np.take_along_axis(g, y[..., None], axis=-1) < 0)
+    return y, g
+
+
+def test_softmax_noise_is_one_uniform_per_row_from_1024_classes():
+    """From PER_ROW_NOISE_CLASSES classes (a vocabulary) or an unknown count the host draws
+    one uniform per row; below, one per class (Gumbel-max)."""
+    from kfac_compiler.losses.softmax_cross_entropy import PER_ROW_NOISE_CLASSES as K
+
     loss = make_loss("softmax_cross_entropy")
-    assert loss.noise_shape(z.shape) == (64, 3, 1)
-    u = rng.uniform(1e-7, 1 - 1e-7, size=loss.noise_shape(z.shape)).astype(np.float32)
-    g, _ = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])
-    y = _inverse_cdf(z, u)
-    assert len(np.unique(y)) == 7  # every class drawn somewhere
-    np.testing.assert_allclose(g, loss.np_grad(z.astype(np.float64), y), atol=1e-6)
+    assert loss.noise_shape((8, 32, 50257)) == (8, 32, 1) and loss.per_row_noise
+    assert loss.noise_shape((8, K)) == (8, 1) and loss.noise_shape(("N", "V")) == ("N", 1)
+    assert loss.noise_shape((8, 32, K - 1)) == (8, 32, K - 1) and not loss.per_row_noise
 
 
-def test_softmax_sampled_classes_have_the_model_s_frequencies():
-    """Over 400,000 draws from one row of 40 classes (probabilities from 0.2 down to ~1e-5,
-    and a class whose float32 probability is 0) the classes' counts match p: Pearson's
-    chi-square over the classes with p > 0 below its 0.1% critical value, each count within
-    5 standard deviations, the zero-probability class never drawn. The same uniforms give the
-    same draws (the host's seeded stream is the only randomness)."""
+def test_softmax_sampled_gradient_is_the_inverse_cdf_draw():
+    """At 1,100 classes the sampled gradient is p - onehot(y) for y drawn by inverse CDF from
+    ONE uniform per row (the host draws [N, T, 1], not a logits-sized array), computed in
+    numpy from the same uniforms, row by row."""
+    rng = np.random.default_rng(6)
+    z = (2 * rng.normal(size=(32, 3, 1100))).astype(np.float32)
+    u = rng.uniform(1e-7, 1 - 1e-7, size=(32, 3, 1)).astype(np.float32)
+    y, g = _sampled_classes(z, u)
+    np.testing.assert_array_equal(y, _inverse_cdf(z, u))
+    assert len(np.unique(y)) > 50
+    np.testing.assert_allclose(g, make_loss("softmax_cross_entropy").np_grad(z.astype(np.float64), y), atol=1e-6)
+
+
+def test_softmax_sampled_gradient_below_1024_classes_is_the_gumbel_max_draw():
+    """Below 1,024 classes the sampled class is argmax(z - log(-log u)) over one uniform per
+    class, numpy's from the same uniforms."""
+    rng = np.random.default_rng(7)
+    z = rng.normal(size=(64, 3, 7)).astype(np.float32)
+    u = rng.uniform(1e-7, 1 - 1e-7, size=z.shape).astype(np.float32)
+    y, _ = _sampled_classes(z, u)
+    np.testing.assert_array_equal(y, np.argmax(z.astype(np.float64) - np.log(-np.log(u.astype(np.float64))), axis=-1))
+    assert len(np.unique(y)) == 7
+
+
+@pytest.mark.parametrize("classes", [40, 1100])
+def test_softmax_sampled_classes_have_the_model_s_frequencies(classes):
+    """Over 400,000 draws from one row (39 classes with probabilities from 0.2 down to ~1e-5,
+    the others with float32 probability 0; Gumbel-max at 40 classes, inverse CDF at 1,100)
+    the classes' counts match p: Pearson's chi-square over the 39 below its 0.1% critical
+    value, each count within 5 standard deviations, a zero-probability class never drawn.
+    The same uniforms give the same draws (the host's seeded stream is the only randomness)."""
     from scipy.stats import chi2
 
-    row = np.concatenate([np.linspace(3.0, -6.0, 39), [-200.0]]).astype(np.float32)
+    row = np.concatenate([np.linspace(3.0, -6.0, 39), np.full(classes - 39, -200.0)]).astype(np.float32)
     draws = 400_000
-    z = np.broadcast_to(row, (draws, 1, 40)).copy()
-    u = np.random.default_rng(12).uniform(1e-7, 1 - 1e-7, size=(draws, 1, 1)).astype(np.float32)
-    run = lambda: _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"),  # noqa: E731
-                       {"z": z, "u": u}, ["u"])[0]
-    g = run()
-    y = np.argmin(g[:, 0], axis=-1)  # p - onehot: the drawn class is the only negative entry
-    assert np.all(g[np.arange(draws), 0, y] < 0)
-    counts = np.bincount(y, minlength=40)
+    z = np.broadcast_to(row, (draws, 1, classes))
+    shape = make_loss("softmax_cross_entropy").noise_shape(z.shape)
+    u = np.random.default_rng(12).uniform(1e-7, 1 - 1e-7, size=shape).astype(np.float32)
+    if classes < 1024:
+        z = z.copy()
+    else:  # 1.8 GB of logits at 1,100 classes: 10 chunks of draws
+        z = np.broadcast_to(row, (draws // 10, 1, classes)).copy()
+    y = np.concatenate([_sampled_classes(z, u[k:k + len(z)])[0][:, 0] for k in range(0, draws, len(z))])
+    counts = np.bincount(y, minlength=classes)
     p = make_loss("softmax_cross_entropy")._np_softmax(row.astype(np.float64))
-    assert counts[39] == 0 and np.float32(p[39]) == 0
+    assert counts[39:].sum() == 0 and np.all(row[39:].astype(np.float64) - row.max() < -190)
     expected = draws * p[:39]
     stat = float(np.sum((counts[:39] - expected) ** 2 / expected))
     assert stat < chi2.ppf(0.999, 38), stat
     assert np.all(np.abs(counts[:39] - expected) <= 5 * np.sqrt(expected * (1 - p[:39]))), counts
-    np.testing.assert_array_equal(run(), g)
+    np.testing.assert_array_equal(_sampled_classes(z, u[:len(z)])[0][:, 0], y[:len(z)])
 
 
 def _fisher_dots(kind, z, tangents, weight=None):

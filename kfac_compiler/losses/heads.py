@@ -12,7 +12,7 @@ Fisher is block diagonal over heads). The targets are packed the same way on the
 float32 [N, sum_h k_h] array (class labels are exact in float32 below 2^24); the runtime API
 takes a dict {targets name: array}. Sampling draws each head's own uniform noise (its
 loss's noise_shape: one value per output column, or per categorical row for softmax
-cross-entropy), packed the same way; a head whose loss samples with normal noise gets E
+cross-entropy from 1,024 classes), packed the same way; a head whose loss samples with normal noise gets E
 extra columns at the end and turns the pair into a normal by Box-Muller in the graph.
 """
 from __future__ import annotations

@@ -17,6 +17,11 @@ def integer(text: str) -> int:
     return int(text.strip())
 
 
+# From this many classes the sampled targets are drawn by inverse CDF from one uniform per row;
+# below, by Gumbel-max from one per class (SoftmaxCrossEntropy.noise_shape says why)
+PER_ROW_NOISE_CLASSES = 1024
+
+
 @register_loss
 class SoftmaxCrossEntropy(Loss):
     """Categorical distribution over the last axis of z; targets are int64 class indices.
@@ -28,6 +33,7 @@ class SoftmaxCrossEntropy(Loss):
     see the ignored value), so L = 1/N sum w l = sum_kept l / #kept."""
 
     kind = "softmax_cross_entropy"
+    per_row_noise = True  # the sampling form noise_shape chose (inverse CDF until it is asked)
     description = "categorical over the output's last axis, targets are class indices"
     options = (LossOption("ignore_index", None, "targets equal to it count for nothing and the loss is the mean "
                           "over the others (torch's cross_entropy ignore_index, e.g. -100)", optional_int,
@@ -115,10 +121,17 @@ class SoftmaxCrossEntropy(Loss):
         return b.neg(b.op("Squeeze", [picked, b.ints([-1])]))
 
     def noise_shape(self, output_shape: tuple) -> tuple:
-        """One uniform per categorical row (inverse-CDF sampling), not one per class: at a
-        vocabulary's size the per-class noise was a logits-sized array (51 MB for
-        8 x 32 x 50,257) held through the step, and its Gumbel chain more beside it."""
-        return (*output_shape[:-1], 1)
+        """From PER_ROW_NOISE_CLASSES classes (or an unknown count) one uniform per row,
+        sampled by inverse CDF: at a vocabulary's size one uniform per class is a logits-sized
+        array (51 MB for 8 x 32 x 50,257) held through the step, with its Gumbel chain beside
+        it. Below, one uniform per class for Gumbel-max: the class it picks moves ~4x less
+        often than the inverse CDF's when rounding moves the logits (1e-5 relative: 7e-6
+        against 3e-5 of the draws, 10 classes), so data-parallel runs, whose logits differ
+        from one process's in the last bits, draw what one process draws. Sets the form
+        emit_sampled_grad emits (emission asks for the noise's shape first)."""
+        classes = output_shape[-1] if output_shape else None
+        self.per_row_noise = not (is_static(classes) and int(classes) < PER_ROW_NOISE_CLASSES)
+        return (*output_shape[:-1], 1) if self.per_row_noise else tuple(output_shape)
 
     @staticmethod
     def _minus_onehot(b: GraphBuilder, p: str, at: str) -> str:
@@ -131,6 +144,15 @@ class SoftmaxCrossEntropy(Loss):
         return self._minus_onehot(b, b.op("Softmax", [z], axis=-1), b.unsqueeze(y, [-1]))
 
     def emit_sampled_grad(self, b, z, noise):
+        """p - onehot(y) for y sampled from p: by inverse CDF from one uniform per row, or by
+        Gumbel-max from one per class, as noise_shape chose."""
+        if not self.per_row_noise:  # Gumbel-max: y = argmax(z + g), g = -log(-log u)
+            g = b.neg(b.op("Log", [b.neg(b.op("Log", [noise]))]))
+            top = b.op("ArgMax", [b.add(z, g)], axis=-1, keepdims=1)
+            return self._minus_onehot(b, b.op("Softmax", [z], axis=-1), top)
+        return self._inverse_cdf_grad(b, z, noise)
+
+    def _inverse_cdf_grad(self, b: GraphBuilder, z: str, noise: str) -> str:
         """Inverse CDF: y = the first class whose cumulative probability c_y reaches u c_V
         (u: one uniform per row in (0, 1); c_V, the row's total, so that float rounding of the
         sum never leaves a row without a class: u c_V <= c_V). Class y is drawn when
