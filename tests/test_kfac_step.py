@@ -90,7 +90,7 @@ def wide_mlp():
 def test_qmodel_with_a_wide_head_solves_the_damped_quadratic_model(wide_mlp, qmodel_batch, l2, curvature_scale):
     """The same check where C's terms with P are g = F J P pulled back through the head and
     paired with P's and v's tangents at the head's inputs (the vocabulary-sized heads' form)."""
-    from kfac_compiler.optimizers.kfac.curvature import WIDENING
+    from kfac_compiler.backend.head import WIDENING
 
     assert 10 >= WIDENING * 4  # the head is wide: the pulled-back form is the one checked
     _assert_step_solves_the_model(wide_mlp, qmodel_batch, 1.0, l2, 1.0, curvature_scale)
@@ -279,7 +279,7 @@ def test_wide_head_form_with_example_weights_steps_like_the_two_tangent_form(mon
     those of Loss.emit_fisher_dots on both tangents (the form the test above checks against
     numpy), forced by raising the width the wide form needs: alpha, mu and the model change of
     three steps to float rounding."""
-    from kfac_compiler.optimizers.kfac import curvature
+    from kfac_compiler.backend import head
 
     entry = ZOO["mlp_classifier"]
     x, y = entry.make_data(48)
@@ -291,7 +291,7 @@ def test_wide_head_form_with_example_weights_steps_like_the_two_tangent_form(mon
         return [tr.step({"input": x["input"]}, y, weights=w) for _ in range(3)]
 
     wide = run()
-    monkeypatch.setattr(curvature, "WIDENING", 10**6)
+    monkeypatch.setattr(head, "WIDENING", 10**6)
     both = run()
     assert wide[-1]["learning_rate"] != 0
     for a, b in zip(wide, both):

@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto
 
 from kfac_compiler import contract as C
-from kfac_compiler.backend import factors, forward
+from kfac_compiler.backend import factors, forward, head
 from kfac_compiler.backend.dedupe import merge_duplicates
 from kfac_compiler.backend.forward import ForwardPass
 from kfac_compiler.backend.plan_parts import PlanParts
@@ -322,6 +322,20 @@ class Emission:
     def jvp(self, fwd: ForwardPass, tangents: dict[str, str], outputs: list[str]) -> dict[str, str]:
         """Forward-mode products through pass `fwd`: {output: J tangents}."""
         return jvp(self.b, fwd.view, dict(tangents), outputs)
+
+    def head_of(self, fwd: ForwardPass) -> onnx.NodeProto | None:
+        """The node making z when it widens its inputs into a vocabulary's logits (head.py)."""
+        return head.wide_head(fwd)
+
+    def head_jvp(self, fwd: ForwardPass, node: onnx.NodeProto,
+                 tangents: dict[str, str]) -> tuple[list[str | None], str]:
+        """(the tangents of head `node`'s inputs along `tangents`, that of its output z)."""
+        at = self.jvp(fwd, tangents, [x for x in node.input if x])
+        return head.head_jvp(self.b, fwd, node, at)
+
+    def head_vjp(self, fwd: ForwardPass, node: onnx.NodeProto, g: str, needs: list[bool]) -> list[str | None]:
+        """Head `node`'s input cotangents for z's cotangent `g`."""
+        return head.head_vjp(self.b, fwd, node, g, needs)
 
     # ---------------------------------------------- factors and preconditioning (factors.py)
     def layer_cotangent_targets(self) -> list[str]:

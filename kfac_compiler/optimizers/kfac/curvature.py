@@ -14,43 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kfac_compiler.oprules import find
-
 if TYPE_CHECKING:
-    import onnx
-
     from kfac_compiler.backend.emission import Emission
     from kfac_compiler.backend.forward import ForwardPass
-
-# A head this much wider than its inputs' rows takes the pulled-back form (below, the
-# logits tangents are not the step's largest tensors and the form saves nothing)
-WIDENING = 2
-
-
-def wide_head(fwd: ForwardPass) -> onnx.NodeProto | None:
-    """The MatMul or Gemm that makes z, where its output rows are at least WIDENING times
-    wider than the rows it multiplies (static widths), and it has both rules; else None."""
-    node = fwd.view.producer.get(fwd.z)
-    if node is None or node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
-        return None
-    rule = find(node, fwd.view.opset)
-    a, out = fwd.view.shape(node.input[0]), fwd.view.shape(fwd.z)
-    if rule is None or rule.jvp_fn is None or rule.vjp_fn is None or not a or not out:
-        return None
-    trans_a = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)
-    k, v = a[0] if trans_a else a[-1], out[-1]
-    return node if isinstance(k, int) and isinstance(v, int) and v >= WIDENING * k else None
-
-
-def _head_tangents(em: Emission, fwd: ForwardPass, node: onnx.NodeProto,
-                   tangents: dict[str, str]) -> tuple[list[str | None], str]:
-    """(the tangents of the head's inputs, that of its output z) along `tangents`."""
-    rule = find(node, fwd.view.opset)
-    assert rule is not None
-    ins = [x for x in node.input if x]
-    at = em.jvp(fwd, tangents, ins)
-    ts = [at.get(x) if x and rule.diff_slot(i) else None for i, x in enumerate(node.input)]
-    return ts, rule.jvp(em.b, fwd.view, node, ts)[0]
 
 
 def curvature_dots(em: Emission, fwd: ForwardPass, precond: dict[str, str], velocity: dict[str, str]
@@ -58,20 +24,18 @@ def curvature_dots(em: Emission, fwd: ForwardPass, precond: dict[str, str], velo
     """({(0, 0): t_P.F t_P, (0, 1): t_P.F t_v, (1, 1): t_v.F t_v} summed over the batch with
     the example weights, J P, J v) on pass `fwd`."""
     b, z, loss = em.b, fwd.z, em.parts.loss
-    node = wide_head(fwd)
+    node = em.head_of(fwd)  # the back end's (backend/head.py), which owns the op rules
     if node is None:
         j_p = em.jvp(fwd, precond, [z])[z]
         j_v = em.jvp(fwd, velocity, [z])[z]
         return loss.emit_fisher_dots(b, z, [j_p, j_v], fwd.weight), j_p, j_v
-    t_v, j_v = _head_tangents(em, fwd, node, velocity)
+    t_v, j_v = em.head_jvp(fwd, node, velocity)
     vv = loss.emit_fisher_dots(b, z, [j_v], fwd.weight)[(0, 0)]  # emitted before P's tangent
-    t_p, j_p = _head_tangents(em, fwd, node, precond)
+    t_p, j_p = em.head_jvp(fwd, node, precond)
     g = loss.emit_fisher_times(b, z, j_p)
     if fwd.weight is not None:
         g = b.mul(g, fwd.weight)
-    rule = find(node, fwd.view.opset)
-    assert rule is not None
-    pulled = rule.vjp(b, fwd.view, node, [g], [p is not None or v is not None for p, v in zip(t_p, t_v)])
+    pulled = em.head_vjp(fwd, node, g, [p is not None or v is not None for p, v in zip(t_p, t_v)])
 
     def paired(ts: list[str | None]) -> str:
         return b.sum([b.reduce_sum(b.mul(ct, t), None) for ct, t in zip(pulled, ts) if ct is not None and t is not None])
