@@ -20,12 +20,20 @@ PEERS = ("torch_adam", "kfac_pytorch", "kfac_jax")
 
 def peer_missing(peer: str, kfac_path: str | None = None) -> str | None:
     """Why `peer` cannot run here (one line), or None when it can."""
+    import importlib.metadata
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch)"
-    if peer == "kfac_pytorch" and not kfac_pytorch_path(kfac_path) and importlib.util.find_spec("kfac") is None:
-        return "no --kfac-pytorch PATH or $KFAC_PYTORCH with its `kfac` package (it is not on PyPI)"
+    if peer == "kfac_pytorch":
+        found = kfac_pytorch_path(kfac_path)
+        if not found and importlib.util.find_spec("kfac") is None:
+            return "no --kfac-pytorch PATH or $KFAC_PYTORCH with its `kfac` package (it is not on PyPI)"
+        try:  # its kfac/__init__.py asks for its own installed version: a bare checkout fails there
+            importlib.metadata.version("kfac-pytorch")
+        except importlib.metadata.PackageNotFoundError:
+            return f"kfac-pytorch is not installed, and its package reads its installed version at import: " \
+                   f"pip install --no-deps {found or 'DIR'}"
     if peer == "kfac_jax":
         if importlib.util.find_spec("kfac_jax") is None:
             return "kfac-jax is not installed"
