@@ -73,7 +73,7 @@ def emit_seeds(
         return [data_grad]
     weight = 1.0 / np.sqrt(num_samples)
     if mode == "gradients":
-        return [b.scale(loss.emit_sampled_grad(b, z, u), weight) for u in noise]
+        return [b.scale(loss.emit_sampled_grad(b, z, u, z_shape), weight) for u in noise]
     if mode.startswith("curvature_prop"):
         seeds = []
         for u in noise:

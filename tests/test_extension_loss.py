@@ -122,7 +122,7 @@ def test_sampled_targets_are_poisson_quantiles_of_the_host_noise(poisson):
     rng = np.random.default_rng(8)
     z = np.log(rng.choice([0.05, 1.0, 3.0, 20.0, 60.0], size=(4000, 1))).astype(np.float32)
     u = rng.uniform(1e-7, 1 - 1e-7, size=z.shape).astype(np.float32)
-    g, loss = _run("poisson", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])
+    g, loss = _run("poisson", lambda l, b: l.emit_sampled_grad(b, "z", "u", z.shape), {"z": z, "u": u}, ["u"])
     drawn = np.exp(z.astype(np.float64)) - g
     want = np.minimum(scipy_poisson.ppf(u.astype(np.float64), np.exp(z.astype(np.float64))), loss.max_count)
     off = np.abs(drawn - want) > 1e-3 * np.maximum(want, 1)

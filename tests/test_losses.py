@@ -41,7 +41,6 @@ def _run(kind, emit, feeds, extra_inputs=(), **opts):
     loss = make_loss(kind, **opts)
     b = GraphBuilder(17)
     z_shape = feeds["z"].shape
-    loss.noise_shape(z_shape)  # as the emission does: the sampling form may depend on it
     inputs = [value_info("z", TensorProto.FLOAT, z_shape)]
     if "y" in feeds:
         inputs.append(value_info("y", loss.target_type(), feeds["y"].shape))
@@ -108,7 +107,8 @@ def test_sampled_gradients_have_the_fisher_as_second_moment(kind):
     loss = make_loss(kind)
     size = loss.noise_shape(z.shape)
     noise = rng.uniform(1e-7, 1 - 1e-7, size=size) if loss.noise == "uniform" else rng.normal(size=size)
-    g, _ = _run(kind, lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": noise.astype(np.float32)}, ["u"])
+    g, _ = _run(kind, lambda l, b: l.emit_sampled_grad(b, "z", "u", z.shape),
+                {"z": z, "u": noise.astype(np.float32)}, ["u"])
     g = g.reshape(draws, -1).astype(np.float64)
     F = loss.np_fisher(z[0].astype(np.float64))
     np.testing.assert_allclose(g.mean(axis=0), 0, atol=0.03)
@@ -126,7 +126,7 @@ def _inverse_cdf(z, u):
 def _sampled_classes(z, u):
     """The classes softmax cross-entropy's sampled gradient p - onehot(y) drew (its only
     negative entries), run in ORT, and that gradient."""
-    g = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u"), {"z": z, "u": u}, ["u"])[0]
+    g = _run("softmax_cross_entropy", lambda l, b: l.emit_sampled_grad(b, "z", "u", z.shape), {"z": z, "u": u}, ["u"])[0]
     y = np.argmin(g, axis=-1)
     assert np.all(np.take_along_axis(g, y[..., None], axis=-1) < 0)
     return y, g
@@ -134,13 +134,15 @@ def _sampled_classes(z, u):
 
 def test_softmax_noise_is_one_uniform_per_row_from_1024_classes():
     """From PER_ROW_NOISE_CLASSES classes (a vocabulary) or an unknown count the host draws
-    one uniform per row; below, one per class (Gumbel-max)."""
+    one uniform per row; below, one per class (Gumbel-max). The choice is a function of the
+    output's shape alone: asking for one shape does not change another's form."""
     from kfac_compiler.losses.softmax_cross_entropy import PER_ROW_NOISE_CLASSES as K
+    from kfac_compiler.losses.softmax_cross_entropy import per_row_noise
 
     loss = make_loss("softmax_cross_entropy")
-    assert loss.noise_shape((8, 32, 50257)) == (8, 32, 1) and loss.per_row_noise
+    assert loss.noise_shape((8, 32, 50257)) == (8, 32, 1) and per_row_noise((8, 32, 50257))
     assert loss.noise_shape((8, K)) == (8, 1) and loss.noise_shape(("N", "V")) == ("N", 1)
-    assert loss.noise_shape((8, 32, K - 1)) == (8, 32, K - 1) and not loss.per_row_noise
+    assert loss.noise_shape((8, 32, K - 1)) == (8, 32, K - 1) and not per_row_noise((8, 32, K - 1))
 
 
 def test_softmax_sampled_gradient_is_the_inverse_cdf_draw():

@@ -261,8 +261,10 @@ class Loss:
         """dl_n/dz_n, same shape as z."""
         raise NotImplementedError
 
-    def emit_sampled_grad(self, b: GraphBuilder, z: str, noise: str) -> str:
-        """dl_n/dz_n for a target drawn from p(y|z) using host noise of noise_shape."""
+    def emit_sampled_grad(self, b: GraphBuilder, z: str, noise: str, z_shape: tuple) -> str:
+        """dl_n/dz_n for a target drawn from p(y|z) using host noise of noise_shape(z_shape);
+        z_shape (batch first, dims may be symbolic) lets a loss whose sampling form depends on
+        the output's size choose it as noise_shape did."""
         raise NotImplementedError
 
     def emit_fisher_sqrt_times(self, b: GraphBuilder, z: str, v: str) -> str:

@@ -334,7 +334,7 @@ class MultiHead(Loss):
         return self._concat(b, [b.scale(p.emit_grad(b, self._z(b, z, i), self._y(b, y, i)), c)
                                 for i, (p, c) in enumerate(zip(self.parts, self.coefficients))])
 
-    def emit_sampled_grad(self, b, z, noise):
+    def emit_sampled_grad(self, b, z, noise, z_shape):
         pieces = []
         for i, (p, c) in enumerate(zip(self.parts, self.coefficients)):
             u = self._slice(b, noise, self.noise_offsets[i], self.noise_offsets[i + 1], self.noise_rests[i])
@@ -343,7 +343,8 @@ class MultiHead(Loss):
                 u2 = self._slice(b, noise, start, start + self.widths[i], self.shapes[i])
                 radius = b.op("Sqrt", [b.scale(b.op("Log", [u]), -2.0)])
                 u = b.mul(radius, b.op("Cos", [b.scale(u2, 2 * math.pi)]))
-            pieces.append(b.scale(p.emit_sampled_grad(b, self._z(b, z, i), u), math.sqrt(c)))
+            pieces.append(b.scale(p.emit_sampled_grad(b, self._z(b, z, i), u, (z_shape[0], *self.shapes[i])),
+                                  math.sqrt(c)))
         return self._concat(b, pieces)
 
     def _products(self, b: GraphBuilder, z: str, v: str, sqrt: bool) -> str:

@@ -28,7 +28,7 @@ class SigmoidCrossEntropy(ElementwiseLoss):
     def emit_grad(self, b, z, y):
         return b.sub(b.op("Sigmoid", [z]), y)
 
-    def emit_sampled_grad(self, b, z, noise):
+    def emit_sampled_grad(self, b, z, noise, z_shape):
         p = b.op("Sigmoid", [z])
         sample = b.cast(b.op("Less", [noise, p]), b.float_type)
         return b.sub(p, sample)

@@ -22,6 +22,13 @@ def integer(text: str) -> int:
 PER_ROW_NOISE_CLASSES = 1024
 
 
+def per_row_noise(output_shape: Sequence[Any]) -> bool:
+    """Whether targets for an output of this shape are sampled from one uniform per row (inverse
+    CDF): from PER_ROW_NOISE_CLASSES classes on, or when the class count is unknown."""
+    classes = output_shape[-1] if output_shape else None
+    return not (is_static(classes) and int(classes) < PER_ROW_NOISE_CLASSES)
+
+
 @register_loss
 class SoftmaxCrossEntropy(Loss):
     """Categorical distribution over the last axis of z; targets are int64 class indices.
@@ -33,7 +40,6 @@ class SoftmaxCrossEntropy(Loss):
     see the ignored value), so L = 1/N sum w l = sum_kept l / #kept."""
 
     kind = "softmax_cross_entropy"
-    per_row_noise = True  # the sampling form noise_shape chose (inverse CDF until it is asked)
     description = "categorical over the output's last axis, targets are class indices"
     options = (LossOption("ignore_index", None, "targets equal to it count for nothing and the loss is the mean "
                           "over the others (torch's cross_entropy ignore_index, e.g. -100)", optional_int,
@@ -127,11 +133,8 @@ class SoftmaxCrossEntropy(Loss):
         it. Below, one uniform per class for Gumbel-max: the class it picks moves ~4x less
         often than the inverse CDF's when rounding moves the logits (1e-5 relative: 7e-6
         against 3e-5 of the draws, 10 classes), so data-parallel runs, whose logits differ
-        from one process's in the last bits, draw what one process draws. Sets the form
-        emit_sampled_grad emits (emission asks for the noise's shape first)."""
-        classes = output_shape[-1] if output_shape else None
-        self.per_row_noise = not (is_static(classes) and int(classes) < PER_ROW_NOISE_CLASSES)
-        return (*output_shape[:-1], 1) if self.per_row_noise else tuple(output_shape)
+        from one process's in the last bits, draw what one process draws."""
+        return (*output_shape[:-1], 1) if per_row_noise(output_shape) else tuple(output_shape)
 
     @staticmethod
     def _minus_onehot(b: GraphBuilder, p: str, at: str) -> str:
@@ -143,10 +146,10 @@ class SoftmaxCrossEntropy(Loss):
     def emit_grad(self, b, z, y):
         return self._minus_onehot(b, b.op("Softmax", [z], axis=-1), b.unsqueeze(y, [-1]))
 
-    def emit_sampled_grad(self, b, z, noise):
+    def emit_sampled_grad(self, b, z, noise, z_shape):
         """p - onehot(y) for y sampled from p: by inverse CDF from one uniform per row, or by
-        Gumbel-max from one per class, as noise_shape chose."""
-        if not self.per_row_noise:  # Gumbel-max: y = argmax(z + g), g = -log(-log u)
+        Gumbel-max from one per class, as noise_shape chose for z's shape."""
+        if not per_row_noise(z_shape):  # Gumbel-max: y = argmax(z + g), g = -log(-log u)
             g = b.neg(b.op("Log", [b.neg(b.op("Log", [noise]))]))
             top = b.op("ArgMax", [b.add(z, g)], axis=-1, keepdims=1)
             return self._minus_onehot(b, b.op("Softmax", [z], axis=-1), top)

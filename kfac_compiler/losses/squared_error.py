@@ -25,7 +25,7 @@ class SquaredError(ElementwiseLoss):
     def emit_grad(self, b, z, y):
         return b.scale(b.sub(z, y), 1.0 / self.variance)
 
-    def emit_sampled_grad(self, b, z, noise):
+    def emit_sampled_grad(self, b, z, noise, z_shape):
         # y = z + sigma * eps  =>  dl/dz = (z - y) / variance = -eps / sigma
         return b.scale(noise, -1.0 / np.sqrt(self.variance))
 

@@ -65,7 +65,7 @@ class PoissonLoss(ElementwiseLoss):
     def emit_grad(self, b, z, y):
         return b.sub(b.op("Exp", [z]), y)
 
-    def emit_sampled_grad(self, b, z, noise):
+    def emit_sampled_grad(self, b, z, noise, z_shape):
         """Inverse-CDF sampling with one uniform u per coordinate: the draw is the number of
         counts k < max_count whose CDF lies below u, from log p_k = k z - exp(z) - log k!."""
         counts = np.arange(self.max_count, dtype=np.float64)
