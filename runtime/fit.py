@@ -5,7 +5,10 @@ wants "train on these batches, evaluate on this held-out set every N steps, stop
 gets it here instead of rewriting it, with the CLI's conventions: the held-out metrics are the
 evaluation's under an `eval_` prefix, evaluated every `eval_every` steps (default steps / 20)
 and after the last step. The evaluation runs on its own non-spinning session channel
-(`Trainer.evaluate`), so it does not slow the training step that follows it.
+(`Trainer.evaluate`), so it does not slow the training step that follows it. With
+`keep_best` the trainer ends with the model of the best evaluation (early stopping's
+"restore the best weights"): a model that fits a small training set fast (K-FAC, or Adam at
+a high learning rate) passes its best held-out loss and then overfits.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ class History:
 def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         validation: Batch | None = None, eval_every: int | None = None,
         eval_batch_size: int = 1024,
-        callback: Callable[[int, dict[str, float]], bool | None] | None = None) -> History:
+        callback: Callable[[int, dict[str, float]], bool | None] | None = None,
+        keep_best: bool = False) -> History:
     """Step `trainer` on `batches` ((inputs, targets) or (inputs, targets, weights) each) until
     they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets), or
     (inputs, targets, weights): Trainer.evaluate's) every `eval_every` steps and after the
@@ -55,17 +59,25 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     under `eval_` where an evaluation ran) and stops the loop by
     returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
     continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
-    equal micro-batches (the CLI's --accumulate)."""
+    equal micro-batches (the CLI's --accumulate). `keep_best`: after the loop the trainer
+    holds the parameters (and BatchNorm running statistics) of the evaluation with the lowest
+    held-out loss, History.best(), instead of the last step's; its optimizer state and step
+    count stay the last step's. In a data-parallel run the held-out loss compared is the mean
+    over the ranks, so every rank keeps the same model."""
     if steps is not None:
         check_int(steps, "fit: steps", low=0)
     if eval_every is not None:
         check_int(eval_every, "fit: eval_every", low=1)
     if eval_every is not None and validation is None:
         raise ConfigError("fit: eval_every needs validation=(inputs, targets) to evaluate on")
+    if keep_best and validation is None:
+        raise ConfigError("fit: keep_best needs validation=(inputs, targets): the best model is the one with the "
+                          "lowest held-out loss")
     if validation is not None and (not isinstance(validation, tuple) or len(validation) not in (2, 3)):
         raise ConfigError("fit: validation must be a tuple (inputs, targets) or (inputs, targets, weights)")
     every = eval_every or (max(1, steps // 20) if steps else None)
     history = History()
+    best = _Best(trainer) if keep_best else None
     for taken, batch in enumerate(batches):
         if steps is not None and taken >= steps:
             break
@@ -76,13 +88,16 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         metrics["step"] = float(step)
         last = steps is not None and taken + 1 == steps
         if validation is not None and (last or (every is not None and (taken + 1) % every == 0)):
-            metrics.update(_evaluate(trainer, validation, eval_batch_size, step, history))
+            metrics.update(_evaluate(trainer, validation, eval_batch_size, step, history, best))
         history.steps.append(metrics)
         if callback is not None and callback(step, metrics) is False:
             break
     if validation is not None and history.steps and EVAL_PREFIX + "loss" not in history.steps[-1]:
         # the batches ran out, or the callback stopped: evaluate the final parameters
-        history.steps[-1].update(_evaluate(trainer, validation, eval_batch_size, int(history.steps[-1]["step"]), history))
+        history.steps[-1].update(_evaluate(trainer, validation, eval_batch_size, int(history.steps[-1]["step"]), history,
+                                           best))
+    if best is not None:
+        best.restore()
     return history
 
 
@@ -130,9 +145,32 @@ def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int 
         s += 1
 
 
-def _evaluate(trainer: Trainer, validation: Batch, batch_size: int, step: int, history: History) -> dict[str, float]:
+class _Best:
+    """The trained values at the lowest held-out loss seen so far (keep_best)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.loss = float("inf")
+        self.values: dict[str, np.ndarray] | None = None
+        self.is_last = True  # the trainer holds them already
+
+    def offer(self, held_out_loss: float) -> None:
+        loss = self.trainer.mean_over_ranks(held_out_loss)  # one choice on every rank
+        self.is_last = bool(loss < self.loss)  # NaN is never better
+        if self.is_last:
+            self.loss, self.values = loss, self.trainer.trained_values()
+
+    def restore(self) -> None:
+        if self.values is not None and not self.is_last:
+            self.trainer.set_trained_values(self.values)
+
+
+def _evaluate(trainer: Trainer, validation: Batch, batch_size: int, step: int, history: History,
+              best: _Best | None) -> dict[str, float]:
     inputs, targets, *weights = validation
     held = {EVAL_PREFIX + k: v for k, v in trainer.evaluate(inputs, targets, batch_size=batch_size,
                                                             weights=weights[0] if weights else None).items()}
     history.evaluations.append({"step": float(step), **held})
+    if best is not None:
+        best.offer(held[EVAL_PREFIX + "loss"])
     return held

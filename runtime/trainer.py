@@ -380,6 +380,13 @@ class Trainer:
                        if t.name not in values and t.name in self.store})
         return values
 
+    @_serialized
+    def set_trained_values(self, values: Mapping[str, np.ndarray]) -> None:
+        """Write back values trained_values() gave (all or some): the model of an earlier step,
+        e.g. fit's keep_best. The optimizer's own state (moments, factors, step count) stays."""
+        names = [*self.params, *(t.name for t in self.plan.model.graph.initializer if t.name in self.store)]
+        self.store.set_parameters(names, values)
+
     def exported_model(self, graph: str = "auto") -> onnx.ModelProto:
         """The trained model: `graph` "source", the user's model file itself (its nodes, names,
         fused recurrent ops and outputs) with the trained values written into its initializers

@@ -54,6 +54,29 @@ def test_a_callback_stops_and_the_last_parameters_are_evaluated(case):
     assert history.evaluations[-1]["eval_loss"] == trainer.evaluate(*held, batch_size=1024)["loss"]
 
 
+def test_keep_best_ends_with_the_best_evaluation_s_model(case):
+    """SGD at lr 1.0 passes its best held-out loss at step 5 and ends well above it: with
+    keep_best the trainer holds the parameters a trainer stepped by hand to step 5 has
+    (bitwise), evaluates to the best loss, and keeps its step count; without, the last."""
+    plan, (x, y), held = case
+    kept, last = (Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0) for _ in range(2))
+    history = fit(kept, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=1, keep_best=True)
+    fit(last, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=1)
+    best = history.best()
+    assert best is not None and 0 < best["step"] < 29
+    assert history.evaluations[-1]["eval_loss"] > 1.2 * best["eval_loss"]
+
+    by_hand = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0)
+    for s in range(int(best["step"]) + 1):
+        idx = batch_indices(240, 32, s, 3)
+        by_hand.step({k: v[idx] for k, v in x.items()}, y[idx])
+    for name, value in by_hand.parameters().items():
+        np.testing.assert_array_equal(kept.parameters()[name], value)
+    assert kept.evaluate(*held, batch_size=1024)["loss"] == best["eval_loss"]
+    assert kept.step_count == last.step_count == 30
+    assert last.evaluate(*held, batch_size=1024)["loss"] == history.evaluations[-1]["eval_loss"]
+
+
 def test_batches_run_out_and_resume_where_they_stopped(case):
     plan, (x, y), held = case
     finite = [(xb, yb) for (xb, yb), _ in zip(batches(x, y, 32, seed=1), range(3))]
@@ -69,6 +92,7 @@ def test_batches_run_out_and_resume_where_they_stopped(case):
     ({"eval_every": 2}, "fit: eval_every needs validation=(inputs, targets)"),
     ({"steps": -1}, "fit: steps must be an integer >= 0"),
     ({"validation": [1, 2, 3]}, "fit: validation must be a tuple (inputs, targets)"),
+    ({"keep_best": True}, "fit: keep_best needs validation=(inputs, targets)"),
 ])
 def test_bad_arguments_are_one_line(case, kwargs, message):
     plan, (x, y), _ = case

@@ -415,6 +415,28 @@ def test_running_statistics_are_updated_exported_and_checkpointed(optimizer, tmp
     np.testing.assert_allclose(again.parameters()["fc.weight"], tr.parameters()["fc.weight"], rtol=1e-5, atol=1e-6)
 
 
+def test_set_trained_values_restores_the_running_statistics_too():
+    """An earlier step's trained_values() written back (fit's keep_best) give that step's
+    parameters and running statistics, bit for bit, and its exported model's outputs."""
+    from kfac_compiler.runtime import Trainer
+
+    model, _ = _norm_model("bn")
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(8, C_IN, L)).astype(np.float32) * 2 + 1, rng.integers(0, K, 8)) for _ in range(3)]
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.05)
+    tr.step({"x": batches[0][0]}, batches[0][1])
+    earlier, outputs = tr.trained_values(), tr.predict({"x": batches[2][0]})
+    assert {"norm.running_mean", "norm.running_var", "fc.weight"} <= set(earlier)
+    tr.step({"x": batches[1][0]}, batches[1][1])
+    assert not np.array_equal(tr.state()["norm.running_mean"], earlier["norm.running_mean"])
+    tr.set_trained_values(earlier)
+    for name, value in earlier.items():
+        np.testing.assert_array_equal(tr.trained_values()[name], value)
+    np.testing.assert_array_equal(tr.predict({"x": batches[2][0]}), outputs)
+    assert tr.step_count == 2
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "kfac"])
 def test_accumulation_updates_running_statistics_once_per_micro_batch(optimizer):
     """As torch does when it accumulates gradients (every micro-batch's forward in training
