@@ -108,6 +108,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="hold out this fraction of --data (a seeded split) as the held-out data instead of --val-data")
     t.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="steps between held-out evaluations (default: --steps / 20)")
+    t.add_argument("--keep-best", action="store_true",
+                   help="--save the model of the held-out evaluation with the lowest loss, not the last step's "
+                        "(early stopping's best weights; the checkpoint stays the last step's, for --resume)")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=None,
@@ -475,6 +478,8 @@ def _check(args, comm, held) -> list[Output]:
         raise ConfigError(f"--eval-every must be >= 1, got {args.eval_every}")
     if args.eval_every is not None and not (args.val_data or args.val_split):
         raise ConfigError("--eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION")
+    if args.keep_best and not (args.val_data or args.val_split):
+        raise ConfigError("--keep-best needs held-out data: --val-data FILE.npz or --val-split FRACTION")
     meta = None
     if args.resume:
         from kfac_compiler.runtime.checkpoint import read_meta
@@ -622,6 +627,7 @@ def _train(args, outputs: list[Output], comm) -> int:
     every = args.eval_every or max(1, args.steps // 20)
     evaluated: list[tuple[int, float]] = []  # (step, held-out loss) for the plot
     held_final = None
+    best = BestModel() if args.keep_best else None  # rank 0's: only it evaluates and writes the model
     done = trainer.step_count + trainer.burn_in_count
     name = args.model or DEFAULT_MODEL
     quiet = args.quiet or not sys.stderr.isatty() or not root
@@ -658,6 +664,8 @@ def _train(args, outputs: list[Output], comm) -> int:
                     held_final = trainer.evaluate(held_in, held[1], batch_size=1024, weights=held_w)  # rank 0's only
                     m.update({f"eval_{k}": v for k, v in held_final.items()})
                     evaluated.append((s, held_final["loss"]))
+                    if best is not None:
+                        best.offer(s, held_final, trainer)
                 try:
                     writer.write(m)
                     steps_seen.append(s)
@@ -687,14 +695,15 @@ def _train(args, outputs: list[Output], comm) -> int:
         last = trainer.step_count + trainer.burn_in_count
         title = f"{os.path.basename(str(name))} ({trainer.optimizer})"
         written, failed = _write_outputs(args, trainer, title, steps_seen, losses if root else [],
-                                         metrics_ok=stopped is None or stopped[0] != "--metrics", evaluated=evaluated)
+                                         metrics_ok=stopped is None or stopped[0] != "--metrics", evaluated=evaluated,
+                                         best=best)
         final = None
         if not interrupted and root:
             train_in, train_w = split_weights(inputs)
             final = trainer.evaluate(train_in, targets, batch_size=1024, weights=train_w)
     return _finish(args, comm, trainer, final, written, failed, stopped, interrupt if interrupted else None,
                    (last, last - done, elapsed, rejected), losses[0] if losses else None,
-                   held_final=None if interrupted else held_final)
+                   held_final=None if interrupted else held_final, best=best)
 
 
 # A run whose final loss (on the whole training set) ends above this factor times the first
@@ -706,7 +715,8 @@ DIVERGED_ADVICE = ("lower the learning rate, raise --damping, or check the data 
 
 
 def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, counts,
-            start_loss: float | None = None, held_final: dict[str, float] | None = None) -> int:
+            start_loss: float | None = None, held_final: dict[str, float] | None = None,
+            best: BestModel | None = None) -> int:
     """Rank 0 prints the summary and decides the outcome; every rank ends with it (an error
     raised on every rank, or the exit code). `interrupted`: the StopOnInterrupt that stopped
     the run (its signal's exit code), None when none did. `start_loss`: this run's first
@@ -727,6 +737,8 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
             if held_final is not None:
                 print(" ".join([f"held-out loss {held_final['loss']:.6f}",
                                 *(f"{k} {v:.4f}" for k, v in held_final.items() if k != "loss")]))
+            if best is not None and best.step is not None:
+                print(best.summary())
         if comm is not None and run:
             print(f"sent per step by each of {comm.size} ranks (mean of {run} steps): {traffic(trainer.comm.sent, run)}")
         for label, path in written:
@@ -754,19 +766,58 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
     return max(comm.gather(code)) if comm.agree(error, stop=code != 0) else code
 
 
+class BestModel:
+    """--keep-best: the trained values at the lowest held-out loss so far, and that evaluation."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.metrics: dict[str, float] = {}
+        self.values: dict[str, np.ndarray] | None = None
+        self.is_last = True  # the trainer holds them already
+
+    def offer(self, step: int, metrics: dict[str, float], trainer) -> None:
+        self.is_last = self.step is None or bool(metrics["loss"] < self.metrics["loss"])  # NaN is never better
+        if self.is_last:
+            self.step, self.metrics, self.values = step, dict(metrics), trainer.trained_values()
+
+    def export(self, trainer, path: str, graph: str) -> None:
+        """Write the kept model: the trainer's values are the best's while it writes."""
+        if self.values is None or self.is_last:
+            trainer.export(path, graph=graph)
+            return
+        last = trainer.trained_values()
+        trainer.set_trained_values(self.values)
+        try:
+            trainer.export(path, graph=graph)
+        finally:
+            trainer.set_trained_values(last)
+
+    def summary(self) -> str:
+        return " ".join([f"kept the model of step {self.step}: held-out loss {self.metrics['loss']:.6f}",
+                         *(f"{k} {v:.4f}" for k, v in self.metrics.items() if k != "loss")])
+
+
 def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True,
-                   evaluated: Sequence[tuple[int, float]] = ()) -> tuple[list[tuple[str, str]], list[str]]:
+                   evaluated: Sequence[tuple[int, float]] = (),
+                   best: BestModel | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Write the checkpoint, the model and the plot asked for, each even when another fails
     (a full disk must not cost the others): ([(label, path) written], [failure lines]).
     Under MPI every rank calls this (a checkpoint is collective); rank 0 writes, and the
-    others pass no `losses` (no plot)."""
+    others pass no `losses` (no plot). With `best` (--keep-best) the model is the best
+    evaluation's and the checkpoint the last step's."""
     from kfac_compiler.errors import KfacError
+
+    def save(path: str) -> None:
+        if best is None:
+            trainer.export(path, graph=args.save_graph)
+        else:
+            best.export(trainer, path, args.save_graph)
 
     written, failed = [], []
     if args.metrics and metrics_ok:
         written.append(("metrics", args.metrics))  # row by row during the run
     jobs = (("checkpoint", "--checkpoint", args.checkpoint, trainer.save_checkpoint),
-            ("model", "--save", args.save, lambda p: trainer.export(p, graph=args.save_graph)),
+            ("model", "--save", args.save, save),
             ("plot", "--plot", args.plot if losses else None, lambda p: _plot(p, steps, losses, title, evaluated)))
     for label, option, path, write in jobs:
         if not path:

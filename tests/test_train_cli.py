@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+import kfac_compiler as kc
 from kfac_compiler.models import ZOO, save_model
 
 
@@ -185,11 +186,38 @@ def test_eval_data_file_and_resume_keep_the_columns(tmp_path, capsys):
                                                          rel=1e-5)
 
 
+def test_keep_best_saves_the_best_evaluation_s_model(tmp_path, capsys):
+    """SGD at lr 1.5 passes its best held-out loss early and ends above it: --save writes
+    the model whose held-out loss is the metrics file's lowest, at the step the summary
+    names; the checkpoint holds the last step's model (its held-out loss is the last row's)."""
+    from kfac_compiler.runtime import Trainer
+    from kfac_compiler.train_cli import validation_split
+
+    metrics, model, ck = tmp_path / "m.csv", tmp_path / "best.onnx", tmp_path / "c.ckpt"
+    code, out, err = run(["mlp_classifier", "--steps", "30", "--batch-size", "64", "--val-split", "0.25",
+                          "--eval-every", "1", "--optimizer", "sgd", "--learning-rate", "1.5", "--keep-best",
+                          "--metrics", str(metrics), "--save", str(model), "--checkpoint", str(ck), "-q"], capsys)
+    assert code == 0, err
+    rows = [r for r in csv.DictReader(open(metrics)) if r["eval_loss"]]
+    losses = [float(r["eval_loss"]) for r in rows]
+    best = int(np.argmin(losses))
+    assert best < len(rows) - 1 and losses[-1] > 1.1 * losses[best]
+    x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
+    _, _, (hx, hy) = validation_split(x, y, 0.25, seed=0)
+    assert _held_out_loss(model, hx["input"], hy)[0] == pytest.approx(losses[best], rel=1e-5)
+    assert f"kept the model of step {rows[best]['step']}: held-out loss {losses[best]:.6f}" in out
+    z = ZOO["mlp_classifier"]
+    plan = kc.compile(z.build(seed=0), loss=z.loss, output=z.output_name, emit=False)
+    last = Trainer.load_checkpoint(str(ck), plan)
+    assert last.evaluate(hx, hy)["loss"] == pytest.approx(losses[-1], rel=1e-5)
+
+
 @pytest.mark.parametrize("argv,line", [
+    (["--keep-best"], "error: --keep-best needs held-out data: --val-data FILE.npz or --val-split FRACTION"),
     (["--eval-every", "5"], "error: --eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION"),
     (["--val-split", "0.2", "--val-data", "x.npz"], "error: --val-data and --val-split both name held-out data; give one"),
     (["--val-split", "0.2", "--eval-every", "0"], "error: --eval-every must be >= 1, got 0"),
-], ids=["eval-every-alone", "both", "eval-every-0"])
+], ids=["keep-best-alone", "eval-every-alone", "both", "eval-every-0"])
 def test_held_out_options_that_do_not_fit_are_one_line(tmp_path, capsys, argv, line):
     code, out, err = run(["mlp_classifier", "--steps", "2", *argv], capsys)
     assert code == 2 and err.strip().splitlines()[-1] == line
