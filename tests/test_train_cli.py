@@ -203,13 +203,16 @@ def test_keep_best_saves_the_best_evaluation_s_model(tmp_path, capsys):
     best = int(np.argmin(losses))
     assert best < len(rows) - 1 and losses[-1] > 1.1 * losses[best]
     x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
-    _, _, (hx, hy) = validation_split(x, y, 0.25, seed=0)
+    tx, ty, (hx, hy) = validation_split(x, y, 0.25, seed=0)
     assert _held_out_loss(model, hx["input"], hy)[0] == pytest.approx(losses[best], rel=1e-5)
     assert f"kept the model of step {rows[best]['step']}: held-out loss {losses[best]:.6f}" in out
     z = ZOO["mlp_classifier"]
     plan = kc.compile(z.build(seed=0), loss=z.loss, output=z.output_name, emit=False)
     last = Trainer.load_checkpoint(str(ck), plan)
     assert last.evaluate(hx, hy)["loss"] == pytest.approx(losses[-1], rel=1e-5)
+    # the summary's training loss is the last step's model's: the kept one was written, then put back
+    train_line = next(line for line in out.splitlines() if line.startswith("final train loss"))
+    assert float(train_line.split()[3]) == pytest.approx(last.evaluate(tx, ty)["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("argv,line", [
