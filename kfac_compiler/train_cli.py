@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from kfac_compiler.models import ZooEntry
     from kfac_compiler.outputs import Output
     from kfac_compiler.plan import Plan
+    from kfac_compiler.runtime.fit import BestModel
 
 DEFAULT_MODEL = "mlp_classifier"
 SETUP_NOTICE_NODES = 10_000  # a plan this large spends seconds in ONNX Runtime's session setup: say so
@@ -619,6 +620,7 @@ def _train(args, outputs: list[Output], comm) -> int:
     from kfac_compiler.progress import show_on_stderr
     from kfac_compiler.ranks import is_root, stop_together
     from kfac_compiler.runtime.data import batch_indices
+    from kfac_compiler.runtime.fit import BestModel
 
     root = is_root(comm)
     with show_on_stderr(not args.quiet and root):  # stages of seconds: the compile, emissions, sessions
@@ -665,7 +667,7 @@ def _train(args, outputs: list[Output], comm) -> int:
                     m.update({f"eval_{k}": v for k, v in held_final.items()})
                     evaluated.append((s, held_final["loss"]))
                     if best is not None:
-                        best.offer(s, held_final, trainer)
+                        best.offer(trainer, s, held_final["loss"], held_final)
                 try:
                     writer.write(m)
                     steps_seen.append(s)
@@ -738,7 +740,8 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
                 print(" ".join([f"held-out loss {held_final['loss']:.6f}",
                                 *(f"{k} {v:.4f}" for k, v in held_final.items() if k != "loss")]))
             if best is not None and best.step is not None:
-                print(best.summary())
+                print(" ".join([f"kept the model of step {best.step}: held-out loss {best.loss:.6f}",
+                                *(f"{k} {v:.4f}" for k, v in best.metrics.items() if k != "loss")]))
         if comm is not None and run:
             print(f"sent per step by each of {comm.size} ranks (mean of {run} steps): {traffic(trainer.comm.sent, run)}")
         for label, path in written:
@@ -766,37 +769,6 @@ def _finish(args, comm, trainer, final, written, failed, stopped, interrupted, c
     return max(comm.gather(code)) if comm.agree(error, stop=code != 0) else code
 
 
-class BestModel:
-    """--keep-best: the trained values at the lowest held-out loss so far, and that evaluation."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.metrics: dict[str, float] = {}
-        self.values: dict[str, np.ndarray] | None = None
-        self.is_last = True  # the trainer holds them already
-
-    def offer(self, step: int, metrics: dict[str, float], trainer) -> None:
-        self.is_last = self.step is None or bool(metrics["loss"] < self.metrics["loss"])  # NaN is never better
-        if self.is_last:
-            self.step, self.metrics, self.values = step, dict(metrics), trainer.trained_values()
-
-    def export(self, trainer, path: str, graph: str) -> None:
-        """Write the kept model: the trainer's values are the best's while it writes."""
-        if self.values is None or self.is_last:
-            trainer.export(path, graph=graph)
-            return
-        last = trainer.trained_values()
-        trainer.set_trained_values(self.values)
-        try:
-            trainer.export(path, graph=graph)
-        finally:
-            trainer.set_trained_values(last)
-
-    def summary(self) -> str:
-        return " ".join([f"kept the model of step {self.step}: held-out loss {self.metrics['loss']:.6f}",
-                         *(f"{k} {v:.4f}" for k, v in self.metrics.items() if k != "loss")])
-
-
 def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[float], metrics_ok: bool = True,
                    evaluated: Sequence[tuple[int, float]] = (),
                    best: BestModel | None = None) -> tuple[list[tuple[str, str]], list[str]]:
@@ -811,7 +783,7 @@ def _write_outputs(args, trainer, title: str, steps: list[int], losses: list[flo
         if best is None:
             trainer.export(path, graph=args.save_graph)
         else:
-            best.export(trainer, path, args.save_graph)
+            best.export(trainer, path, graph=args.save_graph)
 
     written, failed = [], []
     if args.metrics and metrics_ok:

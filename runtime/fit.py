@@ -77,7 +77,7 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         raise ConfigError("fit: validation must be a tuple (inputs, targets) or (inputs, targets, weights)")
     every = eval_every or (max(1, steps // 20) if steps else None)
     history = History()
-    best = _Best(trainer) if keep_best else None
+    best = BestModel() if keep_best else None
     for taken, batch in enumerate(batches):
         if steps is not None and taken >= steps:
             break
@@ -97,7 +97,7 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         history.steps[-1].update(_evaluate(trainer, validation, eval_batch_size, int(history.steps[-1]["step"]), history,
                                            best))
     if best is not None:
-        best.restore()
+        best.restore(trainer)
     return history
 
 
@@ -145,32 +145,47 @@ def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int 
         s += 1
 
 
-class _Best:
-    """The trained values at the lowest held-out loss seen so far (keep_best)."""
+class BestModel:
+    """The trained values at the lowest held-out loss offered so far, and that evaluation's
+    step and metrics: fit's keep_best and `train --keep-best`."""
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    def __init__(self) -> None:
+        self.step: int | None = None
         self.loss = float("inf")
+        self.metrics: dict[str, float] = {}
         self.values: dict[str, np.ndarray] | None = None
-        self.is_last = True  # the trainer holds them already
+        self.is_last = True  # the trainer holds them: nothing to put back
 
-    def offer(self, held_out_loss: float) -> None:
-        loss = self.trainer.mean_over_ranks(held_out_loss)  # one choice on every rank
-        self.is_last = bool(loss < self.loss)  # NaN is never better
+    def offer(self, trainer: Trainer, step: int, loss: float, metrics: Mapping[str, float]) -> None:
+        """The evaluation of the trainer's current model: kept if its loss is the lowest yet
+        (NaN never is)."""
+        self.is_last = bool(loss < self.loss)
         if self.is_last:
-            self.loss, self.values = loss, self.trainer.trained_values()
+            self.step, self.loss, self.metrics = step, loss, dict(metrics)
+            self.values = trainer.trained_values()
 
-    def restore(self) -> None:
+    def restore(self, trainer: Trainer) -> None:
+        """Put the kept model into the trainer (its optimizer state stays)."""
         if self.values is not None and not self.is_last:
-            self.trainer.set_trained_values(self.values)
+            trainer.set_trained_values(self.values)
+
+    def export(self, trainer: Trainer, path: str, graph: str = "auto") -> None:
+        """Write the kept model with Trainer.export, leaving the trainer's own as it was."""
+        last = None if self.values is None or self.is_last else trainer.trained_values()
+        self.restore(trainer)
+        try:
+            trainer.export(path, graph=graph)
+        finally:
+            if last is not None:
+                trainer.set_trained_values(last)
 
 
 def _evaluate(trainer: Trainer, validation: Batch, batch_size: int, step: int, history: History,
-              best: _Best | None) -> dict[str, float]:
+              best: BestModel | None) -> dict[str, float]:
     inputs, targets, *weights = validation
     held = {EVAL_PREFIX + k: v for k, v in trainer.evaluate(inputs, targets, batch_size=batch_size,
                                                             weights=weights[0] if weights else None).items()}
     history.evaluations.append({"step": float(step), **held})
-    if best is not None:
-        best.offer(held[EVAL_PREFIX + "loss"])
+    if best is not None:  # the loss's mean over the ranks: one choice on every rank
+        best.offer(trainer, step, trainer.mean_over_ranks(held[EVAL_PREFIX + "loss"]), held)
     return held
