@@ -655,26 +655,44 @@ def mnist_data_split(held_out: int = 1000):
 
 def mnist_run(plan, data, optimizer, steps, seed, bs=128, **kw) -> dict:
     """`steps` steps on seed's batches, the held-out loss every EVERY steps: the curve, the
-    best held-out loss and the largest after it, the counts of spikes, roll-backs, rejections."""
+    seconds the steps took up to each point of it (the evaluations not counted), the best
+    held-out loss and the largest after it, the counts of spikes, roll-backs, rejections."""
     from kfac_compiler.runtime import Trainer
     from kfac_compiler.runtime.data import batch_indices
 
     x, y, ex, ey = data
     tr = Trainer(plan, optimizer=optimizer, batch_size=bs, seed=seed, **kw)
     counts = Counter()
-    curve = []
+    curve, seconds = [], []
+    spent = 0.0
     for k in range(steps):
         idx = batch_indices(len(y), bs, k, seed)
+        t = time.perf_counter()
         m = tr.step({"input": x[idx]}, y[idx])
+        spent += time.perf_counter() - t
         for key in ("spike", "rolled_back", "rejected"):
             counts[key] += int(m.get(key, 0.0) == 1.0)
         counts["max_batch_loss"] = max(counts["max_batch_loss"], m["loss"]) if k >= 50 else 0
         if (k + 1) % EVERY == 0:
             curve.append((k + 1, tr.evaluate({"input": ex}, ey)["loss"]))
+            seconds.append(spent)
     losses = [v for _, v in curve]
     best = int(np.argmin(losses))
-    return {"curve": curve, "final": losses[-1], "best": losses[best], "best_step": curve[best][0],
+    return {"curve": curve, "seconds": seconds, "final": losses[-1], "best": losses[best], "best_step": curve[best][0],
             "max_after_best": max(losses[best:]), **counts}
+
+
+def first_at_or_below(curve, seconds, target) -> tuple[int | None, float | None]:
+    """(step, seconds of steps) of the curve's first point at or below target; seconds None
+    where the run kept none (an --adam-cache from before they were recorded)."""
+    for i, (step, value) in enumerate(curve):
+        if value <= target:
+            return step, seconds[i] if seconds else None
+    return None, None
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def cmd_mnist(args, say, run):
@@ -694,13 +712,17 @@ def cmd_mnist(args, say, run):
             adam = {lr: mnist_run(plan, data, "adam", args.steps, seed, learning_rate=lr) for lr in ADAM_LRS}
             lr = min(adam, key=lambda a: adam[a]["final"])
             cached = cached_runs[str(seed)] = {"lr": lr, "target": adam[lr]["final"], "curve": adam[lr]["curve"],
+                                              "seconds": adam[lr]["seconds"],
                                               "finals": {str(a): r["final"] for a, r in adam.items()}}
         lr, target = cached["lr"], cached["target"]
         kfac = mnist_run(plan, data, "kfac", args.kfac_steps, seed, **knobs)
-        hit = next((k for k, v in kfac["curve"] if v <= target), None)
-        adam_hit = next((k for k, v in cached["curve"] if v <= target), None)
-        rows.append({"seed": seed, "adam": cached, "kfac": kfac, "kfac_steps": hit, "knobs": knobs})
-        table.append([seed, f"{lr:g}", f"{target:.4f}", adam_hit, hit or "-", f"{kfac['best']:.4f} @ {kfac['best_step']}",
+        hit = first_at_or_below(kfac["curve"], kfac["seconds"], target)
+        adam_hit = first_at_or_below(cached["curve"], cached.get("seconds"), target)
+        rows.append({"seed": seed, "adam": cached, "kfac": kfac, "kfac_steps": hit[0], "kfac_seconds": hit[1],
+                     "adam_seconds": adam_hit[1], "knobs": knobs})
+        ratio = f"{hit[1] / adam_hit[1]:.2f}x" if hit[1] is not None and adam_hit[1] else "-"
+        table.append([seed, f"{lr:g}", f"{target:.4f}", adam_hit[0], hit[0] or "-", _secs(adam_hit[1]), _secs(hit[1]),
+                      ratio, f"{kfac['best']:.4f} @ {kfac['best_step']}",
                       f"{kfac['max_after_best']:.4f}", f"{kfac['final']:.4f}", f"{kfac['max_batch_loss']:.3g}",
                       f"{kfac['spike']} / {kfac['rolled_back']} / {kfac['rejected']}"])
         print(table[-1], file=sys.stderr, flush=True)
@@ -708,10 +730,12 @@ def cmd_mnist(args, say, run):
             cache.write_text(json.dumps(cached_runs))
     say(f"LeNet-5, MNIST sample 4000 train / 1000 held out, batch 128; Adam {args.steps} steps (lr {ADAM_LRS}, the best "
         f"final held-out loss is the target), K-FAC {args.kfac_steps} steps"
-        + (f" with {json.dumps(knobs)}" if knobs else " (defaults)") + f"; held-out loss every {EVERY} steps:")
+        + (f" with {json.dumps(knobs)}" if knobs else " (defaults)") + f"; held-out loss every {EVERY} steps; "
+        "seconds: the training steps' wall time to the first evaluation at or below the target (evaluations not "
+        "counted; Adam's from its own run, or the --adam-cache run's):")
     say()
     say(harness.table(["seed", "Adam lr", "target (Adam's held-out)", "Adam steps to it", "K-FAC steps to it",
-                       "K-FAC best held-out", "K-FAC max held-out after best", "K-FAC final", "max batch loss (step >= 50)",
+                       "Adam s to it", "K-FAC s to it", "K-FAC / Adam time", "K-FAC best held-out", "K-FAC max held-out after best", "K-FAC final", "max batch loss (step >= 50)",
                        "spikes / undone / rejected"], table))
     return rows
 
