@@ -192,6 +192,19 @@ class StateStore:
         self.upload_bytes += a.nbytes
         return ov
 
+    def host_buffer(self, name: str, shape: Any, dtype: Any, channel: str = "train") -> np.ndarray | None:
+        """A writable host view of data input `name`'s buffer where it lives in host memory
+        (CPU) with exactly `shape` and `dtype`, else None: a caller that fills it in place
+        (the sampled-Fisher noise) writes the batch's next value without allocating an
+        array and copying it over. Counted as one upload of its bytes, as write_data."""
+        entry = self._data.get((channel, name))
+        if self.device.name != "cpu" or entry is None or entry[1] != tuple(shape) or entry[2] != np.dtype(dtype):
+            return None
+        view = entry[0].numpy()
+        self.uploads += 1
+        self.upload_bytes += view.nbytes
+        return view
+
     def has_data(self, name: str, channel: str = "train") -> bool:
         return (channel, name) in self._data
 

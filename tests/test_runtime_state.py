@@ -197,6 +197,23 @@ def counter_program(step: float, device: str = "cpu") -> tuple[StateStore, Progr
     return st, Program(m, info, device)
 
 
+def test_host_buffer_is_the_data_input_itself():
+    """host_buffer: a view of the written CPU buffer that a run then reads (no copy), counted as
+    an upload; None where the input is absent or its shape or dtype differ."""
+    st, prog = counter_program(1.0)
+    assert st.host_buffer("x", (4, 2), np.float32) is None  # never written
+    ov = st.write_data("x", np.zeros((4, 2), np.float32))
+    n, nbytes = st.uploads, st.upload_bytes
+    view = st.host_buffer("x", [4, 2], np.float32)
+    assert view is not None and st.uploads == n + 1 and st.upload_bytes == nbytes + 32
+    view[...] = np.arange(8, dtype=np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(ov.numpy(), np.arange(8).reshape(4, 2))
+    assert prog.run(st)["loss"] == 28.0  # the run reads what was written into the view
+    assert st.host_buffer("x", (3, 2), np.float32) is None
+    assert st.host_buffer("x", (4, 2), np.float64) is None
+    assert st.host_buffer("x", (4, 2), np.float32, channel="eval") is None
+
+
 def test_program_runs_binds_and_flips():
     st, prog = counter_program(1.5)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
