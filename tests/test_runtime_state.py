@@ -214,6 +214,24 @@ def test_host_buffer_is_the_data_input_itself():
     assert st.host_buffer("x", (4, 2), np.float32, channel="eval") is None
 
 
+def test_release_heap_trims_only_a_heap_with_much_free(monkeypatch):
+    """malloc_trim runs where the heap holds more than TRIM_FREE_BYTES free, or where its free
+    total cannot be read; a heap with less free is left as it is."""
+    from kfac_compiler.runtime import device as D
+
+    trims = []
+    monkeypatch.setattr(D, "_malloc_trim", lambda: trims.append)
+    for free, trimmed in [(D.TRIM_FREE_BYTES + 1, 1), (D.TRIM_FREE_BYTES, 0), (0, 0)]:
+        monkeypatch.setattr(D, "_heap_free_bytes", lambda free=free: lambda: free)
+        trims.clear()
+        D.release_heap()
+        assert trims == [0] * trimmed, free
+    monkeypatch.setattr(D, "_heap_free_bytes", lambda: None)
+    trims.clear()
+    D.release_heap()
+    assert trims == [0]
+
+
 def test_program_runs_binds_and_flips():
     st, prog = counter_program(1.5)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
