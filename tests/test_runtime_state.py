@@ -212,6 +212,11 @@ def test_host_buffer_is_the_data_input_itself():
     assert st.host_buffer("x", (3, 2), np.float32) is None
     assert st.host_buffer("x", (4, 2), np.float64) is None
     assert st.host_buffer("x", (4, 2), np.float32, channel="eval") is None
+    # a new batch shape reallocates the buffer: the view is of the new one
+    ov3 = st.write_data("x", np.zeros((3, 2), np.float32))
+    st.host_buffer("x", (3, 2), np.float32)[...] = 1.0
+    np.testing.assert_array_equal(ov3.numpy(), np.ones((3, 2)))
+    assert prog.run(st)["loss"] == 6.0
 
 
 def test_release_heap_trims_only_a_heap_with_much_free(monkeypatch):
