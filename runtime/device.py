@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,22 +289,61 @@ def every_step(name: str) -> bool:
 @functools.cache
 def _malloc_trim() -> Any:
     """glibc's malloc_trim, or None (another C library)."""
+    libc = _libc()
+    return getattr(libc, "malloc_trim", None) if libc is not None else None
+
+
+@functools.cache
+def _libc() -> Any:
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
+
+
+@functools.cache
+def _heap_free_bytes() -> Callable[[], int] | None:
+    """A function giving the bytes glibc's heap holds free (mallinfo2's fordblks, over every
+    arena), or None where there is no mallinfo2 (glibc < 2.33, another C library)."""
+    import ctypes
+
+    libc = _libc()
+    info = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if info is None:
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    info.restype = MallInfo2
+    return lambda: int(info().fordblks)
+
+
+# release_heap trims only a heap holding more than this free: malloc_trim walks every free
+# chunk and returns its pages one system call at a time, 0.27 ms on the digits classifier's
+# 76 MB heap with 2.4 MB free after each inverse refresh, where mallinfo2 reads the free
+# total in 0.02 ms; and the next run without an arena faults the returned pages back in (the
+# classifier's refresh session 3.9 -> 2.0 ms, its whole refresh 4.4 -> 2.1 ms;
+# benchmarks/results/2026-11-29-host-overhead.md)
+TRIM_FREE_BYTES = 16 << 20
 
 
 def release_heap() -> None:
     """Give the heap pages glibc keeps after a session without an arena freed its
     intermediates back to the system (malloc_trim): without it they stay resident under the
     every-step session's arena, 50-120 MB after a 50,257-vocabulary GPT's statistics run, and
-    how much depends on the allocation pattern (peaks 800-900 MB one run to the next)."""
+    how much depends on the allocation pattern (peaks 800-900 MB one run to the next). A
+    heap with at most TRIM_FREE_BYTES free is left as it is: trimming it costs more host
+    time than the memory it returns is worth."""
     trim = _malloc_trim()
-    if trim is not None:
+    if trim is None:
+        return
+    free = _heap_free_bytes()
+    if free is None or free() > TRIM_FREE_BYTES:
         trim(0)
 
 

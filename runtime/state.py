@@ -66,6 +66,7 @@ class StateStore:
         # data buffers per channel ("train", "eval", ...): evaluating on a big batch between
         # training steps must not reallocate the training batch's buffers.
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
+        self._views: dict[tuple[str, str], np.ndarray] = {}  # host_buffer's, per data buffer (numpy() costs ~10 us)
         # name -> (float32 value on the device, its OrtValue, the Python float last passed or None)
         self._hp: dict[str, tuple[np.float32, ort.OrtValue, float | None]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
@@ -184,6 +185,7 @@ class StateStore:
         if entry is None or entry[1] != a.shape or entry[2] != a.dtype:
             ov = _alloc(a.shape, a.dtype, self.device)
             self._data[key] = (ov, tuple(a.shape), a.dtype)
+            self._views.pop(key, None)
             self.generation = next(_GENERATIONS)
         else:
             ov = entry[0]
@@ -191,6 +193,22 @@ class StateStore:
         self.uploads += 1
         self.upload_bytes += a.nbytes
         return ov
+
+    def host_buffer(self, name: str, shape: Any, dtype: Any, channel: str = "train") -> np.ndarray | None:
+        """A writable host view of data input `name`'s buffer where it lives in host memory
+        (CPU) with exactly `shape` and `dtype`, else None: a caller that fills it in place
+        (the sampled-Fisher noise) writes the batch's next value without allocating an
+        array and copying it over. Counted as one upload of its bytes, as write_data."""
+        key = (channel, name)
+        entry = self._data.get(key)
+        if self.device.name != "cpu" or entry is None or entry[1] != tuple(shape) or entry[2] != np.dtype(dtype):
+            return None
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = entry[0].numpy()
+        self.uploads += 1
+        self.upload_bytes += view.nbytes
+        return view
 
     def has_data(self, name: str, channel: str = "train") -> bool:
         return (channel, name) in self._data

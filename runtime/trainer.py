@@ -201,10 +201,23 @@ class Trainer:
         so that the ranks sample what one process would. Written into the store's "train"
         channel here and returned empty: a feed holding the arrays kept a second copy alive
         through the run (noise of one value per output entry is output-sized)."""
-        noise = draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name, shares=self.ranks)
+        store, filled = self.store, set()
+
+        def into(name: str, shape: list[int]) -> np.ndarray | None:
+            # one process on the CPU: drawn straight into the input's buffer (a data-parallel
+            # rank keeps only its share of what it draws)
+            buf = None if self.comm is not None else store.host_buffer(name, shape, np.float32)
+            if buf is not None:
+                filled.add(name)
+            return buf
+
+        noise = draw_noise(self.rng, prog.info, prog.data_inputs, data[C.TARGETS], prog.name, shares=self.ranks,
+                           into=into)
         for name in list(noise):
             value = noise.pop(name)
-            self.store.write_data(name, value if self.comm is None else self._share(value), prog.input_dtypes.get(name))
+            if name not in filled:
+                store.write_data(name, value if self.comm is None else self._share(value),
+                                 prog.input_dtypes.get(name))
             del value
         return {}
 

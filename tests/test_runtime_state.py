@@ -197,6 +197,49 @@ def counter_program(step: float, device: str = "cpu") -> tuple[StateStore, Progr
     return st, Program(m, info, device)
 
 
+def test_host_buffer_is_the_data_input_itself():
+    """host_buffer: a view of the written CPU buffer that a run then reads (no copy), counted as
+    an upload; None where the input is absent or its shape or dtype differ."""
+    st, prog = counter_program(1.0)
+    assert st.host_buffer("x", (4, 2), np.float32) is None  # never written
+    ov = st.write_data("x", np.zeros((4, 2), np.float32))
+    n, nbytes = st.uploads, st.upload_bytes
+    view = st.host_buffer("x", [4, 2], np.float32)
+    assert view is not None and st.uploads == n + 1 and st.upload_bytes == nbytes + 32
+    view[...] = np.arange(8, dtype=np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(ov.numpy(), np.arange(8).reshape(4, 2))
+    assert prog.run(st)["loss"] == 28.0  # the run reads what was written into the view
+    assert st.host_buffer("x", (3, 2), np.float32) is None
+    assert st.host_buffer("x", (4, 2), np.float64) is None
+    assert st.host_buffer("x", (4, 2), np.float32, channel="eval") is None
+    # a new batch shape reallocates the buffer: the view is of the new one
+    ov3 = st.write_data("x", np.zeros((3, 2), np.float32))
+    st.host_buffer("x", (3, 2), np.float32)[...] = 1.0
+    np.testing.assert_array_equal(ov3.numpy(), np.ones((3, 2)))
+    assert prog.run(st)["loss"] == 6.0
+
+
+def test_release_heap_trims_only_a_heap_with_much_free(monkeypatch):
+    """malloc_trim runs where the heap holds more than TRIM_FREE_BYTES free, or where its free
+    total cannot be read; a heap with less free is left as it is."""
+    from kfac_compiler.runtime import device as D
+
+    free = D._heap_free_bytes()  # glibc >= 2.33: mallinfo2 read through ctypes answers a byte count
+    if free is not None:
+        assert 0 <= free() < 1 << 40
+    trims = []
+    monkeypatch.setattr(D, "_malloc_trim", lambda: trims.append)
+    for free, trimmed in [(D.TRIM_FREE_BYTES + 1, 1), (D.TRIM_FREE_BYTES, 0), (0, 0)]:
+        monkeypatch.setattr(D, "_heap_free_bytes", lambda free=free: lambda: free)
+        trims.clear()
+        D.release_heap()
+        assert trims == [0] * trimmed, free
+    monkeypatch.setattr(D, "_heap_free_bytes", lambda: None)
+    trims.clear()
+    D.release_heap()
+    assert trims == [0]
+
+
 def test_program_runs_binds_and_flips():
     st, prog = counter_program(1.5)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)

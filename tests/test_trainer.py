@@ -147,6 +147,37 @@ def test_kfac_step_keeps_state_on_device_and_reports_metrics(mlp):
     assert tr.step_count == 3
 
 
+
+def test_kfac_noise_is_drawn_into_its_input_and_changes_nothing(mlp, monkeypatch):
+    """On the CPU the sampled-Fisher noise is drawn straight into the step's input buffer: it
+    holds the draw of the trainer's stream (numpy's clip of its uniforms), and 30 steps give
+    bitwise the parameters and losses of the same run that draws new arrays and copies them."""
+    from kfac_compiler import contract as C
+    from kfac_compiler.runtime.data import NOISE_EPS
+    from kfac_compiler.runtime.state import StateStore
+
+    plan, x, y = mlp
+
+    def run():
+        tr = Trainer(plan, optimizer="kfac", seed=3, batch_size=64)
+        losses = [tr.step(*b)["loss"] for b in batches(x, y, 64, 30)]
+        return tr, losses
+
+    tr, losses = run()
+    params = tr.parameters(layout="plan")
+    (noise,) = [n for n in tr.policy.step_program().data_inputs if C.is_noise(n)]
+    shape = tuple(tr.store.data(noise).shape())
+    rng = np.random.default_rng()
+    rng.bit_generator.state = tr.rng.bit_generator.state
+    tr.step(*next(batches(x, y, 64, 1)))  # step 30: statistics (cov_update_period 1), no refresh before
+    expected = np.clip(rng.random(shape, dtype=np.float32), NOISE_EPS, np.float32(1) - NOISE_EPS)
+    np.testing.assert_array_equal(tr.store.data(noise).numpy(), expected)
+    monkeypatch.setattr(StateStore, "host_buffer", lambda self, *a, **k: None)  # allocate and copy
+    tr2, losses2 = run()
+    assert losses2 == losses
+    for p, v in tr2.parameters(layout="plan").items():
+        assert np.array_equal(v, params[p]), p
+
 @pytest.mark.slow
 def test_factor_moving_average_matches_numpy(mlp):
     """factor/fc1/A after two steps = (1 - c) A_0 + c A_1 with A_k = [x 1]^T [x 1] / 64 over
