@@ -474,6 +474,7 @@ def _swin_ts_plan():
         return kc.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
 
 
+@pytest.mark.slow
 def test_swin_ts_relative_position_bias_is_per_example():
     """TorchScript's Swin computes its window counts from x.size() at run time (ONNX's shapes:
     `unk__6` windows): ONNX Runtime's symbolic shapes trace them (4*N windows in stage 1, N

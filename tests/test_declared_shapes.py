@@ -164,8 +164,9 @@ def _check_case(name: str, step: str, monkeypatch, rows: tuple[int, ...] = (32, 
 
 
 @pytest.mark.parametrize("step", list(STEPS))
-@pytest.mark.parametrize("name", ["mlp_classifier", "small_cnn", "transformer_block",
-                                  pytest.param("lstm-ts", marks=pytest.mark.slow)])  # 6-45 s a step kind
+@pytest.mark.parametrize("name", ["mlp_classifier", pytest.param("small_cnn", marks=pytest.mark.slow),
+                                  pytest.param("transformer_block", marks=pytest.mark.slow),
+                                  pytest.param("lstm-ts", marks=pytest.mark.slow)])  # 1-3 s, lstm 6-45 s a step kind
 def test_declared_shapes_are_the_run_time_shapes(name, step, monkeypatch):
     declared, symbols = _check_case(name, step, monkeypatch)
     assert declared > 0
@@ -235,7 +236,8 @@ def _trained(name: str, declare: bool, monkeypatch) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("name", ["transformer_block", pytest.param("lstm-ts", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["transformer_block", "lstm-ts"])
 def test_trainers_take_bitwise_the_same_steps_with_and_without_declarations(name, monkeypatch):
     assert emission.DeclaredShapes is DeclaredShapes
     declared, bare = _trained(name, True, monkeypatch), _trained(name, False, monkeypatch)

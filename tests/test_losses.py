@@ -169,7 +169,7 @@ def test_softmax_sampled_gradient_below_1024_classes_is_the_gumbel_max_draw():
     assert len(np.unique(y)) == 7
 
 
-@pytest.mark.parametrize("classes", [40, 1100])
+@pytest.mark.parametrize("classes", [40, pytest.param(1100, marks=pytest.mark.slow)])  # 1,100: 4 s
 def test_softmax_sampled_classes_have_the_model_s_frequencies(classes):
     """Over 400,000 draws from one row (39 classes with probabilities from 0.2 down to ~1e-5,
     the others with float32 probability 0; Gumbel-max at 40 classes, inverse CDF at 1,100)

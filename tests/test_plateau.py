@@ -158,6 +158,7 @@ def test_the_trainer_doubles_c_on_a_plateau_and_the_step_reads_it(mlp):
     assert plain[4]["learning_rate"] != pytest.approx(got[4]["learning_rate"], rel=0.05)  # c = 2 shortens it
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_c_unless_told_otherwise(mlp, tmp_path):
     """The checkpoint carries c and the window (test_checkpoint: bit for bit); a resume that sets
     qmodel_curvature_scale or adapt_curvature_scale starts the rule again from the value given."""

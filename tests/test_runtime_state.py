@@ -85,6 +85,7 @@ def test_cuda_request_is_checked():
         assert "\n" not in str(e.value) and "cuda" in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_cuda_probe_captures_stderr_and_leaves_no_file_open():
     """The probe hides ORT's provider-load log behind a temporary file: it is read and closed
     when the block ends, also where nobody asks for the text (the library preload; that left

@@ -101,7 +101,7 @@ def _steps(model: str, steps: int = 3) -> dict[str, np.ndarray]:
     return tr.parameters()
 
 
-@pytest.mark.parametrize("model", ["mlp_classifier", "transformer_block"])
+@pytest.mark.parametrize("model", ["mlp_classifier", pytest.param("transformer_block", marks=pytest.mark.slow)])
 def test_generation_order_and_no_memory_reuse_keep_every_value(monkeypatch, model):
     reference = _steps(model)
     with monkeypatch.context() as m:

@@ -165,6 +165,7 @@ def test_a_plan_layout_name_wrong_shape_or_layout_is_one_line():
     np.testing.assert_array_equal(trainer.parameters(layout="plan")[piece], value + 1)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_tagged_with_the_plan_layout_and_restores_the_users_parameters(tmp_path):
     """The checkpoint's slots are the plan's state (meta "layout": "plan"); a trainer loaded
     from it gives the saved trainer's parameters in the user's layout, bit for bit; another

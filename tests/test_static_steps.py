@@ -55,7 +55,7 @@ def _ops(model: onnx.ModelProto) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["mlp_classifier", "small_cnn"])
+@pytest.mark.parametrize("name", ["mlp_classifier", pytest.param("small_cnn", marks=pytest.mark.slow)])
 def test_static_steps_follow_the_if_form_bit_for_bit(name):
     plan, inputs, y = zoo_case(name, 80)
     ref, ref_metrics = _train(plan, inputs, y, static=False)

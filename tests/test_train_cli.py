@@ -239,6 +239,7 @@ def test_a_batch_larger_than_the_data_is_said(capsys):
                           "all 1797") in err
 
 
+@pytest.mark.slow
 def test_a_large_plan_says_it_is_setting_up_sessions(monkeypatch, capsys, tmp_path):
     """ONNX Runtime's setup of a large plan takes long (a 2,000-layer MLP: minutes): `train`
     says what it is doing before, one line per session of SHOW_SECONDS or more, and how long
