@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from kfac_compiler.models import ZooEntry
     from kfac_compiler.outputs import Output
     from kfac_compiler.plan import Plan
-    from kfac_compiler.runtime.fit import BestModel
+    from kfac_compiler.runtime.best_model import BestModel
 
 DEFAULT_MODEL = "mlp_classifier"
 SETUP_NOTICE_NODES = 10_000  # a plan this large spends seconds in ONNX Runtime's session setup: say so
@@ -619,8 +619,8 @@ def _train(args, outputs: list[Output], comm) -> int:
     from kfac_compiler.interrupt import STOP_SIGNALS, StopOnInterrupt
     from kfac_compiler.progress import show_on_stderr
     from kfac_compiler.ranks import is_root, stop_together
+    from kfac_compiler.runtime.best_model import BestModel
     from kfac_compiler.runtime.data import batch_indices
-    from kfac_compiler.runtime.fit import BestModel
 
     root = is_root(comm)
     with show_on_stderr(not args.quiet and root):  # stages of seconds: the compile, emissions, sessions
@@ -629,7 +629,8 @@ def _train(args, outputs: list[Output], comm) -> int:
     every = args.eval_every or max(1, args.steps // 20)
     evaluated: list[tuple[int, float]] = []  # (step, held-out loss) for the plot
     held_final = None
-    best = BestModel() if args.keep_best else None  # rank 0's: only it evaluates and writes the model
+    # rank 0 evaluates and offers; a resumed run's checkpoint brings the earlier run's best model
+    best = trainer.best_model = (trainer.best_model or BestModel()) if args.keep_best else None
     done = trainer.step_count + trainer.burn_in_count
     name = args.model or DEFAULT_MODEL
     quiet = args.quiet or not sys.stderr.isatty() or not root

@@ -48,6 +48,7 @@ from kfac_compiler.npz_files import read_entry
 from kfac_compiler.optimizers.multi_tensor import join_flat, split_flat
 from kfac_compiler.parsing import nesting_checked
 from kfac_compiler.plan import Plan
+from kfac_compiler.runtime.best_model import BestModel
 
 if TYPE_CHECKING:
     from kfac_compiler.runtime.trainer import Trainer
@@ -214,6 +215,11 @@ def save_checkpoint(trainer: Trainer, path: str | os.PathLike) -> str:
         meta["knobs"]["threads"] = trainer.threads
     if trainer.data_fingerprint is not None:
         meta["data"] = trainer.data_fingerprint
+    best = trainer.best_model
+    if best is not None and best.values is not None:  # keep_best's model, beside the last state
+        names = list(best.values)
+        arrays.update({f"best_{i:05d}": best.values[n] for i, n in enumerate(names)})
+        meta["best"] = {"step": best.step, "loss": best.loss, "metrics": best.metrics, "values": names}
     arrays["__meta__"] = np.frombuffer(json.dumps(meta, default=_json_default).encode("utf-8"), dtype=np.uint8)
     _atomic(path, lambda f: np.savez(f, **arrays))
     return path
@@ -319,6 +325,15 @@ def check_meta(meta: dict[str, Any], path: str) -> None:
                                  and isinstance(data.get("sha256"), str)):
         raise CheckpointError(f"checkpoint {path!r}: metadata entry 'data' must be an object with 'examples' and "
                               f"'sha256', got {data!r}"[:300])
+    best = meta.get("best")  # optional: the kept model of a keep_best run
+    if best is not None and not (isinstance(best, dict) and _count(best.get("step"))
+                                 and isinstance(best.get("loss"), (int, float)) and not isinstance(best.get("loss"), bool)
+                                 and math.isfinite(best["loss"]) and isinstance(best.get("metrics"), dict)
+                                 and isinstance(best.get("values"), list)
+                                 and all(isinstance(n, str) for n in best["values"])
+                                 and len(set(best["values"])) == len(best["values"])):
+        raise CheckpointError(f"checkpoint {path!r}: metadata entry 'best' must be an object with 'step', a finite "
+                              f"'loss', 'metrics' and the distinct names of its 'values', got {best!r}"[:300])
     host = meta["host"]
     for key, what in _HOST.items():
         if not _count(host.get(key)):
@@ -345,6 +360,35 @@ def _check_host(trainer: Trainer, host: dict[str, Any], path: str) -> None:
             ok, what = True, ""
         if not ok:
             raise CheckpointError(f"checkpoint {path!r}: metadata entry 'host.{key}' must be {what}, got {v!r}")
+
+
+def _read_best(trainer: Trainer, z, meta: dict[str, Any], path: str) -> BestModel | None:
+    """The kept model the metadata's 'best' names (None without one), each value checked
+    against the trainer's own trained value: name, shape, dtype, finite."""
+    best = meta.get("best")
+    if best is None:
+        return None
+    mine = {p: trainer.store.spec(p) for p in trainer.params}
+    mine.update({t.name: trainer.store.spec(t.name) for t in trainer.plan.model.graph.initializer
+                 if t.name not in mine and t.name in trainer.store})
+    values = {}
+    for i, name in enumerate(best["values"]):
+        key = f"best_{i:05d}"
+        if name not in mine:
+            raise CheckpointError(f"checkpoint {path!r}: the kept best model holds {name!r}, which this trainer does not "
+                                  "train; load it with the plan it was saved from")
+        if key not in z.files:
+            raise CheckpointError(f"checkpoint {path!r} is missing the kept best model's {name!r}; use an earlier copy")
+        v = _read(z, key, path)
+        shape, dtype = mine[name]
+        if tuple(v.shape) != tuple(shape) or v.dtype != dtype:
+            raise CheckpointError(f"checkpoint {path!r}: the kept best model's {name!r} is {v.dtype} {list(v.shape)}, "
+                                  f"expected {dtype} {list(shape)}")
+        if v.dtype.kind == "f" and not np.all(np.isfinite(v)):
+            raise CheckpointError(f"checkpoint {path!r}: the kept best model's {name!r} holds NaN or infinite values; "
+                                  "use an earlier copy")
+        values[name] = v
+    return BestModel(best["step"], float(best["loss"]), best["metrics"], values)
 
 
 def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
@@ -378,6 +422,7 @@ def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
             if key not in z.files:
                 raise CheckpointError(f"checkpoint {path!r} is missing state slot {s!r}")
             values[s] = _read(z, key, path)
+        best = _read_best(trainer, z, meta, path)
     values = _join_flat_slots(trainer, values, path)
     missing = [s for s in trainer.store.slots() if s not in values and not _scratch(trainer, s)]
     fresh = [s for s in missing if parse_slot(s).kind == GRAD_VELOCITY]
@@ -415,6 +460,7 @@ def restore_checkpoint(trainer: Trainer, path: str | os.PathLike) -> None:
         else:
             trainer.store.add(s, v)
     trainer.rng = rng
+    trainer.best_model = best
     trainer.data_fingerprint = meta.get("data")  # None: written without one (the API, older checkpoints)
     if fresh:  # K-FAC resumed with momentum_type="adam" from another type: the sums start empty
         warnings.warn(f"checkpoint {path!r} has no momentum sums ({fresh[0]!r}, ...; written with another "

@@ -20,6 +20,7 @@ import numpy as np
 
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.parsing import check_int
+from kfac_compiler.runtime.best_model import BestModel
 from kfac_compiler.runtime.data import batch_indices
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         raise ConfigError("fit: validation must be a tuple (inputs, targets) or (inputs, targets, weights)")
     every = eval_every or (max(1, steps // 20) if steps else None)
     history = History()
-    best = BestModel() if keep_best else None
+    best = None
+    if keep_best:  # a restored checkpoint's (or an earlier fit's) best model is the one to beat
+        best = trainer.best_model = trainer.best_model or BestModel()
     for taken, batch in enumerate(batches):
         if steps is not None and taken >= steps:
             break
@@ -143,41 +146,6 @@ def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int 
         yield ({k: v[idx] for k, v in arrays.items()}, y[idx]) if w is None else \
             ({k: v[idx] for k, v in arrays.items()}, y[idx], w[idx])
         s += 1
-
-
-class BestModel:
-    """The trained values at the lowest held-out loss offered so far, and that evaluation's
-    step and metrics: fit's keep_best and `train --keep-best`."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.loss = float("inf")
-        self.metrics: dict[str, float] = {}
-        self.values: dict[str, np.ndarray] | None = None
-        self.is_last = True  # the trainer holds them: nothing to put back
-
-    def offer(self, trainer: Trainer, step: int, loss: float, metrics: Mapping[str, float]) -> None:
-        """The evaluation of the trainer's current model: kept if its loss is the lowest yet
-        (NaN never is)."""
-        self.is_last = bool(loss < self.loss)
-        if self.is_last:
-            self.step, self.loss, self.metrics = step, loss, dict(metrics)
-            self.values = trainer.trained_values()
-
-    def restore(self, trainer: Trainer) -> None:
-        """Put the kept model into the trainer (its optimizer state stays)."""
-        if self.values is not None and not self.is_last:
-            trainer.set_trained_values(self.values)
-
-    def export(self, trainer: Trainer, path: str, graph: str = "auto") -> None:
-        """Write the kept model with Trainer.export, leaving the trainer's own as it was."""
-        last = None if self.values is None or self.is_last else trainer.trained_values()
-        self.restore(trainer)
-        try:
-            trainer.export(path, graph=graph)
-        finally:
-            if last is not None:
-                trainer.set_trained_values(last)
 
 
 def _evaluate(trainer: Trainer, validation: Batch, batch_size: int, step: int, history: History,

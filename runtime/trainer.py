@@ -36,6 +36,7 @@ from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
 from kfac_compiler.requests import Request
+from kfac_compiler.runtime.best_model import BestModel
 from kfac_compiler.runtime.comm import agreed, as_communicator
 from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, noise_shape
 from kfac_compiler.runtime.device import capped_threads, get_device
@@ -129,6 +130,8 @@ class Trainer:
         # what the caller trains on (data.dataset_fingerprint; kfac-compiler train sets it):
         # stored in checkpoints and restored with them, so that a resume can compare its data
         self.data_fingerprint: dict[str, Any] | None = None
+        # the best held-out evaluation's model (fit's keep_best, train --keep-best): checkpoints carry it
+        self.best_model: BestModel | None = None
         self._programs: dict[Any, Program] = {}  # by Request, or (Request, shapes) for a static-shape session
         # the current batch: whether its loss has per-example weights, and its rows (the
         # batch_size hint lets the sessions for it be built here rather than in the first step)

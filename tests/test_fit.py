@@ -77,6 +77,57 @@ def test_keep_best_ends_with_the_best_evaluation_s_model(case):
     assert last.evaluate(*held, batch_size=1024)["loss"] == history.evaluations[-1]["eval_loss"]
 
 
+def test_a_checkpoint_carries_the_kept_model_and_a_resumed_fit_must_beat_it(case, tmp_path):
+    """The best model kept by fit(keep_best) is saved in the checkpoint beside the last state;
+    a trainer loaded from it continues to step 30 with keep_best and ends with the model of
+    the best evaluation over both parts, as one uninterrupted run does (bitwise)."""
+    plan, (x, y), held = case
+    whole = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0)
+    history = fit(whole, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=1, keep_best=True)
+    best = history.best()
+    assert best is not None and best["step"] < 12
+
+    first, path = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0), str(tmp_path / "c.ckpt")
+
+    def stop_at_11(step, metrics):  # a checkpoint of the run as it is (fit restores the kept model only at its end)
+        if step == 11:
+            first.save_checkpoint(path)
+        return step < 11
+
+    fit(first, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=1, keep_best=True, callback=stop_at_11)
+    resumed = Trainer.load_checkpoint(path, plan)
+    assert resumed.best_model is not None and resumed.best_model.step == best["step"]
+    assert resumed.best_model.loss == best["eval_loss"]
+    later = fit(resumed, batches(x, y, 32, seed=3, start=12), steps=18, validation=held, eval_every=1, keep_best=True)
+    assert min(m["eval_loss"] for m in later.evaluations) > best["eval_loss"]  # the kept one came from the first part
+    for name, value in whole.parameters().items():
+        np.testing.assert_array_equal(resumed.parameters()[name], value)
+    assert resumed.step_count == 30
+
+
+def test_a_checkpoint_s_damaged_kept_model_is_one_line(case, tmp_path):
+    import json
+
+    from kfac_compiler.errors import CheckpointError
+
+    plan, (x, y), held = case
+    tr = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0)
+    fit(tr, batches(x, y, 32, seed=3), steps=3, validation=held, eval_every=1, keep_best=True)
+    path = tr.save_checkpoint(str(tmp_path / "c.ckpt"))
+    arrays = dict(np.load(path))
+    meta = json.loads(bytes(arrays["__meta__"]).decode())
+    name = meta["best"]["values"][0]
+    bad_shape = {**arrays, "best_00000": np.zeros((1, 1), np.float32)}
+    bad_meta = {**meta, "best": {**meta["best"], "loss": "low"}}
+    for i, (damaged, message) in enumerate([
+            (bad_shape, f"the kept best model's {name!r} is float32 [1, 1], expected"),
+            ({**arrays, "__meta__": np.frombuffer(json.dumps(bad_meta).encode(), np.uint8)},
+             "metadata entry 'best' must be an object with 'step', a finite 'loss'")]):
+        np.savez(tmp_path / f"bad{i}.npz", **damaged)
+        with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            Trainer.load_checkpoint(str(tmp_path / f"bad{i}.npz"), plan)
+
+
 def test_batches_run_out_and_resume_where_they_stopped(case):
     plan, (x, y), held = case
     finite = [(xb, yb) for (xb, yb), _ in zip(batches(x, y, 32, seed=1), range(3))]

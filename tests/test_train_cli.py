@@ -215,6 +215,29 @@ def test_keep_best_saves_the_best_evaluation_s_model(tmp_path, capsys):
     assert float(train_line.split()[3]) == pytest.approx(last.evaluate(tx, ty)["loss"], rel=1e-5)
 
 
+def test_keep_best_survives_a_resume(tmp_path, capsys):
+    """Stopped at step 12 and resumed to 30, --keep-best saves the model of the best
+    evaluation over both runs (the checkpoint carries the kept model): the metrics file's
+    lowest held-out loss, reached in the first run."""
+    from kfac_compiler.train_cli import validation_split
+
+    metrics, model, ck = tmp_path / "m.csv", tmp_path / "best.onnx", tmp_path / "c.ckpt"
+    common = ["mlp_classifier", "--batch-size", "64", "--val-split", "0.25", "--eval-every", "1", "--optimizer", "sgd",
+              "--learning-rate", "1.5", "--keep-best", "--metrics", str(metrics), "--checkpoint", str(ck), "-q"]
+    assert run([*common, "--steps", "12"], capsys)[0] == 0
+    code, out, err = run([*common, "--steps", "30", "--resume", str(ck), "--save", str(model)], capsys)
+    assert code == 0, err
+    rows = [r for r in csv.DictReader(open(metrics)) if r["eval_loss"]]
+    assert [int(r["step"]) for r in rows] == list(range(30))
+    losses = [float(r["eval_loss"]) for r in rows]
+    best = int(np.argmin(losses))
+    assert best < 12 and min(losses[12:]) > losses[best]
+    x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
+    _, _, (hx, hy) = validation_split(x, y, 0.25, seed=0)
+    assert _held_out_loss(model, hx["input"], hy)[0] == pytest.approx(losses[best], rel=1e-5)
+    assert f"kept the model of step {best}: held-out loss {losses[best]:.6f}" in out
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--keep-best"], "error: --keep-best needs held-out data: --val-data FILE.npz or --val-split FRACTION"),
     (["--eval-every", "5"], "error: --eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION"),
