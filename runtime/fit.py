@@ -62,8 +62,9 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
     equal micro-batches (the CLI's --accumulate). `keep_best`: after the loop the trainer
     holds the parameters (and BatchNorm running statistics) of the evaluation with the lowest
-    held-out loss, History.best(), instead of the last step's; its optimizer state and step
-    count stay the last step's. In a data-parallel run the held-out loss compared is the mean
+    held-out loss, History.best() (or an earlier one: trainer.best_model from a restored
+    checkpoint or an earlier fit, which it continues), instead of the last step's; its
+    optimizer state and step count stay the last step's. In a data-parallel run the held-out loss compared is the mean
     over the ranks, so every rank keeps the same model."""
     if steps is not None:
         check_int(steps, "fit: steps", low=0)
