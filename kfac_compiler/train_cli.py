@@ -111,7 +111,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="steps between held-out evaluations (default: --steps / 20)")
     t.add_argument("--keep-best", action="store_true",
                    help="--save the model of the held-out evaluation with the lowest loss, not the last step's "
-                        "(early stopping's best weights; the checkpoint stays the last step's, for --resume)")
+                        "(early stopping's best weights); the checkpoint holds the last step's state, for --resume, and the kept "
+                        "model")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=None,
