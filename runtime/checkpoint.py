@@ -368,9 +368,7 @@ def _read_best(trainer: Trainer, z, meta: dict[str, Any], path: str) -> BestMode
     best = meta.get("best")
     if best is None:
         return None
-    mine = {p: trainer.store.spec(p) for p in trainer.params}
-    mine.update({t.name: trainer.store.spec(t.name) for t in trainer.plan.model.graph.initializer
-                 if t.name not in mine and t.name in trainer.store})
+    mine = {n: trainer.store.spec(n) for n in trainer.trained_names()}
     values = {}
     for i, name in enumerate(best["values"]):
         key = f"best_{i:05d}"

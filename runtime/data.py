@@ -173,7 +173,8 @@ def draw_noise(rng: np.random.Generator, info: SubgraphInfo, data_inputs: list[s
                 rng.standard_normal(shape, dtype=np.float32)
         else:
             u = rng.random(dtype=np.float32, out=buf) if buf is not None else rng.random(shape, dtype=np.float32)
-            # np.clip's bounds in place, as two ufuncs (np.clip's Python wrapper costs ~10 us a step)
+            # np.clip's bounds in place, as two ufuncs (np.clip's Python wrapper costs more than the
+            # clipping on a step's noise: benchmarks/results/2026-11-29-host-overhead.md)
             np.maximum(u, NOISE_EPS, out=u)
             out[n] = np.minimum(u, np.float32(1) - NOISE_EPS, out=u)
     return out

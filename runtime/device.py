@@ -324,11 +324,10 @@ def _heap_free_bytes() -> Callable[[], int] | None:
 
 
 # release_heap trims only a heap holding more than this free: malloc_trim walks every free
-# chunk and returns its pages one system call at a time, 0.27 ms on the digits classifier's
-# 76 MB heap with 2.4 MB free after each inverse refresh, where mallinfo2 reads the free
-# total in 0.02 ms; and the next run without an arena faults the returned pages back in (the
-# classifier's refresh session 3.9 -> 2.0 ms, its whole refresh 4.4 -> 2.1 ms;
-# benchmarks/results/2026-11-29-host-overhead.md)
+# chunk and returns its pages one system call at a time, far slower than mallinfo2 reads the
+# free total, and the next run without an arena faults the returned pages back in; on a
+# small model's frequent inverse refreshes that cost more than the few MB it returned
+# (benchmarks/results/2026-11-29-host-overhead.md)
 TRIM_FREE_BYTES = 16 << 20
 
 

@@ -66,7 +66,7 @@ class StateStore:
         # data buffers per channel ("train", "eval", ...): evaluating on a big batch between
         # training steps must not reallocate the training batch's buffers.
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
-        self._views: dict[tuple[str, str], np.ndarray] = {}  # host_buffer's, per data buffer (numpy() costs ~10 us)
+        self._views: dict[tuple[str, str], np.ndarray] = {}  # host_buffer's, per data buffer: numpy() is not free
         # name -> (float32 value on the device, its OrtValue, the Python float last passed or None)
         self._hp: dict[str, tuple[np.float32, ort.OrtValue, float | None]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)

@@ -388,20 +388,25 @@ class Trainer:
             return None
         return self.config.at("learning_rate", self.step_count)
 
+    def trained_names(self) -> list[str]:
+        """The names trained_values() gives: the plan's parameters, then the non-trained state
+        the steps update (BatchNormalization running statistics: every other state slot named
+        after an initializer of the model)."""
+        params = set(self.params)
+        return [*self.params, *(t.name for t in self.plan.model.graph.initializer
+                                if t.name not in params and t.name in self.store)]
+
     def trained_values(self) -> dict[str, np.ndarray]:
-        """The trained parameters and the non-trained state the steps update (BatchNormalization
-        running statistics: every other state slot named after an initializer of the model)."""
+        """The trained parameters and the non-trained state the steps update (trained_names)."""
         values = self.parameters(layout="plan")
-        values.update({t.name: self.store.to_numpy(t.name) for t in self.plan.model.graph.initializer
-                       if t.name not in values and t.name in self.store})
+        values.update({n: self.store.to_numpy(n) for n in self.trained_names() if n not in values})
         return values
 
     @_serialized
     def set_trained_values(self, values: Mapping[str, np.ndarray]) -> None:
         """Write back values trained_values() gave (all or some): the model of an earlier step,
         e.g. fit's keep_best. The optimizer's own state (moments, factors, step count) stays."""
-        names = [*self.params, *(t.name for t in self.plan.model.graph.initializer if t.name in self.store)]
-        self.store.set_parameters(names, values)
+        self.store.set_parameters(self.trained_names(), values)
 
     def exported_model(self, graph: str = "auto") -> onnx.ModelProto:
         """The trained model: `graph` "source", the user's model file itself (its nodes, names,
