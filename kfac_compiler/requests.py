@@ -101,11 +101,13 @@ def _hashable(v: Any) -> Any:
 
 
 # whether an optimizer emits its update once over every parameter's concatenation
-# (optimizers/multi_tensor.py) where its settings leave it open, by device: on CUDA each node is
-# a kernel launch; on the CPU the concatenations' copies cost about what the nodes they save
-# do (ResNet-18's Adam step 1.08x slower, SGD's 1.12x; the GPT's 1.02x, 1.16x; the zoo's within
-# noise; docs/runtime.md, "Multi-tensor updates")
-MULTI_TENSOR_DEFAULT: Mapping[str, bool] = {"cuda": True, "cpu": False}
+# (optimizers/multi_tensor.py) where its settings leave it open, by device: off on both. On
+# the CPU the concatenations' copies cost about what the nodes they save do (ResNet-18's Adam
+# step 1.08x slower, SGD's 1.12x; the GPT's 1.02x, 1.16x; the zoo's within noise). On CUDA
+# (an H200, onnxruntime-gpu 1.31, uncaptured) the Concat of 62 parameters and its Splits took
+# 338 ms of ResNet-18's 340 ms Adam step (6.7 ms per parameter), the GPT's 44 ms against 11.6
+# (docs/runtime.md, "Multi-tensor updates"; benchmarks/results/2026-11-30-h200.md)
+MULTI_TENSOR_DEFAULT: Mapping[str, bool] = {"cuda": False, "cpu": False}
 
 # how resolve fills each resolvable field from the settings
 RESOLVERS: Mapping[str, Callable[[Settings], Any]] = {

@@ -139,6 +139,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     add_param_group_arg(t, "K-FAC trains the other layers")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     t.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    t.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the step graphs as CUDA graphs and replay them (with --device cuda; faster Adam and "
+                        "SGD steps, K-FAC's statistics steps may be refused: docs/runtime.md, CUDA graphs)")
     t.add_argument("--metrics", metavar="FILE.csv|FILE.jsonl", help="write per-step metrics")
     t.add_argument("--plot", metavar="FILE.png", help="plot the training loss (needs matplotlib)")
     t.add_argument("--save", metavar="FILE.onnx", help="write the model with the trained weights")
@@ -590,12 +593,13 @@ def _build(args, outputs: list[Output], comm):
             overrides.update({k: v for k, v in (("learning_rate", args.learning_rate), ("momentum", args.momentum),
                                                 ("threads", args.threads)) if v is not None})
             trainer = Trainer.load_checkpoint(args.resume, plan, device=args.device,
-                                              batch_size=min(args.batch_size, n) // args.accumulate, comm=comm, **overrides)
+                                              batch_size=min(args.batch_size, n) // args.accumulate, comm=comm,
+                                              cuda_graphs=args.cuda_graphs, **overrides)
         else:
             trainer = Trainer(plan, optimizer=args.optimizer or "kfac", device=args.device,
                               learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
                               threads=args.threads, batch_size=min(args.batch_size, n) // args.accumulate, comm=comm,
-                              **knobs)
+                              cuda_graphs=args.cuda_graphs, **knobs)
         trainer.data_fingerprint = fingerprint
         if slow_setup:
             print(f"sessions ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)

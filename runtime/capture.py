@@ -168,6 +168,46 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
     return out
 
 
+# ONNX Runtime's CUDA Concat takes at most this many inputs while a CUDA graph is captured
+# (its kernel reads the input pointers from a fixed-size argument, not from a host buffer)
+CAPTURED_CONCAT_INPUTS = 32
+
+
+def split_wide_concats(model: onnx.ModelProto, limit: int = CAPTURED_CONCAT_INPUTS) -> onnx.ModelProto:
+    """`model` with every top-level Concat of more than `limit` inputs a tree of Concats of at
+    most `limit` each (the same value: concatenation is associative), so that a captured CUDA
+    graph can run it; the model itself when it has none. The multi-tensor step's Concat of
+    every parameter (ResNet-18: 62) is one."""
+    if not any(n.op_type == "Concat" and len(n.input) > limit for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        inputs = list(node.input)
+        if node.op_type != "Concat" or len(inputs) <= limit:
+            nodes.append(node)
+            continue
+        axis = next(a.i for a in node.attribute if a.name == "axis")
+        level = 0
+        while len(inputs) > limit:
+            parts = []
+            for k in range(0, len(inputs), limit):
+                part = inputs[k:k + limit]
+                if len(part) == 1:
+                    parts.append(part[0])
+                    continue
+                name = f"{node.output[0]}/part{level}_{k // limit}"
+                nodes.append(helper.make_node("Concat", part, [name], name=f"{node.name}/part{level}_{k // limit}",
+                                              axis=axis))
+                parts.append(name)
+            inputs, level = parts, level + 1
+        nodes.append(helper.make_node("Concat", inputs, list(node.output), name=node.name, axis=axis))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def capture_blockers(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None) -> list[str]:
     """What stops CUDA graph capture of `model` (see the module docstring), one line each,
     naming the node or input; [] when nothing does. `shapes`: input shapes to fix first

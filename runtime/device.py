@@ -378,9 +378,32 @@ def memory_options(options: ort.SessionOptions, device: Device, name: str, nodes
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
+# the CUDA provider option that records a session's kernels on its second run (per graph id,
+# RunOptions' GRAPH_ID) and replays them on every later run with that id
+CUDA_GRAPH_OPTION = "enable_cuda_graph"
+# RunOptions config key: which captured graph a run records or replays; "-1" runs uncaptured
+GRAPH_ID = "gpu_graph_id"
+
+
+class CaptureRefused(DeviceError):
+    """ONNX Runtime refused to make a session with CUDA graph capture (control flow, a node on
+    the CPU provider): the caller runs that graph uncaptured."""
+
+
+def with_cuda_graph(providers: Sequence) -> list:
+    """`providers` with CUDA graph capture turned on for the CUDA provider (others unchanged)."""
+    out: list = []
+    for p in providers:
+        name, opts = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, {})
+        out.append((name, {**opts, CUDA_GRAPH_OPTION: "1"}) if name == CUDA_EP else p)
+    return out
+
+
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
-                 threads: int | None = None, spin: bool = True) -> ort.InferenceSession:
-    """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError."""
+                 threads: int | None = None, spin: bool = True, capture: bool = False) -> ort.InferenceSession:
+    """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError.
+    `capture`: on CUDA, with graph capture (the caller binds every input and output to fixed
+    device buffers and names a graph id per run: runtime/program.py)."""
     from kfac_compiler.onnx_files import with_relative_data
 
     dev = get_device(device)
@@ -397,7 +420,15 @@ def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str
     if folder is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
     with stage(f"ONNX Runtime session {name}" + (f" ({nodes:,} nodes)" if nodes is not None else "")):
-        sess = ort.InferenceSession(data, options, providers=list(dev.providers))
+        if capture and dev.name == "cuda":
+            try:
+                sess = ort.InferenceSession(data, options, providers=with_cuda_graph(dev.providers))
+            except Exception as e:  # noqa: BLE001 - ONNX Runtime refuses the graph: say which and what to do
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise CaptureRefused(f"subgraph {name!r}: ONNX Runtime cannot capture it as a CUDA graph "
+                                     f"({first[:200]})") from None
+        else:
+            sess = ort.InferenceSession(data, options, providers=list(dev.providers))
     if dev.name == "cuda" and CUDA_EP not in sess.get_providers():
         raise DeviceError(f"subgraph {name!r}: ONNX Runtime fell back to CPU although CUDA was requested")
     return sess

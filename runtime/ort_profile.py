@@ -11,6 +11,7 @@ step. Profiling is switched on per session by the environment variable KFAC_ORT_
     summary = step_profiles(trainer)[label]           # the sessions every step runs
     summary.copies       # {"MemcpyToHost": (count, bytes), "MemcpyFromHost": (count, bytes)}
     summary.cpu_nodes    # {"Shape": 12, ...}: nodes run by the CPU provider
+    summary.op_times     # {("Concat", "CUDAExecutionProvider"): (executions, microseconds), ...}
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class ProfileSummary:
     nodes: dict[str, int] = field(default_factory=dict)        # provider -> node executions
     cpu_nodes: dict[str, int] = field(default_factory=dict)    # op type -> executions on the CPU provider
     copies: dict[str, tuple[int, int]] = field(default_factory=dict)  # Memcpy op -> (count, bytes)
+    # (op type, provider) -> (executions, microseconds): where a run's time goes
+    op_times: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
 
     def copy_bytes(self) -> int:
         return sum(b for _, b in self.copies.values())
@@ -50,6 +53,8 @@ def read_profile(path: str) -> ProfileSummary:
         args = e.get("args", {})
         op, provider = str(args.get("op_name", "?")), str(args.get("provider", "?"))
         s.nodes[provider] = s.nodes.get(provider, 0) + 1
+        count, us = s.op_times.get((op, provider), (0, 0.0))
+        s.op_times[(op, provider)] = (count + 1, us + float(e.get("dur", 0) or 0))
         if op in MEMCPY_OPS:
             count, nbytes = s.copies.get(op, (0, 0))
             s.copies[op] = (count + 1, nbytes + int(args.get("output_size", 0) or 0))

@@ -9,11 +9,14 @@ Every run binds (IOBinding): state inputs -> the slots' current buffers; data in
 store's pre-allocated device buffers (written here when `data` has them); `hp/<name>` -> the
 store's device scalars; `new/<slot>` outputs -> the slots' spare buffers. After the run the
 written slots are flipped. Metrics are bound to pre-allocated host scalars, so the only
-device->host traffic of a steady-state step is a handful of 4-byte copies.
+device->host traffic of a steady-state step is a handful of 4-byte copies. With `capture`
+(Trainer's cuda_graphs) the session replays CUDA graphs, one per set of bound buffers, and the
+metrics go through device buffers of their own (docs/runtime.md, "CUDA graphs").
 """
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +28,10 @@ from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError, DataError, PlanError
 from kfac_compiler.plan import Plan
+from kfac_compiler.runtime.capture import split_wide_concats
 from kfac_compiler.runtime.device import (
+    GRAPH_ID,
+    CaptureRefused,
     Device,
     device_from_providers,
     every_step,
@@ -84,10 +90,22 @@ class Program(SubgraphIO):
 
     def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
                  name: str | None = None, threads: int | None = None, carried: Sequence[str] = (),
-                 spin: bool = True) -> None:
+                 spin: bool = True, capture: bool = False) -> None:
         super().__init__(info, name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph"))
         self.device = _as_device(device)
-        self.session = make_session(model, self.device, self.name, threads=threads, spin=spin)
+        try:
+            self.session = make_session(model, self.device, self.name, threads=threads, spin=spin, capture=capture)
+        except CaptureRefused as e:  # e.g. a tied block's statistics Loop: this graph runs uncaptured
+            warnings.warn(f"{e}; it runs uncaptured", stacklevel=2)
+            capture = False
+            self.session = make_session(model, self.device, self.name, threads=threads, spin=spin)
+        # CUDA graph capture (Trainer's cuda_graphs): a replayed run writes only the buffers it
+        # was recorded with, so the metrics go to device buffers of their own, read after the
+        # run, and each set of bound buffer addresses gets a graph id of its own
+        self.capture = bool(capture)
+        self._graph_ids: dict[tuple, ort.RunOptions] = {}  # by the bound buffers' addresses
+        self._graph_of: dict[tuple, tuple[int, ort.RunOptions]] = {}  # binding key -> (generation, graph)
+        self._uncaptured_run: ort.RunOptions | None = None
         self.arena = every_step(self.name)  # memory_options: else its heap is trimmed after each run
         self.carried = list(carried)  # inputs the caller binds on every run (a stage's, runtime/stages.py)
         # a data-parallel run's agreement on metric/finite (every rank flips its state or none
@@ -99,7 +117,13 @@ class Program(SubgraphIO):
         for o in self.session.get_outputs():
             if o.name in self.metrics and isinstance(o.shape, list) and all(isinstance(d, int) for d in o.shape):
                 buf: np.ndarray = np.zeros(o.shape, dtype=_ORT_TYPES.get(o.type, np.float32))
-                self._metric_bufs[o.name] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
+                where = (ort.OrtValue.ortvalue_from_shape_and_type(o.shape, buf.dtype, self.device.ort_device,
+                                                                   self.device.device_id)
+                         if self.capture else ort.OrtValue.ortvalue_from_numpy(buf))
+                self._metric_bufs[o.name] = (buf, where)
+        if self.capture and len(self._metric_bufs) < len(self.metrics):
+            raise ContractError(f"subgraph {self.name!r}: CUDA graph capture needs every metric's shape static "
+                                f"({[m for m in self.metrics if m not in self._metric_bufs]} are not)")
         # One IOBinding per (requested results, which buffer of each state slot is current):
         # ORT keeps a binding across runs, so once both parities of the double-buffered slots
         # have been seen a steady-state run binds nothing (re-binding every flipped slot each
@@ -204,8 +228,14 @@ class Program(SubgraphIO):
             else:
                 bound.pop(r, None)
                 b.bind_output(r, self.device.ort_device, self.device.device_id)
+        run_options = None
+        if self.capture:  # a run that returns results or carries tensors is not captured
+            run_options = self._graph(key, bound) if not (want or keep or carried) else self._uncaptured()
         t0 = time.perf_counter()
-        self.session.run_with_iobinding(b)
+        self.session.run_with_iobinding(b, run_options)
+        if self.capture:  # the metrics' device buffers -> their host copies
+            for buf, value in self._metric_bufs.values():
+                buf[...] = value.numpy()
         dt = time.perf_counter() - t0
         self.last_seconds = dt
         self.session_seconds += dt
@@ -226,6 +256,30 @@ class Program(SubgraphIO):
         if flip and out.get(C.FINITE, 1.0) != 0.0:
             store.flip_all(self._written)
         return out
+
+    def _graph(self, key: tuple, bound: Mapping[str, ort.OrtValue]) -> ort.RunOptions:
+        """The RunOptions naming the captured graph of the buffers bound now: a replay reads and
+        writes the addresses its capture was bound to, so each set of addresses (a parity of
+        the state, a channel, a buffer the store reallocated) is a graph of its own id. ONNX
+        Runtime records an id on its second run, after a warm-up run, and replays it from then
+        on. Looked up once per binding and store generation."""
+        generation = self._valid[key]
+        cached = self._graph_of.get(key)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        addresses = tuple(sorted((name, value.data_ptr()) for name, value in bound.items()))
+        ro = self._graph_ids.get(addresses)
+        if ro is None:
+            ro = self._graph_ids[addresses] = ort.RunOptions()
+            ro.add_run_config_entry(GRAPH_ID, str(len(self._graph_ids) - 1))
+        self._graph_of[key] = (generation, ro)
+        return ro
+
+    def _uncaptured(self) -> ort.RunOptions:
+        if self._uncaptured_run is None:
+            self._uncaptured_run = ort.RunOptions()
+            self._uncaptured_run.add_run_config_entry(GRAPH_ID, "-1")
+        return self._uncaptured_run
 
     def _collect(self, b: ort.IOBinding, want: tuple[str, ...], keep: tuple[str, ...] = ()) -> dict[str, Any]:
         """Metrics (host floats, or arrays when not scalar) and the requested results, as host
@@ -305,7 +359,7 @@ class DeclaredProgram(SubgraphIO):
 
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, comm: Any = None, sessions: bool = True, shapes: Shapes | None = None,
-                   spin: bool = True, **options: Any) -> Program:
+                   spin: bool = True, capture: bool = False, **options: Any) -> Program:
     """The Program for subgraph `name` with `options`, created on first use (cached in
     `programs`), with every state slot it declares initialized in `store`. With `comm` (a
     data-parallel run's Communicator) a step with reduction points runs in stages
@@ -314,12 +368,15 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
     `shapes` (runtime/static_shapes.py: a batch's array shapes): the graph's symbolic dims
     fixed to that batch's, one session per shape (keyed (request, shapes)). `spin` False: the
     session's idle workers do not spin (one of several sessions that take turns running the
-    step: a spinning pool steals the cores from the next one's run)."""
+    step: a spinning pool steals the cores from the next one's run). `capture`: with `shapes`,
+    a session with CUDA graph capture (Program; not a staged, data-parallel step's)."""
     req = resolved_request(plan, get_device(device).name, name, **options)
     key: Any = req if shapes is None else (req, shapes)
     prog = programs.get(key)
     if prog is None:
         model, info, stored = subgraph(plan, req)
+        if get_device(device).name == "cuda":  # ONNX Runtime's slow (uncaptured) and refused (captured) form
+            model = split_wide_concats(model)
         if not sessions:
             programs[key] = DeclaredProgram(info, name)
             return programs[key]
@@ -337,7 +394,8 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
 
                 prog = StagedProgram(model, info, device, comm, name=name, threads=threads)
             else:
-                prog = Program(model, info, device, name=name, threads=threads, spin=spin)
+                prog = Program(model, info, device, name=name, threads=threads, spin=spin,
+                               capture=capture and shapes is not None)
                 if comm is not None and C.FINITE in prog.metrics and prog.written_slots:
                     prog.agree = comm.minimum
             _check_state_shapes(prog, info)

@@ -24,6 +24,9 @@ from kfac_compiler.contract import RANKS, SlotSpec
 from kfac_compiler.runtime.device import Device, get_device
 
 _GENERATIONS = itertools.count(1)
+# data buffers of shapes other than their inputs' current ones kept for reuse (all inputs and
+# channels together): an epoch's last batch and an evaluation's remainder, a few inputs each
+DATA_SHAPES_KEPT = 16
 
 
 def _alloc(shape, dtype, dev: Device) -> ort.OrtValue:
@@ -67,6 +70,10 @@ class StateStore:
         # training steps must not reallocate the training batch's buffers.
         self._data: dict[tuple[str, str], tuple[ort.OrtValue, tuple[int, ...], np.dtype]] = {}
         self._views: dict[tuple[str, str], np.ndarray] = {}  # host_buffer's, per data buffer: numpy() is not free
+        # the last few buffers of other shapes per data input (DATA_SHAPES_KEPT): an epoch's
+        # last, smaller batch and the full ones after it take turns without reallocating, so
+        # a captured CUDA graph bound to a full batch's buffer stays valid (runtime/program.py)
+        self._other_shapes: dict[tuple, ort.OrtValue] = {}
         # name -> (float32 value on the device, its OrtValue, the Python float last passed or None)
         self._hp: dict[str, tuple[np.float32, ort.OrtValue, float | None]] = {}
         self.uploads = 0  # host->device writes of data/hp (for tests and benchmarks)
@@ -183,7 +190,13 @@ class StateStore:
         key = (channel, name)
         entry = self._data.get(key)
         if entry is None or entry[1] != a.shape or entry[2] != a.dtype:
-            ov = _alloc(a.shape, a.dtype, self.device)
+            if entry is not None:
+                self._other_shapes[(key, entry[1], entry[2])] = entry[0]
+            ov = self._other_shapes.pop((key, tuple(a.shape), a.dtype), None)
+            if ov is None:
+                ov = _alloc(a.shape, a.dtype, self.device)
+            while len(self._other_shapes) > DATA_SHAPES_KEPT:
+                del self._other_shapes[next(iter(self._other_shapes))]
             self._data[key] = (ov, tuple(a.shape), a.dtype)
             self._views.pop(key, None)
             self.generation = next(_GENERATIONS)

@@ -79,6 +79,10 @@ class Trainer:
     `batch_size` (optional): the training batch size, so that every session the steps use is
     built here and not during the first step (any batch size still works).
 
+    `cuda_graphs=True`: every step's graph is built with the batch's shapes fixed (K-FAC's
+    static_steps) and, on CUDA, captured as a CUDA graph on its second run and replayed from
+    then on (docs/runtime.md, "CUDA graphs"); on the CPU the same static graphs, no capture.
+
     `sessions=False` builds no session and runs nothing: the trainer only asks for the
     subgraphs its steps need (kfac_compiler.store_default_subgraphs stores them in the plan).
 
@@ -92,7 +96,7 @@ class Trainer:
     def __init__(self, plan: Plan | str | os.PathLike, optimizer: str = "kfac", device: str = "cpu",
                  learning_rate: float | None = None, momentum: float | None = None, seed: int = 0,
                  threads: int | None = None, batch_size: int | None = None, comm: Any = "auto",
-                 sessions: bool = True, **knobs: Any) -> None:
+                 sessions: bool = True, cuda_graphs: bool = False, **knobs: Any) -> None:
         if isinstance(plan, (str, os.PathLike)):
             from kfac_compiler.plan import load_plan
 
@@ -120,6 +124,9 @@ class Trainer:
         self.rng = np.random.default_rng(self.seed)
         self.store = StateStore(self.device, self.ranks)
         self.sessions = bool(sessions)
+        # the every-step graphs built with the batch's shapes fixed and, on CUDA, captured and
+        # replayed as CUDA graphs (docs/runtime.md, "CUDA graphs")
+        self.cuda_graphs = bool(cuda_graphs)
         self.params = list(plan.trainable)
         self.loss = plan.loss.build()
         self._check_batch = BatchChecker(plan, self.loss)
@@ -161,7 +168,8 @@ class Trainer:
         batch's, static_shapes.batch_shapes) fixes its symbolic dims to that batch's; `spin`
         False keeps its idle workers from spinning (see cached_program)."""
         return cached_program(self._programs, self.store, self.plan, self.device, threads or self.threads, name,
-                              comm=self.comm, sessions=self.sessions, shapes=shapes, spin=spin, **options)
+                              comm=self.comm, sessions=self.sessions, shapes=shapes, spin=spin,
+                              capture=self.cuda_graphs, **options)
 
     @staticmethod
     def batch_shapes(data: Mapping[str, np.ndarray]) -> Shapes:
@@ -542,7 +550,7 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, plan: Plan, device: str = "cpu", batch_size: int | None = None,
-                        **overrides: Any) -> Trainer:
+                        cuda_graphs: bool = False, **overrides: Any) -> Trainer:
         """A new Trainer for `plan` with the optimizer, knobs and state stored in `path`;
         `overrides` (knobs) apply from the restored step on (a given damping replaces the
         adapted one); a seed other than the checkpoint's is refused."""
@@ -578,7 +586,7 @@ class Trainer:
         threads = knobs.pop("threads", threads)
         knobs.pop("seed", None)
         trainer = cls(plan, optimizer=meta["optimizer"], device=device, seed=seed, threads=threads,
-                      batch_size=batch_size, **knobs)
+                      batch_size=batch_size, cuda_graphs=cuda_graphs, **knobs)
         trainer.restore(path)
         trainer.policy.resumed({ALIASES.get(k, k) for k in overrides})
         return trainer

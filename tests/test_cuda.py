@@ -124,10 +124,10 @@ def test_steady_step_moves_only_the_batch(tmp_path, name, monkeypatch):
 
 
 def test_checkpoint_moves_between_devices(tmp_path):
-    """K-FAC's step is multi-tensor on CUDA by default (one flat velocity/*), per parameter on
-    the CPU: the checkpoint stores the per-parameter slots, which both resume."""
+    """K-FAC's step multi-tensor on CUDA (one flat velocity/*), per parameter on the CPU (the
+    default on both): the checkpoint stores the per-parameter slots, which both resume."""
     plan, inputs, y = zoo_plan("mlp_classifier")
-    tr = Trainer(plan, optimizer="kfac", device="cuda", seed=0, batch_size=64)
+    tr = Trainer(plan, optimizer="kfac", device="cuda", seed=0, batch_size=64, multi_tensor=True)
     assert C.flat(C.VELOCITY) in tr.store
     for s in range(3):
         tr.step(*batch(inputs, y, s, 64))
@@ -143,10 +143,10 @@ def test_checkpoint_moves_between_devices(tmp_path):
 
 
 def test_adam_checkpoint_moves_between_devices_and_update_layouts(tmp_path):
-    """On CUDA Adam's update is multi-tensor (flat moment slots) by default, on the CPU per
-    parameter: a checkpoint of one resumes on the other."""
+    """Adam's update multi-tensor on CUDA (flat moment slots), per parameter on the CPU (the
+    default on both): a checkpoint of one resumes on the other."""
     plan, inputs, y = zoo_plan("mlp_classifier")
-    tr = Trainer(plan, optimizer="adam", device="cuda", seed=0, batch_size=64)
+    tr = Trainer(plan, optimizer="adam", device="cuda", seed=0, batch_size=64, multi_tensor=True)
     assert C.flat(C.ADAM_M) in tr.store
     for s in range(3):
         tr.step(*batch(inputs, y, s, 64))
@@ -177,3 +177,23 @@ def test_exported_model_trajectories_agree(tmp_path, name):
         cpu = trajectory(plan, inputs, y, "cpu", optimizer, steps=4, bs=32)
         gpu = trajectory(plan, inputs, y, "cuda", optimizer, steps=4, bs=32)
         assert_same_trajectory(cpu, gpu, loss_rtol=5e-3, move_rtol=5e-2)
+
+
+@pytest.mark.parametrize("optimizer,reference", [("kfac", {"static_steps": True}), ("adam", {})])
+def test_cuda_graphs_follow_the_uncaptured_steps(optimizer, reference):
+    """cuda_graphs: the step sessions are made with ONNX Runtime's CUDA graph capture, record
+    their kernels on a binding's second run and replay them after; the trajectory is the
+    uncaptured static graphs' (K-FAC) or the dynamic graph's (Adam) to rounding, with every
+    step kind's buffers bound once per parity."""
+    plan, inputs, y = zoo_plan("small_cnn")
+    ref = trajectory(plan, inputs, y, "cuda", optimizer, steps=8, **reference)
+    tr = Trainer(plan, optimizer=optimizer, device="cuda", seed=0, batch_size=64, cuda_graphs=True)
+    start = tr.parameters()
+    losses = [tr.step(*batch(inputs, y, s, 64))["loss"] for s in range(8)]
+    assert_same_trajectory(ref, (np.array(losses), tr.parameters(), start), loss_rtol=1e-4, move_rtol=1e-3)
+    steps = [p for p in tr.programs().values() if getattr(p, "capture", False)]
+    assert steps, "no step session was made for capture"
+    for prog in steps:
+        assert prog.session.get_provider_options()[CUDA_EP]["enable_cuda_graph"] == "1"
+        # one graph per parity of the state buffers it binds, not one per step
+        assert 1 <= len(prog._graph_ids) <= 4, prog.name

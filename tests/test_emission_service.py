@@ -237,3 +237,7 @@ def test_the_step_sessions_come_from_the_kinds_registry(tmp_path, monkeypatch):
     kfac = step_profiles(trainers["kfac"])
     assert sorted(kfac) == ["kfac_step[with_stats=False]", "kfac_step[with_stats=True]"]
     assert kfac["kfac_step[with_stats=True]"].runs == 1 and sum(kfac["kfac_step[with_stats=True]"].nodes.values()) > 0
+    # the time per op type covers every node the profile counted, the step's MatMuls among them
+    prof = kfac["kfac_step[with_stats=True]"]
+    assert sum(n for n, _ in prof.op_times.values()) == sum(prof.nodes.values())
+    assert prof.op_times[("MatMul", "CPUExecutionProvider")][1] > 0

@@ -124,7 +124,7 @@ def test_multi_tensor_resolves_by_device_as_the_first_order_steps(cases):
     for device in ("cpu", "cuda"):
         req = request("kfac_step").resolve(Settings.of(plan, device))
         assert req.options.multi_tensor is MULTI_TENSOR_DEFAULT[device]
-    assert request("kfac_step", multi_tensor=False).resolve(Settings.of(plan, "cuda")).options.multi_tensor is False
+    assert request("kfac_step", multi_tensor=True).resolve(Settings.of(plan, "cuda")).options.multi_tensor is True
     assert kc.optimizers.make_config("kfac", plan).parse_option("multi_tensor", "on") == ("multi_tensor", True)
 
 

@@ -182,9 +182,11 @@ def test_multi_tensor_resolves_by_device_and_the_knob_forces_it(cnn):
         req = request("adam_step").resolve(Settings.of(plan, device))
         assert req.options.multi_tensor is MULTI_TENSOR_DEFAULT[device]
         assert "multi_tensor=" in req.key()
-    assert MULTI_TENSOR_DEFAULT["cuda"] is True
-    forced = request("sgd_step", multi_tensor=False).resolve(Settings.of(plan, "cuda"))
-    assert forced.options.multi_tensor is False
+    # off on both: on an H200 the uncaptured Concat of ResNet-18's parameters and its Splits
+    # took 338 of the Adam step's 340 ms (kfac_compiler/requests.py)
+    assert MULTI_TENSOR_DEFAULT == {"cpu": False, "cuda": False}
+    forced = request("sgd_step", multi_tensor=True).resolve(Settings.of(plan, "cuda"))
+    assert forced.options.multi_tensor is True
     assert make_config("sgd", plan, multi_tensor=False).multi_tensor is False
     assert make_config("adam", plan).multi_tensor is None  # the device's default
     assert make_config("adam", plan).parse_option("multi_tensor", "no") == ("multi_tensor", False)

@@ -40,8 +40,8 @@ Rule = Callable[[Any, Layout, HpNames], Callable[[Chunks, Chunks], dict[str, Any
 class FirstOrderConfig(OptimizerConfig, RecipeOptions):
     """What SGD's and Adam's settings share. `multi_tensor`: emit the update once over every
     parameter's concatenation (True) or per parameter (False); None: the device's default
-    (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA, where each node is a kernel
-    launch). `clip_norm` and `decoupled_weight_decay` (RecipeOptions): here lr_eff is the step's
+    (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: off on the CPU and on CUDA, where ONNX
+    Runtime's Concat of many tensors costs more than the launches it saves). `clip_norm` and `decoupled_weight_decay` (RecipeOptions): here lr_eff is the step's
     learning rate before Adam's bias correction, torch's AdamW weight_decay; `l2_reg` adds
     l2_reg theta to the gradient instead."""
 
@@ -158,21 +158,26 @@ class FirstOrderOptimizer(Optimizer):
 
     def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
-        self._step_programs: dict[bool, Any] = {}  # _program's memo
+        self._step_programs: dict[tuple, Any] = {}  # _program's memo
 
-    def _program(self):
+    def _program(self, data: Mapping[str, Any] | None = None):
         """The step's session, memoized on the batch's weighting, the one option it takes from
-        the batch (as K-FAC's step_program: the general lookup resolves a request per call)."""
-        weighted = self.trainer.weighted
-        if weighted not in self._step_programs:
-            self._step_programs[weighted] = self.trainer.program(
-                self.step_subgraph, l2=self.config.l2_reg > 0, weighted=weighted,
+        the batch (as K-FAC's step_program: the general lookup resolves a request per call),
+        and with the trainer's cuda_graphs on the batch's shapes (one session per shape)."""
+        tr = self.trainer
+        shapes = tr.batch_shapes(data) if tr.cuda_graphs and data is not None else None
+        key = (tr.weighted, shapes)
+        prog = self._step_programs.get(key)
+        if prog is None:
+            prog = self._step_programs[key] = tr.program(
+                self.step_subgraph, shapes=shapes, l2=self.config.l2_reg > 0, weighted=tr.weighted,
                 multi_tensor=getattr(self.config, "multi_tensor", None), accumulate=self.cycle.count > 1,
                 **self.config.recipe_options())
-        return self._step_programs[weighted]
+        return prog
 
     def build(self) -> None:
-        self._program()
+        if not self.trainer.cuda_graphs:  # with them the step's sessions come per batch shape, on first use
+            self._program()
         if self.cycle.count > 1:
             self.micro_program()
 
@@ -184,7 +189,7 @@ class FirstOrderOptimizer(Optimizer):
         tr, cfg = self.trainer, self.config
         k = tr.step_count
         tr.store.set_hp(C.L2, cfg.l2_reg)
-        out = self._program().run(tr.store, data, hp={**self.hyper_parameters(k), **cfg.recipe_hyper_parameters(k)})
+        out = self._program(data).run(tr.store, data, hp={**self.hyper_parameters(k), **cfg.recipe_hyper_parameters(k)})
         ok = out.get(C.FINITE, 1.0) > 0.5
         m = {
             "step": float(k),

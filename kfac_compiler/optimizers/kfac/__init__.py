@@ -75,6 +75,9 @@ class Kfac(Optimizer):
         self.inverse_method = concrete_method(cfg.inverse_method, trainer.device.name)
         self.refresher = None  # refreshes the damped inverses (the trainer's InverseRefresher), made by build()
         self._step_programs: dict[tuple, Any] = {}  # step_program's memo
+        # one If-free step graph per step kind, with the batch's shapes fixed: static_steps, or
+        # the trainer's cuda_graphs (a captured graph admits no If)
+        self.static = bool(cfg.static_steps) or bool(trainer.cuda_graphs)
         self.unchecked_update = False  # the last applied update had no loss_after check
         # the spike guard's history: the batch losses of the last applied steps, and the
         # predicted change of the last applied update
@@ -106,7 +109,7 @@ class Kfac(Optimizer):
         without the If (stats_conditional) a step's that takes no statistics; `adapt`: with
         static_steps, whether it computes the loss after the update, else an If decides)."""
         cfg = self.config
-        static = bool(cfg.static_steps)
+        static = self.static
         # momentum_type only where qmodel does not imply it: one graph serves regular and qmodel
         kind = cfg.momentum_type if cfg.momentum_type in ("adam", "qmodel_fixedmu") else None
         stats = dict(with_stats=True, stats_if=True) if self.stats_conditional else dict(with_stats=not first)
@@ -140,7 +143,7 @@ class Kfac(Optimizer):
         admits, so its steps without statistics run the statistics-free variant instead (a
         second session; docs/distributed.md). static_steps does without it too, by the same
         statistics-free variant."""
-        return self.config.cov_update_period > 1 and self.trainer.ranks == 1 and not self.config.static_steps
+        return self.config.cov_update_period > 1 and self.trainer.ranks == 1 and not self.static
 
     def step_program(self, first: bool = False, adapt: bool = True, data: Mapping[str, np.ndarray] | None = None):
         """The fused K-FAC step (see stats_conditional), memoized on what its options depend
@@ -149,7 +152,7 @@ class Kfac(Optimizer):
         and shape of the batch `data`, all sharing the store's state buffers."""
         tr = self.trainer
         shapes = None
-        if self.config.static_steps:
+        if self.static:
             shapes = tr.batch_shapes(data) if data is not None else None
         else:
             adapt = True  # the If form: one graph for both
@@ -160,7 +163,7 @@ class Kfac(Optimizer):
             # its run steals the cores from the next kind's (a data-parallel run's variants are
             # staged, and stages never spin)
             prog = tr.program(KFAC_STEP.name, options=self.step_options(first, adapt), shapes=shapes,
-                              spin=not self.config.static_steps)
+                              spin=not self.static)
             self._step_programs[key] = prog
         return prog
 
@@ -172,7 +175,7 @@ class Kfac(Optimizer):
 
     def build(self) -> None:
         tr = self.trainer
-        if self.config.static_steps:  # the step sessions come per batch shape, on first use
+        if self.static:  # the step sessions come per batch shape, on first use
             step = tr.declared(KFAC_STEP.name, options=self.step_options())
         else:
             step = self.step_program()

@@ -78,7 +78,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
     multi_tensor: the step's per-parameter chains (the gradient's clipping and l2 term, the dot
     products, the update, the new parameters, the velocity) emitted once over every K-FAC
     parameter's concatenation, the velocity one flat slot (as SGD's and Adam's knob); None: the
-    device's default (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: on for CUDA).
+    device's default (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: off on both).
     static_steps: the host picks one If-free step graph per step kind the schedule runs
     (statistics or not, loss_after or not), each made on first use for the batch's shapes
     (runtime/static_shapes.py: no shape arithmetic at step time), instead of one graph with
