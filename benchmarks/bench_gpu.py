@@ -3,6 +3,7 @@ torch's Adam and kfac-pytorch on the same device.
 
     python benchmarks/bench_gpu.py [--device cuda] [--models resnet18,gpt] [--batch 128]
                                    [--steps 30] [--target-steps 300] [--peers] [--kfac-pytorch DIR]
+                                   [--kfac-variant K=V,..] [--adam-variant K=V,..]
                                    [--residency] [--launches] [--out DIR]
 
 Models (kfac_compiler.models.torch_exports, so torch is needed): torchvision's ResNet-18 on
@@ -16,7 +17,8 @@ digits' pixel sequences. For each model:
     export;
   * residency (ours): per steady-state K-FAC step, bytes written to the device by the runtime
     (the batch, hp scalars) and read back (metrics), and from ONNX Runtime's profile the
-    nodes that ran on the CPU provider and the Memcpy nodes with their bytes;
+    nodes that ran on the CPU provider, the Memcpy nodes with their bytes and the op types
+    that took the most time;
   * launches (--launches): node executions per steady-state step of Adam and each K-FAC
     variant (over one inverse period) from ORT's profile; on a GPU these steps are launch-bound, so the ratio
     is the step-time ratio's floor until the node count falls;
@@ -53,6 +55,7 @@ from kfac_compiler.runtime.ort_profile import read_profile  # noqa: E402
 from torch_peers import full_loss_torch, kfac_pytorch_path, torch_setup, torch_step  # noqa: E402
 
 EVAL_EVERY = 10
+OP_TIMES_SHOWN = 8  # --residency: the op types taking the most time per session
 say = harness.Report()
 
 
@@ -135,9 +138,13 @@ def residency(plan, x, y, bs, device, steps=6):
            "upload_bytes_per_step": (tr.store.upload_bytes - bytes0) / steps,
            "metrics_bytes_per_step": 4 * len(tr.policy.step_program().metrics), "sessions": {}}
     for name, prof in session_profiles(tr).items():
+        runs = max(prof.runs, 1)
+        top = sorted(prof.op_times.items(), key=lambda kv: -kv[1][1])[:OP_TIMES_SHOWN]
         out["sessions"][name] = {"runs": prof.runs, "nodes_by_provider": prof.nodes, "cpu_nodes": prof.cpu_nodes,
-                                 "copies": {op: {"count": c, "bytes_per_run": b / max(prof.runs, 1)}
-                                            for op, (c, b) in prof.copies.items()}}
+                                 "copies": {op: {"count": c, "bytes_per_run": b / runs}
+                                            for op, (c, b) in prof.copies.items()},
+                                 "op_ms_per_run": {f"{op}@{provider.replace('ExecutionProvider', '')}":
+                                                   [n / runs, us / runs / 1e3] for (op, provider), (n, us) in top}}
     return out
 
 
@@ -161,7 +168,8 @@ def launches(plan, x, y, bs, device, variants, warmup=3):
     out = {}
     for label, knobs in variants.items():
         opt = label.split("[")[0]
-        steps = make_config("kfac", plan, **({} if opt == "adam" else knobs)).inv_update_period
+        options = {k: v for k, v in knobs.items() if k != "cuda_graphs"}  # a Trainer argument, not a knob
+        steps = make_config("kfac", plan, **({} if opt == "adam" else options)).inv_update_period
         short = _profiled_nodes(plan, opt, x, y, bs, device, warmup, knobs)
         long = _profiled_nodes(plan, opt, x, y, bs, device, warmup + steps, knobs)
         per = {k: (v - short.get(k, 0)) / steps for k, v in long.items() if v != short.get(k, 0)}
@@ -218,14 +226,29 @@ def bench_model(name, args, workdir):
     variants = {"kfac": {}, "adam": {}}
     for v in args.kfac_variant or ():
         variants[f"kfac[{v}]"] = harness.parse_knobs(v)
-    for opt, knobs in variants.items():
+    for v in args.adam_variant or ():
+        variants[f"adam[{v}]"] = harness.parse_knobs(v)
+    for opt, knobs in list(variants.items()):
         t0 = time.perf_counter()
-        trainers[opt] = ours_trainer(plan, opt.split("[")[0], args.device, bs, **knobs)
-        build_s = time.perf_counter() - t0
-        walls = time_ours(trainers[opt], x, y, bs, args.steps)
+        try:
+            trainers[opt] = ours_trainer(plan, opt.split("[")[0], args.device, bs, **knobs)
+            build_s = time.perf_counter() - t0
+            walls = time_ours(trainers[opt], x, y, bs, args.steps)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot run (e.g. a refused capture) is reported
+            if opt in ("kfac", "adam"):
+                raise
+            res[f"ours_{opt}"] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"ours {opt}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            del variants[opt]
+            continue
         res[f"ours_{opt}"] = {"median_ms": 1e3 * harness.median(walls), "mean_ms": 1e3 * float(np.mean(walls)), "build_s": build_s}
         say(f"ours {opt:12s} step median {1e3 * harness.median(walls):8.2f} ms  mean {1e3 * np.mean(walls):8.2f} ms"
               f"  (sessions built in {build_s:.1f} s)")
+        if knobs.get("cuda_graphs"):  # which step sessions run as CUDA graphs (a refused one runs uncaptured)
+            progs = trainers[opt].programs()
+            res[f"ours_{opt}"]["captured"] = sorted(k for k, p in progs.items() if getattr(p, "capture", False))
+            say(f"  captured: {res[f'ours_{opt}']['captured']}; not: "
+                f"{sorted(k for k, p in progs.items() if not getattr(p, 'capture', False))}")
     cfg = trainers["kfac"].config
     periods = (cfg.cov_update_period, cfg.inv_update_period)
     res["kfac_over_adam_mean"] = res["ours_kfac"]["mean_ms"] / res["ours_adam"]["mean_ms"]
@@ -241,6 +264,8 @@ def bench_model(name, args, workdir):
             say(f"  {label}: runs {sess['runs']}, nodes by provider {sess['nodes_by_provider']}, "
                   f"CPU-provider ops {sorted(sess['cpu_nodes']) if args.device != 'cpu' else '-'}, "
                   f"Memcpy per run {sess['copies']}")
+            say("    slowest ops (nodes, ms per run): " + ", ".join(
+                f"{k} {n:.0f} {ms:.2f}" for k, (n, ms) in sess["op_ms_per_run"].items()))
 
     if args.launches:
         res["launches"] = launches(plan, x, y, bs, args.device, variants)
@@ -286,11 +311,11 @@ def bench_model(name, args, workdir):
         for opt, knobs in variants.items():
             if opt == "adam":
                 continue
-            kfac = ours_trainer(plan, "kfac", args.device, bs, **knobs)
-            r = to_target(lambda idx, kfac=kfac: kfac.step({"input": x[idx]}, y[idx]),
-                          lambda kfac=kfac: full_loss_ours(kfac, x, y), n, bs, 3 * args.target_steps, target)
+            tr = ours_trainer(plan, opt.split("[")[0], args.device, bs, **knobs)
+            r = to_target(lambda idx, tr=tr: tr.step({"input": x[idx]}, y[idx]),
+                          lambda tr=tr: full_loss_ours(tr, x, y), n, bs, 3 * args.target_steps, target)
             report(f"ours_{opt}", f"ours {opt}", r.steps, r.seconds, r.loss, res[f"ours_{opt}"]["mean_ms"])
-            del kfac
+            del tr
         for opt in peers:
             if "error" in res.get(f"torch_{opt}", {}):
                 continue
@@ -335,7 +360,10 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", action="store_true",
                     help="count the node executions (GPU kernel launches) per steady step of Adam and K-FAC")
     ap.add_argument("--kfac-variant", action="append",
-                    help="also K-FAC with these knobs, e.g. inv_update_period=50 (repeatable)")
+                    help="also K-FAC with these knobs (Trainer arguments too), e.g. inv_update_period=50 or "
+                         "cuda_graphs=1 (repeatable)")
+    ap.add_argument("--adam-variant", action="append",
+                    help="also Adam with these knobs, e.g. cuda_graphs=1 (repeatable)")
     harness.add_out_argument(ap)
     args = ap.parse_args(argv)
     run = harness.Run("gpu", argv)
