@@ -113,6 +113,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="--save the model of the held-out evaluation with the lowest loss, not the last step's "
                         "(early stopping's best weights); the checkpoint holds the last step's state, for --resume, and the kept "
                         "model")
+    t.add_argument("--patience", type=int, default=None, metavar="N",
+                   help="early stopping: end the run after N held-out evaluations in a row that did not lower the "
+                        "lowest held-out loss (with --keep-best, --save then writes that evaluation's model)")
     t.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS), help="default kfac")
     t.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, default=None,
@@ -485,6 +488,10 @@ def _check(args, comm, held) -> list[Output]:
         raise ConfigError("--eval-every needs held-out data: --val-data FILE.npz or --val-split FRACTION")
     if args.keep_best and not (args.val_data or args.val_split):
         raise ConfigError("--keep-best needs held-out data: --val-data FILE.npz or --val-split FRACTION")
+    if args.patience is not None and args.patience < 1:
+        raise ConfigError(f"--patience must be >= 1, got {args.patience}")
+    if args.patience is not None and not (args.val_data or args.val_split):
+        raise ConfigError("--patience needs held-out data: --val-data FILE.npz or --val-split FRACTION")
     meta = None
     if args.resume:
         from kfac_compiler.runtime.checkpoint import read_meta
@@ -626,6 +633,7 @@ def _train(args, outputs: list[Output], comm) -> int:
     from kfac_compiler.ranks import is_root, stop_together
     from kfac_compiler.runtime.best_model import BestModel
     from kfac_compiler.runtime.data import batch_indices
+    from kfac_compiler.runtime.fit import EarlyStop
 
     root = is_root(comm)
     with show_on_stderr(not args.quiet and root):  # stages of seconds: the compile, emissions, sessions
@@ -636,6 +644,8 @@ def _train(args, outputs: list[Output], comm) -> int:
     held_final = None
     # rank 0 evaluates and offers; a resumed run's checkpoint brings the earlier run's best model
     best = trainer.best_model = (trainer.best_model or BestModel()) if args.keep_best else None
+    stopper = None if args.patience is None else EarlyStop(args.patience, best.loss if best is not None else math.inf)
+    early = None  # the step after which --patience ended the run
     done = trainer.step_count + trainer.burn_in_count
     name = args.model or DEFAULT_MODEL
     quiet = args.quiet or not sys.stderr.isatty() or not root
@@ -667,13 +677,16 @@ def _train(args, outputs: list[Output], comm) -> int:
                     m = trainer.step(batch, targets[part], weights=weights)
                 m["step"] = float(s)
                 rejected += int(m.get("rejected", 0.0))
-                if root and held is not None and ((s + 1) % every == 0 or s + 1 == args.steps):
+                evaluation = held is not None and ((s + 1) % every == 0 or s + 1 == args.steps)
+                done_waiting = False
+                if root and evaluation:
                     held_in, held_w = split_weights(held[0])
                     held_final = trainer.evaluate(held_in, held[1], batch_size=1024, weights=held_w)  # rank 0's only
                     m.update({f"eval_{k}": v for k, v in held_final.items()})
                     evaluated.append((s, held_final["loss"]))
                     if best is not None:
                         best.offer(trainer, s, held_final["loss"], held_final)
+                    done_waiting = stopper is not None and stopper.stop(held_final["loss"])
                 try:
                     writer.write(m)
                     steps_seen.append(s)
@@ -685,6 +698,10 @@ def _train(args, outputs: list[Output], comm) -> int:
                 # every rank stops at the same step: on an interrupt any rank got, or rank 0's failure
                 if stop_together(comm, interrupt.requested or stopped is not None):
                     interrupted = stopped is None
+                    break
+                # --patience: rank 0 decides, every rank stops after the same evaluation
+                if stopper is not None and evaluation and stop_together(comm, done_waiting):
+                    early = s
                     break
                 if args.checkpoint and args.checkpoint_every and (s + 1) % args.checkpoint_every == 0:
                     try:
@@ -706,6 +723,8 @@ def _train(args, outputs: list[Output], comm) -> int:
                                          metrics_ok=stopped is None or stopped[0] != "--metrics", evaluated=evaluated,
                                          best=best)
         final = None
+        if early is not None and root and stopper is not None:
+            print(stopper.line(early))
         if not interrupted and root:
             train_in, train_w = split_weights(inputs)
             final = trainer.evaluate(train_in, targets, batch_size=1024, weights=train_w)

@@ -8,7 +8,7 @@ Layers (docs/runtime.md):
   device.py      resolve_device / get_device: providers, a cached CUDA probe (no silent fallback)
   state.py       StateStore: double-buffered device state, pre-allocated data, hp scalars
   program.py     Program: one session per subgraph, IOBinding driven by the contract's info
-  fit.py         fit(): the API's loop with held-out evaluation; batches(): the CLI's batches
+  fit.py         fit(): the API's loop with held-out evaluation and early stopping; batches(): the CLI's batches
   trainer.py     Trainer: the training loop's step(), evaluate(), export(), checkpoints, for
                  any optimizer plugin (kfac_compiler.optimizers: settings, graphs, policies)
   inverses.py    InverseRefresher: emitted and host-side inverse refreshes

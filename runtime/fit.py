@@ -32,11 +32,13 @@ Batch = tuple[Mapping[str, Any], Any] | tuple[Mapping[str, Any], Any, Any]
 
 @dataclass
 class History:
-    """What `fit` recorded: every step's metrics (with "step"), and every evaluation's
-    held-out metrics (with "step", the step after which it ran)."""
+    """What `fit` recorded: every step's metrics (with "step"), every evaluation's held-out
+    metrics (with "step", the step after which it ran), and the step after which `patience`
+    stopped the loop (None when it did not)."""
 
     steps: list[dict[str, float]] = field(default_factory=list)
     evaluations: list[dict[str, float]] = field(default_factory=list)
+    stopped_early: int | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -52,7 +54,7 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         validation: Batch | None = None, eval_every: int | None = None,
         eval_batch_size: int = 1024,
         callback: Callable[[int, dict[str, float]], bool | None] | None = None,
-        keep_best: bool = False) -> History:
+        keep_best: bool = False, patience: int | None = None) -> History:
     """Step `trainer` on `batches` ((inputs, targets) or (inputs, targets, weights) each) until
     they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets), or
     (inputs, targets, weights): Trainer.evaluate's) every `eval_every` steps and after the
@@ -64,8 +66,11 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     holds the parameters (and BatchNorm running statistics) of the evaluation with the lowest
     held-out loss, History.best() (or an earlier one: trainer.best_model from a restored
     checkpoint or an earlier fit, which it continues), instead of the last step's; its
-    optimizer state and step count stay the last step's. In a data-parallel run the held-out loss compared is the mean
-    over the ranks, so every rank keeps the same model."""
+    optimizer state and step count stay the last step's. `patience` N: early stopping, the
+    loop ends after the N-th evaluation in a row that did not lower the lowest held-out loss
+    (History.stopped_early says after which step); with keep_best the trainer then holds the
+    best evaluation's model. In a data-parallel run the held-out loss compared is the mean
+    over the ranks, so every rank keeps the same model and stops at the same step."""
     if steps is not None:
         check_int(steps, "fit: steps", low=0)
     if eval_every is not None:
@@ -75,6 +80,11 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     if keep_best and validation is None:
         raise ConfigError("fit: keep_best needs validation=(inputs, targets): the best model is the one with the "
                           "lowest held-out loss")
+    if patience is not None:
+        check_int(patience, "fit: patience", low=1)
+        if validation is None:
+            raise ConfigError("fit: patience needs validation=(inputs, targets): it stops when the held-out loss "
+                              "stops falling")
     if validation is not None and (not isinstance(validation, tuple) or len(validation) not in (2, 3)):
         raise ConfigError("fit: validation must be a tuple (inputs, targets) or (inputs, targets, weights)")
     every = eval_every or (max(1, steps // 20) if steps else None)
@@ -82,6 +92,7 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     best = None
     if keep_best:  # a restored checkpoint's (or an earlier fit's) best model is the one to beat
         best = trainer.best_model = trainer.best_model or BestModel()
+    stopper = None if patience is None else EarlyStop(patience, best.loss if best is not None else float("inf"))
     for taken, batch in enumerate(batches):
         if steps is not None and taken >= steps:
             break
@@ -91,18 +102,48 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         metrics = _step(trainer, batch, taken)
         metrics["step"] = float(step)
         last = steps is not None and taken + 1 == steps
+        stop = False
         if validation is not None and (last or (every is not None and (taken + 1) % every == 0)):
-            metrics.update(_evaluate(trainer, validation, eval_batch_size, step, history, best))
+            held, compared = _evaluate(trainer, validation, eval_batch_size, step, history, best, stopper)
+            metrics.update(held)
+            stop = stopper is not None and stopper.stop(compared)
         history.steps.append(metrics)
         if callback is not None and callback(step, metrics) is False:
+            break
+        if stop:
+            history.stopped_early = step
             break
     if validation is not None and history.steps and EVAL_PREFIX + "loss" not in history.steps[-1]:
         # the batches ran out, or the callback stopped: evaluate the final parameters
         history.steps[-1].update(_evaluate(trainer, validation, eval_batch_size, int(history.steps[-1]["step"]), history,
-                                           best))
+                                           best, None)[0])
     if best is not None:
         best.restore(trainer)
     return history
+
+
+@dataclass
+class EarlyStop:
+    """Early stopping on the held-out loss (fit's `patience`, train's --patience): stop once
+    `patience` evaluations in a row did not lower the lowest loss seen, `best` (a NaN loss
+    lowers nothing). A resumed run starts from its kept model's loss, when it has one."""
+
+    patience: int
+    best: float = float("inf")
+    waited: int = 0
+
+    def stop(self, loss: float) -> bool:
+        """Whether to stop after an evaluation of held-out loss `loss`."""
+        if loss < self.best:
+            self.best, self.waited = loss, 0
+        else:
+            self.waited += 1
+        return self.waited >= self.patience
+
+    def line(self, step: int) -> str:
+        """What the CLI says when it stopped after step `step`."""
+        return (f"stopped early after step {step}: the held-out loss did not fall below {self.best:.6g} in "
+                f"{self.patience} evaluation{'s' if self.patience > 1 else ''}")
 
 
 def _step(trainer: Trainer, batch: Batch, taken: int) -> dict[str, float]:
@@ -150,11 +191,16 @@ def batches(inputs: Mapping[str, Any], targets: Any, batch_size: int, seed: int 
 
 
 def _evaluate(trainer: Trainer, validation: Batch, batch_size: int, step: int, history: History,
-              best: BestModel | None) -> dict[str, float]:
+              best: BestModel | None, stopper: EarlyStop | None) -> tuple[dict[str, float], float]:
+    """(the held-out metrics, the loss that keep_best and patience compare: its mean over the
+    ranks, so that every rank chooses alike; NaN when neither asks)."""
     inputs, targets, *weights = validation
     held = {EVAL_PREFIX + k: v for k, v in trainer.evaluate(inputs, targets, batch_size=batch_size,
                                                             weights=weights[0] if weights else None).items()}
     history.evaluations.append({"step": float(step), **held})
-    if best is not None:  # the loss's mean over the ranks: one choice on every rank
-        best.offer(trainer, step, trainer.mean_over_ranks(held[EVAL_PREFIX + "loss"]), held)
-    return held
+    compared = float("nan")
+    if best is not None or stopper is not None:  # one collective, one choice on every rank
+        compared = trainer.mean_over_ranks(held[EVAL_PREFIX + "loss"])
+    if best is not None:
+        best.offer(trainer, step, compared, held)
+    return held, compared

@@ -77,6 +77,37 @@ def test_keep_best_ends_with_the_best_evaluation_s_model(case):
     assert last.evaluate(*held, batch_size=1024)["loss"] == history.evaluations[-1]["eval_loss"]
 
 
+def test_patience_stops_after_that_many_evaluations_without_a_new_lowest_loss(case):
+    """SGD at lr 1.0 (the run above): with patience 3 the loop ends at the third evaluation in
+    a row above the lowest held-out loss, the evaluations of an unstopped run's prefix; with
+    keep_best the trainer then holds the best model; a patience longer than the run stops
+    nothing."""
+    plan, (x, y), held = case
+    full = fit(Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0), batches(x, y, 32, seed=3), steps=30,
+               validation=held, eval_every=1)
+    losses = [m["eval_loss"] for m in full.evaluations]
+    lowest, waited, expected = float("inf"), 0, None  # the rule, by hand, on the unstopped run's losses
+    for step, loss in enumerate(losses):
+        lowest, waited = (loss, 0) if loss < lowest else (lowest, waited + 1)
+        if waited == 3:
+            expected = step
+            break
+    assert expected is not None and expected < 29
+    trainer = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0)
+    history = fit(trainer, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=1, patience=3,
+                  keep_best=True)
+    assert history.stopped_early == expected and trainer.step_count == expected + 1
+    assert [m["eval_loss"] for m in history.evaluations] == losses[:expected + 1]
+    assert trainer.evaluate(*held, batch_size=1024)["loss"] == min(losses[:expected + 1])
+    long = fit(Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0), batches(x, y, 32, seed=3), steps=30,
+               validation=held, eval_every=1, patience=100)
+    assert long.stopped_early is None and len(long.steps) == 30
+    with pytest.raises(ConfigError, match="patience needs validation"):
+        fit(Trainer(plan, optimizer="sgd", seed=0), batches(x, y, 32), steps=2, patience=2)
+    with pytest.raises(ConfigError, match="patience"):
+        fit(Trainer(plan, optimizer="sgd", seed=0), batches(x, y, 32), steps=2, validation=held, patience=0)
+
+
 def test_a_checkpoint_carries_the_kept_model_and_a_resumed_fit_must_beat_it(case, tmp_path):
     """The best model kept by fit(keep_best) is saved in the checkpoint beside the last state;
     a trainer loaded from it continues to step 30 with keep_best and ends with the model of

@@ -127,7 +127,9 @@ def test_two_ranks_with_default_sub_batches_train_like_one_process(tmp_path):
 
 def test_keep_best_on_two_ranks_saves_rank_0_s_best_evaluation(tmp_path):
     """Rank 0 alone evaluates the held-out rows and keeps the best model; the saved model's
-    held-out loss is the metrics file's lowest (an earlier step's: SGD at lr 1.5 overshoots)."""
+    held-out loss is the metrics file's lowest (an earlier step's: SGD at lr 1.5 overshoots).
+    With --patience 2 rank 0 decides to stop after the second evaluation in a row above it,
+    and both ranks stop there (no hang, one summary)."""
     import onnxruntime as ort
 
     from kfac_compiler.models import ZOO
@@ -135,13 +137,14 @@ def test_keep_best_on_two_ranks_saves_rank_0_s_best_evaluation(tmp_path):
 
     metrics, model = tmp_path / "m.csv", tmp_path / "best.onnx"
     out = run_ranks(2, [*TRAIN, "--steps", "20", "--batch-size", "64", "--val-split", "0.25", "--eval-every", "1",
-                        "--optimizer", "sgd", "--learning-rate", "1.5", "--keep-best", "--metrics", str(metrics),
-                        "--save", str(model), "-q"])
+                        "--optimizer", "sgd", "--learning-rate", "1.5", "--keep-best", "--patience", "2",
+                        "--metrics", str(metrics), "--save", str(model), "-q"])
     assert out.returncode == 0, out.stderr
     evaluated = [r for r in rows(metrics) if r["eval_loss"]]
     losses = [float(r["eval_loss"]) for r in evaluated]
     best = int(np.argmin(losses))
     assert best < len(losses) - 1 and out.stdout.count("kept the model of step") == 1
+    assert len(losses) == best + 3 < 20 and out.stdout.count("stopped early after step") == 1
     x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
     _, _, (hx, hy) = validation_split(x, y, 0.25, seed=0)
     logits = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"input": hx["input"]})[0]

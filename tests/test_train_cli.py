@@ -215,6 +215,34 @@ def test_keep_best_saves_the_best_evaluation_s_model(tmp_path, capsys):
     assert float(train_line.split()[3]) == pytest.approx(last.evaluate(tx, ty)["loss"], rel=1e-5)
 
 
+def test_patience_ends_the_run_and_keep_best_saves_the_best_evaluation_s_model(tmp_path, capsys):
+    """The run above with --patience 2: it ends after the second evaluation in a row above the
+    lowest held-out loss (the metrics file's rows, by the rule), says so, and --save writes
+    the kept model."""
+    metrics, model = tmp_path / "m.csv", tmp_path / "best.onnx"
+    code, out, err = run(["mlp_classifier", "--steps", "30", "--batch-size", "64", "--val-split", "0.25",
+                          "--eval-every", "1", "--optimizer", "sgd", "--learning-rate", "1.5", "--keep-best",
+                          "--patience", "2", "--metrics", str(metrics), "--save", str(model), "-q"], capsys)
+    assert code == 0, err
+    rows = list(csv.DictReader(open(metrics)))
+    losses = [float(r["eval_loss"]) for r in rows]
+    best = int(np.argmin(losses))
+    assert len(rows) < 30 and len(rows) == best + 3  # the best, then two evaluations not below it
+    assert f"stopped early after step {len(rows) - 1}: the held-out loss did not fall below {losses[best]:.6g}" in out
+    from kfac_compiler.train_cli import validation_split
+
+    x, y = ZOO["mlp_classifier"].make_data(None, seed=0)
+    _, _, (hx, hy) = validation_split(x, y, 0.25, seed=0)
+    assert _held_out_loss(model, hx["input"], hy)[0] == pytest.approx(losses[best], rel=1e-5)
+
+
+@pytest.mark.parametrize("argv,line", [(["--patience", "3"], "--patience needs held-out data"),
+                                       (["--val-split", "0.2", "--patience", "0"], "--patience must be >= 1")])
+def test_patience_without_held_out_data_is_one_line(capsys, argv, line):
+    code, _, err = run(["mlp_classifier", "--steps", "2", *argv], capsys)
+    assert code != 0 and line in err and "Traceback" not in err
+
+
 def test_keep_best_survives_a_resume(tmp_path, capsys):
     """Stopped at step 12 and resumed to 30, --keep-best saves the model of the best
     evaluation over both runs (the checkpoint carries the kept model): the metrics file's
