@@ -80,6 +80,31 @@ def zoo_case(name: str, n: int | None, *, seed: int = 0, **build):
     return zoo_plan(name, seed=seed, **build), inputs, y
 
 
+def train_rows(plan, inputs: Mapping, y: np.ndarray, rows: Sequence[int], optimizer: str = "kfac", **knobs):
+    """(trainer, metrics per step without the timings) of consecutive batches of `rows` rows
+    each (a smaller one as an epoch's last), batch size 32, seed 0."""
+    from kfac_compiler.runtime import Trainer
+
+    tr = Trainer(plan, optimizer=optimizer, batch_size=32, seed=0, **knobs)
+    metrics, start = [], 0
+    for n in rows:
+        part = slice(start % len(y), start % len(y) + n)
+        start += n
+        m = tr.step({k: v[part] for k, v in inputs.items()}, y[part])
+        metrics.append({k: v for k, v in m.items() if k not in ("step_time", "host_time")})
+    return tr, metrics
+
+
+def assert_same_run_bitwise(ref, ref_metrics: Sequence[dict], tr, metrics: Sequence[dict]) -> None:
+    """Two trainers' parameters and every step's metrics (train_rows') equal bit for bit."""
+    for p, value in ref.parameters().items():
+        assert np.array_equal(tr.parameters()[p], value), p
+    for k, (a, b) in enumerate(zip(ref_metrics, metrics, strict=True)):
+        assert a.keys() == b.keys(), k
+        for key in a:
+            assert np.array_equal(a[key], b[key], equal_nan=True), (k, key, a[key], b[key])
+
+
 def sampled_batch(x: np.ndarray, y: np.ndarray, seed, bs: int = 64) -> tuple[dict, np.ndarray]:
     """({"input": x[idx]}, y[idx]) for bs distinct rows drawn by default_rng(seed)."""
     idx = np.random.default_rng(seed).choice(len(y), bs, replace=False)

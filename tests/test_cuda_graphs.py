@@ -11,8 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from helpers import onnx_model, zoo_case
-from kfac_compiler.runtime import Trainer
+from helpers import assert_same_run_bitwise, onnx_model, train_rows, zoo_case
 from kfac_compiler.runtime.capture import split_wide_concats
 from kfac_compiler.runtime.state import StateStore
 
@@ -20,30 +19,14 @@ ROWS = (32, 32, 16, 32, 32, 16, 32, 32)  # an epoch's last batch smaller, twice
 SCHEDULE = dict(cov_update_period=2, damping_adaptation_interval=3)
 
 
-def _run(plan, inputs, y, optimizer, **knobs):
-    tr = Trainer(plan, optimizer=optimizer, batch_size=32, seed=0, **knobs)
-    metrics, start = [], 0
-    for n in ROWS:
-        rows = slice(start % len(y), start % len(y) + n)
-        start += n
-        m = tr.step({k: v[rows] for k, v in inputs.items()}, y[rows])
-        metrics.append({k: v for k, v in m.items() if k not in ("step_time", "host_time")})
-    return tr, metrics
-
-
 @pytest.mark.parametrize("optimizer,reference", [
     pytest.param("kfac", {"static_steps": True, **SCHEDULE}, marks=pytest.mark.slow), ("adam", {}), ("sgd", {})])
 def test_cuda_graph_steps_follow_the_uncaptured_ones_bit_for_bit(optimizer, reference):
     plan, inputs, y = zoo_case("mlp_classifier", 80)
-    ref, ref_metrics = _run(plan, inputs, y, optimizer, **reference)
+    ref, ref_metrics = train_rows(plan, inputs, y, ROWS, optimizer, **reference)
     knobs = {k: v for k, v in reference.items() if k != "static_steps"}
-    tr, metrics = _run(plan, inputs, y, optimizer, cuda_graphs=True, **knobs)
-    for p, value in ref.parameters().items():
-        assert np.array_equal(tr.parameters()[p], value), p
-    for k, (a, b) in enumerate(zip(ref_metrics, metrics)):
-        assert a.keys() == b.keys(), k
-        for key in a:
-            assert np.array_equal(a[key], b[key], equal_nan=True), (k, key, a[key], b[key])
+    tr, metrics = train_rows(plan, inputs, y, ROWS, optimizer, cuda_graphs=True, **knobs)
+    assert_same_run_bitwise(ref, ref_metrics, tr, metrics)
     captured = [(key, p) for key, p in tr._programs.items() if getattr(p, "capture", False)]
     assert captured and all(isinstance(key, tuple) for key, _ in captured)  # every one static-shaped
     assert {dict(key[1])["targets"][0] for key, _ in captured} == {32, 16}

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import kfac_compiler as kc
-from helpers import onnx_model, zoo_case
+from helpers import assert_same_run_bitwise, onnx_model, train_rows, zoo_case
 from kfac_compiler.builder import subgraphs
 from kfac_compiler.errors import ConfigError, DataError
 from kfac_compiler.models import ZOO, get_model
@@ -23,14 +23,7 @@ ROWS = (32, 32, 16, 32, 32, 16, 32)  # the third and sixth batches partial, as a
 
 
 def _train(plan, inputs, y, static: bool, rows=ROWS, **knobs):
-    tr = Trainer(plan, optimizer="kfac", batch_size=32, seed=0, static_steps=static, **SCHEDULE, **knobs)
-    metrics, start = [], 0
-    for n in rows:
-        rows = slice(start % len(y), start % len(y) + n)
-        start += n
-        m = tr.step({k: v[rows] for k, v in inputs.items()}, y[rows])
-        metrics.append({k: v for k, v in m.items() if k not in ("step_time", "host_time")})
-    return tr, metrics
+    return train_rows(plan, inputs, y, rows, static_steps=static, **SCHEDULE, **knobs)
 
 
 def _spins(prog) -> bool:
@@ -63,16 +56,11 @@ def test_static_steps_follow_the_if_form_bit_for_bit(name):
     # the schedule used every kind: statistics on even steps, the loss after on steps 0, 3, 6
     assert [m["stats"] for m in metrics] == [1, 0, 1, 0, 1, 0, 1]
     assert [np.isfinite(m["rho"]) for m in metrics] == [True, False, False, True, False, False, True]
-    for p, value in ref.parameters().items():
-        assert np.array_equal(tr.parameters()[p], value), p
+    assert_same_run_bitwise(ref, ref_metrics, tr, metrics)
     ref_state, state = ref.state(), tr.state()
     assert set(ref_state) == set(state)
     for slot, value in ref_state.items():
         assert np.array_equal(state[slot], value, equal_nan=True), slot
-    for k, (a, b) in enumerate(zip(ref_metrics, metrics)):
-        assert a.keys() == b.keys(), k
-        for key in a:
-            assert np.array_equal(a[key], b[key], equal_nan=True), (k, key, a[key], b[key])
     # the If form: one step session with Ifs; static: a session per kind and batch shape the
     # run used (the 16-row batches: steps 2 and 5, statistics without and neither), none with an If
     ref_steps = [label for label in ref.programs() if label.startswith("kfac_step")]
@@ -98,12 +86,7 @@ def test_static_steps_with_gradient_accumulation_follow_the_if_form_bit_for_bit(
     ref, ref_metrics = _train(plan, inputs, y, static=False, rows=(32,) * 12, accumulate=2)
     tr, metrics = _train(plan, inputs, y, static=True, rows=(32,) * 12, accumulate=2)
     assert sum(np.isfinite(m.get("rho", np.nan)) for m in metrics) == 2  # cycles 0 and 3 adapt
-    for p, value in ref.parameters().items():
-        assert np.array_equal(tr.parameters()[p], value), p
-    for k, (a, b) in enumerate(zip(ref_metrics, metrics)):
-        assert a.keys() == b.keys(), k
-        for key in a:
-            assert np.array_equal(a[key], b[key], equal_nan=True), (k, key, a[key], b[key])
+    assert_same_run_bitwise(ref, ref_metrics, tr, metrics)
 
 
 def _step_graph(plan, **options):
