@@ -168,6 +168,9 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
     return out
 
 
+# the most iterations a Loop is unrolled to (unroll_static_loops): the tied statistics loop
+# runs one per chunk of the batch, a handful
+UNROLL_LIMIT = 64
 # ONNX Runtime's CUDA Concat takes at most this many inputs while a CUDA graph is captured
 # (its kernel reads the input pointers from a fixed-size argument, not from a host buffer)
 CAPTURED_CONCAT_INPUTS = 32
@@ -203,6 +206,92 @@ def split_wide_concats(model: onnx.ModelProto, limit: int = CAPTURED_CONCAT_INPU
                 parts.append(name)
             inputs, level = parts, level + 1
         nodes.append(helper.make_node("Concat", inputs, list(node.output), name=node.name, axis=axis))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _folded_constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """{tensor: value} of every top-level tensor known when the session is made: the
+    initializers and, after shape inference and the folding ONNX Runtime does (shapes of
+    static tensors, arithmetic over small constants), the Constants."""
+    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    for _ in range(_FOLD_ROUNDS):
+        folded = _fold_constants(inferred)
+        if folded is None:
+            break
+        inferred = shape_inference.infer_shapes(folded, data_prop=True)
+    values = {t.name: numpy_helper.to_array(t) for t in inferred.graph.initializer}
+    for node in inferred.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return values
+
+
+def _unrollable(node: onnx.NodeProto, values: Mapping[str, np.ndarray], limit: int) -> int | None:
+    """The trip count of a top-level Loop that can be unrolled: known when the session is
+    made, at most `limit`, no termination condition (none given, and the body passes its
+    condition through), no scan outputs and no control flow inside; else None."""
+    body = subgraphs(node)[0]
+    trips = values.get(node.input[0]) if node.input and node.input[0] else None
+    if trips is None or trips.size != 1 or not 0 <= int(trips) <= limit:
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        return None
+    if len(body.output) != len(node.input) - 1 or any(subgraphs(n) for n in body.node):
+        return None
+    cond_in, cond_out = body.input[1].name, body.output[0].name
+    if cond_out != cond_in and not any(n.op_type == "Identity" and list(n.input) == [cond_in] and
+                                       list(n.output) == [cond_out] for n in body.node):
+        return None
+    return int(trips)
+
+
+def unroll_static_loops(model: onnx.ModelProto, limit: int = UNROLL_LIMIT) -> onnx.ModelProto:
+    """`model` with every top-level Loop whose trip count is known when the session is made
+    (with static input shapes) replaced by that many copies of its body, iteration i reading
+    a constant i: the same values in the same order, no control flow, so a CUDA graph can
+    capture it (the tied embedding's diagonal statistics loop over chunks of the batch,
+    blocks/tied.py). The model itself when there is none."""
+    loops = [n for n in model.graph.node if n.op_type == "Loop"]
+    if not loops:
+        return model
+    values = _folded_constants(model)
+    trips = {id(n): _unrollable(n, values, limit) for n in loops}
+    if all(t is None for t in trips.values()):
+        return model
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        k = trips.get(id(node))
+        if k is None:
+            nodes.append(node)
+            continue
+        body = subgraphs(node)[0]
+        state = list(node.input[2:])
+        i_name, cond_name = body.input[0].name, body.input[1].name
+        for t in range(k):
+            tag = f"{node.name or node.output[0]}/unroll{t}"
+            rename = {i_name: f"{tag}/i", cond_name: f"{tag}/cond"}
+            rename.update({vi.name: s for vi, s in zip(body.input[2:], state)})
+            nodes.append(helper.make_node("Constant", [], [rename[i_name]], name=f"{tag}/i",
+                                          value=numpy_helper.from_array(np.asarray(t, np.int64))))
+            nodes.append(helper.make_node("Constant", [], [rename[cond_name]], name=f"{tag}/cond",
+                                          value=numpy_helper.from_array(np.asarray(True))))
+            for j, b in enumerate(body.node):
+                copy = onnx.NodeProto()
+                copy.CopyFrom(b)
+                copy.name = f"{tag}/body/{b.name or j}"
+                for slot, name in enumerate(b.input):
+                    copy.input[slot] = rename.get(name, name)  # an outer-scope name stays
+                for slot, name in enumerate(b.output):
+                    if name:
+                        rename[name] = copy.output[slot] = f"{tag}/{name}"
+                nodes.append(copy)
+            state = [rename.get(vi.name, vi.name) for vi in body.output[1:]]
+        for final, out in zip(state, node.output):
+            nodes.append(helper.make_node("Identity", [final], [out], name=f"{node.name or out}/unrolled"))
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out

@@ -28,7 +28,7 @@ from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import ConfigError, DataError, PlanError
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.capture import split_wide_concats
+from kfac_compiler.runtime.capture import split_wide_concats, unroll_static_loops
 from kfac_compiler.runtime.device import (
     GRAPH_ID,
     CaptureRefused,
@@ -385,6 +385,8 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
                 model = with_static_dims(model, dict(shapes))
             except ValueError as e:  # a batch the graph cannot take: the caller's data
                 raise DataError(f"subgraph {name!r}: {e}") from None
+            if capture:  # a Loop over chunks of the now static batch: its iterations, capturable
+                model = unroll_static_loops(model)
         try:
             if comm is not None and not info.reductions and set(info.state_outputs.values()) & set(plan.trainable):
                 raise PlanError(f"subgraph {name!r} updates the parameters but marks no reduction points, so a "
