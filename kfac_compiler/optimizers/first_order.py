@@ -41,9 +41,10 @@ class FirstOrderConfig(OptimizerConfig, RecipeOptions):
     """What SGD's and Adam's settings share. `multi_tensor`: emit the update once over every
     parameter's concatenation (True) or per parameter (False); None: the device's default
     (kfac_compiler.requests.MULTI_TENSOR_DEFAULT: off on the CPU and on CUDA, where ONNX
-    Runtime's Concat of many tensors costs more than the launches it saves). `clip_norm` and `decoupled_weight_decay` (RecipeOptions): here lr_eff is the step's
-    learning rate before Adam's bias correction, torch's AdamW weight_decay; `l2_reg` adds
-    l2_reg theta to the gradient instead."""
+    Runtime's Concat of many tensors costs more than the launches it saves). `clip_norm` and
+    `decoupled_weight_decay` (RecipeOptions): here lr_eff is the step's learning rate before
+    Adam's bias correction, torch's AdamW weight_decay; `l2_reg` adds l2_reg theta to the
+    gradient instead."""
 
     multi_tensor: bool | None = None
 
