@@ -1468,10 +1468,11 @@ def cmd_kinds(args, say, run):
     executed nodes per steady step (ORT CPU profile, refreshes amortized over one inverse
     period), of which Shape and If; the shape arithmetic left in ORT's optimized graph of the
     steady step (the schedule's most frequent kind); the kfac_step sessions a run makes; and
-    capture_blockers' count (static: for each kind the schedule uses)."""
+    capture_blockers' count (static: for each kind the schedule uses, its Loops unrolled as
+    Trainer(cuda_graphs=True) unrolls them)."""
     from kfac_compiler.optimizers import make_config
     from kfac_compiler.runtime import Trainer
-    from kfac_compiler.runtime.capture import capture_blockers
+    from kfac_compiler.runtime.capture import capture_blockers, unroll_static_loops
     from kfac_compiler.runtime.static_shapes import with_static_dims
     from kfac_compiler.runtime.subgraphs import resolved_request, subgraph
 
@@ -1501,7 +1502,7 @@ def cmd_kinds(args, say, run):
                     return with_static_dims(m, shapes) if static else m
 
                 label = "static" if static else "If form"
-                blockers = {kind: len(capture_blockers(graph(*kind), shapes if static else None))
+                blockers = {kind: len(capture_blockers(unroll_static_loops(graph(*kind)) if static else graph(*kind)))
                             for kind in (kinds if static else kinds[:1])}
                 res = {"graph_shape_arithmetic": shape_arithmetic(ort_optimized(graph(*steady)).graph),
                        "steady_kind": list(steady), "capture_blockers": {str(k): v for k, v in blockers.items()}}
