@@ -115,6 +115,21 @@ _FOLD_ROUNDS = 8  # Shape -> Concat -> Pad's pads -> ...: each round resolves at
 _FOLD_LIMIT = 4096  # elements: the constants folded are shape arithmetic, not weights
 
 
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """{output: value} of the graph's top-level Constant nodes (their `value` form)."""
+    return {node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in graph.node
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"}
+
+
+def _with_nodes(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> onnx.ModelProto:
+    """A copy of `model` whose top-level graph runs `nodes` instead of its own."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """A copy of the inferred `model` whose top-level Shape nodes of static-shaped tensors,
     and nodes over small constants only, are Constants, as ONNX Runtime folds them when it
@@ -127,9 +142,7 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
     types = {vi.name: vi.type for vi in list(graph.value_info) + list(graph.input)}
     values = {t.name: numpy_helper.to_array(t) for t in graph.initializer
               if int(np.prod(t.dims)) <= _FOLD_LIMIT}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    values.update(_constant_values(graph))
     nodes, changed = [], False
     for node in graph.node:
         value: list[np.ndarray] | None = None
@@ -159,13 +172,19 @@ def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto | None:
             nodes.append(helper.make_node("Constant", [], [o], name=f"{node.name}/{o}",
                                           value=numpy_helper.from_array(v)))
         changed = True
-    if not changed:
-        return None
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+    return _with_nodes(model, nodes) if changed else None
+
+
+def _inferred_and_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` after ONNX shape inference and the folding ONNX Runtime does when it makes the
+    session, repeated until nothing more folds (at most _FOLD_ROUNDS times)."""
+    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    for _ in range(_FOLD_ROUNDS):
+        folded = _fold_constants(inferred)
+        if folded is None:
+            break
+        inferred = shape_inference.infer_shapes(folded, data_prop=True)
+    return inferred
 
 
 # the most iterations a Loop is unrolled to (unroll_static_loops): the tied statistics loop
@@ -183,8 +202,6 @@ def split_wide_concats(model: onnx.ModelProto, limit: int = CAPTURED_CONCAT_INPU
     every parameter (ResNet-18: 62) is one."""
     if not any(n.op_type == "Concat" and len(n.input) > limit for n in model.graph.node):
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
         inputs = list(node.input)
@@ -206,26 +223,16 @@ def split_wide_concats(model: onnx.ModelProto, limit: int = CAPTURED_CONCAT_INPU
                 parts.append(name)
             inputs, level = parts, level + 1
         nodes.append(helper.make_node("Concat", inputs, list(node.output), name=node.name, axis=axis))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+    return _with_nodes(model, nodes)
 
 
 def _folded_constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """{tensor: value} of every top-level tensor known when the session is made: the
     initializers and, after shape inference and the folding ONNX Runtime does (shapes of
     static tensors, arithmetic over small constants), the Constants."""
-    inferred = shape_inference.infer_shapes(model, data_prop=True)
-    for _ in range(_FOLD_ROUNDS):
-        folded = _fold_constants(inferred)
-        if folded is None:
-            break
-        inferred = shape_inference.infer_shapes(folded, data_prop=True)
-    values = {t.name: numpy_helper.to_array(t) for t in inferred.graph.initializer}
-    for node in inferred.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    return values
+    inferred = _inferred_and_folded(model)
+    return {**{t.name: numpy_helper.to_array(t) for t in inferred.graph.initializer},
+            **_constant_values(inferred.graph)}
 
 
 def _unrollable(node: onnx.NodeProto, values: Mapping[str, np.ndarray], limit: int) -> int | None:
@@ -290,11 +297,7 @@ def unroll_static_loops(model: onnx.ModelProto, limit: int = UNROLL_LIMIT) -> on
             state = [rename.get(vi.name, vi.name) for vi in body.output[1:]]
         for final, out in zip(state, node.output):
             nodes.append(helper.make_node("Identity", [final], [out], name=f"{node.name or out}/unrolled"))
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+    return _with_nodes(model, nodes)
 
 
 def capture_blockers(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None) -> list[str]:
@@ -303,12 +306,7 @@ def capture_blockers(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]
     (static_shapes.with_static_dims), e.g. a batch's."""
     if shapes:
         model = with_static_dims(model, shapes)
-    inferred = shape_inference.infer_shapes(model, data_prop=True)
-    for _ in range(_FOLD_ROUNDS):
-        folded = _fold_constants(inferred)
-        if folded is None:
-            break
-        inferred = shape_inference.infer_shapes(folded, data_prop=True)
+    inferred = _inferred_and_folded(model)
     out: list[str] = []
     for vi in inferred.graph.input:
         if vi.type.HasField("tensor_type") and not _static(vi.type):
