@@ -20,4 +20,9 @@ grep -q "cuda_status (True" $OUT/env.txt || exit 4
 if [ $# -gt 0 ]; then "$@"; exit; fi
 timeout 150 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs tests/test_cuda.py 2>&1 | tail -30 | tee $OUT/test_cuda.log
 timeout 300 python3 benchmarks/bench_gpu.py --models resnet18,gpt --steps 20 --target-steps 150 --peers \
-  --kfac-variant cuda_graphs=1 --adam-variant cuda_graphs=1 --out $OUT 2>&1 | grep -v -i warn | tee $OUT/bench.log
+  --kfac-variant static_steps=1 --kfac-variant cuda_graphs=1 --adam-variant cuda_graphs=1 --out $OUT 2>&1 \
+  | grep -v -i warn | tee $OUT/bench.log
+# where ResNet-18's default K-FAC step (82.9 ms on the H200 on 2026-11-30, 28.5 on an H100 on
+# 2026-11-24) spends its time: each session's slowest op types and its CPU-placed nodes
+timeout 120 python3 benchmarks/bench_gpu.py --models resnet18 --steps 10 --target-steps 0 --residency \
+  --out - 2>&1 | grep -v -i warn | tee $OUT/residency.log
