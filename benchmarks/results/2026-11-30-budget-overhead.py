@@ -15,7 +15,8 @@ held-out loss after 150 steps (the lower of lr 1e-3 and 3e-3, that seed), held-o
     python benchmarks/results/2026-11-30-budget-overhead.py report OUT.json
 
 MODEL: resnet18 or gpt. VARIANT: adam1e-3, adam3e-3, oB (budget.overhead B, e.g. o1 the
-default, o4), o0 (no cost-aware choice: every factor full, statistics every step).
+default, o4), o0 (no cost-aware choice: every factor full, statistics every step); a K-FAC
+variant may add Trainer knobs as +NAME=JSON, e.g. o1+max_predicted_decrease=0.5.
 `time`: per variant a trainer, stepped in interleaved blocks of BLOCK steps after one warm-up
 block, ROUNDS rounds: mean step per round (a block of 10 holds one inverse refresh).
 `report`: steps to each seed's target per variant, mean step times, and steps x mean step
@@ -58,9 +59,11 @@ def trainer(path: str, model: str, variant: str, seed: int) -> Trainer:
         plan = kc.compile(path, loss="softmax_cross_entropy", output="logits")
         return Trainer(plan, optimizer="adam", device="cpu", batch_size=BATCH[model], seed=seed,
                        learning_rate=float(variant[4:]))
+    budget, *knobs = variant[1:].split("+")
     plan = kc.compile(path, loss="softmax_cross_entropy", output="logits",
-                      budget={"batch_size": BATCH[model], "overhead": float(variant[1:])})
-    return Trainer(plan, optimizer="kfac", device="cpu", batch_size=BATCH[model], seed=seed)
+                      budget={"batch_size": BATCH[model], "overhead": float(budget)})
+    return Trainer(plan, optimizer="kfac", device="cpu", batch_size=BATCH[model], seed=seed,
+                   **{k: json.loads(v) for k, v in (knob.split("=", 1) for knob in knobs)})
 
 
 def load(out: str) -> dict:
