@@ -203,7 +203,9 @@ def fit_budget(
         "apply_flops": apply_total,
         "stats_flops_per_update": stats_total,
         "sampled_backward_flops": sampled_backward,
-        "qmodel_flops": 2 * sampled_backward,  # two forward-mode JVPs on the same m examples
+        # K-FAC's quadratic model: two forward-mode JVPs (about two forwards each) on the whole
+        # batch, its default qmodel_batch_size (optimizers/kfac/settings.py)
+        "qmodel_flops": 4 * sum(b.forward_flops(batch_size) for b in blocks.values()),
         "inverse_flops_per_refresh": inverse_total,
         "inverse_method": method,  # the method the layers' "inverse" FLOPs are for
         "stats_period": s,

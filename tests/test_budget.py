@@ -73,6 +73,18 @@ def test_a_larger_reference_batch_keeps_the_factor_full():
     assert plan.costs["apply_flops"] <= plan.costs["forward_backward_flops"] / 2
 
 
+def test_the_predicted_step_counts_the_sampled_backward_on_64_rows_and_the_qmodel_on_the_batch():
+    # at batch 256 the statistics' sampled backward runs on 64 examples, the quadratic model's
+    # two JVPs (about two forwards each) on all 256: hand-computed forward FLOPs of both layers
+    def forward(n):
+        return 2 * n * S * S * C * (C * 9 + 1) + 2 * n * (C * S * S + 1) * CLASSES
+
+    costs = kc.compile(wide_conv_model(), loss="softmax_cross_entropy", emit=False, budget={"batch_size": 256}).costs
+    assert costs["forward_backward_flops"] == 3 * forward(256)
+    assert costs["sampled_backward_flops"] == 2 * forward(64)
+    assert costs["qmodel_flops"] == 4 * forward(256)
+
+
 def test_train_uses_its_batch_size_unless_the_config_sets_one(tmp_path):
     from kfac_compiler.cli import build_parser
     from kfac_compiler.train_cli import compile_config
