@@ -5,8 +5,9 @@
 
 `flops`: the compiler's own prediction (plan.costs, passes/budget.py) of a default K-FAC step's
 FLOPs on the digits workloads, as a multiple of the forward+backward's (which is Adam's step
-up to its elementwise update): preconditioning, statistics and the sampled backward per
-statistics period, the quadratic model's two JVPs (whole batch), the refresh per inverse period.
+up to its elementwise update): preconditioning, statistics (with their sampled backward) per
+statistics period, the quadratic model's two JVPs (whole batch; plan.costs counts them so from
+2026-11-30 on), the refresh per inverse period.
 `after-eval`: a default CPU trainer on the digits, evaluated on 297 examples after every 5th
 step; median step time of the steps right after an evaluation against the others (issue 40
 item 6: the evaluation's thread pool must not take the next step's cores).
@@ -40,7 +41,7 @@ def flops() -> None:
         c = plan.costs
         fb = c["forward_backward_flops"]
         sp, ip = c["stats_period"], c["inverse_period"]
-        parts = [c["apply_flops"], (c["stats_flops_per_update"] + c["sampled_backward_flops"]) / sp,
+        parts = [c["apply_flops"], c["stats_flops_per_update"] / sp,  # its sampled backward included
                  c["qmodel_flops"], c["inverse_flops_per_refresh"] / ip]
         print(f"| {name}, {batch} | {fb / 1e6:.1f} | " + " | ".join(f"{p / 1e6:.1f} ({p / fb:.2f}x)" for p in parts)
               + f" | **{(fb + sum(parts)) / fb:.2f}x** |")
