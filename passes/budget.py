@@ -144,7 +144,8 @@ def fit_budget(
         layers = _fit_total_memory(layers, make, pinned, memory_bytes, step, notes)
     blocks = {l.name: make(l) for l in layers}
     costs = {n: block_cost(b, batch_size, method) for n, b in blocks.items()}
-    base = 3 * sum(c.forward for c in costs.values())
+    forward = sum(c.forward for c in costs.values())  # one forward pass at the reference batch
+    base = 3 * forward
     big = any(n >= min_dim for b in blocks.values() for n in _widths(b))
     on = overhead > 0 and base > 0
     index = {l.name: i for i, l in enumerate(layers)}
@@ -205,7 +206,7 @@ def fit_budget(
         "sampled_backward_flops": sampled_backward,
         # K-FAC's quadratic model: two forward-mode JVPs (about two forwards each) on the whole
         # batch, its default qmodel_batch_size (optimizers/kfac/settings.py)
-        "qmodel_flops": 4 * sum(b.forward_flops(batch_size) for b in blocks.values()),
+        "qmodel_flops": 4 * forward,
         "inverse_flops_per_refresh": inverse_total,
         "inverse_method": method,  # the method the layers' "inverse" FLOPs are for
         "stats_period": s,
