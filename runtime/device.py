@@ -400,10 +400,12 @@ def with_cuda_graph(providers: Sequence) -> list:
 
 
 def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str = "subgraph",
-                 threads: int | None = None, spin: bool = True, capture: bool = False) -> ort.InferenceSession:
+                 threads: int | None = None, spin: bool = True, capture: bool = False,
+                 graph_nodes: int | None = None) -> ort.InferenceSession:
     """An InferenceSession on `device`, checked: a CUDA request that fell back raises DeviceError.
     `capture`: on CUDA, with graph capture (the caller binds every input and output to fixed
-    device buffers and names a graph id per run: runtime/program.py)."""
+    device buffers and names a graph id per run: runtime/program.py). `graph_nodes`: the size
+    whose memory and optimization options it takes (a stage: its whole graph's)."""
     from kfac_compiler.onnx_files import with_relative_data
 
     dev = get_device(device)
@@ -416,7 +418,7 @@ def make_session(model: onnx.ModelProto | bytes, device: str | Device, name: str
     # a stage of a step does not spin: the next stage's session runs right after it; `spin`
     # False: one of several sessions that take turns running the step (Program)
     options = session_options(threads, spin=spin and every_step(name) and "/" not in name)
-    memory_options(options, dev, name, nodes)
+    memory_options(options, dev, name, graph_nodes or nodes)
     if folder is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
     with stage(f"ONNX Runtime session {name}" + (f" ({nodes:,} nodes)" if nodes is not None else "")):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,14 @@ _ORT_TYPES = {
 }
 
 
+# ONNX Runtime's session setup grows ~L^1.5 in a graph's nodes (its sorts keep every ready
+# node in one ordered queue): a graph of more nodes runs as a chain of sessions of at most
+# STAGE_NODES nodes each (runtime/staged.py), whose setup grows linearly (docs/runtime.md,
+# `kfac-compiler train`, what made setup superlinear; benchmarks/results/2026-11-30-staged-setup.md)
+STAGED_ABOVE_NODES = 10_000
+STAGE_NODES = 1_000
+
+
 class ContractError(RuntimeError):
     """An emitted subgraph and its info disagree with docs/runtime_contract.md (a compiler bug)."""
 
@@ -90,11 +99,12 @@ class Program(SubgraphIO):
 
     def __init__(self, model: onnx.ModelProto | bytes, info: SubgraphInfo, device: str | Device | Sequence[Any] = "cpu",
                  name: str | None = None, threads: int | None = None, carried: Sequence[str] = (),
-                 spin: bool = True, capture: bool = False) -> None:
+                 spin: bool = True, capture: bool = False, graph_nodes: int | None = None) -> None:
         super().__init__(info, name or (model.graph.name if isinstance(model, onnx.ModelProto) else "subgraph"))
         self.device = _as_device(device)
         try:
-            self.session = make_session(model, self.device, self.name, threads=threads, spin=spin, capture=capture)
+            self.session = make_session(model, self.device, self.name, threads=threads, spin=spin, capture=capture,
+                                        graph_nodes=graph_nodes)
         except CaptureRefused as e:  # e.g. a tied block's statistics Loop: this graph runs uncaptured
             warnings.warn(f"{e}; it runs uncaptured", stacklevel=2)
             capture = False
@@ -391,11 +401,20 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
             if comm is not None and not info.reductions and set(info.state_outputs.values()) & set(plan.trainable):
                 raise PlanError(f"subgraph {name!r} updates the parameters but marks no reduction points, so a "
                                 "data-parallel run cannot average its gradients; recompile the plan")
-            if comm is not None and info.reductions:
+            cut = len(model.graph.node) > STAGED_ABOVE_NODES and not capture
+            prog = None
+            if (comm is not None and info.reductions) or cut:
                 from kfac_compiler.runtime.staged import StagedProgram
+                from kfac_compiler.runtime.stages import StageError
 
-                prog = StagedProgram(model, info, device, comm, name=name, threads=threads)
-            else:
+                try:  # one process: its reduction markers are plain Identities, cut for size alone
+                    prog = StagedProgram(model, info if comm is not None else replace(info, reductions={}), device,
+                                         comm, name=name, threads=threads, max_nodes=STAGE_NODES if cut else None)
+                except StageError:
+                    if comm is not None and info.reductions:
+                        raise
+                    # a tensor that crosses a size cut and cannot be typed: the whole graph, slower to set up
+            if prog is None:
                 prog = Program(model, info, device, name=name, threads=threads, spin=spin,
                                capture=capture and shapes is not None)
                 if comm is not None and C.FINITE in prog.metrics and prog.written_slots:

@@ -1,5 +1,8 @@
 """StagedProgram: a step cut at its reduction points (runtime/stages.py), run stage by stage
-with the ranks' all-reduces in between; a drop-in for Program in a data-parallel run.
+with the ranks' all-reduces in between; a drop-in for Program in a data-parallel run. Also a
+large graph cut every `max_nodes` nodes, in one process or many: ONNX Runtime's session setup
+grows faster than its nodes, a chain of bounded stages' linearly (runtime/program.py's
+STAGED_ABOVE_NODES).
 
     stage 0 -> mean over ranks of its locals (loss, gradients) -> stage 1 -> mean (the
     quadratic model's terms) -> stage 2 -> mean (the loss after the update) -> stage 3
@@ -22,6 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from kfac_compiler import contract as C
+from kfac_compiler import progress
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import PlanError
 from kfac_compiler.runtime.comm import Communicator
@@ -101,31 +105,27 @@ class HandOn:
 
 class StagedProgram(SubgraphIO):
     """The Program interface (run, info, inputs, written slots, timings) over the stages of
-    one step graph."""
+    one step graph. `comm` None: one process (a reduction's mean is the local value);
+    `max_nodes`: also a cut every max_nodes nodes (runtime/stages.py)."""
 
-    def __init__(self, model: onnx.ModelProto, info: SubgraphInfo, device, comm: Communicator,
-                 name: str | None = None, threads: int | None = None) -> None:
+    def __init__(self, model: onnx.ModelProto, info: SubgraphInfo, device, comm: Communicator | None,
+                 name: str | None = None, threads: int | None = None, max_nodes: int | None = None) -> None:
         super().__init__(info, name or model.graph.name)
-        self.results: list[str] = []  # a step cut in stages returns no results
         self.device = _as_device(device)
         self.comm = comm
-        for slot in info.state_outputs.values():  # ekfac's S: a per-step average every rank's update reads
-            parsed = C.parse_slot(slot)
-            if parsed.kind == C.INVERSE and C.STATE_STATISTICS_POINT not in info.reductions:
-                raise PlanError(f"layer {parsed.owner!r}: its block re-estimates inverse state {parsed.item!r} on "
-                                "statistics steps (ekfac), inside the If of periodic statistics, where a data-parallel "
-                                "step cannot average it over the ranks; use cov_update_period 1, another "
-                                "approximation for it, or one process")
-        self.stages: list[Stage] = split_stages(model, info)
-        for k, stage in enumerate(self.stages[1:], 1):  # a rank's own factor averages feed no update
-            # (a stage may fold a statistic into a factor's average: it reads the slot it writes)
-            folded = set(stage.info.state_outputs.values())
-            local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR and s not in folded]
-            if local:
-                raise ContractError(f"subgraph {self.name!r}: stage {k} reads factor slot {local[0]!r}, which "
-                                    "holds this rank's moving average until it is averaged over the ranks")
-        self.programs = [Program(s.model, s.info, self.device, name=f"{self.name}/stage{k}", threads=threads,
-                                 carried=s.carried_in) for k, s in enumerate(self.stages)]
+        nodes = len(model.graph.node)
+        with progress.stage(f"cut {self.name} ({nodes:,} nodes) in stages"):
+            self.stages = split_stages(model, info, max_nodes)
+        self._refuses_results = bool(info.reductions)
+        if self._refuses_results:
+            self.results.clear()  # a data-parallel step cut at its reductions returns no results
+            self._check_rank_averages(info)
+        # a graph cut for its size: every stage takes the whole graph's session options
+        # (memory reuse, optimizations: runtime/device.py), so only the sorts get shorter
+        whole = nodes if max_nodes else None
+        with progress.stage(f"ONNX Runtime sessions {self.name} ({nodes:,} nodes in {len(self.stages)} stages)"):
+            self.programs = [Program(s.model, s.info, self.device, name=f"{self.name}/stage{k}", threads=threads,
+                                     carried=s.carried_in, graph_nodes=whole) for k, s in enumerate(self.stages)]
         self.input_dtypes: dict[str, Any] = {}
         for prog in self.programs:
             self.input_dtypes.update(prog.input_dtypes)
@@ -134,18 +134,54 @@ class StagedProgram(SubgraphIO):
         # per stage: its cut's host buffer (CPU), or None (the locals copied out and back)
         self.cuts: list[HostCut | None] = []
         for k, (stage, prog) in enumerate(zip(self.stages, self.programs)):
-            later = {n for s in self.stages[k + 1:] for n in s.carried_in}
-            shapes = (HostCut.shapes(stage, prog.session, later) if stage.reduce_after and self.device.name == "cpu"
-                      else None)
+            shapes = None
+            if stage.reduce_after and self.device.name == "cpu":
+                later = {n for s in self.stages[k + 1:] for n in s.carried_in}
+                shapes = HostCut.shapes(stage, prog.session, later)
             self.cuts.append(None if shapes is None else HostCut(stage.reduce_after, shapes, self._kinds))
         # per stage: the buffers of the tensors it hands on (CPU), or None
         self.hand_on: list[HandOn | None] = []
         for stage, cut in zip(self.stages, self.cuts):
-            names = [n for n in stage.carried_out if n not in stage.info.metrics and not (cut and n in cut.outputs)]
+            names = [n for n in stage.carried_out if n in stage.info.results and not (cut and n in cut.outputs)]
             self.hand_on.append(HandOn(names) if names and self.device.name == "cpu" else None)
         self.runs = 0
         self.session_seconds = 0.0
         self.last_seconds = 0.0
+
+    def _check_rank_averages(self, info: SubgraphInfo) -> None:
+        """A data-parallel step's stages read averages over the ranks only: ekfac's S (a
+        per-step average every rank's update reads) must have its reduction point, and no
+        later stage may read a factor slot, which holds this rank's own moving average."""
+        for slot in info.state_outputs.values():
+            parsed = C.parse_slot(slot)
+            if parsed.kind == C.INVERSE and C.STATE_STATISTICS_POINT not in info.reductions:
+                raise PlanError(f"layer {parsed.owner!r}: its block re-estimates inverse state {parsed.item!r} on "
+                                "statistics steps (ekfac), inside the If of periodic statistics, where a data-parallel "
+                                "step cannot average it over the ranks; use cov_update_period 1, another "
+                                "approximation for it, or one process")
+        reduced = False  # whether a cut before this stage averaged over the ranks
+        for k, stage in enumerate(self.stages):
+            if not reduced:
+                reduced = bool(stage.reduce_after)
+                continue
+            # (a stage may fold a statistic into a factor's average: it reads the slot it writes)
+            folded = set(stage.info.state_outputs.values())
+            local = [s for s in stage.info.state_inputs if C.parse_slot(s).kind == C.FACTOR and s not in folded]
+            if local:
+                raise ContractError(f"subgraph {self.name!r}: stage {k} reads factor slot {local[0]!r}, which "
+                                    "holds this rank's moving average until it is averaged over the ranks")
+
+    def _handed_on(self, store: StateStore, stage: Stage, name: str, got: Mapping[str, Any]) -> ort.OrtValue:
+        """The value of `name`, made by `stage`, for a later stage: a state output is in its
+        slot's spare buffer (flipped after the last stage), a metric a host float."""
+        slot = stage.info.state_outputs.get(name)
+        if slot is not None:
+            return store.spare(slot)
+        value = got[name]
+        if isinstance(value, ort.OrtValue):
+            return value
+        return ort.OrtValue.ortvalue_from_numpy(np.asarray(value, np.float32), self.device.ort_device,
+                                                self.device.device_id)
 
     @property
     def session(self):
@@ -154,8 +190,12 @@ class StagedProgram(SubgraphIO):
     def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
             hp: Mapping[str, float] | None = None, results: bool | list[str] = False,
             channel: str = "train") -> dict[str, Any]:
-        if results:
+        if results and self._refuses_results:
             raise ValueError(f"subgraph {self.name!r} runs in stages and returns metrics only")
+        want = set(self.results if results is True else results or ())
+        unknown = sorted(want - set(self.results))
+        if unknown:
+            raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
         write_inputs(store, data, hp, self.input_dtypes, channel)  # once: every stage reads the store
         values: dict[str, ort.OrtValue] = {}
         out: dict[str, Any] = {}
@@ -178,21 +218,25 @@ class StagedProgram(SubgraphIO):
                 kept.remember(batch, got)
             seconds += prog.last_seconds
             out.update({m: got[m] for m in prog.metrics})
-            values.update({n: got[n] if isinstance(got[n], ort.OrtValue) else  # a metric (host) a later stage reads
-                           ort.OrtValue.ortvalue_from_numpy(np.asarray(got[n], np.float32), self.device.ort_device,
-                                                            self.device.device_id)
-                           for n in stage.carried_out})
+            out.update({r: got[r].numpy() for r in stage.info.results if r in want})
+            for n in stage.carried_out:
+                values[n] = self._handed_on(store, stage, n, got)
+            if not stage.reduce_after:
+                continue
             if cut is not None:
-                self.comm.mean_in_place(cut.buffer, cut.nbytes)
+                if self.comm is not None:  # without, one rank: the mean is the local value
+                    self.comm.mean_in_place(cut.buffer, cut.nbytes)
                 values.update(cut.values)
-            elif stage.reduce_after:
+            elif self.comm is None:
+                values.update({r: got[local] for r, local in stage.reduce_after.items()})
+            else:
                 reduced = list(stage.reduce_after)
                 means = self.comm.mean([got[stage.reduce_after[r]].numpy() for r in reduced],
                                        [self._kinds[r] for r in reduced])
                 for r, mean in zip(reduced, means):
                     values[r] = ort.OrtValue.ortvalue_from_numpy(mean, self.device.ort_device,
                                                                   self.device.device_id)
-        if C.FINITE in out:  # every rank takes the same decision
+        if C.FINITE in out and self.comm is not None:  # every rank takes the same decision
             out[C.FINITE] = self.comm.minimum(out[C.FINITE])
         if out.get(C.FINITE, 1.0) != 0.0:
             store.flip_all(self._written)

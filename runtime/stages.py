@@ -51,9 +51,10 @@ def _reads(node: onnx.NodeProto) -> list[str]:
     return [n for n in node_reads(node) if n]
 
 
-def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
+def split_stages(model: onnx.ModelProto, info: SubgraphInfo, max_nodes: int | None = None) -> list[Stage]:
     """The stages of `model` (a fused step with `info.reductions`); one stage when it has no
-    reduction point."""
+    reduction point and `max_nodes` is None. `max_nodes`: also a new stage after every
+    max_nodes nodes of the graph's order, so that no session sorts more."""
     graph = model.graph
     reduced = {r: local for pairs in info.reductions.values() for r, local in pairs.items()}
     initializers = {t.name: t for t in graph.initializer}
@@ -62,6 +63,8 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
     constant: set[str] = set()      # tensors fed by initializers and constants only
     markers: dict[str, str] = {}    # reduced tensor -> local
     placed: list[tuple[onnx.NodeProto, int | None, list[str]]] = []  # [(node, stage or None: constant, its reads)]
+    floor = 0  # the stage the graph's order has reached (max_nodes)
+    sizes: Counter[int] = Counter()  # stage -> its nodes so far (constants aside)
     for node in graph.node:
         if node.op_type == "Identity" and len(node.output) == 1 and node.output[0] in reduced:
             local = node.input[0]
@@ -75,44 +78,57 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo) -> list[Stage]:
             constant.update(node.output)
             placed.append((node, None, reads))
             continue
-        s = max((stage_of[n] for n in reads if n in stage_of), default=0)
+        s = max([floor] + [stage_of[n] for n in reads if n in stage_of])
+        sizes[s] += 1
+        if max_nodes and sizes[s] >= max_nodes:
+            floor = s + 1
         for o in node.output:
             stage_of[o] = s
         placed.append((node, s, reads))
     missing = sorted(set(reduced) - set(markers))
     if missing:
         raise StageError(f"reduced tensor {missing[0]!r} has no Identity marker in the graph")
-    count = 1 + max((stage_of[r] for r in markers), default=0)
+    count = 1 + max([0] + [stage_of[r] for r in markers] + [t for _, t, _ in placed if t is not None])
     # the cut after stage k: the locals made in stage k at the latest whose reduced tensors
     # stage k + 1 reads (a local made earlier is carried to stage k)
     cuts: list[dict[str, str]] = [{} for _ in range(count)]
     for r, local in markers.items():
         cuts[stage_of[r] - 1][r] = local
     outputs = {o.name: o for o in graph.output}
-    _sink_views(placed, stage_of, cuts, outputs)
+    if max_nodes is None:  # a chunk's sunk views would all be ready at once: the long sort again
+        _sink_views(placed, stage_of, cuts, outputs)
     types = _tensor_types(model)
     declared = {vi.name: vi for vi in graph.value_info}  # backend/shapes.py's, nested bodies' stay in their nodes
     # what each stage reads, and which tensors cross a stage boundary
-    reads_in: list[set[str]] = [set() for _ in range(count)]
-    for _, at, reads in placed:
-        if at is not None:
-            reads_in[at].update(reads)
+    node_reads_in: list[set[str]] = [set() for _ in range(count)]  # what each stage's nodes read
+    by_stage: list[list[onnx.NodeProto]] = [[] for _ in range(count)]
+    constants: list[tuple[onnx.NodeProto, list[str]]] = []
+    for node, at, reads in placed:
+        if at is None:
+            constants.append((node, reads))
+        else:
+            node_reads_in[at].update(reads)
+            by_stage[at].append(node)
+    reads_in = [set(r) for r in node_reads_in]
     for k, cut in enumerate(cuts):
         reads_in[k].update(cut.values())  # the host reads the locals after stage k
     for name in outputs:
         if name in stage_of:
             reads_in[stage_of[name]].add(name)
+    last_read: dict[str, int] = {}  # tensor -> the last stage that reads it
+    for k, names in enumerate(reads_in):
+        for n in names:
+            last_read[n] = k
+    made_by = {o: i for i, (node, _) in enumerate(constants) for o in node.output}
     stages = []
     for s in range(count):
-        nodes = _with_constants([n for n, t, _ in placed if t == s], [(n, r) for n, t, r in placed if t is None],
-                                reads_in[s])
+        nodes, constant_reads = _with_constants(by_stage[s], constants, made_by, reads_in[s])
         made = {o for n in nodes for o in n.output}
         carried_in = sorted(n for n in reads_in[s] if n not in made and n in stage_of and n not in inputs)
-        later = set().union(*reads_in[s + 1:]) if s + 1 < count else set()
-        carried_out = sorted(n for n in made if n in later and stage_of.get(n) == s)
+        carried_out = sorted(n for n in made if last_read.get(n, -1) > s and stage_of.get(n) == s)
         stage_outputs = [n for n in outputs if n in made and stage_of.get(n) == s]
-        stages.append(_stage(model, info, s, nodes, carried_in, carried_out, stage_outputs,
-                             cuts[s], inputs, initializers, types, declared))
+        stages.append(_stage(model, info, s, nodes, node_reads_in[s] | constant_reads, carried_in, carried_out,
+                             stage_outputs, cuts[s], outputs, initializers, types, declared))
     return stages
 
 
@@ -154,16 +170,20 @@ def _sink_views(placed: list[tuple[onnx.NodeProto, int | None, list[str]]], stag
 
 
 def _with_constants(nodes: list[onnx.NodeProto], constants: list[tuple[onnx.NodeProto, list[str]]],
-                    wanted: set[str]) -> list[onnx.NodeProto]:
-    """`nodes` preceded by the constant nodes (with what each reads) that `wanted`, what the
-    stage reads, (transitively) needs."""
-    need = set(wanted)
-    keep = []
-    for node, reads in reversed(constants):
-        if any(o in need for o in node.output):
-            keep.append(node)
-            need.update(reads)
-    return list(reversed(keep)) + nodes
+                    made_by: dict[str, int], wanted: set[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """`nodes` preceded by the constant nodes (`constants`: each with what it reads; `made_by`:
+    output -> its index there) that `wanted`, what the stage reads, (transitively) needs, in
+    the graph's order, and what those read. Walks only what is needed: a stage costs its own
+    size, not the graph's."""
+    keep: set[int] = set()
+    todo = [made_by[n] for n in wanted if n in made_by]
+    while todo:
+        i = todo.pop()
+        if i not in keep:
+            keep.add(i)
+            todo.extend(made_by[n] for n in constants[i][1] if n in made_by)
+    order = sorted(keep)
+    return [constants[i][0] for i in order] + nodes, {n for i in order for n in constants[i][1]}
 
 
 def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
@@ -174,7 +194,16 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     except Exception as e:  # noqa: BLE001 - onnx raises several types for one cause
         raise StageError(f"shape inference of the step failed: {e}") from None
     g = inferred.graph
-    return {v.name: v.type for v in list(g.input) + list(g.output) + list(g.value_info)}
+    types = {v.name: v.type for v in list(g.input) + list(g.output) + list(g.value_info)
+             if v.type.tensor_type.elem_type}
+    for t in g.initializer:
+        types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, None))
+    for node in g.node:  # ops onnx does not know (com.microsoft's Inverse): their first input's type
+        known = next((types[i] for i in node.input if i in types), None)
+        for o in node.output:
+            if o and o not in types and known is not None:
+                types[o] = helper.make_tensor_type_proto(known.tensor_type.elem_type, None)
+    return types
 
 
 def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
@@ -187,21 +216,25 @@ def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoPr
     return vi
 
 
-def _stage(model: onnx.ModelProto, info: SubgraphInfo, s: int, nodes: list[onnx.NodeProto], carried_in: list[str],
-           carried_out: list[str], stage_outputs: list[str], cut: dict[str, str], inputs: set[str],
-           initializers: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto],
-           declared: dict[str, onnx.ValueInfoProto]) -> Stage:
-    read = {n for node in nodes for n in _reads(node)}
+def _stage(model: onnx.ModelProto, info: SubgraphInfo, s: int, nodes: list[onnx.NodeProto], read: set[str],
+           carried_in: list[str], carried_out: list[str], stage_outputs: list[str], cut: dict[str, str],
+           outputs: dict[str, onnx.ValueInfoProto], initializers: dict[str, onnx.TensorProto],
+           types: dict[str, onnx.TypeProto], declared: dict[str, onnx.ValueInfoProto]) -> Stage:
+    """Stage `s`: its `nodes` (what they `read`), the step's inputs and `outputs` it has, and
+    the tensors it takes from and hands to the other stages."""
     graph_inputs = [i for i in model.graph.input if i.name in read]
-    # the host reads the locals of the cut after this stage (those made here or carried in)
-    hand_on = list(dict.fromkeys(carried_out + [l for l in cut.values() if l not in stage_outputs]))
-    boundary = set(stage_outputs) | set(hand_on)
+    outs = set(stage_outputs)
+    # the host reads the locals of the cut after this stage (those made here or carried in);
+    # a step's output a later stage reads is handed on where the step writes it (a state
+    # slot's spare buffer, a metric's host scalar, a result)
+    hand_on = list(dict.fromkeys(n for n in carried_out + list(cut.values()) if n not in outs))
+    boundary = outs | set(hand_on)
     inside = [declared[o] for node in nodes for o in node.output if o in declared and o not in boundary]
     g = helper.make_graph(
         nodes, f"{model.graph.name}/stage{s}",
         graph_inputs + [_value_info(n, types) for n in carried_in],
-        [o for o in model.graph.output if o.name in stage_outputs] + [_value_info(n, types) for n in hand_on],
-        [initializers[n] for n in sorted(read & set(initializers))],
+        [outputs[n] for n in stage_outputs] + [_value_info(n, types) for n in hand_on],
+        [initializers[n] for n in sorted(read & initializers.keys())],
         value_info=inside,
     )
     m = helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
@@ -211,9 +244,9 @@ def _stage(model: onnx.ModelProto, info: SubgraphInfo, s: int, nodes: list[onnx.
         data_inputs=[n for n in info.data_inputs if n in names],
         hp_inputs=[n for n in info.hp_inputs if n in names],
         state_inputs=[n for n in info.state_inputs if n in names],
-        state_outputs={o: slot for o, slot in info.state_outputs.items() if o in stage_outputs},
-        metrics=[m_ for m_ in info.metrics if m_ in stage_outputs],
-        results=[r for r in info.results if r in stage_outputs] + hand_on,
+        state_outputs={o: slot for o, slot in info.state_outputs.items() if o in outs},
+        metrics=[m_ for m_ in info.metrics if m_ in outs],
+        results=[r for r in info.results if r in outs] + hand_on,
         state_specs=info.state_specs, noise=info.noise, options=info.options,
     )
-    return Stage(m, stage_info, carried_in, hand_on, cut)
+    return Stage(m, stage_info, carried_in, carried_out, cut)

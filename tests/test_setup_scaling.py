@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -18,6 +19,7 @@ from kfac_compiler.builder import node_reads
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime import device as D
+from kfac_compiler.runtime.stages import split_stages
 
 
 def deep_mlp(layers: int, width: int = 8) -> onnx.ModelProto:
@@ -128,3 +130,93 @@ def test_a_graph_listed_out_of_order_is_still_ordered_by_generation():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     order_by_generation(g)
     assert [n.name for n in g.node] == ["first", "root2", "second", "third"]
+
+
+def _non_constant_nodes(stage_graph: onnx.GraphProto) -> int:
+    """A stage's nodes less those fed by initializers and constants alone (copied into every
+    stage that reads them, runtime/stages.py)."""
+    made = {t.name for t in stage_graph.initializer}
+    count = 0
+    for n in stage_graph.node:
+        if all(t in made for t in node_reads(n)) and n.op_type != "If":
+            made.update(n.output)
+        else:
+            count += 1
+    return count
+
+
+def test_a_large_graph_cut_in_stages_sorts_in_walks_that_grow_with_its_nodes():
+    """Cut every max_nodes nodes, a step's sessions each sort at most that many nodes: their
+    simulated sort walks (ort_sort_walk) per node stay flat as the model deepens, where the
+    whole graph's grow with the depth (the update's per-layer chains all become ready after
+    the global step size, docs/runtime.md "Sessions")."""
+    per_node = {}
+    for layers in (40, 160):
+        plan = kc.compile(deep_mlp(layers), loss="softmax_cross_entropy", emit=False)
+        model, info = emit_subgraph(plan, "kfac_step")
+        stages = split_stages(model, replace(info, reductions={}), max_nodes=100)
+        assert len(stages) >= 20 and all(_non_constant_nodes(s.model.graph) <= 100 for s in stages)
+        nodes = len(model.graph.node)
+        per_node[layers] = (ort_sort_walk(model.graph) / nodes,
+                            sum(ort_sort_walk(s.model.graph) for s in stages) / nodes)
+    (whole40, cut40), (whole160, cut160) = per_node[40], per_node[160]
+    assert whole160 > 2 * whole40, per_node  # 14.2 -> 30.4 walked per node
+    assert cut160 < 1.25 * cut40 and cut160 < whole160 / 2, per_node  # 11.4 -> 13.1
+
+
+def _trajectory(optimizer: str, steps: int = 12) -> dict:
+    """Losses, parameters, an evaluation and a batch's gradients of a classifier trained
+    `steps` steps, statistics every 2nd and inverses every 4th (K-FAC): every session kind runs."""
+    from kfac_compiler.runtime.curvature import gradients
+
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False)
+    knobs = dict(cov_update_period=2, inv_update_period=4) if optimizer == "kfac" else {}
+    tr = Trainer(plan, optimizer=optimizer, seed=0, batch_size=32, comm=None, **knobs)
+    x, y = e.make_data(n=96, seed=1)
+    losses = []
+    for k in range(steps):
+        rows = slice(32 * (k % 3), 32 * (k % 3 + 1))
+        losses.append(tr.step({n: v[rows] for n, v in x.items()}, y[rows])["loss"])
+    loss, grads = gradients(plan, x, y, params=tr.parameters())
+    return {"losses": losses, "params": tr.parameters(), "eval": tr.evaluate(x, y), "grad loss": loss,
+            "grads": grads, "stages": [len(getattr(p, "programs", [p])) for p in tr.programs().values()]}
+
+
+@pytest.mark.parametrize("optimizer", ["kfac", "adam"])
+def test_a_graph_cut_for_its_size_trains_as_the_whole_graph(monkeypatch, optimizer):
+    """Every session cut in stages of at most 40 nodes (runtime/program.py's rule, with the
+    thresholds lowered): the same losses, parameters, evaluation and gradients, bit for bit,
+    as the whole graphs; the stages hand each other activations, metrics (the loss, the step
+    size) and state outputs (a new velocity a later stage reads)."""
+    from kfac_compiler.runtime import program
+
+    whole = _trajectory(optimizer)
+    monkeypatch.setattr(program, "STAGED_ABOVE_NODES", 0)
+    monkeypatch.setattr(program, "STAGE_NODES", 40)
+    cut = _trajectory(optimizer)
+    # (the loss graph behind the evaluation has fewer nodes than a stage may)
+    assert set(whole["stages"]) == {1} and sorted(cut["stages"])[1] >= 3, cut["stages"]
+    assert cut["losses"] == whole["losses"] and cut["eval"] == whole["eval"]
+    assert cut["grad loss"] == whole["grad loss"]
+    for p, v in whole["params"].items():
+        np.testing.assert_array_equal(cut["params"][p], v, err_msg=p)
+        np.testing.assert_array_equal(cut["grads"][p], whole["grads"][p], err_msg=p)
+
+
+def test_a_graph_that_cannot_be_cut_runs_whole(monkeypatch):
+    """A size cut is an optimization: where a crossing tensor cannot be typed (StageError), the
+    graph runs in one session, with the whole graph's values."""
+    from kfac_compiler.runtime import program, staged
+    from kfac_compiler.runtime.stages import StageError
+
+    whole = _trajectory("adam", steps=3)
+
+    def untypable(*args, **kwargs):
+        raise StageError("cannot type tensor 't', which crosses a stage boundary")
+
+    monkeypatch.setattr(program, "STAGED_ABOVE_NODES", 0)
+    monkeypatch.setattr(staged, "split_stages", untypable)
+    fallback = _trajectory("adam", steps=3)
+    assert set(fallback["stages"]) == {1}
+    assert fallback["losses"] == whole["losses"]

@@ -89,13 +89,21 @@ def test_multi_tensor_stages_compute_what_the_fused_step_computes(trained_flat, 
     assert_stages_compute_the_fused_step(*trained_flat, {**options, "multi_tensor": True})
 
 
+def test_stages_cut_also_for_their_size_compute_what_the_fused_step_computes(trained):
+    """A large graph's data-parallel step is cut at its reduction points and every max_nodes
+    nodes besides (runtime/program.py's STAGE_NODES): the same values, the cuts' reductions
+    where they were."""
+    assert_stages_compute_the_fused_step(*trained, dict(with_stats=True, stats_if=True, qmodel=True,
+                                                        loss_after=True), max_nodes=60)
+
+
 def test_cnn_stages_compute_what_the_fused_step_computes():
     """A CNN's step, whose views of patches and activations move to the stages that read them."""
     assert_stages_compute_the_fused_step(*_three_steps_in("small_cnn"),
                                          dict(with_stats=True, stats_if=True, qmodel=True, loss_after=True))
 
 
-def assert_stages_compute_the_fused_step(plan, tr, data, options):
+def assert_stages_compute_the_fused_step(plan, tr, data, options, max_nodes=None):
     model, info = emit_subgraph(plan, "kfac_step", **options)
     hp = {n: 1.0 for n in info.hp_inputs}
     hp.update({C.DAMPING: 0.1, C.hp("max_momentum"): 0.9, C.hp("max_predicted_decrease"): 0.0, C.L2: 1e-3,
@@ -106,8 +114,12 @@ def assert_stages_compute_the_fused_step(plan, tr, data, options):
     outputs = [o.name for o in model.graph.output]
     fused = _run(model, feeds, outputs)
 
-    stages = split_stages(model, info)
-    assert len(stages) >= 2 and not stages[-1].reduce_after
+    stages = split_stages(model, info, max_nodes)
+    assert len(stages) >= (2 if max_nodes is None else len(model.graph.node) // max_nodes)
+    assert not stages[-1].reduce_after
+    # every reduced tensor is reduced once, after one stage
+    assert sorted(r for s in stages for r in s.reduce_after) == sorted(
+        r for pairs in info.reductions.values() for r in pairs)
     values, staged = dict(feeds), {}
     for stage in stages:
         names = [o.name for o in stage.model.graph.output]

@@ -317,6 +317,13 @@ def test_a_large_plan_says_it_is_setting_up_sessions(monkeypatch, capsys, tmp_pa
     names = [line.split(" (")[0].removeprefix("setup: ONNX Runtime session ") for line in stages
              if line.startswith("setup: ONNX Runtime session ")]
     assert "kfac_step" in names and "inverse_update" in names, stages
+    from kfac_compiler.runtime import program  # a graph cut for its size: its cut and its sessions, a line each
+    monkeypatch.setattr(program, "STAGED_ABOVE_NODES", 0)
+    monkeypatch.setattr(program, "STAGE_NODES", 40)
+    assert main(run) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("setup: cut kfac_step (") and " nodes) in stages: " in line for line in err), err
+    assert any(line.startswith("setup: ONNX Runtime sessions kfac_step (") and " stages): " in line for line in err)
     monkeypatch.setattr(train_cli, "SETUP_NOTICE_NODES", 10 ** 9)
     monkeypatch.setattr(progress, "SHOW_SECONDS", 10.0 ** 9)
     assert main(run) == 0
