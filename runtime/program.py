@@ -93,6 +93,16 @@ class SubgraphIO:
     def written_slots(self) -> list[str]:
         return list(self._written)
 
+    def wanted_results(self, results: bool | Sequence[str]) -> tuple[str, ...]:
+        """The results a run asks for (`results`: True for every one, or names), each one
+        this subgraph returns."""
+        if results is True:
+            return tuple(self.results)
+        unknown = [r for r in (results or []) if r not in self.results]
+        if unknown:
+            raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
+        return tuple(results or ())
+
 
 class Program(SubgraphIO):
     """An executable subgraph. `device` is "cpu"/"cuda"/"auto", a Device or a providers list."""
@@ -193,13 +203,7 @@ class Program(SubgraphIO):
         a copy (`keep`; those in `into` written into the caller's OrtValues, bound while they
         stay the same), and flips the state itself after the last stage (flip=False)."""
         write_inputs(store, data, hp, self.input_dtypes, channel)
-        if results is True:
-            want = tuple(self.results)
-        else:
-            unknown = [r for r in (results or []) if r not in self.results]
-            if unknown:
-                raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
-            want = tuple(results or ())
+        want = self.wanted_results(results)
         try:
             key = (want, store.parity(self._slots), channel)
         except KeyError as e:

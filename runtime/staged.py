@@ -116,8 +116,7 @@ class StagedProgram(SubgraphIO):
         nodes = len(model.graph.node)
         with progress.stage(f"cut {self.name} ({nodes:,} nodes) in stages"):
             self.stages = split_stages(model, info, max_nodes)
-        self._refuses_results = bool(info.reductions)
-        if self._refuses_results:
+        if info.reductions:
             self.results.clear()  # a data-parallel step cut at its reductions returns no results
             self._check_rank_averages(info)
         # a graph cut for its size: every stage takes the whole graph's session options
@@ -190,12 +189,9 @@ class StagedProgram(SubgraphIO):
     def run(self, store: StateStore, data: Mapping[str, np.ndarray] | None = None,
             hp: Mapping[str, float] | None = None, results: bool | list[str] = False,
             channel: str = "train") -> dict[str, Any]:
-        if results and self._refuses_results:
+        if results and self.info.reductions:
             raise ValueError(f"subgraph {self.name!r} runs in stages and returns metrics only")
-        want = set(self.results if results is True else results or ())
-        unknown = sorted(want - set(self.results))
-        if unknown:
-            raise KeyError(f"subgraph {self.name!r} has no result {unknown[0]!r}; it returns {self.results}")
+        want = set(self.wanted_results(results))
         write_inputs(store, data, hp, self.input_dtypes, channel)  # once: every stage reads the store
         values: dict[str, ort.OrtValue] = {}
         out: dict[str, Any] = {}

@@ -88,7 +88,7 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo, max_nodes: int | No
     missing = sorted(set(reduced) - set(markers))
     if missing:
         raise StageError(f"reduced tensor {missing[0]!r} has no Identity marker in the graph")
-    count = 1 + max([0] + [stage_of[r] for r in markers] + [t for _, t, _ in placed if t is not None])
+    count = 1 + max(stage_of.values(), default=0)  # the markers' stages and every node's
     # the cut after stage k: the locals made in stage k at the latest whose reduced tensors
     # stage k + 1 reads (a local made earlier is carried to stage k)
     cuts: list[dict[str, str]] = [{} for _ in range(count)]
