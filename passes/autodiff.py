@@ -126,7 +126,11 @@ def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
     sums), each possibly under the same Squeeze/Reshape, as ONE Gemm of their operands
     concatenated along the contracted axis. One wide GEMM instead of one thin GEMM per use
     plus a Sum of weight-sized partials (an unrolled LSTM's recurrent weight: 64 partials of
-    1 MB); the per-use Gemms are left dead (dropped by `builder.live`)."""
+    1 MB); the per-use Gemms are left dead (dropped by `builder.live`). The operands are
+    concatenated in the forward order of the uses (`parts` arrive in reverse: the consumers'
+    VJPs run last use first), the order in which a Split's gradient concatenates the same
+    cotangents: ONNX Runtime's common-subexpression pass then keeps one copy (the LSTM's
+    gate cotangents, 8 MB, were concatenated twice, once in each order)."""
     producer = {o: n for n in b.nodes for o in n.output}
     found = {t: _gemm_part(producer, t) for t in parts}
     groups: dict[tuple, list[tuple[onnx.NodeProto, onnx.NodeProto | None]]] = {}
@@ -138,6 +142,7 @@ def _fuse_gemms(b: GraphBuilder, parts: list[str]) -> list[str]:
     for key, members in groups.items():
         if len(members) < 2:
             continue
+        members.reverse()
         ta, tb, alpha = key[:3]
         c = b.op("Concat", [gm.input[1] for gm, _ in members], axis=1 if tb else 0)
         if not ta and not tb and all(_ones_row(producer, gm.input[0]) for gm, _ in members):

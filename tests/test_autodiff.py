@@ -370,6 +370,10 @@ def test_multi_use_dense_gradients_fuse(batch):
     ops = [n.op_type for n in gm.graph.node]
     assert ops.count("Gemm") == 2 and "Sum" not in ops and "MatMul" in ops  # the forward's MatMuls only
     assert ops.count("ConstantOfShape") == (batch == "N")  # one ones row over the three uses' rows
+    producer = {o: n for n in gm.graph.node for o in n.output}
+    dW = producer[producer["grad/W"].input[0]]
+    # the uses' operands in the forward's order (the order a Split's gradient concatenates)
+    assert dW.op_type == "Gemm" and list(producer[dW.input[0]].input) == ["x0", "x1", "x2"]
     xs = [rng.standard_normal((5, 3)).astype(np.float32) for _ in range(3)]
     gy = rng.standard_normal((15, 4)).astype(np.float32)
     got = run_ort(gm, {**{f"x{k}": xs[k] for k in range(3)}, "y_grad": gy})

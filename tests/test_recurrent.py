@@ -273,6 +273,19 @@ def test_gradients_match_torch_autograd(name):
         np.testing.assert_allclose(ours[k], ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())), err_msg=k)
 
 
+def test_each_concatenation_of_the_steps_cotangents_is_emitted_once():
+    """W's gradient (one Gemm over the T*N rows: the cotangents of its Split, concatenated in
+    time order) and R's fused per-step gradients read the same gate cotangents: one Concat
+    of them, not one per order (issue 40: no value computed twice; 8 MB a step on the byte LM)."""
+    from kfac_compiler.backend.registry import emit_subgraph
+    plan = kc.compile(os.path.join(FIXTURES, "lstm2.onnx"), loss="softmax_cross_entropy", output="logits",
+                      emit=False)
+    model, _ = emit_subgraph(plan, "adam_step")
+    concats = [frozenset(n.input) for n in model.graph.node if n.op_type == "Concat" and len(n.input) >= T]
+    assert len(concats) >= 4  # per layer: the forward's outputs, the states R reads, the gate cotangents
+    assert len(set(concats)) == len(concats)
+
+
 # ----------------------------------------------------------------------------- the plan
 def test_plan_makes_w_one_use_over_all_steps_and_r_multi_use_fully_connected_layers_with_linked_biases():
     plan = kc.compile(os.path.join(FIXTURES, "lstm2.onnx"), loss="softmax_cross_entropy", output="logits",
