@@ -20,7 +20,7 @@ from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.comm import Communicator, mpi
 from kfac_compiler.runtime.device import physical_cores
 from kfac_compiler.runtime.inverses import InverseRefresher
-from kfac_compiler.runtime.program import Program
+from kfac_compiler.runtime.program import Program, SubgraphIO
 from kfac_compiler.runtime.state import StateStore
 
 
@@ -44,7 +44,7 @@ class SharedRefresher:
     factors are averaged over the ranks, each rank refreshes the blocks it owns, and each
     owner broadcasts its blocks' inverses. Same call and attributes as InverseRefresher."""
 
-    def __init__(self, plan: Plan, emitted: Program | Sequence[Program | None], reader: Program, method: str,
+    def __init__(self, plan: Plan, emitted: SubgraphIO | Sequence[SubgraphIO | None], reader: Program, method: str,
                  groups: Sequence[Sequence[str]] | None, owners: Mapping[str, int] | None, comm: Communicator,
                  power: float = -1.0) -> None:
         self.comm = comm
@@ -54,13 +54,13 @@ class SharedRefresher:
         self.owners = dict(owners) if owners is not None else {layer: 0 for layer in self.slots}
         mine = {layer for layer in self.slots if self.owners[layer] == comm.rank}
         local_groups = [[layer for layer in g if layer in mine] for g in self.groups]
-        programs = [emitted] if isinstance(emitted, Program) else list(emitted)
+        programs = [emitted] if isinstance(emitted, SubgraphIO) else list(emitted)
         programs = [p if g else None for p, g in zip(programs, local_groups)]  # groups this rank owns none of
         self.local = InverseRefresher(plan, programs, reader, method, local_groups, layers=mine, power=power)
         self.fallbacks: list[str] = []
 
     @property
-    def programs(self) -> list[Program | None]:
+    def programs(self) -> list[SubgraphIO | None]:
         return self.local.programs
 
     def __call__(self, store: StateStore, damping: float, group: int | None = None) -> bool:

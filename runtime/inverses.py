@@ -18,7 +18,7 @@ from kfac_compiler import contract as C
 from kfac_compiler import linalg
 from kfac_compiler.host_blocks import host_blocks
 from kfac_compiler.plan import Plan
-from kfac_compiler.runtime.program import ContractError, Program
+from kfac_compiler.runtime.program import ContractError, Program, SubgraphIO
 from kfac_compiler.runtime.state import StateStore
 
 
@@ -30,14 +30,14 @@ class InverseRefresher:
     names that partition the layers `reader` needs inverses of; program j writes only
     layers of group j, the group's other layers are refreshed on the host)."""
 
-    def __init__(self, plan: Plan, emitted: Program | Sequence[Program | None], reader: Program, method: str,
+    def __init__(self, plan: Plan, emitted: SubgraphIO | Sequence[SubgraphIO | None], reader: Program, method: str,
                  groups: Sequence[Sequence[str]] | None = None, layers: Collection[str] | None = None,
                  power: float = -1.0) -> None:
         # power != -1 (K-FAC's precon_power): the slots hold (F + damping)^power's state, the
         # emitted programs are power_update ones, the host computes numpy_power_state
         self.plan, self.method, self.power = plan, method, float(power)
         # None: a group without an emitted program (no block of it is this refresher's)
-        self.programs = [emitted] if isinstance(emitted, Program) else list(emitted)
+        self.programs = [emitted] if isinstance(emitted, SubgraphIO) else list(emitted)
         # A failed block keeps its inverse in the store (it is not written), so the previous
         # inverse is downloaded only for a warm start (saves ~1 MB of copies per refresh)
         self.warm = linalg.concrete_method(method) in linalg.WARM_STARTED_METHODS
@@ -84,7 +84,7 @@ class InverseRefresher:
                 raise ContractError(f"inverse_update program writes {stray[0]!r} outside its group")
 
     @property
-    def emitted(self) -> Program:
+    def emitted(self) -> SubgraphIO:
         """The inverse_update program when there is one group (the whole refresh)."""
         if len(self.programs) != 1:
             raise AttributeError("the refresh has several groups: see .programs")

@@ -42,7 +42,7 @@ from kfac_compiler.runtime.data import BatchChecker, convert_input, draw_noise, 
 from kfac_compiler.runtime.device import capped_threads, get_device
 from kfac_compiler.runtime.distributed import SharedRefresher, cpu_share, mean_factors
 from kfac_compiler.runtime.inverses import InverseRefresher
-from kfac_compiler.runtime.program import DeclaredProgram, Program, cached_program
+from kfac_compiler.runtime.program import DeclaredProgram, Program, SubgraphIO, cached_program
 from kfac_compiler.runtime.state import StateStore
 from kfac_compiler.runtime.static_shapes import Shapes, batch_shapes
 
@@ -242,7 +242,7 @@ class Trainer:
         shape = noise_shape(prog.info, data[C.TARGETS], prog.name)
         return {n: np.zeros(shape, np.float32) for n in missing}
 
-    def inverse_refresher(self, emitted: Program | Sequence[Program | None], reader: Program, method: str,
+    def inverse_refresher(self, emitted: SubgraphIO | Sequence[SubgraphIO | None], reader: Program, method: str,
                           groups: Sequence[Sequence[str]] | None = None,
                           owners: Mapping[str, int] | None = None,
                           power: float = -1.0) -> InverseRefresher | SharedRefresher:

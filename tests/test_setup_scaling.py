@@ -220,3 +220,36 @@ def test_a_graph_that_cannot_be_cut_runs_whole(monkeypatch):
     fallback = _trajectory("adam", steps=3)
     assert set(fallback["stages"]) == {1}
     assert fallback["losses"] == whole["losses"]
+
+
+def _curvature_run() -> dict:
+    """The Curvature API's calls on a classifier: gradients, statistics, a refresh and a
+    preconditioned gradient."""
+    from kfac_compiler.runtime.curvature import Curvature
+
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False)
+    x, y = e.make_data(n=32, seed=1)
+    cv = Curvature(plan)
+    loss, grads = cv.gradients(x, y)
+    cv.update(x, y)
+    ok = cv.update_inverses(1e-2)
+    return {"loss": loss, "grads": grads, "ok": ok, "precond": cv.precondition(grads),
+            "stages": [len(getattr(p, "programs", [p])) for p in cv._programs.values()]}
+
+
+def test_the_curvature_api_on_graphs_cut_for_their_size(monkeypatch):
+    """Curvature's programs cut in stages (its refresh is one staged program, which the
+    refresher once took for a list of group programs: a TypeError): the same gradients,
+    inverses and preconditioned gradient, bit for bit, as the whole graphs."""
+    from kfac_compiler.runtime import program
+
+    whole = _curvature_run()
+    monkeypatch.setattr(program, "STAGED_ABOVE_NODES", 0)
+    monkeypatch.setattr(program, "STAGE_NODES", 40)
+    cut = _curvature_run()
+    assert set(whole["stages"]) == {1} and sum(n > 1 for n in cut["stages"]) >= 3, cut["stages"]
+    assert cut["ok"] and whole["ok"] and cut["loss"] == whole["loss"]
+    for p, g in whole["grads"].items():
+        np.testing.assert_array_equal(cut["grads"][p], g, err_msg=p)
+        np.testing.assert_array_equal(cut["precond"][p], whole["precond"][p], err_msg=p)
