@@ -27,6 +27,7 @@ from its original, so the tie is trained as one parameter (config `retie`, on by
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 from dataclasses import dataclass
 
@@ -146,25 +147,44 @@ def find_copies(view: GraphView, params: list[str]) -> dict[str, tuple[str, bool
     (or, for matrices, its transpose) element for element. Exporters fold a tied weight's
     Transpose into a second initializer (the TorchScript exporter's embedding + head,
     torch.export's optimizer); random values equal by chance they are not. Uniform tensors
-    (all ones, all zeros) are left alone: equal values are no evidence there."""
+    (all ones, all zeros) are left alone: equal values are no evidence there.
+
+    Only parameters whose shape and type another parameter has (or, for matrices, transposed)
+    are read: a 2.2 GB embedding table without a peer was read, copied twice and hashed (30 of
+    a 48 s compile)."""
+    def spec(name: str, transposed: bool = False) -> tuple:
+        shape = view.static_shape(name)
+        return (shape[::-1] if transposed else shape, view.dtypes[name])
+
+    count: dict[tuple, int] = {}
+    for name in params:
+        count[spec(name)] = count.get(spec(name), 0) + 1
     seen: dict[tuple, str] = {}
     copies: dict[str, tuple[str, bool]] = {}
     for name in params:
+        shape = view.static_shape(name)
+        transposable = len(shape) == 2 and spec(name, True) in count
+        if count[spec(name)] < 2 and not transposable:
+            continue  # no parameter it could equal
         value = view.array(name)
         if value.size < 2 or np.all(value == value.flat[0]):
             continue
-        key = (value.shape, value.dtype.str, value.tobytes())
-        if key in seen:
+        key = (spec(name), _digest(value))
+        if key in seen and np.array_equal(view.array(seen[key]), value):
             copies[name] = (seen[key], False)
             continue
-        if value.ndim == 2:
-            t = np.ascontiguousarray(value.T)
-            original = seen.get((t.shape, t.dtype.str, t.tobytes()))
-            if original is not None:
+        if transposable:
+            original = seen.get((spec(name, True), _digest(value.T)))
+            if original is not None and np.array_equal(view.array(original), value.T):
                 copies[name] = (original, True)
                 continue
         seen[key] = name
     return copies
+
+
+def _digest(value: np.ndarray) -> bytes:
+    """A hash of the values in C order (a copy only where `value` is not contiguous)."""
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(value)).cast("B"), digest_size=16).digest()
 
 
 def retie(model: onnx.ModelProto, copies: dict[str, tuple[str, bool]]) -> onnx.ModelProto:
