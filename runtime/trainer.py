@@ -144,8 +144,9 @@ class Trainer:
         # batch_size hint lets the sessions for it be built here rather than in the first step)
         self.weighted = False
         self.batch_size = 0 if batch_size is None else check_int(batch_size, "batch_size", low=0) // self.ranks
-        for p, value in plan.parameter_values().items():
-            self.store.add(p, value)
+        if self.sessions:  # a Trainer that only declares its requests holds no values
+            for p, value in plan.parameter_values().items():
+                self.store.add(p, value)
         self.policy = optimizer_class(optimizer)(self)
         self.policy.build()
 
