@@ -8,7 +8,7 @@ such name is resolved here (symbolic links followed) and refused unless it lies 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import BinaryIO
 
 import numpy as np
@@ -61,14 +61,21 @@ def _nbytes(t: TensorProto) -> int:
     return int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
-def load_external(model: onnx.ModelProto, folder: str) -> None:
+def load_external(model: onnx.ModelProto, folder: str, replaced: Collection[str] = ()) -> None:
     """Read `model`'s external data from `folder` (its locations already checked to lie inside):
     into the tensors when it totals LAZY_EXTERNAL_BYTES at most; else the initializers' stay on
     disk, each tensor's location made the real absolute path of its file (`on_disk`, its size
-    checked), read by `tensor_array` and copied by `write_onnx` (a Constant node's is read in)."""
+    checked), read by `tensor_array` and copied by `write_onnx` (a Constant node's is read in).
+    `replaced`: initializers the caller replaces before anything reads them (an export's
+    trained values), which are not read in (a 0.55 GB table: 2.7 s of a 10 s export)."""
     tensors = _external_tensors(model)
     if sum(_nbytes(t) for t in tensors) <= LAZY_EXTERNAL_BYTES:
-        onnx.external_data_helper.load_external_data_for_model(model, folder)
+        skipped = {id(t) for t in model.graph.initializer if t.name in replaced}
+        for t in tensors:
+            if id(t) not in skipped:
+                onnx.external_data_helper.load_external_data_for_tensor(t, folder)
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
         return
     initializers = {id(t) for t in model.graph.initializer}
     for t in tensors:
@@ -210,7 +217,7 @@ def set_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None
     """Replace the model's initializers named in `values`, each keeping its dtype."""
     for t in model.graph.initializer:
         if t.name in values:
-            v = np.asarray(values[t.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+            v = np.asarray(values[t.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type), copy=False)
             t.CopyFrom(onnx.numpy_helper.from_array(v, t.name))
 
 
@@ -249,18 +256,20 @@ def needs_external(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | No
     return has_data_on_disk(model) or sum(np.asarray(v).nbytes for v in (values or {}).values()) > LAZY_EXTERNAL_BYTES
 
 
-def load_onnx(path: str, outside_error: Callable[[list[str]], Exception] | None = None) -> onnx.ModelProto:
+def load_onnx(path: str, outside_error: Callable[[list[str]], Exception] | None = None,
+              replaced: Collection[str] = ()) -> onnx.ModelProto:
     """onnx.load of an ONNX file, its external data (from its folder) loaded or left on disk as
     load_external decides. With `outside_error` (a file we did not write or check before: a
     plan's, a user's) its external data must lie inside its folder: otherwise
-    outside_error(outside_locations) is raised before anything is read."""
+    outside_error(outside_locations) is raised before anything is read. `replaced`: as
+    load_external's."""
     model = onnx.load(path, load_external_data=False)
     folder = os.path.dirname(os.path.abspath(path))
     if outside_error is not None:
         outside = outside_locations(model, folder)
         if outside:
             raise outside_error(outside)
-    load_external(model, folder)
+    load_external(model, folder, replaced)
     return model
 
 

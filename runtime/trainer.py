@@ -439,9 +439,10 @@ class Trainer:
         if graph == "auto":
             why = self._source_problem()
             if why is None:
-                source = load_onnx(cast(str, self.plan.source_path))
+                values = self.plan.source_values(self.trained_values())
+                source = load_onnx(cast(str, self.plan.source_path), replaced=values)
                 if not self._untied_copies(source):
-                    return self._trained_source(source)
+                    return self._trained_source(source, values)
                 why = "it untied parameters"
             self._warn_layout(why)
         model = onnx.ModelProto()
@@ -481,17 +482,20 @@ class Trainer:
         names = {t.name for t in model.graph.initializer}
         return [p for p in self.params if p not in names and p not in self.plan.holders_of_pieces()]
 
-    def _trained_source(self, model: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        """The source model (`model`, already loaded, or the plan's source file) and the
-        trained values of its initializers."""
+    def _trained_source(self, model: onnx.ModelProto | None = None,
+                        values: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """The source model (`model`, already loaded without the external data of `values`, or
+        the plan's source file) and the trained values of its initializers (`values`: the
+        source's names, plan.source_values)."""
         import warnings
 
+        if values is None:
+            values = self.plan.source_values(self.trained_values())
         if model is None:
             why = self._source_problem()
             if why is not None:
                 raise PlanError(f"cannot export the source graph: {why}; export the plan's graph (graph='plan')")
-            model = load_onnx(cast(str, self.plan.source_path))
-        values = self.plan.source_values(self.trained_values())
+            model = load_onnx(cast(str, self.plan.source_path), replaced=values)
         left = self._untied_copies(model)
         if left:
             warnings.warn(f"{len(left)} trained initializers have no place in the source graph (untied copies: "

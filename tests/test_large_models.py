@@ -118,6 +118,24 @@ def test_export_writes_the_values_beside_the_model(lazy, tmp_path, graph):
     assert "Trainer.export(path)" in one_line(e.value)
 
 
+def test_export_of_a_source_with_external_data_does_not_read_what_it_replaces(monkeypatch, tmp_path):
+    """A source whose external data is read in (under 1 GiB): the export does not read the
+    values the trained ones replace (the table) and writes one protobuf with the trained values."""
+    _, tr = sgd_run(write_model(tmp_path))
+    read: list[str] = []
+    load = onnx.external_data_helper.load_external_data_for_tensor
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_tensor",
+                        lambda t, folder: read.append(t.name) or load(t, folder))
+    out = tmp_path / "out" / "trained.onnx"
+    out.parent.mkdir()
+    tr.export(out)
+    assert read == [] and os.listdir(out.parent) == ["trained.onnx"]
+    got = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
+    for name, value in tr.parameters().items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert not np.array_equal(got["emb"], EMB)
+
+
 def test_a_saved_plan_keeps_its_data_and_frozen_values_stay_on_disk(lazy, tmp_path):
     plan = kc.compile(write_model(tmp_path), loss="softmax_cross_entropy", exclude=["emb"])
     plan.save(tmp_path / "plan")
