@@ -221,6 +221,53 @@ def set_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None
             t.CopyFrom(onnx.numpy_helper.from_array(v, t.name))
 
 
+def write_with_values(out: BinaryIO, model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Write `model` with `values` replacing its initializers of those names, as ONE protobuf
+    (what set_values + SerializeToString write), the values over LIGHT_VALUE_BYTES streamed
+    from their arrays: copying a 0.55 GB table into a TensorProto, the model and its bytes
+    took 6.4 of a 9.3 s export and three copies of memory. The model without those values is
+    serialized first; each follows as a fragment ModelProto {graph {initializer: the tensor}},
+    its header serialized by protobuf and its raw_data written from the array: a parser merges
+    a message field that occurs twice and appends to a repeated one (protobuf's encoding
+    rules), so the fragments add the initializers to the same graph (after the others).
+    `model` is changed: it ends without the streamed initializers."""
+    inits = {t.name: t for t in model.graph.initializer}
+    streamed = {}
+    for name, v in values.items():
+        if name in inits and np.asarray(v).nbytes > LIGHT_VALUE_BYTES:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type)
+            if dtype.kind in "fiub" and dtype.itemsize > 0:  # a numeric type onnx writes as raw_data
+                streamed[name] = np.ascontiguousarray(np.asarray(v).astype(dtype.newbyteorder("<"), copy=False))
+    dtypes = {name: inits[name].data_type for name in streamed}
+    kept = [t for t in model.graph.initializer if t.name not in streamed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    set_values(model, {k: v for k, v in values.items() if k not in streamed})
+    out.write(model.SerializeToString())
+    for name, array in streamed.items():
+        header = TensorProto(name=name, dims=array.shape, data_type=dtypes[name]).SerializeToString()
+        raw = _tag(9) + _varint(array.nbytes)  # TensorProto.raw_data
+        tensor = len(header) + len(raw) + array.nbytes
+        initializer = _tag(5) + _varint(tensor)  # GraphProto.initializer
+        out.write(_tag(7) + _varint(len(initializer) + tensor))  # ModelProto.graph
+        out.write(initializer + header + raw)
+        out.write(memoryview(array).cast("B"))
+
+
+def _tag(field: int) -> bytes:
+    """A length-delimited field's key (wire type 2)."""
+    return _varint(field << 3 | 2)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
 def _point(t: TensorProto, location: str, offset: int, length: int) -> None:
     t.ClearField("raw_data")
     del t.external_data[:]

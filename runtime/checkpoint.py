@@ -35,8 +35,8 @@ import tokenize
 import warnings
 import zipfile
 import zlib
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import onnx
@@ -60,6 +60,11 @@ VERSION = 1
 # --------------------------------------------------------------------------- atomic files
 def atomic_write_bytes(path: str, data: bytes, error: type[KfacError] = OutputError, what: str = "the file") -> None:
     _atomic(path, lambda f: f.write(data), error, what)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], Any], what: str = "the file") -> None:
+    """`write(f)` into a temp file of ours that replaces `path` once complete (as atomic_write_bytes)."""
+    _atomic(path, write, OutputError, what)
 
 
 def write_with_external_data(path: str, model: onnx.ModelProto, values: Mapping[str, np.ndarray],

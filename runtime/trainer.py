@@ -31,7 +31,7 @@ import onnx
 from kfac_compiler import contract as C
 from kfac_compiler.errors import CheckpointError, ConfigError, DataError, OutputError, PlanError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, with_float_type
-from kfac_compiler.onnx_files import load_onnx, needs_external, set_values
+from kfac_compiler.onnx_files import load_onnx, needs_external, set_values, write_with_values
 from kfac_compiler.optimizers import make_config, optimizer_class
 from kfac_compiler.parsing import check_int
 from kfac_compiler.plan import Plan
@@ -509,7 +509,7 @@ class Trainer:
         """Write the trained model (exported_model(graph): by default the user's own graph
         where it can hold every trained value, else the plan's) with the trained weights and
         the running statistics the steps updated as initializers (atomic)."""
-        from kfac_compiler.runtime.checkpoint import atomic_write_bytes, write_with_external_data
+        from kfac_compiler.runtime.checkpoint import atomic_write, atomic_write_bytes, write_with_external_data
 
         path = os.fspath(path)
         if self.rank != 0:  # every rank holds the same parameters
@@ -517,8 +517,10 @@ class Trainer:
         model, values = self._export_parts(graph)
         if needs_external(model, values):
             write_with_external_data(path, model, values)
-        else:
+        elif any(p.key == SOURCE_FLOAT_KEY for p in model.metadata_props):  # converted back whole
             atomic_write_bytes(path, _with_values(model, values).SerializeToString(), what="the trained model")
+        else:  # the large values streamed from their arrays into the protobuf's bytes
+            atomic_write(path, lambda f: write_with_values(f, model, values), what="the trained model")
         return path
 
     # ------------------------------------------------------------------ checkpoints

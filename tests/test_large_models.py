@@ -136,6 +136,40 @@ def test_export_of_a_source_with_external_data_does_not_read_what_it_replaces(mo
     assert not np.array_equal(got["emb"], EMB)
 
 
+@pytest.mark.parametrize("graph", ["auto", "plan"])
+def test_an_export_streams_its_large_values_into_one_valid_protobuf(tmp_path, graph):
+    """Values over 1 MiB (a [600, 1024] table, 2.4 MB) are written from their arrays after the
+    rest of the model (onnx_files.write_with_values): onnx loads and checks the one file, its
+    initializers are the trained values, ONNX Runtime runs it."""
+    rng = np.random.default_rng(3)
+    table = (rng.standard_normal((600, 1024)) * 0.5).astype(np.float32)
+    path = write_model(tmp_path, table.shape, lambda f: f.write(table.tobytes()))
+    m = onnx.load(path, load_external_data=False)
+    m.graph.initializer[1].CopyFrom(numpy_helper.from_array((rng.standard_normal((1024, CLASSES)) * 0.1)
+                                                            .astype(np.float32), "W"))
+    onnx.save(m, path)
+    plan = kc.compile(path, loss="softmax_cross_entropy")
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.5, batch_size=32)
+    for k in range(3):
+        tr.step({"ids": IDS[32 * k:32 * (k + 1)] % 600}, TARGETS[32 * k:32 * (k + 1)])
+    out = tmp_path / "out" / "trained.onnx"
+    out.parent.mkdir()
+    tr.export(out, graph=graph)
+    assert os.listdir(out.parent) == ["trained.onnx"]
+    trained = onnx.load(out)
+    onnx.checker.check_model(trained, full_check=True)
+    got = {t.name: numpy_helper.to_array(t) for t in trained.graph.initializer}
+    assert len(got) == len(trained.graph.initializer)  # each once
+    assert trained.graph.initializer[-1].name == "emb"  # streamed after the rest of the model
+    params = tr.parameters()
+    for name, value in params.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert not np.array_equal(got["emb"], table)
+    ids = IDS[:8] % 600
+    logits = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    np.testing.assert_allclose(logits, params["emb"][ids].mean(axis=1) @ params["W"], rtol=1e-5, atol=1e-6)
+
+
 def test_a_saved_plan_keeps_its_data_and_frozen_values_stay_on_disk(lazy, tmp_path):
     plan = kc.compile(write_model(tmp_path), loss="softmax_cross_entropy", exclude=["emb"])
     plan.save(tmp_path / "plan")
