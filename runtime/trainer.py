@@ -405,10 +405,16 @@ class Trainer:
         return [*self.params, *(t.name for t in self.plan.model.graph.initializer
                                 if t.name not in params and t.name in self.store)]
 
-    def trained_values(self) -> dict[str, np.ndarray]:
-        """The trained parameters and the non-trained state the steps update (trained_names)."""
-        values = self.parameters(layout="plan")
-        values.update({n: self.store.to_numpy(n) for n in self.trained_names() if n not in values})
+    def trained_values(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """The trained parameters and the non-trained state the steps update (trained_names).
+        `copy` False: read-only views of the state where it lives on the host, valid until the
+        next run (an export, which writes them out at once: a 2.2 GB table's copy is 2.2 GB)."""
+        if copy:
+            values = self.parameters(layout="plan")
+        else:
+            values = {p: self.store.read_only(p) for p in self.params}
+        read = self.store.to_numpy if copy else self.store.read_only
+        values.update({n: read(n) for n in self.trained_names() if n not in values})
         return values
 
     @_serialized
@@ -439,7 +445,7 @@ class Trainer:
         if graph == "auto":
             why = self._source_problem()
             if why is None:
-                values = self.plan.source_values(self.trained_values())
+                values = self.plan.source_values(self.trained_values(copy=False))
                 source = load_onnx(cast(str, self.plan.source_path), replaced=values)
                 if not self._untied_copies(source):
                     return self._trained_source(source, values)
@@ -448,7 +454,7 @@ class Trainer:
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
         _expose_outputs(model, self.loss.output_names(self.plan.output))
-        return model, self.trained_values()
+        return model, self.trained_values(copy=False)
 
     def _warn_layout(self, why: str) -> None:
         """Warn that the plan's graph, written instead of the source (`why`), holds parameters
@@ -490,7 +496,7 @@ class Trainer:
         import warnings
 
         if values is None:
-            values = self.plan.source_values(self.trained_values())
+            values = self.plan.source_values(self.trained_values(copy=False))
         if model is None:
             why = self._source_problem()
             if why is not None:
