@@ -208,7 +208,7 @@ def test_external_data_shorter_than_its_dims_is_one_line(lazy, tmp_path):
 def test_a_model_over_2_gib_compiles_trains_and_exports_from_the_command_line(tmp_path):
     """2.2 GB: a [540000, 1024] table (a sparse file: the rows the ids use written, the rest
     zeros) frozen, a head trained; then compiled with the table trainable. Training the table
-    itself needs about 8x its size (17.8 GB with SGD without momentum: parameters
+    itself needs about 7x its size (15.6 GB with SGD without momentum: parameters
     double-buffered, the velocity slot, the step's transients): more than CI has."""
     rows, width, used = 540_000, 1024, 1000
     rng = np.random.default_rng(0)
