@@ -162,8 +162,8 @@ def find_copies(view: GraphView, params: list[str]) -> dict[str, tuple[str, bool
     seen: dict[tuple, str] = {}
     copies: dict[str, tuple[str, bool]] = {}
     for name in params:
-        shape = view.static_shape(name)
-        transposable = len(shape) == 2 and spec(name, True) in count
+        shape, flipped = view.static_shape(name), spec(name, True)
+        transposable = len(shape) == 2 and count.get(flipped, 0) >= (2 if flipped == spec(name) else 1)
         if count[spec(name)] < 2 and not transposable:
             continue  # no parameter it could equal
         value = view.array(name)

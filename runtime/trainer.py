@@ -70,6 +70,20 @@ def _serialized(method: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def _holding_state(method: F) -> F:
+    """A method that reads or writes the parameters or state: a Trainer built with
+    sessions=False (it only declares its subgraphs) holds none, which is one line, not a KeyError."""
+
+    @functools.wraps(method)
+    def run(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        if not self.sessions:
+            raise ConfigError(f"Trainer.{method.__name__}: a Trainer built with sessions=False holds no parameters "
+                              "or state (it only declares its subgraphs); build it with sessions=True")
+        return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 class Trainer:
     """Train `plan` with `optimizer` (a registered name: "kfac", "adam", "sgd", ...) on
     `device` ("cpu", "cuda", "auto").
@@ -347,6 +361,7 @@ class Trainer:
         return metrics
 
     @_serialized
+    @_holding_state
     def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:
         """The model output at the current parameters (runs the plan's model with them); with
         several loss heads a dict {head output: array}."""
@@ -367,6 +382,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ parameters
     @_serialized
+    @_holding_state
     def parameters(self, layout: str = "source") -> dict[str, np.ndarray]:
         """The trainable parameters. `layout` "source" (the default): in the names and shapes
         of the user's model (Plan.source_trainable: an LSTM's W [D, 4H, I] whole, not the
@@ -377,6 +393,7 @@ class Trainer:
         return self.plan.to_source_layout(values) if _layout(layout) == "source" else values
 
     @_serialized
+    @_holding_state
     def set_parameters(self, values: Mapping[str, np.ndarray], layout: str = "source") -> None:
         """Overwrite some or all trainable parameters, given in `layout` as parameters() gives
         them; every name and shape is checked before any value is written."""
@@ -385,6 +402,7 @@ class Trainer:
         self.store.set_parameters(self.params, values)
 
     @_serialized
+    @_holding_state
     def state(self) -> dict[str, np.ndarray]:
         """Every device state slot, copied to the host."""
         return self.store.state_dict()
@@ -405,6 +423,7 @@ class Trainer:
         return [*self.params, *(t.name for t in self.plan.model.graph.initializer
                                 if t.name not in params and t.name in self.store)]
 
+    @_holding_state
     def trained_values(self, copy: bool = True) -> dict[str, np.ndarray]:
         """The trained parameters and the non-trained state the steps update (trained_names).
         `copy` False: read-only views of the state where it lives on the host, valid until the
@@ -418,11 +437,13 @@ class Trainer:
         return values
 
     @_serialized
+    @_holding_state
     def set_trained_values(self, values: Mapping[str, np.ndarray]) -> None:
         """Write back values trained_values() gave (all or some): the model of an earlier step,
         e.g. fit's keep_best. The optimizer's own state (moments, factors, step count) stays."""
         self.store.set_parameters(self.trained_names(), values)
 
+    @_holding_state
     def exported_model(self, graph: str = "auto") -> onnx.ModelProto:
         """The trained model: `graph` "source", the user's model file itself (its nodes, names,
         fused recurrent ops and outputs) with the trained values written into its initializers
@@ -511,6 +532,7 @@ class Trainer:
         return model, {name: v for name, v in values.items() if name in names}
 
     @_serialized
+    @_holding_state
     def export(self, path: str | os.PathLike, graph: str = "auto") -> str:
         """Write the trained model (exported_model(graph): by default the user's own graph
         where it can hold every trained value, else the plan's) with the trained weights and
@@ -531,6 +553,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     @_serialized
+    @_holding_state
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         from kfac_compiler.runtime.checkpoint import save_checkpoint
 
@@ -554,6 +577,7 @@ class Trainer:
         return value if self.comm is None else float(self.comm.mean([np.float32(value)], "scalars")[0])
 
     @_serialized
+    @_holding_state
     def restore(self, path: str | os.PathLike) -> Trainer:
         from kfac_compiler.runtime.checkpoint import restore_checkpoint
 
