@@ -251,7 +251,7 @@ def write_with_values(out: BinaryIO, model: onnx.ModelProto, values: Mapping[str
         initializer = _tag(5) + _varint(tensor)  # GraphProto.initializer
         out.write(_tag(7) + _varint(len(initializer) + tensor))  # ModelProto.graph
         out.write(initializer + header + raw)
-        out.write(memoryview(array).cast("B"))
+        out.write(array.reshape(-1).view(np.uint8))
 
 
 def _tag(field: int) -> bytes:

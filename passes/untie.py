@@ -184,7 +184,7 @@ def find_copies(view: GraphView, params: list[str]) -> dict[str, tuple[str, bool
 
 def _digest(value: np.ndarray) -> bytes:
     """A hash of the values in C order (a copy only where `value` is not contiguous)."""
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(value)).cast("B"), digest_size=16).digest()
+    return hashlib.blake2b(np.ascontiguousarray(value).reshape(-1).view(np.uint8), digest_size=16).digest()
 
 
 def retie(model: onnx.ModelProto, copies: dict[str, tuple[str, bool]]) -> onnx.ModelProto:
