@@ -225,12 +225,12 @@ def write_with_values(out: BinaryIO, model: onnx.ModelProto, values: Mapping[str
     """Write `model` with `values` replacing its initializers of those names, as ONE protobuf
     (what set_values + SerializeToString write), the values over LIGHT_VALUE_BYTES streamed
     from their arrays: copying a 0.55 GB table into a TensorProto, the model and its bytes
-    took 6.4 of a 9.3 s export and three copies of memory. The model without those values is
-    serialized first; each follows as a fragment ModelProto {graph {initializer: the tensor}},
-    its header serialized by protobuf and its raw_data written from the array: a parser merges
-    a message field that occurs twice and appends to a repeated one (protobuf's encoding
-    rules), so the fragments add the initializers to the same graph (after the others).
-    `model` is changed: it ends without the streamed initializers."""
+    took 6.4 of a 9.3 s export and three copies of memory. Each initializer, in the model's
+    order, is written as a fragment ModelProto {graph {initializer: the tensor}} (a streamed
+    one's header serialized by protobuf, its raw_data written from the array), then the model
+    without them: a parser merges a message field that occurs twice and appends to a repeated
+    one in the order met (protobuf's encoding rules), so this reads as the model with its
+    initializers in their order. `model` is changed: it ends without initializers."""
     inits = {t.name: t for t in model.graph.initializer}
     streamed = {}
     for name, v in values.items():
@@ -238,20 +238,25 @@ def write_with_values(out: BinaryIO, model: onnx.ModelProto, values: Mapping[str
             dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type)
             if dtype.kind in "fiub" and dtype.itemsize > 0:  # a numeric type onnx writes as raw_data
                 streamed[name] = np.ascontiguousarray(np.asarray(v).astype(dtype.newbyteorder("<"), copy=False))
-    dtypes = {name: inits[name].data_type for name in streamed}
-    kept = [t for t in model.graph.initializer if t.name not in streamed]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
     set_values(model, {k: v for k, v in values.items() if k not in streamed})
+    for t in model.graph.initializer:
+        array = streamed.get(t.name)
+        if array is None:
+            _write_initializer(out, t.SerializeToString())
+            continue
+        header = TensorProto(name=t.name, dims=array.shape, data_type=t.data_type).SerializeToString()
+        _write_initializer(out, header + _tag(9) + _varint(array.nbytes), array.reshape(-1).view(np.uint8))
+    del model.graph.initializer[:]
     out.write(model.SerializeToString())
-    for name, array in streamed.items():
-        header = TensorProto(name=name, dims=array.shape, data_type=dtypes[name]).SerializeToString()
-        raw = _tag(9) + _varint(array.nbytes)  # TensorProto.raw_data
-        tensor = len(header) + len(raw) + array.nbytes
-        initializer = _tag(5) + _varint(tensor)  # GraphProto.initializer
-        out.write(_tag(7) + _varint(len(initializer) + tensor))  # ModelProto.graph
-        out.write(initializer + header + raw)
-        out.write(array.reshape(-1).view(np.uint8))
+
+
+def _write_initializer(out: BinaryIO, head: bytes, tail: np.ndarray | None = None) -> None:
+    """A fragment ModelProto.graph (field 7) {GraphProto.initializer (field 5): head + tail}."""
+    size = len(head) + (0 if tail is None else tail.nbytes)
+    initializer = _tag(5) + _varint(size)
+    out.write(_tag(7) + _varint(len(initializer) + size) + initializer + head)
+    if tail is not None:
+        out.write(tail)
 
 
 def _tag(field: int) -> bytes:
