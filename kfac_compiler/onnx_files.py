@@ -73,19 +73,22 @@ def load_external(model: onnx.ModelProto, folder: str, replaced: Collection[str]
         skipped = {id(t) for t in model.graph.initializer if t.name in replaced}
         for t in tensors:
             if id(t) not in skipped:
-                onnx.external_data_helper.load_external_data_for_tensor(t, folder)
-                del t.external_data[:]
-                t.data_location = TensorProto.DEFAULT
+                _read_in(t, folder)
         return
     initializers = {id(t) for t in model.graph.initializer}
     for t in tensors:
         if id(t) not in initializers:
-            onnx.external_data_helper.load_external_data_for_tensor(t, folder)
-            del t.external_data[:]
-            t.data_location = TensorProto.DEFAULT
+            _read_in(t, folder)
             continue
         _relocate(t, os.path.realpath(os.path.join(folder, _entries(t)["location"])))
         _region(t)
+
+
+def _read_in(t: TensorProto, folder: str) -> None:
+    """`t`'s external data read into it (what onnx's load_external_data_for_model does per tensor)."""
+    onnx.external_data_helper.load_external_data_for_tensor(t, folder)
+    del t.external_data[:]
+    t.data_location = TensorProto.DEFAULT
 
 
 def _relocate(t: TensorProto, location: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,25 +157,23 @@ def find_copies(view: GraphView, params: list[str]) -> dict[str, tuple[str, bool
         shape = view.static_shape(name)
         return (shape[::-1] if transposed else shape, view.dtypes[name])
 
-    count: dict[tuple, int] = {}
-    for name in params:
-        count[spec(name)] = count.get(spec(name), 0) + 1
+    count = Counter(spec(name) for name in params)
     seen: dict[tuple, str] = {}
     copies: dict[str, tuple[str, bool]] = {}
     for name in params:
-        shape, flipped = view.static_shape(name), spec(name, True)
-        transposable = len(shape) == 2 and count.get(flipped, 0) >= (2 if flipped == spec(name) else 1)
-        if count[spec(name)] < 2 and not transposable:
+        own, flipped = spec(name), spec(name, True)
+        transposable = len(own[0]) == 2 and count[flipped] >= (2 if flipped == own else 1)
+        if count[own] < 2 and not transposable:
             continue  # no parameter it could equal
         value = view.array(name)
         if value.size < 2 or np.all(value == value.flat[0]):
             continue
-        key = (spec(name), _digest(value))
+        key = (own, _digest(value))
         if key in seen and np.array_equal(view.array(seen[key]), value):
             copies[name] = (seen[key], False)
             continue
         if transposable:
-            original = seen.get((spec(name, True), _digest(value.T)))
+            original = seen.get((flipped, _digest(value.T)))
             if original is not None and np.array_equal(view.array(original), value.T):
                 copies[name] = (original, True)
                 continue
