@@ -199,7 +199,7 @@ def write_onnx(model: onnx.ModelProto, out: BinaryIO, data_path: str, data_name:
                 if t.name in values:
                     v = np.ascontiguousarray(np.asarray(values[t.name]),
                                              onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
-                    data.write(memoryview(v).cast("B"))
+                    data.write(v.reshape(-1).view(np.uint8))  # bytes (a bfloat16 array has no buffer format)
                     length = v.nbytes
                 else:
                     length = _copy_region(t, data)
@@ -239,7 +239,7 @@ def write_with_values(out: BinaryIO, model: onnx.ModelProto, values: Mapping[str
     for name, v in values.items():
         if name in inits and np.asarray(v).nbytes > LIGHT_VALUE_BYTES:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type)
-            if dtype.kind in "fiub" and dtype.itemsize > 0:  # a numeric type onnx writes as raw_data
+            if dtype.kind in "fiub" or inits[name].data_type == TensorProto.BFLOAT16:  # written as raw_data
                 streamed[name] = np.ascontiguousarray(np.asarray(v).astype(dtype.newbyteorder("<"), copy=False))
     set_values(model, {k: v for k, v in values.items() if k not in streamed})
     for t in model.graph.initializer:
@@ -307,8 +307,15 @@ LIGHT_VALUE_BYTES = 1 << 20
 
 def needs_external(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | None = None) -> bool:
     """Whether `model` with `values` must be written with external data: some of its values
-    were left on disk, or the values total over LAZY_EXTERNAL_BYTES."""
-    return has_data_on_disk(model) or sum(np.asarray(v).nbytes for v in (values or {}).values()) > LAZY_EXTERNAL_BYTES
+    were left on disk, or the values total over LAZY_EXTERNAL_BYTES in the types of the
+    initializers they replace (a float32 value written into a float16 model counts half)."""
+    if has_data_on_disk(model):
+        return True
+    values = values or {}
+    itemsize = {t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                for t in model.graph.initializer if t.name in values}
+    return sum(np.asarray(v).size * itemsize.get(n, np.asarray(v).itemsize)
+               for n, v in values.items()) > LAZY_EXTERNAL_BYTES
 
 
 def load_onnx(path: str, outside_error: Callable[[list[str]], Exception] | None = None,

@@ -74,7 +74,6 @@ def write_with_external_data(path: str, model: onnx.ModelProto, values: Mapping[
     replaces its target only once complete (the data first: a model file never names data
     that is not there)."""
     from kfac_compiler.atomic import temp_path
-    from kfac_compiler.graph import SOURCE_FLOAT_KEY
     from kfac_compiler.onnx_files import write_onnx
 
     data_path = path + ".data"
@@ -82,9 +81,6 @@ def write_with_external_data(path: str, model: onnx.ModelProto, values: Mapping[
         problem = file_target_problem(p)
         if problem:
             raise OutputError(f"cannot write {what} {p!r}: it {problem}")
-    if any(prop.key == SOURCE_FLOAT_KEY for prop in model.metadata_props):
-        raise OutputError(f"cannot write {what} {path!r}: a model over 1 GiB is exported in float32, not converted "
-                          "back to its source float type")
     tmp = temp_path(os.path.realpath(data_path))
     with os_errors(OutputError, what, data_path, writing=True):
         try:

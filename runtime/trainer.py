@@ -377,7 +377,9 @@ class Trainer:
                             f"(missing {missing}, unknown {unknown})")
         bounds = self._check_batch.index_bounds
         feeds = {k: convert_input(k, *specs[k], v, "predict", bounds.get(k)) for k, v in inputs.items()}
-        sess = ort.InferenceSession(self.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
+        # the plan's graph in float32, as trained (a converted float16 model's export takes float16)
+        model = _in_memory(*self._export_parts("plan"))
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         return self.loss.prediction(sess.run([self.plan.output], feeds)[0])
 
     # ------------------------------------------------------------------ parameters
@@ -448,10 +450,7 @@ class Trainer:
         compiled from a file that is still there, unchanged, and untied no parameter), else
         the plan's."""
         model, values = self._export_parts(graph)
-        if needs_external(model, values):
-            raise OutputError("the trained model is over 1 GiB, too large for one ONNX protobuf: write it with "
-                              "Trainer.export(path), which puts its values in external data beside it")
-        return _with_values(model, values)
+        return _in_memory(_in_source_float_type(model, values), values)
 
     def _export_parts(self, graph: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         """The model exported_model(graph) writes the trained values into, and those values."""
@@ -533,16 +532,15 @@ class Trainer:
         """Write the trained model (exported_model(graph): by default the user's own graph
         where it can hold every trained value, else the plan's) with the trained weights and
         the running statistics the steps updated as initializers (atomic)."""
-        from kfac_compiler.runtime.checkpoint import atomic_write, atomic_write_bytes, write_with_external_data
+        from kfac_compiler.runtime.checkpoint import atomic_write, write_with_external_data
 
         path = os.fspath(path)
         if self.rank != 0:  # every rank holds the same parameters
             return path
         model, values = self._export_parts(graph)
+        model = _in_source_float_type(model, values)  # the values are cast as they are written
         if needs_external(model, values):
             write_with_external_data(path, model, values)
-        elif any(p.key == SOURCE_FLOAT_KEY for p in model.metadata_props):  # converted back whole
-            atomic_write_bytes(path, _with_values(model, values).SerializeToString(), what="the trained model")
         else:  # the large values streamed from their arrays into the protobuf's bytes
             atomic_write(path, lambda f: write_with_values(f, model, values), what="the trained model")
         return path
@@ -643,15 +641,20 @@ class Trainer:
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
 
 
-def _with_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """`model` holding the trained `values`, in its source's float type: what export writes."""
+def _in_memory(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """`model` holding `values` (its initializers' types kept), if one protobuf can hold them."""
+    if needs_external(model, values):
+        raise OutputError("the trained model is over 1 GiB, too large for one ONNX protobuf: write it with "
+                          "Trainer.export(path), which puts its values in external data beside it")
     set_values(model, values)
-    return _in_source_float_type(model)
+    return model
 
 
-def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The trained model in the float type its source came in (the front end trains a
-    float16, bfloat16 or float64 model in float32: frontend._as_float32)."""
+def _in_source_float_type(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """`model` (ours to change) in the float type its source came in (the front end trains a
+    float16, bfloat16 or float64 model in float32: frontend._as_float32), its initializers
+    named in `values` retyped without data: the writers cast each trained value to its
+    initializer's type as they write it, so no float32 or converted copy of the weights is made."""
     props = {p.key: p.value for p in model.metadata_props}
     source = props.pop(SOURCE_FLOAT_KEY, None)
     if source is None:
@@ -659,7 +662,11 @@ def _in_source_float_type(model: onnx.ModelProto) -> onnx.ModelProto:
     del model.metadata_props[:]
     for key, value in props.items():
         model.metadata_props.add(key=key, value=value)
-    return with_float_type(model, onnx.TensorProto.DataType.Value(source), {onnx.TensorProto.FLOAT})
+    to, float32 = onnx.TensorProto.DataType.Value(source), onnx.TensorProto.FLOAT
+    for t in model.graph.initializer:  # retyped, their data dropped before with_float_type copies the model
+        if t.name in values:
+            t.CopyFrom(onnx.TensorProto(name=t.name, dims=t.dims, data_type=to if t.data_type == float32 else t.data_type))
+    return with_float_type(model, to, {float32})
 
 
 def _layout(layout: Any) -> str:

@@ -55,6 +55,66 @@ def test_a_model_in_another_float_type_trains_as_its_float32_twin_and_exports_in
         np.testing.assert_allclose(logits.astype(np.float32), expected, atol=2e-2 if kind == "float16" else 1e-5)
 
 
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+@pytest.mark.parametrize("writer", ["external data", "streamed", "in memory"])
+def test_a_converted_model_exports_in_its_type_through_every_writer(kind, writer, tmp_path, monkeypatch):
+    """The plan's graph of a converted model (compiled from memory: no source file) is written
+    in the source's type by each writer, the trained values cast per tensor as they are
+    written: external data (a model over LAZY_EXTERNAL_BYTES, here lowered to 1 KiB; refused
+    before), the one protobuf with values streamed from their arrays (LIGHT_VALUE_BYTES
+    lowered), exported_model in memory. Truth: the trained float32 values cast by numpy; ONNX
+    Runtime running the file (float16; its CPU provider has no bfloat16 Gemm)."""
+    from kfac_compiler import onnx_files
+
+    e = ZOO["mlp_classifier"]
+    inputs, y = e.make_data(None, seed=0)
+    x = inputs["input"]
+    trainer = Trainer(kc.compile(with_float_type(e.build(seed=0), TYPES[kind], {TensorProto.FLOAT}), loss=e.loss,
+                                 output=e.output_name, emit=False), optimizer="sgd", learning_rate=0.1, threads=1)
+    for k in range(2):
+        trainer.step({"input": x[k * 64:(k + 1) * 64]}, y[k * 64:(k + 1) * 64])
+    trained = trainer.parameters()
+    predicted = trainer.predict({"input": x[:32]})  # in float32, as trained; the source's type is taken too
+    assert predicted.dtype == np.float32
+    np.testing.assert_array_equal(trainer.predict({"input": x[:32].astype(np.float16)}),
+                                  trainer.predict({"input": x[:32].astype(np.float16).astype(np.float32)}))
+    if writer == "external data":
+        monkeypatch.setattr(onnx_files, "LAZY_EXTERNAL_BYTES", 1024)
+        monkeypatch.setattr(onnx_files, "LIGHT_VALUE_BYTES", 256)
+    elif writer == "streamed":
+        monkeypatch.setattr(onnx_files, "LIGHT_VALUE_BYTES", 256)
+    if writer == "in memory":
+        exported, path = trainer.exported_model(), None
+    else:
+        path = trainer.export(tmp_path / "trained.onnx")
+        assert (tmp_path / "trained.onnx.data").exists() == (writer == "external data")
+        exported = onnx.load(path)
+    onnx.checker.check_model(exported, full_check=True)
+    assert {t.data_type for t in exported.graph.initializer if t.data_type != TensorProto.INT64} == {TYPES[kind]}
+    assert exported.graph.input[0].type.tensor_type.elem_type == TYPES[kind] and not exported.metadata_props
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(TYPES[kind])
+    assert {t.name for t in exported.graph.initializer} >= set(trained)
+    for t in exported.graph.initializer:
+        if t.name in trained:
+            np.testing.assert_array_equal(numpy_helper.to_array(t), trained[t.name].astype(np_type), err_msg=t.name)
+    if path is not None and kind == "float16":
+        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        (logits,) = sess.run(None, {"input": x[:32].astype(np_type)})
+        np.testing.assert_allclose(logits.astype(np.float32), predicted, atol=2e-2)
+
+
+def test_values_count_in_their_initializers_type_against_the_external_data_threshold(monkeypatch):
+    """needs_external weighs a float32 value written into a float16 initializer at 2 bytes an
+    element, as it will be written: 600 elements are 1,200 bytes there, 2,400 in float32."""
+    from kfac_compiler import onnx_files
+
+    monkeypatch.setattr(onnx_files, "LAZY_EXTERNAL_BYTES", 2000)
+    values = {"w": np.zeros(600, np.float32)}
+    for kind, external in ((TensorProto.FLOAT16, False), (TensorProto.FLOAT, True)):
+        g = onnx.helper.make_graph([], "g", [], [], [onnx.helper.make_tensor("w", kind, [600], np.zeros(600))])
+        assert onnx_files.needs_external(onnx.helper.make_model(g), values) is external
+
+
 @pytest.mark.slow
 def test_float16_data_trains_a_float16_model_from_the_command_line(tmp_path, capsys):
     from kfac_compiler.cli import main
