@@ -29,6 +29,7 @@ from typing import Any
 # ------------------------------------------------------------------------------ subgraph names
 # the back end's own subgraphs (docs/runtime_contract.md); optimizers name their steps
 LOSS_GRAPH = "loss"                      # the loss and the model output
+PREDICT = "predict"                      # the model output alone (no targets)
 GRADIENTS = "gradients"                  # the loss and every parameter's gradient
 STATISTICS = "statistics"                # one batch's factor statistics
 UPDATE_STATISTICS = "update_statistics"  # the factors' moving averages from one batch
@@ -217,7 +218,7 @@ def inverse_ok(layer: str) -> str:
     return metric(f"inverse_ok/{layer}")
 
 
-MODEL_OUTPUT = "kfac/output"  # the model output, as a result of the `loss` subgraph
+MODEL_OUTPUT = "kfac/output"  # the model output, as a result of the `loss` and `predict` subgraphs
 RESERVED = (TARGETS, LOSS, EXAMPLE_WEIGHTS, MODEL_OUTPUT)  # model tensors may not use these
 
 

@@ -127,6 +127,11 @@ class LossOptions(SubgraphOptions):
 
 
 @dataclass(frozen=True)
+class PredictOptions(SubgraphOptions):
+    pass
+
+
+@dataclass(frozen=True)
 class GradientsOptions(SubgraphOptions):
     pass
 
@@ -202,7 +207,8 @@ def register_kind(kind: SubgraphKind) -> SubgraphKind:
     return kind
 
 
-for _kind in (SubgraphKind(C.LOSS_GRAPH, LossOptions), SubgraphKind(C.GRADIENTS, GradientsOptions),
+for _kind in (SubgraphKind(C.LOSS_GRAPH, LossOptions), SubgraphKind(C.PREDICT, PredictOptions),
+              SubgraphKind(C.GRADIENTS, GradientsOptions),
               SubgraphKind(C.STATISTICS, StatisticsOptions), SubgraphKind(C.UPDATE_STATISTICS, StatisticsOptions),
               SubgraphKind(C.INVERSE_UPDATE, InverseOptions), SubgraphKind(C.POWER_UPDATE, PowerOptions),
               SubgraphKind(C.PRECONDITION, PreconditionOptions), SubgraphKind(C.MULTIPLY, MultiplyOptions)):

@@ -365,8 +365,6 @@ class Trainer:
     def predict(self, inputs: Mapping[str, Any]) -> np.ndarray:
         """The model output at the current parameters (runs the plan's model with them); with
         several loss heads a dict {head output: array}."""
-        import onnxruntime as ort
-
         specs = self._check_batch.input_specs
         if not isinstance(inputs, Mapping):
             raise DataError(f"predict: inputs must be a dict keyed by the model inputs {list(specs)}")
@@ -377,10 +375,8 @@ class Trainer:
                             f"(missing {missing}, unknown {unknown})")
         bounds = self._check_batch.index_bounds
         feeds = {k: convert_input(k, *specs[k], v, "predict", bounds.get(k)) for k, v in inputs.items()}
-        # the plan's graph in float32, as trained (a converted float16 model's export takes float16)
-        model = _in_memory(*self._export_parts("plan"))
-        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        return self.loss.prediction(sess.run([self.plan.output], feeds)[0])
+        prog = self.program(C.PREDICT)  # the plan's graph in float32, as trained, on the trainer's device
+        return self.loss.prediction(prog.run(self.store, feeds, results=True, channel="eval")[prog.results[0]])
 
     # ------------------------------------------------------------------ parameters
     @_serialized

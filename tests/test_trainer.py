@@ -328,6 +328,22 @@ def test_evaluate_export_and_predict(mlp, tmp_path):
     np.testing.assert_allclose(tr.predict({"input": x[:5]}), logits[:5], rtol=1e-5, atol=1e-6)
 
 
+def test_predict_keeps_one_session_that_reads_the_current_parameters(mlp):
+    """predict runs the `predict` subgraph, built once and bound to the state like evaluate's
+    (it rebuilt the whole model with the values on every call): after each step its output is
+    ONNX Runtime's on the exported model, computed independently, and no session is added."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.5)
+    before = tr.predict({"input": x[:5]})
+    sessions = len(tr.programs())
+    for k in range(2):
+        tr.step({"input": x[64 * k:64 * (k + 1)]}, y[64 * k:64 * (k + 1)])
+        sess = ort.InferenceSession(tr.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
+        (logits,) = sess.run(["logits"], {"input": x[:5]})
+        np.testing.assert_allclose(tr.predict({"input": x[:5]}), logits, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(before, logits) and len(tr.programs()) == sessions and "predict" in tr.programs()
+
+
 def test_bad_batches_raise_data_error(mlp):
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="sgd")
