@@ -83,6 +83,8 @@ def test_values_stay_on_disk_and_train_as_in_memory(lazy, tmp_path):
     for name, value in eager.parameters().items():
         np.testing.assert_array_equal(tr.parameters()[name], value, err_msg=name)
     assert not np.array_equal(tr.parameters()["emb"], EMB)  # the table trained
+    # predict runs its own session of the plan, whose frozen values stay on disk: as in memory
+    np.testing.assert_array_equal(tr.predict({"ids": IDS[:8]}), eager.predict({"ids": IDS[:8]}))
 
 
 def test_tensor_view_maps_what_tensor_array_reads(lazy, tmp_path):
