@@ -11,6 +11,8 @@ another benchmark script runs under the patch.
     RELCAP=2,10 python benchmarks/results/2026-11-30-relative-cap.py \\
         benchmarks/results/2026-11-30-budget-overhead.py steps OUT.json resnet18 0,1,2 o1+max_predicted_decrease=1.0
 
+With OUTLIER_CAP=F,K,W the cap is K only on a batch whose loss (one extra forward pass before
+the step: the prototype's cost) exceeds F x the median of the last W applied batch losses.
 With GUARD_MEDIAN=F the spike guard's limit is F x the MEDIAN batch loss of its window
 instead of loss_spike_factor x the largest (the guard's other rules unchanged). Without either
 variable the script runs unpatched.
@@ -60,10 +62,40 @@ def patch_guard(factor: float) -> None:
     K.Kfac.loss_limit = loss_limit
 
 
+def patch_outlier_cap(factor: float, k: float, window: int) -> None:
+    from kfac_compiler import contract as C
+
+    hyper_parameters, step = K.Kfac._hyper_parameters, K.Kfac.step
+
+    def patched_step(self, data):
+        if not hasattr(self, "_losses"):
+            self._losses = deque(maxlen=window)
+        self._outlier = False
+        if len(self._losses) >= window:
+            tr = self.trainer
+            loss = float(tr.program(C.LOSS_GRAPH).run(tr.store, data, results=False, channel="eval")[C.LOSS])
+            self._outlier = loss > factor * statistics.median(self._losses)
+        out = step(self, data)
+        if not out.get("rejected"):
+            self._losses.append(out["loss"])
+        return out
+
+    def patched_hyper_parameters(self, adapt, step_index):
+        hp = hyper_parameters(self, adapt, step_index)
+        if getattr(self, "_outlier", False) and G.MAX_PREDICTED_DECREASE in hp:
+            hp[G.MAX_PREDICTED_DECREASE] = k
+        return hp
+
+    K.Kfac._hyper_parameters, K.Kfac.step = patched_hyper_parameters, patched_step
+
+
 if __name__ == "__main__":
     if os.environ.get("RELCAP"):
         m, w = os.environ["RELCAP"].split(",")
         patch(float(m), int(w))
+    if os.environ.get("OUTLIER_CAP"):
+        f, k, w = os.environ["OUTLIER_CAP"].split(",")
+        patch_outlier_cap(float(f), float(k), int(w))
     if os.environ.get("GUARD_MEDIAN"):
         patch_guard(float(os.environ["GUARD_MEDIAN"]))
     script = sys.argv[1]
