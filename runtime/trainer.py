@@ -446,10 +446,16 @@ class Trainer:
         compiled from a file that is still there, unchanged, and untied no parameter), else
         the plan's."""
         model, values = self._export_parts(graph)
-        return _in_memory(_in_source_float_type(model, values), values)
+        if needs_external(model, values):
+            raise OutputError("the trained model is over 1 GiB, too large for one ONNX protobuf: write it with "
+                              "Trainer.export(path), which puts its values in external data beside it")
+        set_values(model, values)
+        return model
 
     def _export_parts(self, graph: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        """The model exported_model(graph) writes the trained values into, and those values."""
+        """The model exported_model(graph) writes the trained values into, and those values
+        (the plan's graph of a converted model in its source's float type, the values' own
+        initializers retyped without data: the writers cast each value as they write it)."""
         if graph not in EXPORT_GRAPHS:
             raise ConfigError(f"export: graph must be one of {', '.join(map(repr, EXPORT_GRAPHS))}, got {graph!r}")
         if graph == "source":
@@ -466,7 +472,8 @@ class Trainer:
         model = onnx.ModelProto()
         model.CopyFrom(self.plan.model)
         _expose_outputs(model, self.loss.output_names(self.plan.output))
-        return model, self.trained_values(copy=False)
+        values = self.trained_values(copy=False)
+        return _in_source_float_type(model, values), values
 
     def _warn_layout(self, why: str) -> None:
         """Warn that the plan's graph, written instead of the source (`why`), holds parameters
@@ -534,7 +541,6 @@ class Trainer:
         if self.rank != 0:  # every rank holds the same parameters
             return path
         model, values = self._export_parts(graph)
-        model = _in_source_float_type(model, values)  # the values are cast as they are written
         if needs_external(model, values):
             write_with_external_data(path, model, values)
         else:  # the large values streamed from their arrays into the protobuf's bytes
@@ -637,20 +643,12 @@ class Trainer:
                 f"step={self.step_count}" + (f", damping={damping:.3g})" if damping is not None else ")"))
 
 
-def _in_memory(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """`model` holding `values` (its initializers' types kept), if one protobuf can hold them."""
-    if needs_external(model, values):
-        raise OutputError("the trained model is over 1 GiB, too large for one ONNX protobuf: write it with "
-                          "Trainer.export(path), which puts its values in external data beside it")
-    set_values(model, values)
-    return model
-
-
 def _in_source_float_type(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """`model` (ours to change) in the float type its source came in (the front end trains a
-    float16, bfloat16 or float64 model in float32: frontend._as_float32), its initializers
-    named in `values` retyped without data: the writers cast each trained value to its
-    initializer's type as they write it, so no float32 or converted copy of the weights is made."""
+    float16, bfloat16 or float64 model in float32: frontend._as_float32; only the plan's graph
+    records it), its initializers named in `values` retyped without data: the writers cast each
+    trained value to its initializer's type as they write it, so no float32 or converted copy
+    of the weights is made."""
     props = {p.key: p.value for p in model.metadata_props}
     source = props.pop(SOURCE_FLOAT_KEY, None)
     if source is None:

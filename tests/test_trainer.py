@@ -329,9 +329,9 @@ def test_evaluate_export_and_predict(mlp, tmp_path):
 
 
 def test_predict_keeps_one_session_that_reads_the_current_parameters(mlp):
-    """predict runs the `predict` subgraph, built once and bound to the state like evaluate's
-    (it rebuilt the whole model with the values on every call): after each step its output is
-    ONNX Runtime's on the exported model, computed independently, and no session is added."""
+    """predict runs the `predict` subgraph, built once and bound to the state like evaluate's:
+    after each step its output is ONNX Runtime's on the exported model, computed
+    independently, and no session is added."""
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="sgd", learning_rate=0.5)
     before = tr.predict({"input": x[:5]})

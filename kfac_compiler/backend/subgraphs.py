@@ -39,9 +39,8 @@ def loss(em: Emission, o: LossOptions) -> None:
 
 @subgraph(C.PREDICT)
 def predict(em: Emission, o: PredictOptions) -> None:
-    """The model output alone: Trainer.predict's graph, its parameters bound from the state
-    (one session for every call, where rebuilding the model with the values each time took
-    3-6x an evaluation of the same rows on ResNet-18)."""
+    """The model output alone: Trainer.predict's graph, its parameters bound from the state,
+    so that one session serves every call (no model rebuilt with the values per call)."""
     em.result(C.MODEL_OUTPUT, em.output)
 
 
