@@ -34,7 +34,9 @@ def temp_path(path: str | os.PathLike, tag: str = TMP_TAG) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (a pid we may not signal exists too)."""
+    """Whether process `pid` runs on this host (a pid we may not signal counts too). A zombie
+    does not: it has exited and only waits to be reaped, which in a container whose init does
+    not reap orphans (a killed MPI rank's, a `docker run` without --init) never happens."""
     if pid <= 0:
         return False
     try:
@@ -42,8 +44,18 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """True for a zombie (state Z or X in /proc/<pid>/stat); False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return False
+    return stat_line[stat_line.rfind(b")") + 2:][:1] in (b"Z", b"X")  # the state follows "(command) "
 
 
 def stale_temps(path: str | os.PathLike) -> list[str]:

@@ -463,6 +463,30 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
     assert ck.exists() and ours(tmp_path) == []
 
 
+def test_a_killed_writer_left_unreaped_is_not_running_and_its_lock_is_taken_over(tmp_path, capsys):
+    """A holder killed and never reaped stays a zombie (in a container whose init does not reap
+    orphans, such as a killed MPI rank's, for good): kill(pid, 0) still finds it, but it runs
+    no more, so its lock is taken over."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("a zombie is told by /proc")
+    ck = tmp_path / "c.ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ck)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"locked\n"
+        os.kill(holder.pid, signal.SIGKILL)  # not waited for: a zombie until holder.wait()
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{holder.pid}/stat", "rb").read().rsplit(b")", 1)[1][1:2] != b"Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        code, out, err = run(["train", *FAST, "--checkpoint", str(ck)], capsys)
+        assert code == 0, err
+        assert f"taking over the lock of process {holder.pid}, which is no longer running" in err
+        assert ck.exists() and ours(tmp_path) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_locks_of_another_host_or_unreadable_are_never_taken_over(tmp_path, capsys):
     ck = tmp_path / "c.ckpt"
     lock = tmp_path / ".c.ckpt.kfac-lock"
