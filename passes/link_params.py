@@ -12,7 +12,7 @@ Policies (docs/frontend.md, "Linking"):
   * a weight matched by exactly the kinds embedding and fully_connected, every fully connected
     use reading it as "out_in" (a tied embedding table E [V, D]: Gather(E, ids) and the output
     head MatMul(h, Transpose(E)) or Gemm(h, E, transB=1)) becomes ONE layer of kind
-    "tied_embedding" with all its uses (block "kron_tied" by default, docs/conventions.md
+    "tied_embedding" with all its uses (block "diagonal" by default, docs/conventions.md
     "Tied embeddings"); a head bias is not linked to it (it gets its own layer, with a note on
     the tied layer);
   * any other weight matched by several kinds, or with different attributes, gets ONE generic
