@@ -20,7 +20,8 @@ table's per-use Fisher against its Kronecker terms (cross's docstring). `lstm`: 
 block on 2026-11-30-lstm-to-target.py's byte LM (lstm's docstring). `bench`:
 benchmarks/bench_to_target.py with these blocks registered (e.g. `real-exports --only gpt gpt2
 --approx tied_embedding=kron_tied_sum --out -`). Env KFAC_TIED_SUM_SHARE: each term's share of
-the damping in kron_tied_sum (default 0.5). Deterministic; needs torch.
+the damping in kron_tied_sum (default 0.5); KFAC_KNOBS: K-FAC options as JSON for `steps`.
+Deterministic; needs torch.
 """
 from __future__ import annotations
 
@@ -412,7 +413,7 @@ def trainer(approx: str, seed: int, train: np.ndarray) -> Trainer:
                        learning_rate=1e-3, seed=seed)
     plan = kfac_compiler.compile(path, loss="softmax_cross_entropy",
                                  config={"approximations": {"tied_embedding": approx}})
-    return Trainer(plan, optimizer="kfac", seed=seed)
+    return Trainer(plan, optimizer="kfac", seed=seed, **json.loads(os.environ.get("KFAC_KNOBS", "{}")))
 
 
 def steps(out: str, seeds: list[int], approxes: list[str]) -> None:
