@@ -463,6 +463,12 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
     assert ck.exists() and ours(tmp_path) == []
 
 
+def _proc_state(pid: int) -> bytes:
+    """The state letter of /proc/<pid>/stat (after the parenthesized command name)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1][1:2]
+
+
 def test_a_killed_writer_left_unreaped_is_not_running_and_its_lock_is_taken_over(tmp_path, capsys):
     """A holder killed and never reaped stays a zombie (in a container whose init does not reap
     orphans, such as a killed MPI rank's, for good): kill(pid, 0) still finds it, but it runs
@@ -475,7 +481,7 @@ def test_a_killed_writer_left_unreaped_is_not_running_and_its_lock_is_taken_over
         assert holder.stdout.readline() == b"locked\n"
         os.kill(holder.pid, signal.SIGKILL)  # not waited for: a zombie until holder.wait()
         deadline = time.monotonic() + 30
-        while open(f"/proc/{holder.pid}/stat", "rb").read().rsplit(b")", 1)[1][1:2] != b"Z":
+        while _proc_state(holder.pid) != b"Z":
             assert time.monotonic() < deadline
             time.sleep(0.01)
         code, out, err = run(["train", *FAST, "--checkpoint", str(ck)], capsys)
