@@ -150,10 +150,8 @@ class TiedEmbeddingKronSum(TiedKronBase):
         return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}, ok
 
     def numpy_matpower(self, factors, damping, exp):
-        if exp == -1:
-            return self.numpy_inverse(factors, damping)
-        self.check_power(exp)
-        raise AssertionError("unreachable")
+        self.check_power(exp)  # -1 only
+        return self.numpy_inverse(factors, damping)
 
     def np_cholesky_parts(self, factors, damping, inverse=False):
         raise ConfigError(f"layer {self.layer.name!r}: the 'kron_tied_sum' block is a sum of two Kronecker "
@@ -345,7 +343,6 @@ def cross(out: str, seed: int, trained_steps: list[int]) -> None:
     train, held = spikes.windows()
     res = {}
     for steps_done in trained_steps:
-        torch.manual_seed(seed)
         module = gpt(vocab=256, seq_len=T, d_model=128, n_layer=2, n_head=4, seed=seed).eval()
         if steps_done:
             tr = trainer("diagonal", seed, train)
