@@ -540,6 +540,9 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
         raise PlanError(f"load_plan expects a plan directory path, got {type(path).__name__}")
     path = os.fspath(path)
     pj = os.path.join(path, PLAN_FILE)
+    if os.path.isfile(path):
+        hint = f": compile it first (kfac-compiler compile {path} -o PLAN_DIR)" if path.endswith(".onnx") else ""
+        raise PlanError(f"{path!r} is a file, not a plan directory{hint}")
     if not os.path.isdir(path):
         raise PlanError(f"plan directory {path!r} does not exist")
     if not os.path.isfile(pj):

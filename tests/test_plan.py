@@ -143,6 +143,9 @@ def test_load_errors(tmp_path, compiled):
     (tmp_path / "notplan").mkdir()
     with pytest.raises(PlanError, match="not a plan directory"):
         load_plan(tmp_path / "notplan")
+    (tmp_path / "model.onnx").write_bytes(b"")  # a model given where a plan belongs
+    with pytest.raises(PlanError, match=r"is a file, not a plan directory: compile it first \(kfac-compiler compile "):
+        load_plan(tmp_path / "model.onnx")
     plan, _ = compiled
     out = plan.save(tmp_path / "plan")
     with open(os.path.join(out, "plan.json"), "w") as f:
