@@ -12,7 +12,9 @@ batches), default K-FAC with `approximations: {tied_embedding: APPROX}`, every s
 JSON, e.g. '{"min_damping": 0.01, "damping": 0.01}'); RF_R > 0: the relative floor
 max(min_damping, RF_R x the median of the last RF_W (10) steps' rq); PF_K > 0: the plateau
 floor (a window the plateau rule finds slow while c is at its cap multiplies the floor by PF_K,
-up to PF_MAX (0.1); a recovering window divides it, down to min_damping).
+up to PF_MAX (0.1); a recovering window divides it, down to min_damping); MC_CAP > 0: the
+momentum cap (max_momentum) is MC_CAP while the plateau rule holds c above its starting value,
+1 otherwise.
 
 `rq` (the exact GGN's Rayleigh quotient along P, (P.C P / N) / P.P, undamped, before the
 curvature scale) is not a metric of the library: RF_R and `zoo-rq` need this two-line patch
@@ -47,6 +49,7 @@ from kfac_compiler.optimizers.kfac import Kfac, plateau  # noqa: E402
 
 RF_R, RF_W = float(os.environ.get("RF_R", "0")), int(os.environ.get("RF_W", "10"))
 PF_K, PF_MAX = float(os.environ.get("PF_K", "0")), float(os.environ.get("PF_MAX", "0.1"))
+MC_CAP = float(os.environ.get("MC_CAP", "0"))
 
 
 def _load(name: str, file: str):
@@ -60,7 +63,8 @@ _step, _observe = Kfac.step, plateau.CurvatureScaleRule.observe
 
 
 def patched_step(self: Kfac, data):
-    """Kfac.step with the relative floor applied before it and the rq history kept after."""
+    """Kfac.step with the relative floor and the momentum cap applied before it and the rq
+    history kept after."""
     base = self.__dict__.setdefault("base_floor", self.config.min_damping)
     history = self.__dict__.setdefault("rq_history", deque(maxlen=RF_W))
     if RF_R > 0 and history:
@@ -68,13 +72,16 @@ def patched_step(self: Kfac, data):
         self.config.min_damping = floor
         self.damping = min(max(self.damping, floor), self.config.max_damping)
     self.curvature_scale.owner = self
+    if MC_CAP > 0:
+        rule = self.curvature_scale
+        self.config.max_momentum = MC_CAP if rule.scale > rule.initial else 1.0
     m = _step(self, data)
     rq = m.get("rq", float("nan"))
     if RF_R > 0 and not math.isfinite(rq):
         raise SystemExit("RF_R needs the rq metric: apply the patch in this script's docstring")
     if math.isfinite(rq) and not m.get("rejected"):
         history.append(rq)
-    m["floor"] = self.config.min_damping
+    m["floor"], m["mu_cap"] = self.config.min_damping, self.config.max_momentum
     return m
 
 
