@@ -5,15 +5,14 @@ for 2026-11-30-lstm-fused-vjp.md)
     python benchmarks/results/2026-11-30-lstm-fused-vjp.py gemm THREADS
 
 `step`: one LSTM layer (T 64, batch 32, input 64, hidden 256; torch.nn.LSTM's initial
-weights) under 0.5 sum (Y - target)^2 / N, three ways, interleaved blocks of 10 steps (7
+weights) under 0.5 sum (Y - target)^2 / N, four ways, interleaved blocks of 10 steps (7
 rounds; median, min-max): our compiler's unrolled SGD step (`Trainer`, lr 1e-3, momentum 0);
-a hand-written ONNX graph with the design proposed in the 2026-11-30 note (ONNX Runtime's
-fused `LSTM` kernel for the forward, the gates recomputed for all steps at once from its Y by
-one [T*N, H] x [H, 4H] Gemm, the cell states by their linear recurrence, 2 nodes a step, and a
-6-node per-step backward: Gemm with C = dY_t, Mul, Mul, Add, Concat, Mul; the weight gradients
-as single Gemms; the SGD update) whose gradients are checked against torch autograd first; and
-torch (forward, backward; its LSTM is oneDNN's fused cell). Then ONNX Runtime's profile of the
-hand-written graph. `gemm`: the step's GEMM shapes, one ONNX Runtime Gemm against torch.mm.
+two hand-written ONNX graphs (step_graph) with a short VJP (the derivative factors batched over
+all steps, 7 nodes a step backward: Gemm, Add, Mul, Mul, Add, Concat, Mul; the weight gradients
+as single Gemms; the SGD update), one on ONNX Runtime's fused `LSTM` kernel with the gates
+recomputed from its Y, one on our unrolled forward with its gates kept, each checked against
+torch autograd first; and torch (forward, backward; its LSTM is oneDNN's fused cell). Then
+ONNX Runtime's profile of each hand-written graph. `gemm`: the step's GEMM shapes, one ONNX Runtime Gemm against torch.mm.
 Needs torch.
 """
 from __future__ import annotations
@@ -64,38 +63,64 @@ class Graph:
         return outs[0] if len(outs) == 1 else outs
 
 
-def fused_graph(W: np.ndarray, R: np.ndarray, bw: np.ndarray, br: np.ndarray) -> onnx.ModelProto:
-    """The proposed design's SGD step (module docstring); outputs loss, gW, gR, gB, new_*."""
+def step_graph(W: np.ndarray, R: np.ndarray, bw: np.ndarray, br: np.ndarray, forward: str) -> onnx.ModelProto:
+    """A hand-written SGD step of the layer; outputs loss, gW, gR, gB, new_*. forward "fused":
+    ONNX Runtime's LSTM kernel, the gates recomputed from its Y in one Gemm and the cell states
+    by their recurrence (2 nodes a step); "unrolled": our compiler's per-step forward (Gemm,
+    Add, Split, Sigmoid, Tanh, Split, Mul, Mul, Add, Tanh, Mul), its gates kept. Then the same
+    short VJP: the derivative factors batched over all steps, 7 nodes a step backward."""
     g = Graph()
     g.const("W", W[None]), g.const("R", R[None]), g.const("B", np.concatenate([bw, br])[None])
     g.const("W2", W), g.const("R2", R), g.const("bsum", bw + br)
     g.const("invN", np.float32(1.0 / N)), g.const("one", np.float32(1.0)), g.const("lr", np.float32(1e-3))
     g.const("zeros_h", np.zeros((1, N, H), np.float32)), g.const("half_invN", np.float32(0.5 / N))
+    g.const("zeros_nh", np.zeros((N, H), np.float32))
     for name, shape in (("sTN_I", [T * N, I]), ("sTN_H", [T * N, H]), ("sTNH", [T, N, H]), ("sTNG", [T, N, G]),
                         ("sNH", [N, H]), ("sNG", [N, G]), ("sp3", [3 * H, H]), ("sp_last", [T - 1, 1]),
                         ("ax0", [0]), ("ax1", [1])):
         g.const(name, np.array(shape, np.int64))
 
     def steps(x: str, shape: str, prefix: str) -> list[str]:
-        return g.op("Split", [g.op("Reshape", [x, shape])], [f"{prefix}{t}" for t in range(T)], axis=0, num_outputs=T)
+        """[T*N, c] -> T tensors [N, c]."""
+        parts = g.op("Split", [g.op("Reshape", [x, shape])], [f"{prefix}{t}" for t in range(T)], axis=0, num_outputs=T)
+        return [g.op("Reshape", [p, "sNG" if shape == "sTNG" else "sNH"]) for p in parts]
 
-    g.op("LSTM", ["X", "W", "R", "B"], ["Y", "", ""], hidden_size=H)
-    hs = g.op("Squeeze", ["Y", "ax1"])                                    # [T, N, H]
-    h_first, _ = g.op("Split", [hs, "sp_last"], ["h_first", "h_last"], axis=0)
     xf = g.op("Reshape", ["X", "sTN_I"])
-    hp = g.op("Reshape", [g.op("Concat", ["zeros_h", h_first], axis=0), "sTN_H"])  # h_{t-1}, [T*N, H]
-    z = g.op("Gemm", [hp, "R2", g.op("Gemm", [xf, "W2", "bsum"], transB=1)], transB=1)
-    zs, zc = g.op("Split", [z, "sp3"], ["zs", "zc"], axis=1)
-    s, gc = g.op("Sigmoid", [zs]), g.op("Tanh", [zc])
-    i_, o_, f_ = g.op("Split", [s], ["i_", "o_", "f_"], axis=1, num_outputs=3)
-    fs, us = steps(f_, "sTNH", "f"), steps(g.op("Mul", [i_, gc]), "sTNH", "u")
-    cs, c_prev = [], "zeros_h"
-    for t in range(T):  # c_t = f_t c_{t-1} + i_t g_t
-        c_prev = g.op("Add", [g.op("Mul", [fs[t], c_prev]), us[t]])
-        cs.append(c_prev)
-    c_all = g.op("Reshape", [g.op("Concat", cs, axis=0), "sTN_H"])
-    c_before = g.op("Reshape", [g.op("Concat", ["zeros_h"] + cs[:-1], axis=0), "sTN_H"])
-    tc = g.op("Tanh", [c_all])
+    if forward == "fused":
+        g.op("LSTM", ["X", "W", "R", "B"], ["Y", "", ""], hidden_size=H)
+        hs3 = g.op("Squeeze", ["Y", "ax1"])                                    # [T, N, H]
+        h_first, _ = g.op("Split", [hs3, "sp_last"], ["h_first", "h_last"], axis=0)
+        hs = g.op("Reshape", [hs3, "sTN_H"])
+        hp = g.op("Reshape", [g.op("Concat", ["zeros_h", h_first], axis=0), "sTN_H"])  # h_{t-1}
+        z = g.op("Gemm", [hp, "R2", g.op("Gemm", [xf, "W2", "bsum"], transB=1)], transB=1)
+        zs, zc = g.op("Split", [z, "sp3"], ["zs", "zc"], axis=1)
+        s, gc = g.op("Sigmoid", [zs]), g.op("Tanh", [zc])
+        i_, o_, f_ = g.op("Split", [s], ["i_", "o_", "f_"], axis=1, num_outputs=3)
+        fs, us = steps(f_, "sTNH", "f"), steps(g.op("Mul", [i_, gc]), "sTNH", "u")
+        cs, c_prev = [], "zeros_nh"
+        for t in range(T):  # c_t = f_t c_{t-1} + i_t g_t
+            c_prev = g.op("Add", [g.op("Mul", [fs[t], c_prev]), us[t]])
+            cs.append(c_prev)
+        tc = g.op("Tanh", [g.op("Concat", cs, axis=0)])
+    else:
+        xws = g.op("Split", [g.op("Gemm", [xf, "W2", "bsum"], transB=1)], [f"xw{t}" for t in range(T)],
+                   axis=0, num_outputs=T)
+        h, c_prev, hl, cs, ss, gs, tcs, fs = "zeros_nh", "zeros_nh", [], [], [], [], [], []
+        for t in range(T):
+            zs_t, zc_t = g.op("Split", [g.op("Add", [xws[t], g.op("Gemm", [h, "R2"], transB=1)]), "sp3"],
+                              [f"zs{t}", f"zc{t}"], axis=1)
+            s_t, g_t = g.op("Sigmoid", [zs_t]), g.op("Tanh", [zc_t])
+            i_t, o_t, f_t = g.op("Split", [s_t], [f"i{t}", f"o{t}", f"f{t}"], axis=1, num_outputs=3)
+            c_prev = g.op("Add", [g.op("Mul", [f_t, c_prev]), g.op("Mul", [i_t, g_t])])
+            tc_t = g.op("Tanh", [c_prev])
+            h = g.op("Mul", [o_t, tc_t])
+            for lst, v in ((hl, h), (cs, c_prev), (ss, s_t), (gs, g_t), (tcs, tc_t), (fs, f_t)):
+                lst.append(v)
+        hs = g.op("Concat", hl, axis=0)                                        # [T*N, H]
+        hp = g.op("Concat", ["zeros_nh"] + hl[:-1], axis=0)
+        s, gc, tc = g.op("Concat", ss, axis=0), g.op("Concat", gs, axis=0), g.op("Concat", tcs, axis=0)
+        i_, o_, _ = g.op("Split", [s], ["i_", "o_", "f_"], axis=1, num_outputs=3)
+    c_before = g.op("Concat", ["zeros_nh"] + cs[:-1], axis=0)
     si, so, sf = g.op("Split", [g.op("Mul", [s, g.op("Sub", ["one", s])])], ["si", "so", "sf"], axis=1, num_outputs=3)
     gd = g.op("Sub", ["one", g.op("Mul", [gc, gc])])
     # dz_t = [dc, dh, dc, dc] * A4_t, A4 = [g i', tanh(c) o', c_{t-1} f', i g']
@@ -103,27 +128,27 @@ def fused_graph(W: np.ndarray, R: np.ndarray, bw: np.ndarray, br: np.ndarray) ->
                          g.op("Mul", [i_, gd])], axis=1)
     e = g.op("Mul", [o_, g.op("Sub", ["one", g.op("Mul", [tc, tc])])])   # dc from dh: o tanh'(c)
     a4s, es = steps(a4, "sTNG", "a"), steps(e, "sTNH", "e")
-    dys = g.op("Split", [g.op("Mul", [g.op("Sub", [hs, "Yt"]), "invN"])], [f"dy{t}" for t in range(T)],
+    dys = g.op("Split", [g.op("Mul", [g.op("Sub", [hs, "Yt2"]), "invN"])], [f"dy{t}" for t in range(T)],
                axis=0, num_outputs=T)
     dzs: list[str] = [""] * T
     dz_next = dc_next = None
     for t in reversed(range(T)):
-        dy = g.op("Reshape", [dys[t], "sNH"])
-        dh = dy if dz_next is None else g.op("Gemm", [dz_next, "R2", dy])
-        dc = g.op("Mul", [dh, g.op("Reshape", [es[t], "sNH"])])
+        dh = dys[t] if dz_next is None else g.op("Add", [g.op("Gemm", [dz_next, "R2"]), dys[t]])
+        dc = g.op("Mul", [dh, es[t]])
         if dc_next is not None:
-            dc = g.op("Add", [dc, g.op("Mul", [dc_next, g.op("Reshape", [fs[t + 1], "sNH"])])])
-        dzs[t] = dz_next = g.op("Mul", [g.op("Concat", [dc, dh, dc, dc], axis=1), g.op("Reshape", [a4s[t], "sNG"])])
+            dc = g.op("Add", [dc, g.op("Mul", [dc_next, fs[t + 1]])])
+        dzs[t] = dz_next = g.op("Mul", [g.op("Concat", [dc, dh, dc, dc], axis=1), a4s[t]])
         dc_next = dc
     dz_all = g.op("Concat", dzs, axis=0)
     g.op("Gemm", [dz_all, xf], ["gW"], transA=1)
     g.op("Gemm", [dz_all, hp], ["gR"], transA=1)
     g.op("ReduceSum", [dz_all, "ax0"], ["gB"], keepdims=0)
-    g.op("Mul", [g.op("ReduceSumSquare", [g.op("Sub", [hs, "Yt"])], keepdims=0), "half_invN"], ["loss"])
+    g.op("Mul", [g.op("ReduceSumSquare", [g.op("Sub", [hs, "Yt2"])], keepdims=0), "half_invN"], ["loss"])
     for p, grad in (("W2", "gW"), ("R2", "gR"), ("bsum", "gB")):
         g.op("Sub", [p, g.op("Mul", ["lr", grad])], [f"new_{p}"])
+    g.nodes.insert(0, oh.make_node("Reshape", ["Yt", "sTN_H"], ["Yt2"], name="Yt2"))
     graph = oh.make_graph(
-        g.nodes, "fused_lstm_step",
+        g.nodes, f"{forward}_lstm_step",
         [oh.make_tensor_value_info("X", TensorProto.FLOAT, [T, N, I]),
          oh.make_tensor_value_info("Yt", TensorProto.FLOAT, [T, N, H])],
         [oh.make_tensor_value_info(x, TensorProto.FLOAT, None)
@@ -157,15 +182,17 @@ def cmd_step(threads: int) -> None:
 
     def w(t: torch.Tensor) -> np.ndarray:
         return onnx_gate_order(t.detach().numpy())
-    model = fused_graph(w(lstm.weight_ih_l0), w(lstm.weight_hh_l0), w(lstm.bias_ih_l0), w(lstm.bias_hh_l0))
-    sess = session(model, threads)
-    got = dict(zip(["gW", "gR", "gB"], sess.run(["gW", "gR", "gB"], {"X": X, "Yt": Yt})))
+    weights = (w(lstm.weight_ih_l0), w(lstm.weight_hh_l0), w(lstm.bias_ih_l0), w(lstm.bias_hh_l0))
+    models = {kind: step_graph(*weights, forward=kind) for kind in ("fused", "unrolled")}
+    sessions = {kind: session(m, threads) for kind, m in models.items()}
     torch_step()
     want = {"gW": w(lstm.weight_ih_l0.grad), "gR": w(lstm.weight_hh_l0.grad), "gB": w(lstm.bias_ih_l0.grad)}
-    errs = {k: float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()) for k in want}
-    print(f"hand-written graph: {len(model.graph.node)} nodes; gradients against torch autograd, max relative "
-          + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
-    assert max(errs.values()) < 1e-4, errs
+    for kind, sess in sessions.items():
+        got = dict(zip(["gW", "gR", "gB"], sess.run(["gW", "gR", "gB"], {"X": X, "Yt": Yt})))
+        errs = {k: float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()) for k in want}
+        print(f"hand-written graph, {kind} forward: {len(models[kind].graph.node)} nodes; gradients against torch "
+              "autograd, max relative " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        assert max(errs.values()) < 1e-4, errs
 
     class Layer(torch.nn.Module):
         def __init__(self) -> None:
@@ -178,9 +205,10 @@ def cmd_step(threads: int) -> None:
     torch.onnx.export(Layer(), (xt,), buf, input_names=["input"], output_names=["y"], dynamo=False)
     plan = kc.compile(onnx.load_from_string(buf.getvalue()), loss="squared_error", output="y", emit=False)
     tr = Trainer(plan, optimizer="sgd", batch_size=N, momentum=0.0, learning_rate=1e-3, threads=threads)
+    outs, feeds = ["loss", "new_W2", "new_R2", "new_bsum"], {"X": X, "Yt": Yt}
     fns = {"ours, unrolled (Trainer, SGD)": lambda: tr.step({"input": X}, Yt),
-           "fused LSTM + own VJP (hand-written)": lambda: sess.run(["loss", "new_W2", "new_R2", "new_bsum"],
-                                                                   {"X": X, "Yt": Yt}),
+           "fused LSTM + short VJP (hand-written)": lambda: sessions["fused"].run(outs, feeds),
+           "unrolled + short VJP (hand-written)": lambda: sessions["unrolled"].run(outs, feeds),
            "torch": torch_step}
     for f in fns.values():
         for _ in range(5):
@@ -195,20 +223,21 @@ def cmd_step(threads: int) -> None:
             res[k].append((time.perf_counter() - t0) * 100)
     ref = float(np.median(res["torch"]))
     for k, v in res.items():
-        print(f"{k:38s} median {np.median(v):6.2f} ms ({min(v):.2f}-{max(v):.2f}), {np.median(v) / ref:.2f}x torch's")
-    prof = session(model, threads, profile=True)
-    for _ in range(20):
-        prof.run(["loss", "new_W2", "new_R2", "new_bsum"], {"X": X, "Yt": Yt})
-    with open(prof.end_profiling()) as f:
-        events = json.load(f)
-    us: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            us[e["args"]["op_name"]] += e["dur"]
-            count[e["args"]["op_name"]] += 1
-    print(f"hand-written graph, ONNX Runtime's profile: {sum(us.values()) / 20e3:.1f} ms of kernels a run; "
-          + ", ".join(f"{k} {v / 20e3:.2f} ms ({count[k] // 20})" for k, v in us.most_common(8)))
+        print(f"{k:40s} median {np.median(v):6.2f} ms ({min(v):.2f}-{max(v):.2f}), {np.median(v) / ref:.2f}x torch's")
+    for kind, model in models.items():
+        prof = session(model, threads, profile=True)
+        for _ in range(20):
+            prof.run(outs, feeds)
+        with open(prof.end_profiling()) as f:
+            events = json.load(f)
+        us: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        for e in events:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+                us[e["args"]["op_name"]] += e["dur"]
+                count[e["args"]["op_name"]] += 1
+        print(f"hand-written graph, {kind} forward, ONNX Runtime's profile: {sum(us.values()) / 20e3:.1f} ms of "
+              "kernels a run; " + ", ".join(f"{k} {v / 20e3:.2f} ms ({count[k] // 20})" for k, v in us.most_common(8)))
 
 
 def cmd_gemm(threads: int) -> None:
