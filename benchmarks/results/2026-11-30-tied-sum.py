@@ -108,12 +108,6 @@ class TiedEmbeddingKronSum(TiedKronBase):
     def host_inverse_only(self) -> bool:
         return True
 
-    def inverse_is_host(self, method: str) -> bool:
-        return True
-
-    def _np_batchable(self) -> bool:
-        return False
-
     def emit_inverse(self, b, factors, damping, method=linalg.DEFAULT_METHOD, previous=None):
         raise ConfigError(f"layer {self.layer.name!r}: the 'kron_tied_sum' inverse is computed on the host "
                           "(numpy_inverse: a generalized eigh)")

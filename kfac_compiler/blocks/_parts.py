@@ -208,8 +208,9 @@ class PartsBlock(FisherBlock):
         return state, ok
 
     def _np_batchable(self) -> bool:
-        """True when numpy_inverse is the parts inverse (so numpy_inverses may stack it)."""
-        return True
+        """True when numpy_inverse is the parts inverse (so numpy_inverses may stack it): not
+        for a host-only block, whose numpy_inverse is its own."""
+        return not self.host_inverse_only
 
     def _np_kw(self) -> dict:
         return {k: v for k, v in self.inverse_kw.items() if k in ("iterations", "tol")}

@@ -193,14 +193,16 @@ class FisherBlock:
 
     @property
     def host_inverse_only(self) -> bool:
-        """True when the inverse is host-side whatever the method (see inverse_is_host)."""
+        """True when the inverse is host-side whatever the method (see inverse_is_host): the
+        one override a host-only block needs (inverse_is_host and the parts blocks' stacking
+        follow from it)."""
         return False
 
     def inverse_is_host(self, method: str) -> bool:
         """True when this block's inverse for `method` is computed on the host
         (numpy_inverse) rather than emitted (emit_inverse): host methods (linalg.HOST_METHODS),
-        exact damping, the RNN series blocks."""
-        return linalg.is_host_method(method)
+        and every method for a host-only block (exact damping, the RNN series blocks)."""
+        return self.host_inverse_only or linalg.is_host_method(method)
 
     # The power hook: a block implements these two; the multiplies below derive from them --
     def emit_power(

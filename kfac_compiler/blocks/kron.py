@@ -123,11 +123,8 @@ class KronBlock(PartsBlock):
     def host_inverse_only(self) -> bool:
         return self.damping_mode == "exact"
 
-    def inverse_is_host(self, method: str) -> bool:
-        return self.damping_mode == "exact" or super().inverse_is_host(method)
-
     def _np_batchable(self) -> bool:
-        return self.damping_mode == "pi"
+        return self.damping_mode == "pi" and super()._np_batchable()
 
     def emit_inverse(self, b, factors, damping, method=linalg.DEFAULT_METHOD, previous=None):
         if self.damping_mode == "exact":

@@ -97,12 +97,6 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
     def host_inverse_only(self) -> bool:
         return True
 
-    def inverse_is_host(self, method: str) -> bool:
-        return True
-
-    def _np_batchable(self) -> bool:
-        return False
-
     # ---- plan records
     def factor_specs(self):
         return [
