@@ -30,7 +30,7 @@ of kfac_compiler/optimizers/kfac (applied on 6e991ee for the results):
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -44,19 +44,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 from kfac_compiler.optimizers.kfac import Kfac, plateau  # noqa: E402
 
 RF_R, RF_W = float(os.environ.get("RF_R", "0")), int(os.environ.get("RF_W", "10"))
 PF_K, PF_MAX = float(os.environ.get("PF_K", "0")), float(os.environ.get("PF_MAX", "0.1"))
 MC_CAP = float(os.environ.get("MC_CAP", "0"))
-
-
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, file))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 _step, _observe = Kfac.step, plateau.CurvatureScaleRule.observe
@@ -107,7 +101,7 @@ plateau.CurvatureScaleRule.observe = patched_observe
 
 
 def gpt_run(out: str, seed: int, approx: str, steps: int) -> None:
-    ts = _load("tied_sum", "2026-11-30-tied-sum.py")
+    ts = importlib.import_module("2026-11-30-tied-sum")
     train, held = ts.spikes.windows()
     tr, rows, t0 = ts.trainer(approx, seed, train), [], time.time()
     for s in range(steps):
