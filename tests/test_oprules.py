@@ -662,6 +662,30 @@ def test_maxpool_tiled_ties_share_the_cotangent():
     assert np.abs(first[0, 0, :2, :2]).sum() > 0 and not dx[0, 0, :2, :2].any()
 
 
+def test_maxpool_tiled_jvp_is_the_vjps_transpose_at_ties_and_runs_no_second_maxpool():
+    """The tiled MaxPool's jvp (the quadratic model's J P, J v) averages the tangent over a
+    window's tied maxima, the transpose of the vjp's sharing: <J t, g> = <t, J^T g> on the
+    tied windows above, and each window's value by hand; its graph holds no MaxPool of its
+    own (the Indices form ran a second, 6-20x slower MaxPool beside the forward's)."""
+    x = np.array([[[[1.0, 3.0, 2.0, 2.0, 9.0],
+                    [0.5, 2.0, 2.0, 2.0, 9.0],
+                    [-1.0, -1.0, 0.0, 4.0, 9.0],
+                    [-1.0, -1.0, 4.0, 0.0, 9.0],
+                    [7.0, 7.0, 7.0, 7.0, 9.0]]]])
+    t = np.random.default_rng(2).standard_normal(x.shape)
+    g = np.random.default_rng(3).standard_normal((1, 1, 2, 2))
+    model, _ = one_node_model("MaxPool", [("x", x)], {"kernel_shape": [2, 2], "strides": [2, 2]})
+    jm = derivative_model(model, ["x"], ["y0"], "jvp")
+    vm = derivative_model(model, ["x"], ["y0"], "vjp")
+    assert [n.op_type for n in jm.graph.node].count("MaxPool") == 1  # the forward's
+    ty = run_reference(jm, {"x": x, "tan/x": t}, ["jvp/y0"])["jvp/y0"]
+    dx = run_reference(vm, {"x": x, "seed/y0": g}, ["grad/x"])["grad/x"]
+    np.testing.assert_allclose(float(np.sum(ty * g)), float(np.sum(t * dx)), rtol=1e-12)
+    want = [[t[0, 0, 0, 1], t[0, 0, 0:2, 2:4].mean()],
+            [t[0, 0, 2:4, 0:2].mean(), (t[0, 0, 2, 3] + t[0, 0, 3, 2]) / 2]]
+    np.testing.assert_allclose(ty[0, 0], want, rtol=1e-12)
+
+
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_globallppool_jvp_without_the_input_rank(p):
     """GlobalLpPool's jvp sums over the spatial dims without knowing how many there are (an

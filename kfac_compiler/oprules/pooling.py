@@ -4,7 +4,8 @@ conv's geometry (`Geom`) and, for AveragePool, its ConvTranspose adjoint (`conv_
 Lowerings (see docs/autodiff.md):
 - MaxPool, non-overlapping windows and no Indices output: a mask of the input positions equal
   to their window's maximum (the forward's output upsampled by Resize), the cotangent shared
-  by each window's ties; no second MaxPool.
+  by each window's ties, and the jvp its transpose (the window sums of mask * tangent over
+  the ties); no second MaxPool.
 - Otherwise MaxPool: the Indices output (re-emitted when the node has none) and
   ScatterElements(reduction="add") on the flattened input.
 - AveragePool: nearest-neighbour Resize for non-overlapping windows, else ConvTranspose of
@@ -54,18 +55,32 @@ def _tiled(geo: Geom) -> bool:
             and not any(geo.pe) and not geo.ceil)
 
 
-def _maxpool_tiled_vjp(b, view, node, g: str, geo: Geom) -> str:
-    """dX = mask * up(g / count): mask the input positions equal to their window's maximum
-    (X == up(Y), Y the forward's own output), count the window's ties (AveragePool of the
-    mask, MLAS's kernel) and share the cotangent among them. A subgradient like the first
-    maximum that the Indices pick; the two differ only on tied windows, which after a Relu
-    are all-zero ones whose cotangent the Relu drops. ONNX Runtime's MaxPool with Indices
-    is 10-12x slower than without, so this is 4-6x faster than the Indices form."""
+def _tiled_maxima(b, view, node, geo: Geom) -> tuple[str, str]:
+    """(mask, share): the input positions equal to their window's maximum (X == up(Y), Y the
+    forward's own output) and, per window, the number of its ties / prod(k) (AveragePool of
+    the mask, MLAS's kernel). The vjp and the quadratic model's jvps emit the same nodes,
+    which the emission's dedupe (backend/dedupe.py) merges."""
     X, Y = node.input[0], node.output[0]
     mask = b.cast(b.op("Equal", [X, _upsample(b, view, Y, Y, X, geo.k)]), b.float_type)
-    share = b.op("AveragePool", [mask], kernel_shape=geo.k, strides=geo.k)  # ties / prod(k)
+    return mask, b.op("AveragePool", [mask], kernel_shape=geo.k, strides=geo.k)
+
+
+def _maxpool_tiled_vjp(b, view, node, g: str, geo: Geom) -> str:
+    """dX = mask * up(g / ties): the cotangent shared among each window's tied maxima. A
+    subgradient like the first maximum that the Indices pick; the two differ only on tied
+    windows, which after a Relu are all-zero ones whose cotangent the Relu drops. ONNX
+    Runtime's MaxPool with Indices is 6-20x slower than without (LeNet-5's pools), so this
+    is 4-6x faster than the Indices form."""
+    mask, share = _tiled_maxima(b, view, node, geo)
     gq = b.div(b.mul(g, c(b, 1.0 / float(np.prod(geo.k)))), share)
-    return b.mul(mask, _upsample(b, view, gq, Y, X, geo.k))
+    return b.mul(mask, _upsample(b, view, gq, node.output[0], node.input[0], geo.k))
+
+
+def _maxpool_tiled_jvp(b, view, node, t: str, geo: Geom) -> str:
+    """tY = (window sum of mask * t) / ties, the vjp's transpose (both window means: the
+    prod(k) cancels); no MaxPool with Indices beside the forward's."""
+    mask, share = _tiled_maxima(b, view, node, geo)
+    return b.div(b.op("AveragePool", [b.mul(mask, t)], kernel_shape=geo.k, strides=geo.k), share)
 
 
 @register("MaxPool", inputs=(0,))
@@ -109,6 +124,9 @@ def _maxpool_jvp(b, view, node, ts):
     t = ts[0]
     if t is None:
         return [None] * len(node.output)
+    geo = Geom(view, node, node.input[0], None)
+    if out(node, 1) is None and _tiled(geo):
+        return [_maxpool_tiled_jvp(b, view, node, t, geo)]
     idx = _pool_indices(b, view, node)
     return [b.op("Gather", [b.reshape(t, [-1]), idx], axis=0)] + [None] * (len(node.output) - 1)
 
