@@ -1,9 +1,11 @@
 """backend/dedupe.py: duplicate nodes merged within a graph and across an If's boundary, the
-results unchanged (checked against numpy), pinned tensors and random ops left alone."""
+results unchanged (checked against numpy), pinned tensors and random ops left alone; and no
+zoo training graph left computing one thing twice."""
 from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper
 
 from kfac_compiler.backend.dedupe import merge_duplicates
@@ -73,3 +75,33 @@ def test_pinned_and_random_nodes_stay():
                      [helper.make_tensor_value_info(b.sub(r1, r2), TensorProto.FLOAT, None)])
     merge_duplicates(m.graph)
     assert _count(m.graph, "RandomUniformLike") == 2
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "transformer_block", "unrolled_rnn"])
+def test_no_emitted_training_graph_runs_one_computation_twice(name):
+    """Issue 40: no node runs twice for one value. After the emission (and its dedupe), no two
+    nodes of a zoo model's Adam or K-FAC step apply one op with the same attributes to the same
+    inputs, whatever outputs they keep (a MaxPool with Indices beside the forward's MaxPool ran
+    the window maxima twice; its jvp now reads the vjp's mask)."""
+    import kfac_compiler as kc
+    from kfac_compiler.backend.registry import emit_subgraph
+    from kfac_compiler.models import ZOO
+
+    entry = ZOO[name]
+    plan = kc.compile(entry.build(seed=0), loss=entry.loss, output="logits", emit=False)
+    for kind in ("adam_step", "kfac_step"):
+        model, _ = emit_subgraph(plan, kind)
+        first: dict[tuple, str] = {}
+        same: dict[str, str] = {}  # an output -> the first node's output it repeats
+        repeats = []
+        for node in model.graph.node:
+            attrs = tuple(sorted((a.name, str(helper.get_attribute_value(a))) for a in node.attribute))
+            key = (node.op_type, node.domain, tuple(same.get(x, x) for x in node.input), attrs)
+            if key in first and node.op_type not in ("RandomNormal", "RandomUniform", "RandomNormalLike",
+                                                     "RandomUniformLike", "Bernoulli", "Multinomial"):
+                repeats.append(f"{node.name} ({node.op_type}) repeats {first[key]}")
+                prev = next(n for n in model.graph.node if n.name == first[key])
+                same.update(zip(node.output, prev.output))
+            else:
+                first[key] = node.name
+        assert not repeats, (kind, repeats[:5])
