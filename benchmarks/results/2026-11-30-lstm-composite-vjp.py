@@ -21,7 +21,7 @@ interleaved, then ONNX Runtime's profile of each: kernel time by op and the Gemm
 `gemm`: 64 dependent pairs of the recurrence's GEMMs ([32, 256] x [1024, 256]^T, then
 [32, 1024] x [1024, 256]) with the weight a constant initializer, a graph input (a training
 step's parameter), or a graph input used as the first operand (z^T = R h^T: the big matrix
-as A). Needs torch.
+as A), or a graph input transposed once (the forward Gemms without transB). Needs torch.
 """
 from __future__ import annotations
 
@@ -191,9 +191,14 @@ def cmd_gemm(threads: int) -> None:
             inits.append(nh.from_array(R, "R"))
         else:
             inputs.append(oh.make_tensor_value_info("R", TensorProto.FLOAT, [4 * H, H]))
+        if kind == "input, transposed once":
+            nodes.append(oh.make_node("Transpose", ["R"], ["RT"], perm=[1, 0]))
         x = "h"
         for i in range(T):
-            if kind == "input as A":
+            if kind == "input, transposed once":
+                nodes.append(oh.make_node("Gemm", [x, "RT"], [f"z{i}"]))                 # [N, 4H]
+                nodes.append(oh.make_node("Gemm", [f"z{i}", "R"], [f"y{i}"]))           # [N, H]
+            elif kind == "input as A":
                 nodes.append(oh.make_node("Gemm", ["R", x], [f"z{i}"], transB=1))       # z^T [4H, N]
                 nodes.append(oh.make_node("Gemm", [f"z{i}", "R"], [f"y{i}"], transA=1))  # [N, H]
             else:
@@ -205,7 +210,7 @@ def cmd_gemm(threads: int) -> None:
         model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
         return plain_session(model, threads)
     h = (rng.standard_normal((N, H)) * 0.01).astype(np.float32)
-    kinds = ("constant", "input", "input as A")
+    kinds = ("constant", "input", "input as A", "input, transposed once")
     sessions = {k: session(k) for k in kinds}
     feeds = {k: {"h": h} if k == "constant" else {"h": h, "R": R} for k in kinds}
     res = interleaved({k: (lambda k=k: sessions[k].run(None, feeds[k])) for k in kinds})
