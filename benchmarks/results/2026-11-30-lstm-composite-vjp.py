@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import importlib
-import io
 import json
 import os
 import re
@@ -48,25 +47,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 T, N, I, H = 64, 32, 64, 256
+FUSED_VJP = importlib.import_module("2026-11-30-lstm-fused-vjp")  # the hand-written graphs, the export
 
 
 def exported_layer() -> tuple[bytes, torch.nn.LSTM]:
+    """(the ONNX export of a torch.nn.LSTM layer with seed 0's weights, the layer)."""
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(I, H)
-
-    class Layer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn = lstm
-
-        def forward(self, x):
-            return self.rnn(x)[0]
-    buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Layer(), (torch.zeros(T, N, I),), buf, input_names=["input"], output_names=["y"],
-                          dynamo=False)
-    return buf.getvalue(), lstm
+        return FUSED_VJP.export_layer(lstm, torch.zeros(T, N, I)), lstm
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
@@ -135,14 +125,13 @@ def plain_session(model: onnx.ModelProto, threads: int, profile: bool = False) -
 def cmd_profile(threads: int) -> None:
     import kfac_compiler as kc
     from kfac_compiler.backend.registry import emit_subgraph
-    fused_vjp = importlib.import_module("2026-11-30-lstm-fused-vjp")
     model_bytes, lstm = exported_layer()
     X, Yt = data()
     plan = kc.compile(onnx.load_from_string(model_bytes), loss="squared_error", output="y", emit=False)
     ours = emit_subgraph(plan, "sgd_step")[0]
-    w = [fused_vjp.onnx_gate_order(t.detach().numpy())
+    w = [FUSED_VJP.onnx_gate_order(t.detach().numpy())
          for t in (lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0)]
-    hand = fused_vjp.step_graph(*w, forward="unrolled")
+    hand = FUSED_VJP.step_graph(*w, forward="unrolled")
     s_ours, s_hand = plain_session(ours, threads), plain_session(hand, threads)
     rng = np.random.default_rng(1)
     feeds: dict[str, np.ndarray] = {}

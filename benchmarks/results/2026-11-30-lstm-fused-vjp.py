@@ -156,6 +156,20 @@ def step_graph(W: np.ndarray, R: np.ndarray, bw: np.ndarray, br: np.ndarray, for
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
 
 
+def export_layer(lstm: torch.nn.LSTM, x: torch.Tensor) -> bytes:
+    """The layer's output sequence as an ONNX model (torch's TorchScript exporter): input, y."""
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = lstm
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+    buf = io.BytesIO()
+    torch.onnx.export(Layer(), (x,), buf, input_names=["input"], output_names=["y"], dynamo=False)
+    return buf.getvalue()
+
+
 def session(model: onnx.ModelProto, threads: int, profile: bool = False) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level, so.enable_profiling = threads, 3, profile
@@ -194,16 +208,7 @@ def cmd_step(threads: int) -> None:
               "autograd, max relative " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
         assert max(errs.values()) < 1e-4, errs
 
-    class Layer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn = lstm
-
-        def forward(self, x):
-            return self.rnn(x)[0]
-    buf = io.BytesIO()
-    torch.onnx.export(Layer(), (xt,), buf, input_names=["input"], output_names=["y"], dynamo=False)
-    plan = kc.compile(onnx.load_from_string(buf.getvalue()), loss="squared_error", output="y", emit=False)
+    plan = kc.compile(onnx.load_from_string(export_layer(lstm, xt)), loss="squared_error", output="y", emit=False)
     tr = Trainer(plan, optimizer="sgd", batch_size=N, momentum=0.0, learning_rate=1e-3, threads=threads)
     outs, feeds = ["loss", "new_W2", "new_R2", "new_bsum"], {"X": X, "Yt": Yt}
     fns = {"ours, unrolled (Trainer, SGD)": lambda: tr.step({"input": X}, Yt),
