@@ -18,6 +18,7 @@ import kfac_compiler as kc
 from helpers import sampled_batch as batch
 from helpers import zoo_case, zoo_plan
 from kfac_compiler import contract as C
+from kfac_compiler.optimizers import multi_tensor
 from kfac_compiler.optimizers.multi_tensor import concat_groups, split_flat
 from kfac_compiler.requests import MULTI_TENSOR_DEFAULT, Settings, request
 from kfac_compiler.runtime import Trainer
@@ -240,13 +241,27 @@ def test_the_flat_step_emits_a_few_nodes_fewer_per_parameter():
         assert sum(flat.values()) < sum(per.values())
 
 
-@pytest.mark.parametrize("multi", [False, True])
-def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi):
+def _plan_with_pieces(cases, monkeypatch, piece: int | None):
+    """small_cnn's (plan, x, y); with `piece`, Layout.stack's rows in pieces of that many floats
+    (GRAM_PIECE, as a large model's are; its 1,418 parameters end in a padded piece), on a
+    plan of its own: the back end caches its emitted graphs per plan."""
+    plan, x, y = cases("small_cnn")
+    if piece is None:
+        return plan, x, y
+    monkeypatch.setattr(multi_tensor, "GRAM_PIECE", piece)
+    plan = zoo_case("small_cnn", 256)[0]
+    assert sum(v.size for v in plan.parameter_values().values()) % piece
+    return plan, x, y
+
+
+@pytest.mark.parametrize("multi, piece", [(False, None), (True, None), (False, 160), (True, 160)])
+def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi, piece, monkeypatch):
     """The step's Gram entries (Layout.stack: g, P, v flattened from parameters of rank 1, 2
     and 4 into one stack) against float64 numpy: grad_norm is |g| of this batch's gradient
     (g.g), update_norm the size of the update the step applied (|a P + mu v|^2 from P.P, P.v
-    and v.v, with the velocity of the earlier steps)."""
-    plan, x, y = cases("small_cnn")
+    and v.v, with the velocity of the earlier steps). `piece`: the stack in pieces of that
+    many floats (GRAM_PIECE; the rows zero-padded to whole pieces), as a large model's is."""
+    plan, x, y = _plan_with_pieces(cases, monkeypatch, piece)
     tr = Trainer(plan, optimizer="kfac", seed=0, multi_tensor=multi, **SCHEDULE)
     for k in range(3):
         tr.step(*batch(x, y, k))
@@ -262,8 +277,8 @@ def test_the_stacked_gram_gives_numpys_norms_and_model(cases, multi):
     assert m["update_norm"] == pytest.approx(u_norm, rel=1e-4)
 
 
-@pytest.mark.parametrize("multi", [False, True])
-def test_the_velocity_is_the_update_of_numpys_preconditioned_gradient(cases, multi):
+@pytest.mark.parametrize("multi, piece", [(False, None), (True, None), (False, 160), (True, 160)])
+def test_the_velocity_is_the_update_of_numpys_preconditioned_gradient(cases, multi, piece, monkeypatch):
     """The step's update u = -alpha P + mu v (per parameter one MatMul of (a, mu) with the
     Gram's stacked rows, Gram.combine; flat, elementwise) against float64 numpy: P from the
     blocks' numpy twins with the inverses the step read, g from kc.gradients, v the velocity
@@ -271,7 +286,7 @@ def test_the_velocity_is_the_update_of_numpys_preconditioned_gradient(cases, mul
     its own (the refresh runs after steps 0, 2, 4)."""
     from kfac_compiler.host_blocks import host_blocks
 
-    plan, x, y = cases("small_cnn")
+    plan, x, y = _plan_with_pieces(cases, monkeypatch, piece)  # the update combined from the pieces
     tr = Trainer(plan, optimizer="kfac", seed=0, multi_tensor=multi, **SCHEDULE)
     for k in range(3):
         tr.step(*batch(x, y, k))

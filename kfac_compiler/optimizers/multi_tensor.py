@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+from onnx import numpy_helper
 
 from kfac_compiler import contract as C
 
@@ -37,6 +38,14 @@ if TYPE_CHECKING:
     from kfac_compiler.runtime.state import StateStore
 
 Chunks = list[str]  # a parameter-shaped vector in a Layout: one tensor per chunk
+
+# The stacked Gram's rows in pieces of GRAM_PIECE floats once a row holds two pieces or more
+# (Layout.gram_of): ONNX Runtime's Gemm of a [k, N] stack with itself, k = 3, runs on one thread
+# (its tiles are over the 3 x 3 result) and, on two threads, sums an entry with a float32 error
+# of 8.7e-4 of |x_i| |x_j| on ResNet-18's 11.2M parameters (1.3e-4 on a 3.2M GPT); as a
+# batched MatMul over the pieces it runs on every thread and errs by 3.5e-7
+# (benchmarks/results/2026-11-30-chunked-gram.md).
+GRAM_PIECE = 16384
 
 
 def concat_groups(shapes: Mapping[str, Sequence[int]]) -> list[list[str]]:
@@ -118,6 +127,7 @@ class Layout:
         self.groups = concat_groups(self.shapes)
         self.order = [p for group in self.groups for p in group]  # the concatenation's order
         self._packed: dict[tuple[str, ...], dict[str, str]] = {}  # pack's chunks -> what it packed
+        self._pieces: dict[str, int] = {}  # a stack whose rows are in pieces (stack) -> their zero padding
 
     def __len__(self) -> int:
         return 1 if self.multi_tensor else len(self.params)
@@ -144,13 +154,13 @@ class Layout:
             return dict(self._packed[tuple(chunks)])
         return self.split_flat(chunks[0])
 
-    def split_flat(self, flat: str) -> dict[str, str]:
+    def split_flat(self, flat: str, tail: int = 0) -> dict[str, str]:
         """{param: tensor} of a 1-D tensor holding every parameter's values in the
-        concatenation's order (`order`): a Split into the groups, and one per group of more
-        than one parameter."""
+        concatenation's order (`order`), then `tail` values left out: a Split into the groups,
+        and one per group of more than one parameter."""
         b = self.b
         sizes = [sum(self.size(p) for p in group) for group in self.groups]
-        pieces = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]
+        pieces = b.split(flat, sizes + [tail] if tail else sizes, axis=0) if len(sizes) > 1 or tail else [flat]
         out: dict[str, str] = {}
         for group, piece in zip(self.groups, pieces):
             shape = self.shapes[group[0]]
@@ -199,22 +209,42 @@ class Layout:
         return b.sum([b.reduce_sum(b.mul(u, v), None) for u, v in zip(x, y)])
 
     def stack(self, vectors: Sequence[Chunks]) -> str:
-        """The k vectors as the rows of one [k, N] tensor, each row in the concatenation's
-        order (`order`): one Concat of their flattened chunks (a Reshape per chunk of rank
-        other than 1, an alias)."""
+        """The k vectors as the rows of one [k, N] stack, each row in the concatenation's order
+        (`order`): one Concat of their flattened chunks (a Reshape per chunk of rank other
+        than 1, an alias). Rows of two GRAM_PIECEs or more are zero-padded to whole pieces (a
+        ConstantOfShape chunk in the same Concat) for gram_of."""
+        b = self.b
+        k, n = len(vectors), sum(self.size(p) for p in self.params)
         flat = self._flat_chunks(vectors)
-        return self.b.reshape(self.b.op("Concat", flat, axis=0, hint="gram_stack"), [len(vectors), -1])
+        pad = -n % GRAM_PIECE if n >= 2 * GRAM_PIECE else None
+        if pad:
+            # a node, not a stored constant of up to a piece (plans keep no width-sized constant)
+            zeros = b.op("ConstantOfShape", [b.ints([pad])], value=numpy_helper.from_array(np.zeros(1, b.np_float)),
+                         hint="gram_pad")
+            per = len(flat) // k
+            flat = [t for i in range(k) for t in flat[i * per:(i + 1) * per] + [zeros]]
+        stack = b.reshape(b.op("Concat", flat, axis=0, hint="gram_stack"), [k, -1])
+        if pad is not None:
+            self._pieces[stack] = pad
+        return stack
 
     def gram_of(self, stack: str, k: int) -> list[list[str]]:
         """Every dot product of the k rows of `stack` (Layout.stack), as scalars [i][j]: one
-        Gemm S S^T [k, k] and one Split into its entries. With the stack three kernels
-        instead of a Mul and a ReduceSum (or a ReduceSumSquare) per product and parameter and
-        a Sum per product: the per-parameter K-FAC step's Gram of g, P and v was 377 of
-        ResNet-18's executed nodes per step (issue 40). The Concat copies the k vectors once,
-        which the per-parameter products' Muls did per product. The sums run in the Gemm's
-        order: equal to the per-product ones to float32 rounding."""
+        Gemm S S^T [k, k], or on rows in pieces the pieces' products [R, k, k] (the stack
+        viewed as [k, R, GRAM_PIECE], a batched MatMul whose transposes ONNX Runtime fuses into
+        it: no copy) summed over the pieces; then one Split into the entries. With the stack
+        three kernels instead of a Mul and a ReduceSum (or a ReduceSumSquare) per product and
+        parameter and a Sum per product: the per-parameter K-FAC step's Gram of g, P and v was
+        377 of ResNet-18's executed nodes per step (issue 40). The Concat copies the k vectors
+        once, which the per-parameter products' Muls did per product. Float32 sums: along the
+        whole row in the Gemm, piece by piece in the pieces' form."""
         b = self.b
-        gram = b.reshape(b.op("Gemm", [stack, stack], transB=1, hint="gram"), [k * k])
+        if stack in self._pieces:
+            rows = b.reshape(stack, [k, -1, GRAM_PIECE])
+            per_piece = b.matmul(b.transpose(rows, [1, 0, 2]), b.transpose(rows, [1, 2, 0]))
+            gram = b.reshape(b.reduce_sum(per_piece, [0]), [k * k])
+        else:
+            gram = b.reshape(b.op("Gemm", [stack, stack], transB=1, hint="gram"), [k * k])
         entries = b.split(gram, [1] * (k * k), axis=0)
         scalars = {(i, j): b.reshape(entries[i * k + j], []) for i in range(k) for j in range(i, k)}
         return [[scalars[min(i, j), max(i, j)] for j in range(k)] for i in range(k)]
@@ -222,17 +252,21 @@ class Layout:
     def combine(self, stack: str, coefficients: Sequence[str | None]) -> Chunks:
         """sum_i c_i row_i of `stack` (Layout.stack; None: a row left out, coefficient 0) as a
         vector of this layout: one MatMul of the coefficients with the stack, split into the
-        parameters (split_flat) in the per-parameter layout. A linear combination of vectors
-        the step stacked already (the Gram's copy) costs a few nodes in all instead of a Mul
-        and an Add per term and parameter; the sum runs in the MatMul's order (float32
-        rounding, and 0 times a row adds an exact 0 where the row is finite)."""
+        parameters (split_flat) in the per-parameter layout, the rows' zero padding left out. A
+        linear combination of vectors the step stacked already (the Gram's copy) costs a few
+        nodes in all instead of a Mul and an Add per term and parameter; the sum runs in the
+        MatMul's order (float32 rounding, and 0 times a row adds an exact 0 where the row is
+        finite)."""
         b = self.b
         zero = b.const(np.zeros(1))
         row = b.op("Concat", [zero if c is None else b.unsqueeze(c, [0]) for c in coefficients], axis=0)
         flat = b.matmul(row, stack)
+        pad = self._pieces.get(stack, 0)
         if self.multi_tensor:
+            if pad:
+                flat = b.op("Slice", [flat, b.ints([0]), b.ints([sum(self.size(p) for p in self.params)])])
             return [flat]
-        per = self.split_flat(flat)
+        per = self.split_flat(flat, tail=pad)
         return [per[p] for p in self.params]
 
     def _flat_chunks(self, vectors: Sequence[Chunks]) -> list[str]:
