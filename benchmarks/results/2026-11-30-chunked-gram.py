@@ -12,8 +12,9 @@ against float64 numpy, relative to |x_i| |x_j| (an error in the cosine of two ro
 
 `step`: two Trainers of one plan in one process, one emitted with the pieces (GRAM_PIECE
 16384, shipped), one with GRAM_PIECE so large that every stack is one Gemm's (before); their
-default K-FAC steps interleaved, blocks of 10 steps after 20 warm-up steps each, a 50 ms
-pause before each block; median (min-max) ms per step. MODEL: resnet18 (the digits as 32x32
+default K-FAC steps interleaved (benchmarks/harness.py: interleave, the order rotated each
+round), blocks of 10 steps after 20 warm-up steps each, a 50 ms pause before each block;
+median (min-max) ms per step. MODEL: resnet18 (the digits as 32x32
 RGB, batch 32), gpt (models/torch_exports' GPT on digit sequences, batch 8, the budget
 2026-11-30-budget-overhead.py compiles it with), digits_autoencoder (batch 256; 107,360
 parameters: 7 pieces), mlp_classifier (batch 128; 26,122: one Gemm either way). Needs torch
@@ -31,6 +32,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))  # benchmarks/
+
+import harness  # noqa: E402
 
 
 def cmd_gram(threads: int, n: int) -> None:
@@ -124,16 +128,11 @@ def cmd_step(model: str, threads: int, rounds: int) -> None:
     def run(tr) -> None:
         for idx in batches:
             tr.step({"input": x[idx]}, y[idx])
-    for tr in trainers.values():  # every session kind made (the refresh, the adaptation step)
-        run(tr)
-        run(tr)
-    res: dict[str, list[float]] = {k: [] for k in trainers}
-    for r in range(rounds):
-        for k in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            run(trainers[k])
-            res[k].append((time.perf_counter() - t0) / len(batches) * 1e3)
+    def block(tr):
+        return lambda: harness.timed(lambda: run(tr), 1, warmup=0)[0] / len(batches) * 1e3
+    # two warm-up blocks each: every session kind made (the refresh, the adaptation step)
+    timed = harness.interleave({k: block(tr) for k, tr in trainers.items()}, rounds, gap=0.05, warmup=2)
+    res = {k: harness.flat(v) for k, v in timed.items()}
     for k, v in res.items():
         print(f"{model}, {threads} threads, {k:18s} {np.median(v):8.2f} ms ({min(v):.2f}-{max(v):.2f})")
     ratio = np.median(res["pieces (now)"]) / np.median(res["one Gemm (before)"])

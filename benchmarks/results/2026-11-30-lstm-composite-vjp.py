@@ -31,7 +31,6 @@ import json
 import os
 import re
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -45,6 +44,9 @@ from onnx import numpy_helper as nh
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/
+
+import harness  # noqa: E402
 
 T, N, I, H = 64, 32, 64, 256
 FUSED_VJP = importlib.import_module("2026-11-30-lstm-fused-vjp")  # the hand-written graphs, the export
@@ -66,20 +68,16 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def interleaved(fns: dict, rounds: int = 8) -> dict[str, list[float]]:
-    """ms per call: blocks of 10 calls, the order rotated every round."""
+    """ms per call: blocks of 10 calls after 3 warm-up calls each, the order rotated every round
+    and a 50 ms pause before each block (benchmarks/harness.py: interleave)."""
     for f in fns.values():
         for _ in range(3):
             f()
-    res: dict[str, list[float]] = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(rounds):
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            for _ in range(10):
-                fns[k]()
-            res[k].append((time.perf_counter() - t0) * 100)
-    return res
+
+    def block(f):
+        return lambda: sum(harness.timed(f, 10, warmup=0)) * 100
+    return {k: harness.flat(v) for k, v in harness.interleave({k: block(f) for k, f in fns.items()}, rounds,
+                                                              gap=0.05).items()}
 
 
 def report(res: dict[str, list[float]], extra: dict[str, str] | None = None) -> None:

@@ -6,7 +6,8 @@ Two Trainers of one plan in one process (K-FAC by default, batch 128): one emitt
 MaxPool rule's jvp as shipped (tiled windows: the tangent averaged over each window's tied
 maxima, on the vjp's mask), one with the jvp it replaced put back in the registry (the tangent
 gathered at the Indices of a re-emitted MaxPool); 10 interleaved rounds of 20 steps on the
-same batches, a 50 ms pause before each; median (min-max) ms per step, inverse refreshes
+same batches (benchmarks/harness.py: interleave, the order rotated each round), a 50 ms pause
+before each; median (min-max) ms per step, inverse refreshes
 included. LeNet-5 on random 28x28 images (the step's cost does not depend on the data); the
 small CNN on its zoo data.
 """
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import warnings
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/
+
+import harness  # noqa: E402
 
 
 def indices_jvp(b, view, node, ts):
@@ -68,16 +71,11 @@ def main(model: str, threads: int, optimizer: str) -> None:
     def run(tr: Trainer) -> None:
         for idx in batches:
             tr.step({"input": X[idx]}, Y[idx])
+    def block(tr: Trainer):
+        return lambda: harness.timed(lambda: run(tr), 1, warmup=0)[0] / len(batches) * 1e3
     runs = {"mask jvp (shipped)": shipped, "indices jvp (before)": before}
-    for tr in runs.values():
-        run(tr)
-    res: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(10):
-        for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            run(runs[k])
-            res[k].append((time.perf_counter() - t0) / len(batches) * 1e3)
+    rounds = harness.interleave({k: block(tr) for k, tr in runs.items()}, 10, gap=0.05, warmup=1)
+    res = {k: harness.flat(v) for k, v in rounds.items()}
     for k, v in res.items():
         print(f"{model} {optimizer} {threads} threads, {k:22s} {np.median(v):7.2f} ms ({min(v):.2f}-{max(v):.2f})")
     ratio = np.median(res["mask jvp (shipped)"]) / np.median(res["indices jvp (before)"])
