@@ -112,6 +112,17 @@ def interleave(contenders: Mapping[str, Callable[[], float | Sequence[float]]], 
     return out
 
 
+def interleaved_ms(blocks: Mapping[str, Callable[[], object]], per_block: int, rounds: int, *,
+                   gap: float = 0.05, warmup: int = 1) -> dict[str, list[float]]:
+    """{name: ms per unit of each timed run of blocks[name]()}, every block run once a round
+    (`interleave`: rotated, `gap` s of pause before each, `warmup` unrecorded runs first); a
+    block is `per_block` units (e.g. steps)."""
+    def timed_block(fn: Callable[[], object]) -> Callable[[], float]:
+        return lambda: timed(fn, 1, warmup=0)[0] / per_block * 1e3
+    res = interleave({k: timed_block(fn) for k, fn in blocks.items()}, rounds, gap=gap, warmup=warmup)
+    return {k: flat(v) for k, v in res.items()}
+
+
 def flat(rounds: Sequence[Sequence[float]]) -> list[float]:
     return [x for r in rounds for x in r]
 

@@ -128,11 +128,9 @@ def cmd_step(model: str, threads: int, rounds: int) -> None:
     def run(tr) -> None:
         for idx in batches:
             tr.step({"input": x[idx]}, y[idx])
-    def block(tr):
-        return lambda: harness.timed(lambda: run(tr), 1, warmup=0)[0] / len(batches) * 1e3
     # two warm-up blocks each: every session kind made (the refresh, the adaptation step)
-    timed = harness.interleave({k: block(tr) for k, tr in trainers.items()}, rounds, gap=0.05, warmup=2)
-    res = {k: harness.flat(v) for k, v in timed.items()}
+    res = harness.interleaved_ms({k: (lambda tr=tr: run(tr)) for k, tr in trainers.items()}, len(batches), rounds,
+                                 warmup=2)
     for k, v in res.items():
         print(f"{model}, {threads} threads, {k:18s} {np.median(v):8.2f} ms ({min(v):.2f}-{max(v):.2f})")
     ratio = np.median(res["pieces (now)"]) / np.median(res["one Gemm (before)"])

@@ -75,9 +75,8 @@ def interleaved(fns: dict, rounds: int = 8) -> dict[str, list[float]]:
             f()
 
     def block(f):
-        return lambda: sum(harness.timed(f, 10, warmup=0)) * 100
-    return {k: harness.flat(v) for k, v in harness.interleave({k: block(f) for k, f in fns.items()}, rounds,
-                                                              gap=0.05).items()}
+        return lambda: [f() for _ in range(10)]
+    return harness.interleaved_ms({k: block(f) for k, f in fns.items()}, 10, rounds, warmup=0)
 
 
 def report(res: dict[str, list[float]], extra: dict[str, str] | None = None) -> None:

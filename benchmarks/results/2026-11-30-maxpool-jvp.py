@@ -71,11 +71,8 @@ def main(model: str, threads: int, optimizer: str) -> None:
     def run(tr: Trainer) -> None:
         for idx in batches:
             tr.step({"input": X[idx]}, Y[idx])
-    def block(tr: Trainer):
-        return lambda: harness.timed(lambda: run(tr), 1, warmup=0)[0] / len(batches) * 1e3
     runs = {"mask jvp (shipped)": shipped, "indices jvp (before)": before}
-    rounds = harness.interleave({k: block(tr) for k, tr in runs.items()}, 10, gap=0.05, warmup=1)
-    res = {k: harness.flat(v) for k, v in rounds.items()}
+    res = harness.interleaved_ms({k: (lambda tr=tr: run(tr)) for k, tr in runs.items()}, len(batches), 10)
     for k, v in res.items():
         print(f"{model} {optimizer} {threads} threads, {k:22s} {np.median(v):7.2f} ms ({min(v):.2f}-{max(v):.2f})")
     ratio = np.median(res["mask jvp (shipped)"]) / np.median(res["indices jvp (before)"])
