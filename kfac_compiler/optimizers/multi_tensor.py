@@ -127,13 +127,22 @@ class Layout:
         self.groups = concat_groups(self.shapes)
         self.order = [p for group in self.groups for p in group]  # the concatenation's order
         self._packed: dict[tuple[str, ...], dict[str, str]] = {}  # pack's chunks -> what it packed
-        self._pieces: dict[str, int] = {}  # a stack whose rows are in pieces (stack) -> their zero padding
 
     def __len__(self) -> int:
         return 1 if self.multi_tensor else len(self.params)
 
     def size(self, p: str) -> int:
         return int(np.prod(self.shapes[p], dtype=np.int64))
+
+    def total(self) -> int:
+        """The number of values of a parameter-shaped vector."""
+        return sum(self.size(p) for p in self.params)
+
+    def _gram_pad(self) -> int | None:
+        """The zero padding of a stack's rows to whole GRAM_PIECEs, or None where the rows stay
+        whole (less than two pieces)."""
+        n = self.total()
+        return -n % GRAM_PIECE if n >= 2 * GRAM_PIECE else None
 
     def pack(self, per_param: Mapping[str, str]) -> Chunks:
         """The chunks of the vector {param: tensor}."""
@@ -159,8 +168,8 @@ class Layout:
         concatenation's order (`order`), then `tail` values left out: a Split into the groups,
         and one per group of more than one parameter."""
         b = self.b
-        sizes = [sum(self.size(p) for p in group) for group in self.groups]
-        pieces = b.split(flat, sizes + [tail] if tail else sizes, axis=0) if len(sizes) > 1 or tail else [flat]
+        sizes = [sum(self.size(p) for p in group) for group in self.groups] + ([tail] if tail else [])
+        pieces = b.split(flat, sizes, axis=0) if len(sizes) > 1 else [flat]  # the tail's piece unread
         out: dict[str, str] = {}
         for group, piece in zip(self.groups, pieces):
             shape = self.shapes[group[0]]
@@ -176,7 +185,7 @@ class Layout:
         <kind>/<p> per parameter, or the one flat slot <kind>/* (C.flat)."""
         if not self.multi_tensor:
             return [em.state_input(f"{kind}/{p}", self.shapes[p], init) for p in self.params]
-        return [em.state_input(C.flat(kind), (sum(self.size(p) for p in self.params),), init)]
+        return [em.state_input(C.flat(kind), (self.total(),), init)]
 
     def write_state(self, em: Emission, kind: str, chunks: Chunks) -> None:
         """The new value of the `kind` slots that `state` read."""
@@ -213,20 +222,16 @@ class Layout:
         (`order`): one Concat of their flattened chunks (a Reshape per chunk of rank other
         than 1, an alias). Rows of two GRAM_PIECEs or more are zero-padded to whole pieces (a
         ConstantOfShape chunk in the same Concat) for gram_of."""
-        b = self.b
-        k, n = len(vectors), sum(self.size(p) for p in self.params)
+        b, k = self.b, len(vectors)
         flat = self._flat_chunks(vectors)
-        pad = -n % GRAM_PIECE if n >= 2 * GRAM_PIECE else None
+        pad = self._gram_pad()
         if pad:
             # a node, not a stored constant of up to a piece (plans keep no width-sized constant)
             zeros = b.op("ConstantOfShape", [b.ints([pad])], value=numpy_helper.from_array(np.zeros(1, b.np_float)),
                          hint="gram_pad")
             per = len(flat) // k
             flat = [t for i in range(k) for t in flat[i * per:(i + 1) * per] + [zeros]]
-        stack = b.reshape(b.op("Concat", flat, axis=0, hint="gram_stack"), [k, -1])
-        if pad is not None:
-            self._pieces[stack] = pad
-        return stack
+        return b.reshape(b.op("Concat", flat, axis=0, hint="gram_stack"), [k, -1])
 
     def gram_of(self, stack: str, k: int) -> list[list[str]]:
         """Every dot product of the k rows of `stack` (Layout.stack), as scalars [i][j]: one
@@ -239,7 +244,7 @@ class Layout:
         once, which the per-parameter products' Muls did per product. Float32 sums: along the
         whole row in the Gemm, piece by piece in the pieces' form."""
         b = self.b
-        if stack in self._pieces:
+        if self._gram_pad() is not None:
             rows = b.reshape(stack, [k, -1, GRAM_PIECE])
             per_piece = b.matmul(b.transpose(rows, [1, 0, 2]), b.transpose(rows, [1, 2, 0]))
             gram = b.reshape(b.reduce_sum(per_piece, [0]), [k * k])
@@ -261,10 +266,10 @@ class Layout:
         zero = b.const(np.zeros(1))
         row = b.op("Concat", [zero if c is None else b.unsqueeze(c, [0]) for c in coefficients], axis=0)
         flat = b.matmul(row, stack)
-        pad = self._pieces.get(stack, 0)
+        pad = self._gram_pad() or 0
         if self.multi_tensor:
             if pad:
-                flat = b.op("Slice", [flat, b.ints([0]), b.ints([sum(self.size(p) for p in self.params)])])
+                flat = b.op("Slice", [flat, b.ints([0]), b.ints([self.total()])])
             return [flat]
         per = self.split_flat(flat, tail=pad)
         return [per[p] for p in self.params]
