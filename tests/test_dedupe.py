@@ -3,6 +3,8 @@ results unchanged (checked against numpy), pinned tensors and random ops left al
 zoo training graph left computing one thing twice."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -78,18 +80,70 @@ def test_pinned_and_random_nodes_stay():
     assert _count(m.graph, "RandomUniformLike") == 2
 
 
+def _census_plan(name: str):
+    """A zoo model's plan, or a committed real export's (tests/fixtures/real)."""
+    import kfac_compiler as kc
+    from kfac_compiler.models import ZOO
+
+    if name in ZOO:
+        entry = ZOO[name]
+        return kc.compile(entry.build(seed=0), loss=entry.loss, output="logits", emit=False)
+    path = Path(__file__).parent / "fixtures" / "real" / f"{name}.onnx"
+    return kc.compile(str(path), loss="softmax_cross_entropy", output="logits", emit=False)
+
+
+def _pools(second: bool):
+    """x [1, 1, 5, 5] -> a 3x3 stride-2 MaxPool y without Indices, (with `second`) the same
+    pool asking for them, and inside an If on c the same pool's Indices as floats."""
+    b = GraphBuilder(17, taken={"x", "c"})
+    pool = dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    y = b.op("MaxPool", ["x"], **pool)
+    outs = [y]
+    if second:
+        y2, idx = b.op("MaxPool", ["x"], n_out=2, **pool)
+        outs = [b.add(y, y2), b.cast(idx, TensorProto.FLOAT)]
+    (z,) = b.conditional("c", lambda: [b.cast(b.op("MaxPool", ["x"], n_out=2, **pool)[1], TensorProto.FLOAT)],
+                         [b.const(np.zeros((1, 1, 3, 3)))], [[1, 1, 3, 3]])
+    return b.make_model("pools", [value_info("x", TensorProto.FLOAT, [1, 1, 5, 5]), value_info("c", TensorProto.BOOL, [])],
+                        [helper.make_tensor_value_info(t, TensorProto.FLOAT, None) for t in outs + [z]])
+
+
+def test_a_max_pool_asking_for_indices_extends_the_first_in_its_graph_only():
+    """A MaxPool without Indices, then one on the same input with them (a gradient's), in one
+    graph: one node remains, yielding both (and a branch's pool reads it), the values those
+    of numpy's window maxima. With the Indices asked for only inside an If, the outer node is
+    not extended (it would pay for them on every run for a branch that may not run)."""
+    x = np.random.default_rng(1).standard_normal((1, 1, 5, 5)).astype(np.float32)
+    padded = np.pad(x[0, 0], 1, constant_values=-np.inf)
+    maxima = np.array([[padded[2 * i:2 * i + 3, 2 * j:2 * j + 3].max() for j in range(3)] for i in range(3)])
+
+    model = _pools(second=True)
+    merge_duplicates(model.graph)
+    (node,) = [n for n in _all_nodes(model.graph) if n.op_type == "MaxPool"]
+    assert len(node.output) == 2 and node in model.graph.node
+    both, idx, branch_idx = _run(model, x)
+    np.testing.assert_array_equal(both[0, 0], 2 * maxima)
+    np.testing.assert_array_equal(idx, branch_idx)
+    np.testing.assert_array_equal(x.reshape(-1)[idx.reshape(-1).astype(np.int64)], maxima.reshape(-1))
+
+    model = _pools(second=False)
+    merge_duplicates(model.graph)
+    assert [len(n.output) for n in model.graph.node if n.op_type == "MaxPool"] == [1]
+    assert _count(model.graph, "MaxPool") == 2
+    y, branch_idx = _run(model, x)
+    np.testing.assert_array_equal(y[0, 0], maxima)
+    np.testing.assert_array_equal(x.reshape(-1)[branch_idx.reshape(-1).astype(np.int64)], maxima.reshape(-1))
+
+
 @pytest.mark.parametrize("name", ["small_cnn", "transformer_block", "unrolled_rnn"])
 def test_no_emitted_training_graph_runs_one_computation_twice(name):
     """Issue 40: no node runs twice for one value. After the emission (and its dedupe), no two
     nodes of a zoo model's Adam or K-FAC step apply one op with the same attributes to the same
     inputs, whatever outputs they keep (a MaxPool with Indices beside the forward's MaxPool ran
-    the window maxima twice; its jvp now reads the vjp's mask)."""
-    import kfac_compiler as kc
+    the window maxima twice; tiled windows' jvp now reads the vjp's mask)."""
     from kfac_compiler.backend.registry import emit_subgraph
-    from kfac_compiler.models import ZOO
 
-    entry = ZOO[name]
-    plan = kc.compile(entry.build(seed=0), loss=entry.loss, output="logits", emit=False)
+    plan = _census_plan(name)
     for kind in ("adam_step", "kfac_step"):
         model, _ = emit_subgraph(plan, kind)
         first: dict[tuple, onnx.NodeProto] = {}
@@ -104,3 +158,27 @@ def test_no_emitted_training_graph_runs_one_computation_twice(name):
             else:
                 first[key] = node
         assert not repeats, (kind, repeats[:5])
+
+
+def test_an_overlapping_max_pool_runs_once_in_the_training_graphs():
+    """torchvision ResNet's 3x3 stride-2 MaxPool overlaps, so its vjp and jvp read the Indices
+    the forward's node leaves out: the forward's node yields them (backend/dedupe.EXTENSIBLE)
+    instead of a second MaxPool computing the same maxima, in every step graph, the K-FAC
+    step's statistics branch included. Its gradients against torch's:
+    tests/test_real_exports.py::test_gradients_match_torch[resnet-ts]."""
+    from kfac_compiler.backend.registry import emit_subgraph
+
+    plan = _census_plan("resnet-ts")
+    for kind in ("adam_step", "sgd_step", "kfac_step", "update_statistics"):
+        model, _ = emit_subgraph(plan, kind)
+        pools = [n for n in _all_nodes(model.graph) if n.op_type == "MaxPool"]
+        assert len(pools) == 1 and len(pools[0].output) == 2, (kind, [list(n.output) for n in pools])
+        np.testing.assert_equal(_count(model.graph, "MaxPool"), 1)
+
+
+def _all_nodes(graph):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == attr.GRAPH:
+                yield from _all_nodes(attr.g)
