@@ -52,6 +52,44 @@ def check_outputs(outputs: Iterable[Output], inputs: Sequence[tuple[str, str | N
                                   "give the output another path")
 
 
+def model_inputs(model: str | None, outputs: Iterable[Output]) -> list[tuple[str, str | None]]:
+    """check_outputs' inputs for a MODEL argument: the model (a plan folder stands for its
+    files); for a plan folder the source model its plan.json names (train reads it to tell a
+    stale plan: written over, the user's model is lost and the plan stale); and the
+    external-data files of either that an existing file output would replace (looked up only
+    then: reading a big model's graph costs a second)."""
+    if not model:
+        return []
+    found: list[tuple[str, str | None]] = [("MODEL", model)]
+    sources = [model] if os.path.isfile(model) else []
+    if os.path.isdir(model):
+        from kfac_compiler.plan import plan_source
+
+        source = plan_source(model)
+        if source and os.path.isfile(source):
+            found.append(("plan's source model", source))
+            sources.append(source)
+    existing = [os.path.realpath(o.path) for o in outputs if o.path and not o.folder and os.path.isfile(o.path)]
+    for path in sources:
+        folder = os.path.dirname(os.path.realpath(path))
+        if any(e.startswith(folder + os.sep) for e in existing):
+            found += [(f"external data of {path!r}", os.path.join(folder, loc)) for loc in _data_locations(path)]
+    return found
+
+
+def _data_locations(path: str) -> list[str]:
+    """The external-data locations `path`'s tensors name; [] where it cannot be read (the
+    command's own load says why, in one line)."""
+    import onnx
+
+    from kfac_compiler.onnx_files import external_locations
+
+    try:
+        return sorted(set(external_locations(onnx.load(path, load_external_data=False))))
+    except Exception:  # noqa: BLE001 - any unreadable model: reported by the command's own load
+        return []
+
+
 def _check_target(o: Output) -> None:
     path = o.path
     if o.folder:

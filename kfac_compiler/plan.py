@@ -508,6 +508,14 @@ def _plan_doc(folder: str) -> dict | None:
     return doc if ours else None
 
 
+def plan_source(folder: str) -> str | None:
+    """The path of the model the plan in `folder` was compiled from, as its plan.json records
+    it (load_plan reads it to tell a stale plan), or None (no plan of ours, no source)."""
+    doc = _plan_doc(folder)
+    path = doc["source"].get("path") if doc is not None else None
+    return path if isinstance(path, str) and path else None
+
+
 def _own_files(folder: str) -> set[str]:
     """The files the plan in `folder` (if any) consists of, by its plan.json."""
     doc = _plan_doc(folder)

@@ -470,7 +470,7 @@ def _check(args, comm, held) -> list[Output]:
     """Everything before compiling: the options, the checkpoint's meta and (rank 0) the
     outputs, checked and locked. No collective: a rank that fails here is agreed on."""
     from kfac_compiler.locks import locked
-    from kfac_compiler.outputs import check_outputs
+    from kfac_compiler.outputs import check_outputs, model_inputs
     from kfac_compiler.ranks import is_root
     from kfac_compiler.resume import settle
 
@@ -512,7 +512,7 @@ def _check(args, comm, held) -> list[Output]:
         _check_plot(args.plot)
         model = args.model if args.model and os.path.exists(args.model) else None
         data = args.data if args.data != "digits" else None
-        check_outputs(outputs, [("MODEL", model), ("--data", data), ("--val-data", args.val_data),
+        check_outputs(outputs, [*model_inputs(model, outputs), ("--data", data), ("--val-data", args.val_data),
                                 ("--config", args.config), ("--resume", args.resume)],
                       may_equal=[("--checkpoint", "--resume")])
         held.enter_context(locked([(o.option, o.path) for o in outputs]))

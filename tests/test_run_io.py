@@ -118,11 +118,13 @@ def inputs(tmp_path_factory):
     assert main(["train", "--steps", "2", "--batch-size", "64", "-q", "--checkpoint", str(d / "ck.npz")]) == 0
     assert main(["compile", save_model("mlp_classifier", d / "m.onnx"), "--loss", "softmax_cross_entropy",
                  "-o", str(d / "plan"), "-q"]) == 0
+    onnx.save(onnx.load(d / "m.onnx"), d / "e.onnx", save_as_external_data=True, location="e.data", size_threshold=0)
     return d
 
 
 @pytest.mark.parametrize("case", ["save_is_checkpoint", "checkpoint_is_data", "metrics_is_data", "trailing_slash",
-                                  "folder", "parent_is_file", "resume_is_save", "plan_file"])
+                                  "folder", "parent_is_file", "resume_is_save", "plan_file", "plan_source",
+                                  "save_is_plan_source", "external_data"])
 def test_bad_outputs_fail_before_training_and_touch_nothing(tmp_path, capsys, inputs, case):
     (tmp_path / "folder").mkdir()
     (tmp_path / "afile").write_text("mine")
@@ -144,6 +146,15 @@ def test_bad_outputs_fail_before_training_and_touch_nothing(tmp_path, capsys, in
         "plan_file": ([str(plan), "--save", f"{plan}/model.onnx"],
                       f"error: --save '{plan}/model.onnx' would overwrite a file of the plan folder '{plan}' "
                       "(the MODEL input)"),
+        # the model a plan folder was compiled from: written over, the user's model is lost and
+        # the plan stale ("its source model changed"); the same for an .onnx's external data
+        "plan_source": ([str(plan), "--checkpoint", f"{inputs}/m.onnx"],
+                        f"error: --checkpoint '{inputs}/m.onnx' would overwrite '{inputs}/m.onnx' (the plan's "
+                        "source model input); give the output another path"),
+        "save_is_plan_source": ([str(plan), "--save", f"{inputs}/./m.onnx"], "(the plan's source model input)"),
+        "external_data": ([f"{inputs}/e.onnx", "--loss", "softmax_cross_entropy", "--checkpoint", f"{inputs}/e.data"],
+                          f"error: --checkpoint '{inputs}/e.data' would overwrite '{inputs}/e.data' (the external data "
+                          f"of '{inputs}/e.onnx' input)"),
     }[case]
     before = snapshot(tmp_path), snapshot(inputs)
     code, out, err = run(["train", *FAST, "--data", str(data), *argv], capsys)

@@ -283,6 +283,38 @@ def save_onto_the_model_file(d: str) -> Verdict:
 
 
 @case("overwritten")
+def checkpoint_onto_the_plans_source_model(d: str) -> Verdict:
+    """train PLAN --checkpoint SOURCE, SOURCE the model PLAN was compiled from: an input too
+    (was: the model replaced by a checkpoint, exit 0, and the plan stale from then on)."""
+    j = Judge()
+    model = ASSETS.copy(ASSETS.model(), _j(d, "model.onnx"))
+    plan = _j(d, "plan")
+    r = run_cli(["compile", model, *MODEL_ARGS, "-q", "-o", plan])
+    if j.success(r):
+        files = snapshot(model)
+        r = run_cli(["train", plan, "--steps", "2", "-q", "--checkpoint", model])
+        j.error_line(r, ["model.onnx", "source model"], if_accepted="overwritten")
+        j.unchanged(files)
+    return j.verdict()
+
+
+@case("overwritten")
+def checkpoint_onto_the_models_external_data(d: str) -> Verdict:
+    """train MODEL --checkpoint DATA, DATA the file MODEL keeps its weights in (external data)."""
+    import onnx
+
+    j = Judge()
+    model = _j(d, "model.onnx")
+    onnx.save(onnx.load(ASSETS.model()), model, save_as_external_data=True, location="weights.bin",
+              size_threshold=0)
+    files = snapshot(model, _j(d, "weights.bin"))
+    r = run_cli(["train", model, *MODEL_ARGS, "--steps", "2", "-q", "--checkpoint", _j(d, "weights.bin")])
+    j.error_line(r, ["weights.bin", "external data"], if_accepted="overwritten")
+    j.unchanged(files)
+    return j.verdict()
+
+
+@case("overwritten")
 def save_onto_the_resumed_checkpoint(d: str) -> Verdict:
     j = Judge()
     ckpt = ASSETS.copy(ASSETS.checkpoint(), _j(d, "run.ckpt"))
