@@ -115,6 +115,8 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo, max_nodes: int | No
     for name in outputs:
         if name in stage_of:
             reads_in[stage_of[name]].add(name)
+        elif name in constant:  # made from constants alone (a host-inverse refresh's flag): the last stage
+            reads_in[count - 1].add(name)
     last_read: dict[str, int] = {}  # tensor -> the last stage that reads it
     for k, names in enumerate(reads_in):
         for n in names:
@@ -126,7 +128,7 @@ def split_stages(model: onnx.ModelProto, info: SubgraphInfo, max_nodes: int | No
         made = {o for n in nodes for o in n.output}
         carried_in = sorted(n for n in reads_in[s] if n not in made and n in stage_of and n not in inputs)
         carried_out = sorted(n for n in made if last_read.get(n, -1) > s and stage_of.get(n) == s)
-        stage_outputs = [n for n in outputs if n in made and stage_of.get(n) == s]
+        stage_outputs = [n for n in outputs if n in made and (stage_of.get(n) == s or (n in constant and s == count - 1))]
         stages.append(_stage(model, info, s, nodes, node_reads_in[s] | constant_reads, carried_in, carried_out,
                              stage_outputs, cuts[s], outputs, initializers, types, declared))
     return stages

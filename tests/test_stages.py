@@ -191,3 +191,27 @@ def test_a_marker_missing_from_the_graph_is_a_stage_error(trained):
             node.op_type = "Neg"  # no longer an Identity marker
     with pytest.raises(StageError, match="no Identity marker"):
         split_stages(bad, info)
+
+
+def test_an_output_made_from_constants_alone_comes_out_of_the_last_stage(monkeypatch):
+    """With its inverses computed on the host (inverse method cholesky) a plan's
+    inverse_update is one Identity of a constant: cut for size (STAGED_ABOVE_NODES 0), it
+    made one stage with no nodes and no outputs, which ONNX Runtime refused with a C++ error
+    when the Trainer was made. Now the last stage makes such an output; every graph output
+    comes out of one stage, and the staged trainer steps as the whole graphs do."""
+    from kfac_compiler.runtime import program
+
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False,
+                      config={"inverse": {"method": "cholesky"}})
+    model, info = emit_subgraph(plan, "inverse_update")
+    made = [o for stage in split_stages(model, info, max_nodes=1) for o in stage.model.graph.output]
+    assert sorted(o.name for o in made) == sorted(o.name for o in model.graph.output)
+    x, y = e.make_data(n=32)
+    whole = Trainer(plan, optimizer="kfac", seed=0, batch_size=32, threads=1)
+    monkeypatch.setattr(program, "STAGED_ABOVE_NODES", 0)
+    staged = Trainer(plan, optimizer="kfac", seed=0, batch_size=32, threads=1)
+    for _ in range(3):
+        assert whole.step(x, y)["loss"] == staged.step(x, y)["loss"]
+    for name, value in whole.parameters().items():
+        np.testing.assert_array_equal(staged.parameters()[name], value)
