@@ -11,6 +11,9 @@ import errno
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
 
 
 class KfacError(Exception):
@@ -131,3 +134,20 @@ def npz_reason(e: BaseException) -> str:
             return "it holds object (pickled) arrays, which are never loaded: save plain numeric arrays"
         return "it is not an .npz file"
     return one_line(e)
+
+
+def range_problem(a: np.ndarray, dtype: Any, what: str) -> str | None:
+    """Why converting `a` to `dtype` would not keep its values, naming `what`, or None: a
+    float64 beyond float32's range would become inf, an integer beyond the type's range would
+    wrap. NaN/Inf are left to the callers' own checks, which name them."""
+    dtype = np.dtype(dtype)
+    if not a.size or a.dtype.kind not in "iuf" or dtype.kind not in "iuf" or np.can_cast(a.dtype, dtype, "safe"):
+        return None
+    info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+    lo, hi = a.min(), a.max()
+    if a.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):
+        return None
+    if lo < info.min or hi > info.max:
+        worst = hi if hi > info.max else lo
+        return f"{what} holds {worst:g}, beyond {dtype.name}'s range [{info.min:g}, {info.max:g}]; rescale the data"
+    return None

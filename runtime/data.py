@@ -23,7 +23,7 @@ from onnx import TensorProto
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import DataError, npz_reason, os_errors
+from kfac_compiler.errors import DataError, npz_reason, os_errors, range_problem
 from kfac_compiler.losses import Loss
 from kfac_compiler.npz_files import read_entry
 
@@ -278,19 +278,10 @@ def as_array(value: Any, what: str) -> np.ndarray:
 
 
 def check_range(a: np.ndarray, dtype: Any, what: str) -> None:
-    """DataError where converting `a` to `dtype` would not keep its values: a float64 beyond
-    float32's range would become inf, an integer beyond the type's range would wrap."""
-    dtype = np.dtype(dtype)
-    if not a.size or a.dtype.kind not in "iuf" or dtype.kind not in "iuf" or np.can_cast(a.dtype, dtype, "safe"):
-        return
-    info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-    lo, hi = a.min(), a.max()
-    if (a.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi))):
-        return  # NaN/Inf: the callers' own checks name them
-    if lo < info.min or hi > info.max:
-        worst = hi if hi > info.max else lo
-        raise DataError(f"{what} holds {worst:g}, beyond {dtype.name}'s range [{info.min:g}, {info.max:g}]; "
-                        "rescale the data")
+    """DataError where converting `a` to `dtype` would not keep its values (errors.range_problem)."""
+    problem = range_problem(a, dtype, what)
+    if problem:
+        raise DataError(problem)
 
 
 def parameter_vectors(shapes: Mapping[str, Any], vectors: Any, what: str) -> dict[str, np.ndarray]:

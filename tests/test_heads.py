@@ -226,6 +226,11 @@ def test_a_data_file_missing_a_heads_array_is_a_one_line_error(two_heads, tmp_pa
     with pytest.raises(DataError) as e:
         Curvature(plan).gradients({"input": x}, labels)
     assert "dict" in _one_line(e)
+    big = values.astype(np.float64)
+    big[0, 0] = 1e39  # a float64 beyond float32's range, which the packing would turn into inf
+    with pytest.raises(DataError) as e:
+        Curvature(plan).gradients({"input": x}, {"labels": labels, "values": big})
+    assert _one_line(e).startswith("batch: array 'values' (head 'aux') holds 1e+39, beyond float32's range")
 
 
 def test_a_packed_targets_array_is_checked_per_head(two_heads):

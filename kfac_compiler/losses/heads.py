@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto
 
 from kfac_compiler.builder import GraphBuilder
-from kfac_compiler.errors import ConfigError, DataError
+from kfac_compiler.errors import ConfigError, DataError, range_problem
 from kfac_compiler.losses.base import Loss, LossOption, loss_class, register_loss
 
 MULTI_HEAD = "multi_head"
@@ -233,6 +233,9 @@ class MultiHead(Loss):
             rows = y.shape[0]
             if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
                 raise DataError(f"{what} contains {int(np.sum(~np.isfinite(y)))} NaN/Inf value(s)")
+            problem = range_problem(y, np.float32, what)  # packed as float32: a float64 beyond it would be inf
+            if problem:
+                raise DataError(problem)
             y = part.check_targets(y, ["N", *shape], what)
             if y.dtype.kind in "iu" and y.size and np.max(np.abs(y)) >= EXACT_LABELS:
                 raise DataError(f"{what} holds {int(np.max(np.abs(y)))}; heads pack labels as float32, exact below 2^24")
