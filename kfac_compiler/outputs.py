@@ -56,19 +56,21 @@ def model_inputs(model: str | None, outputs: Iterable[Output]) -> list[tuple[str
     """check_outputs' inputs for a MODEL argument: the model (a plan folder stands for its
     files); for a plan folder the source model its plan.json names (train reads it to tell a
     stale plan: written over, the user's model is lost and the plan stale); and the
-    external-data files of either that an existing file output would replace (looked up only
-    then: reading a big model's graph costs a second)."""
+    external-data files of these models (the plan's own included) that an existing file
+    output would replace (looked up only then: reading a big model's graph costs a second)."""
     if not model:
         return []
     found: list[tuple[str, str | None]] = [("MODEL", model)]
     sources = [model] if os.path.isfile(model) else []
     if os.path.isdir(model):
-        from kfac_compiler.plan import plan_source
+        from kfac_compiler.plan import MODEL_FILE, plan_source
 
         source = plan_source(model)
         if source and os.path.isfile(source):
             found.append(("plan's source model", source))
             sources.append(source)
+        if os.path.isfile(os.path.join(model, MODEL_FILE)):  # a plan of a model over 1 GiB keeps its values beside
+            sources.append(os.path.join(model, MODEL_FILE))
     existing = [os.path.realpath(o.path) for o in outputs if o.path and not o.folder and os.path.isfile(o.path)]
     for path in sources:
         folder = os.path.dirname(os.path.realpath(path))

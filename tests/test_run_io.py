@@ -124,7 +124,7 @@ def inputs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["save_is_checkpoint", "checkpoint_is_data", "metrics_is_data", "trailing_slash",
                                   "folder", "parent_is_file", "resume_is_save", "plan_file", "plan_source",
-                                  "save_is_plan_source", "external_data"])
+                                  "save_is_plan_source", "external_data", "plan_model_data"])
 def test_bad_outputs_fail_before_training_and_touch_nothing(tmp_path, capsys, inputs, case):
     (tmp_path / "folder").mkdir()
     (tmp_path / "afile").write_text("mine")
@@ -155,7 +155,15 @@ def test_bad_outputs_fail_before_training_and_touch_nothing(tmp_path, capsys, in
         "external_data": ([f"{inputs}/e.onnx", "--loss", "softmax_cross_entropy", "--checkpoint", f"{inputs}/e.data"],
                           f"error: --checkpoint '{inputs}/e.data' would overwrite '{inputs}/e.data' (the external data "
                           f"of '{inputs}/e.onnx' input)"),
+        # a plan of a model over 1 GiB keeps its values in model.onnx.data beside model.onnx
+        "plan_model_data": ([f"{t}/big", "--checkpoint", f"{t}/big/model.onnx.data"],
+                            f"error: --checkpoint '{t}/big/model.onnx.data' would overwrite '{t}/big/model.onnx.data' "
+                            f"(the external data of '{t}/big/model.onnx' input)"),
     }[case]
+    if case == "plan_model_data":
+        shutil.copytree(plan, tmp_path / "big")
+        onnx.save(onnx.load(plan / "model.onnx"), tmp_path / "big" / "model.onnx", save_as_external_data=True,
+                  location="model.onnx.data", size_threshold=0)
     before = snapshot(tmp_path), snapshot(inputs)
     code, out, err = run(["train", *FAST, "--data", str(data), *argv], capsys)
     assert code == 2 and "final train loss" not in out
