@@ -26,7 +26,9 @@ initializer of the file what it is on the torch side:
            {"role": "constant"}                     not a torch tensor (a literal, a folded value)
            {"role": "ambiguous", "candidates": [...]}   equal to several torch tensors: the rule decides
     an entry may carry "merged": [Q, ...]: parameters the exporter merged into this initializer
-    (equal values, no initializer of their own); they are trained as one and all get its value back.
+    (equal values, no initializer of their own); they are trained as one and all get its value back;
+    and "frozen": true where every torch parameter it holds has requires_grad=False: the compiler
+    freezes it (passes/trainable.py), as torch's optimizers leave it.
 
 A module over onnx_files.LAZY_EXTERNAL_BYTES (1 GiB) is written as path + path.data (external
 data), and load_trained reads such a file tensor by tensor (docs/torch.md, "Models over 2 GB").
@@ -362,9 +364,18 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
                 host.setdefault("merged", []).append(pname)
                 covered.add(pname)
                 break
+    for e in entries.values():  # every torch parameter it holds frozen (requires_grad=False): frozen too
+        if e["role"] == "parameter" and not any(params[n].requires_grad for n in _entry_parameters(e)):
+            e["frozen"] = True
     return {"version": 1, "exporter": exporter, "torch_version": torch.__version__,
             "parameters": list(params), "buffers": list(buffers), "ties": ties, "initializers": entries,
             "unmapped": [p for p in params if p not in covered]}
+
+
+def _entry_parameters(e: dict[str, Any]) -> list[str]:
+    """The torch parameters a manifest entry of role "parameter" holds (its merged ones too)."""
+    names = [e["torch"]] if "torch" in e else list(dict.fromkeys(b[0] for b in e["blocks"]))
+    return names + list(e.get("merged", []))
 
 
 def _recurrent_rows(module: nn.Module, params: dict[str, Any]) -> list[tuple[str, int, np.ndarray]]:
@@ -430,8 +441,7 @@ def torch_parameters(manifest: dict[str, Any]) -> dict[str, list[str]]:
     for init, e in manifest["initializers"].items():
         if e["role"] != "parameter" or "copy_of" in e:
             continue
-        names = [e["torch"]] if "torch" in e else list(dict.fromkeys(b[0] for b in e["blocks"]))
-        out[init] = names + list(e.get("merged", []))
+        out[init] = _entry_parameters(e)
     return out
 
 
@@ -448,8 +458,7 @@ def plan_parameters(plan: Any) -> dict[str, list[str]]:
         if e.get("role") != "parameter":
             out[name] = []
             continue
-        names = [e["torch"]] if "torch" in e else list(dict.fromkeys(b[0] for b in e["blocks"]))
-        out[name] = names + list(e.get("merged", []))
+        out[name] = _entry_parameters(e)
     return out
 
 
@@ -482,6 +491,8 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     missing: list[str] = []
     for init, e in man["initializers"].items():
         if e["role"] == "parameter" and "copy_of" not in e:
+            if init not in values and e.get("frozen"):
+                continue  # requires_grad=False: the plan froze it, the module's value is the trained one
             if init not in values:
                 missing.append(", ".join([e.get("torch") or e["blocks"][0][0]] + list(e.get("merged", []))))
                 continue
@@ -504,7 +515,8 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     if missing and strict:
         raise BridgeError(f"no trained value for torch parameter(s) {'; '.join(missing)} (initializers "
                           f"{', '.join(i for i, e in man['initializers'].items() if e['role'] == 'parameter' and 'copy_of' not in e and i not in values)} "
-                          "are not in the source)")
+                          "are not in the source: frozen by the plan, e.g. by its config's exclude? "
+                          "strict=False writes the ones that are)")
     unknown = [p for p in out if p not in state]
     if unknown:
         raise BridgeError(f"the module has no parameter or buffer {', '.join(unknown)} (a different module than the export's?)")

@@ -254,8 +254,10 @@ def _manifest_reason(entry: dict[str, Any] | None, rule: Any) -> str | None:
     entry = entry or {}
     role = entry.get("role")
     if role == "parameter":
-        why = rule()
         names = entry.get("torch") or entry["blocks"][0][0]
+        if entry.get("frozen"):
+            return f"torch parameter {names} has requires_grad=False"
+        why = rule()
         return f"torch parameter {names}, but {why}" if why else None
     if role == "buffer":
         return f"torch buffer {entry['torch']}"

@@ -340,6 +340,30 @@ def test_selectors_apply_on_top_of_the_manifest(tmp_path):
     assert plan.frozen_reasons["fc1.weight"].startswith("excluded by config")
 
 
+@pytest.mark.parametrize("exporter", kt.EXPORTERS)
+def test_parameters_torch_does_not_train_are_frozen(exporter, tmp_path):
+    """A parameter with requires_grad=False (fc1, frozen as torch users freeze a layer) is
+    frozen by the manifest, with the reason; after SGD steps load_trained writes the trained
+    fc2 back and leaves fc1 as it was, as torch's optimizers would (it was trained before)."""
+    torch.manual_seed(0)
+    m = MLP().eval()
+    m.fc1.requires_grad_(False)
+    x, y = _data("mlp", np.random.default_rng(0))
+    model = kt.export(m, (x,), tmp_path / "m.onnx", exporter=exporter)
+    plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    assert set(plan.trainable) == {"fc2.weight", "fc2.bias"}
+    assert plan.frozen_reasons["fc1.weight"] == "torch parameter fc1.weight has requires_grad=False"
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    trainer = Trainer(plan, optimizer="sgd", learning_rate=0.5, seed=0)
+    for _ in range(3):
+        trainer.step({"input": x}, y)
+    written = kt.load_trained(m, trainer)
+    assert sorted(written) == ["fc2.bias", "fc2.weight"]
+    assert torch.equal(m.fc1.weight, before["fc1.weight"]) and torch.equal(m.fc1.bias, before["fc1.bias"])
+    assert not torch.equal(m.fc2.weight, before["fc2.weight"])
+    np.testing.assert_array_equal(m.fc2.weight.detach().numpy(), trainer.parameters()["fc2.weight"])
+
+
 @pytest.mark.parametrize("family", ["lstm", "tied"])
 def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
     """The same values land in the module from the Trainer, its trained file and a dict of its
