@@ -57,8 +57,8 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         keep_best: bool = False, patience: int | None = None) -> History:
     """Step `trainer` on `batches` ((inputs, targets) or (inputs, targets, weights) each) until
     they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets), or
-    (inputs, targets, weights): Trainer.evaluate's) every `eval_every` steps and after the
-    last. `callback(step, metrics)` sees each step's metrics (the held-out ones merged in
+    (inputs, targets, weights): Trainer.evaluate's) after every step whose number (from 0, the
+    trainer's count) + 1 is a multiple of `eval_every`, and after the last. `callback(step, metrics)` sees each step's metrics (the held-out ones merged in
     under `eval_` where an evaluation ran) and stops the loop by
     returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
     continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
@@ -103,7 +103,8 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
         metrics["step"] = float(step)
         last = steps is not None and taken + 1 == steps
         stop = False
-        if validation is not None and (last or (every is not None and (taken + 1) % every == 0)):
+        # on the trainer's own count: a resumed fit evaluates at the steps the uninterrupted one does
+        if validation is not None and (last or (every is not None and (step + 1) % every == 0)):
             held, compared = _evaluate(trainer, validation, eval_batch_size, step, history, best, stopper)
             metrics.update(held)
             stop = stopper is not None and stopper.stop(compared)

@@ -136,6 +136,30 @@ def test_a_checkpoint_carries_the_kept_model_and_a_resumed_fit_must_beat_it(case
     assert resumed.step_count == 30
 
 
+def test_a_resumed_fit_evaluates_at_the_uninterrupted_run_s_steps(case, tmp_path):
+    """Evaluations every 4 steps of the trainer's count, not of the call's: resumed after step
+    17, fit evaluates after steps 19, 23, 27 (and the last, 29) as the uninterrupted run does,
+    so keep_best keeps the same evaluation's model (it kept step 25's, at 21, 25, 29, before)."""
+    plan, (x, y), held = case
+    whole = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0)
+    history = fit(whole, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=4, keep_best=True)
+    assert [int(m["step"]) for m in history.evaluations] == [3, 7, 11, 15, 19, 23, 27, 29]
+    first, path = Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0), str(tmp_path / "c.ckpt")
+
+    def stop_at_17(step, metrics):
+        if step == 17:
+            first.save_checkpoint(path)
+        return step < 17
+
+    fit(first, batches(x, y, 32, seed=3), steps=30, validation=held, eval_every=4, keep_best=True, callback=stop_at_17)
+    resumed = Trainer.load_checkpoint(path, plan)
+    later = fit(resumed, batches(x, y, 32, seed=3, start=18), steps=12, validation=held, eval_every=4, keep_best=True)
+    assert [int(m["step"]) for m in later.evaluations] == [19, 23, 27, 29]
+    assert [m["eval_loss"] for m in later.evaluations] == [m["eval_loss"] for m in history.evaluations[4:]]
+    for name, value in whole.parameters().items():
+        np.testing.assert_array_equal(resumed.parameters()[name], value)
+
+
 def test_a_checkpoint_s_damaged_kept_model_is_one_line(case, tmp_path):
     import json
 
