@@ -116,3 +116,22 @@ def test_bad_declarations_are_refused():
         with pytest.raises(TypeError):
             register_block(cls)
     assert APPROXIMATIONS == MENU
+
+
+def test_a_block_missing_a_hook_is_refused_naming_it():
+    """A FisherBlock subclass that leaves a hook to the base (here the statistics, the inverse
+    and their numpy twins) is refused when registered, naming what to implement; it used to
+    register and fail later with an empty NotImplementedError deep in the compiler."""
+    from kfac_compiler.blocks.base import FisherBlock
+
+    class Empty(FisherBlock):
+        name, layer_kinds = "empty_block", ("fully_connected",)
+
+        def factor_specs(self):
+            return []
+
+    with pytest.raises(TypeError, match="block class Empty: implement emit_inverse, emit_power, emit_statistics, "
+                                        "inverse_flops, inverse_specs, numpy_inverse, numpy_power, "
+                                        "numpy_statistics, stats_flops before registering it"):
+        register_block(Empty)
+    assert APPROXIMATIONS == MENU

@@ -197,3 +197,20 @@ def test_train_command_makes_digits_counts_and_prints_the_metric(poisson, tmp_pa
     m = re.search(r"final train loss ([\d.]+) mean_absolute_error ([\d.]+) \(3 steps", out)
     assert m is not None, out
     assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+
+
+def test_a_loss_missing_a_method_is_refused_naming_it():
+    """An ElementwiseLoss without its terms (docs/extending_losses.md) is refused when
+    registered, naming them; it used to register and fail with an empty NotImplementedError
+    when a graph was first emitted."""
+    from kfac_compiler.losses import LOSSES
+    from kfac_compiler.losses.base import ElementwiseLoss, register_loss
+
+    class NoTerms(ElementwiseLoss):
+        kind = "no_terms"
+
+    with pytest.raises(TypeError, match="loss class NoTerms: implement emit_fisher_sqrt_times, emit_fisher_times, "
+                                        "emit_grad, emit_sampled_grad, emit_terms, np_fisher, np_grad, np_terms "
+                                        "before registering it"):
+        register_loss(NoTerms)
+    assert "no_terms" not in LOSSES

@@ -14,6 +14,7 @@ matrix [W | b] (rows outputs, columns inputs then bias).
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import ClassVar
 
 import numpy as np
@@ -118,18 +119,22 @@ class FisherBlock:
         self.options = options
 
     # What the plan records -------------------------------------------------
+    @abstractmethod
     def factor_specs(self) -> list[FactorSpec]:
         """The factors kept as moving averages (names unique within the block)."""
         raise NotImplementedError
 
+    @abstractmethod
     def inverse_specs(self) -> list[FactorSpec]:
         """The state refreshed by the inverse update (damped inverses, eigenbases, ...)."""
         raise NotImplementedError
 
+    @abstractmethod
     def stats_flops(self, batch: int) -> int:
         """FLOPs of one statistics update for a batch of `batch` examples."""
         raise NotImplementedError
 
+    @abstractmethod
     def inverse_flops(self, method: str = linalg.DEFAULT_METHOD) -> int:
         """FLOPs of one inverse update by `method` (a concrete linalg method)."""
         raise NotImplementedError
@@ -152,6 +157,7 @@ class FisherBlock:
         return sum(int(np.prod(s)) for s in self.param_shapes.values())
 
     # What the emitted graphs compute ---------------------------------------
+    @abstractmethod
     def emit_statistics(
         self, b: GraphBuilder, inputs: list[str], cotangents: list[list[str]]
     ) -> dict[str, str | GramStatistic]:
@@ -169,6 +175,7 @@ class FisherBlock:
         """
         raise NotImplementedError
 
+    @abstractmethod
     def emit_inverse(
         self,
         b: GraphBuilder,
@@ -205,6 +212,7 @@ class FisherBlock:
         return self.host_inverse_only or linalg.is_host_method(method)
 
     # The power hook: a block implements these two; the multiplies below derive from them --
+    @abstractmethod
     def emit_power(
         self,
         b: GraphBuilder,
@@ -226,6 +234,7 @@ class FisherBlock:
         (numpy_matpower, numpy_inverse)."""
         raise NotImplementedError
 
+    @abstractmethod
     def numpy_power(
         self,
         vectors: dict,
@@ -312,9 +321,11 @@ class FisherBlock:
         return state, True
 
     # numpy twins (host-side inverse methods, tests); arrays keyed like the emit_* methods
+    @abstractmethod
     def numpy_statistics(self, inputs: list, cotangents: list[list]) -> dict:
         raise NotImplementedError
 
+    @abstractmethod
     def numpy_inverse(self, factors: dict, damping: float, method: str = "eigh", previous: dict | None = None):
         """-> (state keyed like inverse_specs(), ok: bool); not ok => state = previous (or identity)."""
         raise NotImplementedError

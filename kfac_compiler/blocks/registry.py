@@ -38,6 +38,10 @@ def register_block(cls: type) -> type:
         raise TypeError(f"block class {cls.__name__}: set `name` and `layer_kinds` before registering it")
     if cls.uses not in USES:
         raise TypeError(f"block class {cls.__name__}: uses={cls.uses!r} is not one of {', '.join(USES)}")
+    missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
+    if missing:  # else an empty NotImplementedError deep inside the compiler
+        raise TypeError(f"block class {cls.__name__}: implement {', '.join(missing)} before registering it "
+                        "(docs/extending_blocks.md, 'What a block implements')")
     BLOCKS.setdefault(cls.name, cls)
     for kind in cls.layer_kinds:
         BLOCK_CLASSES[(cls.name, kind)] = cls

@@ -27,6 +27,7 @@ other module compares loss names:
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -249,6 +250,7 @@ class Loss:
         return len(params) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
     # -- ONNX emitters (z: model output, y: targets)
+    @abstractmethod
     def emit_per_example_loss_sum(self, b: GraphBuilder, z: str, y: str) -> str:
         """sum_n l_n as a scalar."""
         raise NotImplementedError
@@ -257,20 +259,24 @@ class Loss:
         """Scalar metrics a training step reports besides the loss ({short name: tensor})."""
         return {}
 
+    @abstractmethod
     def emit_grad(self, b: GraphBuilder, z: str, y: str) -> str:
         """dl_n/dz_n, same shape as z."""
         raise NotImplementedError
 
+    @abstractmethod
     def emit_sampled_grad(self, b: GraphBuilder, z: str, noise: str, z_shape: tuple) -> str:
         """dl_n/dz_n for a target drawn from p(y|z) using host noise of noise_shape(z_shape);
         z_shape (batch first, dims may be symbolic) lets a loss whose sampling form depends on
         the output's size choose it as noise_shape did."""
         raise NotImplementedError
 
+    @abstractmethod
     def emit_fisher_sqrt_times(self, b: GraphBuilder, z: str, v: str) -> str:
         """B v with F_z = B B^T (per example, v has the shape of z)."""
         raise NotImplementedError
 
+    @abstractmethod
     def emit_fisher_times(self, b: GraphBuilder, z: str, v: str) -> str:
         """F_z v (per example)."""
         raise NotImplementedError
@@ -299,6 +305,7 @@ class Loss:
         per = self.emit_per_position(b, z, y)
         return b.div(b.reduce_sum(b.mul(per, weights), None), b.batch_size(z))
 
+    @abstractmethod
     def emit_per_example(self, b: GraphBuilder, z: str, y: str) -> str:
         """l_n as a [N] tensor."""
         raise NotImplementedError
@@ -308,12 +315,15 @@ class Loss:
         return self.emit_per_example(b, z, y)
 
     # -- numpy twins (float64)
+    @abstractmethod
     def np_per_example(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    @abstractmethod
     def np_grad(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    @abstractmethod
     def np_fisher(self, z_n: np.ndarray) -> np.ndarray:
         """F_z for ONE example as a matrix over its flattened output coordinates."""
         raise NotImplementedError
@@ -323,10 +333,12 @@ class ElementwiseLoss(Loss):
     """A loss whose l_n is a sum of per-coordinate terms t(z, y) (the independent-coordinate
     distributions): subclasses give the terms, in ONNX and in numpy."""
 
+    @abstractmethod
     def emit_terms(self, b: GraphBuilder, z: str, y: str) -> str:
         """t(z, y), the shape of z."""
         raise NotImplementedError
 
+    @abstractmethod
     def np_terms(self, z: np.ndarray, y: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -368,6 +380,10 @@ def register_loss(cls: type[Loss]) -> type[Loss]:
     plans naming it). Importing the module that defines it is what registers it."""
     if not cls.kind:
         raise TypeError(f"{cls.__name__} has no kind")
+    missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
+    if missing:  # else an empty NotImplementedError when a graph is first emitted
+        raise TypeError(f"loss class {cls.__name__}: implement {', '.join(missing)} before registering it "
+                        "(docs/extending_losses.md)")
     LOSSES[cls.kind] = cls
     return cls
 
