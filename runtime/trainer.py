@@ -303,6 +303,10 @@ class Trainer:
         t0 = time.perf_counter()
         s0 = self.session_seconds()
         metrics = self.policy.cycle.run(self.policy, data, ("loss", *self.loss.metrics))
+        if "loss" not in metrics:  # the CLI, fit and the progress line read it
+            raise ConfigError(f"optimizer {self.optimizer!r}: its step returned no 'loss' metric (it returned "
+                              f"{sorted(metrics)}); a registered optimizer's step reports the batch's loss "
+                              "(docs/extending.md)")
         self._mean_loss_metrics(metrics)
         wall = time.perf_counter() - t0
         metrics["step_time"] = wall

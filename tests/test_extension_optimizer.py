@@ -74,3 +74,13 @@ def test_a_schedule_reaches_only_the_options_a_plugin_lists(mlp):
     with pytest.raises(ConfigError, match="^optimizer option 'eps' must be a number, got 'tiny'$"):
         PlainConfig.from_knobs(eps="tiny")  # plain bad text is still a type error
     assert PlainConfig.from_knobs(learning_rate=0.1).learning_rate == 0.1
+
+
+def test_a_step_that_reports_no_loss_is_one_line(mlp, monkeypatch):
+    """A registered optimizer whose step returns no 'loss' (the CLI's progress, fit and the
+    metrics file read it) is a ConfigError naming it, not a KeyError in the caller."""
+    plan, inputs, y = mlp
+    monkeypatch.setattr(normalized_gd.NormalizedGd, "step", lambda self, data: {"step": 0.0})
+    tr = Trainer(plan, optimizer="normalized_gd", learning_rate=0.05)
+    with pytest.raises(ConfigError, match="optimizer 'normalized_gd': its step returned no 'loss' metric"):
+        tr.step({"input": inputs["input"][:32]}, y[:32])
