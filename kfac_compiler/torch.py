@@ -95,6 +95,12 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
     exporter = exporter or DEFAULT_EXPORTER
     if exporter not in EXPORTERS:
         raise BridgeError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+    for name, m in module.named_modules():  # torch's cumulative average has no ONNX form
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats \
+                and m.momentum is None:
+            raise BridgeError(f"BatchNorm {name!r} has momentum=None (a cumulative average of the batches' "
+                              "statistics), which ONNX's BatchNormalization cannot express; give it a momentum "
+                              "(e.g. 0.1) or export it in eval mode")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     args = tuple(torch.from_numpy(np.asarray(a)) if not isinstance(a, torch.Tensor) else a for a in args)
     ins = list(input_names) if input_names else ["input" if i == 0 else f"input_{i}" for i in range(len(args))]

@@ -364,6 +364,19 @@ def test_parameters_torch_does_not_train_are_frozen(exporter, tmp_path):
     np.testing.assert_array_equal(m.fc2.weight.detach().numpy(), trainer.parameters()["fc2.weight"])
 
 
+def test_a_cumulative_batchnorm_in_training_mode_is_refused(tmp_path):
+    """BatchNorm(momentum=None) averages every batch's statistics (1/num_batches_tracked), which
+    ONNX's BatchNormalization (a fixed momentum) cannot express: the TorchScript exporter wrote
+    momentum 0.5 and the running mean came back 0.05 off torch's. Refused in training mode, in
+    one line naming the module; in eval mode (constant running statistics) it exports."""
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 3)).train()
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for exporter in kt.EXPORTERS:
+        with pytest.raises(kt.BridgeError, match="BatchNorm '1' has momentum=None"):
+            kt.export(net, (x,), tmp_path / f"bn-{exporter}.onnx", exporter=exporter)
+    kt.export(net.eval(), (x,), tmp_path / "bn-eval.onnx", exporter="torchscript")
+
+
 @pytest.mark.parametrize("family", ["lstm", "tied"])
 def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
     """The same values land in the module from the Trainer, its trained file and a dict of its
