@@ -495,6 +495,7 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
         values.update(fold_recurrent_params(model, values))
     out: dict[str, np.ndarray] = {}
     missing: list[str] = []
+    unwritten: list[str] = []  # running statistics the source does not hold (Trainer.parameters())
     for init, e in man["initializers"].items():
         if e["role"] == "parameter" and "copy_of" not in e:
             if init not in values and e.get("frozen"):
@@ -513,8 +514,11 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
                 v = v.reshape(state[e["torch"]].shape) if e.get("reshaped") else v
                 for p in [e["torch"]] + list(e.get("merged", [])):
                     out[p] = v
-        elif e["role"] == "buffer" and init in values and e["torch"].endswith(_RUNNING):
-            out[e["torch"]] = np.asarray(values[init])
+        elif e["role"] == "buffer" and e["torch"].endswith(_RUNNING):
+            if init in values:
+                out[e["torch"]] = np.asarray(values[init])
+            else:
+                unwritten.append(e["torch"])
     for alias, owner in man.get("ties", {}).items():
         if owner in out:
             out.pop(alias, None)
@@ -527,6 +531,12 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     if unknown:
         raise BridgeError(f"the module has no parameter or buffer {', '.join(unknown)} (a different module than the export's?)")
     _write(module, state, out)
+    modules = dict(module.named_modules())  # the statistics of BatchNorms in training mode: they moved
+    unwritten = [n for n in unwritten if getattr(modules.get(n.rsplit(".", 1)[0] if "." in n else ""), "training", False)]
+    if unwritten:
+        warnings.warn(f"load_trained: the source holds no value for the running statistics {', '.join(unwritten[:4])}"
+                      f"{', ...' if len(unwritten) > 4 else ''}, which keep the module's (Trainer.parameters() has "
+                      "none: pass the Trainer or its exported file to write them)", stacklevel=2)
     return list(out)
 
 

@@ -395,6 +395,22 @@ def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
             assert torch.equal(v, from_file[k]), k
 
 
+def test_loading_a_parameters_dict_says_the_running_statistics_stay(tmp_path):
+    """Trainer.parameters() holds no running statistics: loaded from it with the file's
+    manifest, a training-mode BatchNorm keeps its own and load_trained says so (one warning
+    naming them); from the Trainer it writes them, without a warning."""
+    r = _round_trip("cnn", "dynamo", tmp_path, steps=2)
+    fresh = FAMILIES["cnn"]()
+    fresh.eval()
+    fresh.bn.train()
+    with pytest.warns(UserWarning, match="no value for the running statistics bn.running_mean, bn.running_var"):
+        kt.load_trained(fresh, r["trainer"].parameters(), manifest=r["path"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kt.load_trained(fresh, r["trainer"])
+    assert torch.equal(fresh.bn.running_mean, r["module"].bn.running_mean)
+
+
 def test_load_errors_name_what_cannot_be_mapped(tmp_path):
     torch.manual_seed(0)
     m = MLP().eval()
