@@ -3,7 +3,7 @@
 The CLI's `train` has its own loop (metrics file, checkpoints, ranks, signals); an API user who
 wants "train on these batches, evaluate on this held-out set every N steps, stop when I say"
 gets it here instead of rewriting it, with the CLI's conventions: the held-out metrics are the
-evaluation's under an `eval_` prefix, evaluated every `eval_every` steps (default steps / 20)
+evaluation's under an `eval_` prefix, evaluated every `eval_every` steps (default: a 20th of the run)
 and after the last step. The evaluation runs on its own non-spinning session channel
 (`Trainer.evaluate`), so it does not slow the training step that follows it. With
 `keep_best` the trainer ends with the model of the best evaluation (early stopping's
@@ -58,7 +58,8 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     """Step `trainer` on `batches` ((inputs, targets) or (inputs, targets, weights) each) until
     they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets), or
     (inputs, targets, weights): Trainer.evaluate's) after every step whose number (from 0, the
-    trainer's count) + 1 is a multiple of `eval_every`, and after the last. `callback(step, metrics)` sees each step's metrics (the held-out ones merged in
+    trainer's count) + 1 is a multiple of `eval_every` (default: a 20th of the trainer's steps
+    so far plus `steps`), and after the last. `callback(step, metrics)` sees each step's metrics (the held-out ones merged in
     under `eval_` where an evaluation ran) and stops the loop by
     returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
     continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
@@ -87,7 +88,9 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
                               "stops falling")
     if validation is not None and (not isinstance(validation, tuple) or len(validation) not in (2, 3)):
         raise ConfigError("fit: validation must be a tuple (inputs, targets) or (inputs, targets, weights)")
-    every = eval_every or (max(1, steps // 20) if steps else None)
+    # the default: a 20th of the run's length, counted from its start (a resumed fit given the
+    # steps left keeps the uninterrupted run's interval)
+    every = eval_every or (max(1, (trainer.step_count + steps) // 20) if steps else None)
     history = History()
     best = None
     if keep_best:  # a restored checkpoint's (or an earlier fit's) best model is the one to beat

@@ -158,6 +158,12 @@ def test_a_resumed_fit_evaluates_at_the_uninterrupted_run_s_steps(case, tmp_path
     assert [m["eval_loss"] for m in later.evaluations] == [m["eval_loss"] for m in history.evaluations[4:]]
     for name, value in whole.parameters().items():
         np.testing.assert_array_equal(resumed.parameters()[name], value)
+    # the default interval is a 20th of the run, 40 steps: every 2nd, resumed or not
+    default = fit(Trainer(plan, optimizer="sgd", learning_rate=1.0, seed=0), batches(x, y, 32, seed=3), steps=40,
+                  validation=held)
+    again = Trainer.load_checkpoint(path, plan)
+    rest = fit(again, batches(x, y, 32, seed=3, start=18), steps=22, validation=held)
+    assert [int(m["step"]) for m in rest.evaluations] == [int(m["step"]) for m in default.evaluations if m["step"] >= 18]
 
 
 def test_a_checkpoint_s_damaged_kept_model_is_one_line(case, tmp_path):
