@@ -66,6 +66,7 @@ from kfac_compiler.errors import ConfigError, os_errors
 from kfac_compiler.linalg import METHODS as INVERSE_METHODS
 from kfac_compiler.losses import Loss, loss_class
 from kfac_compiler.parsing import compile_patterns, name_matches, nesting_checked  # noqa: F401 (names: parsing.py)
+from kfac_compiler.requests import MAX_NUM_SAMPLES, NUM_SAMPLES_WHY
 
 DAMPING_SPLITS = ("pi", "exact")
 DTYPES = ("float32", "float64")
@@ -201,6 +202,9 @@ class CompileConfig:
             return ConfigError(f"{source}: {key}: {msg}")
 
         if self.loss is not None:
+            if not isinstance(self.loss, str):  # several losses are [[heads]] (docs/frontend.md)
+                raise bad("loss", f"expected a loss kind (a string), got {self.loss!r}; several loss heads are "
+                                  "[[heads]] tables")
             try:
                 loss_class(self.loss)
             except ConfigError as e:
@@ -218,8 +222,9 @@ class CompileConfig:
         if self.include is not None:
             self.include = _str_list(self.include, "include", source)
             compile_patterns(self.include, "include")
-        if not isinstance(self.retie, bool):
-            raise bad("retie", f"expected true or false, got {self.retie!r}")
+        for key in ("retie", "conv_gather"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, f"expected true or false, got {getattr(self, key)!r}")
         for key in ("exclude", "train", "untie"):
             if key == "untie" and self.untie in ("all", "uniform"):
                 self.untie = [self.untie]
@@ -251,6 +256,8 @@ class CompileConfig:
         except ConfigError as e:
             raise bad("estimator.mode", str(e)) from None
         _check_int(est.num_samples, "estimator.num_samples", source)
+        if est.num_samples > MAX_NUM_SAMPLES:
+            raise bad("estimator.num_samples", f"at most {MAX_NUM_SAMPLES} ({NUM_SAMPLES_WHY}), got {est.num_samples}")
         inv = self.inverse
         if inv.method not in INVERSE_METHODS:
             raise bad("inverse.method", f"unknown method {inv.method!r}; choose one of {', '.join(INVERSE_METHODS)}")

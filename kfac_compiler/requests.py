@@ -27,6 +27,12 @@ from kfac_compiler.linalg.methods import AUTO_METHOD, concrete_method
 O = TypeVar("O", bound="SubgraphOptions")
 
 
+# the most sampled targets one statistics update draws: each is a backward pass of its own in
+# the emitted graph (a billion took gigabytes and minutes before a one-line refusal existed)
+MAX_NUM_SAMPLES = 64
+NUM_SAMPLES_WHY = "each sample is a backward pass of its own in every statistics update"
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a request is resolved against: the plan's estimator and inverse settings and the

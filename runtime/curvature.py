@@ -39,7 +39,7 @@ from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers import ema_coefficient
 from kfac_compiler.parsing import check_float, check_int
 from kfac_compiler.plan import Plan
-from kfac_compiler.requests import Request
+from kfac_compiler.requests import MAX_NUM_SAMPLES, NUM_SAMPLES_WHY, Request
 from kfac_compiler.runtime.data import BatchChecker, draw_noise, parameter_vectors
 from kfac_compiler.runtime.device import get_device
 from kfac_compiler.runtime.inverses import InverseRefresher
@@ -73,12 +73,16 @@ class Curvature:
             raise ConfigError(f"damping_floor must be >= 0, got {damping_floor!r}")
         self.device = get_device(device)
         self.threads = None if threads is None else check_int(threads, "threads", low=1)
-        self.mode = estimation_mode(mode or plan.estimator.mode)
-        self.num_samples = check_int(num_samples or plan.estimator.num_samples, "num_samples", low=1)
+        self.mode = estimation_mode(plan.estimator.mode if mode is None else mode)
+        self.num_samples = check_int(plan.estimator.num_samples if num_samples is None else num_samples,
+                                     "num_samples", low=1)
+        if self.num_samples > MAX_NUM_SAMPLES:
+            raise ConfigError(f"num_samples must be at most {MAX_NUM_SAMPLES} ({NUM_SAMPLES_WHY}), got {num_samples!r}")
         self.ema_decay = check_float(ema_decay if ema_decay is not None else plan.schedule.ema_decay, "ema_decay")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
-        self.inverse_method = concrete_method(inverse_method or plan.inverse.method, self.device.name)
+        self.inverse_method = concrete_method(plan.inverse.method if inverse_method is None else inverse_method,
+                                              self.device.name)
         self.rng = np.random.default_rng(check_int(seed, "seed", low=0))
         self.store = StateStore(self.device)
         self.params = list(plan.trainable)

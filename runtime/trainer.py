@@ -118,6 +118,9 @@ class Trainer:
                 raise PlanError(f"{os.fspath(plan)!r} is an ONNX model, not a plan: compile it first "
                                 "(kfac_compiler.compile or `kfac-compiler compile`)")
             plan = load_plan(plan)
+        if not isinstance(plan, Plan):
+            raise PlanError(f"Trainer takes a compiled plan (kfac_compiler.compile(...)) or a plan folder's path, "
+                            f"got {type(plan).__name__}")
         if learning_rate is not None:
             knobs["learning_rate"] = learning_rate
         if momentum is not None:

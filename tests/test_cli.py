@@ -210,6 +210,13 @@ def test_config_toml_and_json(tmp_path):
         ({"layers": {"[a": "kron"}}, "bad regular expression '[a'"),
         ({"loss": "hinge"}, "unknown loss 'hinge'"),
         ({"links": {"params": ["a"]}}, "links: expected a list"),
+        # each was accepted: num_samples of 1e9 grew to gigabytes for minutes, a list loss was a
+        # TypeError traceback, conv_gather "false" was read as true
+        ({"estimator": {"num_samples": 65}}, "estimator.num_samples: at most 64 (each sample is a backward pass"),
+        ({"loss": ["softmax_cross_entropy"]}, "loss: expected a loss kind (a string), got ['softmax_cross_entropy']"),
+        ({"loss": {"kind": "squared_error"}}, "loss: expected a loss kind (a string)"),
+        ({"conv_gather": "false"}, "conv_gather: expected true or false, got 'false'"),
+        ({"conv_gather": None}, "conv_gather: expected true or false, got None"),
     ],
 )
 def test_config_errors(data, expected):

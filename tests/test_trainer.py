@@ -3,13 +3,14 @@ Runtime sessions (CPU; the CUDA comparisons are in test_cuda.py)."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 import kfac_compiler as kc
-from kfac_compiler.errors import ConfigError, DataError
+from kfac_compiler.errors import ConfigError, DataError, PlanError
 from kfac_compiler.models import ZOO
 from kfac_compiler.optimizers import (
     AdamConfig,
@@ -557,3 +558,19 @@ def test_saved_plan_directory_trains_like_the_in_memory_plan(tmp_path):
     b = Trainer(str(tmp_path / "plan"), seed=4)  # a path is loaded with load_plan
     for batch in batches(x, y, 64, 5):
         assert a.step(*batch)["loss"] == b.step(*batch)["loss"]
+
+
+def test_sample_counts_and_empty_settings_are_refused(mlp):
+    """num_samples has a ceiling (each sample is a backward pass of its own in every statistics
+    update: 1e9 grew to gigabytes for minutes), for the Trainer and Curvature alike; Curvature's
+    0 and "" are refused, not replaced by the plan's values."""
+    plan = mlp[0]
+    with pytest.raises(ConfigError, match="'num_samples' must be at most 64"):
+        Trainer(plan, num_samples=10**9)
+    with pytest.raises(PlanError, match="Trainer takes a compiled plan .* got int"):
+        Trainer(3)
+    for kw, words in [({"num_samples": 65}, "num_samples must be at most 64"),
+                      ({"num_samples": 0}, "num_samples must be an integer >= 1, got 0"),
+                      ({"inverse_method": ""}, "unknown inverse method ''")]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            Curvature(plan, **kw)

@@ -288,9 +288,12 @@ def check_unit(name: str, v: Any, closed_low: bool = True) -> None:
         raise ConfigError(f"optimizer option {name!r} must be in [0, 1), got {v!r}")
 
 
-def check_int(name: str, v: Any, low: int) -> None:
+def check_int(name: str, v: Any, low: int, high: int | None = None, why: str = "") -> None:
+    """An integer option in [low, high] (`why`: the reason for the ceiling, said with it)."""
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ConfigError(f"optimizer option {name!r} must be an integer >= {low}, got {v!r}")
+    if high is not None and v > high:
+        raise ConfigError(f"optimizer option {name!r} must be at most {high}{f' ({why})' if why else ''}, got {v!r}")
 
 
 def plan_schedule(plan: Plan | None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from kfac_compiler.optimizers.settings import (
     check_unit,
     plan_schedule,
 )
+from kfac_compiler.requests import MAX_NUM_SAMPLES, NUM_SAMPLES_WHY
 
 if TYPE_CHECKING:
     from kfac_compiler.plan import Plan
@@ -247,7 +248,7 @@ class KfacConfig(OptimizerConfig, RecipeOptions):
         check_int("inv_update_period", self.inv_update_period, 1)
         check_int("burn_in_steps", self.burn_in_steps, 0)
         check_groups(self.inverse_groups)
-        check_int("num_samples", self.num_samples, 1)
+        check_int("num_samples", self.num_samples, 1, MAX_NUM_SAMPLES, NUM_SAMPLES_WHY)
         check_positive("max_momentum", self.max_momentum)
         check_positive("qmodel_curvature_scale", self.qmodel_curvature_scale)
         check_int("curvature_scale_window", self.curvature_scale_window, 2)
