@@ -3,8 +3,8 @@
 The CLI's `train` has its own loop (metrics file, checkpoints, ranks, signals); an API user who
 wants "train on these batches, evaluate on this held-out set every N steps, stop when I say"
 gets it here instead of rewriting it, with the CLI's conventions: the held-out metrics are the
-evaluation's under an `eval_` prefix, evaluated every `eval_every` steps (default: a 20th of the run)
-and after the last step. The evaluation runs on its own non-spinning session channel
+evaluation's under an `eval_` prefix, evaluated every `eval_every` steps (default: a 20th of
+the run) and after the last step. The evaluation runs on its own non-spinning session channel
 (`Trainer.evaluate`), so it does not slow the training step that follows it. With
 `keep_best` the trainer ends with the model of the best evaluation (early stopping's
 "restore the best weights"): a model that fits a small training set fast (K-FAC, or Adam at
@@ -59,9 +59,9 @@ def fit(trainer: Trainer, batches: Iterable[Batch], steps: int | None = None,
     they run out or `steps` steps were taken; evaluate `validation` ((inputs, targets), or
     (inputs, targets, weights): Trainer.evaluate's) after every step whose number (from 0, the
     trainer's count) + 1 is a multiple of `eval_every` (default: a 20th of the trainer's steps
-    so far plus `steps`), and after the last. `callback(step, metrics)` sees each step's metrics (the held-out ones merged in
-    under `eval_` where an evaluation ran) and stops the loop by
-    returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
+    so far plus `steps`), and after the last. `callback(step, metrics)` sees each step's
+    metrics (the held-out ones merged in under `eval_` where an evaluation ran) and stops the
+    loop by returning False. Steps are numbered from the trainer's `step_count`, so a resumed trainer
     continues its numbering. With the knob `accumulate=k` each batch is one step's, run as k
     equal micro-batches (the CLI's --accumulate). `keep_best`: after the loop the trainer
     holds the parameters (and BatchNorm running statistics) of the evaluation with the lowest
