@@ -65,10 +65,10 @@ def store_default_subgraphs(plan: Plan, optimizer: str = "kfac", batch_size: int
         plan.store_subgraph(req, graph, info)
 
 
-def load_plan(path: str | os.PathLike) -> Plan:
+def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
     from kfac_compiler.plan import load_plan as _load
 
-    return _load(path)
+    return _load(path, check_source=check_source)
 
 
 def gradients(plan: Plan, inputs: Mapping[str, Any], targets: Any, weights: Any = None,

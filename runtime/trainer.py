@@ -599,6 +599,10 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import read_meta
 
         meta = read_meta(path)  # checked: check_meta
+        wanted = overrides.pop("optimizer", meta["optimizer"])  # the checkpoint's own, or refused
+        if wanted != meta["optimizer"]:
+            raise ConfigError(f"checkpoint {os.fspath(path)!r} was written by optimizer {meta['optimizer']!r}, not "
+                              f"{wanted!r}; resume it without optimizer= (its state is {meta['optimizer']}'s)")
         stored = dict(meta["knobs"])
         given = {ALIASES.get(k, k): v for k, v in overrides.items()}
         for k, v in stored.items():  # a callable schedule is not storable: it is passed again

@@ -10,7 +10,7 @@ import pytest
 import kfac_compiler as kc
 from helpers import sampled_batch as batch
 from helpers import zoo_case, zoo_plan
-from kfac_compiler.errors import CheckpointError
+from kfac_compiler.errors import CheckpointError, PlanError
 from kfac_compiler.models import ZOO
 from kfac_compiler.runtime import Trainer
 from kfac_compiler.runtime.checkpoint import plan_fingerprint, read_meta
@@ -146,3 +146,33 @@ def test_checkpoint_writes_are_atomic(mlp, tmp_path, monkeypatch):
     assert path.read_bytes() == good  # the previous checkpoint is intact
     assert os.listdir(tmp_path) == ["c.npz"]  # and no temporary file is left behind
     assert read_meta(path)["host"]["step_count"] == 1
+
+
+def test_load_checkpoint_takes_its_own_optimizer_and_refuses_another(mlp, tmp_path):
+    """optimizer= naming the checkpoint's own optimizer is accepted (it was a TypeError:
+    'multiple values for optimizer'); another one is one line, as the CLI's --optimizer."""
+    from kfac_compiler.errors import ConfigError
+
+    plan, x, y = mlp
+    first = Trainer(plan, optimizer="kfac", seed=7)
+    first.step(*batch(x, y, 0))
+    path = tmp_path / "run.ckpt.npz"
+    first.save_checkpoint(path)
+    again = Trainer.load_checkpoint(path, plan, optimizer="kfac")
+    assert again.optimizer == "kfac" and again.step_count == 1
+    with pytest.raises(ConfigError, match="was written by optimizer 'kfac', not 'adam'"):
+        Trainer.load_checkpoint(path, plan, optimizer="adam")
+
+
+def test_the_public_load_plan_skips_the_source_check_when_asked(tmp_path):
+    """kfac_compiler.load_plan(dir, check_source=False), as docs/frontend.md documents (the
+    public wrapper dropped the keyword): a plan whose source changed loads."""
+    src = tmp_path / "m.onnx"
+    from kfac_compiler.models import save_model
+
+    save_model("mlp_classifier", src)
+    kc.compile(str(src), loss="softmax_cross_entropy", output="logits", emit=False).save(tmp_path / "plan")
+    src.write_bytes(src.read_bytes() + b" ")  # the source changed: stale
+    with pytest.raises(PlanError, match="stale"):
+        kc.load_plan(tmp_path / "plan")
+    assert kc.load_plan(tmp_path / "plan", check_source=False).trainable
