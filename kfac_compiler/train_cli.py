@@ -616,6 +616,10 @@ def _build(args, outputs: list[Output], comm):
             sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16),
                      "--save": stored_bytes(plan.model) + (1 << 16), "--plot": 1 << 18}
             check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
+            why = trainer.source_problem() if args.save and args.save_graph == "source" else None
+            if why is not None:  # known now: refused before the run, not after it (no model saved)
+                raise ConfigError(f"--save-graph source: cannot export the source graph: {why}; "
+                                  "use --save-graph plan (or auto)")
             if args.resume:
                 continue_metrics(args.metrics, trainer.step_count + trainer.burn_in_count,
                                  metric_columns(plan, held is not None))

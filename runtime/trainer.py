@@ -468,7 +468,7 @@ class Trainer:
         if graph == "source":
             return self._trained_source()
         if graph == "auto":
-            why = self._source_problem()
+            why = self.source_problem()
             if why is None:
                 values = self.plan.source_values(self.trained_values(copy=False))
                 source = load_onnx(cast(str, self.plan.source_path), replaced=values)
@@ -497,7 +497,7 @@ class Trainer:
                           f"initializers in its own layout ({name} {list(h['shape'])} as {where}); export from a plan "
                           "compiled from the unchanged source file to get them back in the source's", stacklevel=4)
 
-    def _source_problem(self) -> str | None:
+    def source_problem(self) -> str | None:
         """Why the source graph cannot take the trained values (None: it can)."""
         from kfac_compiler.plan import file_sha256
 
@@ -524,7 +524,7 @@ class Trainer:
         if values is None:
             values = self.plan.source_values(self.trained_values(copy=False))
         if model is None:
-            why = self._source_problem()
+            why = self.source_problem()
             if why is not None:
                 raise PlanError(f"cannot export the source graph: {why}; export the plan's graph (graph='plan')")
             model = load_onnx(cast(str, self.plan.source_path), replaced=values)

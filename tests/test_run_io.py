@@ -739,3 +739,15 @@ def test_non_finite_final_loss_exits_1_after_writing_the_outputs(tmp_path, capsy
     assert error_line(err).startswith("error: training ended with a non-finite loss (nan)")
     assert "final train loss nan" in out and read_meta(ck)["host"]["step_count"] == 5
     onnx.checker.check_model(onnx.load(str(model)))
+
+
+def test_save_graph_source_without_a_source_fails_before_training(tmp_path, capsys):
+    """--save-graph source on a model compiled in memory (the zoo's) cannot export: refused
+    before the first step, not after the run (which then saved no model at all)."""
+    metrics = tmp_path / "m.csv"
+    code, out, err = run(["train", *FAST, "--save", str(tmp_path / "out.onnx"), "--save-graph", "source",
+                          "--metrics", str(metrics)], capsys)
+    assert code == 2 and "final train loss" not in out
+    assert error_line(err) == ("error: --save-graph source: cannot export the source graph: the plan was compiled "
+                               "from an in-memory model; use --save-graph plan (or auto)")
+    assert not (tmp_path / "out.onnx").exists() and not metrics.exists()
