@@ -181,6 +181,8 @@ class Plan:
     # FLOPs per step / update / refresh, the chosen periods, and per layer its BlockCost
     costs: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # the folder load_plan read it from (not stored): its files are the plan's, no output's
+    folder: str | None = None
 
     # ------------------------------------------------------------ lookups
     @property
@@ -516,6 +518,18 @@ def plan_source(folder: str) -> str | None:
     return path if isinstance(path, str) and path else None
 
 
+def input_problem(plan: Plan, path: str | os.PathLike) -> str | None:
+    """What of `plan`'s inputs an output at `path` would overwrite (the model it was compiled
+    from, a file of the folder it was loaded from), as a phrase; None where nothing."""
+    real = os.path.realpath(path)
+    src = plan.source_path
+    if src and os.path.isfile(src) and os.path.realpath(src) == real:
+        return f"the plan's source model {src!r}"
+    if plan.folder and os.path.dirname(real) == plan.folder and os.path.basename(real) in _own_files(plan.folder):
+        return f"a file of the plan folder {plan.folder!r}"
+    return None
+
+
 def _own_files(folder: str) -> set[str]:
     """The files the plan in `folder` (if any) consists of, by its plan.json."""
     doc = _plan_doc(folder)
@@ -629,6 +643,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
         subgraphs=subgraphs,
         subgraph_info=info,
         schema_version=version,
+        folder=os.path.realpath(path),
     )
     check_plan(plan, pj)
     return plan

@@ -547,6 +547,7 @@ class Trainer:
         path = os.fspath(path)
         if self.rank != 0:  # every rank holds the same parameters
             return path
+        self._check_not_an_input(path, "the trained model")
         model, values = self._export_parts(graph)
         if needs_external(model, values):
             write_with_external_data(path, model, values)
@@ -561,11 +562,21 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import save_checkpoint
 
         self.policy.cycle.check_boundary("save_checkpoint")  # the running gradient sum is not stored
+        self._check_not_an_input(os.fspath(path), "the checkpoint")
         if self.comm is not None:  # collective: the moving averages are the ranks' mean
             self.reduce_moving_averages()
             if self.rank != 0:
                 return os.fspath(path)
         return save_checkpoint(self, path)
+
+    def _check_not_an_input(self, path: str, what: str) -> None:
+        """An API output never overwrites what the plan reads (the command line's outputs are
+        checked the same way, outputs.model_inputs)."""
+        from kfac_compiler.plan import input_problem
+
+        hit = input_problem(self.plan, path)
+        if hit is not None:
+            raise OutputError(f"cannot write {what} {path!r}: it would overwrite {hit}; give another path")
 
     def reduce_moving_averages(self) -> None:
         """Replace every factor slot by its mean over the ranks. Each rank

@@ -176,3 +176,26 @@ def test_the_public_load_plan_skips_the_source_check_when_asked(tmp_path):
     with pytest.raises(PlanError, match="stale"):
         kc.load_plan(tmp_path / "plan")
     assert kc.load_plan(tmp_path / "plan", check_source=False).trainable
+
+
+def test_api_outputs_do_not_overwrite_what_the_plan_reads(tmp_path):
+    """Trainer.export and save_checkpoint refuse, in one line, the model the plan was
+    compiled from and the files of the folder it was loaded from (they replaced the user's
+    model, or a plan's model.onnx, whose trained weights a fresh Trainer then started from);
+    another file in that folder is fine."""
+    from kfac_compiler.errors import OutputError
+    from kfac_compiler.models import save_model
+
+    src = tmp_path / "m.onnx"
+    save_model("mlp_classifier", src)
+    kc.compile(str(src), loss="softmax_cross_entropy", output="logits").save(tmp_path / "plan")
+    plan = kc.load_plan(tmp_path / "plan")
+    trainer = Trainer(plan, optimizer="sgd")
+    before = {p: (tmp_path / p).read_bytes() for p in ("m.onnx", "plan/model.onnx", "plan/plan.json")}
+    for path, write, hit in [(src, trainer.export, "the plan's source model"),
+                             (tmp_path / "plan" / "model.onnx", trainer.export, "a file of the plan folder"),
+                             (tmp_path / "plan" / "plan.json", trainer.save_checkpoint, "a file of the plan folder")]:
+        with pytest.raises(OutputError, match=f"would overwrite {hit}"):
+            write(path)
+    assert {p: (tmp_path / p).read_bytes() for p in before} == before
+    trainer.export(tmp_path / "plan" / "trained.onnx")
