@@ -336,7 +336,9 @@ class Trainer:
                  weights: Any = None) -> dict[str, float]:
         """Mean loss and the loss's metrics (Loss.metrics, e.g. softmax cross-entropy's
         accuracy) at the current parameters; `weights` as step's, over all the examples
-        given (chunking by batch_size does not change the result)."""
+        given (chunking by batch_size does not change the result, except on a model that
+        normalizes by its batch's statistics, a training-mode BatchNormalization: its output
+        depends on the rows evaluated together, so there each chunk is its own batch)."""
         if batch_size is not None and check_int(batch_size, "evaluate: batch_size") < 1:
             raise ConfigError(f"evaluate: batch_size must be >= 1, got {batch_size}")
         data = self._check_batch(inputs, targets, weights)
