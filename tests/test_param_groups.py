@@ -267,7 +267,7 @@ def test_the_command_line_trains_groups_and_refuses_bad_ones(tmp_path, capsys):
     capsys.readouterr()
     for argv, message in (
             (["--param-group", "kind=tied_embedding optimizer"], "expected KEY=VALUE pairs separated by spaces"),
-            (["--param-group", "kind=tied_embedding lr=fast"], "--knob learning_rate"),
+            (["--param-group", "kind=tied_embedding lr=fast"], "--param-group 'kind=tied_embedding lr=fast': lr: 'fast'"),
             (["--knob", "param_groups=x"], "--knob param_groups: use --param-group instead"),
             (["--optimizer", "sgd", "--param-group", "kind=tied_embedding"], "optimizer 'sgd' has no parameter groups")):
         assert main(["train", "transformer_block", "--steps", "1", *argv]) == 2

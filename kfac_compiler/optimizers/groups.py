@@ -205,7 +205,7 @@ def parse_text(text: str, where: str = "--param-group") -> dict[str, Any]:
             group[key] = value  # refused or split by normalize, with the group's name
             continue
         try:
-            group[key] = cls.Config.parse_option(TORCH_NAMES.get(key, key), value)[1]
+            group[key] = cls.Config.parse_option(TORCH_NAMES.get(key, key), value, key)[1]
         except ConfigError as e:
             raise ConfigError(f"{where} {text!r}: {e}") from None
     return group

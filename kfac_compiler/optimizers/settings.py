@@ -146,13 +146,13 @@ class OptimizerConfig:
         raise ConfigError(f"{where} must be {expected}, got {value!r}")
 
     @classmethod
-    def parse_option(cls, key: str, text: str) -> tuple[str, Any]:
+    def parse_option(cls, key: str, text: str, where: str | None = None) -> tuple[str, Any]:
         """(field name, value) of a knob given as text (the command line's --knob KEY=VALUE),
         parsed by the option's declared type: 'no' is False for a bool option, 'none' is None
-        where allowed, numbers must be finite."""
+        where allowed, numbers must be finite. `where` names it in errors (default --knob KEY)."""
         name = cls.option_name(key)
         kinds = cls.option_types(name)
-        where = f"--knob {key}"
+        where = where or f"--knob {key}"
         low = text.strip().lower()
         if type(None) in kinds and low in ("none", "null"):
             return name, None
