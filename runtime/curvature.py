@@ -37,7 +37,7 @@ from kfac_compiler.errors import ConfigError, DataError, DivergedError
 from kfac_compiler.host_blocks import host_blocks
 from kfac_compiler.linalg import concrete_method
 from kfac_compiler.optimizers import ema_coefficient
-from kfac_compiler.parsing import check_float, check_int
+from kfac_compiler.parsing import check_bool, check_float, check_int
 from kfac_compiler.plan import Plan
 from kfac_compiler.requests import MAX_NUM_SAMPLES, NUM_SAMPLES_WHY, Request
 from kfac_compiler.runtime.data import BatchChecker, draw_noise, parameter_vectors
@@ -63,6 +63,9 @@ class Curvature:
     def __init__(self, plan: Plan, device: str = "cpu", mode: str | None = None, num_samples: int | None = None,
                  ema_decay: float | None = None, inverse_method: str | None = None, seed: int = 0,
                  threads: int | None = None, damping_floor: float = 1e-6) -> None:
+        if not isinstance(plan, Plan):
+            raise ConfigError(f"Curvature takes a compiled plan (kfac_compiler.compile or load_plan), got "
+                              f"{type(plan).__name__}")
         self.plan = plan
         # every damping given (update_inverses, multiply*, compute_cholesky*) becomes
         # max(damping, damping_floor * s), s the largest block scale
@@ -124,6 +127,8 @@ class Curvature:
         factors G become 1/N sum w ..., and masked positions leave the input factors A."""
         mode = estimation_mode(mode or self.mode)
         num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
+        if num_samples > MAX_NUM_SAMPLES:
+            raise ConfigError(f"num_samples must be at most {MAX_NUM_SAMPLES} ({NUM_SAMPLES_WHY}), got {num_samples!r}")
         data = self._check_batch(inputs, targets, weights)
         prog = self.program(C.STATISTICS, mode=mode, num_samples=num_samples,
                             weighted=C.EXAMPLE_WEIGHTS in data)
@@ -238,7 +243,8 @@ class Curvature:
         return {p: self.store.spec(p)[0] for p in params}
 
     def _layer_vectors(self, layer: str, vectors: Any, what: str) -> dict[str, np.ndarray]:
-        return parameter_vectors(self._shapes(self._block(layer).layer.params), vectors, f"{what}({layer!r})")
+        return _finite(parameter_vectors(self._shapes(self._block(layer).layer.params), vectors, f"{what}({layer!r})"),
+                       f"{what}({layer!r})")
 
     def _damping(self, damping: float | None) -> float:
         """The damping a product uses: `damping` floored like update_inverses' (so that
@@ -272,7 +278,7 @@ class Curvature:
         if not linalg.is_half_integer(exp):
             raise ConfigError(f"multiply_all: exp {exp:g} is neither an integer nor a half-integer; "
                               "use multiply_matpower(layer, vectors, exp) (host eigendecomposition)")
-        v = parameter_vectors(self._shapes(self.params), vectors, "multiply_all")
+        v = _finite(parameter_vectors(self._shapes(self.params), vectors, "multiply_all"), "multiply_all")
         d = self._damping(damping)
         prog = self.program(C.MULTIPLY, exp=int(exp) if exp.is_integer() else exp)
         out = prog.run(self.store, {C.vec(p): a for p, a in v.items()}, hp={C.DAMPING: d}, results=True)
@@ -331,10 +337,11 @@ class Curvature:
             call = "compute_cholesky" if kind == "L" else "compute_cholesky_inverse"
             raise ConfigError(f"call {call}() before {what}()")
         v = _finite(parameter_vectors(self._shapes(self.params), vectors, what), what)
+        flip = check_bool(transpose, f"{what}: transpose")  # "no" is not True
         out: dict[str, np.ndarray] = {}
         for layer, block in self.blocks().items():
             mine = {p: v[p] for p in block.layer.params}
-            out.update(block.np_multiply_cholesky(mine, self._cholesky[kind][layer], bool(transpose)))
+            out.update(block.np_multiply_cholesky(mine, self._cholesky[kind][layer], flip))
         return out
 
     def compute_params_stats(self, inputs: Mapping[str, Any], targets: Any,
@@ -378,6 +385,11 @@ def gradients(plan: Plan, inputs: Mapping[str, Any], targets: Any, params: Mappi
               device: str = "cpu", weights: Any = None) -> tuple[float, dict[str, np.ndarray]]:
     """(mean loss, {initializer name: gradient}) at the plan's weights (or `params`);
     `weights`: optional per-example loss weights or mask."""
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"gradients: expected a compiled plan (kfac_compiler.compile or load_plan), got "
+                          f"{type(plan).__name__}")
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"gradients: params must be a dict {{parameter name: array}}, got {type(params).__name__}")
     entry = _GRAD_CACHE.get(id(plan))
     curv = None
     if entry is not None and entry[0]() is plan and entry[1].device.name == get_device(device).name:

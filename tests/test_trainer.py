@@ -574,3 +574,32 @@ def test_sample_counts_and_empty_settings_are_refused(mlp):
                       ({"inverse_method": ""}, "unknown inverse method ''")]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             Curvature(plan, **kw)
+
+
+def test_curvature_products_refuse_bad_vectors_and_arguments(mlp):
+    """The lower-level API's products take finite vectors only (NaN came back as NaN), a
+    strict transpose flag ('no' computed the transposed product), estimate's num_samples has
+    the constructor's ceiling, and gradients() names a wrong params or plan type in one line."""
+    from kfac_compiler.errors import DataError
+
+    plan, x, y = mlp
+    curv = Curvature(plan)
+    curv.update({"input": x[:64]}, y[:64])
+    curv.update_inverses(1e-2)
+    curv.compute_cholesky(1e-2)
+    v = {p: np.ones(s, np.float32) for p, s in curv._shapes(curv.params).items()}
+    bad = {**v, "fc1.weight": np.full_like(v["fc1.weight"], np.nan)}
+    layer = next(iter(curv.blocks()))
+    mine = {p: bad[p] for p in curv.blocks()[layer].layer.params}
+    for call in (lambda: curv.multiply(layer, mine), lambda: curv.multiply_inverse(layer, mine),
+                 lambda: curv.multiply_matpower(layer, mine, 0.5), lambda: curv.multiply_all(bad)):
+        with pytest.raises(DataError, match="NaN/Inf"):
+            call()
+    with pytest.raises(ConfigError, match="transpose must be True or False, got 'no'"):
+        curv.multiply_cholesky(v, transpose="no")
+    with pytest.raises(ConfigError, match="num_samples must be at most 64"):
+        curv.estimate({"input": x[:64]}, y[:64], num_samples=65)
+    with pytest.raises(ConfigError, match="params must be a dict"):
+        gradients(plan, {"input": x[:8]}, y[:8], params=[1, 2])
+    with pytest.raises(ConfigError, match="expected a compiled plan"):
+        gradients("plan_dir", {"input": x[:8]}, y[:8])
