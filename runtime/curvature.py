@@ -77,10 +77,7 @@ class Curvature:
         self.device = get_device(device)
         self.threads = None if threads is None else check_int(threads, "threads", low=1)
         self.mode = estimation_mode(plan.estimator.mode if mode is None else mode)
-        self.num_samples = check_int(plan.estimator.num_samples if num_samples is None else num_samples,
-                                     "num_samples", low=1)
-        if self.num_samples > MAX_NUM_SAMPLES:
-            raise ConfigError(f"num_samples must be at most {MAX_NUM_SAMPLES} ({NUM_SAMPLES_WHY}), got {num_samples!r}")
+        self.num_samples = _sample_count(plan.estimator.num_samples if num_samples is None else num_samples)
         self.ema_decay = check_float(ema_decay if ema_decay is not None else plan.schedule.ema_decay, "ema_decay")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
@@ -126,9 +123,7 @@ class Curvature:
         loss weights or mask, per example or per position (Trainer.step's): the output
         factors G become 1/N sum w ..., and masked positions leave the input factors A."""
         mode = estimation_mode(mode or self.mode)
-        num_samples = self.num_samples if num_samples is None else check_int(num_samples, "num_samples", low=1)
-        if num_samples > MAX_NUM_SAMPLES:
-            raise ConfigError(f"num_samples must be at most {MAX_NUM_SAMPLES} ({NUM_SAMPLES_WHY}), got {num_samples!r}")
+        num_samples = self.num_samples if num_samples is None else _sample_count(num_samples)
         data = self._check_batch(inputs, targets, weights)
         prog = self.program(C.STATISTICS, mode=mode, num_samples=num_samples,
                             weighted=C.EXAMPLE_WEIGHTS in data)
@@ -366,6 +361,14 @@ class Curvature:
         """The layer's current parameter values, for blocks whose products read them (reads_params)."""
         block = self._block(layer)
         return {p: self.store.to_numpy(p) for p in block.layer.params} if block.reads_params else None
+
+
+def _sample_count(value: Any) -> int:
+    """A num_samples given to Curvature or estimate: an integer in [1, MAX_NUM_SAMPLES]."""
+    n = check_int(value, "num_samples", low=1)
+    if n > MAX_NUM_SAMPLES:
+        raise ConfigError(f"num_samples must be at most {MAX_NUM_SAMPLES} ({NUM_SAMPLES_WHY}), got {value!r}")
+    return n
 
 
 def _finite(vectors: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
