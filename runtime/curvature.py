@@ -190,6 +190,7 @@ class Curvature:
         (`report["damping_used"]`); False if a block failed: it keeps its previous inverse and
         `report["failed_blocks"]` names it."""
         damping = check_float(damping, "damping", positive=True)
+        self._require_averages("update_inverses")
         if self._inverses is None:
             self._inverses = InverseRefresher(self.plan, self.program(C.INVERSE_UPDATE, method=self.inverse_method),
                                               self.program(C.PRECONDITION), self.inverse_method)
@@ -212,15 +213,25 @@ class Curvature:
         self._check_result(result, "precondition")
         return result
 
-    def _check_result(self, vectors: Mapping[str, np.ndarray], what: str) -> None:
+    def _check_result(self, vectors: Mapping[str, np.ndarray], what: str,
+                      remedy: str = "raise the damping or lower the learning rate") -> None:
         """DivergedError naming the first layer whose product is not finite."""
         for layer, block in self.blocks().items():
             for p in block.layer.params:
                 if p in vectors and not np.all(np.isfinite(vectors[p])):
                     raise DivergedError(
                         f"{what}: the product of layer {layer!r} is not finite (its factors or state overflow "
-                        "float32): raise the damping or lower the learning rate"
+                        f"float32): {remedy}"
                     )
+
+    def _require_averages(self, what: str) -> None:
+        """ConfigError unless a batch has been folded into the moving averages: before one
+        they are zeros, and a product or inverse of them is the damping alone, not curvature."""
+        if self.ema_weight == 0.0:
+            skipped = self.report["skipped_updates"]
+            why = (f"every update so far ({skipped}) was skipped for non-finite statistics" if skipped
+                   else "no batch has been folded into the moving averages")
+            raise ConfigError(f"{what}: {why}; call update(inputs, targets) first")
 
     # ---------------------------------------------------------------- per block (host)
     def blocks(self) -> dict[str, Any]:
@@ -259,6 +270,7 @@ class Curvature:
     def multiply(self, layer: str, vectors: Mapping[str, np.ndarray], damping: float | None = None) -> dict[str, np.ndarray]:
         """(F_layer + damping) v with the layer's moving-average factors (numpy twin)."""
         v = self._layer_vectors(layer, vectors, "multiply")
+        self._require_averages("multiply")
         return self._block(layer).numpy_multiply(v, self.factors().get(layer, {}), self._damping(damping),
                                                  self._layer_params(layer))
 
@@ -267,13 +279,17 @@ class Curvature:
         """(F + damping)^exp v for every parameter, in the `multiply` subgraph on the device,
         from the moving-average factors: integer and half-integer exps (TF K-FAC's exps;
         -1/2, 1/2, -3/2 by an emitted matrix square root). A layer whose emitted square root
-        failed its check is redone on the host (multiply_matpower); other exps: ConfigError
-        naming multiply_matpower."""
+        failed its check is redone on the host (multiply_matpower); other exps, and |exp| above
+        MAX_DEVICE_EXP (the graph chains |exp| - 1 products): ConfigError naming
+        multiply_matpower. A product that overflows float32: DivergedError naming the layer."""
         exp = check_float(exp, "exp")
-        if not linalg.is_half_integer(exp):
-            raise ConfigError(f"multiply_all: exp {exp:g} is neither an integer nor a half-integer; "
-                              "use multiply_matpower(layer, vectors, exp) (host eigendecomposition)")
+        if not linalg.is_half_integer(exp) or abs(exp) > MAX_DEVICE_EXP:
+            why = (f"|exp| {abs(exp):g} is above {MAX_DEVICE_EXP} (the graph chains |exp| - 1 products)"
+                   if linalg.is_half_integer(exp) else f"exp {exp:g} is neither an integer nor a half-integer")
+            raise ConfigError(f"multiply_all: {why}; use multiply_matpower(layer, vectors, exp) "
+                              "(host eigendecomposition in float64)")
         v = _finite(parameter_vectors(self._shapes(self.params), vectors, "multiply_all"), "multiply_all")
+        self._require_averages("multiply_all")
         d = self._damping(damping)
         prog = self.program(C.MULTIPLY, exp=int(exp) if exp.is_integer() else exp)
         out = prog.run(self.store, {C.vec(p): a for p, a in v.items()}, hp={C.DAMPING: d}, results=True)
@@ -284,6 +300,8 @@ class Curvature:
                 if not all(np.all(np.isfinite(result[p])) for p in mine):
                     host = self.multiply_matpower(layer, {p: v[p] for p in mine}, exp, d)
                     result.update({p: np.asarray(host[p], np.float32) for p in mine})
+        self._check_result(result, f"multiply_all(exp={exp:g})",
+                           "use multiply_matpower(layer, vectors, exp) (float64 on the host) or a larger damping")
         return result
 
     def multiply_matpower(self, layer: str, vectors: Mapping[str, np.ndarray], exp: float,
@@ -291,6 +309,7 @@ class Curvature:
         """(F_layer + damping)^exp v for any real exp (TF K-FAC's exps), via the block's
         host-side eigendecomposition (numpy twin)."""
         v = self._layer_vectors(layer, vectors, "multiply_matpower")
+        self._require_averages("multiply_matpower")
         return self._block(layer).numpy_multiply_matpower(v, self.factors().get(layer, {}), self._damping(damping),
                                                           check_float(exp, "exp"), self._layer_params(layer))
 
@@ -307,6 +326,7 @@ class Curvature:
         self._cholesky["L_inv"] = self._cholesky_parts(damping, inverse=True)
 
     def _cholesky_parts(self, damping: float | None, inverse: bool) -> dict[str, dict[str, np.ndarray]]:
+        self._require_averages("compute_cholesky_inverse" if inverse else "compute_cholesky")
         d = self._damping(damping)
         factors = self.factors()
         out = {}
@@ -361,6 +381,12 @@ class Curvature:
         """The layer's current parameter values, for blocks whose products read them (reads_params)."""
         block = self._block(layer)
         return {p: self.store.to_numpy(p) for p in block.layer.params} if block.reads_params else None
+
+
+# multiply_all's largest |exp| on the device: TF K-FAC's exps are -1, 1, 2 and the half-integers
+# between; a larger power chains |exp| - 1 products in float32 (exp=40 overflows), where the
+# host's float64 eigendecomposition (multiply_matpower) costs one eigh whatever the exp
+MAX_DEVICE_EXP = 8
 
 
 def _sample_count(value: Any) -> int:

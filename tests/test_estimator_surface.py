@@ -120,6 +120,58 @@ def test_other_powers_name_the_host_way():
         curv.multiply_all(_random(curv), damping=1e-2, exp=0.25)
 
 
+def test_device_powers_are_bounded_and_an_overflow_is_named():
+    """exp 3 on the device equals the dense block's cube; |exp| above MAX_DEVICE_EXP (a chain of
+    |exp| - 1 float32 products: 1e6 ran for minutes, 40 overflowed) names the host way; a
+    power that overflows float32 ((F + 1e6)^8 ~ 1e48) is a DivergedError naming the layer,
+    not infs returned."""
+    from kfac_compiler.errors import DivergedError
+    from kfac_compiler.runtime.curvature import MAX_DEVICE_EXP
+
+    curv, damping = _curvature(), 1e-2
+    v = _random(curv)
+    got = curv.multiply_all(v, damping=damping, exp=3)
+    for layer in curv.blocks():
+        M, params = _dense(curv, layer, damping)
+        want = np.linalg.matrix_power(M, 3) @ _flat(v, params)
+        assert np.abs(_flat(got, params) - want).max() / np.abs(want).max() < 1e-4
+    for exp in (MAX_DEVICE_EXP + 1, -(MAX_DEVICE_EXP + 0.5), 1e6):
+        with pytest.raises(ConfigError, match=r"above 8 .*multiply_matpower"):
+            curv.multiply_all(v, damping=damping, exp=exp)
+    with pytest.raises(DivergedError, match=r"multiply_all\(exp=8\): the product of layer 'fc1' is not finite"):
+        curv.multiply_all(v, damping=1e6, exp=MAX_DEVICE_EXP)
+
+
+def test_products_of_averages_that_saw_no_batch_are_refused():
+    """Before a batch is folded in (or when every update was skipped) the moving averages are
+    zeros: a product or inverse of them is the damping alone. Every method reading them says
+    to call update first, in one line (update_inverses and multiply_all were a KeyError from
+    inside their graphs); estimate and gradients need no averages."""
+    plan = kc.compile(_two_layer(), loss="softmax_cross_entropy", output="logits", emit=False)
+    curv = Curvature(plan, mode="exact")
+    v = _random(curv)
+    fc1 = {p: v[p] for p in ("fc1.weight", "fc1.bias")}
+    calls = {"update_inverses": lambda: curv.update_inverses(1e-3), "multiply_all": lambda: curv.multiply_all(v),
+             "multiply": lambda: curv.multiply("fc1", fc1),
+             "multiply_matpower": lambda: curv.multiply_matpower("fc1", fc1, 2),
+             "compute_cholesky": lambda: curv.compute_cholesky(1e-3),
+             "compute_cholesky_inverse": lambda: curv.compute_cholesky_inverse(1e-3)}
+    for name, call in calls.items():
+        with pytest.raises(ConfigError, match=rf"^{name}: no batch has been folded .*call update\(inputs, targets\)"):
+            call()
+    x = np.random.default_rng(1).normal(size=(N, IN)).astype(np.float32)
+    y = np.arange(N) % OUT
+    assert np.isfinite(curv.gradients({"input": x}, y)[0]) and curv.estimate({"input": x}, y)
+    x[0, 0] = 1e30  # A = x x^T overflows float32: the update is skipped, the averages stay empty
+    curv.update({"input": x}, y)
+    assert curv.report["skipped_updates"] == 1
+    with pytest.raises(ConfigError, match=r"every update so far \(1\) was skipped"):
+        curv.update_inverses(1e-3)
+    x[0, 0] = 0.0
+    curv.update({"input": x}, y)
+    assert curv.update_inverses(1e-3)
+
+
 @pytest.mark.parametrize("approx", ["kron", "diagonal"])
 def test_cholesky_products_equal_numpy_cholesky(approx):
     """multiply_cholesky(_inverse) with and without transpose against numpy's Cholesky of the
