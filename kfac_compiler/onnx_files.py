@@ -37,6 +37,18 @@ def external_locations(model: onnx.ModelProto) -> Iterator[str]:
                     yield entry.value
 
 
+def external_files(model_path: str | os.PathLike) -> list[str]:
+    """The real paths of the external-data files the model at `model_path` names inside its
+    folder (sorted); [] where it cannot be read (whoever loads it says why, in one line).
+    Reads the graph without its data: about a second for a big model."""
+    folder = os.path.dirname(os.path.realpath(model_path))
+    try:
+        names = set(external_locations(onnx.load(os.fspath(model_path), load_external_data=False)))
+    except Exception:  # noqa: BLE001 - any unreadable model: reported by the caller's own load
+        return []
+    return sorted({p for p in (inside(folder, name) for name in names) if p is not None})
+
+
 def outside_locations(model: onnx.ModelProto, folder: str | os.PathLike) -> list[str]:
     """The external-data locations of `model` that do not lie inside `folder` (sorted)."""
     return sorted({loc for loc in external_locations(model) if inside(folder, loc) is None})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kfac_compiler.atomic import file_target_problem, temp_path
 from kfac_compiler.errors import OutputError, os_reason
@@ -53,43 +54,54 @@ def check_outputs(outputs: Iterable[Output], inputs: Sequence[tuple[str, str | N
 
 
 def model_inputs(model: str | None, outputs: Iterable[Output]) -> list[tuple[str, str | None]]:
-    """check_outputs' inputs for a MODEL argument: the model (a plan folder stands for its
-    files); for a plan folder the source model its plan.json names (train reads it to tell a
-    stale plan: written over, the user's model is lost and the plan stale); and the
-    external-data files of these models (the plan's own included) that an existing file
-    output would replace (looked up only then: reading a big model's graph costs a second)."""
+    """check_outputs' inputs for a MODEL argument: the model itself, and what a plan reads
+    (plan_inputs): for a plan folder its files and the source model its plan.json names
+    (train reads it to tell a stale plan: written over, the user's model is lost and the plan
+    stale), and the external data of these models."""
     if not model:
         return []
-    found: list[tuple[str, str | None]] = [("MODEL", model)]
-    sources = [model] if os.path.isfile(model) else []
-    if os.path.isdir(model):
-        from kfac_compiler.plan import MODEL_FILE, plan_source
+    if not os.path.isdir(model):
+        return [("MODEL", model), *plan_inputs(model, None, outputs)]
+    from kfac_compiler.plan import plan_source
 
-        source = plan_source(model)
-        if source and os.path.isfile(source):
-            found.append(("plan's source model", source))
-            sources.append(source)
-        if os.path.isfile(os.path.join(model, MODEL_FILE)):  # a plan of a model over 1 GiB keeps its values beside
-            sources.append(os.path.join(model, MODEL_FILE))
+    return [("MODEL", model), *plan_inputs(plan_source(model), model, outputs)]
+
+
+def plan_inputs(source: str | None, folder: str | None, outputs: Iterable[Output]) -> list[tuple[str, str]]:
+    """(what, path) of the files a plan reads that no output may overwrite, for the command
+    line (model_inputs) and the API (input_problem) alike: the model it was compiled from,
+    the plan folder it was loaded from (standing for its files) and the external-data files of
+    either's model, looked up only where an existing file output lies in that model's folder
+    (reading a big model's graph costs a second)."""
+    from kfac_compiler.onnx_files import external_files
+    from kfac_compiler.plan import MODEL_FILE
+
+    found: list[tuple[str, str]] = []
+    models = []
+    if source and os.path.isfile(source):
+        found.append(("plan's source model", source))
+        models.append(source)
+    if folder:
+        found.append(("plan folder", folder))
+        if os.path.isfile(os.path.join(folder, MODEL_FILE)):  # a plan of a model over 1 GiB keeps its values beside
+            models.append(os.path.join(folder, MODEL_FILE))
     existing = [os.path.realpath(o.path) for o in outputs if o.path and not o.folder and os.path.isfile(o.path)]
-    for path in sources:
-        folder = os.path.dirname(os.path.realpath(path))
-        if any(e.startswith(folder + os.sep) for e in existing):
-            found += [(f"external data of {path!r}", os.path.join(folder, loc)) for loc in _data_locations(path)]
+    for path in models:
+        home = os.path.dirname(os.path.realpath(path))
+        if any(e.startswith(home + os.sep) for e in existing):
+            found += [(f"external data of {path!r}", data) for data in external_files(path)]
     return found
 
 
-def _data_locations(path: str) -> list[str]:
-    """The external-data locations `path`'s tensors name; [] where it cannot be read (the
-    command's own load says why, in one line)."""
-    import onnx
-
-    from kfac_compiler.onnx_files import external_locations
-
-    try:
-        return sorted(set(external_locations(onnx.load(path, load_external_data=False))))
-    except Exception:  # noqa: BLE001 - any unreadable model: reported by the command's own load
-        return []
+def input_problem(plan: Any, path: str | os.PathLike) -> str | None:
+    """What of `plan`'s inputs (plan_inputs) an API output at `path` would overwrite, as a
+    phrase; None where nothing. The command line checks the same inputs (model_inputs)."""
+    out = Output("", os.fspath(path))
+    for what, read in plan_inputs(plan.source_path, plan.folder, [out]):
+        hit = _input_hit(out, read)
+        if hit:  # a folder's hit names the folder already
+            return hit if os.path.isdir(read) else f"{hit}, the {what}"
+    return None
 
 
 def _check_target(o: Output) -> None:
@@ -146,9 +158,10 @@ def _input_hit(o: Output, path: str) -> str | None:
             return repr(path)
         return repr(path) if _same_file(o.path, path) else None
     if os.path.isdir(path):
-        name = os.path.basename(o.path)
-        if os.path.dirname(os.path.realpath(o.path)) == os.path.realpath(path) and (
-                name == "plan.json" or (name.endswith(".onnx") and os.path.exists(o.path))):
+        from kfac_compiler.plan import plan_files
+
+        real = os.path.realpath(o.path)
+        if os.path.dirname(real) == os.path.realpath(path) and os.path.basename(real) in plan_files(path):
             return f"a file of the plan folder {path!r}"
         return None
     return repr(path) if os.path.exists(path) and _same_file(o.path, path) else None

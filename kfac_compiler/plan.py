@@ -446,10 +446,15 @@ class Plan:
         real = os.path.realpath(target)
         check_plan_target(target, overwrite)
         if self.source_path and os.path.isfile(self.source_path):
+            from kfac_compiler.onnx_files import external_files
+
             src = os.path.realpath(self.source_path)
-            if any(os.path.realpath(os.path.join(real, f)) == src for f in files):
-                raise PlanError(f"saving the plan to {target!r} would overwrite its source model {self.source_path!r}; "
-                                "save it to another folder")
+            home = os.path.dirname(src)  # its external data lies in its folder or below
+            read = {src, *external_files(src)} if (real + os.sep).startswith(home + os.sep) else {src}
+            # what the save writes or drops, and model.onnx.data, which a later save of the folder drops
+            if any(os.path.realpath(os.path.join(real, f)) in read for f in {*files, MODEL_DATA_FILE, *plan_files(real)}):
+                raise PlanError(f"saving the plan to {target!r} would overwrite its source model {self.source_path!r} "
+                                "or its external data; save it to another folder")
         doc = self.to_json()
 
         regions: dict[str, tuple[int, int]] = {}
@@ -478,7 +483,7 @@ class Plan:
                     remove_stale(os.path.join(real, f))
                     write_file(os.path.join(real, f), functools.partial(fill_one, f, folder=real))
             else:
-                replace_folder(real, fill, set(files) | _own_files(real))
+                replace_folder(real, fill, set(files) | plan_files(real))
         except OSError as e:
             raise PlanError(f"cannot write the plan to {target!r}: {os_reason(e, writing=True)}") from None
         return target
@@ -518,25 +523,14 @@ def plan_source(folder: str) -> str | None:
     return path if isinstance(path, str) and path else None
 
 
-def input_problem(plan: Plan, path: str | os.PathLike) -> str | None:
-    """What of `plan`'s inputs an output at `path` would overwrite (the model it was compiled
-    from, a file of the folder it was loaded from), as a phrase; None where nothing."""
-    real = os.path.realpath(path)
-    src = plan.source_path
-    if src and os.path.isfile(src) and os.path.realpath(src) == real:
-        return f"the plan's source model {src!r}"
-    if plan.folder and os.path.dirname(real) == plan.folder and os.path.basename(real) in _own_files(plan.folder):
-        return f"a file of the plan folder {plan.folder!r}"
-    return None
-
-
-def _own_files(folder: str) -> set[str]:
-    """The files the plan in `folder` (if any) consists of, by its plan.json."""
+def plan_files(folder: str) -> set[str]:
+    """The names of the files the plan in `folder` (if any) consists of, by its plan.json
+    (its model's external data included): what a save replaces and no output may overwrite."""
     doc = _plan_doc(folder)
     if doc is None:
         return set()
     try:
-        own = {PLAN_FILE, MODEL_FILE, os.path.basename(str(doc.get("model", MODEL_FILE)))}
+        own = {PLAN_FILE, MODEL_FILE, MODEL_DATA_FILE, os.path.basename(str(doc.get("model", MODEL_FILE)))}
         own |= {os.path.basename(str(e.get("file", f"{n}.onnx"))) for n, e in doc.get("subgraphs", {}).items()}
         return own
     except (AttributeError, TypeError):

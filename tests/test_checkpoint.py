@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import onnx
 import pytest
 
 import kfac_compiler as kc
@@ -180,19 +181,23 @@ def test_the_public_load_plan_skips_the_source_check_when_asked(tmp_path):
 
 def test_api_outputs_do_not_overwrite_what_the_plan_reads(tmp_path):
     """Trainer.export and save_checkpoint refuse, in one line, the model the plan was
-    compiled from and the files of the folder it was loaded from (they replaced the user's
-    model, or a plan's model.onnx, whose trained weights a fresh Trainer then started from);
-    another file in that folder is fine."""
+    compiled from, its external data and the files of the folder it was loaded from (they
+    replaced the user's model or its weights file, or a plan's model.onnx, whose trained
+    weights a fresh Trainer then started from); another file in that folder is fine. The same
+    inputs as the command line's (outputs.plan_inputs)."""
     from kfac_compiler.errors import OutputError
     from kfac_compiler.models import save_model
 
     src = tmp_path / "m.onnx"
     save_model("mlp_classifier", src)
+    onnx.save(onnx.load(src), src, save_as_external_data=True, location="m.weights", size_threshold=0)
     kc.compile(str(src), loss="softmax_cross_entropy", output="logits").save(tmp_path / "plan")
     plan = kc.load_plan(tmp_path / "plan")
     trainer = Trainer(plan, optimizer="sgd")
-    before = {p: (tmp_path / p).read_bytes() for p in ("m.onnx", "plan/model.onnx", "plan/plan.json")}
-    for path, write, hit in [(src, trainer.export, "the plan's source model"),
+    before = {p: (tmp_path / p).read_bytes() for p in ("m.onnx", "m.weights", "plan/model.onnx", "plan/plan.json")}
+    for path, write, hit in [(src, trainer.export, f"'{src}', the plan's source model"),
+                             (tmp_path / "m.weights", trainer.export, f"'{tmp_path}/m.weights', the external data of"),
+                             (tmp_path / "m.weights", trainer.save_checkpoint, ".*, the external data of"),
                              (tmp_path / "plan" / "model.onnx", trainer.export, "a file of the plan folder"),
                              (tmp_path / "plan" / "plan.json", trainer.save_checkpoint, "a file of the plan folder")]:
         with pytest.raises(OutputError, match=f"would overwrite {hit}"):

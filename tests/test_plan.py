@@ -10,6 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import kfac_compiler as kc
 from kfac_compiler.blocks import plan_blocks
 from kfac_compiler.contract import SubgraphInfo
 from kfac_compiler.errors import PlanError
@@ -175,3 +176,19 @@ def test_totals_and_param_shapes(compiled):
     assert plan.param_shapes["fc.weight"] == (10, 256)
     assert isinstance(plan, Plan)
     np.testing.assert_equal(len(plan.model.graph.node), len(onnx.load_from_string(plan.model.SerializeToString()).graph.node))
+
+
+def test_save_never_replaces_or_drops_the_source_model_or_its_external_data(tmp_path):
+    """A plan saved into the folder of the model it was compiled from (overwrite=True, the
+    CLI's --force) refuses when it would write or drop the model or a file of its external
+    data: model.onnx.data is a plan's name (a big plan's values; a later save of the folder,
+    then a plan of ours, drops it), here the user's weights."""
+    src = tmp_path / "net.onnx"
+    save_model("mlp_classifier", src)
+    onnx.save(onnx.load(src), src, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    weights = (tmp_path / "model.onnx.data").read_bytes()
+    plan = kc.compile(str(src), loss="softmax_cross_entropy", output="logits", emit=False)
+    with pytest.raises(PlanError, match="would overwrite its source model .*net.onnx' or its external data"):
+        plan.save(tmp_path, overwrite=True)
+    assert (tmp_path / "model.onnx.data").read_bytes() == weights and not (tmp_path / "plan.json").exists()
+    plan.save(tmp_path / "plan")  # elsewhere: fine
