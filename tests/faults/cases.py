@@ -1306,4 +1306,26 @@ def api_export_onto_a_device(d: str) -> Verdict:
     return j.verdict()
 
 
+@case("overwritten", fast=True, topic="special outputs")
+def api_export_onto_the_source_models_external_data(d: str) -> Verdict:
+    """Trainer.export(DATA), DATA the file the plan's source model keeps its weights in: the
+    API's own list of inputs missed it and replaced the user's weights (the CLI refused)."""
+    import onnx
+
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import Trainer
+
+    j = Judge()
+    model = _j(d, "model.onnx")
+    onnx.save(onnx.load(ASSETS.model()), model, save_as_external_data=True, location="weights.bin",
+              size_threshold=0)
+    files = snapshot(model, _j(d, "weights.bin"))
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    tr = Trainer(plan, optimizer="sgd", learning_rate=0.1)
+    _, exc = call(lambda: tr.export(_j(d, "weights.bin")))
+    j.api_error(exc, ["weights.bin", "external data"], if_accepted="overwritten")
+    j.unchanged(files)
+    return j.verdict()
+
+
 from faults import reliability  # noqa: E402,F401  (registers issue 39's cases)
