@@ -204,3 +204,38 @@ def test_api_outputs_do_not_overwrite_what_the_plan_reads(tmp_path):
             write(path)
     assert {p: (tmp_path / p).read_bytes() for p in before} == before
     trainer.export(tmp_path / "plan" / "trained.onnx")
+
+
+def test_adam_resumed_with_beta1_uses_it(mlp, tmp_path):
+    """load_checkpoint(..., beta1=0.5) continues with beta1 0.5 (the stored alias momentum
+    0.9 won, silently): the first resumed step is numpy's Adam from the checkpoint's m and v
+    with beta1 0.5; momentum=0.5 (the alias) takes the same step; beta1 and momentum both
+    given and different are refused, as on a fresh trainer."""
+    from kfac_compiler import contract as C
+    from kfac_compiler.errors import ConfigError
+    from kfac_compiler.runtime import gradients
+
+    plan, x, y = mlp
+    first = Trainer(plan, optimizer="adam", seed=7, learning_rate=3e-3)
+    for s in range(2):
+        first.step(*batch(x, y, s))
+    path = tmp_path / "adam.ckpt.npz"
+    first.save_checkpoint(path)
+    theta, state = first.parameters(), first.state()
+    _, g = gradients(plan, *batch(x, y, 2), params=theta)
+    b1, b2, eps, lr, t = 0.5, 0.999, 1e-8, 3e-3, 3
+    steps = {}
+    for knob in ("beta1", "momentum"):
+        resumed = Trainer.load_checkpoint(path, plan, **{knob: b1})
+        resumed.step(*batch(x, y, 2))
+        steps[knob] = resumed.parameters()
+    for p in theta:
+        m = b1 * state[C.adam_m(p)] + (1 - b1) * g[p]
+        v = b2 * state[C.adam_v(p)] + (1 - b2) * g[p] ** 2
+        want = theta[p] - lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
+        np.testing.assert_allclose(steps["beta1"][p], want, rtol=1e-5, atol=1e-7)
+        assert np.array_equal(steps["beta1"][p], steps["momentum"][p])
+    with pytest.raises(ConfigError, match="beta1 0.5 and its alias momentum 0.8 are both given"):
+        Trainer.load_checkpoint(path, plan, beta1=0.5, momentum=0.8)
+    with pytest.raises(ConfigError, match="both given"):
+        Trainer(plan, optimizer="adam", beta1=0.5, momentum=0.8)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from kfac_compiler import contract as C
+from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers.base import FirstOrderStepOptions, register_optimizer
 from kfac_compiler.optimizers.first_order import (
     DECAY,
@@ -38,16 +39,26 @@ class AdamConfig(FirstOrderConfig):
 
     name: ClassVar[str] = "adam"
     schedulable: ClassVar[tuple[str, ...]] = ("learning_rate", "momentum", "beta1")
-    beta1: float = 0.9
+    beta1: float | None = None  # 0.9 unless given (or given as its alias momentum)
     beta2: float = 0.999
     epsilon: float = 1e-8
     momentum: float | None = None  # accepted for a uniform API: an alias of beta1 when given
 
+    @classmethod
+    def resumed_knobs(cls, stored: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint stores beta1 and its alias momentum both (resolved): an override of
+        either replaces the pair, or the stored alias would win over a given beta1."""
+        if any(given.get(k) is not None for k in ("beta1", "momentum")):
+            stored = {k: v for k, v in stored.items() if k not in ("beta1", "momentum")}
+        return super().resumed_knobs(stored, given)
+
     def resolve(self, plan: Plan | None) -> None:
         if self.learning_rate is None:
             self.learning_rate = 1e-3
-        if self.momentum is not None:
-            self.beta1 = self.momentum
+        if self.momentum is not None and self.beta1 is not None and self.momentum != self.beta1:
+            raise ConfigError(f"adam: beta1 {self.beta1!r} and its alias momentum {self.momentum!r} are both given; "
+                              "give one")
+        self.beta1 = next((v for v in (self.momentum, self.beta1) if v is not None), 0.9)
         self.momentum = self.beta1
 
     def validate(self) -> None:
