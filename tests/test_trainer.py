@@ -227,6 +227,26 @@ def test_overflowing_step_is_rejected_keeps_state_and_raises_damping(mlp):
     assert m["rejected"] == 0.0
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_gradient_whose_square_overflows_is_rejected(mlp, optimizer):
+    """Inputs of 1e20: loss and gradient finite (~1e20), the gradient's square beyond float32.
+    Adam took the step (its update m / (sqrt(inf) + eps) is 0, finite), its v became inf and
+    those coordinates never moved again; now the step is rejected like SGD's and every slot
+    is kept, and the next clean batch trains every coordinate."""
+    plan, x, y = mlp
+    tr = Trainer(plan, optimizer=optimizer, learning_rate=1e-2)
+    it = batches(x, y, 64, 3)
+    tr.step(*next(it))
+    before = tr.state()
+    inputs, t = next(it)
+    m = tr.step({"input": inputs["input"] * np.float32(1e20)}, t)
+    assert np.isfinite(m["loss"]) and m["grad_norm"] == np.inf and m["rejected"] == 1.0
+    assert all(np.array_equal(before[k], v) for k, v in tr.state().items())
+    tr.step(*next(it))
+    moved = {k: np.abs(v - before[k]) > 0 for k, v in tr.parameters().items()}
+    assert np.mean(moved["fc1.weight"]) > 0.5  # pixels that are 0 in every example leave their columns
+
+
 def test_nan_input_is_a_one_line_data_error(mlp):
     plan, x, y = mlp
     tr = Trainer(plan, optimizer="kfac")

@@ -124,12 +124,14 @@ def emit_first_order_step(em: Emission, o: FirstOrderStepOptions, rule: Rule) ->
 def emit_baseline_metrics(em: Emission, loss: str, lay: Layout, steps: Chunks, raw: Chunks) -> None:
     """loss, metric/update_norm, metric/grad_norm and metric/finite of a first-order step
     (`steps`: the update, or its negative; `raw`: the gradients without weight decay, both in
-    `lay`'s chunks)."""
-    update_sq = lay.sum_squares(steps)
+    `lay`'s chunks). The gradient's squared norm is checked too: a finite gradient whose square
+    overflows float32 made Adam's v infinite and froze those coordinates for good while its
+    update (m / inf = 0) stayed finite."""
+    update_sq, grad_sq = lay.sum_squares(steps), lay.sum_squares(raw)
     em.metric(C.LOSS, loss)
     em.metric(C.UPDATE_NORM, em.b.op("Sqrt", [update_sq]))
-    em.metric(C.GRAD_NORM, em.b.op("Sqrt", [lay.sum_squares(raw)]))
-    em.metric(C.FINITE, em.b.cast(em.finite([loss, update_sq]), TensorProto.FLOAT))
+    em.metric(C.GRAD_NORM, em.b.op("Sqrt", [grad_sq]))
+    em.metric(C.FINITE, em.b.cast(em.finite([loss, update_sq, grad_sq]), TensorProto.FLOAT))
 
 
 class FirstOrderOptimizer(Optimizer):
