@@ -200,6 +200,26 @@ def test_roll_back_clears_adam_momentums_gradient_sum(mlp):
         assert not np.any(tr.store.to_numpy(f"grad_velocity/{p}")) and not np.any(tr.store.to_numpy(f"velocity/{p}"))
 
 
+
+@pytest.mark.parametrize("momentum_type", ["regular", "qmodel"])
+def test_roll_back_undoes_the_decoupled_decay_too(mlp, momentum_type):
+    """With decoupled_weight_decay w the update was theta = (1 - alpha w) theta_prev +
+    velocity; the roll-back (after a divergence or a loss spike) subtracted the velocity only
+    and left theta at (1 - alpha w) theta_prev. Now it gives theta_prev back, the parameters
+    read before the step, here with alpha w = 0.05 (regular) and the quadratic model's alpha."""
+    plan, x, y = mlp
+    knobs = dict(learning_rate=0.1, momentum=0.5) if momentum_type == "regular" else {}
+    tr = Trainer(plan, optimizer="kfac", momentum_type=momentum_type, decoupled_weight_decay=0.5, batch_size=BATCH,
+                 **knobs)
+    tr.step({"input": x[:BATCH]}, y[:BATCH])
+    before = tr.parameters()
+    m = tr.step({"input": x[BATCH:2 * BATCH]}, y[BATCH:2 * BATCH])
+    assert m["rejected"] == 0.0 and m["learning_rate"] * 0.5 > 1e-3
+    assert max(np.abs(tr.parameters()[p] - before[p]).max() for p in before) > 1e-3
+    assert tr.policy.roll_back(tr.policy.trainer._prepare({"input": x[:BATCH]}, y[:BATCH]))
+    for p, value in tr.parameters().items():
+        np.testing.assert_allclose(value, before[p], rtol=1e-5, atol=1e-6)
+
 @pytest.fixture(scope="module")
 def qmodel_checkpoint(mlp, tmp_path_factory):
     """Two qmodel steps (the default type) saved: the checkpoint stores momentum_type='qmodel'

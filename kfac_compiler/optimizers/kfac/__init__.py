@@ -83,6 +83,9 @@ class Kfac(Optimizer):
         # predicted change of the last applied update
         self.recent_losses: deque[float] = deque(maxlen=cfg.loss_spike_window)
         self.last_change = 0.0
+        # the decoupled decay's fraction alpha w of the last applied update: theta was
+        # (1 - alpha w) theta_prev + velocity, which a roll-back undoes
+        self.last_decay = 0.0
         self.groups = Groups(trainer.plan, cfg.param_groups)  # first-order parameter groups (groups.py)
         self.curvature_scale = CurvatureScaleRule(cfg.qmodel_curvature_scale, cfg.curvature_scale_window,
                                                   cfg.curvature_scale_plateau, cast(float, cfg.max_curvature_scale),
@@ -420,6 +423,7 @@ class Kfac(Optimizer):
                 metrics["rolled_back"] = 1.0 if self.roll_back(data) else 0.0
         else:
             self.unchecked_update = not adapt
+            self.last_decay = max(float(metrics["learning_rate"]), 0.0) * cfg.decoupled_weight_decay
             tr.applied_steps += 1
             self.groups.applied()
             self.recent_losses.append(float(metrics["loss"]))
@@ -449,8 +453,9 @@ class Kfac(Optimizer):
         return self.cycle.mean_with("loss", loss)
 
     def roll_back(self, data: dict[str, Any], keep: Callable[[float], bool] = math.isfinite) -> bool:
-        """Undo the last applied update (theta -= velocity, the update; velocity = 0, and adam
-        momentum's gradient sum = 0; a parameter group's by its rule, Groups.undo) when keep(the
+        """Undo the last applied update (theta = (theta - velocity) / (1 - alpha w), the update
+        and the decoupled decay; velocity = 0, and adam momentum's gradient sum = 0; a parameter
+        group's by its rule, Groups.undo) when keep(the
         loss of this batch without it) holds (default: it is finite); else the batch itself is
         bad and the update stays. A host round trip and a forward pass: only after a divergence
         or a loss spike."""
@@ -461,8 +466,10 @@ class Kfac(Optimizer):
         # velocity/<p> or the multi-tensor step's flat velocity/* (and adam momentum's grad_velocity)
         kept = {kind: state_values(store, kind, shapes) for kind in (C.VELOCITY, C.GRAD_VELOCITY)}
         velocity = cast(dict, kept[C.VELOCITY])
+        keep_fraction = 1.0 - self.last_decay  # 0 (alpha w = 1 zeroed theta): the decay cannot be undone
         for p in shapes:
-            store.set(p, theta[p] - velocity[p])
+            before = theta[p].astype(np.float64) - velocity[p]
+            store.set(p, (before / keep_fraction if keep_fraction > 0 else before).astype(theta[p].dtype))
         for kind, values in kept.items():
             if values is not None:
                 set_state_values(store, kind, {p: np.zeros_like(v) for p, v in values.items()}, shapes)
@@ -494,7 +501,7 @@ class Kfac(Optimizer):
         return {"burn_in_count": self.burn_in_count, "ema_weight": self.ema_weight,
                 "inverses_ready": self.inverses_ready, "damping": self.damping,
                 "unchecked_update": self.unchecked_update, "recent_losses": list(self.recent_losses),
-                "last_change": self.last_change, **self.curvature_scale.host_state(), **self.groups.host_state()}
+                "last_change": self.last_change, "last_decay": self.last_decay, **self.curvature_scale.host_state(), **self.groups.host_state()}
 
     def set_host_state(self, state: Mapping[str, Any]) -> None:
         """Restore host_state(); ValueError for values no run produces (a checkpoint names it)."""
@@ -512,6 +519,9 @@ class Kfac(Optimizer):
             raise ValueError(f"host.recent_losses must be finite numbers, got {recent}")
         self.recent_losses = deque(recent[-self.config.loss_spike_window:], maxlen=self.config.loss_spike_window)
         self.last_change = float(state.get("last_change", 0.0))
+        self.last_decay = float(state.get("last_decay", 0.0))  # older checkpoints lack it
+        if not 0.0 <= self.last_decay <= 1.0:
+            raise ValueError(f"host.last_decay must be in [0, 1], got {self.last_decay}")
         self.inverses_ready = bool(state["inverses_ready"])
         self.curvature_scale.set_host_state(state)
         self.groups.set_host_state(state)
