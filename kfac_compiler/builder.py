@@ -217,7 +217,7 @@ class GraphBuilder:
 
     def batch_size(self, x: str) -> str:
         """Float scalar N = x.shape[0] (dynamic)."""
-        n = self.op("Shape", [x], start=0, end=1)
+        n = self.shape(x, 0, 1)
         n = self.cast(n, self.float_type)
         return self.op("Squeeze", [n, self.ints([0])])
 

@@ -350,8 +350,12 @@ def _lower_node(node: onnx.NodeProto, name: str, view: GraphView, em: _Emitter, 
             if isinstance(N, int):
                 zero_state = em.const(np.zeros((N, H)), f"{name}/zero_state")
             else:
-                shp = em.op("Concat", [em.op("Shape", [X], f"{name}/Shape_X", start=b_axis, end=b_axis + 1),
-                                       em.ints([H], f"{name}/hidden")], f"{name}/state_shape", axis=0)
+                if opset >= 15:
+                    n_dim = em.op("Shape", [X], f"{name}/Shape_X", start=b_axis, end=b_axis + 1)
+                else:  # Shape's start/end came in opset 15
+                    n_dim = em.op("Slice", [em.op("Shape", [X], f"{name}/Shape_X"), em.ints([b_axis], f"{name}/b0"),
+                                            em.ints([b_axis + 1], f"{name}/b1")], f"{name}/batch_dim")
+                shp = em.op("Concat", [n_dim, em.ints([H], f"{name}/hidden")], f"{name}/state_shape", axis=0)
                 zero_state = em.op("ConstantOfShape", [shp], f"{name}/zero_state",
                                    value=numpy_helper.from_array(np.zeros(1, em.np_float)))
         return zero_state
