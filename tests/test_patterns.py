@@ -418,3 +418,33 @@ def test_a_node_belongs_to_at_most_one_match(rng):
     layers, _ = layers_of(onnx_model([mm, add], {"x": ["N", 4]}, {"W": randn(rng, 4, 6), "b": randn(rng, 6)}))
     nodes = [n for l in layers for u in l.uses for n in u.nodes if l.kind != "generic"]
     assert len(nodes) == len(set(nodes))
+
+
+@pytest.mark.parametrize("op,scale_shape", [("LayerNormalization", (3, 4)), ("LayerNormalization", (1, 4)),
+                                            ("LayerNormalization", (3, 1)), ("RMSNormalization", (4,))])
+def test_a_normalization_scale_that_broadcasts_is_not_a_scale_and_shift_block(op, scale_shape):
+    """A normalization over axes [3, 4] whose scale only broadcasts to them ([1, 4], [3, 1],
+    [4]: valid ONNX) was matched as scale_and_shift, whose statistics read the scale as [3, 4]:
+    the K-FAC step failed inside ONNX Runtime (Reshape {3,3,4} to {3,4}). It is now another
+    layer, with the reason in a warning, and trains; the exact shape still matches."""
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import Trainer
+
+    rng = np.random.default_rng(0)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node(op, ["input", "S"], ["out"], axis=1)], "t",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 3, 4])],
+        [numpy_helper.from_array(rng.normal(size=scale_shape).astype(np.float32), "S")]),
+        opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = kc.compile(model, loss="squared_error", output="out", emit=False)
+    exact = scale_shape == (3, 4)
+    assert [l.kind == "scale_and_shift" for l in plan.layers] == [exact]
+    assert exact or any(f"scale of shape {list(scale_shape)} broadcasts" in str(w.message) for w in caught)
+    x, y = rng.normal(size=(5, 3, 4)).astype(np.float32), rng.normal(size=(5, 3, 4)).astype(np.float32)
+    tr = Trainer(plan, optimizer="kfac", seed=0)
+    metrics = [tr.step({"input": x}, y) for _ in range(3)]
+    assert all(m["rejected"] == 0.0 for m in metrics) and metrics[-1]["loss"] < metrics[0]["loss"]

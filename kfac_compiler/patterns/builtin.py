@@ -328,6 +328,14 @@ def trailing_axes_attrs(b: Binding, key: str, op: str) -> dict:
         scale_axes = tuple(range(axis, 0))
     else:
         raise NoMatch(f"{op} {b.node(key).name!r}: input rank unknown")
+    # the block's statistics read the scale as the normalized axes' shape: a scale that only
+    # broadcasts to them ([4] or [1, 4] over axes of [3, 4]) is valid ONNX but another layer
+    in_shape, scale_shape = b.view.shape(b.input()), b.view.shape(b.weight)
+    if in_shape is not None and scale_shape is not None:
+        want = tuple(in_shape[a] for a in scale_axes)
+        if len(scale_shape) != len(want) or any(isinstance(w, int) and w != s for w, s in zip(want, scale_shape)):
+            raise NoMatch(f"{op} {b.node(key).name!r}: scale of shape {list(scale_shape)} broadcasts over the "
+                          f"normalized axes {list(want)}")
     return {
         "normalization": {"op": op, "axis": axis, "epsilon": nice_float(b.attr(key, "epsilon", 1e-5))},
         "scale_axes": scale_axes,
