@@ -183,10 +183,18 @@ def _split_sequences(m: onnx.ModelProto) -> None:
         sizes_name = f"{node.name}/sizes"
         m.graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), sizes_name))
         outs = [f"{node.output[0]}:{k}" for k in range(len(sizes))]
+        copies = []  # a second reader of one chunk (positions 0 and 0, or 0 and -2 of 2) reads the first's
+        claimed: set[int] = set()
         for u, pos in zip(users, positions):
-            outs[int(pos.reshape(-1)[0]) % len(sizes)] = u.output[0]
+            k = int(pos.reshape(-1)[0]) % len(sizes)
+            if k in claimed:
+                copies.append(helper.make_node("Identity", [outs[k]], [u.output[0]], name=f"{u.name or u.output[0]}/copy"))
+            else:
+                outs[k] = u.output[0]
+                claimed.add(k)
             drop.add(id(u))
         new_nodes.append(helper.make_node("Split", [node.input[0], sizes_name], outs, name=node.name, axis=axis))
+        new_nodes.extend(copies)
     del m.graph.node[:]
     m.graph.node.extend(n for n in new_nodes if id(n) not in drop)
 

@@ -355,3 +355,37 @@ def test_sce_with_classes_not_last_is_rejected():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compile_frontend(m, None)
+
+
+def test_split_to_sequence_with_a_chunk_read_twice_has_the_hand_computed_gradient():
+    """torch.split in a torch.export graph without the exporter's optimizer: SplitToSequence
+    read by SequenceAt at constant positions becomes Split. Two readers of one chunk (positions
+    0 and -2 of 2) lost the first reader's tensor (ONNX Runtime: 'Node input ... is not an
+    output of a previous node'); now both read it. out = a * b + a with a, b = x * P split in
+    two along axis 1; squared error, so dL/dP = 1/N sum_n r * (b + 1) * x_a | r * a * x_b."""
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import gradients
+
+    rng = np.random.default_rng(0)
+    P = rng.normal(size=(4, 3))
+    ints = {"sp": [2, 2], "p0": 0, "p1": 1, "p2": -2}
+    nodes = [helper.make_node("Mul", ["input", "P"], ["h"]),
+             helper.make_node("SplitToSequence", ["h", "sp"], ["s"], axis=1),
+             helper.make_node("SequenceAt", ["s", "p0"], ["a"]), helper.make_node("SequenceAt", ["s", "p1"], ["b"]),
+             helper.make_node("SequenceAt", ["s", "p2"], ["a2"]),
+             helper.make_node("Mul", ["a", "b"], ["ab"]), helper.make_node("Add", ["ab", "a2"], ["out"])]
+    inits = [numpy_helper.from_array(P.astype(np.float32), "P")]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()]
+    model = helper.make_model(helper.make_graph(
+        nodes, "t", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4, 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 2, 3])], inits),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = IR_VERSION
+    x, y = rng.normal(size=(5, 4, 3)), rng.normal(size=(5, 2, 3))
+    plan = kc.compile(model, loss="squared_error", output="out", emit=False)
+    loss, grads = gradients(plan, {"input": x.astype(np.float32)}, y.astype(np.float32))
+    a, b = x[:, :2] * P[:2], x[:, 2:] * P[2:]
+    r = a * b + a - y
+    assert loss == pytest.approx(0.5 * np.sum(r ** 2) / 5, rel=1e-5)
+    want = np.concatenate([np.sum(r * (b + 1) * x[:, :2], 0), np.sum(r * a * x[:, 2:], 0)]) / 5
+    np.testing.assert_allclose(grads["P"], want, rtol=1e-4, atol=1e-5)
