@@ -198,8 +198,11 @@ def noise_shape(info: SubgraphInfo, targets: np.ndarray, name: str = "subgraph")
 
 # --------------------------------------------------------------------------- datasets
 def output_spec(model: onnx.ModelProto, output: str) -> tuple[list[Any], int] | None:
+    """The output's declared (dims, elem_type), or None where no declaration has a shape (a
+    ValueInfo without one is of unknown rank, not a scalar: GroupNormalization's output, which
+    onnx's shape inference leaves without one)."""
     for vi in list(model.graph.output) + list(model.graph.value_info):
-        if vi.name == output:
+        if vi.name == output and vi.type.tensor_type.HasField("shape"):
             return input_spec(vi)
     return None
 

@@ -785,3 +785,33 @@ def test_roialign_unsupported_forms_are_one_line(attrs, why):
     with pytest.raises(UnsupportedOpError, match=why) as ei:
         derivative_model(model, ["x"], ["y0"])
     assert "\n" not in str(ei.value) and "RoiAlign_0" in str(ei.value)
+
+
+def test_an_output_without_an_inferred_shape_trains_with_the_hand_computed_gradient():
+    """GroupNormalization as the graph's output: onnx's shape inference gives it no shape, and
+    its ValueInfo without one was read as a scalar ('squared_error expects the output's shape
+    []'). Unknown rank now; the gradient of scale and bias is numpy's: out = s_c xhat + b_c,
+    xhat normalized over each group of 2 channels, dL/ds_c = 1/N sum r xhat, dL/db_c = 1/N sum r."""
+    from onnx import numpy_helper
+
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import gradients
+
+    rng = np.random.default_rng(0)
+    s, b = rng.normal(size=4), rng.normal(size=4)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("GroupNormalization", ["input", "S", "B"], ["out"], num_groups=2, epsilon=1e-3)], "t",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4, 3, 2])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(s.astype(np.float32), "S"), numpy_helper.from_array(b.astype(np.float32), "B")]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    x, y = rng.normal(size=(3, 4, 3, 2)), rng.normal(size=(3, 4, 3, 2))
+    plan = kc.compile(model, loss="squared_error", output="out", emit=False)
+    loss, grads = gradients(plan, {"input": x.astype(np.float32)}, y.astype(np.float32))
+    g = x.reshape(3, 2, -1)
+    xhat = ((g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + 1e-3)).reshape(x.shape)
+    r = s[:, None, None] * xhat + b[:, None, None] - y
+    assert loss == pytest.approx(0.5 * np.sum(r ** 2) / 3, rel=1e-5)
+    np.testing.assert_allclose(grads["S"], np.sum(r * xhat, (0, 2, 3)) / 3, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads["B"], np.sum(r, (0, 2, 3)) / 3, rtol=1e-4, atol=1e-5)
