@@ -116,6 +116,8 @@ CASES = [C(f"{op}", op, [("x", x)], attrs=a) for op, x, a in UNARY] + [
     C("Clip-const", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(-0.5)), ("hi", np.asarray(0.7))],
       consts=("lo", "hi")),
     C("Clip-diff-bounds", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(-0.5)), ("hi", np.asarray(0.7))]),
+    # min > max (valid ONNX): y = max everywhere, the whole cotangent to hi (the rule split it)
+    C("Clip-inverted-bounds", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(0.6)), ("hi", np.asarray(-0.4))]),
     C("Clip-minonly", "Clip", [("x", r(3, 4, lo=0.01)), ("lo", np.asarray(-0.5))]),
     C("Clip-none", "Clip", [("x", r(3, 4))]),
     C("Cast", "Cast", [("x", r(3, 4))], attrs={"to": TensorProto.DOUBLE}),

@@ -99,6 +99,9 @@ def _where_jvp(b, view, node, ts):
 
 # -------------------------------------------------------------------------------- Clip
 def _clip_masks(b, node):
+    """(inside, below, above): where y = min(max(x, lo), hi) (the spec's order) is x, lo, hi.
+    With min > max (valid ONNX) y is max everywhere: above is max(x, lo) > hi, below only
+    where lo <= hi."""
     x = node.input[0]
     lo, hi = inp(node, 1), inp(node, 2)
     conds = []
@@ -108,7 +111,9 @@ def _clip_masks(b, node):
         below = b.op("Less", [x, lo])
     if hi is not None:
         conds.append(b.op("LessOrEqual", [x, hi]))
-        above = b.op("Greater", [x, hi])
+        above = b.op("Greater", [x if lo is None else b.op("Max", [x, lo]), hi])
+        if below is not None:
+            below = b.op("And", [below, b.op("LessOrEqual", [lo, hi])])
     inside = None
     if conds:
         inside = conds[0] if len(conds) == 1 else b.op("And", conds)
