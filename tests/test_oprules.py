@@ -623,6 +623,13 @@ def test_resize_symbolic_batch_and_dynamic_scales(rng):
     with pytest.raises(UnsupportedOpError, match=r"constant roi/scales/sizes; .*extend its rule \(docs/extending.md") as ei:
         backward(GraphBuilder(17), GraphView(dyn), {"y0": "g"}, ["x"])
     assert "\n" not in str(ei.value)
+    # a full-rank sizes (before opset 18) fixes the symbolic batch to a constant: named, with both ways out
+    sized, _ = one_node_model("Resize", [("x", x), ("roi", None), ("sc", None), ("sz", i64(2, 3, 6, 8))],
+                              {"mode": "linear"}, constants=("sz",))
+    sized.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    node = sized.graph.node[0]
+    with pytest.raises(UnsupportedOpError, match=r"sets axis 0 of size 'N' to the constant 2, .*scales .*axes"):
+        lookup(node, 17).check(GraphView(sized), node)
 
 
 def test_maxpool_tiled_ties_share_the_cotangent():

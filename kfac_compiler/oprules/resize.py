@@ -60,6 +60,10 @@ def _geometry(view, node):
         if sz is not None and isinstance(s[d], int) and sz == s[d] and roi is None:
             continue
         if not isinstance(s[d], int):
+            if sz is not None:  # a full-rank sizes (the only form before opset 18) fixes every axis
+                raise unsupported(node, view, f"sets axis {d} of size {s[d]!r} to the constant {sz}, which resamples "
+                                              "any other size; export with scales (1 on that axis) or, from opset 18, "
+                                              "sizes with `axes` naming the resized axes only")
             raise unsupported(node, view, f"needs a static size of resized axis {d} (got {s[d]!r})")
         out.append((d, s[d], sc, sz, r0, r1))
     return r, out
