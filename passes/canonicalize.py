@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
-from kfac_compiler.builder import IR_VERSION, live
+from kfac_compiler.builder import IR_VERSION, live, outer_reads, subgraphs
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of, fresh_name
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
@@ -222,6 +222,9 @@ def _collapse_noops(m: onnx.ModelProto, output: str) -> None:
     types = _elem_types(m)
     graph_sources = {i.name for i in g.input} | {t.name for t in g.initializer}
     consumed = {i for n in g.node for i in n.input if i}
+    # names an If/Loop/Scan body reads from this scope: renaming them here would leave the
+    # body reading a tensor that no longer exists (the weight behind it vanished from the plan)
+    body_reads = {t for n in g.node for body in subgraphs(n) for t in outer_reads(body)}
     remove: set[int] = set()
     rename: dict[str, str] = {}
 
@@ -253,6 +256,8 @@ def _collapse_noops(m: onnx.ModelProto, output: str) -> None:
         if not noop:
             continue
         src, dst = resolve(node.input[0]), node.output[0]
+        if dst in body_reads or (dst == output and src in body_reads):
+            continue
         if dst == output:
             # keep the output name: rename src's producer output to dst instead
             if src in graph_sources or src == output:

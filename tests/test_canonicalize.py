@@ -389,3 +389,32 @@ def test_split_to_sequence_with_a_chunk_read_twice_has_the_hand_computed_gradien
     assert loss == pytest.approx(0.5 * np.sum(r ** 2) / 5, rel=1e-5)
     want = np.concatenate([np.sum(r * (b + 1) * x[:, :2], 0), np.sum(r * a * x[:, 2:], 0)]) / 5
     np.testing.assert_allclose(grads["P"], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["Cast", "Identity"])
+def test_a_no_op_read_inside_an_if_body_keeps_its_name(op):
+    """A no-op Cast or Identity of a weight read only inside an If body: the no-op collapse
+    renamed the tensor in the top graph but not in the bodies, which then read a name that no
+    longer existed (the weight vanished from the plan: ONNX Runtime's InvalidGraph, or 'no
+    trainable parameters'). The name stays, and the weight read inside the body gets the
+    documented one-line control-flow error."""
+    rng = np.random.default_rng(0)
+    noop = (helper.make_node("Cast", ["W"], ["Wc"], to=TensorProto.FLOAT) if op == "Cast"
+            else helper.make_node("Identity", ["W"], ["Wc"]))
+    branch = [helper.make_graph([helper.make_node("MatMul", ["x", "Wc"], [o])], o, [],
+                                [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)]) for o in ("t", "e")]
+    model = helper.make_model(helper.make_graph(
+        [noop, helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=branch[0], else_branch=branch[1]),
+         helper.make_node("Add", ["z", "b"], ["logits"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(rng.normal(size=(4, 3)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array(True), "cond"),
+         numpy_helper.from_array(rng.normal(size=3).astype(np.float32), "b")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = IR_VERSION
+    view_model = canonicalize(model, "logits")
+    assert any(n.op_type == op for n in view_model.graph.node)  # kept: the body reads its output
+    with pytest.raises(UnsupportedOpError, match=r"node 'branch' \(If\) reads 'Wc' inside its (then|else)_branch .*'W'") as e:
+        compile_frontend(model, loss="softmax_cross_entropy", output="logits")
+    assert "\n" not in str(e.value)
