@@ -13,7 +13,8 @@
      as a Gather of its flattened elements (passes/index_views.py);
   4. Gemm with transA=1 is rewritten as Transpose + Gemm(transA=0), so that every
      fully connected layer has its input activations as a tensor of shape [batch, in];
-     SplitToSequence read only by SequenceAt at constant positions becomes Split;
+     SplitToSequence read only by SequenceAt at constant positions becomes Split; a conv
+     or pool with auto_pad SAME_* and dilations gets explicit pads (ONNX Runtime refuses it);
   5. constant subgraphs (nodes whose inputs are all Constant-node outputs or NON-float
      initializers, e.g. shape arithmetic) are evaluated with onnx.reference and replaced
      by Constant nodes; float initializers are never folded (they may be parameters);
@@ -66,6 +67,7 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _restrict(m, output)
     _rewrite_gemm_trans_a(m)
     m = infer_shapes(m, keep_going=True)
+    _explicit_same_pads(m)
     _split_sequences(m)
     m = fold_assembled(m, weight_inputs(m))
     m = lower_recurrent(m)
@@ -129,6 +131,33 @@ def _restrict(m: onnx.ModelProto, output: str) -> None:
     sparse = [s for s in g.sparse_initializer if s.values.name in needed]
     del g.sparse_initializer[:]
     g.sparse_initializer.extend(sparse)
+
+
+_SAME_PADDED = ("Conv", "MaxPool", "AveragePool", "LpPool")
+
+
+def _explicit_same_pads(m: onnx.ModelProto) -> None:
+    """auto_pad SAME_UPPER/SAME_LOWER with dilations > 1 as explicit pads (spatial dims
+    static): ONNX Runtime's CPU Conv refuses that combination at run time ('Dilation not
+    supported for AutoPadType::SAME_UPPER'), which TorchScript writes for Conv1d(padding=
+    "same", dilation=2). The pads are oprules.conv.Geom's, which every conv rule uses."""
+    from kfac_compiler.oprules.conv import Geom
+
+    view = None
+    for node in m.graph.node:
+        a = attrs_of(node) if node.op_type in _SAME_PADDED and node.domain in ("", "ai.onnx") else {}
+        auto = a.get("auto_pad", b"")
+        if (auto.decode() if isinstance(auto, bytes) else auto) not in ("SAME_UPPER", "SAME_LOWER") or all(
+                d == 1 for d in a.get("dilations", [1])):
+            continue
+        view = view or GraphView(m)
+        try:
+            geom = Geom(view, node, node.input[0], node.input[1] if node.op_type == "Conv" else None)
+        except Exception:  # noqa: BLE001 - dims not static: left as it is (the rules say why, in one line)
+            continue
+        keep = [x for x in node.attribute if x.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend([*keep, helper.make_attribute("pads", [*geom.pb, *geom.pe])])
 
 
 def _rewrite_gemm_trans_a(m: onnx.ModelProto) -> None:

@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from kfac_compiler import contract as C
 from kfac_compiler.contract import SubgraphInfo
-from kfac_compiler.errors import ConfigError, DataError, PlanError
+from kfac_compiler.errors import ConfigError, DataError, ModelError, PlanError
 from kfac_compiler.plan import Plan
 from kfac_compiler.runtime.capture import split_wide_concats, unroll_static_loops
 from kfac_compiler.runtime.device import (
@@ -371,6 +371,25 @@ class DeclaredProgram(SubgraphIO):
                           "runs nothing): build the Trainer with sessions=True to train")
 
 
+def forward_problem(plan: Plan) -> str | None:
+    """The first line of ONNX Runtime's refusal of the plan's forward model (its canonical
+    graph, CPU), or None where it loads: tells a model ONNX Runtime cannot run (an exporter's
+    Conv with auto_pad SAME and dilations, an LSTM with a misshapen initial state) from a
+    subgraph of ours it refuses. Only asked after a refusal: a session costs setup time."""
+    from kfac_compiler.onnx_files import with_relative_data
+
+    model, folder = with_relative_data(plan.model)
+    options = ort.SessionOptions()
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+    try:
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - any refusal is the answer
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return " ".join(first.split())[:300]
+    return None
+
+
 def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, threads: int | None,
                    name: str, comm: Any = None, sessions: bool = True, shapes: Shapes | None = None,
                    spin: bool = True, capture: bool = False, **options: Any) -> Program:
@@ -430,8 +449,17 @@ def cached_program(programs: dict, store: StateStore, plan: Plan, device: Any, t
             for slot in prog.state_inputs + prog.written_slots:
                 if slot not in store:
                     raise ContractError(f"subgraph {name!r}: no state_specs entry for slot {slot!r}")
-        except (ContractError, ValueError, TypeError) as e:  # TypeError: np.dtype of a garbled dtype name
-            if not stored:
+        except Exception as e:
+            if type(e).__module__.startswith("onnxruntime"):  # ONNX Runtime refused the graph
+                problem = forward_problem(plan)
+                if problem is not None:  # the user's model: not ours to fix, one line
+                    raise ModelError(f"ONNX Runtime cannot run the model's own forward pass ({problem}); the "
+                                     "compiled steps keep its nodes as they are: re-export the model so that ONNX "
+                                     "Runtime loads it") from None
+                raise  # the forward loads and a subgraph of ours does not: a compiler bug
+            if not isinstance(e, (ContractError, ValueError, TypeError)):
+                raise
+            if not stored:  # TypeError: np.dtype of a garbled dtype name
                 raise  # emitted just now: a compiler bug
             why = " ".join(str(e).split())
             raise PlanError(f"the plan's subgraph {name!r} disagrees with its entry in plan.json "

@@ -418,3 +418,36 @@ def test_a_no_op_read_inside_an_if_body_keeps_its_name(op):
     with pytest.raises(UnsupportedOpError, match=r"node 'branch' \(If\) reads 'Wc' inside its (then|else)_branch .*'W'") as e:
         compile_frontend(model, loss="softmax_cross_entropy", output="logits")
     assert "\n" not in str(e.value)
+
+
+def test_same_auto_pad_with_dilations_becomes_explicit_pads():
+    """TorchScript writes Conv1d(padding="same", dilation=2) as auto_pad SAME_UPPER with
+    dilations [2], which ONNX Runtime's CPU Conv refuses at run time (the gradients and the
+    first step died with its traceback). The canonical Conv carries the explicit pads [2, 2]
+    instead, and the gradients equal those of the same model written with those pads."""
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import gradients
+
+    rng = np.random.default_rng(0)
+    k, w = rng.normal(size=(2, 3, 3)).astype(np.float32), rng.normal(size=(4, 2 * 7)).astype(np.float32)
+
+    def model(**pad):
+        nodes = [helper.make_node("Conv", ["input", "k"], ["c"], dilations=[2], **pad),
+                 helper.make_node("Flatten", ["c"], ["f"]), helper.make_node("Gemm", ["f", "w"], ["out"], transB=1)]
+        m = helper.make_model(helper.make_graph(
+            nodes, "t", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 7])],
+            [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 4])],
+            [numpy_helper.from_array(k, "k"), numpy_helper.from_array(w, "w")]), opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = IR_VERSION
+        return m
+
+    same, explicit = model(auto_pad="SAME_UPPER"), model(pads=[2, 2])
+    conv = next(n for n in canonicalize(same, "out").graph.node if n.op_type == "Conv")
+    attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+    assert "auto_pad" not in attrs and attrs["pads"] == [2, 2]
+    x, y = rng.normal(size=(5, 3, 7)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
+    got, want = (gradients(kc.compile(m, loss="squared_error", output="out", emit=False), {"input": x}, y)
+                 for m in (same, explicit))
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    for p in ("k", "w"):
+        np.testing.assert_allclose(got[1][p], want[1][p], rtol=1e-5, atol=1e-6)

@@ -577,3 +577,33 @@ def _refused_in_one_line(tmp_path, capsys, edit, want):
     err = capsys.readouterr().err
     assert code == 2 and err == f"error: {str(path)!r}{want.format(**names)}\n", err
     assert not (tmp_path / "plan").exists()
+
+
+def test_a_model_onnx_runtime_cannot_load_is_one_line():
+    """An LSTM whose initial cell state has the wrong width (as torch.export writes for
+    LSTM(proj_size=...)): the compiler accepts it, and the first session ONNX Runtime refuses
+    (its shape inference) was a raw ONNX Runtime traceback. The model's own forward pass fails
+    to load too, so it is the model's: one ModelError line saying so."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kfac_compiler.runtime import gradients
+
+    H, IN, T, N = 3, 2, 2, 4
+    rng = np.random.default_rng(0)
+    zeros = {"h0": np.zeros((1, N, H), np.float32), "c0": np.zeros((1, N, H + 1), np.float32)}
+    nodes = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(v)) for k, v in zeros.items()]
+    nodes += [helper.make_node("Transpose", ["input"], ["xt"], perm=[1, 0, 2]),
+              helper.make_node("LSTM", ["xt", "W", "R", "B", "", "h0", "c0"], ["Y", "Yh"], hidden_size=H),
+              helper.make_node("Reshape", ["Yh", "shape"], ["r"]), helper.make_node("Gemm", ["r", "w2"], ["out"], transB=1)]
+    inits = {"W": rng.normal(size=(1, 4 * H, IN)), "R": rng.normal(size=(1, 4 * H, H)), "B": rng.normal(size=(1, 8 * H)),
+             "w2": rng.normal(size=(2, H))}
+    model = helper.make_model(helper.make_graph(
+        nodes, "t", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [N, T, IN])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [N, 2])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()]
+        + [numpy_helper.from_array(np.array([N, H], np.int64), "shape")]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    plan = kc.compile(model, loss="squared_error", output="out", emit=False)
+    with pytest.raises(ModelError, match=r"^ONNX Runtime cannot run the model's own forward pass \(.*re-export") as e:
+        gradients(plan, {"input": rng.normal(size=(N, T, IN)).astype(np.float32)}, np.zeros((N, 2), np.float32))
+    assert "\n" not in str(e.value)
