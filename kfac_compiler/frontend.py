@@ -33,7 +33,13 @@ from kfac_compiler.passes.heads import attach_heads
 from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
-from kfac_compiler.passes.trainable import TrainableSet, split_trainable, torch_copies, torch_roles
+from kfac_compiler.passes.trainable import (
+    TrainableSet,
+    split_trainable,
+    torch_copies,
+    torch_roles,
+    untrained_torch_parameters,
+)
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.patterns.builtin import normalization_fallback_notes
 from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
@@ -175,6 +181,12 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     if torch_roles(canon) is not None:
         plan_notes.append("torch manifest (kfac_compiler.torch.export): the trainable set is the module's parameters, "
                           "buffers and other constants are frozen; inspect lists the torch names in the frozen reasons")
+        dropped, unmapped = untrained_torch_parameters(canon)
+        for names, why in ((dropped, f"not on the path to output {output!r}"),
+                           (unmapped, "in no initializer of the export (unused by its forward, or folded into constants)")):
+            if names:
+                plan_notes.append(f"torch parameters {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} "
+                                  f"({len(names)}) are {why}: not trained, load_trained leaves them as they are")
     canon, view, split, exporter_copies = _repair_ties(canon, view, split, cfg, plan_notes)
     if split.frozen:
         plan_notes.append(f"{len(split.frozen)} initializers frozen (not trained); inspect lists each with its reason")

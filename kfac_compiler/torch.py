@@ -357,10 +357,13 @@ def build_manifest(module: nn.Module, model: onnx.ModelProto, exporter: str = ""
                 entries[i]["copy_of"] = primary
     covered = set(holders) | {b[0] for e in entries.values() for b in e.get("blocks", [])}
     # an exporter's merge of equal tensors: a parameter in no initializer whose value (uniform
-    # ones included) equals a parameter's plain initializer of the same shape
+    # ones included) equals a parameter's plain initializer of the same shape. Not in our own
+    # exports, which merge nothing (dynamo never does; TorchScript keeps initializers as
+    # inputs): there a parameter in no initializer is unused (an untaken branch), and calling
+    # it merged wrote another parameter's trained values into it
     plain = [entries[i] for inits in holders.values() for i in inits
              if "copy_of" not in entries[i] and not entries[i]["transposed"] and not entries[i].get("reshaped")]
-    for pname in params:
+    for pname in params if exporter not in EXPORTERS else []:
         if pname in covered:
             continue
         value = tensors[pname][1]
@@ -481,6 +484,9 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     an error (one line naming it).
     """
     values, model = _source_values(source)
+    # a Trainer's plan holds only what reaches its output: a parameter it dropped (another
+    # output's head) was not trained, and the module's value is the one to keep
+    compiled = {t.name for t in model.graph.initializer} if model is not None and hasattr(source, "plan") else None
     man = manifest if isinstance(manifest, dict) else read_manifest(manifest) if manifest is not None else None
     if man is None and model is not None:
         man = read_manifest(model)
@@ -498,8 +504,8 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     unwritten: list[str] = []  # running statistics the source does not hold (Trainer.parameters())
     for init, e in man["initializers"].items():
         if e["role"] == "parameter" and "copy_of" not in e:
-            if init not in values and e.get("frozen"):
-                continue  # requires_grad=False: the plan froze it, the module's value is the trained one
+            if init not in values and (e.get("frozen") or (compiled is not None and init not in compiled)):
+                continue  # requires_grad=False, or not in the plan: the module's value is the trained one
             if init not in values:
                 missing.append(", ".join([e.get("torch") or e["blocks"][0][0]] + list(e.get("merged", []))))
                 continue
@@ -525,8 +531,9 @@ def load_trained(module: nn.Module, source: Any, manifest: dict[str, Any] | str 
     if missing and strict:
         raise BridgeError(f"no trained value for torch parameter(s) {'; '.join(missing)} (initializers "
                           f"{', '.join(i for i, e in man['initializers'].items() if e['role'] == 'parameter' and 'copy_of' not in e and i not in values)} "
-                          "are not in the source: frozen by the plan, e.g. by its config's exclude? "
-                          "strict=False writes the ones that are)")
+                          "are not in the source: frozen by the plan, e.g. by its config's exclude, or not on the "
+                          "path to the output it was compiled for? pass the Trainer or its exported file, or "
+                          "strict=False to write the ones that are)")
     unknown = [p for p in out if p not in state]
     if unknown:
         raise BridgeError(f"the module has no parameter or buffer {', '.join(unknown)} (a different module than the export's?)")

@@ -233,6 +233,22 @@ def torch_roles(model: onnx.ModelProto) -> dict[str, dict[str, Any]] | None:
     return roles
 
 
+def untrained_torch_parameters(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    """(torch parameters whose initializers the canonical `model` dropped: not on the path to
+    its output, e.g. another output's head; torch parameters in no initializer of the export:
+    unused by its forward, or folded into constants), from the bridge's manifest; neither is
+    trained, and load_trained leaves both as the module has them."""
+    props = {p.key: p.value for p in model.metadata_props}
+    if TORCH_MANIFEST_KEY not in props:
+        return [], []
+    manifest = json.loads(props[TORCH_MANIFEST_KEY])
+    kept = set(torch_roles(model) or {}) & {t.name for t in model.graph.initializer}
+    dropped = [n for init, e in manifest.get("initializers", {}).items()
+               if e.get("role") == "parameter" and "copy_of" not in e and init not in kept
+               for n in ([e["torch"]] if "torch" in e else [b[0] for b in e.get("blocks", [])]) + e.get("merged", [])]
+    return sorted(set(dropped)), list(manifest.get("unmapped", []))
+
+
 def torch_copies(model: onnx.ModelProto, trainable: list[str]) -> dict[str, tuple[str, bool]]:
     """{copy: (its parameter's initializer, transposed)} among `trainable`, from the manifest:
     an exporter's second initializer of one torch parameter (its transpose, a folded copy; a copy

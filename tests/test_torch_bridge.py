@@ -377,6 +377,49 @@ def test_a_cumulative_batchnorm_in_training_mode_is_refused(tmp_path):
     kt.export(net.eval(), (x,), tmp_path / "bn-eval.onnx", exporter="torchscript")
 
 
+class TwoHeads(nn.Module):
+    """A classifier with an auxiliary regression head, and a LayerNorm of an untaken branch
+    whose values equal the used one's (fresh LayerNorms are all ones and zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.ln, self.ln_aux = nn.Linear(6, 16), nn.LayerNorm(16), nn.LayerNorm(16)
+        self.cls, self.reg = nn.Linear(16, 5), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.body(x)))
+        return self.cls(h), self.reg(h)
+
+
+@pytest.mark.parametrize("exporter", kt.EXPORTERS)
+def test_parameters_outside_the_compiled_output_are_named_and_left(exporter, tmp_path):
+    """Compiled for `logits` alone, the regression head is not trained and the unused
+    LayerNorm is in no initializer: the plan's notes name both (coverage had read 100% of the
+    parameters that were left), and load_trained from the Trainer writes the trained ones and
+    leaves these as the module has them. It had refused the round trip (no trained value for
+    reg.*), and the manifest had called ln_aux 'merged' into ln, writing ln's trained values
+    into it."""
+    torch.manual_seed(0)
+    m = TwoHeads().eval()
+    x, y = _data("mlp", np.random.default_rng(0))
+    model = kt.export(m, (x,), tmp_path / "m.onnx", exporter=exporter)
+    assert sorted(kt.read_manifest(model)["unmapped"]) == ["ln_aux.bias", "ln_aux.weight"]
+    plan = kfac_compiler.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    notes = " ".join(plan.notes)
+    assert "torch parameters reg.bias, reg.weight (2) are not on the path to output 'logits'" in notes
+    assert "torch parameters ln_aux.weight, ln_aux.bias (2) are in no initializer of the export" in notes
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    trainer = Trainer(plan, optimizer="sgd", learning_rate=0.5, seed=0)
+    for _ in range(3):
+        trainer.step({"input": x}, y)
+    written = kt.load_trained(m, trainer)
+    assert sorted(written) == ["body.bias", "body.weight", "cls.bias", "cls.weight", "ln.bias", "ln.weight"]
+    for k in ("reg.weight", "reg.bias", "ln_aux.weight", "ln_aux.bias"):
+        assert torch.equal(m.state_dict()[k], before[k]), k
+    np.testing.assert_array_equal(m.ln.weight.detach().numpy(), trainer.parameters()["ln.weight"])
+    assert not torch.equal(m.ln.weight, before["ln.weight"])
+
+
 @pytest.mark.parametrize("family", ["lstm", "tied"])
 def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
     """The same values land in the module from the Trainer, its trained file and a dict of its
