@@ -101,6 +101,7 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
             raise BridgeError(f"BatchNorm {name!r} has momentum=None (a cumulative average of the batches' "
                               "statistics), which ONNX's BatchNormalization cannot express; give it a momentum "
                               "(e.g. 0.1) or export it in eval mode")
+    _check_embeddings(module)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     args = tuple(torch.from_numpy(np.asarray(a)) if not isinstance(a, torch.Tensor) else a for a in args)
     ins = list(input_names) if input_names else ["input" if i == 0 else f"input_{i}" for i in range(len(args))]
@@ -127,6 +128,33 @@ def export(module: nn.Module, example_inputs: Any, path: str | os.PathLike, expo
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
     return onnx_files.load_onnx(path)  # its values left in path + ".data"
+
+
+def _check_embeddings(module: nn.Module) -> None:
+    """Embedding options whose training semantics ONNX's Gather cannot carry: max_norm
+    (torch renormalizes the weight's rows in place during the forward, without a gradient:
+    TorchScript dropped it, torch.export differentiated through it, and the export's own
+    forward renormalized the module's weight) and scale_grad_by_freq (each row's gradient
+    divided by its token's count in the batch) are refused; padding_idx (a row whose gradient
+    torch keeps at 0) is a warning: here that row trains from what reaches it, nothing where
+    the padded positions are masked out of the loss and attention."""
+    padded = []
+    for name, m in module.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        for option, why in (("max_norm", "renormalizes the weight's rows in place during the forward, without a "
+                                          "gradient"),
+                            ("scale_grad_by_freq", "divides each row's gradient by its token's count in the batch")):
+            if getattr(m, option, None):
+                raise BridgeError(f"{type(m).__name__} {name!r} has {option}={getattr(m, option)!r}: torch {why}, "
+                                  "which an ONNX Gather cannot express; export it without that option")
+        if getattr(m, "padding_idx", None) is not None:
+            padded.append(f"{name} (row {m.padding_idx})")
+    if padded:
+        warnings.warn(f"Embedding padding_idx: {', '.join(padded[:4])}{', ...' if len(padded) > 4 else ''}: torch keeps "
+                      "that row's gradient 0, the exported Gather does not; the row trains from what reaches it, "
+                      "nothing when the padded positions are masked out of the loss (weights, ignore_index) and "
+                      "out of attention", stacklevel=3)
 
 
 def _state_bytes(module: nn.Module) -> int:
@@ -217,10 +245,14 @@ def _export_ts(module, args, ins, outs, dynamic_batch, opset, folder: str | None
         # initializers as inputs: else an eval-mode export merges equal initializers (every
         # fresh LayerNorm gain into one), tying what the module never tied. To a file path
         # (a large module's), it writes external data itself where the model passes 2 GiB.
-        torch.onnx.export(module, args, os.path.join(folder, _EXPORTED) if folder else cast(Any, buf), dynamo=False,
-                          input_names=ins, output_names=outs,
-                          opset_version=opset or 17, dynamic_axes=axes, do_constant_folding=False,
-                          training=torch.onnx.TrainingMode.PRESERVE, keep_initializers_as_inputs=True)
+        try:
+            torch.onnx.export(module, args, os.path.join(folder, _EXPORTED) if folder else cast(Any, buf),
+                              dynamo=False, input_names=ins, output_names=outs,
+                              opset_version=opset or 17, dynamic_axes=axes, do_constant_folding=False,
+                              training=torch.onnx.TrainingMode.PRESERVE, keep_initializers_as_inputs=True)
+        except Exception as e:  # noqa: BLE001 - the exporter's own refusal (an op it has no symbolic for)
+            first = " ".join((str(e).strip().splitlines() or [""])[0].split())
+            raise BridgeError(f"the torchscript exporter failed: {type(e).__name__}: {first[:300]}") from e
     model = _load_exported(folder) if folder else onnx.load_from_string(buf.getvalue())
     inits = {t.name for t in model.graph.initializer}
     kept = [i for i in model.graph.input if i.name not in inits]

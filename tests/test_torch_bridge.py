@@ -420,6 +420,31 @@ def test_parameters_outside_the_compiled_output_are_named_and_left(exporter, tmp
     assert not torch.equal(m.ln.weight, before["ln.weight"])
 
 
+def test_embedding_options_onnx_cannot_carry_are_refused_or_warned(tmp_path):
+    """max_norm (the export's forward renormalized the module's weight in place; TorchScript
+    then dropped the option: torch and the trained file 8.7 apart) and scale_grad_by_freq
+    (gradients 4.7-6.3 relative off torch's) are refused before anything runs, the module
+    untouched; padding_idx, whose row torch keeps at a zero gradient and the Gather does not,
+    is a warning naming the module and row. A TorchScript exporter's own failure is one
+    BridgeError line, as the dynamo exporter's."""
+    x = np.array([[0, 1, 2], [3, 1, 0]], np.int64)
+    for option in ({"max_norm": 1.0}, {"scale_grad_by_freq": True}):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Embedding(5, 4, **option), nn.Flatten(), nn.Linear(12, 3))
+        before = net[0].weight.detach().clone()
+        for exporter in kt.EXPORTERS:
+            with pytest.raises(kt.BridgeError, match=f"Embedding '0' has {next(iter(option))}=.*export it without"):
+                kt.export(net, (x,), tmp_path / "e.onnx", exporter=exporter)
+        assert torch.equal(net[0].weight, before) and not (tmp_path / "e.onnx").exists()
+    net = nn.Sequential(nn.Embedding(5, 4, padding_idx=1), nn.Flatten(), nn.Linear(12, 3))
+    with pytest.warns(UserWarning, match=r"Embedding padding_idx: 0 \(row 1\): torch keeps that row's gradient 0"):
+        kt.export(net, (x,), tmp_path / "p.onnx")
+    pool = nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d((3, 3)))  # 4x4 to 3x3: no TorchScript symbolic
+    with pytest.raises(kt.BridgeError, match=r"^the torchscript exporter failed: \w+: .*adaptive_avg_pool2d") as e:
+        kt.export(pool, (np.zeros((2, 1, 6, 6), np.float32),), tmp_path / "a.onnx", exporter="torchscript")
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("family", ["lstm", "tied"])
 def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
     """The same values land in the module from the Trainer, its trained file and a dict of its
