@@ -108,6 +108,19 @@ def link_params(
     tied_groups: dict[str, list[LayerMatch]] = {}
     for w, ms in groups.items():
         kinds = list(dict.fromkeys(m.kind for m in ms))
+        stray = _unmatched_reader(w, [m for m in kept if w in (m.weight, m.bias, *m.attrs.get("extra_params", ()))],
+                                  view)
+        if stray is not None:
+            msg = (
+                f"parameter {w!r} is also read by node {stray.name!r} ({stray.op_type}), which no "
+                f"{' or '.join(kinds)} match covers: it gets one generic layer holding all its uses (approximation "
+                "'diagonal' unless configured), since a block of the matched uses alone would leave that use's "
+                "curvature out"
+            )
+            warnings.warn(msg, stacklevel=2)
+            generic_params[w] = (msg,)
+            generic_attrs[w] = {"shared_kinds": tuple(kinds)}
+            continue
         if _is_tied_embedding(ms):
             tied_groups[w] = ms
             continue
@@ -255,6 +268,23 @@ def link_params(
     if order:
         layers.sort(key=lambda l: min((order.get(n, len(order)) for u in l.uses for n in u.nodes), default=len(order)))
     return layers
+
+
+# readers of a weight that carry no gradient: no curvature of theirs to lose
+_SHAPE_READERS = ("Shape", "Size")
+
+
+def _unmatched_reader(weight: str, ms: list[LayerMatch], view: GraphView | None) -> onnx.NodeProto | None:
+    """A node reading `weight` that none of the uses of its matches (`ms`: those it is the
+    weight, bias or an extra parameter of) contains (the Transpose of a
+    tied decoder F.linear(h, W.t()) that torch.export writes beside the encoder's Gemm): the
+    layer of the matches would hold only their uses, and its block silently miss that one's
+    curvature (the implied gradient's cosine with the true one was 0.937)."""
+    if view is None:
+        return None
+    covered = {n for m in ms for n in m.use.nodes}
+    return next((n for n in view.consumers.get(weight, [])
+                 if n.name not in covered and n.op_type not in _SHAPE_READERS), None)
 
 
 def _is_tied_embedding(ms: list[LayerMatch]) -> bool:

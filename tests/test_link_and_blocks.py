@@ -283,3 +283,45 @@ def test_factor_shapes_embedding(rng):
     assert layer.kind == "embedding"
     assert _block_or_skip(plan, layer) == {"A": (11,), "G": (4, 4)}
     assert plan.totals()["factor_bytes"] == (11 + 16) * 4
+
+
+def test_a_weight_read_by_a_node_no_match_covers_is_generic_with_every_use():
+    """A tied autoencoder as torch.export writes it: the encoder's Gemm reads W (a fully
+    connected match) and the decoder reads Transpose(W), which no pattern matched. The
+    fully connected layer held the encoder's use alone, so its block left the decoder's
+    curvature out (the implied gradient's cosine with the true one: 0.937). It is one generic
+    layer over both readers now, with a warning naming the Transpose; on one example its
+    empirical diagonal is the square of the true gradient (numpy: dL/dW of both uses)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import Curvature, gradients
+
+    rng = np.random.default_rng(0)
+    W, b, d = rng.normal(size=(3, 5)), rng.normal(size=3), rng.normal(size=5)
+    nodes = [helper.make_node("Gemm", ["input", "W", "b"], ["h"], transB=1), helper.make_node("Tanh", ["h"], ["a"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], name="decoder_t", perm=[1, 0]),
+             helper.make_node("Transpose", ["Wt"], ["Wtt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["a", "Wtt"], ["m"]), helper.make_node("Add", ["m", "d"], ["out"])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "tied", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 5])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 5])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in (("W", W), ("b", b), ("d", d))]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = kc.compile(model, loss="squared_error", output="out", emit=False)
+    assert any("'W' is also read by node 'decoder_t' (Transpose)" in str(w.message) for w in caught)
+    layer = next(l for l in plan.layers if "W" in l.params)
+    assert layer.kind == "generic" and len(layer.uses) == 2
+    x, y = rng.normal(size=(1, 5)), rng.normal(size=(1, 5))
+    _, g = gradients(plan, {"input": x.astype(np.float32)}, y.astype(np.float32))
+    a = np.tanh(x @ W.T + b)
+    r = a @ W + d - y  # squared error, one example: dL/dW = (r^T-side through both uses)
+    want = (((r @ W.T) * (1 - a ** 2)).T @ x) + a.T @ r
+    np.testing.assert_allclose(g["W"], want, rtol=1e-4, atol=1e-5)
+    stats = Curvature(plan).estimate({"input": x.astype(np.float32)}, y.astype(np.float32), mode="empirical")
+    diag = next(v for v in stats[layer.name].values())
+    np.testing.assert_allclose(np.asarray(diag).reshape(-1)[:W.size], (want ** 2).reshape(-1), rtol=1e-3, atol=1e-6)
