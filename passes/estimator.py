@@ -91,8 +91,12 @@ def emit_seeds(
             f"{MAX_EXACT_COORDINATES}); use mode 'gradients' or 'curvature_prop'"
         )
     seeds = []
+    z_dims = b.shape(z)
     for k in range(count):
         e_k = np.zeros((1,) + dims)
         e_k.reshape(-1)[k] = 1.0
-        seeds.append(loss.emit_fisher_sqrt_times(b, z, b.const(e_k, hint="unit")))
+        # e_k on every example's row: a loss whose F^1/2 does not read z (squared error:
+        # e_k / sqrt(variance)) gave one [1, ...] row, and the blocks' G 1/N of its value
+        unit = b.op("Expand", [b.const(e_k, hint="unit"), z_dims])
+        seeds.append(loss.emit_fisher_sqrt_times(b, z, unit))
     return seeds

@@ -123,6 +123,23 @@ def test_kron_for_a_batch_matches_its_definition_and_differs_from_exact(tiny):
     np.testing.assert_allclose(approx[np.ix_(bias_idx, bias_idx)], exact[np.ix_(bias_idx, bias_idx)], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["exact", "exact_GGN"])
+def test_squared_error_g_is_the_mean_over_the_batch(mode):
+    """Squared error with variance 2, six examples: G of the output layer is the mean output
+    Fisher I / variance and the hidden layer's 1/N sum_n D_n W2^T W2 D_n / variance (D_n the
+    tanh derivative). The exact seeds e_k / sqrt(variance) read no z and were one [1, OUT] row:
+    G came out 1/N of this (0.0833 for 0.5), which N = 1 tests cannot see."""
+    model, params = _tiny_mlp()
+    plan = kc.compile(model, loss="squared_error", output="logits", emit=False, loss_options={"variance": 2.0})
+    x = np.random.default_rng(1).normal(size=(6, IN))
+    stats = _statistics(plan, x, np.zeros((6, OUT), np.float32), mode)
+    np.testing.assert_allclose(stats["stat/fc2/G"], np.eye(OUT) / 2.0, rtol=1e-5, atol=1e-7)
+    d = 1 - np.tanh(x @ params["fc1.weight"].T + params["fc1.bias"]) ** 2
+    w2 = params["fc2.weight"]
+    want = sum(np.diag(d[n]) @ w2.T @ w2 @ np.diag(d[n]) for n in range(6)) / 6 / 2.0
+    np.testing.assert_allclose(stats["stat/fc1/G"], want, rtol=1e-4, atol=1e-6)
+
+
 def test_empirical_mode_is_the_outer_product_of_the_data_gradient(tiny):
     plan, params = tiny
     x = np.array([[0.5, 0.1, -0.4]])
