@@ -370,3 +370,31 @@ def test_cholesky_is_refused_by_series_and_ekfac_blocks(model, menu, approx, why
     want = curv.multiply(layer, v, 1e-2)
     np.testing.assert_allclose(_flat(root, params), _flat(want, params), rtol=1e-4,
                                atol=1e-5 * np.abs(_flat(want, params)).max())
+
+
+def test_half_powers_of_a_grouped_conv_equal_the_host_powers():
+    """A grouped conv's Kronecker factors are [groups, n, n], and the emitted square root's
+    check is one flag per group: Where(ok [2], P [2, n, n], NaN) did not broadcast and
+    multiply_all(v, exp=+-0.5) failed inside ONNX Runtime. Now it equals the host's float64
+    eigh power (multiply_matpower) of the same damped factors."""
+    rng = np.random.default_rng(0)
+    inits = {"k": rng.normal(size=(4, 2, 3, 3)), "kb": rng.normal(size=4) * 0.1, "w": rng.normal(size=(3, 4 * 9)) * 0.3}
+    nodes = [helper.make_node("Conv", ["input", "k", "kb"], ["c"], group=2), helper.make_node("Tanh", ["c"], ["t"]),
+             helper.make_node("Flatten", ["t"], ["f"]), helper.make_node("Gemm", ["f", "w"], ["logits"], transB=1)]
+    model = helper.make_model(helper.make_graph(
+        nodes, "grouped", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4, 5, 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    curv = Curvature(plan, mode="exact")
+    curv.update({"input": rng.normal(size=(8, 4, 5, 5)).astype(np.float32)}, rng.integers(0, 3, 8))
+    conv = next(name for name, block in curv.blocks().items() if "k" in block.layer.params)
+    v = _random(curv)
+    mine = {p: v[p] for p in curv.blocks()[conv].layer.params}
+    for exp in (0.5, -0.5):
+        got = curv.multiply_all(v, damping=1e-2, exp=exp)
+        want = curv.multiply_matpower(conv, mine, exp, damping=1e-2)
+        for p in mine:
+            np.testing.assert_allclose(got[p], want[p], rtol=1e-3, atol=1e-4 * np.abs(want[p]).max())

@@ -244,7 +244,9 @@ class PartsBlock(FisherBlock):
                 continue
             P, ok = linalg.emit_matpower(b, damped[p.name], p.n, exp)
             # half-integer: a square root that fails its check gives NaN, never a wrong product
-            mats[p.name] = P if float(exp).is_integer() else b.op("Where", [ok, P, b.const(np.nan)])
+            # ok is per matrix ([g] for a grouped conv's factors): on the matrices' trailing axes
+            mats[p.name] = P if float(exp).is_integer() else b.op("Where", [b.unsqueeze(ok, [-2, -1]), P,
+                                                                             b.const(np.nan)])
         return self._emit_apply(b, vectors, mats)
 
     def numpy_power(self, vectors, exp, *, factors=None, damping=None, state=None):
