@@ -164,20 +164,17 @@ class Curvature:
     def block_scales(self) -> dict[str, float]:
         """Each block's curvature scale: the mean eigenvalue of its undamped approximation
         (Kronecker: (tr A / dim A)(tr G / dim G); diagonal: the mean; full: tr / dim), the
-        largest over conv groups; blocks with non-finite factors are left out."""
+        largest over conv groups and a direct sum's blocks (the block's np_scale); blocks with
+        non-finite factors are left out."""
         factors = {layer: {f: self.store.read_only(s) for f, s in slots.items()}
                    for layer, slots in C.layer_slots(self.store.slots(), C.FACTOR).items()}
         out = {}
         for layer, block in self.blocks().items():
-            parts = block.parts() if hasattr(block, "parts") else []
-            if not parts or layer not in factors:
+            if not hasattr(block, "np_scale") or layer not in factors:
                 continue
-            scale: float | np.ndarray = 1.0
-            for part in parts:
-                scale = scale * linalg.np_trace_mean(factors[layer][part.name], diag=part.kind == "diag")
-            scale = np.max(scale)
+            scale = block.np_scale(factors[layer])  # the block owns its structure's scale
             if np.isfinite(scale):
-                out[layer] = float(scale)
+                out[layer] = scale
         return out
 
     def floored_damping(self, damping: float) -> float:

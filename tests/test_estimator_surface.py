@@ -398,3 +398,40 @@ def test_half_powers_of_a_grouped_conv_equal_the_host_powers():
         want = curv.multiply_matpower(conv, mine, exp, damping=1e-2)
         for p in mine:
             np.testing.assert_allclose(got[p], want[p], rtol=1e-3, atol=1e-4 * np.abs(want[p]).max())
+
+
+def test_block_scales_follow_each_blocks_structure():
+    """block_scales (the damping floor's reference) is the block's np_scale: a diagonal
+    block's mean over every entry (it had taken the largest row mean: 0.0505 for 0.0359), a
+    Kronecker block's product of trace means, and a tied embedding's Kronecker product of its
+    combined factors (a kron_tied layer had made update_inverses and multiply a KeyError 'A'
+    with the default floor). Truths from the stored factors with numpy."""
+    curv = _curvature("diagonal")
+    for layer, f in curv.factors().items():
+        assert curv.block_scales()[layer] == pytest.approx(np.mean(f["diag"], dtype=np.float64), rel=1e-6)
+    curv = _curvature("kron")
+    for layer, f in curv.factors().items():
+        want = np.trace(f["A"]) / len(f["A"]) * np.trace(f["G"]) / len(f["G"])
+        assert curv.block_scales()[layer] == pytest.approx(want, rel=1e-5)
+    rng = np.random.default_rng(0)
+    V, D, T = 6, 3, 3
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"], axis=0), helper.make_node("MatMul", ["x", "Wm"], ["u"]),
+             helper.make_node("Tanh", ["u"], ["h"]), helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Et"], ["logits"])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", T])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", T, V])],
+        [numpy_helper.from_array(rng.normal(size=(V, D)).astype(np.float32), "E"),
+         numpy_helper.from_array(rng.normal(size=(D, D)).astype(np.float32), "Wm")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    for approx in ("kron_tied", "kron_tied_vocab_diag"):
+        plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, layers={"E": approx})
+        tied = Curvature(plan)  # the default damping floor
+        tied.update({"ids": rng.integers(0, V, (6, T))}, rng.integers(0, V, (6, T)))
+        combined = tied.blocks()["E"].np_combined(tied.factors()["E"])
+        A, G = (np.asarray(combined[k], np.float64) for k in ("A", "G"))
+        mean_a = A.mean() if A.ndim == 1 else np.trace(A) / len(A)
+        assert tied.block_scales()["E"] == pytest.approx(mean_a * np.trace(G) / len(G), rel=1e-5)
+        assert tied.update_inverses(1e-3)
+        assert np.isfinite(tied.multiply("E", {"E": np.ones((V, D), np.float32)}, damping=1e-3)["E"]).all()

@@ -67,6 +67,20 @@ class PartsBlock(FisherBlock):
     def parts(self) -> list[Part]:
         raise NotImplementedError
 
+    # ---- the curvature's scale (Curvature.block_scales: the damping floor's reference)
+    def np_scale(self, factors: dict[str, np.ndarray]) -> float:
+        """The mean eigenvalue of the undamped approximation, the largest over conv groups:
+        one part, the mean of its diagonal (a diagonal block's every entry); several, a
+        Kronecker product's, the product of the parts' trace means per group. Blocks of
+        another structure (a direct sum, combined factors) override it."""
+        parts = self.parts()
+        if len(parts) == 1 and parts[0].kind == "diag":
+            return float(np.mean(factors[parts[0].name], dtype=np.float64))
+        scale: float | np.ndarray = 1.0
+        for part in parts:
+            scale = scale * linalg.np_trace_mean(factors[part.name], diag=part.kind == "diag")
+        return float(np.max(scale))
+
     # ---- plan records
     def factor_specs(self) -> list[FactorSpec]:
         return [FactorSpec(p.name, tuple(p.shape), role=p.name) for p in self.parts()]

@@ -177,6 +177,11 @@ class ConvTransposeKron(ConvTMixin, KronBlock):
             ps.append(Part("B", (self.C_out, self.C_out), "full"))
         return ps
 
+    def np_scale(self, factors):
+        """(A (x) G) (+) B, a direct sum: the larger of the two blocks' scales (as over groups)."""
+        kron = float(np.max(linalg.np_trace_mean(factors["A"]) * linalg.np_trace_mean(factors["G"])))
+        return max(kron, float(linalg.np_trace_mean(factors["B"]))) if self.has_bias else kron
+
     def stats_flops(self, batch: int) -> int:
         cols = batch * self._positions()
         return 2 * cols * self.group * (self.nA**2 + self.nG**2) + 2 * batch * self.C_out**2

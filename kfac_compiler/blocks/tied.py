@@ -326,6 +326,9 @@ class TiedKronBase(TiedMixin, KronBlock):
     def _np_damped(self, factors, damping):
         return super()._np_damped(self.np_combined(factors), damping)
 
+    def np_scale(self, factors):
+        return super().np_scale(self.np_combined(factors))
+
     def _np_inverse_finish(self, factors, damped, results, previous):
         return super()._np_inverse_finish(self.np_combined(factors), damped, results, previous)
 
