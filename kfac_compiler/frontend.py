@@ -382,8 +382,6 @@ def _factor_specs(layer: Layer, shapes: dict, in_shapes: list, cfg: CompileConfi
     except NotImplementedError:
         notes.append(f"layer {layer.name!r}: block {layer.approximation!r} does not list its factors")
         return None
-    if cfg.dtype == "float64":
-        specs = [FactorSpec(s.name, s.shape, "float64", s.role) if s.dtype == "float32" else s for s in specs]
     return specs
 
 

@@ -186,9 +186,14 @@ def test_config_toml_and_json(tmp_path):
     assert (cfg.ema_decay, cfg.estimator.mode, cfg.estimator.num_samples, cfg.stats.update_period) == (0.9, "empirical", 2, 3)
     assert cfg.inverse.update_period is None and cfg.damping == 1e-3 and cfg.loss_variance == 1.0
     j = tmp_path / "c.json"
-    j.write_text(json.dumps({"dtype": "float64", "inverse": {"damping_split": "exact"}}))
+    j.write_text(json.dumps({"dtype": "float32", "inverse": {"damping_split": "exact"}}))
     cfg = load_config(j)
-    assert cfg.dtype == "float64" and cfg.inverse.damping_split == "exact"
+    assert cfg.dtype == "float32" and cfg.inverse.damping_split == "exact"
+    # factors are float32 on every device: a plan that said float64 ran float32 factors, and its
+    # budget counted twice their bytes
+    j.write_text(json.dumps({"dtype": "float64"}))
+    with pytest.raises(ConfigError, match="dtype.*'float64': factors are float32 on every device"):
+        load_config(j)
     assert load_config(None) == CompileConfig()
     assert load_config({"damping": 0.1}).damping == 0.1
 
