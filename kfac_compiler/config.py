@@ -279,9 +279,8 @@ class CompileConfig:
         if self.dtype not in DTYPES:
             raise bad("dtype", f"{self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.dtype != "float32":  # a plan that said float64 ran float32 factors: the budget counted twice their bytes
-            raise bad("dtype", f"{self.dtype!r}: factors are float32 on every device (the emitted statistics and "
-                               "inverses run in float32; a float64 model's forward and backward run in float64, its "
-                               "factors in float32); leave dtype at 'float32'")
+            raise bad("dtype", f"{self.dtype!r}: factors are float32 on every device (every emitted graph computes "
+                               "in float32, a float64 model's included); leave dtype at 'float32'")
 
     def loss_options_for(self, loss: type[Loss]) -> dict[str, Any]:
         """The options given for `loss`: loss_options, plus the values of the old top-level
