@@ -497,3 +497,40 @@ def test_kfac_trains_the_zoo_transformer_with_its_tied_head():
     ms = [tr.step({k: v[i:i + 64] for k, v in inputs.items()}, y[i:i + 64]) for i in range(0, 256, 64)]
     assert all(m["rejected"] == 0 and math.isfinite(m["loss"]) for m in ms)
     assert tr.evaluate(inputs, y)["loss"] < ms[0]["loss"]
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_diagonal_block_with_the_head_on_merged_rows_is_the_per_example_squared_gradient(merged):
+    """The default tied block (diagonal) with a head reading merged rows (Reshape [N T, D] ->
+    Gemm(h, E, transB=1), as some exporters write a Linear on [N, T, D]): its Loop sliced the
+    merged rows by example and failed at run time (broadcast 5 by 15). Every use is regrouped
+    by example now, as its numpy twin does; the truth is 1/N sum_n g_n^2 with g_n each
+    example's own gradient of E (gradients() on that example alone), in the empirical mode."""
+    from kfac_compiler.runtime import Curvature, gradients
+
+    rng = np.random.default_rng(0)
+    V, D, T, N = 6, 3, 3, 5
+    inits = [numpy_helper.from_array(rng.normal(size=(V, D)).astype(np.float32), "E"),
+             numpy_helper.from_array(rng.normal(size=(D, D)).astype(np.float32), "Wm")]
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"], axis=0), helper.make_node("MatMul", ["x", "Wm"], ["u"]),
+             helper.make_node("Tanh", ["u"], ["h"])]
+    if merged:
+        inits += [numpy_helper.from_array(np.array(s, np.int64), k) for k, s in (("s1", [-1, D]), ("s2", [-1, T, V]))]
+        nodes += [helper.make_node("Reshape", ["h", "s1"], ["hm"]), helper.make_node("Gemm", ["hm", "E"], ["lm"], transB=1),
+                  helper.make_node("Reshape", ["lm", "s2"], ["logits"])]
+    else:
+        nodes += [helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]), helper.make_node("MatMul", ["h", "Et"], ["logits"])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", T])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", T, V])], inits),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # merged rows: the example axis is not traced (a warning)
+        plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False)
+    assert [(l.kind, l.approximation) for l in plan.layers if "E" in l.params] == [("tied_embedding", "diagonal")]
+    ids, y = rng.integers(0, V, (N, T)), rng.integers(0, V, (N, T))
+    got = Curvature(plan).estimate({"ids": ids}, y, mode="empirical")["E"]["diag"]
+    per_example = [gradients(plan, {"ids": ids[n:n + 1]}, y[n:n + 1])[1]["E"].astype(np.float64) for n in range(N)]
+    want = sum(g ** 2 for g in per_example) / N
+    np.testing.assert_allclose(got, want.T, rtol=1e-4, atol=1e-7)

@@ -396,7 +396,20 @@ class TiedEmbeddingDiagonal(TiedMixin, PartsBlock):
         V, D = self.vocab, self.dim
         chunk = max(1, CHUNK_ELEMENTS // (V * D))
         depth, values = b.const(np.asarray([V], np.int64)), b.const(np.asarray([0.0, 1.0]))
-        n_int = b.shape(cotangents[0][0], 0, 1)
+        # the examples are a lookup's rows; every use regrouped [n, rows per example, ...] (a
+        # head on merged rows [N T, D] as its Reshape of [N, T, D] lays them out, as
+        # numpy_statistics does): slicing the merged rows by example failed at run time
+        first = cotangents[self.lookups[0]][0]
+        n_int = b.shape(first, 0, 1)
+        inputs = dict(enumerate(inputs))
+        cotangents = [list(c) for c in cotangents]
+        for u in self.lookups:
+            inputs[u] = b.reshape(inputs[u], b.op("Concat", [n_int, b.ints([-1])], axis=0))
+        for u in self.heads:
+            inputs[u] = b.reshape(inputs[u], b.op("Concat", [n_int, b.ints([-1, D])], axis=0))
+        for u in range(len(cotangents)):
+            last = V if u in self.heads else D
+            cotangents[u] = [b.reshape(c, b.op("Concat", [n_int, b.ints([-1, last])], axis=0)) for c in cotangents[u]]
         size = b.ints([chunk])
         trips = b.reshape(b.op("Div", [b.add(n_int, b.ints([chunk - 1])), size]), [])
         zeros = b.op("ConstantOfShape", [b.ints([V, D])], value=numpy_helper.from_array(np.zeros(1, b.np_float)))
@@ -425,12 +438,12 @@ class TiedEmbeddingDiagonal(TiedMixin, PartsBlock):
             return [total]
 
         (total,) = b.loop(trips, [zeros], body, [[V, D]], hint="tied_diag")
-        n = emit_dim(b, cotangents[0][0], 0)
+        n = emit_dim(b, first, 0)
         return {"diag": b.transpose(b.div(total, n), [1, 0])}
 
     def numpy_statistics(self, inputs, cotangents):
         V, D = self.vocab, self.dim
-        n = np.shape(cotangents[0][0])[0]
+        n = np.shape(cotangents[self.lookups[0]][0])[0]
         total = 0.0
         for s in range(len(cotangents[0])):
             g = np.zeros((n, V, D))
