@@ -376,7 +376,9 @@ def _factor_specs(layer: Layer, shapes: dict, in_shapes: list, cfg: CompileConfi
     if not _block_available(layer.approximation, layer.kind):
         notes.append(f"layer {layer.name!r}: Fisher block {layer.approximation!r} for {layer.kind} is not available; factors unknown")
         return None
-    block = make_block(layer, {p: shapes[p] for p in layer.params}, in_shapes)
+    # with the plan's damping split: a block that cannot take it (exact damping on a diagonal
+    # factor) says so now, not at the first statistics run
+    block = make_block(layer, {p: shapes[p] for p in layer.params}, in_shapes, damping_mode=cfg.inverse.damping_split)
     try:
         specs = list(block.factor_specs())
     except NotImplementedError:

@@ -325,3 +325,31 @@ def test_a_weight_read_by_a_node_no_match_covers_is_generic_with_every_use():
     stats = Curvature(plan).estimate({"input": x.astype(np.float32)}, y.astype(np.float32), mode="empirical")
     diag = next(v for v in stats[layer.name].values())
     np.testing.assert_allclose(np.asarray(diag).reshape(-1)[:W.size], (want ** 2).reshape(-1), rtol=1e-3, atol=1e-6)
+
+
+def test_exact_damping_with_a_diagonal_factor_is_refused_at_compile():
+    """inverse.damping_split = "exact" on a plan whose embedding block keeps a diagonal A
+    compiled, and then every statistics run (other layers' estimates too) raised. The blocks
+    are built with the plan's split at compile now: one line naming the layer and the ways
+    out; a plan without such a factor compiles with it."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    import kfac_compiler as kc
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"], axis=0),
+             helper.make_node("ReduceMean", ["x"], ["h"], axes=[1], keepdims=0),
+             helper.make_node("MatMul", ["h", "W"], ["logits"])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "emb", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 2])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(rng.normal(size=(5, 3)).astype(np.float32), "E"),
+         numpy_helper.from_array(rng.normal(size=(3, 4)).astype(np.float32), "W")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(ConfigError, match=r"layer 'E': exact damping needs full factors, .*damping_split 'pi'"):
+        kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, inverse={"damping_split": "exact"})
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False,
+                      inverse={"damping_split": "exact"}, exclude=["E"])
+    assert [(l.name, l.approximation) for l in plan.layers] == [("W", "kron")]

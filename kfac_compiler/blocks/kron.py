@@ -41,7 +41,9 @@ class KronBlock(PartsBlock):
 
     def _setup_exact_check(self):
         if self.damping_mode == "exact" and (self.a_diag or self.g_diag):
-            raise ConfigError(f"layer {self.layer.name!r}: exact damping needs full factors (block {self.name!r})")
+            raise ConfigError(f"layer {self.layer.name!r}: exact damping needs full factors, and block {self.name!r} "
+                              "keeps a diagonal one; use damping_split 'pi', or an approximation with full factors where the layer's "
+                              "menu has one")
 
     # ---- parts
     def parts(self) -> list[Part]:
