@@ -354,3 +354,33 @@ def test_series_powers_through_the_curvature_api_on_the_unrolled_rnn():
         for p in mine:
             np.testing.assert_allclose(dev2[p], sq[p], rtol=1e-4, atol=1e-5 * np.abs(sq[p]).max())
             np.testing.assert_allclose(half[p], one[p], rtol=1e-5, atol=1e-6 * np.abs(one[p]).max())
+
+
+def test_series_blocks_refuse_uses_of_unequal_rows_at_compile():
+    """kron_series_1/2 pair each use's rows with the next use's (the cross moments A_1, G_1):
+    a weight used on [N, 2, D] and on [N, 3, D] compiled and then failed inside ONNX Runtime
+    (a MatMul's dimensions). Refused at compile, naming the layer, the rows and the blocks
+    that take it; kron_indep trains it."""
+    import kfac_compiler as kc
+    from kfac_compiler.runtime import Trainer
+
+    rng = np.random.default_rng(0)
+    D, H = 3, 4
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("Transpose", ["W"], ["Wt2"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x1", "Wt"], ["h1"]), helper.make_node("MatMul", ["x2", "Wt2"], ["h2"]),
+             helper.make_node("Concat", ["h1", "h2"], ["hc"], axis=1), helper.make_node("Tanh", ["hc"], ["t"]),
+             helper.make_node("Flatten", ["t"], ["f"]), helper.make_node("MatMul", ["f", "Wo"], ["logits"])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "two_uses", [helper.make_tensor_value_info("x1", TensorProto.FLOAT, ["N", 2, D]),
+                            helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["N", 3, D])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(rng.normal(size=(H, D)).astype(np.float32), "W"),
+         numpy_helper.from_array(rng.normal(size=(5 * H, 3)).astype(np.float32), "Wo")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    for approx in ("kron_series_1", "kron_series_2"):
+        with pytest.raises(ConfigError, match=r"layer 'W': kron_series_\d pairs .* 2 and 3 rows per example; use kron_indep"):
+            kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, layers={"W": approx})
+    plan = kc.compile(model, loss="softmax_cross_entropy", output="logits", emit=False, layers={"W": "kron_indep"})
+    x = {"x1": rng.normal(size=(4, 2, D)).astype(np.float32), "x2": rng.normal(size=(4, 3, D)).astype(np.float32)}
+    assert Trainer(plan).step(x, rng.integers(0, 3, 4))["rejected"] == 0.0

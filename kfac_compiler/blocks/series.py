@@ -35,6 +35,8 @@ host-only, from one dense eigh of the layer's F^-1 [n, n] (n = (in+1) out <= DEN
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import scipy.linalg
 
@@ -90,6 +92,13 @@ class FullyConnectedKronSeries(FullyConnectedKronBase):
             raise ConfigError(f"layer {layer.name!r}: {self.name} needs a weight used at least twice")
         if self.damping_mode != "pi":
             raise ConfigError(f"layer {layer.name!r}: {self.name} supports damping_mode 'pi' only")
+        # the cross moments pair use r's rows with use r+1's: every use needs as many per example
+        rows = {tuple(shape[1:-1]) for shape in (input_shapes or []) if shape is not None
+                and all(isinstance(d, int) for d in shape[1:-1])}
+        if len({math.prod(r) for r in rows}) > 1:
+            raise ConfigError(f"layer {layer.name!r}: {self.name} pairs the rows of consecutive uses, and its uses "
+                              f"have {' and '.join(str(math.prod(r)) for r in sorted(rows))} rows per example; "
+                              "use kron_indep or kron")
         self.psi_max = float(options.get("psi_max", PSI_MAX))
         self.doublings = int(options.get("neumann_doublings", NEUMANN_DOUBLINGS))
 
