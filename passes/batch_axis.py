@@ -10,7 +10,9 @@ all rows (Kronecker factors) only need the number of examples; per-example stati
 axis `axis` holds outer * N * inner entries, entry (o * N + n) * inner + i belonging to example
 n. The graph inputs (not initializers) have (0, 1, 1), the convention's batch axis. Each op
 type has one rule in RULES that maps its inputs' layouts (and the static shapes of shape
-inference) to its outputs'; an op without a rule, or a rule that cannot tell (the example axis
+inference) to its outputs' (an Expand or ConstantOfShape of no placed input, a recurrent zero
+state [1, N, H] or a class token expanded to [N, 1, D], goes where its inferred shape holds the
+inputs' batch symbol); an op without a rule, or a rule that cannot tell (the example axis
 contracted, reduced, sliced, or a Reshape whose static dims do not pin the split), leaves its
 outputs unplaced, and so does anything computed only from them. Blocks then fall back as
 FisherBlock.example_rows says (docs/conventions.md "The example axis").
@@ -340,9 +342,13 @@ def reshaped(s_in: tuple[Dim, ...], lay: ExampleAxis, s_out: tuple[Dim, ...]) ->
 def example_layouts(view: GraphView) -> Layouts:
     """{tensor: ExampleAxis} for every tensor whose example axis the rules can place."""
     layouts: Layouts = {name: ExampleAxis(0) for name in view.graph_inputs}
+    batch = {d for d in (_leading_dim(view, name) for name in view.graph_inputs) if isinstance(d, str)}
     for node in view.nodes:
         ins = [layouts.get(i) if i else None for i in node.input]
         if all(lay is None for lay in ins):
+            made = _made_with_the_batch(view, node, batch)
+            if made is not None:
+                layouts[node.output[0]] = made
             continue
         fn = RULES.get(node.op_type)
         outs = fn(view, node, ins) if fn is not None else None
@@ -352,6 +358,25 @@ def example_layouts(view: GraphView) -> Layouts:
     return layouts
 
 
+
+
+def _leading_dim(view: GraphView, name: str) -> Dim | None:
+    shape = view.shape(name)
+    return shape[0] if shape else None
+
+
+# ops that make a tensor of a computed shape from no data: a recurrent module's zero state
+# (torch.export: Expand of zeros to [1, N, H]), which carries the batch as a dim of its shape
+_SHAPED_FROM_NOTHING = ("Expand", "ConstantOfShape")
+
+
+def _made_with_the_batch(view: GraphView, node: onnx.NodeProto, batch: set) -> ExampleAxis | None:
+    """The layout of a tensor made of a computed shape, placed where its inferred shape
+    holds the graph inputs' batch symbol (on one axis only); None otherwise."""
+    if node.op_type not in _SHAPED_FROM_NOTHING or not batch:
+        return None
+    axes = [k for k, d in enumerate(view.shape(node.output[0]) or []) if d in batch]
+    return ExampleAxis(axes[0]) if len(axes) == 1 else None
 
 
 # a Constant's attribute other than `value` -> the dtype of the tensor it stands for

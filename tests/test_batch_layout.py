@@ -341,7 +341,7 @@ def test_vit_attention_projections_are_placed_time_major_and_merged():
     moved = {(layer.kind, layer.attrs["example_axes"]) for layer in plan.layers if layer.attrs.get("example_axes")}
     assert moved == {("fully_connected", (((1, 1, 1), (1, 1, 1)),)),  # in_proj: [T, N, D]
                      ("fully_connected", (((0, 17, 1), (0, 17, 1)),)),  # out_proj: [T*N, D]
-                     ("broadcast", ((None, None),))}  # the class token's Expand: its output not placed
+                     ("broadcast", ((None, (0, 1, 1)),))}  # the class token's Expand to [N, 1, D]: batch-major
     assert not any("groups rows into examples" in n for n in plan.notes)  # kron blocks: layout-free
 
 

@@ -445,6 +445,44 @@ def test_embedding_options_onnx_cannot_carry_are_refused_or_warned(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_an_rnn_zero_state_made_by_expand_is_placed_on_its_batch_axis(tmp_path):
+    """torch.export writes nn.RNN's zero initial state as an Expand of zeros to [1, N, H]: the
+    recurrent weight's first use read rows whose example axis the layout rules could not
+    place (no data input), and its diagonal block failed at run time (a Concat of 5 and 1
+    rows). The state's batch axis is where its inferred shape holds the inputs' batch symbol
+    now; the diagonal is 1/N sum_n g_n^2 of torch's per-example gradients (empirical mode)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.fc = nn.RNN(2, 3, batch_first=True), nn.Linear(3, 4)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0][:, -1])
+
+    net = Net().eval()
+    x = np.random.default_rng(0).normal(size=(5, 3, 2)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 4, 5)
+    kt.export(net, (x,), tmp_path / "rnn.onnx", exporter="dynamo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = kfac_compiler.compile(str(tmp_path / "rnn.onnx"), loss="softmax_cross_entropy", output="logits",
+                                     emit=False, layers={"rnn.weight_hh_l0": "diagonal"})
+    layer = next(l for l in plan.layers if l.name == "rnn.weight_hh_l0")
+    assert layer.approximation == "diagonal" and all(o is not None for _, o in layer.attrs["example_axes"])
+    from kfac_compiler.runtime import Curvature
+
+    got = Curvature(plan).estimate({"input": x}, y, mode="empirical")[layer.name]["diag"]
+    per_example = []
+    for n in range(5):
+        net.zero_grad()
+        torch.nn.functional.cross_entropy(net(torch.from_numpy(x[n:n + 1])), torch.tensor(y[n:n + 1])).backward()
+        per_example.append(torch.cat([net.rnn.weight_hh_l0.grad, net.rnn.bias_hh_l0.grad[:, None]], 1).double())
+    want = (sum(g ** 2 for g in per_example) / 5).numpy()
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=1e-4, atol=1e-8)
+
+
 @pytest.mark.parametrize("family", ["lstm", "tied"])
 def test_load_from_a_trainer_or_its_arrays(family, tmp_path):
     """The same values land in the module from the Trainer, its trained file and a dict of its
