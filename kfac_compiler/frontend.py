@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto
 
 from kfac_compiler.blocks import APPROXIMATIONS, BLOCKS, make_block, menu_key
-from kfac_compiler.config import CompileConfig, InverseConfig, load_config
+from kfac_compiler.config import CompileConfig, load_config
 from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_name, with_float_type
@@ -267,16 +267,27 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
 
     known = [l for l in layers if _block_available(l.approximation, l.kind)]
 
-    split = InverseConfig().damping_split  # the budget prices every block at the default split
+    split = cfg.inverse.damping_split  # the plan's: its inverse state and products differ by split
 
     def make(layer: Layer):
         return make_block(layer, {p: shapes[p] for p in layer.params}, input_shapes(layer, view), damping_mode=split)
+
+    def allowed(layer: Layer, approximation: str) -> bool:
+        """On the layer's menu and buildable at the plan's split (exact damping takes no
+        diagonal factor: the budget stepped a factor down to one, and compiling failed)."""
+        if not _block_available(approximation, layer.kind):
+            return False
+        try:
+            make(dataclasses.replace(layer, approximation=approximation))
+        except ConfigError:
+            return False
+        return True
 
     result = fit_budget(
         known, make, pinned, overhead=cfg.budget.overhead,
         batch_size=cfg.budget.batch_size or REFERENCE_BATCH,
         min_dim=cfg.budget.min_dim, stats_period=cfg.stats.update_period, inverse_period=cfg.inverse.update_period,
-        method=concrete_method(cfg.inverse.method, "cpu"), allowed=lambda l, a: _block_available(a, l.kind),
+        method=concrete_method(cfg.inverse.method, "cpu"), allowed=allowed,
         memory_bytes=int(cfg.budget.memory_gb * 1e9) if cfg.budget.memory_gb else physical_memory(),
         menu=lambda l: APPROXIMATIONS.get(menu_key(l.kind, l.num_uses), ()),
     )

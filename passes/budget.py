@@ -19,8 +19,8 @@ work is starved to pay for another:
   3. inverses: the smallest period in INVERSE_PERIODS with sum inverse / period <= B/4 base.
 Before these, memory, with one kind of step down (`_step_down`): a Kronecker block's widest
 full factor kept as its diagonal; another block's menu entry with the largest state below its
-own (e.g. a `full` block to `diagonal`). A block whose training state (STATE_COPIES x its
-factors' bytes) does not fit `budget.memory_gb` (default: this machine's physical memory)
+own (e.g. a `full` block to `diagonal`). A block whose training state (its factors and
+inverse state at the plan's damping split, each in two buffers) does not fit `budget.memory_gb` (default: this machine's physical memory)
 steps down until it fits; where the user chose the approximation, or no step is left,
 compiling stops with one line naming the layer, the bytes and the approximation that fits (a
 37 GB factor used to compile and then fail in numpy's allocation at training). Then the whole
@@ -49,7 +49,7 @@ INVERSE_PERIODS = (10, 20, 50, 100, 200)
 REFERENCE_BATCH = 32  # budget.batch_size when neither the config nor `train --batch-size` gives one
 STATS_BATCH = 64  # the K-FAC default stats_batch_size (optimizers/kfac/settings.py)
 DEFAULT_PERIODS = (1, 10)  # statistics, inverses: the schedule while everything is small
-STATE_COPIES = 4  # a factor and its damped inverse, each in two buffers (runtime/state.py)
+BUFFERS = 2  # every state slot, factor and inverse alike, is double-buffered (runtime/state.py)
 
 # one diagonal step down per factor: approximation -> {factor: approximation without it full}
 DIAGONAL_STEPS: dict[str, dict[str, str]] = {
@@ -220,7 +220,10 @@ def fit_budget(
 
 
 def _state_bytes(block: FisherBlock) -> int:
-    return STATE_COPIES * sum(4 * _elements(s.shape) for s in block.factor_specs())
+    """The bytes of the block's factors and inverse state (at its damping split: EKFAC's and
+    exact damping's eigenbases outweigh the factors), float32, each double-buffered."""
+    specs = [*block.factor_specs(), *block.inverse_specs()]
+    return BUFFERS * sum(4 * _elements(s.shape) for s in specs)
 
 
 def _fit_memory(layer: Layer, make: Callable[[Layer], FisherBlock], pinned: bool, memory: int,

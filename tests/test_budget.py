@@ -175,7 +175,7 @@ def test_a_chosen_approximation_that_does_not_fit_is_refused_with_one_that_does(
 
 
 def test_blocks_that_fit_alone_but_not_together_step_down_where_it_saves_most():
-    """mlp_classifier's kron states (4 copies of float32 factors): fc1 4*4*(65^2+128^2) =
+    """mlp_classifier's kron states (factors and inverses, float32, double-buffered): fc1 4*4*(65^2+128^2) =
     329,744, fc2 4*4*(129^2+128^2) = 528,400, fc3 4*4*(129^2+10^2) = 267,856 bytes: 1,126,000
     together, each under the 1,000,000 allowed. The widest-factor steps save fc1 4*4*(128^2-128)
     = 260,096, fc2 (A, 129 wide) 4*4*(129^2-129) = 264,192 and fc3 the same 264,192: fc2, the
@@ -247,3 +247,30 @@ def test_a_lone_full_block_over_the_budget_steps_down_to_the_diagonal_on_its_men
     assert str(got.value) == ("layer 'ln.w': full keeps 256.0 KiB of factors, inverses and their buffers, more than "
                               "the 195.3 KiB of memory the budget allows (budget.memory_gb); use diagonal (its state: "
                               "2.0 KiB)")
+
+
+def test_the_budget_prices_and_steps_at_the_plans_damping_split():
+    """With damping_split "exact" the blocks keep eigenbases (A_Q, G_Q and D_inv [out, in]),
+    not the inverses of the factors, and take no diagonal factor. The budget priced them at the
+    pi split: it counted 4 x the factors' bytes (an ekfac or exact plan it admitted used more),
+    and stepped a factor to its diagonal, which the exact split then refused. Now fc1's exact
+    kron state is 2 x 4 x (65^2 + 128^2 [factors] + 65^2 + 128^2 + 128 x 65 [eigenbases and
+    D_inv]) = 396,304 bytes (the Trainer's slots, counted below, double-buffered); fc2's,
+    2 x 4 x (2 x (129^2 + 128^2) + 128 x 129) = 660,496, is over a 500,000-byte budget: its
+    step is to the menu's diagonal (2 x 4 x 2 x 128 x 129 = 264,192 bytes), never to
+    kron_in_diag; and the apply FLOPs count both rotations and the scaling."""
+    from kfac_compiler.runtime import Trainer
+
+    plan = _mlp_plan(inverse={"damping_split": "exact"})
+    tr = Trainer(plan)
+    inputs, y = ZOO["mlp_classifier"].make_data(64, seed=0)
+    tr.step(inputs, y)
+    fc1 = sum(v.nbytes for k, v in tr.state().items() if k.startswith(("factor/fc1/", "inverse/fc1/")))
+    assert 2 * fc1 == 2 * 4 * (2 * (65**2 + 128**2) + 128 * 65) == 396_304
+    assert plan.costs["layers"]["fc1"]["apply"] == 2 * (2 * 128 * 65**2 + 2 * 128**2 * 65) + 128 * 65
+    tight = _mlp_plan(inverse={"damping_split": "exact"}, budget={"memory_gb": 5e-4})
+    approx = {layer.name: layer.approximation for layer in tight.layers}
+    assert approx["fc2"] == "diagonal" and not any("diag" in a and a != "diagonal" for a in approx.values())
+    assert ("layer 'fc2': kron keeps 645.0 KiB of factors, inverses and their buffers, more than the 488.3 KiB of "
+            "memory the budget allows (budget.memory_gb): approximated as diagonal (258.0 KiB)") in tight.notes
+    assert 2 * 4 * (2 * (129**2 + 128**2) + 128 * 129) == 660_496 and 2 * 4 * 2 * 128 * 129 == 264_192

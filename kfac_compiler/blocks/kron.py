@@ -70,10 +70,12 @@ class KronBlock(PartsBlock):
         return super().inverse_flops(method)
 
     def apply_flops(self) -> int:
-        """G X A on X [nG, nA] per group: a full A costs 2 nG nA^2, a full G 2 nG^2 nA."""
+        """G X A on X [nG, nA] per group: a full A costs 2 nG nA^2, a full G 2 nG^2 nA. Exact
+        damping works in the eigenbases: Q_G^T X Q_A, a scaling, and back, both factors twice."""
         fa = 2 * self.nG * self.nA**2 if not self.a_diag else self.nG * self.nA
         fg = 2 * self.nG**2 * self.nA if not self.g_diag else self.nG * self.nA
-        return prod(self.batch or (1,)) * (fa + fg)
+        rotations = 2 if self.damping_mode == "exact" else 1
+        return prod(self.batch or (1,)) * (rotations * (fa + fg) + (self.nG * self.nA if rotations > 1 else 0))
 
     # ---- damping: the pi split
     def _emit_damped(self, b, factors, damping):
