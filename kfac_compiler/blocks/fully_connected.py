@@ -67,14 +67,20 @@ class FullyConnectedMixin:
         self.nG = self.n_out
 
     def _positions(self) -> int:
-        """T * R: weight-sharing positions per example (for FLOP estimates)."""
+        """T * R: weight-sharing positions per example (for FLOP estimates): every input axis
+        but the example axis and the features, and the example axis's other factors (a
+        time-major [T, N, D] use has T, a merged [T*N, D] one T; they had counted 1)."""
         total = 0
         shapes = self.input_shapes or [self.layer.attrs.get("input_shape")] * len(self.layer.uses)
-        for shp in shapes:
+        layouts = self.layer.attrs.get("example_axes") or ()
+        for u, shp in enumerate(shapes):
             if shp is None:
                 total += 1
                 continue
-            total += prod(d if isinstance(d, int) and d > 0 else 1 for d in list(shp)[1:-1])
+            lay = layouts[u][0] if u < len(layouts) and layouts[u] and layouts[u][0] else (0, 1, 1)
+            axis, outer, inner = lay
+            dims = [d for k, d in enumerate(list(shp)[:-1]) if k != axis]
+            total += outer * inner * prod(d if isinstance(d, int) and d > 0 else 1 for d in dims)
         return max(total, 1)
 
     def positions_per_example(self) -> int:
