@@ -26,7 +26,7 @@ from kfac_compiler.ir import FactorSpec, Layer
 from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
 from kfac_compiler.passes.batch_axis import example_axis_notes, with_example_axes
-from kfac_compiler.passes.budget import REFERENCE_BATCH, BudgetResult, fit_budget
+from kfac_compiler.passes.budget import REFERENCE_BATCH, STATS_BATCH, BudgetResult, estimator_passes, fit_budget
 from kfac_compiler.passes.canonicalize import canonicalize, recognise_loss
 from kfac_compiler.passes.choose_blocks import choose_blocks, pinned_layers
 from kfac_compiler.passes.heads import attach_heads
@@ -200,7 +200,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
 
     layers = with_example_axes([_with_input_shape(layer, view) for layer in layers], view)
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in canon.graph.initializer}
-    budget = _fit_budget(layers, pinned, shapes, view, cfg)
+    budget = _fit_budget(layers, pinned, shapes, view, cfg, out_shape)
     layers = budget.layers
     plan_notes.extend(budget.notes)
     for note in example_axis_notes(layers, view, lambda layer: _block_of(layer, shapes, view)):
@@ -260,7 +260,8 @@ def physical_memory() -> int | None:
         return None
 
 
-def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: GraphView, cfg: CompileConfig) -> BudgetResult:
+def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: GraphView, cfg: CompileConfig,
+                output_shape: Any = None) -> BudgetResult:
     """passes/budget.py on the chosen layers; layers whose block class is not available are
     skipped (their factors are unknown)."""
     from kfac_compiler.linalg import concrete_method
@@ -290,6 +291,8 @@ def _fit_budget(layers: list[Layer], pinned: set[str], shapes: dict, view: Graph
         method=concrete_method(cfg.inverse.method, "cpu"), allowed=allowed,
         memory_bytes=int(cfg.budget.memory_gb * 1e9) if cfg.budget.memory_gb else physical_memory(),
         menu=lambda l: APPROXIMATIONS.get(menu_key(l.kind, l.num_uses), ()),
+        backward_passes=estimator_passes(cfg.estimator.mode, cfg.estimator.num_samples, output_shape, STATS_BATCH,
+                                         cfg.budget.batch_size or REFERENCE_BATCH),
     )
     result.costs["damping_split"] = split  # what the layers' "inverse" FLOPs assume
     chosen = {l.name: l for l in result.layers}

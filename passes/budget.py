@@ -128,12 +128,14 @@ def fit_budget(
     allowed: Callable[[Layer, str], bool],
     memory_bytes: int | None = None,
     menu: Callable[[Layer], Iterable[str]] = lambda layer: (),
+    backward_passes: int = 1,
 ) -> BudgetResult:
     """Approximations and periods within the budget (module docstring). `make` builds a
     layer's block, `pinned` names the layers whose approximation the user chose, `allowed`
     says whether an approximation is on a layer's menu; a period given (not None) is kept;
     `memory_bytes`: the memory a block's training state, and all blocks' together, must fit in
-    (None: unchecked); `menu`: a layer's approximations, for memory steps of non-Kronecker blocks."""
+    (None: unchecked); `menu`: a layer's approximations, for memory steps of non-Kronecker blocks;
+    `backward_passes`: the estimator's backward passes per statistics update (estimator_passes)."""
     layers = list(layers)
     notes: list[str] = []
     if memory_bytes is not None:
@@ -177,9 +179,10 @@ def fit_budget(
             f"{batch_size} (budget.overhead {overhead:g}; pin it with config layers to keep it full)"
         )
 
-    # a statistics update also runs the sampled backward pass: about twice a forward on m examples
+    # a statistics update also runs the estimator's backward passes: about twice a forward on m
+    # examples each (the blocks' own statistics are priced for one seed)
     m = min(STATS_BATCH, batch_size)
-    sampled_backward = 2 * sum(b.forward_flops(m) for b in blocks.values())
+    sampled_backward = 2 * backward_passes * sum(b.forward_flops(m) for b in blocks.values())
     stats_total = sum(c.stats for c in costs.values()) + sampled_backward
     inverse_total = sum(c.inverse for c in costs.values())
     chosen_s, chosen_r = DEFAULT_PERIODS
@@ -204,6 +207,7 @@ def fit_budget(
         "apply_flops": apply_total,
         "stats_flops_per_update": stats_total,
         "sampled_backward_flops": sampled_backward,
+        "statistics_backward_passes": backward_passes,
         # K-FAC's quadratic model: two forward-mode JVPs (about two forwards each) on the whole
         # batch, its default qmodel_batch_size (optimizers/kfac/settings.py)
         "qmodel_flops": 4 * forward,
@@ -217,6 +221,20 @@ def fit_budget(
         "layers": {n: c.to_json() for n, c in costs.items()},
     }
     return BudgetResult(layers, s, r, summary, notes)
+
+
+def estimator_passes(mode: str, num_samples: int, output_shape: Iterable | None, stats_batch: int,
+                     batch_size: int) -> int:
+    """Backward passes a statistics update runs (passes/estimator.py): the sampled modes one per
+    sample, the exact modes one per output coordinate of an example, the empirical mode none
+    when its statistics reuse the step's own backward (their rows are the whole batch), else
+    one. (Priced as one sampled pass whatever the mode: 8 samples cost 3x the prediction.)"""
+    if mode == "empirical":
+        return 0 if stats_batch >= batch_size else 1
+    if mode.startswith("exact"):
+        dims = list(output_shape or [])[1:]
+        return max(1, _elements(d if isinstance(d, int) and d > 0 else 1 for d in dims))
+    return max(1, int(num_samples))
 
 
 def _state_bytes(block: FisherBlock) -> int:
@@ -320,5 +338,5 @@ def _smallest(periods: tuple[int, ...], total: int, allowance: float) -> int:
     return periods[-1]
 
 
-__all__ = ["BlockCost", "BudgetResult", "DIAGONAL_STEPS", "INVERSE_PERIODS", "REFERENCE_BATCH", "STATS_PERIODS", "block_cost",
+__all__ = ["BlockCost", "BudgetResult", "DIAGONAL_STEPS", "estimator_passes", "INVERSE_PERIODS", "REFERENCE_BATCH", "STATS_PERIODS", "block_cost",
            "fit_budget"]
