@@ -191,11 +191,18 @@ def fit_budget(
         chosen_r = _smallest(INVERSE_PERIODS, inverse_total, overhead / 4 * base)
     s = stats_period if stats_period is not None else chosen_s
     r = inverse_period if inverse_period is not None else chosen_r
-    for what, given, chosen, default in (("stats.update_period", stats_period, s, DEFAULT_PERIODS[0]),
-                                         ("inverse.update_period", inverse_period, r, DEFAULT_PERIODS[1])):
+    for what, given, chosen, default, total in (
+            ("stats.update_period", stats_period, s, DEFAULT_PERIODS[0], stats_total),
+            ("inverse.update_period", inverse_period, r, DEFAULT_PERIODS[1], inverse_total)):
         if given is None and chosen != default:
-            notes.append(f"{what} = {chosen} (default {default}) to keep the amortized curvature work within "
-                         f"budget.overhead {overhead:g} at batch {batch_size}; set it in the config to override")
+            share = total / chosen / base if base else 0.0
+            if share <= overhead / 4 * (1 + 1e-9):
+                why = f"to keep the amortized curvature work within budget.overhead {overhead:g} at batch {batch_size}"
+            else:  # even the longest period leaves more than the allowance: say so, not "within"
+                why = (f", the longest on offer: it still costs {share:.2f}x the forward+backward at batch {batch_size}, "
+                       f"above the {overhead / 4:g}x budget.overhead {overhead:g} allows it")
+            notes.append(f"{what} = {chosen} (default {default}){'' if why.startswith(',') else ' '}{why}; set it in "
+                         "the config to override")
     apply_total = sum(c.apply for c in costs.values())
     work = apply_total + stats_total / s + inverse_total / r
     summary = {

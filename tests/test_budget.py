@@ -324,3 +324,16 @@ def test_the_statistics_cost_counts_the_estimators_backward_passes():
         assert costs["sampled_backward_flops"] == passes * one["sampled_backward_flops"]
         assert costs["stats_flops_per_update"] - costs["sampled_backward_flops"] == \
             one["stats_flops_per_update"] - one["sampled_backward_flops"]
+
+
+def test_a_period_that_cannot_meet_the_overhead_says_so():
+    """With budget.overhead 0.01 on the classifier (min_dim 1: every factor counts) no
+    statistics period fits a quarter of it: the longest (50) is taken, and the note said it
+    kept the work "within budget.overhead"; it gives the share it still costs now."""
+    plan = _mlp_plan(budget={"overhead": 0.01, "min_dim": 1})
+    c = plan.costs
+    share = c["stats_flops_per_update"] / 50 / c["forward_backward_flops"]
+    assert c["stats_period"] == 50 and share > 0.01 / 4
+    assert (f"stats.update_period = 50 (default 1), the longest on offer: it still costs {share:.2f}x the "
+            "forward+backward at batch 32, above the 0.0025x budget.overhead 0.01 allows it; set it in the config "
+            "to override") in plan.notes
