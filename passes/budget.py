@@ -175,7 +175,7 @@ def fit_budget(
         costs[layer.name] = block_cost(blocks[layer.name], batch_size, method)
         notes.append(
             f"layer {layer.name!r}: {factor} ({n} wide) kept as its diagonal ({layer.approximation} -> {target}): "
-            f"the full factor's preconditioning costs {old_apply / base:.2f}x the model's forward+backward at batch "
+            f"the block's preconditioning with it full costs {old_apply / base:.2f}x the model's forward+backward at batch "
             f"{batch_size} (budget.overhead {overhead:g}; pin it with config layers to keep it full)"
         )
 
