@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kfac_compiler.atomic import file_target_problem, temp_path
 from kfac_compiler.errors import OutputError, os_reason
@@ -55,53 +54,17 @@ def check_outputs(outputs: Iterable[Output], inputs: Sequence[tuple[str, str | N
 
 def model_inputs(model: str | None, outputs: Iterable[Output]) -> list[tuple[str, str | None]]:
     """check_outputs' inputs for a MODEL argument: the model itself, and what a plan reads
-    (plan_inputs): for a plan folder its files and the source model its plan.json names
-    (train reads it to tell a stale plan: written over, the user's model is lost and the plan
-    stale), and the external data of these models."""
+    (plan.plan_inputs, which the API's checks use too): for a plan folder its files and the
+    source model its plan.json names (train reads it to tell a stale plan: written over, the
+    user's model is lost and the plan stale), and the external data of these models."""
     if not model:
         return []
-    if not os.path.isdir(model):
-        return [("MODEL", model), *plan_inputs(model, None, outputs)]
-    from kfac_compiler.plan import plan_source
+    from kfac_compiler.plan import plan_inputs, plan_source
 
-    return [("MODEL", model), *plan_inputs(plan_source(model), model, outputs)]
-
-
-def plan_inputs(source: str | None, folder: str | None, outputs: Iterable[Output]) -> list[tuple[str, str]]:
-    """(what, path) of the files a plan reads that no output may overwrite, for the command
-    line (model_inputs) and the API (input_problem) alike: the model it was compiled from,
-    the plan folder it was loaded from (standing for its files) and the external-data files of
-    either's model, looked up only where an existing file output lies in that model's folder
-    (reading a big model's graph costs a second)."""
-    from kfac_compiler.onnx_files import external_files
-    from kfac_compiler.plan import MODEL_FILE
-
-    found: list[tuple[str, str]] = []
-    models = []
-    if source and os.path.isfile(source):
-        found.append(("plan's source model", source))
-        models.append(source)
-    if folder:
-        found.append(("plan folder", folder))
-        if os.path.isfile(os.path.join(folder, MODEL_FILE)):  # a plan of a model over 1 GiB keeps its values beside
-            models.append(os.path.join(folder, MODEL_FILE))
     existing = [os.path.realpath(o.path) for o in outputs if o.path and not o.folder and os.path.isfile(o.path)]
-    for path in models:
-        home = os.path.dirname(os.path.realpath(path))
-        if any(e.startswith(home + os.sep) for e in existing):
-            found += [(f"external data of {path!r}", data) for data in external_files(path)]
-    return found
-
-
-def input_problem(plan: Any, path: str | os.PathLike) -> str | None:
-    """What of `plan`'s inputs (plan_inputs) an API output at `path` would overwrite, as a
-    phrase; None where nothing. The command line checks the same inputs (model_inputs)."""
-    out = Output("", os.fspath(path))
-    for what, read in plan_inputs(plan.source_path, plan.folder, [out]):
-        hit = _input_hit(out, read)
-        if hit:  # a folder's hit names the folder already
-            return hit if os.path.isdir(read) else f"{hit}, the {what}"
-    return None
+    if not os.path.isdir(model):
+        return [("MODEL", model), *plan_inputs(model, None, existing)]
+    return [("MODEL", model), *plan_inputs(plan_source(model), model, existing)]
 
 
 def _check_target(o: Output) -> None:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -521,6 +521,45 @@ def plan_source(folder: str) -> str | None:
     doc = _plan_doc(folder)
     path = doc["source"].get("path") if doc is not None else None
     return path if isinstance(path, str) and path else None
+
+
+def plan_inputs(source: str | None, folder: str | None, written: Iterable[str]) -> list[tuple[str, str]]:
+    """(what, path) of the files a plan reads that no output may overwrite, for the command
+    line (outputs.model_inputs) and the API (input_problem) alike: the model it was compiled
+    from, the plan folder it was loaded from (standing for its files, plan_files) and the
+    external-data files of either's model, looked up only where one of `written` (the real
+    paths of existing file outputs) lies in that model's folder (reading a big model's graph
+    costs a second)."""
+    from kfac_compiler.onnx_files import external_files
+
+    found: list[tuple[str, str]] = []
+    models = []
+    if source and os.path.isfile(source):
+        found.append(("plan's source model", source))
+        models.append(source)
+    if folder:
+        found.append(("plan folder", folder))
+        if os.path.isfile(os.path.join(folder, MODEL_FILE)):  # a plan of a model over 1 GiB keeps its values beside
+            models.append(os.path.join(folder, MODEL_FILE))
+    written = list(written)
+    for path in models:
+        home = os.path.dirname(os.path.realpath(path))
+        if any(w.startswith(home + os.sep) for w in written):
+            found += [(f"external data of {path!r}", data) for data in external_files(path)]
+    return found
+
+
+def input_problem(plan: Plan, path: str | os.PathLike) -> str | None:
+    """What of `plan`'s inputs (plan_inputs) an API output at `path` would overwrite, as a
+    phrase; None where nothing. The command line checks the same inputs (outputs.model_inputs)."""
+    real = os.path.realpath(path)
+    for what, read in plan_inputs(plan.source_path, plan.folder, [real] if os.path.isfile(real) else []):
+        if os.path.isdir(read):
+            if os.path.dirname(real) == os.path.realpath(read) and os.path.basename(real) in plan_files(read):
+                return f"a file of the plan folder {read!r}"
+        elif os.path.exists(read) and os.path.realpath(read) == real:
+            return f"{read!r}, the {what}"
+    return None
 
 
 def plan_files(folder: str) -> set[str]:

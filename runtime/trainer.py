@@ -573,8 +573,8 @@ class Trainer:
 
     def _check_not_an_input(self, path: str, what: str) -> None:
         """An API output never overwrites what the plan reads (the command line's outputs are
-        checked the same way: outputs.plan_inputs)."""
-        from kfac_compiler.outputs import input_problem
+        checked the same way: plan.plan_inputs)."""
+        from kfac_compiler.plan import input_problem
 
         hit = input_problem(self.plan, path)
         if hit is not None:
