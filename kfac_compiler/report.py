@@ -139,7 +139,7 @@ def summary(plan: Plan, param_groups: Any = None) -> dict[str, Any]:
         "held_elsewhere": [{"name": n, "shape": list(h["shape"]),
                             "holders": [{"name": k, "shape": list(v)} for k, v in h["holders"].items()]}
                            for n, h in held_elsewhere(plan.model).items()],
-        "costs": {k: v for k, v in plan.costs.items() if k != "layers"},
+        "costs": {k: v for k, v in _kfac_costs(plan.costs, grouped).items() if k != "layers"},
         "subgraphs": subgraph_summary(plan),
         **extra,
     }
@@ -283,7 +283,7 @@ def render_table(plan: Plan, wide: bool = False, param_groups: Any = None) -> st
         f"statistics every {plan.schedule.stats.update_period} steps",
         f"{inverse_text} every {inv.update_period} steps",
         _coverage_line(plan),
-        *_cost_lines(plan.costs),
+        *_cost_lines(_kfac_costs(plan.costs, grouped)),
         *_group_lines(plan, groups),
     ]
     head = [
@@ -346,6 +346,29 @@ def _coverage_line(plan: Plan) -> str:
     return f"coverage:  {share:.1f}% of the {total:,} parameter elements in structured blocks{rest}"
 
 
+def _kfac_costs(costs: dict[str, Any], grouped: dict[str, Any]) -> dict[str, Any]:
+    """plan.costs without the curvature work of the layers a first-order group trains (a K-FAC
+    run with param_groups: they keep no factors, inverses or preconditioning), so the header's
+    cost line and the JSON match the table; the totals as they are without groups."""
+    per_layer = costs.get("layers") or {}
+    gone = [per_layer[name] for name in grouped if name in per_layer]
+    needed = ("apply_flops", "stats_flops_per_update", "inverse_flops_per_refresh", "stats_period", "inverse_period",
+              "forward_backward_flops")
+    if not gone or any(costs.get(k) is None for k in needed):
+        return costs
+    out = dict(costs)
+    out["apply_flops"] = costs["apply_flops"] - sum(c.get("apply", 0) for c in gone)
+    out["stats_flops_per_update"] = costs["stats_flops_per_update"] - sum(c.get("stats", 0) for c in gone)
+    out["inverse_flops_per_refresh"] = costs["inverse_flops_per_refresh"] - sum(c.get("inverse", 0) for c in gone)
+    out["factor_bytes"] = costs.get("factor_bytes", 0) - sum(c.get("factor_bytes", 0) for c in gone)
+    out["curvature_flops_per_step"] = (out["apply_flops"] + out["stats_flops_per_update"] / costs["stats_period"]
+                                       + out["inverse_flops_per_refresh"] / costs["inverse_period"])
+    base = costs["forward_backward_flops"]
+    out["overhead"] = out["curvature_flops_per_step"] / base if base else None
+    out["without_groups"] = sorted(grouped)
+    return out
+
+
 def _cost_lines(costs: dict[str, Any]) -> list[str]:
     """The cost-aware choice's prediction (passes/budget.py), per step at its reference batch."""
     base = costs.get("forward_backward_flops")
@@ -361,7 +384,9 @@ def _cost_lines(costs: dict[str, Any]) -> list[str]:
         f"{costs['overhead_budget']:g}), in the model's forward+backward ({base / 1e9:.3g} GFLOP): preconditioning "
         f"{apply / base:.2f}x, statistics {stats / base:.2f}x / {s} = {stats / s / base:.2f}x, inverses "
         f"{inv / base:.2f}x / {r} = {inv / r / base:.2f}x: curvature {costs['overhead']:.2f}x; with the quadratic "
-        f"model a K-FAC step ~{step / base:.1f}x an SGD step in FLOPs",
+        f"model a K-FAC step ~{step / base:.1f}x an SGD step in FLOPs"
+        + (f" (the curvature of K-FAC's layers: without {', '.join(costs['without_groups'])})"
+           if costs.get("without_groups") else ""),
     ]
 
 

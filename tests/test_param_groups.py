@@ -212,6 +212,14 @@ def test_inspect_shows_each_layers_optimizer(transformer, tmp_path, capsys):
     assert "optimizer" not in render(plan, "table")  # without groups the table is as it was
     doc = json.loads(render(plan, "json", param_groups=[ADAM]))
     assert {layer["name"]: (layer["optimizer"], layer["group"]) for layer in doc["layers"]}["pos_emb"] == ("adam", "emb")
+    # the cost line and the JSON costs leave the groups' layers' curvature out, as the table does
+    # (they had counted it): the compile-time totals minus those layers' per-layer costs
+    per_layer, grouped = plan.costs["layers"], ("tok_emb", "pos_emb", "ln1", "ln2", "lnf")
+    for key, part in (("apply_flops", "apply"), ("stats_flops_per_update", "stats"), ("inverse_flops_per_refresh", "inverse")):
+        assert doc["costs"][key] == plan.costs[key] - sum(per_layer[n][part] for n in grouped)
+    assert doc["costs"]["without_groups"] == sorted(grouped) and sum(per_layer[n]["apply"] for n in grouped) > 0
+    apply_share = doc["costs"]["apply_flops"] / plan.costs["forward_backward_flops"]
+    assert f"preconditioning {apply_share:.2f}x" in " ".join(render(plan, "table", param_groups=[ADAM]).split())
     assert {layer["name"]: layer["optimizer"] for layer in doc["layers"]}["attn.q"] == "kfac"
     assert doc["param_groups"][0]["params"] == NORMS
     out = tmp_path / "plan"
