@@ -243,6 +243,16 @@ def test_two_ranks_take_the_one_process_steps_with_each_momentum_type(tmp_path, 
 
 
 @pytest.mark.slow
+def test_two_ranks_report_the_global_batch_loss_during_burn_in(tmp_path):
+    """Burn-in steps (statistics only) reported each rank's own loss (2.529 on rank 0 for one
+    process's 2.410; the ranks apart): the metrics are the batch's, the ranks' mean, as every
+    other step's; assert_same_run compares the losses of every step, burn-in's included."""
+    config = {**KFAC, "knobs": {**KFAC["knobs"], "burn_in_steps": 2}}
+    ranks, single = on_ranks(2, config, tmp_path), train(config, comm=None)
+    assert ["learning_rate" in m for m in single["metrics"][:3]] == [False, False, True]  # two burn-in steps
+    assert_same_run(ranks, single, rtol=2e-4)
+
+@pytest.mark.slow
 def test_two_ranks_take_the_one_process_steps_with_parameter_groups(tmp_path):
     """First-order parameter groups beside K-FAC (optimizers/groups.py): their updates read the
     gradients after the reduction point, so the cut step's ranks take the one-process steps;

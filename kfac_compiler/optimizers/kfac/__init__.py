@@ -256,8 +256,10 @@ class Kfac(Optimizer):
         an accumulation cycle's last micro-batch, from step())."""
         out, ok = self.run_statistics(data, data, micro)
         self.burn_in_count += 1
-        return {"step": float(self.trainer.step_count), "loss": out[C.LOSS], "burn_in": 1.0,
-                "rejected": 0.0 if ok else 1.0}
+        # the batch's loss, the ranks' mean (each rank's own had been reported: metrics differed
+        # between ranks and from one process's)
+        return {"step": float(self.trainer.step_count), "loss": self.trainer.mean_over_ranks(out[C.LOSS]),
+                "burn_in": 1.0, "rejected": 0.0 if ok else 1.0}
 
     def _hyper_parameters(self, adapt: bool, k: int) -> dict[str, float]:
         """Step k's hyper-parameters: the fixed or scheduled learning rate and momentum (the
