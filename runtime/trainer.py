@@ -547,15 +547,21 @@ class Trainer:
         from kfac_compiler.runtime.checkpoint import atomic_write, write_with_external_data
 
         path = os.fspath(path)
-        if self.rank != 0:  # every rank holds the same parameters
+
+        def write() -> str:
+            if self.rank != 0:  # every rank holds the same parameters
+                return path
+            self._check_not_an_input(path, "the trained model")
+            model, values = self._export_parts(graph)
+            if needs_external(model, values):
+                write_with_external_data(path, model, values)
+            else:  # the large values streamed from their arrays into the protobuf's bytes
+                atomic_write(path, lambda f: write_with_values(f, model, values), what="the trained model")
             return path
-        self._check_not_an_input(path, "the trained model")
-        model, values = self._export_parts(graph)
-        if needs_external(model, values):
-            write_with_external_data(path, model, values)
-        else:  # the large values streamed from their arrays into the protobuf's bytes
-            atomic_write(path, lambda f: write_with_values(f, model, values), what="the trained model")
-        return path
+
+        # rank 0 writes; a failure there is raised on every rank (a rank that carried on as if
+        # written waited in the next step's collective for ever)
+        return agreed(self.comm, write)
 
     # ------------------------------------------------------------------ checkpoints
     @_serialized
@@ -567,9 +573,9 @@ class Trainer:
         self._check_not_an_input(os.fspath(path), "the checkpoint")
         if self.comm is not None:  # collective: the moving averages are the ranks' mean
             self.reduce_moving_averages()
-            if self.rank != 0:
-                return os.fspath(path)
-        return save_checkpoint(self, path)
+        # rank 0 writes; a failure there (a folder given, a full disk) is raised on every rank:
+        # the others had returned as if saved and waited in the next step's collective for ever
+        return agreed(self.comm, lambda: save_checkpoint(self, path) if self.rank == 0 else os.fspath(path))
 
     def _check_not_an_input(self, path: str, what: str) -> None:
         """An API output never overwrites what the plan reads (the command line's outputs are

@@ -446,3 +446,40 @@ def test_two_ranks_take_the_one_process_sub_batch_rows_where_m_does_not_divide_t
         assert np.array_equal(np.asarray(ranks[1]["params"][p]), np.asarray(v)), p
     np.testing.assert_allclose(ranks[0]["losses"], single["losses"], rtol=3e-4)
     assert worst_gap(ranks[0], single) < 4 * worst_gap(train({**config, "ulp": True}, comm=None), single)
+
+
+SAVE_INTO_A_FOLDER = r"""
+import sys
+import kfac_compiler as kc
+from kfac_compiler.errors import KfacError
+from kfac_compiler.models import ZOO
+from kfac_compiler.runtime import Trainer
+e = ZOO["mlp_classifier"]
+tr = Trainer(kc.compile(e.build(seed=0), loss=e.loss, output=e.output_name, emit=False), seed=0)
+x, y = e.make_data(n=64)
+tr.step(x, y)
+for name, write in (("save_checkpoint", tr.save_checkpoint), ("export", tr.export)):
+    try:
+        write(sys.argv[1])
+        print(f"rank {tr.rank}: {name} returned", flush=True)
+    except KfacError as err:
+        print(f"rank {tr.rank}: {name} raised {type(err).__name__}", flush=True)
+tr.step(x, y)  # the ranks still step together: nobody waits in a collective
+print(f"rank {tr.rank}: stepped", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_on_rank_0_is_raised_on_every_rank(tmp_path):
+    """save_checkpoint / export under mpirun: rank 0 writes. Given a folder, rank 0 raised and
+    rank 1 returned as if saved, then waited in the next step's collective for ever (the job
+    hung). The failure is raised on every rank now, and the ranks go on stepping together."""
+    require_mpi()
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_INTO_A_FOLDER)
+    (tmp_path / "folder").mkdir()
+    proc = run_ranks(2, [sys.executable, str(script), str(tmp_path / "folder")], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == sorted(f"rank {r}: {what}" for r in (0, 1) for what in (
+        "save_checkpoint raised CheckpointError", "export raised OutputError", "stepped")), lines
