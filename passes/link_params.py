@@ -110,39 +110,13 @@ def link_params(
         kinds = list(dict.fromkeys(m.kind for m in ms))
         stray = _unmatched_reader(w, [m for m in kept if w in (m.weight, m.bias, *m.attrs.get("extra_params", ()))],
                                   view)
-        if stray is not None:
-            msg = (
-                f"parameter {w!r} is also read by node {stray.name!r} ({stray.op_type}), which no "
-                f"{' or '.join(kinds)} match covers: it gets one generic layer holding all its uses (approximation "
-                "'diagonal' unless configured), since a block of the matched uses alone would leave that use's "
-                "curvature out"
-            )
-            warnings.warn(msg, stacklevel=2)
-            generic_params[w] = (msg,)
-            generic_attrs[w] = {"shared_kinds": tuple(kinds)}
-            continue
-        if _is_tied_embedding(ms):
+        if stray is None and _is_tied_embedding(ms):
             tied_groups[w] = ms
             continue
-        if len(kinds) > 1:
-            msg = (
-                f"parameter {w!r} is used as {' and '.join(kinds)} ({len(ms)} uses): it gets one generic "
-                "layer holding all its uses (approximation 'diagonal' unless configured; "
-                "link it yourself with config `links` to choose)"
-            )
-            warnings.warn(msg, stacklevel=2)
-            generic_params[w] = (msg,)
-            generic_attrs[w] = {"shared_kinds": tuple(kinds)}
-            continue
-        ref = _layer_attrs(ms[0])
-        odd = [m for m in ms if _layer_attrs(m) != ref]
-        if odd:
-            msg = (
-                f"parameter {w!r} is used by {kinds[0]} layers with different attributes "
-                f"({ref} vs {_layer_attrs(odd[0])}): it gets one generic layer"
-            )
-            warnings.warn(msg, stacklevel=2)
-            generic_params[w] = (msg,)
+        why = _generic_reason(w, ms, kinds, stray)
+        if why is not None:
+            warnings.warn(why, stacklevel=2)
+            generic_params[w] = (why,)
             generic_attrs[w] = {"shared_kinds": tuple(kinds)}
             continue
         weight_groups[w] = ms
@@ -268,6 +242,26 @@ def link_params(
     if order:
         layers.sort(key=lambda l: min((order.get(n, len(order)) for u in l.uses for n in u.nodes), default=len(order)))
     return layers
+
+
+def _generic_reason(w: str, ms: list[LayerMatch], kinds: list[str], stray: onnx.NodeProto | None) -> str | None:
+    """Why the matches of weight `w` make one generic layer instead of one of their kind (None:
+    they do not): a reader no match covers, several kinds, or one kind's differing attributes."""
+    if stray is not None:
+        return (f"parameter {w!r} is also read by node {stray.name!r} ({stray.op_type}), which no "
+                f"{' or '.join(kinds)} match covers: it gets one generic layer holding all its uses (approximation "
+                "'diagonal' unless configured), since a block of the matched uses alone would leave that use's "
+                "curvature out")
+    if len(kinds) > 1:
+        return (f"parameter {w!r} is used as {' and '.join(kinds)} ({len(ms)} uses): it gets one generic "
+                "layer holding all its uses (approximation 'diagonal' unless configured; "
+                "link it yourself with config `links` to choose)")
+    ref = _layer_attrs(ms[0])
+    odd = [m for m in ms if _layer_attrs(m) != ref]
+    if odd:
+        return (f"parameter {w!r} is used by {kinds[0]} layers with different attributes "
+                f"({ref} vs {_layer_attrs(odd[0])}): it gets one generic layer")
+    return None
 
 
 # readers of a weight that carry no gradient: no curvature of theirs to lose
