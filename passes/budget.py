@@ -197,12 +197,11 @@ def fit_budget(
         if given is None and chosen != default:
             share = total / chosen / base if base else 0.0
             if share <= overhead / 4 * (1 + 1e-9):
-                why = f"to keep the amortized curvature work within budget.overhead {overhead:g} at batch {batch_size}"
+                why = f" to keep the amortized curvature work within budget.overhead {overhead:g} at batch {batch_size}"
             else:  # even the longest period leaves more than the allowance: say so, not "within"
                 why = (f", the longest on offer: it still costs {share:.2f}x the forward+backward at batch {batch_size}, "
                        f"above the {overhead / 4:g}x budget.overhead {overhead:g} allows it")
-            notes.append(f"{what} = {chosen} (default {default}){'' if why.startswith(',') else ' '}{why}; set it in "
-                         "the config to override")
+            notes.append(f"{what} = {chosen} (default {default}){why}; set it in the config to override")
     apply_total = sum(c.apply for c in costs.values())
     work = apply_total + stats_total / s + inverse_total / r
     summary = {
@@ -235,7 +234,7 @@ def estimator_passes(mode: str, num_samples: int, output_shape: Iterable | None,
     """Backward passes a statistics update runs (passes/estimator.py): the sampled modes one per
     sample, the exact modes one per output coordinate of an example, the empirical mode none
     when its statistics reuse the step's own backward (their rows are the whole batch), else
-    one. (Priced as one sampled pass whatever the mode: 8 samples cost 3x the prediction.)"""
+    one. (They had been priced as one whatever the mode: 8 samples cost 3x that.)"""
     if mode == "empirical":
         return 0 if stats_batch >= batch_size else 1
     if mode.startswith("exact"):
