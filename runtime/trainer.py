@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from kfac_compiler import contract as C
-from kfac_compiler.errors import CheckpointError, ConfigError, DataError, OutputError, PlanError
+from kfac_compiler.errors import CheckpointError, ConfigError, DataError, KfacError, OutputError, PlanError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, with_float_type
 from kfac_compiler.onnx_files import load_onnx, needs_external, set_values, write_with_values
 from kfac_compiler.optimizers import make_config, optimizer_class
@@ -559,9 +559,7 @@ class Trainer:
                 atomic_write(path, lambda f: write_with_values(f, model, values), what="the trained model")
             return path
 
-        # rank 0 writes; a failure there is raised on every rank (a rank that carried on as if
-        # written waited in the next step's collective for ever)
-        return agreed(self.comm, write)
+        return self._written_by_rank_0(write, "the trained model", path)
 
     # ------------------------------------------------------------------ checkpoints
     @_serialized
@@ -573,9 +571,29 @@ class Trainer:
         self._check_not_an_input(os.fspath(path), "the checkpoint")
         if self.comm is not None:  # collective: the moving averages are the ranks' mean
             self.reduce_moving_averages()
-        # rank 0 writes; a failure there (a folder given, a full disk) is raised on every rank:
-        # the others had returned as if saved and waited in the next step's collective for ever
-        return agreed(self.comm, lambda: save_checkpoint(self, path) if self.rank == 0 else os.fspath(path))
+        return self._written_by_rank_0(lambda: save_checkpoint(self, path) if self.rank == 0 else os.fspath(path),
+                                       "the checkpoint", os.fspath(path))
+
+    def _written_by_rank_0(self, write: Callable[[], str], what: str, path: str) -> str:
+        """write() (rank 0 writes, the others return the path); in a data-parallel run every
+        rank learns whether rank 0's write failed (a folder given, a full disk): rank 0 raises
+        its own error, the others an OutputError saying so. They had returned as if written and
+        then waited in the next step's collective for ever."""
+        failure: BaseException | None = None
+        result = path
+        try:
+            result = write()
+        except (KfacError, OSError) as e:
+            if self.comm is None:
+                raise
+            failure = e
+        if self.comm is not None:
+            reports = self.comm.gather(None if failure is None else " ".join(str(failure).split()))
+            if failure is not None:
+                raise failure
+            if reports[0] is not None:
+                raise OutputError(f"rank 0 could not write {what} {path!r}: {reports[0]}")
+        return result
 
     def _check_not_an_input(self, path: str, what: str) -> None:
         """An API output never overwrites what the plan reads (the command line's outputs are
