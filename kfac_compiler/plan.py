@@ -445,16 +445,11 @@ class Plan:
             files.insert(2, MODEL_DATA_FILE)
         real = os.path.realpath(target)
         check_plan_target(target, overwrite)
-        if self.source_path and os.path.isfile(self.source_path):
-            from kfac_compiler.onnx_files import external_files
-
-            src = os.path.realpath(self.source_path)
-            home = os.path.dirname(src)  # its external data lies in its folder or below
-            read = {src, *external_files(src)} if (real + os.sep).startswith(home + os.sep) else {src}
-            # what the save writes or drops, and model.onnx.data, which a later save of the folder drops
-            if any(os.path.realpath(os.path.join(real, f)) in read for f in {*files, MODEL_DATA_FILE, *plan_files(real)}):
-                raise PlanError(f"saving the plan to {target!r} would overwrite its source model {self.source_path!r} "
-                                "or its external data; save it to another folder")
+        # what the save writes or drops, and model.onnx.data, which a later save of the folder drops
+        touched = {os.path.realpath(os.path.join(real, f)) for f in {*files, MODEL_DATA_FILE, *plan_files(real)}}
+        if any(os.path.realpath(p) in touched for _, p in plan_inputs(self.source_path, None, touched)):
+            raise PlanError(f"saving the plan to {target!r} would overwrite its source model {self.source_path!r} "
+                            "or its external data; save it to another folder")
         doc = self.to_json()
 
         regions: dict[str, tuple[int, int]] = {}

@@ -141,14 +141,15 @@ def _explicit_same_pads(m: onnx.ModelProto) -> None:
     static): ONNX Runtime's CPU Conv refuses that combination at run time ('Dilation not
     supported for AutoPadType::SAME_UPPER'), which TorchScript writes for Conv1d(padding=
     "same", dilation=2). The pads are oprules.conv.Geom's, which every conv rule uses."""
+    from kfac_compiler.oprules._util import attr
     from kfac_compiler.oprules.conv import Geom
 
     view = None
     for node in m.graph.node:
-        a = attrs_of(node) if node.op_type in _SAME_PADDED and node.domain in ("", "ai.onnx") else {}
-        auto = a.get("auto_pad", b"")
-        if (auto.decode() if isinstance(auto, bytes) else auto) not in ("SAME_UPPER", "SAME_LOWER") or all(
-                d == 1 for d in a.get("dilations", [1])):
+        if node.op_type not in _SAME_PADDED or node.domain not in ("", "ai.onnx"):
+            continue
+        if attr(node, "auto_pad", "NOTSET") not in ("SAME_UPPER", "SAME_LOWER") or all(
+                d == 1 for d in attr(node, "dilations", [1])):
             continue
         view = view or GraphView(m)
         try:

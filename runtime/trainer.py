@@ -549,8 +549,6 @@ class Trainer:
         path = os.fspath(path)
 
         def write() -> str:
-            if self.rank != 0:  # every rank holds the same parameters
-                return path
             self._check_not_an_input(path, "the trained model")
             model, values = self._export_parts(graph)
             if needs_external(model, values):
@@ -571,18 +569,18 @@ class Trainer:
         self._check_not_an_input(os.fspath(path), "the checkpoint")
         if self.comm is not None:  # collective: the moving averages are the ranks' mean
             self.reduce_moving_averages()
-        return self._written_by_rank_0(lambda: save_checkpoint(self, path) if self.rank == 0 else os.fspath(path),
-                                       "the checkpoint", os.fspath(path))
+        return self._written_by_rank_0(lambda: save_checkpoint(self, path), "the checkpoint", os.fspath(path))
 
     def _written_by_rank_0(self, write: Callable[[], str], what: str, path: str) -> str:
-        """write() (rank 0 writes, the others return the path); in a data-parallel run every
-        rank learns whether rank 0's write failed (a folder given, a full disk): rank 0 raises
-        its own error, the others an OutputError saying so. They had returned as if written and
-        then waited in the next step's collective for ever."""
+        """write() on rank 0 (every rank holds the same state), `path` on the others; in a
+        data-parallel run every rank learns whether rank 0's write failed (a folder given, a
+        full disk): rank 0 raises its own error, the others an OutputError saying so. They had
+        returned as if written and then waited in the next step's collective for ever."""
         failure: BaseException | None = None
         result = path
         try:
-            result = write()
+            if self.rank == 0:
+                result = write()
         except (KfacError, OSError) as e:
             if self.comm is None:
                 raise
