@@ -109,6 +109,24 @@ def test_kfac_accumulation_takes_the_whole_batch_steps_factors_included(mlp, k, 
 
 
 @pytest.mark.slow
+def test_a_sub_batch_the_micro_batches_do_not_divide_is_said_and_is_the_rounded_up_one(mlp):
+    """stats_batch_size 64 over 3 micro-batches of 40: each takes ceil(64 / 3) = 22 rows, as
+    the warning says, and the factors after each update are those of the whole 120-row batch's
+    statistics on 66 rows, the size the warning names (rows floor(k 120 / 66) are micro-batch
+    i's rows floor(j 40 / 22))."""
+    plan, x, y = mlp
+    knobs = dict(KFAC_FIXED, stats_batch_size=64)
+    full = Trainer(plan, optimizer="kfac", threads=1, **dict(knobs, stats_batch_size=66))
+    acc = Trainer(plan, optimizer="kfac", threads=1, accumulate=3, **knobs)
+    with pytest.warns(UserWarning, match="stats_batch_size 64 does not divide among 3 micro-batches: each "
+                                         "takes 22 rows, 66 in all") as told:
+        for xb, yb in batches(x, y, 3, batch=120):
+            whole(full, xb, yb), in_pieces(acc, xb, yb, 3)
+            assert_state_close(acc, full, ("factor/",), rtol=2e-5)
+    assert len([w for w in told if "does not divide" in str(w.message)]) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["empirical", "gradients"])
 def test_broadcast_layers_accumulate_to_the_whole_batch_statistics(mode):
     """The transformer block's position table (a broadcast layer: exact per-example gradients)

@@ -32,6 +32,7 @@ One step k (docs/runtime.md):
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -75,6 +76,7 @@ class Kfac(Optimizer):
         self.inverse_method = concrete_method(cfg.inverse_method, trainer.device.name)
         self.refresher = None  # refreshes the damped inverses (the trainer's InverseRefresher), made by build()
         self._step_programs: dict[tuple, Any] = {}  # step_program's memo
+        self._uneven_told: set[str] = set()  # _sub_batch's knobs whose rows do not divide, said once
         # one If-free step graph per step kind, with the batch's shapes fixed: static_steps, or
         # the trainer's cuda_graphs (a captured graph admits no If)
         self.static = bool(cfg.static_steps) or bool(trainer.cuda_graphs)
@@ -92,20 +94,34 @@ class Kfac(Optimizer):
                                                   bool(cfg.adapt_curvature_scale), cfg.curvature_scale_early_window)
 
     # ------------------------------------------------------------------ sessions
-    def _sub_batch(self, m: int | None, shares: int = 1) -> int | None:
-        """m when the current batch is larger, else None: slicing a batch that is not larger
-        would only add a second forward pass. In a data-parallel run m is the global
-        sub-batch: each rank takes ceil(m / ranks) of its rows; `shares`: the batch is one of
-        that many (an accumulation cycle's micro-batches), each taking its part of m."""
+    def _sub_batch(self, knob: str, shares: int = 1) -> int | None:
+        """The config's `knob` m when the current batch is larger, else None: slicing a batch
+        that is not larger would only add a second forward pass. In a data-parallel run m is
+        the global sub-batch: each rank takes ceil(m / ranks) of its rows; `shares`: the batch
+        is one of that many (an accumulation cycle's micro-batches), each taking its part of m.
+        Where the parts do not divide m the run takes more rows than m, those of one process
+        with the rounded-up size: said once, since runs meant to compare then differ."""
+        m = getattr(self.config, knob)
         if m is None:
             return None
-        m = -(-int(m) // (self.trainer.ranks * shares))
-        return m if self.trainer.batch_size > m else None
+        parts = self.trainer.ranks * shares
+        each = -(-int(m) // parts)
+        if self.trainer.batch_size <= each:
+            return None
+        if each * parts != m and knob not in self._uneven_told and self.trainer.rank == 0:
+            self._uneven_told.add(knob)
+            split = f"{self.trainer.ranks} ranks" if shares == 1 else (
+                f"{shares} micro-batches" if self.trainer.ranks == 1 else
+                f"{self.trainer.ranks} ranks x {shares} micro-batches")
+            warnings.warn(f"{knob} {m} does not divide among {split}: each takes {each} rows, {each * parts} in "
+                          f"all, the rows one process on whole batches takes with {knob} {each * parts}; a "
+                          f"multiple of {parts} takes the same rows as one process with that size", stacklevel=2)
+        return each
 
     def stats_batch(self) -> int | None:
         """The statistics' sub-batch: of an accumulation cycle's k micro-batches each takes
         ceil(m / k) rows, spread evenly, which are the whole batch's rows when k divides m."""
-        return self._sub_batch(self.config.stats_batch_size, self.cycle.count)
+        return self._sub_batch("stats_batch_size", self.cycle.count)
 
     def step_options(self, first: bool = False, adapt: bool = True) -> KfacStepOptions:
         """The kfac_step this run's settings and batch need (`first`: the first step's, or
@@ -119,7 +135,7 @@ class Kfac(Optimizer):
         return KfacStepOptions(
             qmodel=bool(cfg.use_qmodel), momentum_type=kind, mode=cfg.mode, num_samples=cfg.num_samples,
             l2=cfg.l2_reg > 0, stats_batch=self.stats_batch(),
-            qmodel_batch=self._sub_batch(cfg.qmodel_batch_size) if cfg.use_qmodel else None,
+            qmodel_batch=self._sub_batch("qmodel_batch_size") if cfg.use_qmodel else None,
             loss_after=bool(cfg.adapt_damping) and (adapt or not static), loss_after_if=not static,
             weighted=self.trainer.weighted,
             # only where it changes the graph (adam's predicted change)
