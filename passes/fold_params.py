@@ -160,8 +160,11 @@ def relayout_ends(model: onnx.ModelProto) -> list[str]:
                 break
             ops.append(readers[0].op_type)
             end = readers[0].output[0]
-        known = ops == ["Transpose"] and all(r.op_type == "MatMul" for r in view.consumers.get(end, []))
-        if ops and not known:  # Transpose(W) + MatMul: the matmul_transposed pattern reads it as it is
+        # Transpose(W) + one MatMul: the matmul_transposed pattern reads it as it is; read by
+        # several, no pattern is closed over the shared Transpose, so it folds to W's transpose
+        readers = view.consumers.get(end, [])
+        known = ops == ["Transpose"] and len(readers) == 1 and readers[0].op_type == "MatMul"
+        if ops and not known:
             ends.append(end)
     return ends
 

@@ -78,7 +78,21 @@ def table_model(seed: int = 0) -> onnx.ModelProto:
     return _model(nodes, inits, ("N", HEADS, W * W, W * W))
 
 
-MODELS = {"affine": (affine_model, ("w", "b"), (N, C, S, S)), "table": (table_model, ("table",), (N, HEADS, W * W, W * W))}
+def shared_transpose_model(seed: int = 0) -> onnx.ModelProto:
+    """One Transpose of a weight W [4, 3] read by two MatMuls (a weight applied twice, as in a
+    tied autoencoder written with W.t() once): no pattern is closed over the shared Transpose."""
+    rng = np.random.default_rng(seed)
+    inits = {"W": rng.standard_normal((4, C)), "u": rng.standard_normal((N, 4))}
+    mix = numpy_helper.from_array(rng.standard_normal((4, C)), "mix")
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["h"]),
+             helper.make_node("Constant", [], ["V"], value=mix), helper.make_node("MatMul", ["h", "V"], ["g"]),
+             helper.make_node("Tanh", ["g"], ["t"]), helper.make_node("MatMul", ["t", "Wt"], ["a"]),
+             helper.make_node("Mul", ["a", "u"], ["au"]), helper.make_node("ReduceSum", ["au"], ["loss"], keepdims=0)]
+    return _model(nodes, inits, ("N", C))
+
+
+MODELS = {"affine": (affine_model, ("w", "b"), (N, C, S, S)), "table": (table_model, ("table",), (N, HEADS, W * W, W * W)),
+          "shared_transpose": (shared_transpose_model, ("W",), (N, C))}
 
 
 @pytest.mark.parametrize("case", sorted(MODELS))
@@ -93,6 +107,8 @@ def test_views_fold_into_initializers_that_keep_the_parameters_names(case):
     if case == "affine":
         assert not ops & {"Unsqueeze", "CastLike"}
         assert inits["w"].shape == inits["b"].shape == (C, 1, 1)
+    elif case == "shared_transpose":
+        assert "Transpose" not in ops and inits["W"].shape == (C, 4)
     else:
         assert not ops & {"GatherND", "Transpose", "Reshape", "Unsqueeze"} and "Gather" in ops
         assert inits["table"].shape == ((2 * W - 1) ** 2 * HEADS,)
@@ -128,11 +144,13 @@ def test_gradients_of_the_views_match_finite_differences_of_the_original(case):
 @pytest.mark.parametrize("case", sorted(MODELS))
 def test_views_get_structured_blocks(case):
     """The affine: a scale_and_shift layer of (w, b); the table: a broadcast layer (its K
-    looked-up elements' per-example gradients added into the flat table's rows)."""
+    looked-up elements' per-example gradients added into the flat table's rows); the shared
+    transpose: one fully connected layer with both MatMuls as its uses."""
     make, params, _ = MODELS[case]
     plan = kc.compile(make(), loss="squared_error", output="a", emit=False)
-    layers = [(layer.kind, layer.params) for layer in plan.layers]
-    assert layers == ([("scale_and_shift", ("w", "b"))] if case == "affine" else [("broadcast", ("table",))])
+    layers = [(layer.kind, layer.params, len(layer.uses)) for layer in plan.layers]
+    assert layers == {"affine": [("scale_and_shift", ("w", "b"), 1)], "table": [("broadcast", ("table",), 1)],
+                      "shared_transpose": [("fully_connected", ("W",), 2)]}[case]
     assert all(plan.holders(p) == [p] for p in params)
 
 
