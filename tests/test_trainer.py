@@ -21,6 +21,7 @@ from kfac_compiler.optimizers import (
     make_config,
     reduction_ratio,
 )
+from helpers import zoo_plan
 from kfac_compiler.runtime import Curvature, Trainer, gradients
 
 
@@ -84,6 +85,24 @@ def test_levenberg_marquardt_rule():
     assert reduction_ratio(1.0, 0.9, -0.2, 0.0, 1.0, False) == pytest.approx(0.5)
     assert reduction_ratio(1.0, 0.9, -0.1, 1.0, 0.2, False) == pytest.approx(0.5)
     assert reduction_ratio(1.0, 0.9, -0.1, 1.0, 0.2, True) == pytest.approx(1.0)
+    # an update below float32's resolution measures nothing: agreement (1), not 0 / tiny = 0
+    assert reduction_ratio(0.5, 0.5, -1e-9, 0.0, 1.0, False) == 1.0  # the loss did not move at all
+    assert reduction_ratio(0.5, 0.5 - 2e-8, -3e-8, 0.0, 1.0, False) == 1.0  # within 16 ulps of 0.5 (6e-8 an ulp)
+    assert reduction_ratio(0.5, 0.5 - 2e-6, -3e-8, 0.0, 1.0, False) == pytest.approx(2e-6 / 3e-8)  # it moved
+
+
+@pytest.mark.slow
+def test_the_damping_comes_down_from_max_damping():
+    """At max_damping (where a run of rejected steps puts it) an update rounds away in float32:
+    the loss after it equals the loss before. rho counts that as agreement, so Levenberg-
+    Marquardt lowers the damping (it had read rho = 0 and raised it for good)."""
+    plan = zoo_plan("mlp_classifier", hidden=(16, 16))
+    x, y = ZOO["mlp_classifier"].make_data(1024, seed=0)
+    tr = Trainer(plan, optimizer="kfac", threads=1, seed=0, damping=1e8)
+    for s in range(60):
+        rows = slice(64 * (s % 16), 64 * (s % 16 + 1))
+        m = tr.step({"input": x["input"][rows]}, y[rows])
+    assert m["damping"] < 1e8 * 0.95 ** 50  # the rule's pace: one omega = 0.95^5 every 5th step
 
 
 def test_optimizer_defaults_and_validation():

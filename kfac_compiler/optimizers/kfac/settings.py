@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from kfac_compiler.contract import estimation_mode
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.optimizers import groups
@@ -297,6 +299,9 @@ def lm_adapt(damping: float, rho: float, cfg: KfacConfig) -> float:
     return min(max(damping, cfg.min_damping), cfg.max_damping)
 
 
+LOSS_RESOLUTION = 16 * float(np.finfo(np.float32).eps)  # a few ulps of the float32 batch loss
+
+
 def reduction_ratio(loss_old: float, loss_new: float, qmodel_change: float, update_norm: float,
                     damping: float, include_damping: bool) -> float:
     """rho = (loss_new - loss_old) / predicted change.
@@ -310,7 +315,15 @@ def reduction_ratio(loss_old: float, loss_new: float, qmodel_change: float, upda
         change = qmodel_change - 0.5 * damping * update_norm * update_norm
     if not (math.isfinite(change) and math.isfinite(loss_new) and math.isfinite(loss_old)):
         return float("nan")
+    # an update below float32's resolution (the damping at max_damping after a run of rejected
+    # steps: parameters + update rounds to the parameters, or the loss to the same value)
+    # measures nothing: 0 / tiny would raise the damping for ever; it counts as agreement, so
+    # that the damping comes down
+    actual = loss_new - loss_old
+    resolution = LOSS_RESOLUTION * max(abs(loss_old), abs(loss_new))
+    if actual == 0 or (abs(change) <= resolution and abs(actual) <= resolution):
+        return 1.0
     if change >= 0:
         # the model predicts no decrease: rho is meaningless; treat as "model untrustworthy"
         return float("nan") if loss_new > loss_old else 1.0
-    return (loss_new - loss_old) / change
+    return actual / change
