@@ -139,21 +139,40 @@ def test_qmodel_decays_the_weights_by_its_learning_rate(mlp, first_steps):
 
 
 @pytest.mark.slow
-def test_loss_after_with_l2_and_decay_is_the_objective_at_the_decayed_parameters(mlp):
+def test_loss_after_with_l2_and_decay_is_the_objective_at_the_undecayed_update(mlp):
     """Damping adaptation's loss after the step with l2_reg and decoupled decay: the batch's
-    loss at the new (decayed) parameters plus l2 (|theta1|^2 - |theta0|^2) / 2, the change of
-    the objective the quadratic model describes."""
+    loss at theta0 + u (u the update, which the decay-free run takes; the quadratic model does
+    not describe the decay) plus l2 (|theta0 + u|^2 - |theta0|^2) / 2, the change of the
+    objective the model describes; the parameters applied are the decayed ones."""
     plan, x, y = mlp
-    l2 = 1e-2
-    tr = Trainer(plan, optimizer="kfac", l2_reg=l2, decoupled_weight_decay=0.2, reject_increase=False,
-                 stats_batch_size=None, threads=1)
+    l2, wd = 1e-2, 0.2
+    knobs = dict(optimizer="kfac", l2_reg=l2, reject_increase=False, stats_batch_size=None, threads=1)
+    tr = Trainer(plan, decoupled_weight_decay=wd, **knobs)
+    plain = Trainer(plan, **knobs)
     theta0 = f64(tr.parameters())
     xb, yb = {"input": x[:64]}, y[:64]
     m = tr.step(xb, yb)  # step 0 adapts the damping: it reports new_loss
-    theta1 = f64(tr.parameters())
-    want = tr.evaluate(xb, yb)["loss"] + l2 / 2 * (norm(theta1) ** 2 - norm(theta0) ** 2)
-    assert m["rejected"] == 0 and m["learning_rate"] > 0.05  # a decay that matters: alpha w > 1%
+    plain.step(xb, yb)
+    moved = f64(plain.parameters())  # theta0 + u
+    want = plain.evaluate(xb, yb)["loss"] + l2 / 2 * (norm(moved) ** 2 - norm(theta0) ** 2)
+    alpha = m["learning_rate"]
+    assert m["rejected"] == 0 and alpha > 0.05  # a decay that matters: alpha w > 1%
     assert m["new_loss"] == pytest.approx(want, rel=2e-6)
+    assert_close(f64(tr.parameters()), {p: moved[p] - alpha * wd * theta0[p] for p in theta0}, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_decay_with_alpha_w_above_one_zeroes_the_weights_instead_of_flipping_them(mlp, first_steps):
+    """alpha w is capped at 1: (1 - alpha w) theta never turns theta's sign (with w = 30 and
+    alpha > 0.05 the factor was below -0.5), and the host's last_decay, which a checkpoint
+    stores and a roll-back divides by, stays in [0, 1]."""
+    plan, x, y = mlp
+    knobs, theta0, m0, theta1 = first_steps
+    tr = Trainer(plan, optimizer="kfac", decoupled_weight_decay=30.0, **knobs)
+    m = tr.step({"input": x[:64]}, y[:64])
+    assert m["rejected"] == 0 and m["learning_rate"] * 30.0 > 1.5
+    assert_close(f64(tr.parameters()), {p: theta1[p] - theta0[p] for p in theta0}, rtol=1e-5)  # 0 theta + u
+    assert tr.policy.last_decay == 1.0
 
 
 @pytest.mark.parametrize("knobs,message", [

@@ -441,7 +441,7 @@ class Kfac(Optimizer):
                 metrics["rolled_back"] = 1.0 if self.roll_back(data) else 0.0
         else:
             self.unchecked_update = not adapt
-            self.last_decay = max(float(metrics["learning_rate"]), 0.0) * cfg.decoupled_weight_decay
+            self.last_decay = min(max(float(metrics["learning_rate"]), 0.0) * cfg.decoupled_weight_decay, 1.0)
             tr.applied_steps += 1
             self.groups.applied()
             self.recent_losses.append(float(metrics["loss"]))

@@ -354,8 +354,9 @@ def update_stage(em: Emission, lay: Layout, local: Local, pre: Preconditioned, l
     `loss_after_if`) and the metrics.
     With `loss_limit` a batch loss above hp/loss_limit withholds the step (the spike guard).
     With `decay` the new parameters are (1 - alpha w) theta + update (decoupled weight decay,
-    w = hp/decoupled_weight_decay, alpha = -a the step's learning rate, at least 0), outside
-    the preconditioner and the quadratic model; the velocity and update_norm are the update's.
+    w = hp/decoupled_weight_decay, alpha = -a the step's learning rate, at least 0; alpha w
+    at most 1), outside the preconditioner and the quadratic model; the velocity and
+    update_norm are the update's, and loss_after is taken at theta + update.
 
     The predicted change without the quadratic model is TF K-FAC's
     _compute_approx_qmodel_change, u.g + u.(F + damping) u / 2 with F the approximate Fisher,
@@ -390,14 +391,14 @@ def update_stage(em: Emission, lay: Layout, local: Local, pre: Preconditioned, l
             change = b.add(change, b.mul(b.const(0.5), b.mul(b.mul(a, a), dots("m", "P"))))
     ok_terms = local.ok_terms + [update_sq, a, mu]
     ok_flags: list[str] = []
-    shrink = None  # the decay's fraction alpha w
+    shrink = None  # the decay's fraction alpha w, at most 1 (alpha is unbounded: 1 - alpha w < 0 flipped theta)
     if decay:
-        shrink = b.mul(b.op("Max", [b.neg(a), b.const(0.0)]), em.hp(DECOUPLED_DECAY))
-    new_params = apply_update(em, lay, pre.vectors, a, mu, shrink, dots)
+        shrink = b.op("Min", [b.mul(b.op("Max", [b.neg(a), b.const(0.0)]), em.hp(DECOUPLED_DECAY)), b.const(1.0)])
+    new_params, undecayed = apply_update(em, lay, pre.vectors, a, mu, shrink, dots)
     if loss_limit:  # NaN fails the test too (as it fails the finiteness one)
         ok_flags.append(b.op("LessOrEqual", [loss, em.hp(LOSS_LIMIT)]))
     if loss_after:
-        ok_flags.append(_loss_after(em, local, dots, new_params, a, mu, update_sq, change, l2, shrink,
+        ok_flags.append(_loss_after(em, local, dots, undecayed, a, mu, update_sq, change, l2,
                                     conditional=loss_after_if))
     em.metric(C.LOSS, loss)
     em.metric(C.UPDATE_NORM, b.op("Sqrt", [update_sq]))
@@ -413,34 +414,38 @@ def update_stage(em: Emission, lay: Layout, local: Local, pre: Preconditioned, l
 
 
 def apply_update(em: Emission, lay: Layout, vectors: dict[str, Chunks], a: str, mu: str,
-                 shrink: str | None, dots: Gram | None = None) -> dict[str, str]:
+                 shrink: str | None, dots: Gram | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """The update a P + mu v in `lay`'s chunks, written to the velocity slots, the new
     parameters theta + update (with decoupled decay (1 - shrink) theta + update) to the
     parameters' state outputs, adam's m to the grad_velocity slots; returns the new
-    parameters. In the per-parameter layout the update is one MatMul of (a, mu) with the
-    rows the Gram `dots` stacked (Gram.combine) and a split, instead of two Muls and an Add
-    per parameter (issue 40: 3 of the 4 nodes per parameter the update ran)."""
+    parameters and theta + update (the same without decay: the point damping adaptation
+    judges the model at). In the per-parameter layout the update is one MatMul of (a, mu)
+    with the rows the Gram `dots` stacked (Gram.combine) and a split, instead of two Muls
+    and an Add per parameter (issue 40: 3 of the 4 nodes per parameter the update ran)."""
     b = em.b
     update = None if lay.multi_tensor or dots is None else dots.combine({"P": a, "v": mu})
     if update is None:
         update = lay.map(lambda p, v: {"u": b.add(b.mul(a, p), b.mul(mu, v))}, p=vectors["P"], v=vectors["v"])["u"]
-    theta = vectors["t"]
+    def plus_update(theta: Chunks) -> dict[str, str]:
+        return lay.unpack(lay.map(lambda t, u: {"p": b.add(t, u)}, t=theta, u=update)["p"])
+
+    undecayed = plus_update(vectors["t"])
+    new_params = undecayed
     if shrink is not None:
         keep = b.sub(b.const(1.0), shrink)
-        theta = lay.map(lambda t: {"t": b.mul(keep, t)}, t=theta)["t"]
-    new_params = lay.unpack(lay.map(lambda t, u: {"p": b.add(t, u)}, t=theta, u=update)["p"])
+        new_params = plus_update(lay.map(lambda t: {"t": b.mul(keep, t)}, t=vectors["t"])["t"])
     for p, t in new_params.items():
         em.state_output(p, t)
     lay.write_state(em, C.VELOCITY, update)
     if "m" in vectors:
         lay.write_state(em, C.GRAD_VELOCITY, vectors["m"])
-    return new_params
+    return new_params, undecayed
 
 
 def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, str], a: str, mu: str,
-                update_sq: str, change: str, l2: bool, shrink: str | None = None, conditional: bool = True) -> str:
-    """metric/loss_after: the objective at the new parameters on the same batch, for
-    Levenberg-Marquardt damping, inside an If on hp/loss_after > 0 so that only the
+                update_sq: str, change: str, l2: bool, conditional: bool = True) -> str:
+    """metric/loss_after: the objective at theta + update (`new_params`; without decoupled
+    decay, which the model does not describe) on the same batch, for Levenberg-Marquardt damping, inside an If on hp/loss_after > 0 so that only the
     damping-adaptation steps pay for the forward pass. With l2 it includes the regularizer's
     change l2 (theta.u + |u|^2 / 2), so that loss_after - loss is the change of the objective
     the quadratic model describes. Returns the flag that rejects the step: with
@@ -448,9 +453,10 @@ def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, st
     change| (rho < -1) is not applied (|.|: a sub-batch model can predict a small increase of
     the whole batch's objective, and a step that then lowers it is fine). When the forward
     pass ran, a non-finite loss after the update rejects the step whatever reject_increase
-    says (NaN is also the placeholder of the steps without the forward pass). With decoupled
-    decay (`shrink` d: theta_new = theta + u - d theta) the regularizer's change is that of
-    u - d theta: (1 - d) theta.u + |u|^2 / 2 - d (1 - d / 2) |theta|^2. Without `conditional`
+    says (NaN is also the placeholder of the steps without the forward pass). Judged with
+    the decay, every adaptation step of a run whose decay raised the loss more than the
+    shrinking update's predicted decrease was rejected, the damping grew to max_damping and
+    the decay alone went on: a classifier's loss went back to chance. Without `conditional`
     the forward pass runs unconditionally and hp/loss_after is not read (the If-free step
     kind the host runs on adaptation steps only): the same nodes, so the same values."""
     b = em.b
@@ -461,9 +467,6 @@ def _loss_after(em: Emission, local: Local, dots: Gram, new_params: dict[str, st
         after = em.parts.loss.emit_loss(b, rename(em.output), em.full.y, weights)
         if l2:
             theta_u = b.add(b.mul(a, dots("t", "P")), b.mul(mu, dots("t", "v")))
-            if shrink is not None:
-                theta_u = b.sub(b.mul(b.sub(b.const(1.0), shrink), theta_u),
-                                b.mul(b.mul(shrink, b.sub(b.const(1.0), b.mul(b.const(0.5), shrink))), dots("t", "t")))
             reg = b.add(theta_u, b.mul(b.const(0.5), update_sq))
             after = b.add(after, b.mul(em.hp(C.L2), reg))
         return [after]
