@@ -613,7 +613,7 @@ def _build(args, outputs: list[Output], comm):
         if is_root(comm):
             # room for what is written whole at the end (the metrics file grows row by row: a full
             # disk there stops the run at that step, the other outputs still written)
-            sizes = {"--checkpoint": trainer.store.nbytes() // 2 + (1 << 16),
+            sizes = {"--checkpoint": trainer.store.nbytes(buffers=False) + (1 << 16),
                      "--save": stored_bytes(plan.model) + (1 << 16), "--plot": 1 << 18}
             check_space([(o, sizes[o.option]) for o in outputs if o.option in sizes])
             why = trainer.source_problem() if args.save and args.save_graph == "source" else None

@@ -3,7 +3,11 @@
 ONNX Runtime cannot bind one buffer as both the input and the output of a run, so every
 state slot (a parameter, a velocity, a factor, an inverse, ...) owns TWO OrtValues on the
 device: `current(slot)` is what the next run reads, `spare(slot)` is where a run that writes
-`new/<slot>` puts the result; `flip(slot)` then swaps the roles. Nothing is copied.
+`new/<slot>` puts the result; `flip(slot)` then swaps the roles. Nothing is copied. A slot
+made with `keep_previous` owns THREE, taken in turn: the value before the last flip stays in
+the third until the next flip, through any number of runs that are not flipped (rejected
+steps), so `step_back` restores it exactly (K-FAC's roll-back of an update many times the
+parameters' size, which theta + u - u cannot give back in float32).
 
 Data inputs (the batch, targets, noise, `vec/<p>`) live in pre-allocated device buffers that
 are overwritten in place each step (`OrtValue.update_inplace`: a memcpy on CPU, a host->device
@@ -65,6 +69,9 @@ class StateStore:
         self.device = get_device(device)
         self._buf: dict[str, list[ort.OrtValue]] = {}
         self._cur: dict[str, int] = {}
+        # keep_previous slots whose third buffer does not hold the value before the last flip
+        # (a host write or a step_back since): step_back refuses them
+        self._stale: set[str] = set()
         self._spec: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         # data buffers per channel ("train", "eval", ...): evaluating on a big batch between
         # training steps must not reallocate the training batch's buffers.
@@ -85,14 +92,16 @@ class StateStore:
         self.set_hp(RANKS, float(ranks))
 
     # ------------------------------------------------------------ state slots
-    def add(self, slot: str, array: Any) -> None:
-        """Create (or replace) slot `slot` holding `array`; both buffers get the value."""
+    def add(self, slot: str, array: Any, buffers: int = 2) -> None:
+        """Create (or replace) slot `slot` holding `array`; every buffer gets the value (3
+        buffers: see keep_previous)."""
         a = _contig(array)
         shape, dtype = tuple(a.shape), a.dtype
-        bufs = [_alloc(shape, dtype, self.device), _alloc(shape, dtype, self.device)]
-        bufs[0].update_inplace(a)
-        bufs[1].update_inplace(a)
+        bufs = [_alloc(shape, dtype, self.device) for _ in range(buffers)]
+        for buf in bufs:
+            buf.update_inplace(a)
         self._buf[slot] = bufs
+        self._stale.discard(slot)
         self._cur[slot] = 0
         self.generation = next(_GENERATIONS)
         self._spec[slot] = (shape, dtype)
@@ -110,20 +119,45 @@ class StateStore:
         return self._buf[slot][self._cur[slot]]
 
     def spare(self, slot: str) -> ort.OrtValue:
-        return self._buf[slot][1 - self._cur[slot]]
+        bufs = self._buf[slot]
+        return bufs[(self._cur[slot] + 1) % len(bufs)]
 
     def parity(self, slots: Iterable[str]) -> tuple[int, ...]:
-        """Which buffer of each slot is current (0 or 1)."""
+        """Which buffer of each slot is current (it names the spare too)."""
         return tuple(map(self._cur.__getitem__, slots))
 
     def flip(self, slot: str) -> None:
-        self._cur[slot] ^= 1
+        self.flip_all((slot,))
 
     def flip_all(self, slots: Iterable[str]) -> None:
         """flip() each slot (a step writes ~40 slots: one call, not 40)."""
-        cur = self._cur
+        cur, buf = self._cur, self._buf
         for slot in slots:
-            cur[slot] ^= 1
+            cur[slot] = (cur[slot] + 1) % len(buf[slot])
+        if self._stale:
+            self._stale.difference_update(slots)
+
+    def keep_previous(self, slots: Iterable[str]) -> None:
+        """Give each slot a third buffer (its current value), so that the value before its
+        last flip survives runs that write the spare without flipping (module docstring)."""
+        for slot in slots:
+            if len(self._buf[slot]) == 2:
+                self.add(slot, self.to_numpy(slot), buffers=3)
+
+    def has_previous(self, slots: Iterable[str]) -> bool:
+        """Whether every slot keeps the value before its last flip (keep_previous, and no host
+        write or step_back since that flip)."""
+        return all(len(self._buf[slot]) == 3 and slot not in self._stale for slot in slots)
+
+    def step_back(self, slots: Iterable[str]) -> None:
+        """Make the value before each slot's last flip current again, exactly (has_previous);
+        flip_all undoes it while no run has written the spare since."""
+        slots = list(slots)
+        if not self.has_previous(slots):
+            raise ValueError("step_back: a slot keeps no previous value")
+        for slot in slots:
+            self._cur[slot] = (self._cur[slot] - 1) % 3
+        self._stale.update(slots)
 
     def to_numpy(self, slot: str) -> np.ndarray:
         """A host copy of the slot's current value (never aliases device memory)."""
@@ -146,6 +180,8 @@ class StateStore:
         if tuple(a.shape) != shape:
             raise ValueError(f"state slot {slot!r} has shape {list(shape)}, got {list(a.shape)}")
         self.current(slot).update_inplace(a)
+        if len(self._buf[slot]) == 3:
+            self._stale.add(slot)
 
     def set_parameters(self, params: Iterable[str], values: Mapping[str, Any]) -> None:
         """Overwrite trainable parameters from host arrays, all checked before any is written:
@@ -180,8 +216,10 @@ class StateStore:
     def state_dict(self, slots: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         return {s: self.to_numpy(s) for s in (self.slots() if slots is None else slots)}
 
-    def nbytes(self) -> int:
-        return sum(2 * int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in self._spec.values())
+    def nbytes(self, buffers: bool = True) -> int:
+        """The device bytes of every slot's buffers, or (buffers=False) of one value each."""
+        return sum((len(self._buf[slot]) if buffers else 1) * int(np.prod(s, dtype=np.int64)) * d.itemsize
+                   for slot, (s, d) in self._spec.items())
 
     # ------------------------------------------------------------ data inputs
     def write_data(self, name: str, array: Any, dtype: Any = None, channel: str = "train") -> ort.OrtValue:

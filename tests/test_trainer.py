@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 
 import kfac_compiler as kc
+from helpers import zoo_plan
 from kfac_compiler.errors import ConfigError, DataError, PlanError
 from kfac_compiler.models import ZOO
 from kfac_compiler.optimizers import (
@@ -21,7 +22,6 @@ from kfac_compiler.optimizers import (
     make_config,
     reduction_ratio,
 )
-from helpers import zoo_plan
 from kfac_compiler.runtime import Curvature, Trainer, gradients
 
 

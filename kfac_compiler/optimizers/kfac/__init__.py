@@ -18,7 +18,7 @@ One step k (docs/runtime.md):
     by damping_rejection_factor (10) and reports `rejected: 1`;
   * a step applied without the loss after it (not an adaptation step) is checked by the next
     step's loss: when that is not finite but is finite without the update, the update is undone
-    (theta -= velocity, which holds the last update; velocity = 0) and the step reports
+    (the parameters before it, which their slots' third buffer keeps; velocity = 0) and the step reports
     `rolled_back: 1`, so no update whose loss is non-finite stays applied;
   * the spike guard (loss_spike_factor): the step after such an unchecked update is withheld
     in the graph when its (finite) loss exceeds loss_spike_factor times the largest loss of
@@ -194,6 +194,8 @@ class Kfac(Optimizer):
 
     def build(self) -> None:
         tr = self.trainer
+        if tr.sessions:  # roll_back restores the parameters before an update exactly
+            tr.store.keep_previous(self.flat_params())
         if self.static:  # the step sessions come per batch shape, on first use
             step = tr.declared(KFAC_STEP.name, options=self.step_options())
         else:
@@ -471,8 +473,10 @@ class Kfac(Optimizer):
         return self.cycle.mean_with("loss", loss)
 
     def roll_back(self, data: dict[str, Any], keep: Callable[[float], bool] = math.isfinite) -> bool:
-        """Undo the last applied update (theta = (theta - velocity) / (1 - alpha w), the update
-        and the decoupled decay; velocity = 0, and adam momentum's gradient sum = 0; a parameter
+        """Undo the last applied update (the parameters before it, which their slots' third
+        buffer keeps (StateStore.keep_previous): theta + u - u in float32 loses theta where the
+        update is many times its size, as an update whose next loss overflows is; after a host
+        write, (theta - velocity) / (1 - alpha w), the update and the decoupled decay; velocity = 0, and adam momentum's gradient sum = 0; a parameter
         group's by its rule, Groups.undo) when keep(the
         loss of this batch without it) holds (default: it is finite); else the batch itself is
         bad and the update stays. A host round trip and a forward pass: only after a divergence
@@ -484,18 +488,25 @@ class Kfac(Optimizer):
         # velocity/<p> or the multi-tensor step's flat velocity/* (and adam momentum's grad_velocity)
         kept = {kind: state_values(store, kind, shapes) for kind in (C.VELOCITY, C.GRAD_VELOCITY)}
         velocity = cast(dict, kept[C.VELOCITY])
-        keep_fraction = 1.0 - self.last_decay  # 0 (alpha w = 1 zeroed theta): the decay cannot be undone
-        for p in shapes:
-            before = theta[p].astype(np.float64) - velocity[p]
-            store.set(p, (before / keep_fraction if keep_fraction > 0 else before).astype(theta[p].dtype))
+        exact = store.has_previous(shapes)  # the parameters before the update, in their third buffer
+        if exact:
+            store.step_back(shapes)
+        else:  # a host write since (a checkpoint loaded after the update): undone by arithmetic
+            keep_fraction = 1.0 - self.last_decay  # 0 (alpha w = 1 zeroed theta): the decay cannot be undone
+            for p in shapes:
+                before = theta[p].astype(np.float64) - velocity[p]
+                store.set(p, (before / keep_fraction if keep_fraction > 0 else before).astype(theta[p].dtype))
         for kind, values in kept.items():
             if values is not None:
                 set_state_values(store, kind, {p: np.zeros_like(v) for p, v in values.items()}, shapes)
         grouped = self.groups.undo(store)
         loss = tr.mean_over_ranks(tr.program(C.LOSS_GRAPH).run(store, data, results=False, channel="eval")[C.LOSS])
         if not keep(float(loss)):
-            for p in shapes:
-                store.set(p, theta[p])
+            if exact:  # nothing wrote the spare since: the update's buffer is current again
+                store.flip_all(shapes)
+            else:
+                for p in shapes:
+                    store.set(p, theta[p])
             for kind, values in kept.items():
                 if values is not None:
                     set_state_values(store, kind, values, shapes)
