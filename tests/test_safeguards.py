@@ -244,3 +244,27 @@ def test_default_kfac_does_not_diverge_on_lenet5_mnist():
         if k >= 50:
             late.append(m["loss"])
     assert max(late) < 1.0 and np.median(late) < 0.05, (max(late), np.median(late))
+
+
+def test_a_first_step_whose_statistics_are_refused_starts_over_on_the_next_batch():
+    """A first batch that overflows (inputs x 1e20): its statistics are refused and the step
+    rejected; no inverses come from the empty factors (they had been refreshed to
+    I / damping and served until the periodic refresh), and the next batch runs the first
+    step's procedure: its factors, inverses and update are those of a run that starts on it at
+    the damping the rejection left."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 6)).astype(np.float32)
+    y = np.tanh(x @ rng.standard_normal((6, 2))).astype(np.float32)
+    plan = kc.compile(relu_regression(), loss="squared_error", emit=False)
+    knobs = dict(optimizer="kfac", seed=0, threads=1, mode="empirical")
+    tr = Trainer(plan, **knobs)
+    m0 = tr.step({"x": x * np.float32(1e20)}, y)
+    assert m0["rejected"] == 1.0 and m0["inverse"] == 0.0 and not tr.policy.inverses_ready
+    m1 = tr.step({"x": x}, y)
+    assert m1["rejected"] == 0.0 and m1["inverse"] == 1.0
+    ref = Trainer(plan, **knobs, damping=m1["damping"])
+    ref.step({"x": x}, y)
+    mine, theirs = tr.state(), ref.state()
+    for slot in theirs:
+        if slot in tr.params or slot.startswith(("factor/", "inverse/", "velocity/")):
+            np.testing.assert_allclose(mine[slot], theirs[slot], rtol=1e-5, atol=1e-7, err_msg=slot)

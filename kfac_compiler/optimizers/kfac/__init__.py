@@ -377,10 +377,14 @@ class Kfac(Optimizer):
         w_new = None
         prog = self.step_program(first or not stats, adapt, data)  # (with the Ifs, one program whatever first)
         if first:
-            # the very first step is preconditioned by its own batch: statistics, inverses, step
-            self.run_statistics(data, data)
+            # the very first step is preconditioned by its own batch: statistics, inverses, step;
+            # a batch whose statistics are refused (not finite) leaves the factors empty: no
+            # inverses from them (they made steps of I / damping until the next refresh), and the
+            # next step starts over
+            _, stats_ok = self.run_statistics(data, data)
             feed = tr.noise_placeholders(prog, data)  # the batch is already in the store
-            inverse_ok = self.refresh_inverses()
+            if stats_ok:
+                inverse_ok = self.refresh_inverses()
         elif stats:
             coeff, w_new = ema_coefficient(self.ema_weight, cfg.cov_ema_decay)
             hp[C.EMA_COEFF] = self.cycle.coefficient(coeff)
@@ -418,10 +422,10 @@ class Kfac(Optimizer):
             "rho": float("nan"),
             "rejected": 0.0,
             "stats": 1.0 if (stats or first) else 0.0,
-            "inverse": 1.0 if first else 0.0,
-            "inverse_group": -1.0 if first else float("nan"),  # -1: every group
+            "inverse": 1.0 if first and self.inverses_ready else 0.0,
+            "inverse_group": -1.0 if first and self.inverses_ready else float("nan"),  # -1: every group
             "inverse_ok": inverse_ok,
-            "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first else float("nan"),
+            "inverse_fallbacks": float(len(self.refresher.fallbacks)) if first and self.inverses_ready else float("nan"),
             **C.loss_metrics(out),
             **self.groups.metrics(out, ok, k),
         }
