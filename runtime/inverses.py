@@ -134,9 +134,14 @@ class InverseRefresher:
         previous = {i: store.to_numpy(s) for i, s in items.items()} if warm else None
         state, block_ok = self._block(layer).numpy_power_state(factors, float(damping), self.power, method=method,
                                                                previous=previous)
+        # judged in the slots' dtype: a power finite in float64 can overflow float32 (precon_power
+        # -50 wrote inf into G_inv and reported it ok)
+        with np.errstate(over="ignore"):
+            values = {i: np.asarray(state[i], dtype=store.spec(slot)[1]) for i, slot in items.items()} if block_ok else {}
+        block_ok = bool(block_ok) and all(np.all(np.isfinite(v)) for v in values.values())
         if not block_ok:
             self.failed.append(layer)
-        if block_ok:
-            for i, slot in items.items():
-                store.set(slot, np.asarray(state[i]))
-        return bool(block_ok)
+            return False
+        for i, slot in items.items():
+            store.set(slot, values[i])
+        return True

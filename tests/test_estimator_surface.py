@@ -435,3 +435,17 @@ def test_block_scales_follow_each_blocks_structure():
         assert tied.block_scales()["E"] == pytest.approx(mean_a * np.trace(G) / len(G), rel=1e-5)
         assert tied.update_inverses(1e-3)
         assert np.isfinite(tied.multiply("E", {"E": np.ones((V, D), np.float32)}, damping=1e-3)["E"]).all()
+
+
+@pytest.mark.slow
+def test_a_power_state_beyond_float32_is_not_written():
+    """precon_power -50: (F + damping)^-50 is finite in float64 and overflows float32; the
+    refresh reports it not ok and writes nothing non-finite (inf had been written into the
+    inverse slots, reported ok, and every step reading them rejected)."""
+    e = ZOO["mlp_classifier"]
+    plan = kc.compile(e.build(seed=0, hidden=(16,)), loss=e.loss, output="logits", emit=False)
+    inputs, y = e.make_data(None, seed=0)
+    tr = Trainer(plan, optimizer="kfac", precon_power=-50.0, threads=1)
+    m = tr.step({"input": inputs["input"][:32]}, y[:32])
+    assert m["inverse_ok"] == 0.0
+    assert all(np.all(np.isfinite(v)) for v in tr.state().values())
