@@ -116,7 +116,7 @@ class InverseRefresher:
             for layer in fallbacks:
                 slots = self.emitted_layers[layer]
                 fallback = linalg.FALLBACK_METHOD if self.power == -1 else "eigh"
-                ok = self._refresh_host_block(store, damping, layer, slots, fallback) and ok
+                ok = self._refresh_host_block(store, damping, layer, slots, fallback, float64=True) and ok
         return ok
 
     def _block(self, layer: str) -> Any:
@@ -126,9 +126,13 @@ class InverseRefresher:
         return self.blocks[layer]
 
     def _refresh_host_block(self, store: StateStore, damping: float, layer: str, slots: list[str],
-                            method: str) -> bool:
+                            method: str, float64: bool = False) -> bool:
+        """`float64`: in double precision (a fallback redoes a block beyond the emitted method's
+        accuracy, cond >~ 1e5: float32 Cholesky's error grows like cond eps, 32-38% at 1e8)."""
         # no copies: the block copies what it damps, and nothing writes the slots meanwhile
         factors = {f: store.read_only(s) for f, s in C.layer_slots(store.slots(), C.FACTOR).get(layer, {}).items()}
+        if float64:
+            factors = {f: v.astype(np.float64) for f, v in factors.items()}
         items = {C.parse_slot(s).item: s for s in slots}
         warm = self.warm and method == self.method
         previous = {i: store.to_numpy(s) for i, s in items.items()} if warm else None

@@ -564,8 +564,9 @@ def test_cpu_inverse_is_the_damped_factors_inverse(mlp, method, tol):
 def test_emitted_inverse_beyond_its_accuracy_falls_back_to_host_cholesky(mlp):
     """With damping 1e-9 the first refresh meets factors of cond > 1e5, where the CPU
     default schur's float32 probe residual exceeds linalg.SCHUR_TOL: those blocks are redone
-    by LAPACK Cholesky on the host, so every inverse slot holds the damped factor's inverse
-    (schur's to ~cond^2 eps32, Cholesky's to ~cond eps32) and inverse_ok stays 1."""
+    by LAPACK Cholesky on the host in float64, so every inverse slot holds the damped
+    factor's inverse (schur's to ~cond^2 eps32; the fallback's to float32 rounding, where a
+    float32 Cholesky's error grows like cond eps32) and inverse_ok stays 1."""
     plan, x, y = mlp
     d = 1e-9
     tr = Trainer(plan, optimizer="kfac", inv_update_period=100, damping=d, min_damping=d, adapt_damping=False)
@@ -581,7 +582,7 @@ def test_emitted_inverse_beyond_its_accuracy_falls_back_to_host_cholesky(mlp):
     worst_cond = 0.0
     for layer in ("fc1", "fc2", "fc3"):
         for name, (err, cond) in damped_inverse_errors(tr, layer, d).items():
-            assert err < 1e-2, (layer, name, err)  # measured: at most 3.2e-3
+            assert err < (1e-5 if layer in fallbacks else 1e-2), (layer, name, err)  # schur's: at most 3.2e-3
             if layer in fallbacks:
                 worst_cond = max(worst_cond, cond)
     assert worst_cond > 1e5
