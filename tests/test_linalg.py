@@ -103,6 +103,18 @@ def test_newton_schulz_twin_matches_emitted(rng):
     np.testing.assert_allclose(out["X"], ref, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("n,cond", [(33, 3e6), (129, 1e6), (257, 1e6)])
+def test_newton_schulz_ok_means_its_residual_is_within_the_bound(n, cond, rng):
+    """ok promises ||M X - I||_F / sqrt(n) <= RESIDUAL_TOL (a block that fails it goes to the
+    host fallback): unconverged iterations at cond ~1e6 (residuals 0.14-0.21, errors 51-69%)
+    had been rated ok by a bound sqrt(n) times too loose."""
+    M = spd(rng, n, cond, (3,)).astype(np.float32)
+    out = run_graph(lambda b: dict(zip(("X", "ok"), linalg.emit_newton_schulz(b, "M", n))), {"M": M})
+    for m, x, ok in zip(M.astype(np.float64), out["X"].astype(np.float64), out["ok"]):
+        residual = np.linalg.norm(m @ x - np.eye(n)) / np.sqrt(n)
+        assert not ok or residual <= linalg.RESIDUAL_TOL, residual
+
+
 @pytest.mark.parametrize("method", linalg.EMITTED_METHODS)
 def test_emitted_guard_nan_inf_singular(method, rng):
     M = spd(rng, 6, 10.0, (4,)).astype(np.float32)
