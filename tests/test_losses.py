@@ -257,6 +257,9 @@ def test_unknown_loss_and_bad_variance_are_one_line_errors():
         make_loss("hinge")
     with pytest.raises(ConfigError, match="variance must be > 0"):
         make_loss("squared_error", variance=0.0)
+    for scale in (float("inf"), 1e-45, 1e31):  # inf: a loss of 0 for any output; 1e-45: inf
+        with pytest.raises(ConfigError, match=r"variance must be in \[1e-30, 1e\+30\]"):
+            make_loss("squared_error", variance=scale)
 
 
 def test_squared_error_variance_scales_loss_and_fisher():

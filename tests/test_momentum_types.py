@@ -166,6 +166,7 @@ def test_update_sequence_equals_tf_kfacs_rule(mlp, kind, lr, norm_constraint):
     (dict(momentum_type="qmodel_fixedmu", norm_constraint=1e-3), "norm_constraint (KL clipping) only applies"),
     (dict(momentum_type="adam"), "momentum_type='adam' (use_qmodel=False) needs a learning_rate"),
     (dict(momentum_type="qmodel_fixedmu", momentum=1.0), "'momentum' must be in [0, 1)"),
+    (dict(damping_adaptation_decay=0.0), "'damping_adaptation_decay' must be in (0, 1), got 0.0"),
 ])
 def test_bad_momentum_type_combinations_are_one_line(knobs, message):
     with pytest.raises(ConfigError) as e:

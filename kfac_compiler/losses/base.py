@@ -61,12 +61,18 @@ class LossOption:
         return "--" + self.name.replace("_", "-")
 
 
+SCALE_RANGE = (1e-30, 1e30)  # a loss scale option's values: it and its inverse normal float32 numbers
+
+
 def positive_number(value: Any) -> float:
     """Check for options that scale a loss (a variance, a rate)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError("must be a number")
     if not value > 0:
         raise ValueError("must be > 0")
+    if not SCALE_RANGE[0] <= value <= SCALE_RANGE[1]:  # inf gave a loss of 0 for any output, 1e-45 inf
+        raise ValueError(f"must be in [{SCALE_RANGE[0]:g}, {SCALE_RANGE[1]:g}] (the float32 graphs scale by it "
+                         "and by its inverse)")
     return float(value)
 
 

@@ -285,7 +285,7 @@ def check_nonnegative(name: str, v: Any) -> None:
 def check_unit(name: str, v: Any, closed_low: bool = True) -> None:
     x = check_number(name, v)
     if not ((0 <= x if closed_low else 0 < x) and x < 1):
-        raise ConfigError(f"optimizer option {name!r} must be in [0, 1), got {v!r}")
+        raise ConfigError(f"optimizer option {name!r} must be in {'[' if closed_low else '('}0, 1), got {v!r}")
 
 
 def check_int(name: str, v: Any, low: int, high: int | None = None, why: str = "") -> None:
