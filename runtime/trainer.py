@@ -485,8 +485,11 @@ class Trainer:
         return _in_source_float_type(model, values), values
 
     def _warn_layout(self, why: str) -> None:
-        """Warn that the plan's graph, written instead of the source (`why`), holds parameters
-        of the user's model in its own layout (graph.held_elsewhere), naming the first."""
+        """Warn that the plan's graph is written instead of the source (`why`): where it holds
+        parameters of the user's model in its own layout (graph.held_elsewhere), naming the
+        first; else, where the plan came from a file, that the file's other outputs, inputs and
+        nodes are not in it (a moved or deleted source, or untied parameters, had written the
+        canonical graph without a word)."""
         import warnings
 
         from kfac_compiler.graph import held_elsewhere
@@ -498,6 +501,11 @@ class Trainer:
             warnings.warn(f"export: the plan's graph is written ({why}); it holds {len(held)} of the source's "
                           f"initializers in its own layout ({name} {list(h['shape'])} as {where}); export from a plan "
                           "compiled from the unchanged source file to get them back in the source's", stacklevel=4)
+        elif self.plan.source_path:
+            warnings.warn(f"export: the plan's graph is written, not the source model {self.plan.source_path!r} "
+                          f"({why}): it holds the trained output and what feeds it, none of the source's other "
+                          "outputs, inputs or nodes; export with the unchanged source in place to get them",
+                          stacklevel=4)
 
     def source_problem(self) -> str | None:
         """Why the source graph cannot take the trained values (None: it can)."""

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import pytest
 
+import kfac_compiler as kc
 from helpers import Lines
 from kfac_compiler.cli import main
 from kfac_compiler.errors import ConfigError
@@ -751,3 +752,18 @@ def test_save_graph_source_without_a_source_fails_before_training(tmp_path, caps
     assert error_line(err) == ("error: --save-graph source: cannot export the source graph: the plan was compiled "
                                "from an in-memory model; use --save-graph plan (or auto)")
     assert not (tmp_path / "out.onnx").exists() and not metrics.exists()
+
+
+def test_an_export_without_its_source_says_it_writes_the_plans_graph(tmp_path):
+    """A plan compiled from a file whose source is gone (a plan folder moved without it, the
+    model deleted): the export is the plan's graph, the trained output and what feeds it,
+    which a warning says (it had been written with none: the file's other outputs, inputs and
+    nodes lost silently)."""
+    src = save_model("mlp_classifier", tmp_path / "m.onnx", hidden=(8,))
+    plan = kc.compile(src, loss="softmax_cross_entropy", output="logits", emit=False)
+    os.remove(src)
+    tr = Trainer(plan, optimizer="sgd", threads=1)
+    with pytest.warns(UserWarning, match=r"export: the plan's graph is written, not the source model .*m\.onnx' "
+                                         r"\(.*\): it holds the trained output"):
+        tr.export(str(tmp_path / "out.onnx"))
+    assert [o.name for o in onnx.load(str(tmp_path / "out.onnx")).graph.output] == ["logits"]
