@@ -381,7 +381,7 @@ def _cost_lines(costs: dict[str, Any]) -> list[str]:
     step = base + costs["qmodel_flops"] + costs["curvature_flops_per_step"]
     return [
         f"cost at batch {costs['batch_size']} (statistics on {costs['stats_batch_size']}; budget.overhead "
-        f"{costs['overhead_budget']:g}), in the model's forward+backward ({base / 1e9:.3g} GFLOP): preconditioning "
+        f"{costs['overhead_budget']:g}), in the layers' forward+backward ({base / 1e9:.3g} GFLOP, 3x their forward: parameter-free MatMuls such as attention's left out): preconditioning "
         f"{apply / base:.2f}x, statistics {stats / base:.2f}x / {s} = {stats / s / base:.2f}x, inverses "
         f"{inv / base:.2f}x / {r} = {inv / r / base:.2f}x: curvature {costs['overhead']:.2f}x; with the quadratic "
         f"model a K-FAC step ~{step / base:.1f}x an SGD step in FLOPs"
