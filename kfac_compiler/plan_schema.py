@@ -194,6 +194,10 @@ def check_plan(plan: Plan, plan_json: str) -> None:
         fail("layers", f"trainable parameter {unowned[0]!r} is in no layer")
     if plan.output not in tensors:
         fail("output", f"the model has no tensor named {plan.output!r}")
+    outputs = [o.name for o in g.output]
+    if plan.output not in outputs:  # the canonical model ends at the trained output
+        fail("output", f"{plan.output!r} is not the plan model's output {outputs}")
+    _check_stored_factors(plan, fail)
     data_inputs = [vi.name for vi in plan.data_inputs]
     declared = [t.name for t in plan.inputs]
     if sorted(declared) != sorted(data_inputs):
@@ -203,6 +207,24 @@ def check_plan(plan: Plan, plan_json: str) -> None:
     except KfacError as e:
         fail("loss", str(e))
     _check_schedule(plan, fail)
+
+
+def _check_stored_factors(plan: Plan, fail) -> None:
+    """The stored subgraphs' factor slots are the layers' factors as plan.json lists them
+    (an edited factor list or shape had been shown by inspect while the graphs trained
+    the compiled ones)."""
+    from kfac_compiler import contract as C
+
+    listed = {layer: {f.name: tuple(f.shape) for f in specs} for layer, specs in plan.factors.items() if specs}
+    for name, info in plan.subgraph_info.items():
+        for slot, spec in info.state_specs.items():
+            parsed = C.parse_slot(slot)
+            if parsed.kind != C.FACTOR or parsed.owner not in listed:
+                continue
+            want = listed[parsed.owner].get(parsed.item)
+            if want is None or want != tuple(spec.shape):
+                fail(f"layers[{parsed.owner!r}].factors", f"subgraph {name!r} keeps factor {parsed.item!r} of shape "
+                     f"{list(spec.shape)}, which the layer lists as {list(want) if want else 'absent'}")
 
 
 def _check_schedule(plan: Plan, fail) -> None:

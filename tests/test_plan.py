@@ -192,3 +192,35 @@ def test_save_never_replaces_or_drops_the_source_model_or_its_external_data(tmp_
         plan.save(tmp_path, overwrite=True)
     assert (tmp_path / "model.onnx.data").read_bytes() == weights and not (tmp_path / "plan.json").exists()
     plan.save(tmp_path / "plan")  # elsewhere: fine
+
+
+EDITS = {
+    "factor_shape": (lambda d: d["layers"][0]["factors"][0].__setitem__("shape", [4, 4]),
+                     r"layers\['fc1'\]\.factors: subgraph '.*' keeps factor 'A' of shape \[65, 65\], which the layer "
+                     r"lists as \[4, 4\]"),
+    "dropped_factor": (lambda d: d["layers"][0].__setitem__("factors", d["layers"][0]["factors"][:1]),
+                       r"keeps factor 'G' of shape \[8, 8\], which the layer lists as absent"),
+    "approximation": (lambda d: d["layers"][0].__setitem__("approximation", "diagonal"),
+                      r"the plan's layer 'fc1' lists factors \[\('A', \(65, 65\)\), \('G', \(8, 8\)\)\] but its "
+                      r"approximation 'diagonal' has \[\('diag', \(8, 65\)\)\]"),
+    "output": (lambda d: d.__setitem__("output", "fc1/Gemm:0"), r"output: 'fc1/Gemm:0' is not the plan model's output"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_plan_json_edited_to_contradict_its_graphs_is_refused(tmp_path, edit):
+    """plan.json's factors, approximation or output edited against the stored graphs: one
+    PlanError (inspect had shown the edit while the stored graphs trained the compiled plan,
+    and a knob that made the runtime emit a graph mixed both into a ContractError traceback;
+    an edited output trained `logits` while predict returned fc1's). The approximation is
+    checked where its blocks are made (inspect, the emission service, host refreshes:
+    plan_blocks); the stored graphs train what the factors say."""
+    src = save_model("mlp_classifier", tmp_path / "m.onnx", hidden=(8,))
+    out = kc.compile(src, loss="softmax_cross_entropy", output="logits").save(tmp_path / "plan")
+    path = os.path.join(out, "plan.json")
+    doc = json.load(open(path))
+    change, message = EDITS[edit]
+    change(doc)
+    json.dump(doc, open(path, "w"))
+    with pytest.raises(PlanError, match=message):
+        plan_blocks(load_plan(out))

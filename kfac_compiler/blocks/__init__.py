@@ -40,11 +40,24 @@ def plan_blocks(plan: Any, layers: Sequence[str] | None = None) -> dict[str, Fis
     if missing:
         raise PlanError(f"the plan has no layer {missing[0]!r}")
     shapes, view = plan.param_shapes, plan.view()
-    return {
+    blocks = {
         name: make_block(known[name], {p: shapes[p] for p in known[name].params},
                          [view.shape(u.input) for u in known[name].uses], damping_mode=plan.inverse.damping_split)
         for name in (layers if layers is not None else known)
     }
+    for name, block in blocks.items():  # an edited plan.json: its approximation and its factors disagree
+        listed = (getattr(plan, "factors", None) or {}).get(name)
+        if listed is None:
+            continue
+        want = [(f.name, tuple(f.shape)) for f in listed]
+        try:
+            have = [(f.name, tuple(f.shape)) for f in block.factor_specs()]
+        except NotImplementedError:  # a block that does not list its factors (the plan says so in a note)
+            continue
+        if have != want:
+            raise PlanError(f"the plan's layer {name!r} lists factors {want} but its approximation "
+                            f"{known[name].approximation!r} has {have}: the plan file was edited or is corrupt; recompile")
+    return blocks
 
 __all__ = [
     "APPROXIMATIONS",
