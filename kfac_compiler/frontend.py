@@ -42,7 +42,16 @@ from kfac_compiler.passes.trainable import (
 )
 from kfac_compiler.passes.untie import find_copies, report_shared, retie, select_untie, shared_params, untie
 from kfac_compiler.patterns.builtin import normalization_fallback_notes
-from kfac_compiler.plan import LossSpec, Plan, Schedule, TensorSpec, file_sha256, tensor_spec, value_spec
+from kfac_compiler.plan import (
+    LossSpec,
+    Plan,
+    Schedule,
+    TensorSpec,
+    external_signature,
+    file_sha256,
+    tensor_spec,
+    value_spec,
+)
 
 
 def compile_frontend(
@@ -84,17 +93,20 @@ def compile_frontend(
         validate_model(model, checked_output, source=source)
         source_path = None
         source_hash = hashlib.sha256(model.SerializeToString()).hexdigest()
+        source_external: dict[str, list[int]] = {}
     elif isinstance(model_path_or_proto, (str, os.PathLike)):
         source = os.fspath(model_path_or_proto)
         model = load_model(source, checked_output)
         source_path = os.path.abspath(source)
         source_hash = file_sha256(source_path)
+        source_external = external_signature(source_path)
     else:
         raise ModelError(f"expected a model file path or an onnx.ModelProto, got {type(model_path_or_proto).__name__}")
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = _compile(model, source, source_path, source_hash, loss, output, cfg)
+    plan.source_external = source_external
     for w in caught:
         msg = str(w.message)
         if msg not in plan.notes:

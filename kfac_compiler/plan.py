@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +168,7 @@ class Plan:
     dtype: str = "float32"
     source_path: str | None = None
     source_sha256: str = ""
+    source_external: dict[str, list[int]] = field(default_factory=dict)  # external_signature at compile
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     subgraphs: dict[str, onnx.ModelProto] = field(default_factory=dict)
@@ -398,7 +399,8 @@ class Plan:
         """The plan.json document (without the subgraph file entries save() adds)."""
         return {
             "schema_version": self.schema_version,
-            "source": {"path": self.source_path, "sha256": self.source_sha256},
+            "source": {"path": self.source_path, "sha256": self.source_sha256,
+                       **({"external": self.source_external} if self.source_external else {})},
             "model": MODEL_FILE,
             "output": self.output,
             "loss": self.loss.to_json(),
@@ -583,6 +585,36 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def external_signature(model_path: str | os.PathLike) -> dict[str, list[int]]:
+    """{file name: [size, mtime in ns]} of the external-data files of the model at
+    `model_path` ({} without any): its weights can change while the .onnx, which holds only
+    their locations, stays the same byte for byte (a re-export of trained weights). Sizes and
+    times, not hashes: a model with external data is large."""
+    from kfac_compiler.onnx_files import external_files
+
+    folder = os.path.dirname(os.path.realpath(model_path))
+    out = {}
+    for path in external_files(model_path):
+        st = os.stat(path)
+        out[os.path.relpath(path, folder)] = [int(st.st_size), int(st.st_mtime_ns)]
+    return out
+
+
+def source_change(path: str, sha256: str, external: Mapping[str, Sequence[int]] | None) -> str | None:
+    """How the source model at `path` (which exists) differs from the one a plan was compiled
+    from (its sha256 and external-data signature then), or None."""
+    now = file_sha256(path)
+    if now != sha256:
+        return f"its source model {path!r} changed since it was compiled (sha256 {sha256[:12]} then, {now[:12]} now)"
+    if external:
+        current = external_signature(path)
+        for name, then in external.items():
+            if current.get(name) != list(then):
+                return (f"its source model's external data {name!r} (beside {path!r}) changed since it was compiled "
+                        f"({'gone' if name not in current else 'its size or modification time'})")
+    return None
+
+
 def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
     """Read a plan directory; PlanError if missing, unreadable, not of plan.json's schema
     (plan_schema.py), naming a file outside the directory, of another schema version or stale."""
@@ -611,14 +643,12 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
     check_document(doc, pj)
     source = doc["source"]
     src_path, src_hash = source.get("path"), source.get("sha256", "")
+    external = {k: list(v) for k, v in source.get("external", {}).items()}
     if check_source and src_path and os.path.isfile(src_path):
         with os_errors(PlanError, "the plan's source model", src_path, writing=False):
-            now = file_sha256(src_path)
-        if now != src_hash:
-            raise PlanError(
-                f"plan {path!r} is stale: its source model {src_path!r} changed since it was compiled "
-                f"(sha256 {src_hash[:12]} then, {now[:12]} now); recompile"
-            )
+            change = source_change(src_path, src_hash, external)
+        if change is not None:
+            raise PlanError(f"plan {path!r} is stale: {change}; recompile")
     model = _load_onnx(_plan_file(path, pj, "model", doc.get("model", MODEL_FILE)), path)
     layers, factors = [], {}
     for ld in doc["layers"]:
@@ -666,6 +696,7 @@ def load_plan(path: str | os.PathLike, check_source: bool = True) -> Plan:
         dtype=doc.get("dtype", "float32"),
         source_path=src_path,
         source_sha256=src_hash,
+        source_external=external,
         config=doc.get("config", {}),
         notes=list(doc.get("notes", [])),
         subgraphs=subgraphs,

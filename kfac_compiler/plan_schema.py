@@ -56,7 +56,7 @@ _SUBGRAPH = {"file?": str, "inputs?": [_Map(ANY)], "outputs?": [_Map(ANY)], "rea
              "info?": _Map(ANY)}
 DOCUMENT = {
     "schema_version": int,
-    "source": {"path": _Opt(str), "sha256?": str},
+    "source": {"path": _Opt(str), "sha256?": str, "external?": _Map([int])},
     "model?": str,
     "output": str,
     "loss": _Open({"kind": str, "recognised_from?": _Opt(str), "recognised_node?": _Opt(str), "notes?": [str]}),

@@ -509,16 +509,14 @@ class Trainer:
 
     def source_problem(self) -> str | None:
         """Why the source graph cannot take the trained values (None: it can)."""
-        from kfac_compiler.plan import file_sha256
+        from kfac_compiler.plan import source_change
 
         src = self.plan.source_path
         if not src:
             return "the plan was compiled from an in-memory model"
         if not os.path.isfile(src):
             return f"its source {src!r} is gone"
-        if file_sha256(src) != self.plan.source_sha256:
-            return f"its source {src!r} changed since"
-        return None
+        return source_change(src, self.plan.source_sha256, self.plan.source_external)
 
     def _untied_copies(self, model: onnx.ModelProto) -> list[str]:
         names = {t.name for t in model.graph.initializer}

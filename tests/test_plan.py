@@ -224,3 +224,32 @@ def test_a_plan_json_edited_to_contradict_its_graphs_is_refused(tmp_path, edit):
     json.dump(doc, open(path, "w"))
     with pytest.raises(PlanError, match=message):
         plan_blocks(load_plan(out))
+
+
+def test_a_source_whose_external_data_changed_is_stale(tmp_path):
+    """The .onnx of a model with external data holds only the weights' locations: weights
+    rewritten beside a byte-identical .onnx (a re-export of trained weights) made no stale
+    plan, which then trained its compiled values and exported the new file's frozen ones."""
+    rng = np.random.default_rng(0)
+
+    def model(bias: float) -> onnx.ModelProto:
+        g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", ["m", "fb"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+                              [onnx.numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
+                               onnx.numpy_helper.from_array(np.full(3, bias, np.float32), "fb")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    src = str(tmp_path / "m.onnx")
+    onnx.save(model(0.0), src, save_as_external_data=True, location="m.weights", size_threshold=0)
+    out = kc.compile(src, loss="squared_error", output="y", emit=False).save(tmp_path / "plan")
+    load_plan(out)  # unchanged: fine
+    before = open(src, "rb").read()
+    os.makedirs(tmp_path / "again")
+    onnx.save(model(5.0), str(tmp_path / "again" / "m.onnx"), save_as_external_data=True, location="m.weights",
+              size_threshold=0)
+    os.replace(tmp_path / "again" / "m.weights", tmp_path / "m.weights")
+    assert open(src, "rb").read() == before
+    with pytest.raises(PlanError, match=r"is stale: its source model's external data 'm\.weights' \(beside .*\) "
+                                        r"changed since it was compiled \(its size or modification time\); recompile"):
+        load_plan(out)
