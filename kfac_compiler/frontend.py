@@ -222,6 +222,12 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         factors[layer.name] = _factor_specs(layer, shapes, input_shapes(layer, view), cfg, plan_notes)
 
     targets = _targets_spec(loss_fn, value_spec(out_vi), target_input)
+    inits = {t.name for t in canon.graph.initializer}
+    for vi in canon.graph.input:  # steps feed data inputs by rows: a scalar one compiled, then refused every batch
+        tt = vi.type.tensor_type
+        if vi.name not in inits and tt.HasField("shape") and not tt.shape.dim:
+            raise ModelError(f"{source!r}: input {vi.name!r} is a scalar (shape []); training feeds data inputs by "
+                             "rows of examples: give it a batch axis, or make it an initializer if it is fixed")
 
     return Plan(
         model=canon,

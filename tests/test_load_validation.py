@@ -607,3 +607,17 @@ def test_a_model_onnx_runtime_cannot_load_is_one_line():
     with pytest.raises(ModelError, match=r"^ONNX Runtime cannot run the model's own forward pass \(.*re-export") as e:
         gradients(plan, {"input": rng.normal(size=(N, T, IN)).astype(np.float32)}, np.zeros((N, 2), np.float32))
     assert "\n" not in str(e.value)
+
+
+def test_a_scalar_data_input_is_refused_at_compile():
+    """Training feeds data inputs by rows: a scalar input (an If's flag, a temperature)
+    compiled and then every step refused it as "shape []; the model expects []"."""
+    w = onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "W")
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["h"]), onnx.helper.make_node("Mul", ["h", "t"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3]),
+         onnx.helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 2])], [w])
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    with pytest.raises(ModelError, match=r"input 't' is a scalar \(shape \[\]\); training feeds data inputs by rows"):
+        kc.compile(model, loss="squared_error", emit=False)
