@@ -12,7 +12,9 @@
      constant-index lookup of one (Swin's GatherND of its position bias table) is rewritten
      as a Gather of its flattened elements (passes/index_views.py);
   4. Gemm with transA=1 is rewritten as Transpose + Gemm(transA=0), so that every
-     fully connected layer has its input activations as a tensor of shape [batch, in];
+     fully connected layer has its input activations as a tensor of shape [batch, in]; an
+     Einsum that is a dense layer (x with a parameter or its Transpose) becomes a MatMul
+     (passes/einsum.py);
      SplitToSequence read only by SequenceAt at constant positions becomes Split; a conv
      or pool with auto_pad SAME_* and dilations gets explicit pads (ONNX Runtime refuses it);
   5. constant subgraphs (nodes whose inputs are all Constant-node outputs or NON-float
@@ -47,6 +49,7 @@ from kfac_compiler.builder import IR_VERSION, live, outer_reads, subgraphs
 from kfac_compiler.errors import ModelError
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of, fresh_name
 from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
+from kfac_compiler.passes.einsum import einsum_to_matmul
 from kfac_compiler.passes.fold_params import fold_assembled, relayout_ends, shape_dims
 from kfac_compiler.passes.index_views import index_views
 from kfac_compiler.passes.recurrent import lower_recurrent, weight_inputs
@@ -66,6 +69,7 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _name_nodes(m)
     _restrict(m, output)
     _rewrite_gemm_trans_a(m)
+    einsum_to_matmul(m)
     m = infer_shapes(m, keep_going=True)
     _explicit_same_pads(m)
     _split_sequences(m)

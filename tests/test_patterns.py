@@ -357,7 +357,7 @@ def _einsum_pattern() -> Pattern:
     return Pattern(
         name="einsum_dense",
         kind="fully_connected",
-        nodes=(PNode("einsum", "Einsum", where=attr_eq("equation", "bi,oi->bo")), PNode("W", PARAM, where=param_rank(2))),
+        nodes=(PNode("einsum", "Einsum", where=attr_eq("equation", "...i,oi->...o")), PNode("W", PARAM, where=param_rank(2))),
         edges=(PEdge("W", "einsum", (1,)),),
         weight="W",
         input=("einsum", 0),
@@ -367,7 +367,7 @@ def _einsum_pattern() -> Pattern:
 
 
 def test_user_pattern_registration(rng):
-    node = helper.make_node("Einsum", ["x", "W"], ["y"], name="es", equation="bi,oi->bo")
+    node = helper.make_node("Einsum", ["x", "W"], ["y"], name="es", equation="...i,oi->...o")
     model = onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 3, 4)})
     assert one(model)[0].kind == "generic"
     p = register_pattern(_einsum_pattern())
@@ -397,7 +397,7 @@ def test_pattern_attrs_may_reject_with_a_reason(rng):
     def reject(b):
         raise NoMatch("einsum is not supported here")
 
-    node = helper.make_node("Einsum", ["x", "W"], ["y"], name="es", equation="bi,oi->bo")
+    node = helper.make_node("Einsum", ["x", "W"], ["y"], name="es", equation="...i,oi->...o")
     p = _einsum_pattern()
     p = Pattern(**{**{f: getattr(p, f) for f in ("name", "kind", "nodes", "edges", "weight", "input", "output")}, "attrs": reject})
     register_pattern(p)
