@@ -135,8 +135,10 @@ def _cone(view: GraphView, target: str) -> _Cone | None:
     return cone if cone.sources else None
 
 
-# ops whose first output is a re-layout of their first input (the others: constant settings)
-RELAYOUT_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Transpose", "Flatten"})
+# ops whose first output is a re-layout of their first input (the others: constant settings);
+# a Slice is one where it reverses an axis (flax's ConvTranspose flips its kernel with steps
+# -1): fold_assembled folds only chains whose result is a permutation of the initializer
+RELAYOUT_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Transpose", "Flatten", "Slice"})
 
 
 def relayout_ends(model: onnx.ModelProto) -> list[str]:

@@ -50,6 +50,17 @@ def _static(d: Any) -> bool:
     return isinstance(d, int) and d > 0
 
 
+def _fixed_batch_hint(shape: tuple, dims: list[Any]) -> str:
+    """Where only a static batch dimension disagrees: the model was exported with a fixed batch
+    (jax2onnx without a symbolic one, torch without dynamic axes), which is worth saying."""
+    if len(shape) != len(dims) or not dims or not _static(dims[0]) or shape[0] == dims[0]:
+        return ""
+    if any(_static(d) and shape[i] != d for i, d in enumerate(dims) if i):
+        return ""
+    return (f" (its batch dimension is fixed at {dims[0]}, as it was exported: re-export it with a symbolic batch "
+            "axis to train on other batch sizes and evaluate whole datasets)")
+
+
 def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any, targets: Any) -> dict[str, np.ndarray]:
     """{input name: array, ..., "targets": array} after structural checks (DataError)."""
     if not isinstance(inputs, Mapping):
@@ -67,7 +78,8 @@ def prepare_batch(input_specs: Mapping[str, tuple[list[Any], int]], inputs: Any,
             raise DataError(f"input {name!r} has shape {list(a.shape)}; the model expects rank {len(dims)} ({dims})")
         for i, d in enumerate(dims):
             if _static(d) and a.shape[i] != d:
-                raise DataError(f"input {name!r} has shape {list(a.shape)}; the model expects {dims}")
+                raise DataError(f"input {name!r} has shape {list(a.shape)}; the model expects {dims}"
+                                f"{_fixed_batch_hint(a.shape, dims)}")
         if a.ndim:
             if batch is None:
                 batch = a.shape[0]
@@ -259,7 +271,8 @@ def convert_input(name: str, dims: list[Any], et: int, value: Any, source: str, 
         bad = int(np.sum(~np.isfinite(a)))
         raise DataError(f"{source}: array {name!r} contains {bad} NaN/Inf value(s)")
     if a.ndim != len(dims) or a.ndim == 0 or any(_static(d) and a.shape[i] != d for i, d in enumerate(dims)):
-        raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}")
+        raise DataError(f"{source}: array {name!r} has shape {list(a.shape)}; the model expects {dims}"
+                        f"{_fixed_batch_hint(a.shape, dims)}")
     dtype = np.float32 if et in _FLOAT_TYPES else (np.int64 if et == TensorProto.INT64 else
                                                     onnx.helper.tensor_dtype_to_np_dtype(et))
     if a.dtype != dtype:  # already the input's dtype (every step's batch, mostly): nothing to lose

@@ -16,7 +16,7 @@ from onnx import external_data_helper
 
 import kfac_compiler as kc
 from kfac_compiler.cli import main
-from kfac_compiler.errors import CheckpointError, ConfigError, ModelError, PlanError
+from kfac_compiler.errors import CheckpointError, ConfigError, DataError, ModelError, PlanError
 from kfac_compiler.models import ZOO, save_model
 from kfac_compiler.plan import load_plan
 from kfac_compiler.runtime import Trainer
@@ -621,3 +621,22 @@ def test_a_scalar_data_input_is_refused_at_compile():
     model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
     with pytest.raises(ModelError, match=r"input 't' is a scalar \(shape \[\]\); training feeds data inputs by rows"):
         kc.compile(model, loss="squared_error", emit=False)
+
+
+def test_a_batch_of_another_size_than_a_fixed_batch_model_says_how_it_was_exported():
+    """A model exported with a fixed batch (jax2onnx without a symbolic one) refuses other
+    batch sizes with a line that says so and what to do (it had said only 'the model expects
+    [4, 3]')."""
+    from kfac_compiler.runtime import Trainer
+
+    w = onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "W")
+    g = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                               [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 3])],
+                               [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 2])], [w])
+    plan = kc.compile(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)]),
+                      loss="squared_error", emit=False)
+    tr = Trainer(plan, optimizer="sgd", threads=1)
+    tr.step({"x": np.ones((4, 3), np.float32)}, np.zeros((4, 2), np.float32))
+    with pytest.raises(DataError, match=r"the model expects \[4, 3\] \(its batch dimension is fixed at 4, as it was "
+                                        r"exported: re-export it with a symbolic batch axis"):
+        tr.step({"x": np.ones((8, 3), np.float32)}, np.zeros((8, 2), np.float32))

@@ -91,8 +91,20 @@ def shared_transpose_model(seed: int = 0) -> onnx.ModelProto:
     return _model(nodes, inits, ("N", C))
 
 
+def flipped_model(seed: int = 0) -> onnx.ModelProto:
+    """A weight W [C, 4] read through a Slice that reverses its rows (steps -1: flax's
+    ConvTranspose flips its kernel so), then MatMul(x, .)."""
+    rng = np.random.default_rng(seed)
+    inits = {"W": rng.standard_normal((C, 4)), "u": rng.standard_normal((N, 4)), "starts": np.array([-1]),
+             "ends": np.array([-(2 ** 62)]), "axes": np.array([0]), "steps": np.array([-1])}
+    nodes = [helper.make_node("Slice", ["W", "starts", "ends", "axes", "steps"], ["Wf"]),
+             helper.make_node("MatMul", ["x", "Wf"], ["a"]),
+             helper.make_node("Mul", ["a", "u"], ["au"]), helper.make_node("ReduceSum", ["au"], ["loss"], keepdims=0)]
+    return _model(nodes, inits, ("N", C))
+
+
 MODELS = {"affine": (affine_model, ("w", "b"), (N, C, S, S)), "table": (table_model, ("table",), (N, HEADS, W * W, W * W)),
-          "shared_transpose": (shared_transpose_model, ("W",), (N, C))}
+          "shared_transpose": (shared_transpose_model, ("W",), (N, C)), "flipped": (flipped_model, ("W",), (N, C))}
 
 
 @pytest.mark.parametrize("case", sorted(MODELS))
@@ -109,6 +121,8 @@ def test_views_fold_into_initializers_that_keep_the_parameters_names(case):
         assert inits["w"].shape == inits["b"].shape == (C, 1, 1)
     elif case == "shared_transpose":
         assert "Transpose" not in ops and inits["W"].shape == (C, 4)
+    elif case == "flipped":
+        assert "Slice" not in ops and inits["W"].shape == (C, 4)
     else:
         assert not ops & {"GatherND", "Transpose", "Reshape", "Unsqueeze"} and "Gather" in ops
         assert inits["table"].shape == ((2 * W - 1) ** 2 * HEADS,)
@@ -150,7 +164,7 @@ def test_views_get_structured_blocks(case):
     plan = kc.compile(make(), loss="squared_error", output="a", emit=False)
     layers = [(layer.kind, layer.params, len(layer.uses)) for layer in plan.layers]
     assert layers == {"affine": [("scale_and_shift", ("w", "b"), 1)], "table": [("broadcast", ("table",), 1)],
-                      "shared_transpose": [("fully_connected", ("W",), 2)]}[case]
+                      "shared_transpose": [("fully_connected", ("W",), 2)], "flipped": [("fully_connected", ("W",), 1)]}[case]
     assert all(plan.holders(p) == [p] for p in params)
 
 
