@@ -23,7 +23,8 @@ Policies (docs/frontend.md, "Linking"):
   * every trainable parameter left over gets a generic layer of its own.
 Layer names: the weight's name with one trailing ".weight", ".kernel", ".scale", ".gamma",
 "/weight", "/kernel", "/scale", "/gamma", "_weight" or a weight norm's v (".weight_v",
-".parametrizations.weight.original1") removed ("fc1.weight" -> "fc1",
+".parametrizations.weight.original1") or tf2onnx's "/<op>/ReadVariableOp:0" removed ("fc1.weight" -> "fc1",
+"sequential/dense/MatMul/ReadVariableOp:0" -> "sequential/dense",
 "enc1.kernel" -> "enc1", "ln1.scale" -> "ln1"); when that is empty or collides with another
 layer or parameter name, the full weight name. A user link is named by its `name` or by its
 parameters joined with "+". Layers are ordered by their first node in the graph.
@@ -31,6 +32,7 @@ parameters joined with "+". Layers are ordered by their first node in the graph.
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Iterable
 
@@ -48,12 +50,23 @@ WEIGHT_SUFFIXES = (".weight", ".kernel", ".scale", ".gamma", "/weight", "/kernel
 _PER_USE_ATTRS = ("scale_input",)
 
 
-def layer_base_name(weight: str) -> str:
-    """The readable layer name derived from a weight name (before collision checks)."""
-    for suffix in WEIGHT_SUFFIXES:
-        if weight.endswith(suffix) and len(weight) > len(suffix):
-            return weight[: -len(suffix)]
-    return weight
+# tf2onnx's names: '<model>/<layer>/<TF op>/ReadVariableOp:0' ('.../dense/MatMul/ReadVariableOp:0')
+_TF2ONNX_TAIL = re.compile(r"/ReadVariableOp(/resource)?(:\d+)?$")
+
+
+def layer_base_names(weight: str) -> list[str]:
+    """Readable layer names derived from a weight name, the shortest first: a collision
+    moves a layer to the next (tf2onnx's '<layer>/<op>/ReadVariableOp:0': '<layer>', then
+    '<layer>/<op>', as a kernel and a bias of one Keras layer in layers of their own); the
+    weight's own name last."""
+    names = []
+    tf = _TF2ONNX_TAIL.sub("", weight)
+    if tf != weight and tf:
+        head = tf.rpartition("/")[0]
+        names += [head, tf] if head else [tf]
+    else:
+        names += [weight[: -len(sfx)] for sfx in WEIGHT_SUFFIXES if weight.endswith(sfx) and len(weight) > len(sfx)][:1]
+    return list(dict.fromkeys([*names, weight]))
 
 
 def link_params(
@@ -337,15 +350,20 @@ def _assign_names(layers: list[Layer], user_layers: list[Layer], trainable: list
     for name in fixed:
         if fixed.count(name) > 1:
             raise ConfigError(f"links: two links are named {name!r}")
-    base = [layer_base_name(l.weight) for l in layers]
-    counts: dict[str, int] = {}
-    for n in base + fixed:
-        counts[n] = counts.get(n, 0) + 1
-    out = []
-    for layer, name in zip(layers, base):
-        if counts[name] > 1 or (name in params and name != layer.weight):
-            name = layer.weight
-        out.append(dataclasses.replace(layer, name=name))
+    choices = [layer_base_names(l.weight) for l in layers]
+    level = [0] * len(layers)
+    while True:  # each colliding layer moves to its next, longer name
+        names = [c[lv] for c, lv in zip(choices, level)]
+        counts: dict[str, int] = {}
+        for n in names + fixed:
+            counts[n] = counts.get(n, 0) + 1
+        clash = [i for i, n in enumerate(names) if (counts[n] > 1 or (n in params and n != layers[i].weight))
+                 and level[i] < len(choices[i]) - 1]
+        if not clash:
+            break
+        for i in clash:
+            level[i] += 1
+    out = [dataclasses.replace(layer, name=name) for layer, name in zip(layers, names)]
     taken = {l.name for l in out}
     for l in user_layers:
         if l.name in taken:
