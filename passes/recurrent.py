@@ -86,6 +86,15 @@ def _weight_slot(node: onnx.NodeProto, slot: int) -> bool:
     return slot in (1, 2, 3) or (slot == 7 and node.op_type == "LSTM")
 
 
+def lowered_pieces(model: onnx.ModelProto) -> set[str]:
+    """The initializers the lowering cut out of fused ops' weights (the metadata record). They
+    are one tensor of the user's model, read by the lowering's own per-step nodes: equal pieces
+    (a Keras Bidirectional LSTM's two directions' biases at initialisation) are no exporter's
+    copies, and their sharing is no exporter's merge."""
+    record = json.loads({p.key: p.value for p in model.metadata_props}.get(METADATA_KEY, "{}"))
+    return {piece[0] for pieces in record.values() for piece in pieces}
+
+
 def weight_inputs(model: onnx.ModelProto) -> list[str]:
     """The recurrent ops' weight inputs (W, R, B, P) that are computed, not initializers: what
     passes/fold_params.py may fold into initializers before the lowering."""

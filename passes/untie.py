@@ -41,6 +41,7 @@ from kfac_compiler.config import compile_patterns
 from kfac_compiler.errors import ConfigError
 from kfac_compiler.graph import GraphView
 from kfac_compiler.onnx_files import tensor_array
+from kfac_compiler.passes.recurrent import lowered_pieces
 
 UNTIE_ALL = "all"
 UNTIE_UNIFORM = "uniform"  # the shared parameters whose values are all equal (likely merges)
@@ -152,7 +153,15 @@ def find_copies(view: GraphView, params: list[str]) -> dict[str, tuple[str, bool
 
     Only parameters whose shape and type another parameter has (or, for matrices, transposed)
     are read: a 2.2 GB embedding table without a peer was read, copied twice and hashed (30 of
-    a 48 s compile)."""
+    a 48 s compile).
+
+    The recurrent lowering's pieces (passes/recurrent.py) are never copies or originals: they
+    are parts of one tensor of the user's model, equal at a Keras initialisation (a
+    Bidirectional LSTM's two directions' biases), and the exported model has no way to hold
+    one as a copy of another (it wrote the reverse bias as 0)."""
+    pieces = lowered_pieces(view.model)
+    params = [p for p in params if p not in pieces]
+
     def spec(name: str, transposed: bool = False) -> tuple:
         shape = view.static_shape(name)
         return (shape[::-1] if transposed else shape, view.dtypes[name])

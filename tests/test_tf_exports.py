@@ -1,0 +1,53 @@
+"""tf2onnx exports of small Keras models against TensorFlow's own gradients
+(tests/fixtures/tf, README there).
+
+With the squared-error loss (variance 1) at targets y = z - u, `kc.gradients` returns the
+ONNX gradient of sum(z * u) times 1/N, which is TF's `tape.gradient(sum(out * u), var)`
+once the initializer's layout is undone."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+import kfac_compiler as kc
+from helpers import run_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tf"
+
+
+def fixture(stem: str) -> tuple[str, dict[str, np.ndarray]]:
+    path = FIXTURES / f"{stem}.onnx"
+    return str(path), dict(np.load(FIXTURES / f"{stem}.npz"))
+
+
+def source_gradients(path: str, data: dict[str, np.ndarray], **options) -> tuple[kc.Plan, dict[str, np.ndarray]]:
+    """The plan and the ONNX gradients of sum(z * u) in the user's layout (initializer names)."""
+    x, u = data["input"], data["u"]
+    z = run_model(onnx.load(path), {"input": x}, "logits")
+    plan = kc.compile(path, loss="squared_error", output="logits", emit=False, **options)
+    _, grads = kc.gradients(plan, {"input": x}, (z - u).astype(np.float32))
+    return plan, {k: v * len(x) for k, v in plan.source_values(grads).items()}
+
+
+def keras_to_onnx_gates(h: int) -> np.ndarray:
+    """Rows of Keras' LSTM gate order i, f, c, o in ONNX's i, o, f, c."""
+    return np.concatenate([np.arange(h) + h * k for k in (0, 3, 1, 2)])
+
+
+def test_bidirectional_lstm_directions_keep_their_own_input_bias():
+    """A Keras Bidirectional LSTM starts with the same bias in both directions (zeros and the
+    forget gate's ones); the lowering's per-direction pieces were retied as an exporter's copy
+    and trained as one parameter (the reverse direction's gradient 0, exported as 0)."""
+    path, data = fixture("bilstm-op17")
+    plan, grads = source_gradients(path, data)
+    assert plan.retied == {}
+    b_name = next(k for k in grads if k.startswith("B__"))
+    b = grads[b_name]  # [2 directions, Wb (4H) + Rb (4H)]
+    h = 6
+    rows = keras_to_onnx_gates(h)
+    for d, keras in enumerate(("forward", "backward")):
+        tf_grad = data[f"grad/bi/{keras}_lstm_1/lstm_cell/bias:0"][rows]
+        for part in (slice(0, 4 * h), slice(4 * h, 8 * h)):  # Keras' one bias is ONNX's Wb + Rb
+            np.testing.assert_allclose(b[d, part], tf_grad, rtol=1e-4, atol=1e-5 * np.abs(tf_grad).max())
