@@ -3,7 +3,10 @@ opset 13 or 14 failed inside ONNX Runtime (`Unrecognized attribute: end for oper
 the loss's batch size and the unrolled recurrence's zero state were emitted with Shape's
 start/end attributes, which came in opset 15. The truth here is the same model converted to
 opset 17 by onnx's version converter, whose gradients the finite-difference suites check:
-gradients equal, and K-FAC and SGD steps equal to float32 rounding."""
+gradients equal, and K-FAC and SGD steps equal to float32 rounding. The embedding models take
+int32 ids (a Keras Embedding's, tf2onnx): the embedding block's token counts at opset < 16 and
+the tied block's per-example gradients at every opset fed them to a OneHot with an int64
+depth, for which ONNX Runtime has no kernel (the K-FAC step's session failed to build)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper, version_converter
 import kfac_compiler as kc
 from kfac_compiler.runtime import Trainer, gradients
 
-N, IN, H, OUT, T = 6, 4, 5, 3, 3
+N, IN, H, OUT, T, VOCAB = 6, 4, 5, 3, 3, 7
 
 
 def _model(kind: str, opset: int) -> onnx.ModelProto:
@@ -38,6 +41,15 @@ def _model(kind: str, opset: int) -> onnx.ModelProto:
                  helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
                  helper.make_node("Flatten", ["p"], ["f"]),
                  helper.make_node("Gemm", ["f", w("w2", OUT, 18), w("b2", OUT)], ["out"], transB=1)]
+    elif kind in ("embedding", "tied"):  # int32 ids, as a Keras Embedding's (tf2onnx)
+        x = helper.make_tensor_value_info("input", TensorProto.INT32, ["N", T])
+        nodes = [helper.make_node("Gather", [w("E", VOCAB, H), "input"], ["e"], axis=0),  # [N, T, H]
+                 helper.make_node("ReduceMean", ["e"], ["m"], axes=[1], keepdims=0)]
+        if kind == "embedding":
+            nodes.append(helper.make_node("Gemm", ["m", w("w2", OUT, H), w("b2", OUT)], ["out"], transB=1))
+        else:  # the head reads the table transposed: one tied_embedding layer
+            nodes += [helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+                      helper.make_node("MatMul", ["m", "Et"], ["out"])]
     else:  # an LSTM over T steps, batch symbolic (its zero initial state is shaped from the input)
         x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", T, IN])
         init["last"] = np.array([T - 1], np.int64)
@@ -49,7 +61,8 @@ def _model(kind: str, opset: int) -> onnx.ModelProto:
                  helper.make_node("Squeeze", ["yl", "axes"], ["s1"]),
                  helper.make_node("Squeeze", ["s1", "axes"], ["s2"]),
                  helper.make_node("Gemm", ["s2", w("w2", OUT, H), w("b2", OUT)], ["out"], transB=1)]
-    graph = helper.make_graph(nodes, kind, [x], [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", OUT])],
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", VOCAB if kind == "tied" else OUT])
+    graph = helper.make_graph(nodes, kind, [x], [out],
                               [numpy_helper.from_array(v, k) for k, v in init.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
@@ -59,12 +72,15 @@ def _model(kind: str, opset: int) -> onnx.ModelProto:
 
 def _data(kind: str):
     rng = np.random.default_rng(1)
+    if kind in ("embedding", "tied"):
+        ids = rng.integers(0, VOCAB, (N, T)).astype(np.int32)
+        return {"input": ids}, rng.normal(size=(N, VOCAB if kind == "tied" else OUT)).astype(np.float32)
     shape = {"mlp": (N, IN), "conv": (N, 1, 6, 6), "lstm": (N, T, IN)}[kind]
     return {"input": rng.normal(size=shape).astype(np.float32)}, rng.normal(size=(N, OUT)).astype(np.float32)
 
 
 @pytest.mark.parametrize("opset", [13, 14])
-@pytest.mark.parametrize("kind", ["mlp", "conv", "lstm"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "lstm", "embedding", "tied"])
 def test_a_model_at_an_old_opset_trains_like_its_opset_17_conversion(kind, opset):
     old = _model(kind, opset)
     new = version_converter.convert_version(old, 17)

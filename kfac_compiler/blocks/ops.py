@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+from onnx import TensorProto
 
 from kfac_compiler.builder import GraphBuilder
 
@@ -146,12 +147,14 @@ def emit_token_counts(b: GraphBuilder, idx: str, vocab: int, live: str | None = 
     """(counts [vocab] of the ids `idx` [rows], their total): how often each row of an
     embedding table is looked up, the diagonal of its one-hot input's second moment. `live`
     [rows] (0/1): count only those rows (a weighted loss's masked positions left out), their
-    total by emit_live_count(live, masked)."""
+    total by emit_live_count(live, masked). The OneHot of opsets < 16 takes the ids as int64:
+    ONNX Runtime has no OneHot kernel for int32 ids (a Keras Embedding's) with an int64 depth."""
     ones = b.op("Expand", [b.const(np.ones(1)), b.op("Shape", [idx])]) if live is None else live
     if b.opset >= 16:
         counts = b.op("ScatterElements", [b.const(np.zeros(vocab)), idx, ones], axis=0, reduction="add", hint="counts")
     else:
-        onehot = b.op("OneHot", [idx, b.const(np.asarray([vocab], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1)
+        ids = b.cast(idx, TensorProto.INT64)
+        onehot = b.op("OneHot", [ids, b.const(np.asarray([vocab], np.int64)), b.const(np.asarray([0.0, 1.0]))], axis=-1)
         counts = b.reduce_sum(onehot if live is None else b.mul(onehot, b.unsqueeze(live, [1])), [0])
     return counts, (emit_dim(b, idx, 0) if live is None else emit_live_count(b, live, masked))
 

@@ -32,7 +32,7 @@ and inverted like the Kronecker blocks' A and G ("pi" split; "exact" damping on 
 from __future__ import annotations
 
 import numpy as np
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from kfac_compiler import linalg
 from kfac_compiler.blocks._parts import Part, PartsBlock
@@ -422,8 +422,9 @@ class TiedEmbeddingDiagonal(TiedMixin, PartsBlock):
             def rows(x):
                 return b.op("Slice", [x, start, end, axis])
 
-            onehots = [b.op("OneHot", [b.reshape(rows(inputs[u]), [0, -1]), depth, values], axis=-1)
-                       for u in self.lookups]
+            # int64 ids: ONNX Runtime has no OneHot kernel for int32 ones (a Keras Embedding's)
+            onehots = [b.op("OneHot", [b.cast(b.reshape(rows(inputs[u]), [0, -1]), TensorProto.INT64), depth, values],
+                            axis=-1) for u in self.lookups]
             acts = [b.scale(b.reshape(rows(inputs[u]), [0, -1, D]), self.alphas[u]) for u in self.heads]
             total = state[0]
             for s in range(len(cotangents[0])):
