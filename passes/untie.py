@@ -8,7 +8,9 @@ what the file says and makes it loud:
 
   * a shared parameter whose values are all equal (the signature of a merge) gets a warning
     naming it, its uses and the option that unties it;
-  * any other shared parameter (an unrolled RNN's weights, a tied embedding) gets a plan note;
+  * any other shared parameter (a hand-unrolled RNN's weights, a tied embedding) gets a plan
+    note; the pieces of a fused LSTM/GRU/RNN's weights, which the lowering's time steps share,
+    are neither reported nor untied;
   * `untie` (config; CLI --untie, repeatable; names, regexes, "uniform" for every shared
     parameter whose values are all equal, or "all") gives every consumer node after the first
     its own copy `<name>.untied<k>` (k = 1, 2, ... in graph order).
@@ -57,9 +59,15 @@ class SharedParam:
 def shared_params(view: GraphView, params: list[str]) -> list[SharedParam]:
     """Parameters consumed by more than one node, in `params` order. A node that carries no
     gradient (a `Shape` of a convolution weight, which torch.export writes for padding) reads
-    the parameter without using its values: it ties nothing and is not counted."""
+    the parameter without using its values: it ties nothing and is not counted. Neither are
+    the recurrent lowering's pieces: their time steps share them because the fused op does
+    (a Keras LSTM's zero recurrent bias was reported as a merge to untie, and untying it made
+    one parameter per time step, which the user's LSTM cannot hold)."""
+    pieces = lowered_pieces(view.model)
     found = []
     for name in params:
+        if name in pieces:
+            continue
         nodes = tuple(dict.fromkeys(n.name for n in view.consumers.get(name, []) if not _reads_no_values(n, view.opset)))
         if len(nodes) < 2:
             continue

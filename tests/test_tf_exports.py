@@ -6,10 +6,12 @@ ONNX gradient of sum(z * u) times 1/N, which is TF's `tape.gradient(sum(out * u)
 once the initializer's layout is undone."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 
 import kfac_compiler as kc
 from helpers import run_model
@@ -51,3 +53,26 @@ def test_bidirectional_lstm_directions_keep_their_own_input_bias():
         tf_grad = data[f"grad/bi/{keras}_lstm_1/lstm_cell/bias:0"][rows]
         for part in (slice(0, 4 * h), slice(4 * h, 8 * h)):  # Keras' one bias is ONNX's Wb + Rb
             np.testing.assert_allclose(b[d, part], tf_grad, rtol=1e-4, atol=1e-5 * np.abs(tf_grad).max())
+
+
+@pytest.mark.parametrize("untie", [[], "uniform", "all"])
+def test_lstm_time_steps_share_its_weights_without_a_merge_warning(untie):
+    """tf2onnx writes a Keras LSTM's missing recurrent bias as zeros; the lowering's time
+    steps read that piece, which was reported as an exporter's merge "to untie" (--untie
+    uniform), and following the advice trained one recurrent bias per time step (the user's
+    LSTM cannot hold them: the export was 25-88% off). No warning; untie leaves the pieces
+    alone, and the gradients of W, R, B are TF's."""
+    path, data = fixture("lstm-op17")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan, grads = source_gradients(path, data, untie=untie)
+    assert not [str(w.message) for w in caught if "untie" in str(w.message)]
+    assert not [p for p in plan.trainable if ".untied" in p]
+    h = 8
+    rows = keras_to_onnx_gates(h)
+    cell = "grad/lstm/lstm_cell"
+    bias = data[f"{cell}/bias:0"][rows]
+    expected = {"W0__548": data[f"{cell}/kernel:0"].T[rows], "R0__549": data[f"{cell}/recurrent_kernel:0"].T[rows],
+                "B0__550": np.concatenate([bias, bias])}  # Keras' one bias is ONNX's Wb + Rb
+    for name, tf_grad in expected.items():
+        np.testing.assert_allclose(grads[name][0], tf_grad, rtol=1e-4, atol=1e-5 * np.abs(tf_grad).max(), err_msg=name)
