@@ -78,6 +78,7 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     _collapse_noops(m, output)
     m = fold_to_fixed_point(m, output)
     m = index_views(m)
+    _restrict(m, output)  # a folded shape's dead Shape(P) would read P: relayout_ends wants P read once
     m = fold_assembled(m, relayout_ends(m), keep_source_name=True)
     _restrict(m, output)
     m.ir_version = IR_VERSION
