@@ -3,7 +3,8 @@
 `canonicalize(model, output)` returns a NEW model (the input is never mutated) where
   1. every node has a unique name (no clash with other nodes, initializers or inputs);
   2. the graph is restricted to what feeds `output` (the only graph output), dead nodes,
-     unused inputs and initializers are dropped;
+     unused inputs and initializers are dropped; so is the file's value_info that ONNX's
+     shape inference contradicts (jax2onnx's NHWC declarations of NCHW tensors);
   3. Identity, no-op Cast / CastLike (to the type it already has), identity Transpose and
      inference-form Dropout are collapsed (the output name is kept: the producer is renamed
      instead); a float initializer re-laid out at run time (Reshape, Unsqueeze, Squeeze,
@@ -52,6 +53,7 @@ from kfac_compiler.losses import SoftmaxCrossEntropy, SquaredError
 from kfac_compiler.passes.einsum import einsum_to_matmul
 from kfac_compiler.passes.fold_params import fold_assembled, relayout_ends, shape_dims
 from kfac_compiler.passes.index_views import index_views
+from kfac_compiler.passes.load import light_copy
 from kfac_compiler.passes.recurrent import lower_recurrent, weight_inputs
 
 # Ops never folded: random, or with side effects / sequences.
@@ -67,6 +69,7 @@ def canonicalize(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     _name_nodes(m)
+    _drop_contradicted_value_info(m)
     _restrict(m, output)
     _rewrite_gemm_trans_a(m)
     einsum_to_matmul(m)
@@ -104,6 +107,42 @@ def _name_nodes(m: onnx.ModelProto) -> None:
             name = cand
             node.name = name
         used.add(name)
+
+
+def _drop_contradicted_value_info(m: onnx.ModelProto) -> None:
+    """Drop the file's intermediate value_info that ONNX's inference contradicts (another
+    element type, rank or static dim). jax2onnx declares a Relu output NHWC that the graph
+    computes NCHW; ONNX Runtime runs the file, but inference keeps a declared shape, so the
+    stale one reached the emitted graphs, which ONNX Runtime then refused. Graph inputs and
+    outputs are the load check's (passes/load.py)."""
+    g = m.graph
+    if not g.value_info:
+        return
+    bare = light_copy(m)
+    del bare.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(bare, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - nothing to compare against: the declarations stay
+        return
+    found = {vi.name: vi for vi in inferred.graph.value_info}
+    kept = [vi for vi in g.value_info if vi.name not in found or not _contradicts(vi, found[vi.name])]
+    if len(kept) < len(g.value_info):
+        del g.value_info[:]
+        g.value_info.extend(kept)
+
+
+def _contradicts(declared: onnx.ValueInfoProto, inferred: onnx.ValueInfoProto) -> bool:
+    """Whether two tensor declarations disagree on the element type, the rank or a static dim
+    (symbolic dims agree with anything: exporters name them as they like)."""
+    a, b = declared.type.tensor_type, inferred.type.tensor_type
+    if a.elem_type and b.elem_type and a.elem_type != b.elem_type:
+        return True
+    if not (a.HasField("shape") and b.HasField("shape")):
+        return False
+    if len(a.shape.dim) != len(b.shape.dim):
+        return True
+    return any(x.HasField("dim_value") and y.HasField("dim_value") and x.dim_value != y.dim_value
+               for x, y in zip(a.shape.dim, b.shape.dim))
 
 
 def _restrict(m: onnx.ModelProto, output: str) -> None:

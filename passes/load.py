@@ -329,23 +329,31 @@ def _check_initializer_size(t: onnx.TensorProto, source: str) -> None:
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 # what strict inference says of two shapes or types that contradict each other (not of an op
 # whose output it could not infer)
-CONTRADICTION = re.compile(r"mismatch|incompatible|inconsistent|differ in rank|bound to different types", re.IGNORECASE)
+CONTRADICTION = re.compile(r"mismatch|incompatible|inconsistent|differ in rank|bound to different types"
+                           r"|existing shape differ|differs from existing", re.IGNORECASE)
 
 
 def _check_shapes(model: onnx.ModelProto, source: str) -> None:
     """Declared shapes that contradict the graph (an input declared 32 wide feeding a weight of
     64 inputs) are one line naming the node, here, not an ONNX Runtime error when training
     starts: ONNX's strict shape inference finds them. Graphs with ops of other domains (whose
-    shapes ONNX cannot infer) and models past protobuf's 2 GB are left to ONNX Runtime."""
+    shapes ONNX cannot infer) and models past protobuf's 2 GB are left to ONNX Runtime. The
+    file's intermediate value_info is left out: ONNX Runtime runs a file whose declarations
+    of inner tensors are stale (jax2onnx's NHWC shapes of NCHW tensors), and canonicalization
+    drops those."""
     if any(n.domain not in STANDARD_DOMAINS for n in model.graph.node):
         return
     try:
-        onnx.shape_inference.infer_shapes(light_copy(model), check_type=True, strict_mode=True, data_prop=True)
+        light = light_copy(model)
+        del light.graph.value_info[:]
+        onnx.shape_inference.infer_shapes(light, check_type=True, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as e:
         text = re.sub(r"\[\w+Error\]\s*|Inference error\(s\):\s*", "", " ".join(str(e).split()))
-        for op, node, why in re.findall(r"\(op_type:(\S+), node name: ([^)]*)\):\s*(.*?)(?=\s*\(op_type:|$)", text):
+        for op, node, why in re.findall(r"\(op_type:([^,)\s]+)(?:, node name: ([^)]*))?\):\s*(.*?)(?=\s*\(op_type:|$)",
+                                        text):
             if CONTRADICTION.search(why):  # not an op whose output ONNX could not infer
-                raise ModelError(f"{source!r}: shapes or types that contradict each other at node {node!r} ({op}): "
+                at = f"node {node!r} ({op})" if node else f"a {op} node"
+                raise ModelError(f"{source!r}: shapes or types that contradict each other at {at}: "
                                  f"{why[:200]}; fix the declared input or output shapes or types, or re-export the model") from None
     except (ValueError, RuntimeError):  # past protobuf's 2 GB: serialized whole to be inferred
         return

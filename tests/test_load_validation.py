@@ -453,6 +453,10 @@ def _duplicate_input(m):
     m.graph.input.append(m.graph.input[0])
 
 
+def _output_declared_wider(m):  # 10 logits declared 11
+    m.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 11
+
+
 def _initializer_input_of_another_shape(m):  # a default value that does not fit its declaration
     m.graph.input.append(onnx.helper.make_tensor_value_info(_first_weight(m).name, onnx.TensorProto.FLOAT, [7]))
 
@@ -558,7 +562,10 @@ def test_an_initializer_that_is_also_a_graph_input_is_a_parameter(tmp_path):
     (_input_narrower_than_its_weight, ": shapes or types that contradict each other at node 'fc1/Gemm' (Gemm): Dimension "
                                       "mismatch in unification between 64 and 32; fix the declared input or output "
                                       "shapes or types, or re-export the model"),
-], ids=["raw-data", "40-TB", "typed-field", "two-producers", "produces-an-initializer", "input-shape"])
+    (_output_declared_wider, ": shapes or types that contradict each other at node 'fc3/Gemm' (Gemm): Inferred shape "
+                             "and existing shape differ in dimension 1: (10) vs (11); fix the declared input or output "
+                             "shapes or types, or re-export the model"),
+], ids=["raw-data", "40-TB", "typed-field", "two-producers", "produces-an-initializer", "input-shape", "output-shape"])
 def test_models_that_contradict_themselves_are_one_line(tmp_path, capsys, edit, want):
     _refused_in_one_line(tmp_path, capsys, edit, want)
 
