@@ -10,7 +10,7 @@ initializer that reaches the output is a CONSTANT (frozen, with its reason) when
   2. it reaches the output only through non-learnable inputs: settings of an op (Clip's
      bounds, Pow's exponent, shapes, axes, pads, scales, indices, Dropout's ratio), the
      inputs of ops without a gradient (comparisons, Shape, ArgMax, ...), a Where condition,
-     or anything whose only path is a non-float tensor;
+     a Gemm's C with beta = 0, or anything whose only path is a non-float tensor;
   3. it has one element, every node using it is elementwise arithmetic (Add, Mul, Div, Pow,
      Max, Where, ...) or Expand (a zero initial state broadcast to the batch) and it is not a bias added to a MatMul / Gemm / Conv output: exporters
      lift Python scalars this way (a 1x1 weight, a bias of one unit or a PRelu slope stay
@@ -89,8 +89,20 @@ def slot_name(node: onnx.NodeProto, slot: int, opset: int) -> str:
         return f"input {slot}"
 
 
+def _dead_slot(node: onnx.NodeProto, slot: int) -> str | None:
+    """Why an input's value never reaches the output (None when it may): Gemm's C times beta
+    = 0, which jax2onnx writes for jnp.dot(x, W) with a dummy zero C; its gradient is 0."""
+    if node.op_type == "Gemm" and not node.domain and slot == 2:
+        beta = next((a.f for a in node.attribute if a.name == "beta"), 1.0)
+        if beta == 0.0:
+            return "multiplied by beta = 0"
+    return None
+
+
 def _learnable_slot(node: onnx.NodeProto, slot: int, opset: int) -> bool:
     if slot in SETTING_SLOTS.get(node.op_type, ()) and not node.domain:
+        return False
+    if _dead_slot(node, slot):
         return False
     rule = find_rule(node, opset)
     return rule is None or rule.diff_slot(slot)  # no rule: the autodiff pass reports the op
@@ -210,8 +222,10 @@ def constant_reason(view: GraphView, name: str, learnable: set[str], literals: b
         for node in view.consumers.get(name, []):
             for slot, n in enumerate(node.input):
                 if n == name:
+                    dead = _dead_slot(node, slot)
                     return (f"constant: reaches the output only through non-learnable inputs "
-                            f"({node.op_type} {node.name!r} {slot_name(node, slot, view.opset)})")
+                            f"({node.op_type} {node.name!r} {slot_name(node, slot, view.opset)}"
+                            f"{', ' + dead if dead else ''})")
         return "constant: reaches the output only through non-learnable inputs"
     if literals and value.size == 1 and _is_literal(view, name):
         return "constant: a single value in elementwise arithmetic (a literal the exporter lifted)"

@@ -49,3 +49,14 @@ def test_stale_value_info_of_an_inner_tensor_is_dropped():
     x, u = data["x"], data["u"]
     metrics = Trainer(plan, optimizer="kfac", seed=0).step({"input": x}, u)
     assert np.isfinite(metrics["loss"])
+
+
+def test_gemm_c_multiplied_by_beta_zero_is_frozen():
+    """jax2onnx writes jnp.dot(x, W) as Gemm(x, W, dot_bias_k, beta=0) with a dummy zero C:
+    its gradient is identically 0, and it was trained as a generic layer of its own."""
+    path, data = fixture("plain_mlp")
+    plan = gradient_check(path, data)
+    assert sorted(plan.frozen) == ["dot_bias_0", "dot_bias_1"]
+    assert plan.frozen_reasons["dot_bias_0"] == ("constant: reaches the output only through non-learnable inputs "
+                                                 "(Gemm 'node_Gemm_0' input 2 (C), multiplied by beta = 0)")
+    assert [l.kind for l in plan.layers if l.kind == "generic"] == []

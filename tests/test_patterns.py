@@ -81,10 +81,11 @@ def test_gemm_bias_as_row_and_beta_zero(rng):
     node = helper.make_node("Gemm", ["x", "W", "b"], ["y"], name="g")
     layer, _ = one(onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 4, 2), "b": randn(rng, 1, 2)}))
     assert layer.params == ("W", "b")
-    # beta = 0: C has no effect, so it is not a bias: it gets its own generic layer
+    # beta = 0: C has no effect (its gradient is 0), so it is no bias and no parameter: frozen
     node = helper.make_node("Gemm", ["x", "W", "b"], ["y"], name="g", beta=0.0)
-    layers, _ = layers_of(onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 4, 2), "b": randn(rng, 2)}))
-    assert [(l.name, l.kind, l.params) for l in layers] == [("W", "fully_connected", ("W",)), ("b", "generic", ("b",))]
+    layers, canon = layers_of(onnx_model([node], {"x": ["N", 4]}, {"W": randn(rng, 4, 2), "b": randn(rng, 2)}))
+    assert [(l.name, l.kind, l.params) for l in layers] == [("W", "fully_connected", ("W",))]
+    assert trainable_params(canon, "y") == (["W"], ["b"])
 
 
 def test_gemm_trans_a_is_canonicalized_to_a_transpose(rng):
