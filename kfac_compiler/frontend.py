@@ -23,7 +23,7 @@ from kfac_compiler.contract import TARGETS
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_name, with_float_type
 from kfac_compiler.ir import FactorSpec, Layer
-from kfac_compiler.losses import Loss, loss_class, loss_kinds
+from kfac_compiler.losses import Loss, SoftmaxCrossEntropy, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
 from kfac_compiler.passes.batch_axis import example_axis_notes, with_example_axes
 from kfac_compiler.passes.budget import REFERENCE_BATCH, STATS_BATCH, BudgetResult, estimator_passes, fit_budget
@@ -187,6 +187,9 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         )
     if not view.is_float(output) and output in view.dtypes and view.dtypes[output]:
         raise ModelError(f"{source!r}: output {output!r} is not a float tensor")
+    scored = [(h["output"], h["loss"]) for h in heads] if heads is not None else [(output, loss)]
+    for note in _softmax_output_notes(view, scored, heads is not None):
+        warnings.warn(note, stacklevel=2)
 
     plan_notes: list[str] = [float_note[1]] if float_note else []
     split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
@@ -252,6 +255,24 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         notes=plan_notes,
         costs=budget.costs,
     )
+
+
+def _softmax_output_notes(view: GraphView, scored: list[tuple[str, str]], heads: bool) -> list[str]:
+    """A warning per softmax cross-entropy applied to a Softmax node's output (every Keras
+    classifier ending in Dense(k, activation="softmax")): the loss takes scores and applies
+    its own softmax, so it would train a double softmax (a perfect prediction of 4 classes
+    still scores 0.744), silently. It names the Softmax's input to pass instead."""
+    notes = []
+    for output, kind in scored:
+        node = view.producer.get(output)
+        if kind != SoftmaxCrossEntropy.kind or node is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+            continue
+        scores = node.input[0]
+        how = (f"name {scores!r} as the head's output instead (--head {scores},{kind},...)" if heads else
+               f"pass {scores!r} as the output instead (--output {scores}; output={scores!r} in the API)")
+        notes.append(f"output {output!r} is computed by Softmax node {node.name!r}: {kind} applies its own softmax "
+                     f"to the scores it is given, so this trains a softmax of probabilities (a double softmax); {how}")
+    return notes
 
 
 def _as_float32(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, tuple[str, str] | None]:

@@ -110,3 +110,25 @@ def test_attention_output_kernel_behind_a_folded_reshape_is_fully_connected():
     errors = tf_gradient_errors("transformer-op17", grads, data)
     scale = max(np.abs(v).max() for k, v in data.items() if k.startswith("grad/"))
     assert max(errors.values()) < 1e-6 * scale, errors  # of the largest: the key bias' is 0 up to rounding
+
+
+def test_softmax_cross_entropy_on_a_softmax_output_is_warned_with_the_scores_to_pass():
+    """A Keras classifier ending in Dense(k, activation="softmax") exports its probabilities;
+    softmax_cross_entropy on them trained a double softmax without a word. The warning names
+    the Softmax node and its input; compiled on that input, the loss is the cross-entropy of
+    TF's own probabilities."""
+    path, data = fixture("mlp_softmax-op17")
+    with pytest.warns(UserWarning) as caught:
+        plan = kc.compile(path, loss="softmax_cross_entropy", emit=False)
+    scores = "mlp_softmax/probs/BiasAdd:0"
+    want = (f"output 'probs' is computed by Softmax node 'mlp_softmax/probs/Softmax': softmax_cross_entropy applies "
+            f"its own softmax to the scores it is given, so this trains a softmax of probabilities (a double softmax); "
+            f"pass {scores!r} as the output instead (--output {scores}; output={scores!r} in the API)")
+    assert want in [str(w.message) for w in caught] and want in plan.notes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = kc.compile(path, loss="softmax_cross_entropy", output=scores, emit=False)
+    x, probs = data["input"], data["out"].astype(np.float64)
+    y = np.arange(len(x)) % probs.shape[1]
+    loss, _ = kc.gradients(fixed, {"input": x}, y)
+    assert loss == pytest.approx(-np.log(probs[np.arange(len(x)), y]).mean(), rel=1e-5)
