@@ -254,6 +254,20 @@ def split_layer_item(name: str, prefix: str) -> tuple[str, str] | None:
     return layer, item
 
 
+# the prefixes of the names above: a model tensor named like them (`hp/damping`, `velocity/W`)
+# would meet the runtime's own inputs, slots and results in the emitted graphs
+RESERVED_PREFIXES = (NOISE_PREFIX, VEC_PREFIX, HP_PREFIX, *(f"{k}/" for k in (*_PARAM_STATE, FACTOR, INVERSE)),
+                     NEW_PREFIX, METRIC_PREFIX, "grad/", STAT_PREFIX, "precond/", "product/")
+
+
+def reserved_as(name: str) -> str | None:
+    """The contract's name, or `<prefix>...`, that a model tensor called `name` would clash
+    with; None when it is free."""
+    if name in RESERVED:
+        return name
+    return next((f"{p}..." for p in RESERVED_PREFIXES if name.startswith(p)), None)
+
+
 # ------------------------------------------------------------------------------ reduction points
 # Emission.reduce_mean's point for a batch's factor statistics (the back end's factor updates,
 # inside an optimizer's step); an optimizer names its other points itself.

@@ -19,7 +19,7 @@ from onnx import TensorProto
 
 from kfac_compiler.blocks import APPROXIMATIONS, BLOCKS, make_block, menu_key
 from kfac_compiler.config import CompileConfig, load_config
-from kfac_compiler.contract import TARGETS
+from kfac_compiler.contract import TARGETS, reserved_as
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_name, with_float_type
 from kfac_compiler.ir import FactorSpec, Layer
@@ -169,6 +169,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     if float_note:
         canon.metadata_props.add(key=SOURCE_FLOAT_KEY, value=float_note[0])
     _name_running_outputs(canon)
+    _refuse_reserved_names(canon, source)
     view = GraphView(canon)
     out_shape = view.shape(output)
     out_vi = canon.graph.output[0]
@@ -255,6 +256,18 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         notes=plan_notes,
         costs=budget.costs,
     )
+
+
+def _refuse_reserved_names(model: onnx.ModelProto, source: str) -> None:
+    """A tensor named like the runtime contract's names (`hp/damping`, `velocity/W`,
+    `noise/0`, ...) would meet the emitted graphs' own inputs, slots and results: compiling
+    wrote graphs that onnx.checker and ONNX Runtime refuse."""
+    g = model.graph
+    for name in [*(i.name for i in g.input), *(t.name for t in g.initializer), *(o for n in g.node for o in n.output)]:
+        clash = reserved_as(name)
+        if clash is not None:
+            raise ModelError(f"{source!r}: tensor {name!r} is named like the runtime's own {clash!r} "
+                             "(docs/runtime_contract.md); rename it in the model before compiling")
 
 
 def _softmax_output_notes(view: GraphView, scored: list[tuple[str, str]], heads: bool) -> list[str]:

@@ -647,3 +647,30 @@ def test_a_batch_of_another_size_than_a_fixed_batch_model_says_how_it_was_export
     with pytest.raises(DataError, match=r"the model expects \[4, 3\] \(its batch dimension is fixed at 4, as it was "
                                         r"exported: re-export it with a symbolic batch axis"):
         tr.step({"x": np.ones((8, 3), np.float32)}, np.zeros((8, 2), np.float32))
+
+
+def _renamed(new: str, which: str = "output"):
+    """An edit renaming the first node's output (or the first weight) to `new`."""
+    def edit(m):
+        old = m.graph.node[0].output[0] if which == "output" else _first_weight(m).name
+        if which == "output":
+            m.graph.node[0].output[0] = new
+        else:
+            _first_weight(m).name = new
+        for node in m.graph.node:
+            node.input[:] = [new if i == old else i for i in node.input]
+    return edit
+
+
+@pytest.mark.parametrize("name,which,clash", [
+    ("hp/damping", "output", "hp/..."), ("noise/0", "output", "noise/..."), ("new/W", "output", "new/..."),
+    ("velocity/fc1.weight", "weight", "velocity/..."), ("factor/fc1/A", "output", "factor/..."),
+    ("kfac/output", "output", "kfac/output"),
+])
+def test_tensors_named_like_the_runtime_contract_are_refused(tmp_path, capsys, name, which, clash):
+    """A model tensor named like the contract's inputs, hyper-parameters, state slots or
+    results met the emitted graphs' own: compile wrote graphs onnx.checker and ONNX Runtime
+    refuse (a duplicate `hp/damping`), or died in a networkx cycle (`new/W`)."""
+    _refused_in_one_line(tmp_path, capsys, _renamed(name, which),
+                         f": tensor {name!r} is named like the runtime's own {clash!r} (docs/runtime_contract.md); "
+                         "rename it in the model before compiling")
