@@ -34,6 +34,7 @@ from kfac_compiler.passes.link_params import link_params
 from kfac_compiler.passes.load import check_output, load_model, validate_model
 from kfac_compiler.passes.match_layers import match_layers
 from kfac_compiler.passes.trainable import (
+    NothingToTrain,
     TrainableSet,
     split_trainable,
     torch_copies,
@@ -193,7 +194,13 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         warnings.warn(note, stacklevel=2)
 
     plan_notes: list[str] = [float_note[1]] if float_note else []
-    split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
+    inputs_note = _unbatched_inputs_note(view)
+    if inputs_note:
+        warnings.warn(inputs_note, stacklevel=2)
+    try:
+        split = split_trainable(canon, output, cfg.include, cfg.exclude, cfg.train, view=view)
+    except NothingToTrain as e:  # the warning would be lost with the plan: say it here
+        raise NothingToTrain(f"{e}; {inputs_note}" if inputs_note else str(e)) from None
     if torch_roles(canon) is not None:
         plan_notes.append("torch manifest (kfac_compiler.torch.export): the trainable set is the module's parameters, "
                           "buffers and other constants are frozen; inspect lists the torch names in the frozen reasons")
@@ -256,6 +263,24 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         notes=plan_notes,
         costs=budget.costs,
     )
+
+
+def _unbatched_inputs_note(view: GraphView) -> str | None:
+    """Float graph inputs without the batch axis the other inputs have (a static shape while
+    another input has a symbolic dim): jax2onnx's f(x, W, b) form writes the parameters as
+    such inputs, which the plan takes for data fed with every batch, and nothing of theirs
+    is trained (compile said nothing)."""
+    inputs = [vi.name for vi in view.model.graph.input if vi.name not in view.initializers]
+    shapes = {n: view.shape(n) for n in inputs}
+    batched = [n for n, s in shapes.items() if s is not None and any(not isinstance(d, int) for d in s)]
+    static = [n for n, s in shapes.items() if s is not None and all(isinstance(d, int) for d in s) and view.is_float(n)]
+    if not batched or not static:
+        return None
+    listed = ", ".join(f"{n!r} {list(shapes[n] or ())}" for n in static[:6]) + (", ..." if len(static) > 6 else "")
+    return (f"float graph inputs {listed} have no batch axis (a static shape, where {batched[0]!r} has "
+            f"{list(shapes[batched[0]] or ())}): they are treated as data, fed with every batch and not trained; "
+            "if they are the model's parameters (jax2onnx's f(x, W, b) form), make them initializers holding their "
+            "values (export with the parameters closed over) and compile again")
 
 
 def _refuse_reserved_names(model: onnx.ModelProto, source: str) -> None:

@@ -70,6 +70,10 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Sum", "
 _LINEAR_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 
 
+class NothingToTrain(ConfigError):
+    """No trainable parameter reaches the output (the front end adds what it knows of why)."""
+
+
 @dataclass(frozen=True)
 class TrainableSet:
     """The split of the float initializers that reach the output, in initializer order."""
@@ -365,7 +369,7 @@ def split_trainable(
                 )
     _check_outer_scope_reads(view, trainable, learnable)
     if not trainable:
-        raise ConfigError(f"no trainable parameters reach {output!r} after include/exclude and the constants rule "
+        raise NothingToTrain(f"no trainable parameters reach {output!r} after include/exclude and the constants rule "
                           f"(frozen: {', '.join(f'{n}: {reasons[n]}' for n in frozen[:4])}); "
                           "train a constant with the config's train list (CLI --train)")
     return TrainableSet(trainable, frozen, reasons)
@@ -378,5 +382,5 @@ def trainable_params(model: onnx.ModelProto, output: str, include: list[str] | N
     return split.trainable, split.frozen
 
 
-__all__ = ["SETTING_SLOTS", "TrainableSet", "constant_reason", "split_trainable", "torch_copies", "torch_roles",
+__all__ = ["SETTING_SLOTS", "NothingToTrain", "TrainableSet", "constant_reason", "split_trainable", "torch_copies", "torch_roles",
            "trainable_params"]

@@ -6,13 +6,16 @@ ONNX gradient of sum(z * u) times 1/N; the fixtures hold JAX's float64 gradient 
 sum(logits * u) in each initializer's layout."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 
 import kfac_compiler as kc
 from helpers import run_model
+from kfac_compiler.errors import ConfigError
 from kfac_compiler.runtime import Trainer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "jax"
@@ -60,3 +63,16 @@ def test_gemm_c_multiplied_by_beta_zero_is_frozen():
     assert plan.frozen_reasons["dot_bias_0"] == ("constant: reaches the output only through non-learnable inputs "
                                                  "(Gemm 'node_Gemm_0' input 2 (C), multiplied by beta = 0)")
     assert [l.kind for l in plan.layers if l.kind == "generic"] == []
+
+
+def test_parameters_as_graph_inputs_are_named_with_how_to_train_them():
+    """jax2onnx's f(x, W1, b1, W2, b2) form writes the weights as graph inputs: compile took
+    them for data (axis 0 their batch) and trained nothing of the model without a word. With
+    the dummy Gemm Cs frozen nothing is left to train: the one-line error names the inputs
+    and says to make them initializers."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "float graph inputs 'W1' [6, 16], 'b1' [16], 'W2' [16, 4], 'b2' [4] have no batch axis (a static "
+            "shape, where 'input' has ['B', 6]): they are treated as data, fed with every batch and not trained; "
+            "if they are the model's parameters (jax2onnx's f(x, W, b) form), make them initializers holding "
+            "their values (export with the parameters closed over) and compile again")):
+        kc.compile(str(FIXTURES / "params_as_inputs.onnx"), loss="softmax_cross_entropy", output="logits", emit=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import onnx
@@ -387,3 +388,23 @@ def test_retie_false_keeps_copies_apart_and_uniform_tensors_are_never_retied(rng
     assert kc.compile(m, loss="squared_error", emit=False).retied == {}
     with pytest.raises(ConfigError, match="retie: expected true or false"):
         kc.compile(m, loss="squared_error", emit=False, retie="no")
+
+
+def test_float_inputs_without_the_batch_axis_are_warned_as_data(rng):
+    """A weight passed as a graph input (a static shape beside the data's batch dim) is data
+    fed with every batch, never trained: compile says so, naming it. An input with the batch
+    dim, or a model whose only input is static (a fixed batch), is not named."""
+    gemm = helper.make_node("Gemm", ["x", "W", "b"], ["y"])
+    g = helper.make_graph([gemm], "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                                        helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+                          [numpy_helper.from_array(randn(rng, 3), "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match=r"float graph inputs 'W' \[4, 3\] have no batch axis \(a static shape, "
+                                         r"where 'x' has \['N', 4\]\): they are treated as data"):
+        plan = kc.compile(m, loss="squared_error", emit=False)
+    assert plan.trainable == ["b"] and [i.name for i in plan.inputs] == ["x", "W"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kc.compile(model([gemm], {"W": randn(rng, 4, 3), "b": randn(rng, 3)}, x_shape=(5, 4), y_shape=(5, 3)),
+                   loss="squared_error", emit=False)
