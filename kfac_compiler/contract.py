@@ -260,11 +260,9 @@ RESERVED_PREFIXES = (NOISE_PREFIX, VEC_PREFIX, HP_PREFIX, *(f"{k}/" for k in (*_
                      NEW_PREFIX, METRIC_PREFIX, "grad/", STAT_PREFIX, "precond/", "product/")
 
 
-def reserved_as(name: str) -> str | None:
-    """The contract's name, or `<prefix>...`, that a model tensor called `name` would clash
-    with; None when it is free."""
-    if name in RESERVED:
-        return name
+def reserved_prefix(name: str) -> str | None:
+    """`<prefix>...` of the contract's names that a model tensor called `name` would clash
+    with, else None (RESERVED's whole names are the emission's check)."""
     return next((f"{p}..." for p in RESERVED_PREFIXES if name.startswith(p)), None)
 
 

@@ -19,7 +19,7 @@ from onnx import TensorProto
 
 from kfac_compiler.blocks import APPROXIMATIONS, BLOCKS, make_block, menu_key
 from kfac_compiler.config import CompileConfig, load_config
-from kfac_compiler.contract import TARGETS, reserved_as
+from kfac_compiler.contract import TARGETS, reserved_prefix
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_name, with_float_type
 from kfac_compiler.ir import FactorSpec, Layer
@@ -289,7 +289,7 @@ def _refuse_reserved_names(model: onnx.ModelProto, source: str) -> None:
     wrote graphs that onnx.checker and ONNX Runtime refuse."""
     g = model.graph
     for name in [*(i.name for i in g.input), *(t.name for t in g.initializer), *(o for n in g.node for o in n.output)]:
-        clash = reserved_as(name)
+        clash = reserved_prefix(name)
         if clash is not None:
             raise ModelError(f"{source!r}: tensor {name!r} is named like the runtime's own {clash!r} "
                              "(docs/runtime_contract.md); rename it in the model before compiling")
