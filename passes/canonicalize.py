@@ -478,14 +478,50 @@ def fold_constants(m: onnx.ModelProto, output: str) -> None:
 
 
 def infer_shapes(m: onnx.ModelProto, keep_going: bool) -> onnx.ModelProto:
-    """`m` with ONNX shape inference's value_info; `keep_going`: a warning, not an error, when it fails."""
-    try:
-        return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
-    except Exception as e:  # shape inference errors are not fatal: patterns check shapes they need
-        if not keep_going:
-            raise ModelError(f"shape inference failed: {' '.join(str(e).split())[:300]}") from None
-        warnings.warn(f"shape inference failed ({' '.join(str(e).split())[:200]}); continuing without shapes", stacklevel=2)
-        return m
+    """`m` with ONNX shape inference's value_info; `keep_going`: a warning, not an error, when it
+    fails. A Reshape whose target is computed at run time gets the rank its target's length
+    gives (onnx leaves it without a shape at opset 13, where a MatMul after it then had no
+    rank: tf2onnx's Keras transformer), and inference runs again from there."""
+    for _ in range(3):
+        try:
+            m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        except Exception as e:  # shape inference errors are not fatal: patterns check shapes they need
+            if not keep_going:
+                raise ModelError(f"shape inference failed: {' '.join(str(e).split())[:300]}") from None
+            warnings.warn(f"shape inference failed ({' '.join(str(e).split())[:200]}); continuing without shapes",
+                          stacklevel=2)
+            return m
+        if not _reshape_ranks(m):
+            break
+    return m
+
+
+def _reshape_ranks(m: onnx.ModelProto) -> int:
+    """Declare the rank of each Reshape output inference left without a shape where the target
+    shape's length is static; returns how many."""
+    g = m.graph
+    known = {vi.name: vi for vi in [*g.value_info, *g.input, *g.output]}
+    lengths = {t.name: list(t.dims) for t in g.initializer}
+    count = 0
+    for node in g.node:
+        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        out = known.get(node.output[0])
+        if out is not None and out.type.tensor_type.HasField("shape"):
+            continue
+        target = known.get(node.input[1])
+        dims = lengths.get(node.input[1])
+        if dims is None and target is not None and target.type.tensor_type.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in target.type.tensor_type.shape.dim]
+        elem = known.get(node.input[0])
+        if dims is None or len(dims) != 1 or not dims[0] or elem is None:
+            continue
+        vi = helper.make_tensor_value_info(node.output[0], elem.type.tensor_type.elem_type, [None] * int(dims[0]))
+        if out is not None:
+            g.value_info.remove(out)
+        g.value_info.append(vi)
+        count += 1
+    return count
 
 
 # ---------------------------------------------------------------------- trainable params

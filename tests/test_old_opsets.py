@@ -6,7 +6,9 @@ opset 17 by onnx's version converter, whose gradients the finite-difference suit
 gradients equal, and K-FAC and SGD steps equal to float32 rounding. The embedding models take
 int32 ids (a Keras Embedding's, tf2onnx): the embedding block's token counts at opset < 16 and
 the tied block's per-example gradients at every opset fed them to a OneHot with an int64
-depth, for which ONNX Runtime has no kernel (the K-FAC step's session failed to build)."""
+depth, for which ONNX Runtime has no kernel (the K-FAC step's session failed to build). The
+reshape model's Reshape takes a target computed from Shape, to which onnx's inference gives no
+rank at opset 13 (the MatMul after it was refused: tf2onnx's Keras transformer)."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,6 +43,15 @@ def _model(kind: str, opset: int) -> onnx.ModelProto:
                  helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
                  helper.make_node("Flatten", ["p"], ["f"]),
                  helper.make_node("Gemm", ["f", w("w2", OUT, 18), w("b2", OUT)], ["out"], transB=1)]
+    elif kind == "reshape":  # tf2onnx's Tensordot: a Reshape to a target computed from Shape
+        x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", IN])
+        init["i0"], init["tail"] = np.array([0], np.int64), np.array([2, 3], np.int64)
+        nodes = [helper.make_node("MatMul", ["input", w("w1", IN, 6)], ["h"]),
+                 helper.make_node("Shape", ["h"], ["s"]), helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+                 helper.make_node("Concat", ["n", "tail"], ["shape"], axis=0),
+                 helper.make_node("Reshape", ["h", "shape"], ["r"]),  # [N, 2, 3], no shape inferred at opset 13
+                 helper.make_node("MatMul", ["r", w("w2", 3, OUT)], ["rw"]),
+                 helper.make_node("ReduceMean", ["rw"], ["out"], axes=[1], keepdims=0)]
     elif kind in ("embedding", "tied"):  # int32 ids, as a Keras Embedding's (tf2onnx)
         x = helper.make_tensor_value_info("input", TensorProto.INT32, ["N", T])
         nodes = [helper.make_node("Gather", [w("E", VOCAB, H), "input"], ["e"], axis=0),  # [N, T, H]
@@ -75,12 +86,12 @@ def _data(kind: str):
     if kind in ("embedding", "tied"):
         ids = rng.integers(0, VOCAB, (N, T)).astype(np.int32)
         return {"input": ids}, rng.normal(size=(N, VOCAB if kind == "tied" else OUT)).astype(np.float32)
-    shape = {"mlp": (N, IN), "conv": (N, 1, 6, 6), "lstm": (N, T, IN)}[kind]
+    shape = {"mlp": (N, IN), "reshape": (N, IN), "conv": (N, 1, 6, 6), "lstm": (N, T, IN)}[kind]
     return {"input": rng.normal(size=shape).astype(np.float32)}, rng.normal(size=(N, OUT)).astype(np.float32)
 
 
 @pytest.mark.parametrize("opset", [13, 14])
-@pytest.mark.parametrize("kind", ["mlp", "conv", "lstm", "embedding", "tied"])
+@pytest.mark.parametrize("kind", ["mlp", "conv", "lstm", "embedding", "tied", "reshape"])
 def test_a_model_at_an_old_opset_trains_like_its_opset_17_conversion(kind, opset):
     old = _model(kind, opset)
     new = version_converter.convert_version(old, 17)
