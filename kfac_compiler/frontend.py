@@ -23,7 +23,7 @@ from kfac_compiler.contract import TARGETS, reserved_prefix
 from kfac_compiler.errors import ConfigError, KfacError, ModelError, UnsupportedOpError
 from kfac_compiler.graph import SOURCE_FLOAT_KEY, GraphView, float_types, fresh_name, with_float_type
 from kfac_compiler.ir import FactorSpec, Layer
-from kfac_compiler.losses import Loss, SoftmaxCrossEntropy, loss_class, loss_kinds
+from kfac_compiler.losses import Loss, loss_class, loss_kinds
 from kfac_compiler.losses.heads import MULTI_HEAD
 from kfac_compiler.passes.batch_axis import example_axis_notes, with_example_axes
 from kfac_compiler.passes.budget import REFERENCE_BATCH, STATS_BATCH, BudgetResult, estimator_passes, fit_budget
@@ -190,7 +190,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
     if not view.is_float(output) and output in view.dtypes and view.dtypes[output]:
         raise ModelError(f"{source!r}: output {output!r} is not a float tensor")
     scored = [(h["output"], h["loss"]) for h in heads] if heads is not None else [(output, loss)]
-    for note in _softmax_output_notes(view, scored, heads is not None):
+    for note in _linked_output_notes(view, scored, heads is not None):
         warnings.warn(note, stacklevel=2)
 
     plan_notes: list[str] = [float_note[1]] if float_note else []
@@ -295,21 +295,22 @@ def _refuse_reserved_names(model: onnx.ModelProto, source: str) -> None:
                              "(docs/runtime_contract.md); rename it in the model before compiling")
 
 
-def _softmax_output_notes(view: GraphView, scored: list[tuple[str, str]], heads: bool) -> list[str]:
-    """A warning per softmax cross-entropy applied to a Softmax node's output (every Keras
-    classifier ending in Dense(k, activation="softmax")): the loss takes scores and applies
-    its own softmax, so it would train a double softmax (a perfect prediction of 4 classes
-    still scores 0.744), silently. It names the Softmax's input to pass instead."""
+def _linked_output_notes(view: GraphView, scored: list[tuple[str, str]], heads: bool) -> list[str]:
+    """A warning per loss applied to an output its own link op computes (Loss.link_op: every
+    Keras classifier ending in Dense(k, activation="softmax") or "sigmoid"): the loss applies
+    that op to the scores it is given, so it would train it twice (a perfect prediction of 4
+    classes still scores 0.744), silently. It names the op's input to pass instead."""
     notes = []
     for output, kind in scored:
-        node = view.producer.get(output)
-        if kind != SoftmaxCrossEntropy.kind or node is None or node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+        node, op = view.producer.get(output), loss_class(kind).link_op
+        if op is None or node is None or node.op_type != op or node.domain not in ("", "ai.onnx"):
             continue
         scores = node.input[0]
         how = (f"name {scores!r} as the head's output instead (--head {scores},{kind},...)" if heads else
                f"pass {scores!r} as the output instead (--output {scores}; output={scores!r} in the API)")
-        notes.append(f"output {output!r} is computed by Softmax node {node.name!r}: {kind} applies its own softmax "
-                     f"to the scores it is given, so this trains a softmax of probabilities (a double softmax); {how}")
+        notes.append(f"output {output!r} is computed by {op} node {node.name!r}: {kind} applies its own "
+                     f"{op.lower()} to the scores it is given, so this trains a {op.lower()} of probabilities "
+                     f"(a double {op.lower()}); {how}")
     return notes
 
 

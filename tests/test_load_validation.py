@@ -673,3 +673,18 @@ def test_tensors_named_like_the_runtime_contract_are_refused(tmp_path, capsys, n
     _refused_in_one_line(tmp_path, capsys, _renamed(name, which),
                          f": tensor {name!r} is named like the runtime's own {clash!r} (docs/runtime_contract.md); "
                          "rename it in the model before compiling")
+
+
+def test_a_sigmoid_output_under_sigmoid_cross_entropy_is_warned():
+    """The loss applies its own sigmoid (Loss.link_op), as softmax cross-entropy its softmax:
+    an output a Sigmoid node computes (Keras's Dense(1, activation="sigmoid")) would train a
+    sigmoid of probabilities; the warning names the node and its input."""
+    w = onnx.numpy_helper.from_array(np.ones((3, 1), np.float32), "W")
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["z"]), onnx.helper.make_node("Sigmoid", ["z"], ["p"], name="sig")],
+        "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+        [onnx.helper.make_tensor_value_info("p", onnx.TensorProto.FLOAT, ["N", 1])], [w])
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match=r"output 'p' is computed by Sigmoid node 'sig': sigmoid_cross_entropy applies "
+                                         r"its own sigmoid .* \(a double sigmoid\); pass 'z' as the output instead"):
+        kc.compile(model, loss="sigmoid_cross_entropy", emit=False)

@@ -21,7 +21,8 @@ other module compares loss names:
   checkpointable), and products with B and with F_z, where F_z = B B^T is the Fisher of the
   predictive distribution w.r.t. z. The *_GGN estimation modes reuse the Fisher products, so
   a loss must have F_z equal to its Hessian w.r.t. z (a canonical link);
-- `lower_bound` (the K-FAC step's quadratic model check) and evaluation `metrics`;
+- `lower_bound` (the K-FAC step's quadratic model check), `link_op` (the op it applies to the
+  scores itself) and evaluation `metrics`;
 - numpy twins (`np_*`, float64): the independent truth for tests.
 """
 from __future__ import annotations
@@ -106,6 +107,10 @@ class Loss:
     # A value no l_n goes below (None: unknown). The K-FAC step scales down an update whose
     # quadratic model predicts a decrease beyond it (optimizers.KfacConfig).
     lower_bound: ClassVar[float | None] = None
+    # The op (ONNX op type) the loss applies to the scores itself (its link): an output that
+    # op computes would get it twice (a Keras Dense(k, activation="softmax") head), which the
+    # front end warns of, naming the op's input to train instead. None: no such op.
+    link_op: ClassVar[str | None] = None
     # Evaluation metrics besides the loss (Trainer.evaluate), computed by metric_totals.
     metrics: ClassVar[tuple[str, ...]] = ()
     # False for a kind the compiler assembles from other input (multi_head, from the heads):

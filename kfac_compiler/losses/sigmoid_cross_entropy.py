@@ -14,6 +14,7 @@ class SigmoidCrossEntropy(ElementwiseLoss):
     kind = "sigmoid_cross_entropy"
     description = "Bernoulli per output coordinate, targets are probabilities in [0, 1]"
     lower_bound = 0.0  # softplus(z) - y z >= H(y) >= 0 for y in [0, 1]
+    link_op = "Sigmoid"  # applied to the scores it is given
 
     def check_target_values(self, y: np.ndarray, source: str) -> None:
         if np.min(y) < 0 or np.max(y) > 1:

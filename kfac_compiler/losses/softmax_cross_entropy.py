@@ -45,6 +45,7 @@ class SoftmaxCrossEntropy(Loss):
                           "over the others (torch's cross_entropy ignore_index, e.g. -100)", optional_int,
                           parse=integer),)
     lower_bound = 0.0  # -log p >= 0
+    link_op = "Softmax"  # applied to the scores it is given
     metrics = ("accuracy",)
     ignore_index: int | None
 
