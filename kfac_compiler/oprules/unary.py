@@ -276,7 +276,8 @@ def _castlike_jvp(b, view, node, ts):
 
 
 def _dropout_scale(b, view, node):
-    """None when the Dropout is an identity (inference); else (mask, 1/(1-ratio)) pieces."""
+    """None when the Dropout is an identity (inference); else mask * 1/(1-ratio), the scale
+    gated by a run-time training_mode."""
     tm = inp(node, 2)
     if tm is None:
         return None
@@ -292,6 +293,10 @@ def _dropout_scale(b, view, node):
         scale = c(b, 1.0 / (1.0 - float(np.asarray(rv).reshape(-1)[0])))
     else:
         scale = b.div(c(b, 1.0), b.sub(c(b, 1.0), b.op("CastLike", [ratio, node.input[0]])))
+    if v is None:
+        # training_mode known only at run time: false makes the op the identity (mask all
+        # true, no 1/(1-ratio) scaling), so the scale is 1 then
+        scale = b.op("Where", [tm, scale, c(b, 1.0)])
     return b.mul(b.cast(mask, b.float_type), scale)
 
 

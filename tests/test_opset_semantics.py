@@ -1,0 +1,90 @@
+"""Rules against what ONNX Runtime itself computes: gradient_model / jvp_model run on ORT CPU
+against element-wise central differences of the ORIGINAL model on ORT (float64 where ORT has
+the op's double kernel). These are the forms where onnx.reference, onnx shape inference or a
+rule's reading of the spec differ from ORT (the finite differences of tests/test_oprules.py
+run on onnx.reference and would share such a mistake)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from kfac_compiler.oprules.check import lift_initializers
+from kfac_compiler.passes.autodiff import gradient_model, jvp_model
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _model(nodes, inputs: Mapping[str, tuple[int, list]], inits: Mapping[str, np.ndarray], opset: int = 17,
+           out: str = "y") -> onnx.ModelProto:
+    """inputs: name -> (elem type, shape); the output `out` gets its inferred type."""
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info(k, t, s) for k, (t, s) in inputs.items()],
+                          [helper.make_tensor_value_info(out, TensorProto.UNDEFINED, None)],
+                          initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    m.graph.output[0].CopyFrom(onnx.shape_inference.infer_shapes(m).graph.output[0])
+    return m
+
+
+def ort_check(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], params: Sequence[str] = ("W",),
+              out: str = "y", eps: float = 1e-6, tol: float = 1e-6, seed: int = 0) -> None:
+    """grad/<p> and jvp/<out> on ORT against central differences of `model` on ORT, every
+    element of every param (small params); tol relative to the largest magnitude."""
+    rng = np.random.default_rng(seed)
+    lifted, vals = lift_initializers(model, list(params))
+    fwd = _session(lifted)
+
+    def f(v: Mapping[str, np.ndarray]) -> np.ndarray:
+        return fwd.run([out], {**feeds, **v})[0].astype(np.float64)
+
+    y0 = f(vals)
+    u = rng.standard_normal(y0.shape)
+    tang = {p: rng.standard_normal(vals[p].shape) for p in params}
+    dt = {p: vals[p].dtype for p in params}
+    gm = gradient_model(model, out, list(params))
+    got = _session(gm).run([f"grad/{p}" for p in params], {**feeds, f"{out}_grad": u.astype(y0.dtype)})
+    got = [g.astype(np.float64) for g in got]
+    jm = jvp_model(model, out, list(params))
+    (jv,) = _session(jm).run([f"jvp/{out}"], {**feeds, **{f"tangent/{p}": tang[p].astype(dt[p]) for p in params}})
+    assert np.all(np.isfinite(jv)), f"jvp not finite: {jv}"
+    for p, g in zip(params, got):
+        assert np.all(np.isfinite(g)), f"grad/{p} not finite: {g}"
+        fd = np.zeros(vals[p].shape)
+        for i in range(fd.size):
+            plus, minus = vals[p].copy(), vals[p].copy()
+            plus.reshape(-1)[i] += eps
+            minus.reshape(-1)[i] -= eps
+            fd.reshape(-1)[i] = np.sum(u * (f({**vals, p: plus}) - f({**vals, p: minus}))) / (2 * eps)
+        np.testing.assert_allclose(g, fd, rtol=0, atol=tol * (1 + np.max(np.abs(fd))), err_msg=f"grad/{p}")
+    fdj = (f({**vals, **{p: (vals[p] + eps * tang[p]).astype(dt[p]) for p in params}})
+           - f({**vals, **{p: (vals[p] - eps * tang[p]).astype(dt[p]) for p in params}})) / (2 * eps)
+    np.testing.assert_allclose(jv.astype(np.float64), fdj, rtol=0, atol=tol * (1 + np.max(np.abs(fdj))),
+                               err_msg=f"jvp/{out}")
+
+
+# ---------------------------------------------------------------------------- Dropout
+def test_dropout_with_a_runtime_training_mode_is_the_identity_when_false(rng):
+    """training_mode a graph input: false makes ORT's Dropout the identity (mask all true,
+    no 1/(1-ratio)); the rule scaled by 1/(1-ratio) = 2 regardless."""
+    m = _model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                helper.make_node("Dropout", ["h", "ratio", "training_mode"], ["y", "mask"])],
+               {"x": (TensorProto.DOUBLE, [2, 3]), "training_mode": (TensorProto.BOOL, [])},
+               {"W": rng.standard_normal((3, 4)), "ratio": np.asarray(0.5)})
+    x = rng.standard_normal((2, 3))
+    ort_check(m, {"x": x, "training_mode": np.asarray(False)})
+    # training at run time: y = h * mask / (1 - ratio), the mask drawn per run; with ratio 0
+    # the mask is all true and the scale 1, so differences see the same function
+    m0 = _model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                 helper.make_node("Dropout", ["h", "ratio", "training_mode"], ["y", "mask"])],
+                {"x": (TensorProto.DOUBLE, [2, 3]), "training_mode": (TensorProto.BOOL, [])},
+                {"W": rng.standard_normal((3, 4)), "ratio": np.asarray(0.0)})
+    ort_check(m0, {"x": x, "training_mode": np.asarray(True)})
