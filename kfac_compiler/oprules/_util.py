@@ -207,6 +207,12 @@ def where0(b, cond: str, v: str) -> str:
     return b.op("Where", [cond, v, c(b, 0.0)])
 
 
+def recip0(b, y: str) -> str:
+    """1 / y, and 0 where y == 0: the derivative of a norm (ReduceL2, LpPool, LpNormalization)
+    at an all-zero group, window or vector, which torch takes as 0 (x / y there is 0 / 0)."""
+    return b.op("Where", [b.op("Equal", [y, c(b, 0.0)]), c(b, 0.0), b.div(c(b, 1.0), y)])
+
+
 def gt0(b, x: str) -> str:
     """The boolean x > 0."""
     return b.op("Greater", [x, c(b, 0.0)])

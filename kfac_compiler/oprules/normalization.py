@@ -13,6 +13,7 @@ from kfac_compiler.oprules._util import (
     c,
     inp,
     need,
+    recip0,
     shape_tensor,
     static_shape,
     unbroadcast,
@@ -321,14 +322,15 @@ def _lpn_vjp(b, view, node, gys):
 
 def _lpn_apply(b, node, v: str, adjoint: bool) -> str:
     """The Jacobian of x -> x / ||x||_p applied to v (adjoint: its transpose): the two
-    differ in which of y and s = dn/dx meets v inside the sum."""
+    differ in which of y and s = dn/dx meets v inside the sum. 0 for a zero vector (n = 0,
+    where ORT's y is 0), not 0 / 0."""
     x, y = node.input[0], node.output[0]
     axis, p = int(attr(node, "axis", -1)), int(attr(node, "p", 2))
     n = b.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=True)
     s = y if p == 2 else b.op("Sign", [x])
     inner, outer = (y, s) if adjoint else (s, y)
     dot = b.reduce_sum(b.mul(v, inner), [axis], keepdims=True)
-    return b.div(b.sub(v, b.mul(outer, dot)), n)
+    return b.mul(b.sub(v, b.mul(outer, dot)), recip0(b, n))
 
 
 @_lpn_vjp.defcheck

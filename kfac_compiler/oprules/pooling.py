@@ -33,6 +33,7 @@ from kfac_compiler.oprules._util import (
     make_shape,
     out,
     reapply,
+    recip0,
     shape_tensor,
     static_shape,
     unsupported,
@@ -283,11 +284,14 @@ def _lp_slope(b, node, x: str) -> str:
 
 
 def _lp_outer(b, node, y: str) -> str:
-    """d(s^(1/p))/ds * p = y^(1-p) at s = y^p."""
+    """d(s^(1/p))/ds * p = y^(1-p) at s = y^p; 0 for an all-zero window (y = 0, where
+    y^(1-p) is inf and the slope |x|^(p-1) is 0: torch's 0 instead of NaN)."""
     p = float(attr(node, "p", 2))
     if p == 1:
         return c(b, 1.0)
-    return b.div(c(b, 1.0), y) if p == 2 else b.op("Pow", [y, c(b, 1.0 - p)])
+    if p == 2:
+        return recip0(b, y)
+    return b.op("Where", [b.op("Equal", [y, c(b, 0.0)]), c(b, 0.0), b.op("Pow", [y, c(b, 1.0 - p)])])
 
 
 @register("LpPool", inputs=(0,))

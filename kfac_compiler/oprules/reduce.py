@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kfac_compiler.oprules import register
-from kfac_compiler.oprules._util import attr, c, cval, inp, reapply, shape_tensor, static_shape
+from kfac_compiler.oprules._util import attr, c, cval, inp, reapply, recip0, shape_tensor, static_shape
 
 
 def _axes(view, node):
@@ -87,8 +87,8 @@ def _local(b, view, node):
         return b.mul(x, c(b, 2.0)), None
     if op == "ReduceL1":
         return b.op("Sign", [x]), None
-    if op == "ReduceL2":
-        return b.div(x, _bcast_back(b, view, node, y)), None
+    if op == "ReduceL2":  # x / y, 0 for an all-zero group (y = 0)
+        return b.mul(x, recip0(b, _bcast_back(b, view, node, y))), None
     if op == "ReduceLogSumExp":
         return b.op("Exp", [b.sub(x, _bcast_back(b, view, node, y))]), None
     if op == "ReduceLogSum":  # 1 / sum(x) = exp(-y), the same for the whole group
