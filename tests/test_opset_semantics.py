@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kfac_compiler.errors import UnsupportedOpError
 from kfac_compiler.oprules.check import lift_initializers
 from kfac_compiler.passes.autodiff import gradient_model, jvp_model
 
@@ -136,3 +137,30 @@ def test_lp_norms_of_a_zero_window_or_vector_have_a_zero_not_nan_gradient(rng, o
     else:  # ORT has float kernels only: float32 differences
         m, feeds = _zero_row_case(rng, op, dict(attrs), hshape, 18, dtype=TensorProto.FLOAT)
         ort_check(m, feeds, eps=1e-2, tol=2e-3)
+
+
+# ------------------------------------------------------- BatchNormalization-9 training form
+def _bn9(rng, outputs: list[str]) -> onnx.ModelProto:
+    C = 3
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h0"]), helper.make_node("Reshape", ["h0", "shp"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"], outputs,
+                              name="bn", epsilon=1e-3, momentum=0.9)]
+    inits = {"W": rng.standard_normal((3, C * 4)), "shp": np.asarray([2, C, 4], np.int64),
+             "scale": rng.uniform(0.5, 2, C), "bias": rng.standard_normal(C),
+             "mean": rng.standard_normal(C), "var": rng.uniform(0.5, 2, C)}
+    return _model(nodes, {"x": (TensorProto.DOUBLE, [2, 3])}, inits, opset=13)
+
+
+def test_batchnorm_at_opset_13_with_its_training_outputs_is_refused_in_one_line(rng):
+    """Training signalled by the output count: ORT's forward for it is batch-statistics BN
+    without graph optimizations and neither form with them; the rule differentiated it as
+    inference BN (34% off). Refused, naming the node and the two ways out."""
+    m = _bn9(rng, ["y", "rm", "rv", "sm", "sv"])
+    with pytest.raises(UnsupportedOpError) as e:
+        gradient_model(m, "y", ["W"])
+    msg = str(e.value)
+    assert "\n" not in msg and "'bn'" in msg and "opset >= 14" in msg and "eval mode" in msg
+    with pytest.raises(UnsupportedOpError):
+        jvp_model(m, "y", ["W", "scale"])
+    # the inference form (one output) keeps its rule: exact against ORT's forward
+    ort_check(_bn9(rng, ["y"]), {"x": rng.standard_normal((2, 3))}, params=("W", "scale", "bias", "mean", "var"))

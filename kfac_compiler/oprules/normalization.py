@@ -155,8 +155,20 @@ def _bn_vjp(b, view, node, gys, needs=None):
     return res
 
 
+@_bn_vjp.defcheck
+def _bn_check(view, node):
+    # before opset 14 training is signalled by the output count (Y, mean, var, saved_mean,
+    # saved_var), and ORT's forward for it differs between optimization levels (batch
+    # statistics without optimizations, neither form with them): no exact gradient exists
+    if view.opset < 14 and any(node.output[1:]):
+        raise unsupported(node, view, "has its training-mode outputs (mean, var, saved_mean, saved_var: training "
+                                      "signalled by the output count), whose forward ONNX Runtime does not compute "
+                                      "consistently; re-export with opset >= 14 (training_mode) or in eval mode")
+
+
 @_bn_vjp.defjvp
 def _bn_jvp(b, view, node, ts):
+    _bn_check(view, node)  # jvp() runs no rule checks
     X, S, B, mean, var = node.input[:5]
     Y = node.output[0]
     ts = list(ts) + [None] * (5 - len(ts))
