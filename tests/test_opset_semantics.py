@@ -5,6 +5,7 @@ rule's reading of the spec differ from ORT (the finite differences of tests/test
 run on onnx.reference and would share such a mistake)."""
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -164,3 +165,59 @@ def test_batchnorm_at_opset_13_with_its_training_outputs_is_refused_in_one_line(
         jvp_model(m, "y", ["W", "scale"])
     # the inference form (one output) keeps its rule: exact against ORT's forward
     ort_check(_bn9(rng, ["y"]), {"x": rng.standard_normal((2, 3))}, params=("W", "scale", "bias", "mean", "var"))
+
+
+# ------------------------------------------------------------------------------- Resize
+@pytest.mark.parametrize("opset,attrs,scales,hw", [
+    (13, {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [1.7, 1.0], (3, 4)),
+    (13, {"mode": "cubic", "coordinate_transformation_mode": "align_corners"}, [1.0, 1.7], (4, 3)),
+    (13, {"mode": "nearest", "coordinate_transformation_mode": "align_corners", "nearest_mode": "floor"},
+     [1.7, 1.0], (3, 4)),
+    (18, {"mode": "linear", "coordinate_transformation_mode": "tf_crop_and_resize"}, [1.7, 1.0], (3, 4)),
+    (13, {"mode": "nearest", "coordinate_transformation_mode": "half_pixel", "nearest_mode": "floor"},
+     [0.6, 1.0], (5, 4)),
+    (19, {"mode": "nearest", "coordinate_transformation_mode": "half_pixel_symmetric", "nearest_mode": "floor"},
+     [0.6, 1.0], (5, 4)),
+    (13, {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [1.5, 1.5], (5, 5)),
+])
+def test_resize_vjp_is_the_transpose_of_orts_forward(rng, opset, attrs, scales, hw):
+    """Forms where onnx.reference's Resize differs from ORT's (align_corners and
+    tf_crop_and_resize with in * scale not an integer, nearest rounding ties): the vjp's
+    matrices came from onnx.reference while the forward and the jvp are ORT's. ORT has a
+    float32 kernel only; the op is linear in W, so wide float32 differences are exact."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h0"]), helper.make_node("Reshape", ["h0", "shp"], ["h"]),
+             helper.make_node("Resize", ["h", "", "sc"], ["y"], **attrs)]
+    inits = {"W": rng.standard_normal((3, hw[0] * hw[1])).astype(np.float32),
+             "shp": np.asarray([2, 1, *hw], np.int64), "sc": np.asarray([1, 1, *scales], np.float32)}
+    m = _model(nodes, {"x": (TensorProto.FLOAT, [2, 3])}, inits, opset=opset)
+    ort_check(m, {"x": rng.standard_normal((2, 3)).astype(np.float32)}, eps=0.5, tol=1e-5)
+
+
+def test_resize_align_corners_scale_factor_matches_torch_autograd():
+    """torch's F.interpolate(scale_factor=1.5, bilinear, align_corners=True) through
+    TorchScript's export: the weight gradient against torch autograd (33% off before)."""
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2 * 5 * 5)
+
+        def forward(self, x):
+            h = self.fc(x).reshape(-1, 2, 5, 5)
+            return torch.nn.functional.interpolate(h, scale_factor=1.5, mode="bilinear",
+                                                   align_corners=True).flatten(1)
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(4, 3)
+    buf = io.BytesIO()
+    torch.onnx.export(net, (x,), buf, dynamo=False, input_names=["x"], output_names=["y"], opset_version=17)
+    m = onnx.load_from_string(buf.getvalue())
+    y = net(x)
+    u = torch.randn_like(y)
+    (y * u).sum().backward()
+    wname = next(t.name for t in m.graph.initializer if tuple(t.dims) == (50, 3))
+    (g,) = _session(gradient_model(m, "y", [wname])).run([f"grad/{wname}"], {"x": x.numpy(), "y_grad": u.numpy()})
+    want = net.fc.weight.grad.numpy()
+    np.testing.assert_allclose(g, want, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))

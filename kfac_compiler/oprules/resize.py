@@ -1,8 +1,9 @@
 """Resize (nearest, linear, cubic; every coordinate_transformation_mode): for constant
 scales/sizes (and roi) the op is linear in X and separable, Y = X x_d M_d over the resized
 axes d, with M_d an [out_d, in_d] interpolation matrix. The matrices are computed at compile
-time by running the op itself (onnx.reference, float64) on an identity along that axis, so
-every mode, rounding rule and antialias setting is covered by construction; the vjp applies
+time by running the op itself (ONNX Runtime CPU, the runtime that computes the forward) on an
+identity along that axis, so every mode, rounding rule and antialias setting is covered by
+construction, as ORT computes it; the vjp applies
 M_d^T along each axis (one MatMul per axis: `g @ M` for the last axis, `M^T @ g` for the
 one before it, else Transpose + MatMul + Transpose) and the jvp is the op on the tangent.
 
@@ -70,13 +71,18 @@ def _geometry(view, node):
 
 
 def _matrix(node, opset: int, n_in: int, sc, sz, r0, r1) -> np.ndarray:
-    """[out, in] interpolation matrix of one axis: the op run on an identity (float64)."""
-    from kfac_compiler.oprules.check import run_reference
+    """[out, in] interpolation matrix of one axis: the op run on an identity by ONNX Runtime
+    (CPU, float32: its only Resize kernel), so that the vjp is the exact transpose of the
+    forward a session computes. onnx.reference differs from ORT (and torch): align_corners and
+    tf_crop_and_resize with `scales` where in * scale is not an integer (it uses in * scale
+    for the output length there), nearest-mode rounding ties (coordinates in float64, ORT's in
+    float32)."""
+    from kfac_compiler.oprules.check import run_ort
 
     attrs = {a: attr(node, a) for a in _PASS_ATTRS if attr(node, a) is not None}
     if opset < 18:
         attrs.pop("antialias", None)
-    inits = [numpy_helper.from_array(np.asarray([0.0, r0, 1.0, r1]), "roi")]
+    inits = [numpy_helper.from_array(np.asarray([0.0, r0, 1.0, r1], np.float32), "roi")]
     if sz is not None:
         inits.append(numpy_helper.from_array(np.asarray([n_in, sz], np.int64), "sizes"))
         ins = ["x", "roi", "", "sizes"]
@@ -84,11 +90,12 @@ def _matrix(node, opset: int, n_in: int, sc, sz, r0, r1) -> np.ndarray:
         inits.append(numpy_helper.from_array(np.asarray([1.0, sc], np.float32), "scales"))
         ins = ["x", "roi", "scales"]
     n = helper.make_node("Resize", ins, ["y"], extrapolation_value=0.0, **attrs)
-    g = helper.make_graph([n], "resize_axis", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [n_in, n_in])],
-                          [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)], initializer=inits)
+    g = helper.make_graph([n], "resize_axis", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n_in, n_in])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", max(opset, 13))])
-    y = run_reference(m, {"x": np.eye(n_in)}, ["y"])["y"]
-    return np.ascontiguousarray(y.T)
+    m.ir_version = 8
+    y = run_ort(m, {"x": np.eye(n_in, dtype=np.float32)}, ["y"])["y"]
+    return np.ascontiguousarray(y.T.astype(np.float64))
 
 
 def _apply_axis(b, g: str, mat: np.ndarray, d: int, r: int) -> str:
