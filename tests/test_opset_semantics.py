@@ -221,3 +221,48 @@ def test_resize_align_corners_scale_factor_matches_torch_autograd():
     (g,) = _session(gradient_model(m, "y", [wname])).run([f"grad/{wname}"], {"x": x.numpy(), "y_grad": u.numpy()})
     want = net.fc.weight.grad.numpy()
     np.testing.assert_allclose(g, want, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))
+
+
+# ---------------------------------------------------------------- pools with ceil_mode
+def _ceil_pool(rng, op: str, opset: int, batch, tail: str = "gap") -> onnx.ModelProto:
+    """x [batch, 3] -> W -> [batch, 2, 5, 7] -> op(kernel 2, stride 2, pads 1, ceil_mode) -> y,
+    float32 (ORT's pools and Conv have no double kernels). The last window along both axes
+    would start in the right padding: ORT (and torch, and the spec) drop it (3 x 4), onnx's
+    shape inference before opset 22 keeps it (4 x 5)."""
+    npt = np.float32
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}
+    if op == "LpPool":
+        attrs["p"] = 2
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h0"]), helper.make_node("Reshape", ["h0", "shp"], ["h"]),
+             helper.make_node(op, ["h"], ["p"], name="pool", **attrs)]
+    if tail == "gap":
+        nodes += [helper.make_node("GlobalAveragePool", ["p"], ["g"]), helper.make_node("Flatten", ["g"], ["y"])]
+    else:  # a Conv over the pooled map (its static shapes follow the pool's inferred ones)
+        nodes += [helper.make_node("Conv", ["p", "K"], ["y"], kernel_shape=[2, 2])]
+    inits = {"W": rng.standard_normal((3, 70)).astype(npt), "K": rng.standard_normal((3, 2, 2, 2)).astype(npt),
+             "shp": np.asarray([-1 if isinstance(batch, str) else batch, 2, 5, 7], np.int64)}
+    return _model(nodes, {"x": (TensorProto.FLOAT, [batch, 3])}, inits, opset=opset)
+
+
+@pytest.mark.parametrize("op,opset", [("AveragePool", 17), ("MaxPool", 17), ("LpPool", 18)])
+def test_ceil_mode_pool_uses_orts_output_size_not_the_inferred_one(rng, op, opset):
+    """A symbolic batch: the pool rules take the output size from the geometry (as ORT),
+    not from onnx's inferred 4 x 5 (AveragePool's adjoint reshaped its cotangent to it)."""
+    m = _ceil_pool(rng, op, opset, "N")
+    ort_check(m, {"x": rng.standard_normal((4, 3)).astype(np.float32)}, eps=1e-3 if op == "MaxPool" else 1e-2,
+              tol=2e-3)
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("tail", ["gap", "conv"])
+def test_ceil_mode_pool_whose_inferred_shape_is_wrong_is_refused_with_a_static_batch(rng, op, tail):
+    """A static batch: every shape after the pool is inferred from onnx's wrong 4 x 5, which
+    the rules downstream trust (MaxPool's gradient graph failed at run time, AveragePool's
+    gradient was 0.6x the true one, silently). Refused in one line naming the node; at
+    opset 22, whose shape inference drops the window, the same model is differentiated."""
+    with pytest.raises(UnsupportedOpError) as e:
+        gradient_model(_ceil_pool(rng, op, 17, 4, tail=tail), "y", ["W"])
+    msg = str(e.value)
+    assert "\n" not in msg and "'pool'" in msg and "[4, 2, 3, 4]" in msg and "opset >= 22" in msg
+    ort_check(_ceil_pool(rng, op, 22, 4, tail=tail), {"x": rng.standard_normal((4, 3)).astype(np.float32)},
+              eps=1e-3 if op == "MaxPool" else 1e-2, tol=2e-3)

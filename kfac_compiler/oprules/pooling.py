@@ -120,6 +120,11 @@ def _maxpool_vjp(b, view, node, gys):
     return [b.reshape(flat, b.op("Shape", [X]))]
 
 
+@_maxpool_vjp.defcheck
+def _maxpool_check(view, node):
+    _inferred_shape_check(view, node)
+
+
 @_maxpool_vjp.defjvp
 def _maxpool_jvp(b, view, node, ts):
     t = ts[0]
@@ -172,12 +177,31 @@ def _upsample(b, view, v: str, Y: str, X: str, k: list[int]) -> str:
     return b.op("Pad", [r, b.op("Concat", [b.ints([0] * (2 + nd + 2)), rem], axis=0)])
 
 
-def _window_geometry(view, node) -> tuple[Geom, list]:
-    """A windowed pool's geometry and its output's spatial size (static where the output's
-    shape is known, else from the geometry), which AveragePool and LpPool adjoints share."""
+def _window_geometry(view, node) -> tuple[Geom, list | None]:
+    """A windowed pool's geometry and its output's spatial size, which AveragePool and LpPool
+    adjoints share: the geometry's (ORT's) where the input's spatial dims are static, else the
+    inferred shape's (onnx's shape inference keeps a ceil_mode window that starts in the right
+    padding before opset 22, which ORT and the spec drop)."""
     geo = Geom(view, node, node.input[0], None)
+    so = geo.out_size()
+    if so is None:
+        ys = static_shape(view, node.output[0])
+        so = list(ys[2:]) if ys is not None else None
+    return geo, so
+
+
+def _inferred_shape_check(view, node) -> None:
+    """Refuse a pool whose fully static inferred output shape differs from what ORT computes
+    (ceil_mode with a last window starting in the right padding, opsets < 22): every static
+    shape after it was inferred from the wrong one, so the rules downstream would build
+    cotangents of the wrong shape (a raw ORT error at run time, or a wrong gradient)."""
     ys = static_shape(view, node.output[0])
-    return geo, list(ys[2:]) if ys is not None else geo.out_size()
+    so = Geom(view, node, node.input[0], None).out_size()
+    if ys is not None and so is not None and list(ys[2:]) != so:
+        raise unsupported(node, view, f"has ceil_mode=1 with a last window starting in the right padding: onnx's "
+                                      f"shape inference (before opset 22) gives its output {list(ys)} where ONNX "
+                                      f"Runtime computes {list(ys[:2]) + so}, and the shapes after it follow; "
+                                      "re-export with opset >= 22, or with ceil_mode=0 (the same windows here)")
 
 
 @register("AveragePool", inputs=(0,))
@@ -198,7 +222,8 @@ def _window_sum_t(b, view, v: str, X: str, Y: str, geo: Geom, so) -> str:
     if (geo.k == geo.s and all(d == 1 for d in geo.d) and not any(geo.pb) and not any(geo.pe)
             and not geo.ceil):
         return _upsample(b, view, v, Y, X, geo.k)
-    g2 = b.reshape(v, make_shape(b, [-1, 1] + dim_parts(b, view, Y, 2)))
+    spatial = so if so is not None else dim_parts(b, view, Y, 2)
+    g2 = b.reshape(v, make_shape(b, [-1, 1] + spatial))
     ones = b.const(np.ones([1, 1] + geo.k, dtype=b.np_float), hint="pool_ones")
     dx = conv_t_to(b, view, g2, ones, geo, X, so if not geo.ceil else None)
     return b.reshape(dx, b.op("Shape", [X]))
@@ -206,6 +231,7 @@ def _window_sum_t(b, view, v: str, X: str, Y: str, geo: Geom, so) -> str:
 
 @_avgpool_vjp.defcheck
 def _avgpool_check(view, node):
+    _inferred_shape_check(view, node)
     _avg_divisor(None, view, node, *_window_geometry(view, node))
 
 
@@ -304,6 +330,11 @@ def _lppool_vjp(b, view, node, gys):
     geo, so = _window_geometry(view, node)
     back = _window_sum_t(b, view, b.mul(g, _lp_outer(b, node, Y)), X, Y, geo, so)
     return [b.mul(_lp_slope(b, node, X), back)]
+
+
+@_lppool_vjp.defcheck
+def _lppool_check(view, node):
+    _inferred_shape_check(view, node)
 
 
 @_lppool_vjp.defjvp
