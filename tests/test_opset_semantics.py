@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kfac_compiler.errors import UnsupportedOpError
-from kfac_compiler.oprules.check import lift_initializers
+from kfac_compiler.oprules.check import lift_initializers, run_reference
 from kfac_compiler.passes.autodiff import gradient_model, jvp_model
 
 
@@ -266,3 +266,37 @@ def test_ceil_mode_pool_whose_inferred_shape_is_wrong_is_refused_with_a_static_b
     assert "\n" not in msg and "'pool'" in msg and "[4, 2, 3, 4]" in msg and "opset >= 22" in msg
     ort_check(_ceil_pool(rng, op, 22, 4, tail=tail), {"x": rng.standard_normal((4, 3)).astype(np.float32)},
               eps=1e-3 if op == "MaxPool" else 1e-2, tol=2e-3)
+
+
+# ----------------------------------------------------------- MaxPool's tiled (mask) form
+def _tiled_maxpool(rng, dtype: int) -> onnx.ModelProto:
+    npt = helper.tensor_dtype_to_np_dtype(dtype)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h0"]), helper.make_node("Reshape", ["h0", "shp"], ["h"]),
+             helper.make_node("MaxPool", ["h"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+    inits = {"W": rng.standard_normal((3, 32)).astype(npt), "shp": np.asarray([2, 2, 4, 4], np.int64)}
+    return _model(nodes, {"x": (dtype, [2, 3])}, inits)
+
+
+def test_maxpool_with_tiled_windows_in_a_float64_model(rng):
+    """Non-overlapping windows (the mask form: the forward's maxima upsampled by Resize): its
+    Resize scales came out in float64, an invalid graph (ORT refused to load it). Valid now;
+    ORT has no float64 Resize kernel (compiled plans compute in float32), so the float64
+    graph runs on onnx.reference, against differences of the model on ORT in float64."""
+    m = _tiled_maxpool(rng, TensorProto.DOUBLE)
+    gm = gradient_model(m, "y", ["W"])
+    onnx.checker.check_model(gm, full_check=True)
+    x = rng.standard_normal((2, 3))
+    u = rng.standard_normal((2, 2, 2, 2))
+    got = run_reference(gm, {"x": x, "y_grad": u}, ["grad/W"])["grad/W"]
+    lifted, vals = lift_initializers(m, ["W"])
+    fwd = _session(lifted)
+    fd = np.zeros(vals["W"].shape)
+    for i in range(fd.size):
+        d = np.zeros(fd.shape)
+        d.reshape(-1)[i] = 1e-6
+        fd.reshape(-1)[i] = np.sum(u * (fwd.run(["y"], {"x": x, "W": vals["W"] + d})[0]
+                                        - fwd.run(["y"], {"x": x, "W": vals["W"] - d})[0])) / 2e-6
+    np.testing.assert_allclose(got, fd, rtol=0, atol=1e-6 * (1 + np.abs(fd).max()))
+    m32 = _tiled_maxpool(rng, TensorProto.FLOAT)  # the float32 form runs on ORT
+    assert "Resize" in {n.op_type for n in gradient_model(m32, "y", ["W"]).graph.node}
+    ort_check(m32, {"x": rng.standard_normal((2, 3)).astype(np.float32)}, eps=1e-3, tol=2e-3)

@@ -164,7 +164,9 @@ def _upsample(b, view, v: str, Y: str, X: str, k: list[int]) -> str:
     k (Resize, asymmetric/floor: exact), zero-padded at the end to X's spatial size: the
     adjoint of non-overlapping window sums."""
     nd = len(k)
-    scales = b.const(np.asarray([1.0, 1.0] + [float(f) for f in k], dtype=np.float32), hint="scales")
+    # Resize's scales are float32 whatever the model's float type (a float64 model's
+    # gradient graph was rejected by ORT: const() casts to the builder's float type)
+    scales = b.const(np.asarray([1.0, 1.0] + [float(f) for f in k]), dtype=np.float32, hint="scales")
     r = b.op("Resize", [v, "", scales], mode="nearest", coordinate_transformation_mode="asymmetric",
              nearest_mode="floor")
     ys, xs = static_shape(view, Y), static_shape(view, X)
