@@ -206,9 +206,17 @@ def with_float_type(model: onnx.ModelProto, to: int, sources: Collection[int]) -
 
 
 def float_types(model: onnx.ModelProto) -> set[int]:
-    """The float types of the model's initializers and graph inputs and outputs."""
+    """The float types of the model's initializers, graph inputs and outputs, Cast targets and
+    Constant values: a float32 model computing a part in float64 or float16 (Cast there and
+    back: an upcast for stability, an autocast island) mixes types too (its gradient graphs had
+    met the builder's float32 constants there, an ONNX Runtime type error when training began)."""
     g = model.graph
     types = {t.data_type for t in g.initializer} | {vi.type.tensor_type.elem_type for vi in [*g.input, *g.output]}
+    for node in g.node:
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+            types |= {a.i for a in node.attribute if a.name == "to"}
+        elif node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            types |= {a.t.data_type for a in node.attribute if a.name == "value"}
     return types & set(FLOAT_TYPES)
 
 

@@ -129,3 +129,43 @@ def test_float16_data_trains_a_float16_model_from_the_command_line(tmp_path, cap
                  "--steps", "5", "-q", "--save", str(out)])
     assert code == 0, capsys.readouterr().err
     assert onnx.load(out).graph.initializer[0].data_type == TensorProto.FLOAT16
+
+
+@pytest.mark.parametrize("island", [TensorProto.DOUBLE, TensorProto.FLOAT16])
+def test_a_float32_model_with_a_cast_island_trains_as_its_float32_twin(island, tmp_path):
+    """Cast to float64 / float16, Tanh, Cast back (an upcast for stability, an autocast island)
+    in a float32 model: converted to float32 like a mixed model (its gradient graphs had met the
+    builder's float32 constants in the island: an ONNX Runtime type error when training began);
+    the steps are those of the same model without the island, and the export keeps it."""
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "W")
+
+    def model(casts: bool) -> onnx.ModelProto:
+        nodes = [helper.make_node("MatMul", ["x", "W"], ["h"])]
+        if casts:
+            nodes += [helper.make_node("Cast", ["h"], ["hc"], to=island), helper.make_node("Tanh", ["hc"], ["t"]),
+                      helper.make_node("Cast", ["t"], ["y"], to=TensorProto.FLOAT)]
+        else:
+            nodes.append(helper.make_node("Tanh", ["h"], ["y"]))
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], [w])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        return m
+
+    x, y = rng.standard_normal((16, 3)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    src = str(tmp_path / "island.onnx")
+    onnx.save(model(True), src)
+    runs = {}
+    for name, m in (("island", src), ("plain", model(False))):
+        tr = Trainer(kc.compile(m, loss="squared_error", output="y", emit=False), optimizer="kfac", seed=0, threads=1)
+        runs[name] = ([tr.step({"x": x}, y)["loss"] for _ in range(3)], tr)
+    np.testing.assert_allclose(runs["island"][0], runs["plain"][0], rtol=1e-5 if island == TensorProto.DOUBLE else 2e-3)
+    out = str(tmp_path / "trained.onnx")
+    runs["island"][1].export(out)
+    exported = onnx.load(out)
+    assert [n.op_type for n in exported.graph.node] == ["MatMul", "Cast", "Tanh", "Cast"]
+    got = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, runs["island"][1].predict({"x": x}), rtol=1e-3, atol=1e-3)
