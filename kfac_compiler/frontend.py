@@ -106,8 +106,7 @@ def compile_frontend(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = _compile(model, source, source_path, source_hash, loss, output, cfg)
-    plan.source_external = source_external
+        plan = _compile(model, source, source_path, source_hash, source_external, loss, output, cfg)
     for w in caught:
         msg = str(w.message)
         if msg not in plan.notes:
@@ -129,7 +128,7 @@ def apply_overrides(cfg: CompileConfig, overrides: dict[str, Any]) -> CompileCon
     return CompileConfig.from_dict(data, source="compile options")
 
 
-def _compile(model, source, source_path, source_hash, loss, output, cfg: CompileConfig) -> Plan:
+def _compile(model, source, source_path, source_hash, source_external, loss, output, cfg: CompileConfig) -> Plan:
     heads = None
     if cfg.heads:
         model, output, heads = attach_heads(model, cfg.heads, source)
@@ -259,6 +258,7 @@ def _compile(model, source, source_path, source_hash, loss, output, cfg: Compile
         dtype=cfg.dtype,
         source_path=source_path,
         source_sha256=source_hash,
+        source_external=source_external,
         config=cfg.to_dict(),
         notes=plan_notes,
         costs=budget.costs,

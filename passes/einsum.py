@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from kfac_compiler.graph import attrs_of
+from kfac_compiler.graph import attrs_of, fresh_name
 
 
 def einsum_to_matmul(m: onnx.ModelProto) -> int:
@@ -110,12 +110,7 @@ def _matmul_nodes(node: onnx.NodeProto, x: str, w: str, xs: str, ws: str, result
     nodes: list[onnx.NodeProto] = []
 
     def fresh(hint: str) -> str:
-        name, k = f"{node.name}/{hint}", 0
-        while name in taken:
-            k += 1
-            name = f"{node.name}/{hint}_{k}"
-        taken.add(name)
-        return name
+        return fresh_name(f"{node.name}/{hint}", taken)
 
     def add(op: str, inputs: list[str], hint: str, **attrs) -> str:
         out = fresh(hint)

@@ -33,8 +33,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kfac_compiler.builder import subgraphs
-from kfac_compiler.contract import FOLDED_PARAMS_KEY, RECURRENT_PIECES_KEY
+from kfac_compiler.contract import FOLDED_PARAMS_KEY
 from kfac_compiler.graph import FLOAT_TYPES, GraphView, attrs_of
+from kfac_compiler.passes.recurrent import lowered_pieces
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 MAX_NODES = 2000  # a construction larger than this is left alone (evaluated three times otherwise)
@@ -147,8 +148,7 @@ def relayout_ends(model: onnx.ModelProto) -> list[str]:
     through (torch.export writes a GroupNorm's affine as Unsqueeze of torch's [C] tensor).
     `fold_assembled` folds those that are a permutation of the initializer."""
     view = GraphView(model)
-    record = json.loads({p.key: p.value for p in model.metadata_props}.get(RECURRENT_PIECES_KEY, "{}"))
-    pieces = {p[0] for ps in record.values() for p in ps}  # the lowering's record names them
+    pieces = lowered_pieces(model)
     outputs = set(view.graph_outputs)
     ends = []
     for name, t in view.initializers.items():
